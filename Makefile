@@ -1,0 +1,20 @@
+# The two set-up commands of the README: `make demo` (main job) and `make test` (the tests).
+# Both install the dev environment first; torch is installed alone and first, pinned to the CPU
+# wheel on this machine's disk, so that nothing afterwards can pull a CUDA build.
+PYTHON ?= python
+
+.PHONY: install demo test aot bench
+
+install:
+	$(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -m pip install -q -r requirements-dev.txt
+	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
+
+demo: install
+	$(PYTHON) examples/quickstart.py
+
+test: install
+	$(PYTHON) -m pytest tests
+
+bench: install
+	$(PYTHON) benchmarks/bench_cpu.py --quick

@@ -1,0 +1,22 @@
+"""gbc_kernels: fused linear -> log-softmax -> GRPO policy-loss kernels with the token-level
+gradient-balance fixes AR, Lopti, NTHR and critical-token KL, without materialising logits.
+
+The math is defined by ``gbc_reference`` (python/gbc_reference) and ``docs/math.md``.
+"""
+
+from .config import PolicyLossConfig, LOSS_AGG_ALIASES, LOSS_AGG_MODES, KL_ESTIMATORS
+from .ops import (TokenStats, fused_linear_logprobs, fused_linear_policy_loss, policy_loss,
+                  token_stats)
+from .transforms import advantage_reweight, critical_kl_weight, group_advantages, lopti_split
+from .nthr import NTHRResult, nthr_scale
+from .lopti import lopti_phases
+from .module import FusedLinearPolicyLoss
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PolicyLossConfig", "LOSS_AGG_ALIASES", "LOSS_AGG_MODES", "KL_ESTIMATORS",
+    "TokenStats", "fused_linear_logprobs", "fused_linear_policy_loss", "policy_loss",
+    "token_stats", "advantage_reweight", "critical_kl_weight", "group_advantages",
+    "lopti_split", "NTHRResult", "nthr_scale", "lopti_phases", "FusedLinearPolicyLoss",
+]

@@ -1,0 +1,255 @@
+"""The chunk loop shared by every backend, and the autograd Functions around it.
+
+``fused_linear_policy_loss`` does three matmuls per chunk of masked-in rows during the forward
+(logits, grad-hidden, grad-weight): the per-token loss and its normaliser are known there, so
+``dL/dlogits`` is written into the chunk buffer right after the row statistics. ``backward`` only
+scales the stored gradients by the upstream gradient (the loss is used linearly).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from . import _chunking
+from ._loss_math import aggregation_weights, policy_metrics, token_terms, TokenTerms
+from .backends import Backend
+from .backends.base import Workspace
+from .config import PolicyLossConfig
+
+
+@dataclass
+class LossInputs:
+    """Everything of the loss that is not differentiated (one object, so that the autograd
+    Function's signature stays short)."""
+
+    targets: torch.Tensor                # [N] int64, safe ids
+    mask: torch.Tensor                   # [B, T] bool
+    advantages: torch.Tensor             # [B, T] (broadcast view allowed)
+    old_logp: Optional[torch.Tensor]
+    ref_logp: Optional[torch.Tensor]
+    token_scale: Optional[torch.Tensor]
+    kl_weight: Optional[torch.Tensor]
+    config: PolicyLossConfig
+    phase: Optional[str]
+    num_items_in_batch: object
+    backend: Backend
+    metrics: dict = field(default_factory=dict)     # filled by the forward
+    logp: Optional[torch.Tensor] = None              # [B, T] float32, filled by the forward
+
+
+def _cat(parts, n, device, dtype=torch.float32):
+    return torch.cat(parts) if parts else torch.zeros(n, device=device, dtype=dtype)
+
+
+def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, need_dw: bool,
+                      need_db: bool):
+    """One sweep over the masked-in rows. Returns (loss, grad_hidden2d, grad_weight, grad_bias)."""
+    cfg, be = inp.config, inp.backend
+    device = hidden2d.device
+    V = weight.shape[0]
+    inv_temp = 1.0 / cfg.temperature
+    want_entropy = cfg.entropy_coef != 0.0
+    mflat = inp.mask.reshape(-1)
+    # Row compaction: padding and prompt rows cost no matmul (their gradient is zero). The
+    # nonzero() is the one host sync of the loss: the chunk loop needs the row count.
+    idx = mflat.nonzero().squeeze(1)
+    n = idx.numel()
+    ct = torch.float64 if hidden2d.dtype == torch.float64 else torch.float32
+    w_agg = aggregation_weights(inp.mask, cfg, inp.num_items_in_batch, ct).reshape(-1)[idx]
+
+    def take(t):
+        return None if t is None else t.reshape(-1)[idx].to(ct)
+
+    h = hidden2d.index_select(0, idx)
+    y = inp.targets.index_select(0, idx)
+    adv, old, ref = take(inp.advantages), take(inp.old_logp), take(inp.ref_logp)
+    tscale, klw = take(inp.token_scale), take(inp.kl_weight)
+
+    need_grad = need_dh or need_dw or need_db
+    grad_h = torch.empty_like(h) if need_dh else None
+    grad_w = torch.zeros_like(weight) if need_dw else None
+    grad_b = torch.zeros(V, device=device, dtype=torch.float32) if need_db else None
+
+    rows = _chunking.rows_per_chunk(n, V, be.buffers_per_chunk)
+    buf = torch.empty(rows, V, device=device, dtype=hidden2d.dtype) if n else None
+    ws = Workspace()
+    loss = torch.zeros((), device=device, dtype=ct)
+    logps, ents, sump2s, gs, parts = [], [], [], [], []
+    for s in range(0, n, rows):
+        e = min(n, s + rows)
+        hc, yc, lg = h[s:e], y[s:e], buf[: e - s]
+        _chunking.project(hc, weight, bias, lg)
+        st = be.row_stats(lg, yc, inv_temp, want_entropy, True, ws)
+        logp = st.target_z - st.lse
+        sl = slice(s, e)
+        terms = token_terms(logp, st.entropy, adv[sl], None if old is None else old[sl],
+                            None if ref is None else ref[sl],
+                            None if tscale is None else tscale[sl],
+                            None if klw is None else klw[sl], None, cfg, inp.phase)
+        w = w_agg[sl]
+        g = w * terms.dlogp
+        loss = loss + (w * terms.loss).sum()
+        logps.append(logp), sump2s.append(st.sum_p2), gs.append(g), parts.append(terms)
+        if want_entropy:
+            ents.append(st.entropy)
+        if need_grad:
+            gH = w * terms.dentropy if want_entropy else None
+            be.logit_grad_(lg, yc, inv_temp, st.lse, st.entropy, g, gH, ws)
+            if need_dh:
+                torch.mm(lg, weight, out=grad_h[s:e])
+            if need_dw:
+                grad_w.addmm_(lg.t(), hc)
+            if need_db:
+                grad_b += lg.sum(0, dtype=torch.float32)
+
+    logp = _cat(logps, n, device)
+    g = _cat(gs, n, device)
+    sum_p2 = _cat(sump2s, n, device)
+    entropy = _cat(ents, n, device) if want_entropy else None
+    if n:
+        terms = TokenTerms(**{f: None if getattr(parts[0], f) is None else
+                              torch.cat([getattr(t, f) for t in parts])
+                              for f in TokenTerms.__dataclass_fields__})
+        # SPEC §6: |dL/dlogp| / tau * ||onehot - p|| per token
+        p = torch.exp(logp)
+        gnorm = g.abs() * inv_temp * (1.0 - 2.0 * p + sum_p2).clamp(min=0.0).sqrt()
+        inp.metrics = policy_metrics(terms, None, cfg, entropy, gnorm)
+    else:
+        inp.metrics = _empty_metrics(cfg, device)
+    full_logp = torch.zeros(mflat.numel(), device=device, dtype=torch.float32)
+    inp.logp = full_logp.index_copy_(0, idx, logp.float()).view_as(inp.mask)
+
+    gh_full = None
+    if need_dh:
+        gh_full = torch.zeros_like(hidden2d).index_copy_(0, idx, grad_h)
+    return loss, gh_full, grad_w, None if grad_b is None else grad_b.to(bias.dtype)
+
+
+def _empty_metrics(cfg, device):
+    z = torch.zeros((), device=device, dtype=torch.float32)
+    out = {k: z.clone() for k in ("clip_frac_low", "clip_frac_high", "ratio_mean",
+                                  "ar_weight_mean", "low_frac", "grad_share_low")}
+    if cfg.kl_coef != 0.0:
+        out["kl"] = z.clone()
+    if cfg.entropy_coef != 0.0:
+        out["entropy"] = z.clone()
+    return out
+
+
+class FusedPolicyLossFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden2d, weight, bias, inp: LossInputs):
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_db = bias is not None and ctx.needs_input_grad[2]
+        loss, gh, gw, gb = policy_loss_sweep(hidden2d, weight, bias, inp, need_dh, need_dw,
+                                             need_db)
+        ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in (gh, gw, gb)))
+        ctx.has = (gh is not None, gw is not None, gb is not None)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        saved = ctx.saved_tensors
+        out = []
+        for has, t in zip(ctx.has, saved):
+            out.append(t * grad_loss.to(t.dtype) if has else None)
+        return out[0], out[1], out[2], None
+
+
+# ----------------------------------------------------------------------------------------------
+# log-probs (gradient recomputed in backward) and no-grad statistics
+# ----------------------------------------------------------------------------------------------
+
+
+def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature: float,
+                want_entropy: bool, extra_temperature: Optional[float] = None):
+    """Row statistics for every row. Returns (logp, entropy, lse, extra RowStats parts)."""
+    N, V = hidden2d.shape[0], weight.shape[0]
+    device = hidden2d.device
+    rows = _chunking.rows_per_chunk(N, V, backend.buffers_per_chunk)
+    buf = torch.empty(rows, V, device=device, dtype=hidden2d.dtype) if N else None
+    ws = Workspace()
+    logp = torch.empty(N, device=device, dtype=torch.float32)
+    lse = torch.empty(N, device=device, dtype=torch.float32)
+    entropy = torch.empty(N, device=device, dtype=torch.float32) if want_entropy else None
+    extra = None
+    if extra_temperature is not None:
+        extra = {k: torch.empty(N, device=device, dtype=torch.float32)
+                 for k in ("lse", "zmax", "entropy")}
+    with torch.no_grad():
+        for s in range(0, N, rows):
+            e = min(N, s + rows)
+            lg = buf[: e - s]
+            _chunking.project(hidden2d[s:e], weight, bias, lg)
+            st = backend.row_stats(lg, targets[s:e], 1.0 / temperature, want_entropy, False, ws)
+            logp[s:e] = st.target_z - st.lse
+            lse[s:e] = st.lse
+            if want_entropy:
+                entropy[s:e] = st.entropy
+            if extra is not None:
+                st2 = backend.row_stats(lg, targets[s:e], 1.0 / extra_temperature, True, False,
+                                       ws)
+                extra["lse"][s:e], extra["zmax"][s:e] = st2.lse, st2.zmax
+                extra["entropy"][s:e] = st2.entropy
+    return logp, entropy, lse, extra
+
+
+def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature, lse,
+                     entropy, g_logp, g_entropy, need_dh, need_dw, need_db):
+    """Backward of the log-probs: recompute each chunk's logits, overwrite them with dL/dlogits,
+    and do the two gradient matmuls."""
+    N, V = hidden2d.shape[0], weight.shape[0]
+    rows = _chunking.rows_per_chunk(N, V, backend.buffers_per_chunk)
+    buf = torch.empty(rows, V, device=hidden2d.device, dtype=hidden2d.dtype) if N else None
+    ws = Workspace()
+    grad_h = torch.empty_like(hidden2d) if need_dh else None
+    grad_w = torch.zeros_like(weight) if need_dw else None
+    grad_b = torch.zeros(V, device=hidden2d.device, dtype=torch.float32) if need_db else None
+    for s in range(0, N, rows):
+        e = min(N, s + rows)
+        hc, lg = hidden2d[s:e], buf[: e - s]
+        _chunking.project(hc, weight, bias, lg)
+        backend.logit_grad_(lg, targets[s:e], 1.0 / temperature, lse[s:e],
+                            None if entropy is None else entropy[s:e], g_logp[s:e],
+                            None if g_entropy is None else g_entropy[s:e], ws)
+        if need_dh:
+            torch.mm(lg, weight, out=grad_h[s:e])
+        if need_dw:
+            grad_w.addmm_(lg.t(), hc)
+        if need_db:
+            grad_b += lg.sum(0, dtype=torch.float32)
+    return grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype)
+
+
+class FusedLogprobsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden2d, weight, bias, targets, temperature, return_entropy, backend):
+        logp, entropy, lse, _ = stats_sweep(hidden2d, weight, bias, targets, backend,
+                                            temperature, return_entropy)
+        ctx.save_for_backward(hidden2d, weight, bias if bias is not None else torch.empty(0),
+                              targets, lse, entropy if entropy is not None else torch.empty(0))
+        ctx.has_bias, ctx.return_entropy = bias is not None, return_entropy
+        ctx.temperature, ctx.backend = temperature, backend
+        if entropy is None:
+            return logp
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy=None):
+        hidden2d, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        bias = bias if ctx.has_bias else None
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_db = ctx.has_bias and ctx.needs_input_grad[2]
+        if g_logp is None:
+            g_logp = torch.zeros_like(lse)
+        gH = None
+        if ctx.return_entropy and g_entropy is not None:
+            gH = g_entropy.float()
+        gh, gw, gb = logit_grad_sweep(hidden2d, weight, bias, targets, ctx.backend,
+                                      ctx.temperature, lse, entropy if gH is not None else None,
+                                      g_logp.float(), gH, need_dh, need_dw, need_db)
+        return gh, gw, gb, None, None, None, None

@@ -1,0 +1,90 @@
+"""Argument checks of SPEC §8.
+
+Shape, dtype and device checks are free and always run. Value checks (target ids in range,
+finite log-probs and advantages) need a device-to-host sync; they run unless the environment sets
+``GBC_VALIDATE=0``. Even then an out-of-range id never reaches a kernel: ids are clamped into
+``[0, V)`` (the result is garbage for that token, but no memory is touched out of bounds).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def value_checks_enabled() -> bool:
+    return os.environ.get("GBC_VALIDATE", "1") != "0"
+
+
+def _shape(t) -> str:
+    return "x".join(str(s) for s in t.shape) if t.dim() else "scalar"
+
+
+def check_tensor(name: str, t, shape: Optional[Sequence[int]] = None, floating: bool = False,
+                 integer: bool = False, device: Optional[torch.device] = None, dims=None):
+    """Raise TypeError/ValueError naming ``name``, the expected and the actual value."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if floating and t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected a floating dtype (float16/bfloat16/float32/float64), "
+                        f"got {t.dtype}")
+    if integer and t.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8,
+                                   torch.int8):
+        raise TypeError(f"{name}: expected an integer dtype (int64 preferred), got {t.dtype}")
+    if dims is not None and t.dim() not in dims:
+        want = " or ".join(f"{d}-d" for d in dims)
+        raise ValueError(f"{name}: expected a {want} tensor, got shape [{_shape(t)}]")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape [{'x'.join(map(str, shape))}], "
+                         f"got [{_shape(t)}]")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the device of hidden), "
+                         f"got {t.device}")
+
+
+def check_targets(targets: torch.Tensor, vocab: int, mask: Optional[torch.Tensor] = None,
+                  name: str = "targets") -> torch.Tensor:
+    """Return int64 targets safe to hand to a kernel: masked-out ids become 0.
+
+    A masked-in id outside ``[0, vocab)`` raises (validation on) or is clamped (validation off).
+    """
+    t = targets.long()
+    if mask is not None:
+        t = torch.where(mask, t, torch.zeros_like(t))
+    bad = (t < 0) | (t >= vocab)
+    if value_checks_enabled():
+        if bool(bad.any()):
+            first = bad.nonzero()[0].tolist()
+            raise ValueError(f"{name}: expected token ids in [0, {vocab}) on masked-in "
+                             f"positions, got {int(t[tuple(first)])} at index {first}")
+        return t
+    return t.clamp(0, vocab - 1)
+
+
+def check_finite(name: str, t: Optional[torch.Tensor], mask: Optional[torch.Tensor]):
+    if t is None or not value_checks_enabled():
+        return
+    bad = ~torch.isfinite(t)
+    if mask is not None:
+        bad = bad & mask
+    if bool(bad.any()):
+        first = bad.nonzero()[0].tolist()
+        raise ValueError(f"{name}: expected finite values on masked-in positions, got "
+                         f"{float(t[tuple(first)])} at index {first}")
+
+
+def check_same_device(device: torch.device, **tensors):
+    for name, t in tensors.items():
+        if t is not None and isinstance(t, torch.Tensor) and t.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device} (the device of hidden), "
+                             f"got {t.device}")
+
+
+def check_backend(backend: str):
+    allowed = ("auto", "torch", "cpu", "triton")
+    if backend not in allowed:
+        raise ValueError(f"backend: expected one of {allowed}, got {backend!r}")

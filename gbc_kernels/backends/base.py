@@ -1,0 +1,57 @@
+"""The small interface every backend implements: streaming primitives over a chunk of logits.
+
+The public API (config, validation, chunk loop, matmuls, autograd glue) lives above this
+interface and is written once; a backend only supplies the two passes over ``[rows, V]``:
+
+* ``row_stats``: per row of ``z = logits * inv_temp``: LSE, max, the target's ``z``, and when
+  asked the entropy ``H = LSE - sum_v p_v z_v`` and ``sum_v p_v^2``. All float32.
+* ``logit_grad_``: overwrite the chunk buffer with ``dL/dlogits`` given ``g = dL/dlogp`` and
+  ``gH = dL/dH`` per row:
+
+      dL/dz_v = g * (1[v = y] - p_v) - gH * p_v * (log p_v + H),   dL/dlogits = inv_temp * dL/dz
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+
+class Workspace:
+    """Scratch buffers reused across the chunks of one sweep (allocating fresh [rows, V]
+    temporaries per chunk fragments the CPU heap: RSS then grows by gigabytes)."""
+
+    def __init__(self):
+        self._bufs = {}
+
+    def get(self, name: str, rows: int, cols: int, like: torch.Tensor,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        b = self._bufs.get(name)
+        if b is None or b.shape[0] < rows or b.shape[1] != cols or b.dtype != dtype:
+            b = torch.empty(rows, cols, device=like.device, dtype=dtype)
+            self._bufs[name] = b
+        return b[:rows]
+
+
+class RowStats(NamedTuple):
+    lse: torch.Tensor                 # [rows] float32, logsumexp of z
+    zmax: torch.Tensor                # [rows] float32, max of z
+    target_z: torch.Tensor            # [rows] float32, z[target]
+    entropy: Optional[torch.Tensor]   # [rows] float32 or None
+    sum_p2: Optional[torch.Tensor]    # [rows] float32 or None
+
+
+class Backend:
+    name = "base"
+    # How many [rows, V] float32 buffers the backend's passes hold at once (chunk sizing).
+    buffers_per_chunk = 1
+
+    def row_stats(self, logits: torch.Tensor, targets: torch.Tensor, inv_temp: float,
+                  want_entropy: bool, want_sum_p2: bool, ws: Workspace) -> RowStats:
+        raise NotImplementedError
+
+    def logit_grad_(self, logits: torch.Tensor, targets: torch.Tensor, inv_temp: float,
+                    lse: torch.Tensor, entropy: Optional[torch.Tensor], g_logp: torch.Tensor,
+                    g_entropy: Optional[torch.Tensor], ws: Workspace) -> torch.Tensor:
+        raise NotImplementedError

@@ -1,0 +1,60 @@
+"""Chunked PyTorch backend: runs anywhere PyTorch runs. Two float32 scratch buffers of the
+chunk's size, reused across chunks (never [N, V])."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Backend, RowStats, Workspace
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum_v a[r, v] * b[r, v] per row, without a [rows, V] temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    buffers_per_chunk = 3   # the chunk's logits, z (float32), p (float32)
+
+    def row_stats(self, logits, targets, inv_temp, want_entropy, want_sum_p2, ws: Workspace):
+        rows, V = logits.shape
+        ct = torch.promote_types(logits.dtype, torch.float32)
+        zmax = logits.amax(dim=-1).to(ct) * inv_temp
+        # z - max(z): shifting first makes the entropy (lse - max) - sum p (z - max) a sum of
+        # small terms instead of a difference of two large ones
+        zs = ws.get("z", rows, V, logits, ct)
+        torch.mul(logits, inv_temp, out=zs).sub_(zmax.unsqueeze(1))
+        p = torch.exp(zs, out=ws.get("p", rows, V, logits, ct))
+        sumexp = p.sum(dim=-1)
+        lse_s = torch.log(sumexp)
+        target_z = zs.gather(1, targets.unsqueeze(1)).squeeze(1) + zmax
+        entropy = sum_p2 = None
+        if want_entropy or want_sum_p2:
+            p.div_(sumexp.unsqueeze(1))
+            if want_sum_p2:
+                sum_p2 = _rowdot(p, p)
+            if want_entropy:
+                entropy = lse_s - _rowdot(p, zs)
+        return RowStats(lse_s + zmax, zmax, target_z, entropy, sum_p2)
+
+    def logit_grad_(self, logits, targets, inv_temp, lse, entropy, g_logp, g_entropy,
+                    ws: Workspace):
+        rows, V = logits.shape
+        # work in place when the buffer is float32 (float64), else in a float32 scratch buffer
+        ct = torch.promote_types(logits.dtype, torch.float32)
+        work = logits if logits.dtype == ct else ws.get("z", rows, V, logits, ct)
+        logq = torch.mul(logits, inv_temp, out=work).sub_(lse.unsqueeze(1))
+        p = torch.exp(logq, out=ws.get("p", rows, V, logits, ct))
+        if g_entropy is not None:
+            # dH/dz_v = -p_v (log p_v + H)
+            grad = logq.add_(entropy.unsqueeze(1)).mul_(g_entropy.unsqueeze(1))
+            grad.add_(g_logp.unsqueeze(1)).mul_(p).neg_()
+        else:
+            grad = torch.mul(p, g_logp.unsqueeze(1), out=logq).neg_()
+        grad.scatter_add_(1, targets.unsqueeze(1), g_logp.unsqueeze(1).to(grad.dtype))
+        if inv_temp != 1.0:
+            grad.mul_(inv_temp)
+        if grad is not logits:
+            logits.copy_(grad)
+        return logits

@@ -1,0 +1,138 @@
+"""NTHR, Negative Token Hidden Reward (SPEC §4), streaming: never the [N, V] logits.
+
+Working set: one chunk of the full-vocabulary LSE pass (``O(chunk * V)``), then per group the
+restricted logits ``h @ W[V*].T`` a chunk of tokens at a time and ``M+`` (``O(|V*| * H)``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import _chunking
+from . import _validate as V
+from ._fused import stats_sweep
+from .backends import get_backend
+from .ops import _check_lm_head, _check_temperature, _mask
+
+
+class NTHRResult(NamedTuple):
+    scale: torch.Tensor       # [B, T] float32: eta_g on selected tokens, 1 elsewhere
+    selected: torch.Tensor    # [B, T] bool: tokens of incorrect responses with s > tau_g
+    scores: torch.Tensor      # [B, T] float32: s[b, t] in scored groups, 0 elsewhere
+    thresholds: dict          # group id -> tau_g, for the groups with mixed correctness
+
+    def metrics(self, correct: torch.Tensor, mask: torch.Tensor) -> dict:
+        """``nthr_selected_frac`` (share of masked tokens of incorrect responses selected) and
+        ``nthr_eta_mean`` (mean scale over the selected tokens; 1 when none)."""
+        m = mask.bool()
+        neg = m & ~correct.bool().unsqueeze(-1)
+        n_sel = self.selected.sum().float()
+        return {
+            "nthr_selected_frac": (n_sel / neg.sum().clamp(min=1).float()),
+            "nthr_eta_mean": torch.where(n_sel > 0, self.scale[self.selected].sum() /
+                                         n_sel.clamp(min=1), torch.ones_like(n_sel)),
+        }
+
+
+def _error_chunks(h, w_v, b_v, lse, col, inv_temp, rows):
+    """Yield (start, end, e) with the restricted error e = onehot_{V*}(y) - q, float32."""
+    n = h.shape[0]
+    for s in range(0, n, rows):
+        e_ = min(n, s + rows)
+        z = h[s:e_] @ w_v.t()
+        if b_v is not None:
+            z += b_v
+        q = torch.exp(z.mul_(inv_temp).sub_(lse[s:e_].unsqueeze(1)))
+        err = q.neg_()
+        err[torch.arange(e_ - s, device=h.device), col[s:e_]] += 1.0
+        yield s, e_, err
+
+
+@torch.no_grad()
+def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, temperature=1.0,
+               beta=1.0, eta="auto", backend="auto") -> NTHRResult:
+    """Per-token advantage scale of NTHR (SPEC §4), from the old policy's hidden states.
+
+    hidden: [B, T, H]; weight: [V, H]; targets, mask: [B, T]; group_ids: [B] integer (groups
+    may be non-contiguous and of any size); correct: [B] bool (binary reward).
+    ``eta="auto"``: ``eta_g = 2 |0.5 - p|`` with p the group's share of correct responses.
+    """
+    V.check_backend(backend)
+    _check_lm_head(hidden, weight, bias)
+    V.check_tensor("hidden", hidden, dims=(3,))
+    _check_temperature("temperature", temperature)
+    B, T, H = hidden.shape
+    device = hidden.device
+    V.check_tensor("targets", targets, shape=(B, T), integer=True, device=device)
+    m = _mask(mask, B, T, device)
+    V.check_tensor("group_ids", group_ids, shape=(B,), integer=True, device=device)
+    V.check_tensor("correct", correct, shape=(B,), device=device)
+    if not (eta == "auto" or (isinstance(eta, (int, float)) and 0.0 <= eta)):
+        raise ValueError(f"eta: expected 'auto' or a float >= 0, got {eta!r}")
+    if not isinstance(beta, (int, float)):
+        raise TypeError(f"beta: expected a float, got {type(beta).__name__}")
+    safe = V.check_targets(targets, weight.shape[0], m).reshape(-1)
+    correct = correct.bool()
+
+    scale = torch.ones(B * T, device=device, dtype=torch.float32)
+    selected = torch.zeros(B * T, device=device, dtype=torch.bool)
+    scores = torch.zeros(B * T, device=device, dtype=torch.float32)
+    thresholds = {}
+
+    idx = m.reshape(-1).nonzero().squeeze(1)            # masked tokens, row-major
+    tok_row = idx // T
+    gids = group_ids[tok_row]
+    # which groups are mixed (host side: NTHR runs once per RL step, off the hot path)
+    uniq, inv = torch.unique(group_ids, return_inverse=True)
+    n_pos = torch.zeros(len(uniq), device=device).index_add_(0, inv, correct.float())
+    n_all = torch.zeros(len(uniq), device=device).index_add_(0, inv, torch.ones(B, device=device))
+    mixed = ((n_pos > 0) & (n_pos < n_all)).tolist()
+    if not any(mixed) or idx.numel() == 0:
+        return NTHRResult(scale.view(B, T), selected.view(B, T), scores.view(B, T), thresholds)
+
+    be = get_backend(backend, device)
+    h_all = hidden.reshape(B * T, H)
+    inv_temp = 1.0 / temperature
+    for gi, g in enumerate(uniq.tolist()):
+        if not mixed[gi]:
+            continue
+        tok = idx[gids == g]
+        if tok.numel() == 0:
+            continue
+        y = safe[tok]
+        h = h_all.index_select(0, tok)
+        # full-vocabulary LSE of these tokens (streaming pass of the backend)
+        _, _, lse, _ = stats_sweep(h, weight, bias, y, be, temperature, False)
+        vstar, col = torch.unique(y, return_inverse=True)
+        w_v = weight.index_select(0, vstar).float()
+        b_v = None if bias is None else bias.index_select(0, vstar).float()
+        hf = h.float()
+        rows = _chunking.rows_per_chunk(tok.numel(), vstar.numel(), 2)
+        row_of = tok // T
+        pos = correct[row_of]
+        m_plus = torch.zeros(vstar.numel(), H, device=device, dtype=torch.float32)
+        for s, e, err in _error_chunks(hf, w_v, b_v, lse, col, inv_temp, rows):
+            keep = pos[s:e]
+            m_plus.addmm_(err[keep].t(), hf[s:e][keep])
+        s_tok = torch.empty(tok.numel(), device=device, dtype=torch.float32)
+        for s, e, err in _error_chunks(hf, w_v, b_v, lse, col, inv_temp, rows):
+            s_tok[s:e] = ((err @ m_plus) * hf[s:e]).sum(-1)
+        scores[tok] = s_tok
+        # anchor: mean score per correct response, threshold beta * min over them
+        rid, rinv = torch.unique(row_of, return_inverse=True)
+        ssum = torch.zeros(len(rid), device=device).index_add_(0, rinv, s_tok)
+        cnt = torch.zeros(len(rid), device=device).index_add_(0, rinv, torch.ones_like(s_tok))
+        means = ssum / cnt
+        pos_rows = correct[rid]
+        if not bool(pos_rows.any()):
+            continue
+        tau = beta * means[pos_rows].min()
+        thresholds[g] = float(tau)
+        p = float(n_pos[gi] / n_all[gi])
+        eta_g = 2.0 * abs(0.5 - p) if eta == "auto" else float(eta)
+        sel = (~pos) & (s_tok > tau)
+        selected[tok[sel]] = True
+        scale[tok[sel]] = eta_g
+    return NTHRResult(scale.view(B, T), selected.view(B, T), scores.view(B, T), thresholds)

@@ -1,0 +1,257 @@
+"""The public functions of SPEC §7: validation, dispatch to a backend, autograd glue."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Union
+
+import torch
+
+from . import _validate as V
+from ._fused import (FusedLogprobsFunction, FusedPolicyLossFunction, LossInputs, stats_sweep)
+from ._loss_math import aggregation_weights, policy_metrics, token_terms
+from .backends import get_backend
+from .config import PHASES, PolicyLossConfig
+
+
+def _config(config) -> PolicyLossConfig:
+    if config is None:
+        return PolicyLossConfig()
+    if isinstance(config, PolicyLossConfig):
+        return config
+    if isinstance(config, dict):
+        return PolicyLossConfig.from_dict(config)
+    raise TypeError(f"config: expected a gbc_kernels.PolicyLossConfig or a dict, "
+                    f"got {type(config).__name__}")
+
+
+def _check_lm_head(hidden, weight, bias):
+    V.check_tensor("hidden", hidden, floating=True)
+    V.check_tensor("weight", weight, floating=True, dims=(2,), device=hidden.device)
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight: expected shape [V x {hidden.shape[-1]}] (H from hidden), "
+                         f"got [{'x'.join(map(str, weight.shape))}]")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight: expected dtype {hidden.dtype} (the dtype of hidden), "
+                        f"got {weight.dtype}")
+    if weight.shape[0] < 1:
+        raise ValueError("weight: expected at least one vocabulary row, got V = 0")
+    if bias is not None:
+        V.check_tensor("bias", bias, shape=(weight.shape[0],), device=hidden.device)
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"bias: expected dtype {hidden.dtype} (the dtype of hidden), "
+                            f"got {bias.dtype}")
+
+
+def _check_temperature(name, t):
+    if not (isinstance(t, (int, float)) and t > 0 and math.isfinite(t)):
+        raise ValueError(f"{name}: expected a finite float > 0, got {t!r}")
+
+
+def _check_phase(phase, cfg):
+    if phase not in PHASES:
+        raise ValueError(f"phase: expected None, 'low' or 'high', got {phase!r}")
+    if phase is not None and cfg.lopti_eta is None:
+        raise ValueError(f"phase: phase={phase!r} needs config.lopti_eta (Lopti's probability "
+                         "threshold), got lopti_eta=None")
+
+
+def _check_num_items(num_items_in_batch):
+    if num_items_in_batch is None:
+        return
+    if isinstance(num_items_in_batch, torch.Tensor):
+        if num_items_in_batch.numel() != 1:
+            raise ValueError(f"num_items_in_batch: expected a number or a 1-element tensor, got "
+                             f"shape {list(num_items_in_batch.shape)}")
+        return
+    if not isinstance(num_items_in_batch, (int, float)) or not num_items_in_batch > 0:
+        raise ValueError(f"num_items_in_batch: expected a number > 0, got {num_items_in_batch!r}")
+
+
+def _check_per_token(B, T, device, mask, advantages, old_logp, ref_logp, token_scale, kl_weight,
+                     cfg):
+    if advantages is None:
+        raise ValueError("advantages: expected a [B] or [B, T] tensor, got None")
+    V.check_tensor("advantages", advantages, floating=True, device=device, dims=(1, 2))
+    if tuple(advantages.shape) not in ((B,), (B, T)):
+        raise ValueError(f"advantages: expected shape [{B}] or [{B}x{T}], got "
+                         f"[{'x'.join(map(str, advantages.shape))}]")
+    for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp),
+                    ("token_scale", token_scale), ("kl_weight", kl_weight)):
+        if t is not None:
+            V.check_tensor(name, t, shape=(B, T), floating=True, device=device)
+    if cfg.kl_coef != 0.0 and ref_logp is None:
+        raise ValueError(f"ref_logp: required when config.kl_coef != 0 (got kl_coef="
+                         f"{cfg.kl_coef}), got None")
+    adv_bt = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    V.check_finite("advantages", adv_bt.expand(B, T), mask)
+    V.check_finite("old_logp", old_logp, mask)
+    V.check_finite("ref_logp", ref_logp if cfg.kl_coef != 0.0 else None, mask)
+    V.check_finite("token_scale", token_scale, mask)
+    V.check_finite("kl_weight", kl_weight if cfg.kl_coef != 0.0 else None, mask)
+    return adv_bt.expand(B, T)
+
+
+def _mask(mask, B, T, device):
+    V.check_tensor("mask", mask, shape=(B, T), device=device)
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp=None,
+                             ref_logp=None, bias=None, token_scale=None, kl_weight=None,
+                             config=None, phase=None, num_items_in_batch=None, backend="auto"):
+    """GRPO policy loss (SPEC §1-§3, §6) from hidden states, without materialising the logits.
+
+    Computes, for ``z = (hidden @ weight.T + bias) / temperature`` one chunk of rows at a time::
+
+        logp = log_softmax(z).gather(-1, targets)
+        loss = aggregate(pg(logp, old_logp, A-hat) + kl_coef * w_kl * kl - entropy_coef * H)
+
+    hidden: [B, T, H]; weight: [V, H]; bias: [V] or None; targets, mask: [B, T];
+    advantages: [B] or [B, T]; old_logp, ref_logp, token_scale, kl_weight: [B, T] or None.
+    Returns ``(loss, metrics)``: a 0-d float32 loss whose gradient flows to hidden, weight and
+    bias, and a dict of detached 0-d float32 metrics (SPEC §7).
+    """
+    cfg = _config(config)
+    V.check_backend(backend)
+    _check_lm_head(hidden, weight, bias)
+    V.check_tensor("hidden", hidden, dims=(3,))
+    B, T, H = hidden.shape
+    device = hidden.device
+    V.check_tensor("targets", targets, shape=(B, T), integer=True, device=device)
+    m = _mask(mask, B, T, device)
+    _check_phase(phase, cfg)
+    _check_num_items(num_items_in_batch)
+    adv = _check_per_token(B, T, device, m, advantages, old_logp, ref_logp, token_scale,
+                           kl_weight, cfg)
+    safe_targets = V.check_targets(targets, weight.shape[0], m)
+    inp = LossInputs(safe_targets.reshape(-1), m, adv, old_logp, ref_logp, token_scale,
+                     kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase, num_items_in_batch,
+                     get_backend(backend, device))
+    loss = FusedPolicyLossFunction.apply(hidden.reshape(B * T, H), weight, bias, inp)
+    return loss, inp.metrics
+
+
+def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
+                          return_entropy=False, backend="auto"):
+    """Per-token ``log_softmax(z)[targets]`` (and the entropy of ``softmax(z)``) without logits.
+
+    hidden: [..., H]; targets: [...] (every id in ``[0, V)``). Returns ``(logp, entropy)``, both
+    float32 of shape ``targets.shape`` (entropy None unless ``return_entropy``). Differentiable
+    in hidden, weight and bias through both outputs; the backward recomputes the logits.
+    """
+    V.check_backend(backend)
+    _check_lm_head(hidden, weight, bias)
+    _check_temperature("temperature", temperature)
+    V.check_tensor("targets", targets, shape=hidden.shape[:-1], integer=True, device=hidden.device)
+    safe = V.check_targets(targets, weight.shape[0]).reshape(-1)
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    be = get_backend(backend, hidden.device)
+    out = FusedLogprobsFunction.apply(h2, weight, bias, safe, float(temperature),
+                                      bool(return_entropy), be)
+    if return_entropy:
+        logp, entropy = out
+        return logp.view(targets.shape), entropy.view(targets.shape)
+    return out.view(targets.shape), None
+
+
+class TokenStats(NamedTuple):
+    """Per-token statistics (float32, shape of targets): log-prob of the target and entropy at
+    ``temperature``; certainty J of SPEC §5 at ``certainty_temperature`` (None unless asked)."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    certainty: Optional[torch.Tensor]
+
+
+CERTAINTY_KINDS = (None, "entropy", "max_prob")
+
+
+def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=None,
+                certainty_temperature=1.0, backend="auto") -> TokenStats:
+    """No-grad per-token statistics, streaming over the vocabulary (SPEC §5, §7).
+
+    certainty="entropy":  J = 1 - H(softmax(z_w)) / log V
+    certainty="max_prob": J = 1 + log max_v softmax(z_w)_v / log V,  z_w = logits / certainty_temperature
+    """
+    V.check_backend(backend)
+    _check_lm_head(hidden, weight, bias)
+    _check_temperature("temperature", temperature)
+    if certainty not in CERTAINTY_KINDS:
+        raise ValueError(f"certainty: expected one of {CERTAINTY_KINDS}, got {certainty!r}")
+    if certainty is not None:
+        _check_temperature("certainty_temperature", certainty_temperature)
+    V.check_tensor("targets", targets, shape=hidden.shape[:-1], integer=True, device=hidden.device)
+    safe = V.check_targets(targets, weight.shape[0]).reshape(-1)
+    h2 = hidden.detach().reshape(-1, hidden.shape[-1])
+    b = None if bias is None else bias.detach()
+    logp, entropy, _, extra = stats_sweep(
+        h2, weight.detach(), b, safe, get_backend(backend, hidden.device), float(temperature),
+        True, None if certainty is None else float(certainty_temperature))
+    cert = None
+    if certainty is not None:
+        log_v = math.log(weight.shape[0]) if weight.shape[0] > 1 else 1.0
+        if certainty == "entropy":
+            cert = 1.0 - extra["entropy"] / log_v
+        else:
+            cert = 1.0 + (extra["zmax"] - extra["lse"]) / log_v
+        cert = cert.view(targets.shape)
+    return TokenStats(logp.view(targets.shape), entropy.view(targets.shape), cert)
+
+
+class _PolicyLossFromLogp(torch.autograd.Function):
+    """The loss of SPEC §1-§3 given per-token log-probs, with the analytic derivative."""
+
+    @staticmethod
+    def forward(ctx, logp, entropy, args):
+        (mask, adv, old, ref, tscale, klw, cfg, phase, num_items, holder) = args
+        ct = torch.float64 if logp.dtype == torch.float64 else torch.float32
+        cast = (lambda t: None if t is None else t.detach().to(ct))
+        lp = logp.detach().to(ct)
+        ent = cast(entropy)
+        terms = token_terms(lp, ent, cast(adv), cast(old), cast(ref), cast(tscale), cast(klw),
+                            mask, cfg, phase)
+        w = aggregation_weights(mask, cfg, num_items, dtype=ct)
+        holder["metrics"] = policy_metrics(terms, mask, cfg,
+                                           ent if cfg.entropy_coef != 0.0 else None)
+        ctx.save_for_backward(w * terms.dlogp, w * terms.dentropy)
+        ctx.dtypes = (logp.dtype, None if entropy is None else entropy.dtype)
+        return (w * terms.loss).sum().to(torch.float32 if ct == torch.float32 else ct)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g, gH = ctx.saved_tensors
+        dl = (g * grad).to(ctx.dtypes[0])
+        dh = None if ctx.dtypes[1] is None else (gH * grad).to(ctx.dtypes[1])
+        return dl, dh, None
+
+
+def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=None,
+                token_scale=None, kl_weight=None, config=None, phase=None,
+                num_items_in_batch=None):
+    """The same GRPO loss for trainers that already have per-token ``logp`` [B, T].
+
+    ``entropy`` [B, T] is needed when ``config.entropy_coef != 0`` (its gradient flows back to
+    it). Metrics as the fused loss, except ``grad_share_low``, which needs the full distribution.
+    """
+    cfg = _config(config)
+    V.check_tensor("logp", logp, floating=True, dims=(2,))
+    B, T = logp.shape
+    device = logp.device
+    m = _mask(mask, B, T, device)
+    _check_phase(phase, cfg)
+    _check_num_items(num_items_in_batch)
+    adv = _check_per_token(B, T, device, m, advantages, old_logp, ref_logp, token_scale,
+                           kl_weight, cfg)
+    if cfg.entropy_coef != 0.0:
+        if entropy is None:
+            raise ValueError(f"entropy: required when config.entropy_coef != 0 (got "
+                             f"{cfg.entropy_coef}), got None")
+        V.check_tensor("entropy", entropy, shape=(B, T), floating=True, device=device)
+    elif entropy is not None:
+        V.check_tensor("entropy", entropy, shape=(B, T), floating=True, device=device)
+    holder = {}
+    args = (m, adv, old_logp, ref_logp, token_scale,
+            kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase, num_items_in_batch, holder)
+    loss = _PolicyLossFromLogp.apply(logp, entropy if cfg.entropy_coef != 0.0 else None, args)
+    return loss, holder["metrics"]

@@ -1,0 +1,77 @@
+"""Build of gbc_kernels.
+
+The C++ CPU kernels (csrc/) are compiled against the installed PyTorch, so install without
+build isolation:  pip install --no-build-isolation -e .
+When PyTorch or a C++ compiler is missing at build time the package still installs, without the
+extension; ``backend="auto"`` then uses the chunked PyTorch path (and says so once).
+"""
+
+import os
+import sys
+import warnings
+
+from setuptools import find_packages, setup
+
+ext_modules, cmdclass = [], {}
+if os.environ.get("GBC_NO_EXTENSION", "0") != "1":
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+        sources = [os.path.join("csrc", f) for f in sorted(os.listdir("csrc"))
+                   if f.endswith(".cpp")]
+        if sources:
+            ext_modules.append(CppExtension(
+                name="gbc_kernels._C",
+                sources=sources,
+                extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v2", "-ffp-contract=off"],
+                extra_link_args=["-fopenmp"],
+            ))
+            cmdclass["build_ext"] = BuildExtension.with_options(no_python_abi_suffix=False)
+    except Exception as exc:  # torch missing in an isolated build environment
+        warnings.warn(f"gbc_kernels: building without the C++ CPU kernels ({exc}); "
+                      "install with `pip install --no-build-isolation` to get them")
+
+
+if cmdclass:
+    base = cmdclass["build_ext"]
+
+    class OptionalBuildExt(base):
+        """Build the extension; on failure, warn and install the pure-Python package."""
+
+        def run(self):
+            try:
+                super().run()
+            except Exception as exc:
+                warnings.warn(f"gbc_kernels: the C++ CPU kernels failed to build ({exc}); "
+                              "backend='auto' will use the chunked PyTorch path")
+
+        def build_extension(self, ext):
+            try:
+                super().build_extension(ext)
+            except Exception as exc:
+                print(f"gbc_kernels: could not build {ext.name}: {exc}", file=sys.stderr)
+                warnings.warn(f"gbc_kernels: the C++ CPU kernels failed to build ({exc})")
+
+    cmdclass["build_ext"] = OptionalBuildExt
+
+setup(
+    name="gbc_kernels",
+    version="0.1.0",
+    description="Fused, memory-light GRPO policy-loss kernels with AR, Lopti, NTHR and "
+                "critical-token KL",
+    long_description=open("README.md").read() if os.path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["gbc_kernels", "gbc_kernels.*"]) +
+             find_packages(where="python", include=["gbc_reference", "gbc_reference.*"]),
+    package_dir={"gbc_kernels": "gbc_kernels", "gbc_reference": "python/gbc_reference"},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.4"],
+    extras_require={
+        "triton": ["triton>=3.0"],
+        "trl": ["trl>=0.20", "transformers>=4.50"],
+        "examples": ["transformers>=4.50", "matplotlib", "tqdm"],
+    },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    zip_safe=False,
+)

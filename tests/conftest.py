@@ -1,0 +1,108 @@
+"""Shared fixtures and helpers: backends under test, input factories, NaN poisoning."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import gbc_kernels as gbc
+import gbc_reference as ref
+
+
+def available_backends():
+    """Backends this machine can run: torch always; cpu when the extension is built; triton on
+    CPU tensors when the interpreter is on (TRITON_INTERPRET=1) or on CUDA."""
+    out = ["torch"]
+    try:
+        from gbc_kernels.backends import cpu_available
+        if cpu_available():
+            out.append("cpu")
+    except ImportError:
+        pass
+    return out
+
+
+BACKENDS = available_backends()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def poison_empty(monkeypatch):
+    """Fill every fresh torch.empty / empty_like float tensor with NaN (ints with a huge value),
+    so that memory a kernel forgot to write poisons the result."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype in (torch.int64, torch.int32):
+            t.fill_(2 ** 30)
+        return t
+
+    def empty(*args, **kwargs):
+        return poison(real_empty(*args, **kwargs))
+
+    def empty_like(*args, **kwargs):
+        return poison(real_empty_like(*args, **kwargs))
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+    yield
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """A tiny chunk budget so that several chunks (and a ragged last one) are exercised."""
+    monkeypatch.setenv("GBC_CHUNK_MB", "0.002")
+
+
+def make_batch(B=4, T=9, H=16, V=37, dtype=torch.float32, seed=0, bias=True, mask_p=0.7,
+               empty_row=True, adv_shape="B", logit_scale=1.0, old_spread=1.5):
+    """Random GRPO batch. old_logp/ref_logp near the current policy so ratios straddle the clip
+    range and p_old spans both Lopti groups."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) * (logit_scale / H ** 0.5)
+    b = torch.randn(V, generator=g, dtype=torch.float64) * 0.5 if bias else None
+    targets = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) < mask_p
+    if empty_row and B > 1:
+        mask[1] = False
+        targets[1, :2] = -100          # padding ids on masked-out positions are legal
+    with torch.no_grad():
+        z = hidden @ weight.T + (0 if b is None else b)
+        logp = torch.log_softmax(z, -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    old = logp + old_spread * 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    refl = logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn((B,) if adv_shape == "B" else (B, T), generator=g, dtype=torch.float64)
+    if adv_shape == "B":   # both signs present: rows alternate +, -, +, ...
+        adv = adv.abs() * torch.tensor([1.0, -1.0] * B, dtype=torch.float64)[:B]
+    d = dict(hidden=hidden.to(dtype), weight=weight.to(dtype),
+             bias=None if b is None else b.to(dtype), targets=targets, mask=mask,
+             advantages=adv.float(), old_logp=old.float(), ref_logp=refl.float())
+    return d
+
+
+def leaves(batch, bias=True):
+    """Fresh leaf copies of the differentiable inputs."""
+    out = {k: batch[k].detach().clone().requires_grad_(True) for k in ("hidden", "weight")}
+    if bias and batch.get("bias") is not None:
+        out["bias"] = batch["bias"].detach().clone().requires_grad_(True)
+    return out
+
+
+def as64(batch):
+    return {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+            for k, v in batch.items()}
+
+
+def max_rel_err(a, b):
+    """max |a - b| / max(|b|max, tiny): a scale-aware error for whole tensors."""
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
