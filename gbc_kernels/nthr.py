@@ -92,7 +92,7 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
     if not any(mixed) or idx.numel() == 0:
         return NTHRResult(scale.view(B, T), selected.view(B, T), scores.view(B, T), thresholds)
 
-    be = get_backend(backend, device)
+    be = get_backend(backend, device, hidden.dtype)
     h_all = hidden.reshape(B * T, H)
     inv_temp = 1.0 / temperature
     for gi, g in enumerate(uniq.tolist()):

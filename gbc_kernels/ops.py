@@ -127,7 +127,7 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     safe_targets = V.check_targets(targets, weight.shape[0], m)
     inp = LossInputs(safe_targets.reshape(-1), m, adv, old_logp, ref_logp, token_scale,
                      kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase, num_items_in_batch,
-                     get_backend(backend, device))
+                     get_backend(backend, device, hidden.dtype))
     loss = FusedPolicyLossFunction.apply(hidden.reshape(B * T, H), weight, bias, inp)
     return loss, inp.metrics
 
@@ -146,7 +146,7 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     V.check_tensor("targets", targets, shape=hidden.shape[:-1], integer=True, device=hidden.device)
     safe = V.check_targets(targets, weight.shape[0]).reshape(-1)
     h2 = hidden.reshape(-1, hidden.shape[-1])
-    be = get_backend(backend, hidden.device)
+    be = get_backend(backend, hidden.device, hidden.dtype)
     out = FusedLogprobsFunction.apply(h2, weight, bias, safe, float(temperature),
                                       bool(return_entropy), be)
     if return_entropy:
@@ -186,7 +186,8 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
     h2 = hidden.detach().reshape(-1, hidden.shape[-1])
     b = None if bias is None else bias.detach()
     logp, entropy, _, extra = stats_sweep(
-        h2, weight.detach(), b, safe, get_backend(backend, hidden.device), float(temperature),
+        h2, weight.detach(), b, safe, get_backend(backend, hidden.device, hidden.dtype),
+        float(temperature),
         True, None if certainty is None else float(certainty_temperature))
     cert = None
     if certainty is not None:

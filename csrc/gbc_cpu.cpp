@@ -1,0 +1,229 @@
+// gbc_kernels CPU backend: the two streaming passes over a chunk of logits.
+//
+//   row_stats   per row of z = logits * inv_temp: max, LSE, z[target], entropy, sum_v p_v^2
+//   logit_grad_ overwrite the chunk with dL/dlogits given g = dL/dlogp and gH = dL/dH per row:
+//                 dL/dz_v = g (1[v = y] - p_v) - gH p_v (log p_v + H),  dL/dlogits = inv_temp dL/dz
+//
+// The chunk's logits come from one BLAS call made by the Python driver (at::addmm into a reused
+// buffer); these passes run over that buffer, rows in parallel (at::parallel_for, OpenMP), each
+// row by one thread in a fixed order, so results do not depend on the thread count.
+// Built with -ffp-contract=off: z = x * inv_temp is rounded the same way wherever it is formed,
+// so z - max(z) is exactly 0 at the max (an FMA would leave its rounding error, visible as p != 1
+// when p -> 1 at large logits).
+// Math is float32 for float32/bfloat16/float16 storage. The inner loops are plain float loops
+// with `omp simd` reductions and a polynomial exp, compiled for AVX-512, AVX2 and baseline x86-64
+// (GCC target_clones picks one at load time; no hardware probing at install time).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define GBC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define GBC_CLONES
+#endif
+
+namespace {
+
+// exp(x) for x <= 0 (what softmax needs after subtracting the row max), |rel err| < 2 ulp on
+// [-87, 0]; 0 below -87.3 where expf underflows. Cody-Waite reduction + Cephes polynomial.
+// Branch-free so that the loops vectorise.
+inline float exp_neg(float x) {
+  const float lo = -87.33654f;
+  const bool under = x < lo;
+  x = x < lo ? lo : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return under ? 0.0f : y * scale;
+}
+
+GBC_CLONES float row_max(const float* __restrict x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
+// s = sum e, t = sum e (z - zmax), q = sum e^2 with e = exp(z - zmax), z = x * inv_temp
+GBC_CLONES void row_sums(const float* __restrict x, int64_t n, float inv_temp, float zmax,
+                         bool want_tq, float* out) {
+  float s = 0.f, t = 0.f, q = 0.f;
+  if (want_tq) {
+#pragma omp simd reduction(+ : s, t, q)
+    for (int64_t i = 0; i < n; ++i) {
+      const float d = x[i] * inv_temp - zmax;
+      const float e = exp_neg(d);
+      s += e;
+      t += e * d;
+      q += e * e;
+    }
+  } else {
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; ++i) s += exp_neg(x[i] * inv_temp - zmax);
+  }
+  out[0] = s;
+  out[1] = t;
+  out[2] = q;
+}
+
+// x <- inv_temp * (-p (g + gH (z - lse + H))), p = exp(z - lse), z = x * inv_temp
+GBC_CLONES void row_grad(float* __restrict x, int64_t n, float inv_temp, float lse, float H,
+                         float g, float gH) {
+  if (gH != 0.f) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const float lq = x[i] * inv_temp - lse;
+      const float p = exp_neg(lq);
+      x[i] = -inv_temp * p * (g + gH * (lq + H));
+    }
+  } else {
+    const float c = -inv_temp * g;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) x[i] = c * exp_neg(x[i] * inv_temp - lse);
+  }
+}
+
+template <typename T>
+inline float to_float(T v) { return static_cast<float>(v); }
+
+// A row as float: the row itself for float32 storage, else converted into thread-local scratch.
+template <typename T>
+struct RowView {
+  std::vector<float> scratch;
+  float* get(T* row, int64_t n) {
+    if constexpr (std::is_same_v<T, float>) {
+      return row;
+    } else {
+      scratch.resize(n);
+      for (int64_t i = 0; i < n; ++i) scratch[i] = to_float(row[i]);
+      return scratch.data();
+    }
+  }
+  void put(T* row, const float* data, int64_t n) {
+    if constexpr (!std::is_same_v<T, float>) {
+      for (int64_t i = 0; i < n; ++i) row[i] = static_cast<T>(data[i]);
+    }
+  }
+};
+
+void check_chunk(const at::Tensor& logits, const at::Tensor& targets) {
+  TORCH_CHECK(logits.device().is_cpu(), "logits: expected a CPU tensor, got ", logits.device());
+  TORCH_CHECK(logits.dim() == 2, "logits: expected a 2-d [rows, V] tensor, got ", logits.sizes());
+  TORCH_CHECK(logits.stride(1) == 1, "logits: expected unit stride over the vocabulary");
+  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == logits.size(0) &&
+                  targets.scalar_type() == at::kLong,
+              "targets: expected int64 [", logits.size(0), "], got ", targets.scalar_type(), " ",
+              targets.sizes());
+  auto st = logits.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
+              "logits: expected float32, bfloat16 or float16, got ", st);
+}
+
+std::vector<at::Tensor> row_stats(at::Tensor logits, at::Tensor targets, double inv_temp,
+                                  bool want_entropy, bool want_sum_p2) {
+  check_chunk(logits, targets);
+  targets = targets.contiguous();
+  const int64_t rows = logits.size(0), V = logits.size(1), ld = logits.stride(0);
+  auto f32 = logits.options().dtype(at::kFloat);
+  at::Tensor lse = at::empty({rows}, f32), zmax = at::empty({rows}, f32);
+  at::Tensor tz = at::empty({rows}, f32);
+  at::Tensor ent = want_entropy ? at::empty({rows}, f32) : at::Tensor();
+  at::Tensor sp2 = want_sum_p2 ? at::empty({rows}, f32) : at::Tensor();
+  const float it = static_cast<float>(inv_temp);
+  const int64_t* y = targets.data_ptr<int64_t>();
+  float* lse_p = lse.data_ptr<float>();
+  float* zmax_p = zmax.data_ptr<float>();
+  float* tz_p = tz.data_ptr<float>();
+  float* ent_p = want_entropy ? ent.data_ptr<float>() : nullptr;
+  float* sp2_p = want_sum_p2 ? sp2.data_ptr<float>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "row_stats", [&] {
+    scalar_t* base = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+      RowView<scalar_t> view;
+      for (int64_t r = b; r < e; ++r) {
+        const float* x = view.get(base + r * ld, V);
+        const float m = row_max(x, V) * it;
+        float sums[3];
+        row_sums(x, V, it, m, want_entropy || want_sum_p2, sums);
+        const float log_s = std::log(sums[0]);
+        zmax_p[r] = m;
+        lse_p[r] = m + log_s;
+        tz_p[r] = x[y[r]] * it;
+        // H = log s - t / s  (shifted by the max: a sum of small terms)
+        if (ent_p) ent_p[r] = log_s - sums[1] / sums[0];
+        if (sp2_p) sp2_p[r] = sums[2] / (sums[0] * sums[0]);
+      }
+    });
+  });
+  return {lse, zmax, tz, ent, sp2};
+}
+
+at::Tensor logit_grad_(at::Tensor logits, at::Tensor targets, double inv_temp, at::Tensor lse,
+                       c10::optional<at::Tensor> entropy, at::Tensor g_logp,
+                       c10::optional<at::Tensor> g_entropy) {
+  check_chunk(logits, targets);
+  const int64_t rows = logits.size(0), V = logits.size(1), ld = logits.stride(0);
+  auto as_f32 = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == rows, name, ": expected [", rows, "], got ", t.sizes());
+    return t.to(at::kFloat).contiguous();
+  };
+  targets = targets.contiguous();
+  at::Tensor lse_c = as_f32(lse, "lse"), g_c = as_f32(g_logp, "g_logp");
+  const bool has_h = g_entropy.has_value() && g_entropy->defined();
+  at::Tensor gh_c, ent_c;
+  if (has_h) {
+    TORCH_CHECK(entropy.has_value() && entropy->defined(), "entropy: required with g_entropy");
+    gh_c = as_f32(*g_entropy, "g_entropy");
+    ent_c = as_f32(*entropy, "entropy");
+  }
+  const float it = static_cast<float>(inv_temp);
+  const int64_t* y = targets.data_ptr<int64_t>();
+  const float* lse_p = lse_c.data_ptr<float>();
+  const float* g_p = g_c.data_ptr<float>();
+  const float* gh_p = has_h ? gh_c.data_ptr<float>() : nullptr;
+  const float* ent_p = has_h ? ent_c.data_ptr<float>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "logit_grad_", [&] {
+    scalar_t* base = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+      RowView<scalar_t> view;
+      for (int64_t r = b; r < e; ++r) {
+        scalar_t* row = base + r * ld;
+        float* x = view.get(row, V);
+        row_grad(x, V, it, lse_p[r], has_h ? ent_p[r] : 0.f, g_p[r], has_h ? gh_p[r] : 0.f);
+        x[y[r]] += it * g_p[r];   // the one-hot term, folded in before rounding to storage
+        view.put(row, x, V);
+      }
+    });
+  });
+  return logits;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "gbc_kernels CPU kernels: streaming row statistics and in-place logit gradients";
+  m.def("row_stats", &row_stats, "per-row max, LSE, target logit, entropy, sum p^2",
+        py::arg("logits"), py::arg("targets"), py::arg("inv_temp"), py::arg("want_entropy"),
+        py::arg("want_sum_p2"));
+  m.def("logit_grad_", &logit_grad_, "overwrite logits with dL/dlogits", py::arg("logits"),
+        py::arg("targets"), py::arg("inv_temp"), py::arg("lse"), py::arg("entropy"),
+        py::arg("g_logp"), py::arg("g_entropy"));
+  m.def("num_threads", []() { return at::get_num_threads(); });
+}

@@ -1,0 +1,42 @@
+"""CPU backend: the C++ streaming passes of ``csrc/gbc_cpu.cpp`` (pybind11 extension
+``gbc_kernels._C``). The chunk's logits are produced by the driver's BLAS call; these passes
+run over the buffer in place, in float32, rows in parallel, no [rows, V] temporaries."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Backend, RowStats, Workspace
+
+try:
+    from .. import _C  # type: ignore[attr-defined]
+    _IMPORT_ERROR = None
+except ImportError as exc:   # built without a compiler, or an isolated build without torch
+    _C = None
+    _IMPORT_ERROR = exc
+
+SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def available() -> bool:
+    return _C is not None
+
+
+def unavailable_reason() -> str:
+    return f"the C++ extension gbc_kernels._C was not built ({_IMPORT_ERROR})"
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    buffers_per_chunk = 1   # the chunk's logits only; the passes work in place
+
+    def row_stats(self, logits, targets, inv_temp, want_entropy, want_sum_p2, ws: Workspace):
+        lse, zmax, tz, ent, sp2 = _C.row_stats(logits, targets, float(inv_temp),
+                                               bool(want_entropy), bool(want_sum_p2))
+        return RowStats(lse, zmax, tz, ent if want_entropy else None,
+                        sp2 if want_sum_p2 else None)
+
+    def logit_grad_(self, logits, targets, inv_temp, lse, entropy, g_logp, g_entropy,
+                    ws: Workspace):
+        return _C.logit_grad_(logits, targets, float(inv_temp), lse, entropy, g_logp,
+                              g_entropy)
