@@ -7,6 +7,7 @@
 // The chunk's logits come from one BLAS call made by the Python driver (at::addmm into a reused
 // buffer); these passes run over that buffer, rows in parallel (at::parallel_for, OpenMP), each
 // row by one thread in a fixed order, so results do not depend on the thread count.
+// -fno-trapping-math lets GCC if-convert (and so vectorise) the branch-free exp below.
 // Built with -ffp-contract=off: z = x * inv_temp is rounded the same way wherever it is formed,
 // so z - max(z) is exactly 0 at the max (an FMA would leave its rounding error, visible as p != 1
 // when p -> 1 at large logits).
@@ -22,6 +23,8 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#include "policy_math.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define GBC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -215,6 +218,96 @@ at::Tensor logit_grad_(at::Tensor logits, at::Tensor targets, double inv_temp, a
   return logits;
 }
 
+// The fused loss's work on one chunk, each row kept in cache from its statistics to its
+// gradient: max; sums (LSE, entropy, sum p^2); the per-token loss (policy_math.h); then
+// dL/dlogits written in place. One read and one write of the chunk instead of three and one.
+// Per-row inputs are float32 [rows] tensors (token_scale/kl_weight/old/ref may be undefined).
+// Returns float32 [rows] tensors:
+//   logp, entropy, sum_p2, g (= w dl/dlogp), wloss (= w l), ratio, adv_hat, ar, p_old, kl
+std::vector<at::Tensor> policy_rows_(at::Tensor logits, at::Tensor targets, double inv_temp,
+                                     at::Tensor w, at::Tensor adv,
+                                     c10::optional<at::Tensor> old_logp,
+                                     c10::optional<at::Tensor> ref_logp,
+                                     c10::optional<at::Tensor> token_scale,
+                                     c10::optional<at::Tensor> kl_weight,
+                                     double eps_low, double eps_high, double clip_c,
+                                     double kl_coef, int64_t kl_estimator, double entropy_coef,
+                                     double ar_alpha, int64_t phase, double eta, bool need_grad) {
+  check_chunk(logits, targets);
+  const int64_t rows = logits.size(0), V = logits.size(1), ld = logits.stride(0);
+  auto in_f32 = [&](const c10::optional<at::Tensor>& t, const char* name) -> at::Tensor {
+    if (!t.has_value() || !t->defined()) return at::Tensor();
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == rows, name, ": expected [", rows, "], got ",
+                t->sizes());
+    return t->to(at::kFloat).contiguous();
+  };
+  targets = targets.contiguous();
+  at::Tensor w_c = in_f32(w, "w"), adv_c = in_f32(adv, "adv");
+  at::Tensor old_c = in_f32(old_logp, "old_logp"), ref_c = in_f32(ref_logp, "ref_logp");
+  at::Tensor ts_c = in_f32(token_scale, "token_scale"), kw_c = in_f32(kl_weight, "kl_weight");
+  TORCH_CHECK(kl_coef == 0.0 || ref_c.defined(), "ref_logp: required when kl_coef != 0");
+  gbc::PolicyParams P{eps_low, eps_high, clip_c, kl_coef, static_cast<int>(kl_estimator),
+                      entropy_coef, ar_alpha, static_cast<int>(phase), eta};
+  const bool want_entropy = entropy_coef != 0.0;
+  auto f32 = logits.options().dtype(at::kFloat);
+  std::vector<at::Tensor> out;
+  for (int i = 0; i < 10; ++i) out.push_back(at::empty({rows}, f32));
+  float* o[10];
+  for (int i = 0; i < 10; ++i) o[i] = out[i].data_ptr<float>();
+  const float it = static_cast<float>(inv_temp);
+  const int64_t* y = targets.data_ptr<int64_t>();
+  const float* wp = w_c.data_ptr<float>();
+  const float* ap = adv_c.data_ptr<float>();
+  const float* op = old_c.defined() ? old_c.data_ptr<float>() : nullptr;
+  const float* rp = ref_c.defined() ? ref_c.data_ptr<float>() : nullptr;
+  const float* tp = ts_c.defined() ? ts_c.data_ptr<float>() : nullptr;
+  const float* kp = kw_c.defined() ? kw_c.data_ptr<float>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "policy_rows_", [&] {
+    scalar_t* base = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+      RowView<scalar_t> view;
+      for (int64_t r = b; r < e; ++r) {
+        scalar_t* row = base + r * ld;
+        float* x = view.get(row, V);
+        const float m = row_max(x, V) * it;
+        float sums[3];
+        row_sums(x, V, it, m, true, sums);
+        const float log_s = std::log(sums[0]);
+        const float lse = m + log_s;
+        const float H = log_s - sums[1] / sums[0];
+        gbc::TokenIn in;
+        in.logp = static_cast<double>(x[y[r]] * it - m) - log_s;
+        in.entropy = H;
+        in.adv = ap[r];
+        in.has_old = op != nullptr;
+        in.old_logp = op ? op[r] : 0.0;
+        in.ref_logp = rp ? rp[r] : 0.0;
+        in.token_scale = tp ? tp[r] : 1.0;
+        in.kl_weight = kp ? kp[r] : 1.0;
+        const gbc::TokenOut t = gbc::token_terms(P, in);
+        const float g = static_cast<float>(wp[r] * t.dlogp);
+        const float gH = want_entropy ? static_cast<float>(wp[r] * t.dentropy) : 0.f;
+        o[0][r] = static_cast<float>(in.logp);
+        o[1][r] = H;
+        o[2][r] = sums[2] / (sums[0] * sums[0]);
+        o[3][r] = g;
+        o[4][r] = static_cast<float>(wp[r] * t.loss);
+        o[5][r] = static_cast<float>(t.ratio);
+        o[6][r] = static_cast<float>(t.adv_hat);
+        o[7][r] = static_cast<float>(t.ar);
+        o[8][r] = static_cast<float>(t.p_old);
+        o[9][r] = static_cast<float>(t.kl);
+        if (need_grad) {
+          row_grad(x, V, it, lse, H, g, gH);
+          x[y[r]] += it * g;
+          view.put(row, x, V);
+        }
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -225,5 +318,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logit_grad_", &logit_grad_, "overwrite logits with dL/dlogits", py::arg("logits"),
         py::arg("targets"), py::arg("inv_temp"), py::arg("lse"), py::arg("entropy"),
         py::arg("g_logp"), py::arg("g_entropy"));
+  m.def("policy_rows_", &policy_rows_, "fused per-row statistics, policy loss and logit gradient",
+        py::arg("logits"), py::arg("targets"), py::arg("inv_temp"), py::arg("w"), py::arg("adv"),
+        py::arg("old_logp"), py::arg("ref_logp"), py::arg("token_scale"), py::arg("kl_weight"),
+        py::arg("eps_low"), py::arg("eps_high"), py::arg("clip_c"), py::arg("kl_coef"),
+        py::arg("kl_estimator"), py::arg("entropy_coef"), py::arg("ar_alpha"), py::arg("phase"),
+        py::arg("eta"), py::arg("need_grad"));
   m.def("num_threads", []() { return at::get_num_threads(); });
 }

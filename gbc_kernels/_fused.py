@@ -83,22 +83,16 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
         e = min(n, s + rows)
         hc, yc, lg = h[s:e], y[s:e], buf[: e - s]
         _chunking.project(hc, weight, bias, lg)
-        st = be.row_stats(lg, yc, inv_temp, want_entropy, True, ws)
-        logp = st.target_z - st.lse
         sl = slice(s, e)
-        terms = token_terms(logp, st.entropy, adv[sl], None if old is None else old[sl],
-                            None if ref is None else ref[sl],
-                            None if tscale is None else tscale[sl],
-                            None if klw is None else klw[sl], None, cfg, inp.phase)
-        w = w_agg[sl]
-        g = w * terms.dlogp
-        loss = loss + (w * terms.loss).sum()
-        logps.append(logp), sump2s.append(st.sum_p2), gs.append(g), parts.append(terms)
+        cut = (lambda t: None if t is None else t[sl])
+        res = be.policy_rows_(lg, yc, inv_temp, w_agg[sl], adv[sl], cut(old), cut(ref),
+                              cut(tscale), cut(klw), cfg, inp.phase, need_grad, ws)
+        loss = loss + res.loss_sum
+        logps.append(res.logp), sump2s.append(res.sum_p2), gs.append(res.g)
+        parts.append(res.terms)
         if want_entropy:
-            ents.append(st.entropy)
+            ents.append(res.entropy)
         if need_grad:
-            gH = w * terms.dentropy if want_entropy else None
-            be.logit_grad_(lg, yc, inv_temp, st.lse, st.entropy, g, gH, ws)
             if need_dh:
                 torch.mm(lg, weight, out=grad_h[s:e])
             if need_dw:

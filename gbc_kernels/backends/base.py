@@ -42,6 +42,17 @@ class RowStats(NamedTuple):
     sum_p2: Optional[torch.Tensor]    # [rows] float32 or None
 
 
+class ChunkResult(NamedTuple):
+    """Per-token results of the fused policy pass over one chunk of rows."""
+
+    logp: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    sum_p2: torch.Tensor
+    g: torch.Tensor          # w_agg * dl/dlogp (what the gradient pass used)
+    terms: object            # _loss_math.TokenTerms (loss, ratio, adv, ar, p_old, kl, ...)
+    loss_sum: torch.Tensor   # sum_r w_agg[r] * l[r] over the chunk (0-d)
+
+
 class Backend:
     name = "base"
     # How many [rows, V] float32 buffers the backend's passes hold at once (chunk sizing).
@@ -50,6 +61,26 @@ class Backend:
     def row_stats(self, logits: torch.Tensor, targets: torch.Tensor, inv_temp: float,
                   want_entropy: bool, want_sum_p2: bool, ws: Workspace) -> RowStats:
         raise NotImplementedError
+
+    def policy_rows_(self, logits, targets, inv_temp, w, adv, old, ref, tscale, klw, cfg, phase,
+                     need_grad: bool, ws: Workspace) -> ChunkResult:
+        """The fused loss's work on one chunk: row statistics, the per-token loss of SPEC
+        §1-§3 (``_loss_math``), and (``need_grad``) dL/dlogits written into ``logits``.
+
+        This generic version composes the two primitives with the PyTorch per-token math; a
+        backend may override it with one pass that keeps each row in cache.
+        """
+        from .._loss_math import token_terms   # local: the loss math sits above the backends
+
+        want_entropy = cfg.entropy_coef != 0.0
+        st = self.row_stats(logits, targets, inv_temp, want_entropy, True, ws)
+        logp = st.target_z - st.lse
+        terms = token_terms(logp, st.entropy, adv, old, ref, tscale, klw, None, cfg, phase)
+        g = w * terms.dlogp
+        if need_grad:
+            gH = w * terms.dentropy if want_entropy else None
+            self.logit_grad_(logits, targets, inv_temp, st.lse, st.entropy, g, gH, ws)
+        return ChunkResult(logp, st.entropy, st.sum_p2, g, terms, (w * terms.loss).sum())
 
     def logit_grad_(self, logits: torch.Tensor, targets: torch.Tensor, inv_temp: float,
                     lse: torch.Tensor, entropy: Optional[torch.Tensor], g_logp: torch.Tensor,

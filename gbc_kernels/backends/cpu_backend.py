@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Backend, RowStats, Workspace
+from .base import Backend, ChunkResult, RowStats, Workspace
 
 try:
     from .. import _C  # type: ignore[attr-defined]
@@ -15,6 +15,7 @@ except ImportError as exc:   # built without a compiler, or an isolated build wi
     _C = None
     _IMPORT_ERROR = exc
 
+_PHASE_CODE = {None: 0, "low": 1, "high": 2}
 SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -35,6 +36,26 @@ class CpuBackend(Backend):
                                                bool(want_entropy), bool(want_sum_p2))
         return RowStats(lse, zmax, tz, ent if want_entropy else None,
                         sp2 if want_sum_p2 else None)
+
+    def policy_rows_(self, logits, targets, inv_temp, w, adv, old, ref, tscale, klw, cfg, phase,
+                     need_grad, ws: Workspace) -> ChunkResult:
+        from .._loss_math import TokenTerms
+        from ..config import KL_ESTIMATORS
+
+        out = _C.policy_rows_(
+            logits, targets, float(inv_temp), w, adv, old, ref, tscale, klw,
+            cfg.epsilon_low, cfg.epsilon_high,
+            -1.0 if cfg.clip_ratio_c is None else cfg.clip_ratio_c, cfg.kl_coef,
+            KL_ESTIMATORS.index(cfg.kl_estimator), cfg.entropy_coef, cfg.ar_alpha,
+            _PHASE_CODE[phase], 0.0 if cfg.lopti_eta is None else cfg.lopti_eta,
+            bool(need_grad))
+        logp, entropy, sum_p2, g, wloss, ratio, adv_hat, ar, p_old, kl = out
+        want_entropy = cfg.entropy_coef != 0.0
+        # the loss is returned already weighted (wloss); the metrics need only the fields below
+        terms = TokenTerms(loss=None, dlogp=None, dentropy=None, ratio=ratio, adv=adv_hat,
+                           ar=ar, p_old=p_old, kl=kl if cfg.kl_coef != 0.0 else None)
+        return ChunkResult(logp, entropy if want_entropy else None, sum_p2, g, terms,
+                           wloss.sum())
 
     def logit_grad_(self, logits, targets, inv_temp, lse, entropy, g_logp, g_entropy,
                     ws: Workspace):
