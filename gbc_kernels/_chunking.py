@@ -7,18 +7,26 @@ from typing import Optional
 
 import torch
 
-DEFAULT_BUDGET_MB = 128
+# Default working-set budget over the vocabulary, MiB. CPU: 64 keeps the fused pass within
+# 1-2% of the bare matmuls (benchmarks/bench_cpu.py) while peak memory stays near 0.1x of one
+# [8192, 32768] float32 logits; GPUs want bigger chunks for the matmuls to saturate.
+DEFAULT_BUDGET_MB = {"cpu": 64, "cuda": 1024}
 
 
-def budget_bytes() -> int:
-    """Working-set budget over the vocabulary, ``GBC_CHUNK_MB`` MiB (default 128)."""
-    return int(float(os.environ.get("GBC_CHUNK_MB", DEFAULT_BUDGET_MB)) * 2 ** 20)
+def budget_bytes(device: Optional[torch.device] = None) -> int:
+    """``GBC_CHUNK_MB`` MiB if set, else the device's default."""
+    env = os.environ.get("GBC_CHUNK_MB")
+    if env is not None:
+        return int(float(env) * 2 ** 20)
+    kind = "cpu" if device is None else device.type
+    return DEFAULT_BUDGET_MB.get(kind, 256) * 2 ** 20
 
 
-def rows_per_chunk(n_rows: int, vocab: int, buffers: int, budget: Optional[int] = None) -> int:
+def rows_per_chunk(n_rows: int, vocab: int, buffers: int,
+                   device: Optional[torch.device] = None) -> int:
     """Rows such that ``buffers`` float32 ``[rows, V]`` arrays fit the budget; at least 1, at most
     ``n_rows``, a multiple of 16 when larger than 16 (friendlier to BLAS)."""
-    budget = budget_bytes() if budget is None else budget
+    budget = budget_bytes(device)
     rows = max(1, budget // max(1, vocab * 4 * buffers))
     if rows > 16:
         rows -= rows % 16

@@ -71,10 +71,11 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
 
     need_grad = need_dh or need_dw or need_db
     grad_h = torch.empty_like(h) if need_dh else None
-    grad_w = torch.zeros_like(weight) if need_dw else None
+    # grad_weight: the first chunk writes it (beta = 0), later chunks accumulate
+    grad_w = torch.empty_like(weight) if need_dw else None
     grad_b = torch.zeros(V, device=device, dtype=torch.float32) if need_db else None
 
-    rows = _chunking.rows_per_chunk(n, V, be.buffers_per_chunk)
+    rows = _chunking.rows_per_chunk(n, V, be.buffers_per_chunk, device)
     buf = torch.empty(rows, V, device=device, dtype=hidden2d.dtype) if n else None
     ws = Workspace()
     loss = torch.zeros((), device=device, dtype=ct)
@@ -96,10 +97,15 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
             if need_dh:
                 torch.mm(lg, weight, out=grad_h[s:e])
             if need_dw:
-                grad_w.addmm_(lg.t(), hc)
+                if s == 0:
+                    torch.mm(lg.t(), hc, out=grad_w)
+                else:
+                    grad_w.addmm_(lg.t(), hc)
             if need_db:
                 grad_b += lg.sum(0, dtype=torch.float32)
 
+    if need_dw and n == 0:
+        grad_w.zero_()
     logp = _cat(logps, n, device)
     g = _cat(gs, n, device)
     sum_p2 = _cat(sump2s, n, device)
@@ -148,9 +154,13 @@ class FusedPolicyLossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         saved = ctx.saved_tensors
+        # the stored gradients are those of the loss itself: scale by the upstream gradient.
+        # On CPU a unit upstream gradient (loss.backward()) is checked for free and skips a
+        # pass over [V, H]; on accelerators the check would be a host sync, so always scale.
+        unit = grad_loss.device.type == "cpu" and bool(grad_loss == 1)
         out = []
         for has, t in zip(ctx.has, saved):
-            out.append(t * grad_loss.to(t.dtype) if has else None)
+            out.append(None if not has else t if unit else t * grad_loss.to(t.dtype))
         return out[0], out[1], out[2], None
 
 
@@ -164,7 +174,7 @@ def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature: 
     """Row statistics for every row. Returns (logp, entropy, lse, extra RowStats parts)."""
     N, V = hidden2d.shape[0], weight.shape[0]
     device = hidden2d.device
-    rows = _chunking.rows_per_chunk(N, V, backend.buffers_per_chunk)
+    rows = _chunking.rows_per_chunk(N, V, backend.buffers_per_chunk, hidden2d.device)
     buf = torch.empty(rows, V, device=device, dtype=hidden2d.dtype) if N else None
     ws = Workspace()
     logp = torch.empty(N, device=device, dtype=torch.float32)
@@ -197,7 +207,7 @@ def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperat
     """Backward of the log-probs: recompute each chunk's logits, overwrite them with dL/dlogits,
     and do the two gradient matmuls."""
     N, V = hidden2d.shape[0], weight.shape[0]
-    rows = _chunking.rows_per_chunk(N, V, backend.buffers_per_chunk)
+    rows = _chunking.rows_per_chunk(N, V, backend.buffers_per_chunk, hidden2d.device)
     buf = torch.empty(rows, V, device=hidden2d.device, dtype=hidden2d.dtype) if N else None
     ws = Workspace()
     grad_h = torch.empty_like(hidden2d) if need_dh else None

@@ -109,7 +109,7 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
         w_v = weight.index_select(0, vstar).float()
         b_v = None if bias is None else bias.index_select(0, vstar).float()
         hf = h.float()
-        rows = _chunking.rows_per_chunk(tok.numel(), vstar.numel(), 2)
+        rows = _chunking.rows_per_chunk(tok.numel(), vstar.numel(), 2, device)
         row_of = tok // T
         pos = correct[row_of]
         m_plus = torch.zeros(vstar.numel(), H, device=device, dtype=torch.float32)

@@ -1,0 +1,110 @@
+"""Shared pieces of the benchmarks: the setup of one GRPO-loss case, the providers, timing and
+CSV rows. Each provider runs in a fresh process (see bench_cpu.py) so peak memory is clean."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import statistics
+import time
+
+import torch
+
+import gbc_kernels as gbc
+
+BETA, EPS = 0.04, 0.2
+
+
+def setup_case(N, H, V, dtype, seed=0, T=512):
+    """One GRPO batch of N completion tokens: B = N / T rows of T tokens, all masked in."""
+    g = torch.Generator().manual_seed(seed)
+    B = max(1, N // T)
+    T = N // B
+    hidden = (torch.randn(B, T, H, generator=g) * 0.5).to(dtype).requires_grad_(True)
+    weight = (torch.randn(V, H, generator=g) / H ** 0.5).to(dtype).requires_grad_(True)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    adv = torch.randn(B, generator=g)
+    old = -torch.rand(B, T, generator=g) * 8
+    ref = old + 0.1 * torch.randn(B, T, generator=g)
+    return dict(hidden=hidden, weight=weight, targets=targets, mask=mask, adv=adv, old=old,
+                ref=ref)
+
+
+def plain_torch_loss(c):
+    """What TRL does: full logits, log_softmax, per-token PPO-clip + k3 KL, token-mean."""
+    logits = (c["hidden"] @ c["weight"].T).float()
+    logp = torch.log_softmax(logits, -1).gather(-1, c["targets"].unsqueeze(-1)).squeeze(-1)
+    r = torch.exp(logp - c["old"])
+    a = c["adv"].unsqueeze(-1)
+    pg = torch.maximum(-a * r, -a * r.clamp(1 - EPS, 1 + EPS))
+    d = c["ref"] - logp
+    per_tok = pg + BETA * (torch.exp(d) - d - 1)
+    m = c["mask"].float()
+    return (per_tok * m).sum() / m.sum().clamp(min=1)
+
+
+def make_provider(name, c):
+    """A closure running forward+backward of one provider on case ``c``."""
+    cfg = gbc.PolicyLossConfig(epsilon_low=EPS, epsilon_high=EPS, kl_coef=BETA,
+                               kl_estimator="k3", loss_agg="token-mean")
+    if name == "floor":
+        x = c["hidden"].detach().reshape(-1, c["hidden"].shape[-1])
+        w = c["weight"].detach()
+
+        def run():
+            z = x @ w.T           # logits
+            z @ w                 # grad hidden
+            z.T @ x               # grad weight
+        return run
+    if name in ("gbc_cpu", "gbc_torch"):
+        backend = name.split("_")[1]
+
+        def run():
+            loss, _ = gbc.fused_linear_policy_loss(c["hidden"], c["weight"], c["targets"],
+                                                   c["mask"], c["adv"], c["old"], c["ref"],
+                                                   config=cfg, backend=backend)
+            loss.backward()
+        return run
+    if name == "plain_torch":
+        return lambda: plain_torch_loss(c).backward()
+    if name.startswith("liger"):
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+        mod = LigerFusedLinearGRPOLoss(beta=BETA, compiled=name == "liger_compiled",
+                                       use_ref_model=True, epsilon_low=EPS, epsilon_high=EPS,
+                                       loss_type="bnpo")
+
+        def run():
+            out = mod(c["hidden"], c["weight"], c["targets"], c["mask"].long(), c["adv"],
+                      ref_per_token_logps=c["ref"], old_per_token_logps=c["old"])
+            loss = out[0] if isinstance(out, tuple) else out
+            loss.backward()
+        return run
+    raise ValueError(f"unknown provider {name!r}")
+
+
+def time_it(fn, reps, warmup=1):
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    q = statistics.quantiles(ts, n=5) if len(ts) >= 2 else [ts[0]] * 4
+    return statistics.median(ts), q[0], q[3]
+
+
+def append_rows(path, rows):
+    new = not os.path.exists(path)
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+
+
+def now():
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

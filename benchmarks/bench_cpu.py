@@ -1,0 +1,225 @@
+"""CPU benchmark of the fused GRPO loss (forward + backward) against its floor and baselines.
+
+Providers, each in a fresh process (clean peak RSS), same inputs, same thread count:
+Timing: all providers in one process, repetitions interleaved (robust to machine drift);
+memory: each provider in a fresh process (peak RSS beyond inputs and gradients).
+
+  floor        the three bare matmuls a training step needs (logits, grad-hidden, grad-weight)
+  gbc_cpu      gbc_kernels, C++ backend            gbc_torch   gbc_kernels, chunked PyTorch path
+  plain_torch  full logits + log_softmax + autograd (what TRL does)
+  liger        Liger-Kernel LigerFusedLinearGRPOLoss(compiled=False)  (liger_compiled: =True)
+
+    python benchmarks/bench_cpu.py --quick            # N=2048, H=1024, V=32768 (the README table)
+    python benchmarks/bench_cpu.py                    # N in 1k..8k, V in 32768/128256/151936, H in 1024/2048
+
+Writes benchmarks/results/cpu.csv (appends) and cpu.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+PROVIDERS = ["floor", "gbc_cpu", "gbc_torch", "plain_torch", "liger", "liger_compiled"]
+
+
+def _peak_kb():
+    """Peak resident set (VmHWM) of this process, KiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _reset_peak_kb():
+    """Reset the peak to the current RSS (Linux: write 5 to clear_refs) and return it, so the
+    set-up's temporaries do not count."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _peak_kb()
+
+
+def child_memory(args):
+    """Fresh process, one provider: peak RSS beyond the inputs and the gradients."""
+    import torch
+    torch.set_num_threads(args.threads)
+    from _common import make_provider, setup_case
+
+    c = setup_case(args.N, args.H, args.V, getattr(torch, args.dtype))
+    fn = make_provider(args.provider, c)
+    base = _reset_peak_kb()
+    for _ in range(2):          # a training loop: zero_grad(set_to_none=True) between steps
+        c["hidden"].grad = c["weight"].grad = None
+        fn()
+    peak = _peak_kb()
+    esz = c["hidden"].element_size()
+    grads_mb = (c["hidden"].numel() + c["weight"].numel()) * esz / 2 ** 20
+    if args.provider == "floor":
+        grads_mb = 0.0      # the floor's matmul outputs are not kept as .grad
+    print(json.dumps(dict(peak_extra_mb=max(0.0, (peak - base) / 1024 - grads_mb))))
+
+
+def child_time(args):
+    """One process, every provider, repetitions interleaved round-robin: drift of the machine
+    (the other core's load, turbo) hits every provider alike."""
+    import torch
+    torch.set_num_threads(args.threads)
+    import gbc_kernels
+    from _common import make_provider, setup_case
+    import statistics, time
+
+    c = setup_case(args.N, args.H, args.V, getattr(torch, args.dtype))
+    provs = args.providers.split(",")
+    fns, times, errors = {}, {p: [] for p in provs}, {}
+    for p in provs:
+        try:
+            fns[p] = make_provider(p, c)
+            fns[p]()                                    # warm-up (and compile)
+        except Exception as exc:                        # e.g. a baseline that can't run here
+            errors[p] = f"{type(exc).__name__}: {exc}"[:200]
+    for _ in range(args.reps):
+        for p in fns:
+            if p in errors:
+                continue
+            c["hidden"].grad = c["weight"].grad = None
+            t0 = time.perf_counter()
+            fns[p]()
+            times[p].append(time.perf_counter() - t0)
+    out = {}
+    for p in provs:
+        if p in errors:
+            out[p] = dict(error=errors[p])
+            continue
+        ts = sorted(times[p])
+        q = statistics.quantiles(ts, n=5) if len(ts) >= 2 else [ts[0]] * 4
+        out[p] = dict(median_s=statistics.median(ts), p20_s=q[0], p80_s=q[3])
+    out["version"] = gbc_kernels.__version__
+    print(json.dumps(out))
+
+
+def _child(kind, args, extra):
+    cmd = [sys.executable, __file__, f"--child-{kind}", "--N", str(args.N), "--H", str(args.H),
+           "--V", str(args.V), "--dtype", args.dtype, "--threads", str(args.threads), "--reps",
+           str(args.reps)] + extra
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=7200)
+    if r.returncode != 0:
+        return None, (r.stderr.strip().splitlines() or ["killed (out of memory?)"])[-1][:200]
+    return json.loads(r.stdout.strip().splitlines()[-1]), None
+
+
+def plot(csv_path, png_path):
+    import csv
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(csv.DictReader(open(csv_path)))
+    last = rows[-1]["timestamp"]
+    rows = [r for r in rows if r["timestamp"] == last and r["status"] == "ok"]
+    shapes = sorted({r["shape"] for r in rows}, key=lambda s: [int(x.split("=")[1])
+                                                             for x in s.split(",")])
+    provs = [p for p in PROVIDERS if any(r["provider"] == p for r in rows)]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(provs))
+    for i, p in enumerate(provs):
+        t = [next((float(r["ratio_to_floor"]) for r in rows if r["provider"] == p and
+                   r["shape"] == s), 0) for s in shapes]
+        m = [next((float(r["peak_extra_mb"]) for r in rows if r["provider"] == p and
+                   r["shape"] == s), 0) for s in shapes]
+        xs = [j + i * width for j in range(len(shapes))]
+        axes[0].bar(xs, t, width, label=p)
+        axes[1].bar(xs, m, width, label=p)
+    for ax, title in zip(axes, ["time / floor (fwd+bwd, lower is better)",
+                                "peak memory beyond gradients, MiB"]):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
+        ax.set_xticklabels(shapes, rotation=15, fontsize=7)
+        ax.set_title(title)
+    axes[0].axhline(1.0, color="k", lw=0.8)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"gbc_kernels CPU, fp32, {rows[0]['threads']} threads ({last})")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child-time", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child-memory", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--provider", default=None)
+    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--N", type=int, default=2048)
+    ap.add_argument("--H", type=int, default=1024)
+    ap.add_argument("--V", type=int, default=32768)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--Ns", default=None, help="comma list, overrides the grid's N")
+    ap.add_argument("--Hs", default=None)
+    ap.add_argument("--Vs", default=None)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "cpu.csv"))
+    args = ap.parse_args()
+    if args.child_time:
+        return child_time(args)
+    if args.child_memory:
+        return child_memory(args)
+
+    from _common import append_rows, now
+
+    if args.quick:
+        grid = [(2048, 1024, 32768)]
+    else:
+        grid = [(N, H, V) for V in (32768, 128256, 151936) for H in (1024, 2048)
+                for N in (1024, 2048, 4096, 8192)]
+    if args.Ns or args.Hs or args.Vs:
+        pick = lambda a, d: [int(x) for x in a.split(",")] if a else d
+        grid = [(N, H, V) for V in pick(args.Vs, [32768]) for H in pick(args.Hs, [1024])
+                for N in pick(args.Ns, [2048])]
+    stamp = now()
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    for N, H, V in grid:
+        args.N, args.H, args.V = N, H, V
+        provs = args.providers.split(",")
+        timing, err = _child("time", args, ["--providers", ",".join(provs)])
+        timing = timing or {p: dict(error=err) for p in provs}
+        floor_t = timing.get("floor", {}).get("median_s")
+        logits_mb = N * V * 4 / 2 ** 20
+        rows = []
+        for p in provs:
+            t = timing[p]
+            mem, merr = _child("memory", args, ["--provider", p]) if "error" not in t else \
+                (None, t["error"])
+            ok = "error" not in t and mem is not None
+            row = dict(provider=p, mode="fwd+bwd", shape=f"N={N},H={H},V={V}", dtype=args.dtype,
+                       threads=args.threads, status="ok" if ok else f"error: {t.get('error', merr)}",
+                       median_s="", p20_s="", p80_s="", peak_extra_mb="", peak_over_logits="",
+                       ratio_to_floor="", version=timing.get("version", ""), timestamp=stamp)
+            if ok:
+                row.update(median_s=f"{t['median_s']:.4f}", p20_s=f"{t['p20_s']:.4f}",
+                           p80_s=f"{t['p80_s']:.4f}",
+                           peak_extra_mb=f"{mem['peak_extra_mb']:.1f}",
+                           peak_over_logits=f"{mem['peak_extra_mb'] / logits_mb:.3f}",
+                           ratio_to_floor=f"{t['median_s'] / floor_t:.3f}" if floor_t else "")
+            rows.append(row)
+            print(f"{row['shape']:>24} {p:>15} {row['status'][:40]:>5} t={row['median_s']:>8}s "
+                  f"x floor={row['ratio_to_floor']:>6} peak+={row['peak_extra_mb']:>8} MiB "
+                  f"({row['peak_over_logits']} of one [N,V] fp32)", flush=True)
+        append_rows(args.out, rows)
+    plot(args.out, args.out.replace(".csv", ".png"))
+
+
+if __name__ == "__main__":
+    main()
