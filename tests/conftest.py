@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import os
 
+# No GPU here: the Triton kernels run under the interpreter on CPU tensors. Must be set before
+# triton compiles anything (gbc_kernels imports triton lazily, on first use).
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
+
 import pytest
 import torch
 
@@ -14,13 +19,13 @@ import gbc_reference as ref
 def available_backends():
     """Backends this machine can run: torch always; cpu when the extension is built; triton on
     CPU tensors when the interpreter is on (TRITON_INTERPRET=1) or on CUDA."""
+    from gbc_kernels.backends import cpu_available, triton_usable
+
     out = ["torch"]
-    try:
-        from gbc_kernels.backends import cpu_available
-        if cpu_available():
-            out.append("cpu")
-    except ImportError:
-        pass
+    if cpu_available():
+        out.append("cpu")
+    if triton_usable(torch.device("cpu")):
+        out.append("triton")
     return out
 
 

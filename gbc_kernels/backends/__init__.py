@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -12,7 +13,36 @@ from .torch_backend import TorchBackend
 
 _TORCH = TorchBackend()
 _CPU = cpu_backend.CpuBackend() if cpu_backend.available() else None
+_TRITON = None
 _warned_fallback = False
+
+
+def _triton_backend():
+    """The Triton backend, imported on first use (so `import gbc_kernels` needs no triton)."""
+    global _TRITON
+    if _TRITON is None:
+        try:
+            from ..triton.launch import TritonBackend
+        except ImportError as exc:
+            raise RuntimeError(f"backend='triton': triton is not importable ({exc}); "
+                               "pip install triton") from exc
+        _TRITON = TritonBackend()
+    return _TRITON
+
+
+def triton_usable(device: torch.device) -> bool:
+    """CUDA tensors with triton installed, or CPU tensors under TRITON_INTERPRET=1."""
+    if device.type == "cpu":
+        return os.environ.get("TRITON_INTERPRET", "0") == "1" and _has_triton()
+    return device.type == "cuda" and _has_triton()
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+        return True
+    except ImportError:
+        return False
 
 
 def cpu_available() -> bool:
@@ -48,14 +78,23 @@ def get_backend(name: str, device: torch.device, dtype: torch.dtype = torch.floa
             raise TypeError(f"backend='cpu': expected hidden of dtype float32, bfloat16 or "
                             f"float16, got {dtype}")
         return _CPU
+    if name == "triton":
+        if not triton_usable(device):
+            raise ValueError(f"backend='triton': expected CUDA tensors (or CPU tensors with "
+                             f"TRITON_INTERPRET=1 and triton installed), got tensors on {device}")
+        if dtype not in cpu_backend.SUPPORTED:
+            raise TypeError(f"backend='triton': expected hidden of dtype float32, bfloat16 or "
+                            f"float16, got {dtype}")
+        return _triton_backend()
     if name == "auto":
+        if device.type == "cuda" and dtype in cpu_backend.SUPPORTED and _has_triton():
+            return _triton_backend()
         if device.type == "cpu" and dtype in cpu_backend.SUPPORTED:
             if _CPU is not None:
                 return _CPU
             _warn_fallback_once()
         return _TORCH
-    raise ValueError(f"backend: {name!r} is not available in this build; expected 'auto', "
-                     "'torch' or 'cpu'")
+    raise ValueError(f"backend: expected 'auto', 'torch', 'cpu' or 'triton', got {name!r}")
 
 
-__all__ = ["Backend", "RowStats", "Workspace", "get_backend", "cpu_available"]
+__all__ = ["Backend", "RowStats", "Workspace", "get_backend", "cpu_available", "triton_usable"]

@@ -1,0 +1,130 @@
+"""Ahead-of-time compile every Triton kernel of gbc_kernels for real GPUs, without a GPU.
+
+    python -m gbc_kernels.aot --arch sm_80,sm_90
+
+For each kernel, each constexpr variant the library launches, and each architecture:
+``triton.compile`` to PTX and cubin, then ``cuobjdump --dump-resource-usage`` (shipped in
+Triton's wheel) for registers, local memory (register spills) and shared memory. Prints one row per (kernel, variant, arch); exits 1 when a kernel fails
+to compile or spills registers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _variants():
+    """(kernel, variant label, signature, constexprs, num_warps) for every launched variant."""
+    from .triton import kernels as K
+    from .triton.launch import MAX_BLOCK_V, TOKEN_BLOCK, num_warps
+
+    out = []
+    for dtype, want_ent, want_p2 in itertools.product(("fp32", "bf16", "fp16"), (False, True),
+                                                      (False, True)):
+        sig = {"logits_ptr": f"*{dtype}", "stride_row": "i64", "targets_ptr": "*i64",
+               "lse_ptr": "*fp32", "zmax_ptr": "*fp32", "tz_ptr": "*fp32", "ent_ptr": "*fp32",
+               "sp2_ptr": "*fp32", "V": "i32", "inv_temp": "fp32", "BLOCK_V": "constexpr",
+               "WANT_ENTROPY": "constexpr", "WANT_SUM_P2": "constexpr"}
+        const = {"BLOCK_V": MAX_BLOCK_V, "WANT_ENTROPY": want_ent, "WANT_SUM_P2": want_p2}
+        out.append((K.row_stats_kernel, f"{dtype} entropy={int(want_ent)} sum_p2={int(want_p2)}",
+                    sig, const, num_warps(MAX_BLOCK_V)))
+    for dtype, has_h in itertools.product(("fp32", "bf16", "fp16"), (False, True)):
+        sig = {"logits_ptr": f"*{dtype}", "stride_row": "i64", "targets_ptr": "*i64",
+               "lse_ptr": "*fp32", "ent_ptr": "*fp32", "g_ptr": "*fp32", "gh_ptr": "*fp32",
+               "V": "i32", "inv_temp": "fp32", "BLOCK_V": "constexpr", "HAS_ENTROPY": "constexpr"}
+        out.append((K.logit_grad_kernel, f"{dtype} entropy={int(has_h)}", sig,
+                    {"BLOCK_V": MAX_BLOCK_V, "HAS_ENTROPY": has_h}, num_warps(MAX_BLOCK_V)))
+    ptrs = ["tz_ptr", "lse_ptr", "ent_ptr", "w_ptr", "adv_ptr", "old_ptr", "ref_ptr", "ts_ptr",
+            "klw_ptr", "g_ptr", "gh_ptr", "wloss_ptr", "logp_ptr", "ratio_ptr", "advh_ptr",
+            "ar_ptr", "pold_ptr", "kl_ptr"]
+    sig = {p: "*fp32" for p in ptrs}
+    sig.update({"n": "i32", "eps_low": "fp32", "eps_high": "fp32", "clip_c": "fp32",
+                "kl_coef": "fp32", "entropy_coef": "fp32", "ar_alpha": "fp32", "eta": "fp32"})
+    flags = ["BLOCK", "HAS_OLD", "HAS_TS", "HAS_KLW", "HAS_KL", "KL_EST", "HAS_ENTROPY",
+             "HAS_AR", "HAS_DUAL", "PHASE"]
+    sig.update({f: "constexpr" for f in flags})
+    # Every flag on and off, every KL estimator, every phase (a covering set, not all 2^k).
+    base = dict(BLOCK=TOKEN_BLOCK, HAS_OLD=True, HAS_TS=False, HAS_KLW=False, HAS_KL=False,
+                KL_EST=2, HAS_ENTROPY=False, HAS_AR=False, HAS_DUAL=False, PHASE=0)
+    configs = [dict(base), dict(base, HAS_OLD=False)]
+    configs += [dict(base, HAS_KL=True, KL_EST=k, HAS_KLW=k == 1) for k in range(4)]
+    configs += [dict(base, HAS_ENTROPY=True), dict(base, HAS_AR=True, HAS_TS=True),
+                dict(base, HAS_DUAL=True), dict(base, PHASE=1), dict(base, PHASE=2)]
+    configs.append(dict(base, HAS_TS=True, HAS_KLW=True, HAS_KL=True, KL_EST=3,
+                        HAS_ENTROPY=True, HAS_AR=True, HAS_DUAL=True, PHASE=1))
+    for c in configs:
+        label = " ".join(f"{k}={int(v)}" for k, v in c.items() if k != "BLOCK" and v != base[k]) \
+            or "default"
+        out.append((K.policy_token_kernel, label, dict(sig), c, 4))
+    return out
+
+
+def _cuobjdump():
+    import triton.backends.nvidia as nv
+    return os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+
+
+def _resources(cubin: bytes):
+    """Registers, local memory (spills), shared memory of a cubin, by
+    ``cuobjdump --dump-resource-usage`` (shipped in Triton's wheel)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        r = subprocess.run([_cuobjdump(), "--dump-resource-usage", path], capture_output=True,
+                           text=True)
+    finally:
+        os.unlink(path)
+    field = lambda k: int(re.search(rf"\b{k}:(\d+)", r.stdout).group(1)) \
+        if re.search(rf"\b{k}:(\d+)", r.stdout) else -1
+    return field("REG"), field("LOCAL"), field("SHARED"), r.returncode
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="sm_80,sm_90")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("gbc_kernels.aot: unset TRITON_INTERPRET to compile", file=sys.stderr)
+        return 2
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from .triton.launch import COMPILE_OPTIONS   # the options the launches use
+    from triton.compiler import ASTSource
+
+    archs = [int(a.replace("sm_", "")) for a in args.arch.split(",")]
+    failures = 0
+    print(f"{'kernel':<22} {'variant':<58} {'arch':<6} {'regs':>5} {'local B':>8} "
+          f"{'smem B':>7} {'compile s':>9}")
+    for fn, label, sig, const, warps in _variants():
+        for arch in archs:
+            t0 = time.perf_counter()
+            try:
+                src = ASTSource(fn=fn, signature=sig, constexprs=const)
+                ck = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                    options={"num_warps": warps, **COMPILE_OPTIONS})
+                dt = time.perf_counter() - t0
+                regs, spill, smem, rc = _resources(ck.asm["cubin"])
+                bad = rc != 0 or regs < 0 or spill != 0
+                status = "" if not bad else ("  SPILLS" if spill > 0 else "  NO RESOURCE REPORT")
+            except Exception as exc:  # a compile failure is a result, reported per row
+                dt, regs, spill, smem, bad = time.perf_counter() - t0, -1, -1, -1, True
+                status = f"  FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+            failures += bad
+            print(f"{fn.__name__:<22} {label[:58]:<58} sm_{arch:<3} {regs:>5} {spill:>8} "
+                  f"{smem:>7} {dt:>9.2f}{status}", flush=True)
+    print(f"{failures} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
