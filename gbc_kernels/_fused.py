@@ -64,13 +64,15 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     def take(t):
         return None if t is None else t.reshape(-1)[idx].to(ct)
 
-    h = hidden2d.index_select(0, idx)
+    # no [n, H] copies: each chunk gathers its rows and scatters its hidden gradient
+    dense = n == hidden2d.shape[0]          # nothing masked out: chunks are plain views
     y = inp.targets.index_select(0, idx)
     adv, old, ref = take(inp.advantages), take(inp.old_logp), take(inp.ref_logp)
     tscale, klw = take(inp.token_scale), take(inp.kl_weight)
 
     need_grad = need_dh or need_dw or need_db
-    grad_h = torch.empty_like(h) if need_dh else None
+    grad_h = (torch.empty_like(hidden2d) if dense else torch.zeros_like(hidden2d)) \
+        if need_dh else None
     # grad_weight: the first chunk writes it (beta = 0), later chunks accumulate
     grad_w = torch.empty_like(weight) if need_dw else None
     grad_b = torch.zeros(V, device=device, dtype=torch.float32) if need_db else None
@@ -82,7 +84,8 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     logps, ents, sump2s, gs, parts = [], [], [], [], []
     for s in range(0, n, rows):
         e = min(n, s + rows)
-        hc, yc, lg = h[s:e], y[s:e], buf[: e - s]
+        hc = hidden2d[s:e] if dense else hidden2d.index_select(0, idx[s:e])
+        yc, lg = y[s:e], buf[: e - s]
         _chunking.project(hc, weight, bias, lg)
         sl = slice(s, e)
         cut = (lambda t: None if t is None else t[sl])
@@ -95,7 +98,10 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
             ents.append(res.entropy)
         if need_grad:
             if need_dh:
-                torch.mm(lg, weight, out=grad_h[s:e])
+                if dense:
+                    torch.mm(lg, weight, out=grad_h[s:e])
+                else:
+                    grad_h.index_copy_(0, idx[s:e], torch.mm(lg, weight))
             if need_dw:
                 if s == 0:
                     torch.mm(lg.t(), hc, out=grad_w)
@@ -123,10 +129,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     full_logp = torch.zeros(mflat.numel(), device=device, dtype=torch.float32)
     inp.logp = full_logp.index_copy_(0, idx, logp.float()).view_as(inp.mask)
 
-    gh_full = None
-    if need_dh:
-        gh_full = torch.zeros_like(hidden2d).index_copy_(0, idx, grad_h)
-    return loss, gh_full, grad_w, None if grad_b is None else grad_b.to(bias.dtype)
+    return loss, grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype)
 
 
 def _empty_metrics(cfg, device):

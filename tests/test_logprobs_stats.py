@@ -124,3 +124,21 @@ def test_extreme_logits_and_p_to_one(backend, huge):
         assert torch.allclose(a, t, rtol=1e-5, atol=1e-3)
         assert torch.allclose(ea, et, atol=1e-4)
         assert torch.allclose(ga, gt, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("V", [4097, 262147])
+def test_large_vocab_not_multiple_of_tile(backend, V):
+    """V past one tile (4096) and past 2^18, not a multiple of any block."""
+    if backend == "torch" and V > 10000:
+        pytest.skip("covered by the kernels; the torch path has no tiles")
+    h, w, b, y = _inputs(3, 8, V, torch.float32, V, scale=4.0)
+    y[0] = V - 1                      # the last column, in the masked tail tile
+    hh = h.clone().requires_grad_(True)
+    logp, ent = gbc.fused_linear_logprobs(hh, w, y, b, return_entropy=True, backend=backend)
+    (logp.sum() - 0.5 * ent.sum()).backward()
+    h64 = h.double().requires_grad_(True)
+    tl_, te = ref.fused_linear_logprobs(h64, w.double(), y, b.double(), return_entropy=True)
+    (tl_.sum() - 0.5 * te.sum()).backward()
+    assert torch.allclose(logp.double(), tl_, atol=2e-5, rtol=1e-5)
+    assert torch.allclose(ent.double(), te, atol=2e-4, rtol=1e-5)
+    assert max_rel_err(hh.grad, h64.grad) < 1e-4

@@ -1,0 +1,108 @@
+"""GPU benchmark of the fused GRPO loss (forward + backward), ready for the day a GPU is at hand.
+
+Providers on the same inputs (bf16 by default):
+  floor           cuBLAS alone: the three matmuls (logits, grad-hidden, grad-weight)
+  gbc_triton      gbc_kernels, backend="triton"
+  liger_chunked   Liger-Kernel LigerFusedLinearGRPOLoss (chunked, torch.compile'd)
+  liger_triton    Liger's Triton grpo_loss given materialised logits (+ the lm_head matmul)
+  plain_torch     full logits + log_softmax + autograd (what TRL does)
+Shapes: Qwen2.5-7B (H=3584, V=151936) and Llama-3-8B (H=4096, V=128256), N in {4096, 8192}.
+
+    python benchmarks/bench_gpu.py [--N 4096,8192] [--dtype bfloat16]
+
+Time by triton.testing.do_bench (median, p20, p80); memory by torch.cuda.max_memory_allocated
+beyond the inputs. Appends to benchmarks/results/gpu.csv. See docs/kernels.md for the byte and
+FLOP counts and the H100 roofline these numbers should be judged against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+SHAPES = {"qwen2.5-7b": (3584, 151936), "llama3-8b": (4096, 128256)}
+
+
+def providers(c):
+    from _common import make_provider, plain_torch_loss, BETA, EPS
+    import gbc_kernels as gbc
+
+    cfg = gbc.PolicyLossConfig(epsilon_low=EPS, epsilon_high=EPS, kl_coef=BETA)
+    out = {"floor": make_provider("floor", c), "plain_torch": make_provider("plain_torch", c)}
+
+    def ours():
+        loss, _ = gbc.fused_linear_policy_loss(c["hidden"], c["weight"], c["targets"], c["mask"],
+                                               c["adv"], c["old"], c["ref"], config=cfg,
+                                               backend="triton")
+        loss.backward()
+    out["gbc_triton"] = ours
+    out["liger_chunked"] = make_provider("liger_compiled", c)
+
+    def liger_triton():
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+        logits = c["hidden"] @ c["weight"].T
+        # Liger's kernel expects logits for T+1 positions; pad one row as it does in TRL
+        logits = torch.cat([logits, logits[:, -1:]], dim=1)
+        out = triton_grpo_loss(logits, c["old"], c["ref"], c["targets"], c["adv"],
+                               c["mask"].int(), temperature=1.0, beta=BETA, eps_low=EPS,
+                               eps_high=EPS, inplace=True, loss_type="bnpo", reduce=True)
+        loss = out[0] if isinstance(out, tuple) else out
+        loss.backward()
+    out["liger_triton"] = liger_triton
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--N", default="4096,8192")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "gpu.csv"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_gpu.py: no CUDA device here; nothing to measure")
+        return 0
+    import triton.testing
+    from _common import append_rows, now, setup_case
+    import gbc_kernels
+
+    stamp, dev = now(), torch.cuda.get_device_name()
+    for name, (H, V) in SHAPES.items():
+        for N in (int(x) for x in args.N.split(",")):
+            c = setup_case(N, H, V, getattr(torch, args.dtype))
+            c = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in c.items()}
+            c["hidden"] = c["hidden"].detach().requires_grad_(True)
+            c["weight"] = c["weight"].detach().requires_grad_(True)
+            rows, floor = [], None
+            for prov, fn in providers(c).items():
+                try:
+                    fn()
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    ms = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8],
+                                                 grad_to_none=[c["hidden"], c["weight"]])
+                    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+                    floor = ms[0] if prov == "floor" else floor
+                    status = "ok"
+                except Exception as exc:
+                    ms, peak, status = [float("nan")] * 3, float("nan"), f"error: {exc}"[:120]
+                rows.append(dict(provider=prov, mode="fwd+bwd", shape=f"{name},N={N}",
+                                 dtype=args.dtype, device=dev, status=status,
+                                 median_ms=f"{ms[0]:.3f}", p20_ms=f"{ms[1]:.3f}",
+                                 p80_ms=f"{ms[2]:.3f}", peak_extra_mb=f"{peak:.0f}",
+                                 ratio_to_floor=f"{ms[0] / floor:.3f}" if floor else "",
+                                 version=gbc_kernels.__version__, timestamp=stamp))
+                print(rows[-1], flush=True)
+            append_rows(args.out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,447 @@
+"""A minimal, readable GRPO trainer over any transformers causal LM, with the gbc_kernels loss.
+
+Default (CPU, a few minutes): a tiny Qwen2 learns N-digit addition by supervised warm-up, then
+GRPO on N+1 digits raises its accuracy there.
+
+    python examples/grpo_trainer.py                       # the README's main job
+    python examples/grpo_trainer.py --parity --steps 4    # fused loss vs gbc_reference each step
+    python examples/grpo_trainer.py --compare             # GRPO vs +AR vs +Lopti vs +AR+Lopti
+    python examples/grpo_trainer.py --task kk --model PATH   # K&K with a real local model
+
+Per RL step: sample G completions per prompt; reward; group advantages; an old-policy pass
+(old log-probs, NTHR's token scale); a reference pass (ref log-probs, certainty -> critical-token
+KL weights); the loss from gbc_kernels (``--loss fused``) or gbc_reference (``--loss reference``);
+Lopti's two phases with an optimizer step after each; AdamW. Writes metrics.jsonl, curves.png
+(and parity.json / compare.png) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import gbc_kernels as gbc                         # noqa: E402
+import gbc_reference                              # noqa: E402
+from gbc_kernels.integrations import hf           # noqa: E402
+from grpo_tasks import AdditionTask, CharTokenizer, KKTask   # noqa: E402
+
+
+def build_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", choices=["add", "kk"], default="add")
+    ap.add_argument("--model", default=None, help="local HF causal LM (default: tiny Qwen2)")
+    ap.add_argument("--digits", type=int, default=2, help="warm-up digits; RL uses digits+1")
+    ap.add_argument("--sft-steps", type=int, default=500)
+    ap.add_argument("--sft-mix", type=float, default=0.1,
+                    help="share of (digits+1)-digit sums in the warm-up (a pretrained model has "
+                         "seen a few of the harder task)")
+    ap.add_argument("--steps", type=int, default=60, help="RL steps")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per RL step")
+    ap.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--sft-lr", type=float, default=3e-3)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--loss", choices=["fused", "reference"], default="fused")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--loss-agg", default="token-mean")
+    ap.add_argument("--epsilon-low", type=float, default=0.2)
+    ap.add_argument("--epsilon-high", type=float, default=0.28)
+    ap.add_argument("--kl-coef", type=float, default=0.0)
+    ap.add_argument("--kl-estimator", default="k2")
+    ap.add_argument("--entropy-coef", type=float, default=0.0)
+    ap.add_argument("--ar-alpha", type=float, default=0.0, help="Advantage Reweighting alpha")
+    ap.add_argument("--lopti-eta", type=float, default=None, help="Lopti threshold (on)")
+    ap.add_argument("--lopti-order", default="low-first", choices=["low-first", "high-first"])
+    ap.add_argument("--nthr", action="store_true", help="NTHR token scale on negatives")
+    ap.add_argument("--nthr-beta", type=float, default=1.0)
+    ap.add_argument("--critical-kl-exponent", type=float, default=None,
+                    help="critical-token KL weights (J**gamma); needs --kl-coef")
+    ap.add_argument("--critical-kl-certainty", default="max_prob", choices=["max_prob", "entropy"])
+    ap.add_argument("--critical-kl-temperature", type=float, default=1.0)
+    ap.add_argument("--parity", action="store_true",
+                    help="every step: fused vs reference loss and gradients (all methods on)")
+    ap.add_argument("--compare", action="store_true",
+                    help="GRPO vs +AR vs +Lopti vs +AR+Lopti over --seeds")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--eval-size", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="runs/grpo")
+    ap.add_argument("--quiet", action="store_true")
+    return ap.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# model, sampling, evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+def tiny_qwen2(vocab_size: int, seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=384,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, tie_word_embeddings=False,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return Qwen2ForCausalLM(cfg)
+
+
+@torch.no_grad()
+def sample(model, prompts, group, max_new, temperature, eos, pad, greedy=False):
+    model.eval()
+    ids = prompts.repeat_interleave(group, 0)
+    out = model.generate(ids, attention_mask=(ids != pad).long(), max_new_tokens=max_new,
+                         do_sample=not greedy, temperature=temperature if not greedy else None,
+                         top_k=0 if not greedy else None, top_p=None, eos_token_id=eos,
+                         pad_token_id=pad)
+    return ids, out[:, ids.shape[1]:]
+
+
+def completion_mask(completions, eos, pad):
+    """1 on completion tokens up to and including the first EOS."""
+    is_end = (completions == eos) | (completions == pad)
+    after = torch.cumsum(is_end.long(), 1) - is_end.long()   # ends strictly before t
+    return (after == 0) & ((completions != pad) | (completions == eos))
+
+
+@torch.no_grad()
+def evaluate(model, task, tok, n, seed):
+    batch = task.sample(n, random.Random(10_000 + seed))
+    _, comp = sample(model, batch.prompts, 1, task.max_answer_tokens, 1.0, tok.eos_token_id,
+                     tok.pad_token_id, greedy=True)
+    texts = [tok.decode(c) for c in comp]
+    return float(task.score(texts, batch, 1)[1].float().mean())
+
+
+def sft(model, task, args, log, harder=None):
+    """Supervised warm-up on N-digit sums (and a ``--sft-mix`` share of N+1-digit ones) with
+    -logp from gbc.fused_linear_logprobs."""
+    opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / max(1, args.sft_steps)))
+    rng = random.Random(args.seed)
+    head = hf.lm_head(model)
+    model.train()
+    for step in range(args.sft_steps):
+        t = harder if harder is not None and rng.random() < args.sft_mix else task
+        ids, mask = t.sft_batch(64, rng)
+        h = hf.completion_hidden(model, ids)
+        logp, _ = gbc.fused_linear_logprobs(h[mask], head.weight, ids[:, 1:][mask], head.bias,
+                                            backend=args.backend)
+        loss = -logp.mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == args.sft_steps - 1:
+            log(f"sft step {step:4d}  nll {float(loss.detach()):.4f}")
+
+
+# ---------------------------------------------------------------------------------------------
+# one RL step
+# ---------------------------------------------------------------------------------------------
+
+
+def loss_config(args, lib):
+    return lib.PolicyLossConfig(epsilon_low=args.epsilon_low, epsilon_high=args.epsilon_high,
+                                loss_agg=args.loss_agg, temperature=args.temperature,
+                                kl_coef=args.kl_coef, kl_estimator=args.kl_estimator,
+                                entropy_coef=args.entropy_coef, ar_alpha=args.ar_alpha,
+                                lopti_eta=args.lopti_eta,
+                                max_len=args.max_len if args.loss_agg in
+                                ("dr_grpo", "seq-mean-token-sum-norm") else None)
+
+
+def rollout(model, ref_model, task, tok, args, rng):
+    """Sample, score, and run the old-policy and reference passes (no grad)."""
+    batch = task.sample(args.prompts, rng)
+    prompt_ids, comp = sample(model, batch.prompts, args.group, task.max_answer_tokens,
+                              args.temperature, tok.eos_token_id, tok.pad_token_id)
+    texts = [tok.decode(c) for c in comp]
+    rewards, correct = task.score(texts, batch, args.group)
+    group_ids = torch.arange(args.prompts).repeat_interleave(args.group)
+    adv = gbc.group_advantages(rewards, group_ids)
+    seq = torch.cat([prompt_ids, comp], 1)
+    attn = (seq != tok.pad_token_id).long()
+    attn[:, prompt_ids.shape[1]:] = 1
+    Lp = prompt_ids.shape[1]
+    targets = seq[:, 1:]
+    mask = torch.zeros_like(targets, dtype=torch.bool)
+    mask[:, Lp - 1:] = completion_mask(comp, tok.eos_token_id, tok.pad_token_id)
+    head = hf.lm_head(model)
+    with torch.no_grad():
+        model.eval()
+        h_old = hf.completion_hidden(model, seq, attn)
+        old = gbc.token_stats(h_old, head.weight, targets, head.bias,
+                              temperature=args.temperature, backend=args.backend)
+        token_scale, nthr_metrics = None, {}
+        if args.nthr:
+            res = gbc.nthr_scale(h_old, head.weight, targets, mask, group_ids, correct,
+                                 bias=head.bias, temperature=args.temperature,
+                                 beta=args.nthr_beta, backend=args.backend)
+            token_scale = res.scale
+            nthr_metrics = {k: float(v) for k, v in res.metrics(correct, mask).items()}
+        ref_logp, kl_weight = None, None
+        if args.kl_coef != 0.0:
+            rhead = hf.lm_head(ref_model)
+            h_ref = hf.completion_hidden(ref_model, seq, attn)
+            crit = args.critical_kl_exponent is not None
+            st = gbc.token_stats(h_ref, rhead.weight, targets, rhead.bias,
+                                 temperature=args.temperature,
+                                 certainty=args.critical_kl_certainty if crit else None,
+                                 certainty_temperature=args.critical_kl_temperature,
+                                 backend=args.backend)
+            ref_logp = st.logp
+            if crit:
+                kl_weight = gbc.critical_kl_weight(st.certainty, args.critical_kl_exponent)
+                nthr_metrics["critical_kl_weight_mean"] = float(kl_weight[mask].mean()) \
+                    if mask.any() else 0.0
+    model.train()
+    return dict(seq=seq, attn=attn, targets=targets, mask=mask, adv=adv,
+                old_logp=old.logp, ref_logp=ref_logp, token_scale=token_scale,
+                kl_weight=kl_weight, rewards=rewards, correct=correct, extra=nthr_metrics)
+
+
+def policy_loss(model, roll, args, phase, lib):
+    head = hf.lm_head(model)
+    h = hf.completion_hidden(model, roll["seq"], roll["attn"])
+    kw = {} if lib is gbc_reference else {"backend": args.backend}
+    return lib.fused_linear_policy_loss(
+        h, head.weight, roll["targets"], roll["mask"], roll["adv"], old_logp=roll["old_logp"],
+        ref_logp=roll["ref_logp"], bias=head.bias, token_scale=roll["token_scale"],
+        kl_weight=roll["kl_weight"], config=loss_config(args, lib), phase=phase, **kw)
+
+
+def parity_check(model, roll, args, phase, record):
+    """Fused and reference loss + gradients on the same batch and parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = {}
+    for name, lib in (("fused", gbc), ("reference", gbc_reference)):
+        loss, _ = policy_loss(model, roll, args, phase, lib)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        out[name] = (float(loss), [torch.zeros_like(p) if g is None else g
+                                   for p, g in zip(params, grads)])
+    (lf, gf), (lr_, gr) = out["fused"], out["reference"]
+    rel = max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+              for a, b in zip(gf, gr) if b.abs().max() > 0)
+    record["max_rel_grad_diff"] = max(record["max_rel_grad_diff"], rel)
+    record["max_abs_loss_diff"] = max(record["max_abs_loss_diff"], abs(lf - lr_))
+    record["checks"] += 1
+
+
+def rl_step(model, opt, roll, args, parity_record=None):
+    lib = gbc if args.loss == "fused" else gbc_reference
+    phases = ([None] if args.lopti_eta is None else
+              (["low", "high"] if args.lopti_order == "low-first" else ["high", "low"]))
+    results = []
+
+    def compute(phase):
+        if parity_record is not None:
+            parity_check(model, roll, args, phase, parity_record)
+        return policy_loss(model, roll, args, phase, lib)
+
+    if args.lopti_eta is None:
+        opt.zero_grad(set_to_none=True)
+        loss, metrics = compute(None)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        results.append((loss, metrics))
+    else:
+        clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        results = gbc.lopti_phases(compute, opt, order=args.lopti_order, before_step=clip)
+    loss = sum(float(l) for l, _ in results)
+    metrics = {k: float(v) for k, v in results[0][1].items()}   # phase-independent metrics
+    metrics["grad_share_low"] = float(results[0][1].get("grad_share_low", float("nan")))
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# runs
+# ---------------------------------------------------------------------------------------------
+
+
+def setup(args):
+    if args.task == "add":
+        tok = CharTokenizer()
+        model = tiny_qwen2(tok.vocab_size, args.seed)
+        return tok, model, AdditionTask(args.digits, tok), AdditionTask(args.digits + 1, tok)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if args.model is None:
+        raise SystemExit("--task kk needs --model PATH (a local Hugging Face causal LM)")
+    tok = AutoTokenizer.from_pretrained(args.model)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
+    tok.decode_ = tok.decode
+    tok.decode = lambda ids: tok.decode_(ids, skip_special_tokens=True)
+    return tok, model, None, KKTask(tok, seed=args.seed)
+
+
+def train(args, log=print, model=None, tok=None, tasks=None):
+    """SFT warm-up (addition) then GRPO. Returns the list of per-step metric dicts."""
+    os.makedirs(args.out, exist_ok=True)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    if model is None:
+        tok, model, sft_task, rl_task = setup(args)
+        if sft_task is not None and args.sft_steps:
+            sft(model, sft_task, args, log, harder=rl_task)
+    else:
+        sft_task, rl_task = tasks
+    args.max_len = rl_task.max_answer_tokens
+    ref_model = copy.deepcopy(model).eval()
+    for p in ref_model.parameters():
+        p.requires_grad_(False)
+    acc0 = evaluate(model, rl_task, tok, args.eval_size, args.seed) if args.task == "add" else None
+    if acc0 is not None:
+        log(f"RL task ({rl_task.digits}-digit) greedy accuracy before RL: {acc0:.3f}")
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    rng = random.Random(args.seed + 1)
+    parity = dict(steps=0, checks=0, max_rel_grad_diff=0.0, max_abs_loss_diff=0.0) \
+        if args.parity else None
+    history = []
+    from tqdm import tqdm
+    bar = tqdm(range(args.steps), disable=args.quiet, desc="GRPO", dynamic_ncols=True)
+    with open(os.path.join(args.out, "metrics.jsonl"), "w") as f:
+        for step in bar:
+            t0 = time.time()
+            roll = rollout(model, ref_model, rl_task, tok, args, rng)
+            loss, metrics = rl_step(model, opt, roll, args, parity)
+            row = dict(step=step, reward=float(roll["rewards"].mean()),
+                       accuracy=float(roll["correct"].float().mean()), loss=loss,
+                       seconds=time.time() - t0, **metrics, **roll["extra"])
+            if parity is not None:
+                parity["steps"] = step + 1
+            history.append(row)
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row['accuracy']:.2f}",
+                            loss=f"{loss:+.4f}")
+    if args.task == "add":
+        acc1 = evaluate(model, rl_task, tok, args.eval_size, args.seed)
+        log(f"RL task greedy accuracy: before {acc0:.3f} -> after {acc1:.3f}")
+        history.append(dict(eval_before=acc0, eval_after=acc1))
+    plot_curves(history, os.path.join(args.out, "curves.png"))
+    if parity is not None:
+        parity["features"] = [k for k, on in (("ar", args.ar_alpha != 0.0),
+                                              ("lopti", args.lopti_eta is not None),
+                                              ("nthr", args.nthr),
+                                              ("critical_kl", args.critical_kl_exponent is not None))
+                              if on]
+        with open(os.path.join(args.out, "parity.json"), "w") as f:
+            json.dump(parity, f, indent=2)
+        log(f"parity: {json.dumps(parity)}")
+        ok = parity["max_rel_grad_diff"] <= 1e-4 and parity["max_abs_loss_diff"] <= 1e-5
+        if not ok:
+            raise SystemExit("parity FAILED: fused and reference differ beyond fp32 tolerance "
+                             "(1e-4 relative on gradients, 1e-5 absolute on the loss)")
+    return history
+
+
+def smooth(xs, k=5):
+    return [sum(xs[max(0, i - k + 1):i + 1]) / len(xs[max(0, i - k + 1):i + 1])
+            for i in range(len(xs))]
+
+
+def plot_curves(history, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps = [h for h in history if "step" in h]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    ax[0].plot([h["reward"] for h in steps], alpha=0.3, color="C0")
+    ax[0].plot(smooth([h["reward"] for h in steps]), color="C0", label="reward")
+    ax[0].plot(smooth([h["accuracy"] for h in steps]), color="C1", label="accuracy (sampled)")
+    ax[0].set_xlabel("RL step")
+    ax[0].legend()
+    ax[1].plot([h["grad_share_low"] for h in steps], color="C2")
+    ax[1].set_xlabel("RL step")
+    ax[1].set_title("grad_share_low (share of the policy-gradient norm on p_old < eta)",
+                    fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def compare(args):
+    """GRPO vs +AR vs +Lopti vs +AR+Lopti from the same initialisation, over several seeds."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    variants = {"GRPO": {}, "+AR": dict(ar_alpha=0.3), "+Lopti": dict(lopti_eta=0.5),
+                "+AR+Lopti": dict(ar_alpha=0.3, lopti_eta=0.5)}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    results = {v: [] for v in variants}
+    base_out = args.out
+    for seed in seeds:
+        a0 = copy.copy(args)
+        a0.seed, a0.out, a0.quiet = seed, os.path.join(base_out, f"sft-{seed}"), True
+        tok, model0, sft_task, rl_task = setup(a0)
+        sft(model0, sft_task, a0, lambda *_: None, harder=rl_task)
+        for name, over in variants.items():
+            a = copy.copy(args)
+            a.seed, a.quiet = seed, True
+            a.out = os.path.join(base_out, f"{name.strip('+').replace('+', '_')}-{seed}")
+            for k, v in over.items():
+                setattr(a, k, v)
+            hist = train(a, log=lambda *_: None, model=copy.deepcopy(model0), tok=tok,
+                         tasks=(sft_task, rl_task))
+            results[name].append(hist)
+            ev = hist[-1]
+            print(f"seed {seed} {name:>10}: eval accuracy {ev['eval_before']:.3f} -> "
+                  f"{ev['eval_after']:.3f}", flush=True)
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    summary = {}
+    for i, (name, runs) in enumerate(results.items()):
+        curves = [[h["reward"] for h in r if "step" in h] for r in runs]
+        mean = [sum(c[t] for c in curves) / len(curves) for t in range(len(curves[0]))]
+        share = [[h["grad_share_low"] for h in r if "step" in h] for r in runs]
+        mshare = [sum(c[t] for c in share) / len(share) for t in range(len(share[0]))]
+        ax[0].plot(smooth(mean), label=name, color=f"C{i}")
+        ax[1].plot(smooth(mshare), label=name, color=f"C{i}")
+        after = [r[-1]["eval_after"] for r in runs]
+        summary[name] = dict(eval_before=[r[-1]["eval_before"] for r in runs], eval_after=after,
+                             eval_after_mean=sum(after) / len(after),
+                             final_reward_mean=sum(mean[-10:]) / len(mean[-10:]),
+                             grad_share_low_mean=sum(mshare) / len(mshare))
+    ax[0].set_title(f"reward (mean of {len(seeds)} seeds, smoothed)")
+    ax[1].set_title("grad_share_low")
+    for a_ in ax:
+        a_.set_xlabel("RL step")
+        a_.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(base_out, "compare.png"), dpi=100)
+    with open(os.path.join(base_out, "compare.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(json.dumps(summary, indent=2))
+
+
+def main(argv=None):
+    args = build_args(argv)
+    if args.parity:
+        # every method on, so the parity covers them all
+        args.ar_alpha = args.ar_alpha or 0.3
+        args.lopti_eta = args.lopti_eta or 0.5
+        args.nthr = True
+        args.kl_coef = args.kl_coef or 0.05
+        args.critical_kl_exponent = args.critical_kl_exponent or 2.0
+        torch.set_default_dtype(torch.float32)
+    if args.compare:
+        return compare(args)
+    train(args)
+
+
+if __name__ == "__main__":
+    main()
