@@ -179,38 +179,27 @@ def rollout(model, ref_model, task, tok, args, rng):
     targets = seq[:, 1:]
     mask = torch.zeros_like(targets, dtype=torch.bool)
     mask[:, Lp - 1:] = completion_mask(comp, tok.eos_token_id, tok.pad_token_id)
-    head = hf.lm_head(model)
-    with torch.no_grad():
-        model.eval()
-        h_old = hf.completion_hidden(model, seq, attn)
-        old = gbc.token_stats(h_old, head.weight, targets, head.bias,
-                              temperature=args.temperature, backend=args.backend)
-        token_scale, nthr_metrics = None, {}
-        if args.nthr:
-            res = gbc.nthr_scale(h_old, head.weight, targets, mask, group_ids, correct,
-                                 bias=head.bias, temperature=args.temperature,
-                                 beta=args.nthr_beta, backend=args.backend)
-            token_scale = res.scale
-            nthr_metrics = {k: float(v) for k, v in res.metrics(correct, mask).items()}
-        ref_logp, kl_weight = None, None
-        if args.kl_coef != 0.0:
-            rhead = hf.lm_head(ref_model)
-            h_ref = hf.completion_hidden(ref_model, seq, attn)
-            crit = args.critical_kl_exponent is not None
-            st = gbc.token_stats(h_ref, rhead.weight, targets, rhead.bias,
-                                 temperature=args.temperature,
-                                 certainty=args.critical_kl_certainty if crit else None,
-                                 certainty_temperature=args.critical_kl_temperature,
-                                 backend=args.backend)
-            ref_logp = st.logp
-            if crit:
-                kl_weight = gbc.critical_kl_weight(st.certainty, args.critical_kl_exponent)
-                nthr_metrics["critical_kl_weight_mean"] = float(kl_weight[mask].mean()) \
-                    if mask.any() else 0.0
+    model.eval()
+    old = hf.old_policy_pass(model, seq, attn, targets, mask, group_ids, correct,
+                             temperature=args.temperature, nthr=args.nthr,
+                             nthr_beta=args.nthr_beta, backend=args.backend)
+    extra = {} if old.nthr is None else \
+        {k: float(v) for k, v in old.nthr.metrics(correct, mask).items()}
+    ref_logp = kl_weight = None
+    if args.kl_coef != 0.0:
+        ref = hf.reference_pass(ref_model, seq, attn, targets, temperature=args.temperature,
+                                critical_kl_exponent=args.critical_kl_exponent,
+                                certainty=args.critical_kl_certainty,
+                                certainty_temperature=args.critical_kl_temperature,
+                                backend=args.backend)
+        ref_logp, kl_weight = ref.ref_logp, ref.kl_weight
+        if kl_weight is not None:
+            extra["critical_kl_weight_mean"] = float(kl_weight[mask].mean()) if mask.any() \
+                else 0.0
     model.train()
     return dict(seq=seq, attn=attn, targets=targets, mask=mask, adv=adv,
-                old_logp=old.logp, ref_logp=ref_logp, token_scale=token_scale,
-                kl_weight=kl_weight, rewards=rewards, correct=correct, extra=nthr_metrics)
+                old_logp=old.old_logp, ref_logp=ref_logp, token_scale=old.token_scale,
+                kl_weight=kl_weight, rewards=rewards, correct=correct, extra=extra)
 
 
 def policy_loss(model, roll, args, phase, lib):
@@ -230,11 +219,14 @@ def parity_check(model, roll, args, phase, record):
     for name, lib in (("fused", gbc), ("reference", gbc_reference)):
         loss, _ = policy_loss(model, roll, args, phase, lib)
         grads = torch.autograd.grad(loss, params, allow_unused=True)
-        out[name] = (float(loss), [torch.zeros_like(p) if g is None else g
+        out[name] = (float(loss.detach()), [torch.zeros_like(p) if g is None else g
                                    for p, g in zip(params, grads)])
     (lf, gf), (lr_, gr) = out["fused"], out["reference"]
-    rel = max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
-              for a, b in zip(gf, gr) if b.abs().max() > 0)
+    # relative to the larger of the two gradients (0 when both vanish, e.g. a group whose
+    # rewards are all equal and no KL yet)
+    rel = max((float((a - b).abs().max() / torch.maximum(a.abs().max(), b.abs().max()))
+               for a, b in zip(gf, gr) if torch.maximum(a.abs().max(), b.abs().max()) > 0),
+              default=0.0)
     record["max_rel_grad_diff"] = max(record["max_rel_grad_diff"], rel)
     record["max_abs_loss_diff"] = max(record["max_abs_loss_diff"], abs(lf - lr_))
     record["checks"] += 1
@@ -261,7 +253,7 @@ def rl_step(model, opt, roll, args, parity_record=None):
     else:
         clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         results = gbc.lopti_phases(compute, opt, order=args.lopti_order, before_step=clip)
-    loss = sum(float(l) for l, _ in results)
+    loss = sum(float(l.detach()) for l, _ in results)
     metrics = {k: float(v) for k, v in results[0][1].items()}   # phase-independent metrics
     metrics["grad_share_low"] = float(results[0][1].get("grad_share_low", float("nan")))
     return loss, metrics

@@ -52,12 +52,16 @@ def _error_chunks(h, w_v, b_v, lse, col, inv_temp, rows):
 
 @torch.no_grad()
 def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, temperature=1.0,
-               beta=1.0, eta="auto", backend="auto") -> NTHRResult:
+               beta=1.0, eta="auto", backend="auto", logp=None) -> NTHRResult:
     """Per-token advantage scale of NTHR (SPEC §4), from the old policy's hidden states.
 
     hidden: [B, T, H]; weight: [V, H]; targets, mask: [B, T]; group_ids: [B] integer (groups
     may be non-contiguous and of any size); correct: [B] bool (binary reward).
     ``eta="auto"``: ``eta_g = 2 |0.5 - p|`` with p the group's share of correct responses.
+    ``logp``: optional [B, T] log-probs of ``targets`` from the same old-policy pass (what
+    ``token_stats`` returns as ``old_logp``). Given, the full-vocabulary LSE is recovered as
+    ``z[y] - logp`` (O(N H)) instead of a streaming pass over the vocabulary (O(N H V)), which
+    makes NTHR cost only its restricted matmuls.
     """
     V.check_backend(backend)
     _check_lm_head(hidden, weight, bias)
@@ -75,6 +79,9 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
         raise TypeError(f"beta: expected a float, got {type(beta).__name__}")
     safe = V.check_targets(targets, weight.shape[0], m).reshape(-1)
     correct = correct.bool()
+    if logp is not None:
+        V.check_tensor("logp", logp, shape=(B, T), floating=True, device=device)
+        V.check_finite("logp", logp, m)
 
     scale = torch.ones(B * T, device=device, dtype=torch.float32)
     selected = torch.zeros(B * T, device=device, dtype=torch.bool)
@@ -103,8 +110,15 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
             continue
         y = safe[tok]
         h = h_all.index_select(0, tok)
-        # full-vocabulary LSE of these tokens (streaming pass of the backend)
-        _, _, lse, _ = stats_sweep(h, weight, bias, y, be, temperature, False)
+        if logp is not None:
+            # LSE = z[y] - logp from the old-policy pass: one dot product per token
+            zy = (h.float() * weight.index_select(0, y).float()).sum(-1)
+            if bias is not None:
+                zy = zy + bias.index_select(0, y).float()
+            lse = zy / temperature - logp.reshape(-1)[tok].float()
+        else:
+            # full-vocabulary LSE of these tokens (streaming pass of the backend)
+            _, _, lse, _ = stats_sweep(h, weight, bias, y, be, temperature, False)
         vstar, col = torch.unique(y, return_inverse=True)
         w_v = weight.index_select(0, vstar).float()
         b_v = None if bias is None else bias.index_select(0, vstar).float()

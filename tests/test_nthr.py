@@ -102,3 +102,52 @@ def test_nthr_single_token_responses_and_bf16(backend):
            for k, v in d.items()}
     truth = call(ref, d64, beta=1.0)
     _compare(ours, truth, d["mask"], tol=2e-2)
+
+
+def test_nthr_with_old_logp_shortcut_matches(backend):
+    """Passing the old-policy pass's logp (LSE = z[y] - logp) gives the same result."""
+    d = make_groups([4, 4, 4], seed=8)
+    st = gbc.token_stats(d["hidden"], d["weight"], d["targets"], d["bias"])
+    a = call(gbc, d, backend=backend)
+    b = call(gbc, d, backend=backend, logp=st.logp)
+    assert torch.allclose(a.scores, b.scores, atol=1e-4 * float(a.scores.abs().max()))
+    assert a.thresholds.keys() == b.thresholds.keys()
+
+
+def test_selected_tokens_most_lower_the_correct_likelihood():
+    """The paper's claim on a tiny model (lm_head trained, hidden states fixed), float64: one SGD
+    step penalising a negative token t (loss = +logp_t) changes the correct responses' total
+    log-likelihood by about -lr * s_t, so the tokens NTHR selects (s > tau) are those whose
+    penalty lowers it most."""
+    d = make_groups([8], T=6, H=10, V=30, shared_vocab=8, seed=12, dtype=torch.float64,
+                    correct=torch.tensor([1, 1, 1, 0, 0, 0, 0, 0]).bool(), shuffle=False)
+    h, w0, b, y, m, cor = (d[k] for k in ("hidden", "weight", "bias", "targets", "mask",
+                                          "correct"))
+    # beta = 0 (the paper's other setting): selected <=> s > 0, i.e. penalising the token is
+    # predicted to lower the correct responses' likelihood
+    res = ref.nthr_scale(h, w0, y, m, d["group_ids"], cor, bias=b, beta=0.0)
+
+    def pos_loglik(w):
+        lp = torch.log_softmax(h @ w.T + b, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        return lp[cor][m[cor]].sum()
+
+    lr, drops, scores, sel = 1e-4, [], [], []
+    base = pos_loglik(w0)
+    for bi in (~cor).nonzero().flatten().tolist():
+        for t in m[bi].nonzero().flatten().tolist():
+            w = w0.clone().requires_grad_(True)
+            lp_t = torch.log_softmax(h[bi, t] @ w.T + b, -1)[y[bi, t]]
+            g, = torch.autograd.grad(lp_t, w)          # gradient of the penalty +logp_t
+            with torch.no_grad():
+                drops.append(float(base - pos_loglik(w0 - lr * g)))
+            scores.append(float(res.scores[bi, t]))
+            sel.append(bool(res.selected[bi, t]))
+    drops, scores, sel = torch.tensor(drops), torch.tensor(scores), torch.tensor(sel)
+    assert sel.any() and (~sel).any()
+    # drop ~ lr * s (restricted to V*, the first-order effect): strongly correlated
+    corr = torch.corrcoef(torch.stack([drops, scores]))[0, 1]
+    assert corr > 0.95, corr
+    # selected tokens' penalties lower the correct likelihood, the others' do not (beyond the
+    # second-order and out-of-V* terms), and on average far more
+    assert (drops[sel] > 0).float().mean() > 0.9
+    assert drops[sel].mean() > drops[~sel].mean() + 0.5 * drops.abs().mean()

@@ -52,3 +52,55 @@ def hidden_states(model, input_ids, attention_mask=None, logits_to_keep: int = 0
 def completion_hidden(model, input_ids, attention_mask=None) -> torch.Tensor:
     """Hidden states that predict ``input_ids[:, 1:]``: ``[B, L-1, H]``."""
     return hidden_states(model, input_ids, attention_mask)[:, :-1]
+
+
+class OldPolicyPass(NamedTuple):
+    old_logp: torch.Tensor                 # [B, T] float32
+    token_scale: Optional[torch.Tensor]    # [B, T] NTHR scale (None when NTHR is off)
+    nthr: object                           # gbc_kernels.NTHRResult or None
+
+
+class ReferencePass(NamedTuple):
+    ref_logp: torch.Tensor                 # [B, T] float32
+    kl_weight: Optional[torch.Tensor]      # [B, T] critical-token KL weights (None when off)
+    certainty: Optional[torch.Tensor]
+
+
+@torch.no_grad()
+def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=None,
+                    correct=None, temperature=1.0, nthr=False, nthr_beta=1.0, nthr_eta="auto",
+                    backend="auto") -> OldPolicyPass:
+    """The rollout policy's pass of an RL step: ``old_logp`` of ``targets = input_ids[:, 1:]``
+    and, with ``nthr=True``, NTHR's token scale from the same hidden states (SPEC §4)."""
+    import gbc_kernels as gbc
+
+    head = lm_head(model)
+    h = completion_hidden(model, input_ids, attention_mask)
+    st = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temperature,
+                         backend=backend)
+    res = None
+    if nthr:
+        if group_ids is None or correct is None:
+            raise ValueError("group_ids, correct: required when nthr=True")
+        res = gbc.nthr_scale(h, head.weight, targets, mask, group_ids, correct, bias=head.bias,
+                             temperature=temperature, beta=nthr_beta, eta=nthr_eta,
+                             backend=backend, logp=st.logp)
+    return OldPolicyPass(st.logp, None if res is None else res.scale, res)
+
+
+@torch.no_grad()
+def reference_pass(ref_model, input_ids, attention_mask, targets, temperature=1.0,
+                   critical_kl_exponent=None, certainty="max_prob", certainty_temperature=1.0,
+                   intercept=0.0, backend="auto") -> ReferencePass:
+    """The frozen reference model's pass: ``ref_logp`` and, with ``critical_kl_exponent`` set,
+    the critical-token KL weights ``(1 - c) J**gamma + c`` from its certainty (SPEC §5)."""
+    import gbc_kernels as gbc
+
+    head = lm_head(ref_model)
+    h = completion_hidden(ref_model, input_ids, attention_mask)
+    crit = critical_kl_exponent is not None
+    st = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temperature,
+                         certainty=certainty if crit else None,
+                         certainty_temperature=certainty_temperature, backend=backend)
+    w = gbc.critical_kl_weight(st.certainty, critical_kl_exponent, intercept) if crit else None
+    return ReferencePass(st.logp, w, st.certainty)

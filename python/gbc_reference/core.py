@@ -320,7 +320,7 @@ class NTHRResult(NamedTuple):
 
 @torch.no_grad()
 def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, temperature=1.0,
-               beta=1.0, eta="auto", backend="auto"):
+               beta=1.0, eta="auto", backend="auto", logp=None):
     """§4 Negative Token Hidden Reward, with the full logits.
 
     For every group with both correct and incorrect responses:
@@ -330,6 +330,8 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
       s    = e^T M+ h                                    per masked token
       tau  = beta * min over correct responses of mean_t s
       incorrect tokens with s > tau get scale eta_g (2|0.5 - p| for eta="auto").
+
+    ``logp`` (a shortcut of the fast path for the LSE) is accepted and ignored here.
     """
     B, T, H = hidden.shape
     dt = _compute_dtype(hidden)

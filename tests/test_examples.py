@@ -1,0 +1,96 @@
+"""The example GRPO trainer: smoke runs per loss and method, parity mode, the K&K path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAINER = os.path.join(ROOT, "examples", "grpo_trainer.py")
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+TINY = ["--digits", "1", "--sft-steps", "5", "--steps", "2", "--prompts", "2", "--group", "4",
+        "--eval-size", "4", "--quiet"]
+
+
+def run_trainer(tmp_path, *extra):
+    import grpo_trainer
+    out = str(tmp_path / "run")
+    grpo_trainer.main(TINY + ["--out", out] + list(extra))
+    rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
+    assert len(rows) == 2
+    for r in rows:
+        for k in ("reward", "accuracy", "loss", "clip_frac_low", "clip_frac_high",
+                  "grad_share_low", "ratio_mean"):
+            assert k in r and r[k] == r[k], k       # present and not NaN
+    assert os.path.exists(os.path.join(out, "curves.png"))
+    return rows
+
+
+@pytest.mark.parametrize("extra", [
+    pytest.param([], id="grpo-fused"),
+    pytest.param(["--loss", "reference"], id="grpo-reference"),
+    pytest.param(["--ar-alpha", "0.3"], id="ar"),
+    pytest.param(["--lopti-eta", "0.5"], id="lopti"),
+    pytest.param(["--nthr"], id="nthr"),
+    pytest.param(["--kl-coef", "0.05", "--critical-kl-exponent", "2", "--critical-kl-certainty",
+                  "entropy"], id="critical-kl"),
+    pytest.param(["--entropy-coef", "0.01", "--loss-agg", "dr_grpo"], id="entropy-dr_grpo"),
+])
+def test_trainer_smoke(tmp_path, extra):
+    rows = run_trainer(tmp_path, *extra)
+    if "--nthr" in extra:
+        assert all("nthr_selected_frac" in r for r in rows)
+    if "--critical-kl-exponent" in extra:
+        assert all("critical_kl_weight_mean" in r and "kl" in r for r in rows)
+
+
+def test_parity_mode_all_methods(tmp_path):
+    out = tmp_path / "parity"
+    r = subprocess.run([sys.executable, TRAINER, "--parity", "--out", str(out)] + TINY,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    p = json.load(open(out / "parity.json"))
+    assert p["steps"] == 2 and p["checks"] == 4          # two Lopti phases per step
+    assert set(p["features"]) == {"ar", "lopti", "nthr", "critical_kl"}
+    assert p["max_rel_grad_diff"] <= 1e-4 and p["max_abs_loss_diff"] <= 1e-5
+
+
+def _tiny_hf_model(path):
+    """A tiny Qwen2 and a word-level tokenizer built in code, saved like a real checkpoint."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    words = ("a very special island is inhabited only by knights and knaves always tell the "
+             "truth lie you meet inhabitants commented if then or not who knight knave answer "
+             ", . : \" ' is a and").split()
+    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<eos>"] + sorted(set(words)))}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>",
+                                  eos_token="<eos>")
+    tok.save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=512, pad_token_id=0, eos_token_id=2,
+                      tie_word_embeddings=True)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+
+
+def test_kk_task_one_step_with_tiny_random_model(tmp_path):
+    pytest.importorskip("reasoning_gym")
+    path = tmp_path / "tiny"
+    _tiny_hf_model(str(path))
+    import grpo_trainer
+    out = tmp_path / "kk"
+    grpo_trainer.main(["--task", "kk", "--model", str(path), "--steps", "1", "--prompts", "2",
+                       "--group", "2", "--out", str(out), "--quiet", "--kl-coef", "0.04",
+                       "--nthr"])
+    rows = [json.loads(l) for l in open(out / "metrics.jsonl")]
+    assert len(rows) == 1 and 0.0 <= rows[0]["reward"] <= 1.0
