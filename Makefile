@@ -11,7 +11,7 @@ install:
 	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
 
 demo: install
-	$(PYTHON) examples/quickstart.py
+	$(PYTHON) examples/grpo_trainer.py --out runs/demo
 
 test: install
 	$(PYTHON) -m pytest tests

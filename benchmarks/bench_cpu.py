@@ -126,8 +126,11 @@ def plot(csv_path, png_path):
     import matplotlib.pyplot as plt
 
     rows = list(csv.DictReader(open(csv_path)))
-    last = rows[-1]["timestamp"]
-    rows = [r for r in rows if r["timestamp"] == last and r["status"] == "ok"]
+    latest = {}
+    for r in rows:                      # the latest run of each shape
+        latest[r["shape"]] = max(latest.get(r["shape"], ""), r["timestamp"])
+    last = max(latest.values())
+    rows = [r for r in rows if r["timestamp"] == latest[r["shape"]] and r["status"] == "ok"]
     shapes = sorted({r["shape"] for r in rows}, key=lambda s: [int(x.split("=")[1])
                                                              for x in s.split(",")])
     provs = [p for p in PROVIDERS if any(r["provider"] == p for r in rows)]

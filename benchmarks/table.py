@@ -9,8 +9,10 @@ import sys
 
 def main(path):
     rows = list(csv.DictReader(open(path)))
-    last = max(r["timestamp"] for r in rows)
-    rows = [r for r in rows if r["timestamp"] >= last[:13]]   # the latest session (same hour)
+    latest = {}
+    for r in rows:                      # the latest run of each shape
+        latest[r["shape"]] = max(latest.get(r["shape"], ""), r["timestamp"])
+    rows = [r for r in rows if r["timestamp"] == latest[r["shape"]]]
     print("| shape | provider | time (s) median [p20, p80] | × floor | peak beyond grads (MiB) "
           "| × one fp32 [N,V] |")
     print("|---|---|---|---|---|---|")

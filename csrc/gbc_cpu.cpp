@@ -139,11 +139,39 @@ void check_chunk(const at::Tensor& logits, const at::Tensor& targets) {
               "logits: expected float32, bfloat16 or float16, got ", st);
 }
 
+// Run fn(r, x) on every row r of the chunk, rows in parallel; x is the row as float (the row
+// itself for float32 storage, a thread-local converted copy otherwise). With write_back, x is
+// stored back into the row (rounded to the storage dtype) after fn.
+template <typename F>
+void for_each_row(const at::Tensor& logits, bool write_back, const char* name, const F& fn) {
+  const int64_t rows = logits.size(0), V = logits.size(1), ld = logits.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), name, [&] {
+    scalar_t* base = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+      RowView<scalar_t> view;
+      for (int64_t r = b; r < e; ++r) {
+        scalar_t* row = base + r * ld;
+        float* x = view.get(row, V);
+        fn(r, x);
+        if (write_back) view.put(row, x, V);
+      }
+    });
+  });
+}
+
+// A per-row input as contiguous float32 [rows]; undefined when absent.
+at::Tensor rows_f32(const c10::optional<at::Tensor>& t, int64_t rows, const char* name) {
+  if (!t.has_value() || !t->defined()) return at::Tensor();
+  TORCH_CHECK(t->dim() == 1 && t->size(0) == rows, name, ": expected [", rows, "], got ",
+              t->sizes());
+  return t->to(at::kFloat).contiguous();
+}
+
 std::vector<at::Tensor> row_stats(at::Tensor logits, at::Tensor targets, double inv_temp,
                                   bool want_entropy, bool want_sum_p2) {
   check_chunk(logits, targets);
   targets = targets.contiguous();
-  const int64_t rows = logits.size(0), V = logits.size(1), ld = logits.stride(0);
+  const int64_t rows = logits.size(0), V = logits.size(1);
   auto f32 = logits.options().dtype(at::kFloat);
   at::Tensor lse = at::empty({rows}, f32), zmax = at::empty({rows}, f32);
   at::Tensor tz = at::empty({rows}, f32);
@@ -156,12 +184,7 @@ std::vector<at::Tensor> row_stats(at::Tensor logits, at::Tensor targets, double 
   float* tz_p = tz.data_ptr<float>();
   float* ent_p = want_entropy ? ent.data_ptr<float>() : nullptr;
   float* sp2_p = want_sum_p2 ? sp2.data_ptr<float>() : nullptr;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "row_stats", [&] {
-    scalar_t* base = logits.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
-      RowView<scalar_t> view;
-      for (int64_t r = b; r < e; ++r) {
-        const float* x = view.get(base + r * ld, V);
+  for_each_row(logits, false, "row_stats", [&](int64_t r, float* x) {
         const float m = row_max(x, V) * it;
         float sums[3];
         row_sums(x, V, it, m, want_entropy || want_sum_p2, sums);
@@ -172,8 +195,6 @@ std::vector<at::Tensor> row_stats(at::Tensor logits, at::Tensor targets, double 
         // H = log s - t / s  (shifted by the max: a sum of small terms)
         if (ent_p) ent_p[r] = log_s - sums[1] / sums[0];
         if (sp2_p) sp2_p[r] = sums[2] / (sums[0] * sums[0]);
-      }
-    });
   });
   return {lse, zmax, tz, ent, sp2};
 }
@@ -182,19 +203,15 @@ at::Tensor logit_grad_(at::Tensor logits, at::Tensor targets, double inv_temp, a
                        c10::optional<at::Tensor> entropy, at::Tensor g_logp,
                        c10::optional<at::Tensor> g_entropy) {
   check_chunk(logits, targets);
-  const int64_t rows = logits.size(0), V = logits.size(1), ld = logits.stride(0);
-  auto as_f32 = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.dim() == 1 && t.size(0) == rows, name, ": expected [", rows, "], got ", t.sizes());
-    return t.to(at::kFloat).contiguous();
-  };
+  const int64_t rows = logits.size(0), V = logits.size(1);
   targets = targets.contiguous();
-  at::Tensor lse_c = as_f32(lse, "lse"), g_c = as_f32(g_logp, "g_logp");
+  at::Tensor lse_c = rows_f32(lse, rows, "lse"), g_c = rows_f32(g_logp, rows, "g_logp");
   const bool has_h = g_entropy.has_value() && g_entropy->defined();
   at::Tensor gh_c, ent_c;
   if (has_h) {
     TORCH_CHECK(entropy.has_value() && entropy->defined(), "entropy: required with g_entropy");
-    gh_c = as_f32(*g_entropy, "g_entropy");
-    ent_c = as_f32(*entropy, "entropy");
+    gh_c = rows_f32(g_entropy, rows, "g_entropy");
+    ent_c = rows_f32(entropy, rows, "entropy");
   }
   const float it = static_cast<float>(inv_temp);
   const int64_t* y = targets.data_ptr<int64_t>();
@@ -202,18 +219,9 @@ at::Tensor logit_grad_(at::Tensor logits, at::Tensor targets, double inv_temp, a
   const float* g_p = g_c.data_ptr<float>();
   const float* gh_p = has_h ? gh_c.data_ptr<float>() : nullptr;
   const float* ent_p = has_h ? ent_c.data_ptr<float>() : nullptr;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "logit_grad_", [&] {
-    scalar_t* base = logits.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
-      RowView<scalar_t> view;
-      for (int64_t r = b; r < e; ++r) {
-        scalar_t* row = base + r * ld;
-        float* x = view.get(row, V);
-        row_grad(x, V, it, lse_p[r], has_h ? ent_p[r] : 0.f, g_p[r], has_h ? gh_p[r] : 0.f);
-        x[y[r]] += it * g_p[r];   // the one-hot term, folded in before rounding to storage
-        view.put(row, x, V);
-      }
-    });
+  for_each_row(logits, true, "logit_grad_", [&](int64_t r, float* x) {
+    row_grad(x, V, it, lse_p[r], has_h ? ent_p[r] : 0.f, g_p[r], has_h ? gh_p[r] : 0.f);
+    x[y[r]] += it * g_p[r];   // the one-hot term, folded in before rounding to storage
   });
   return logits;
 }
@@ -234,12 +242,9 @@ std::vector<at::Tensor> policy_rows_(at::Tensor logits, at::Tensor targets, doub
                                      double kl_coef, int64_t kl_estimator, double entropy_coef,
                                      double ar_alpha, int64_t phase, double eta, bool need_grad) {
   check_chunk(logits, targets);
-  const int64_t rows = logits.size(0), V = logits.size(1), ld = logits.stride(0);
-  auto in_f32 = [&](const c10::optional<at::Tensor>& t, const char* name) -> at::Tensor {
-    if (!t.has_value() || !t->defined()) return at::Tensor();
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == rows, name, ": expected [", rows, "], got ",
-                t->sizes());
-    return t->to(at::kFloat).contiguous();
+  const int64_t rows = logits.size(0), V = logits.size(1);
+  auto in_f32 = [&](const c10::optional<at::Tensor>& t, const char* name) {
+    return rows_f32(t, rows, name);
   };
   targets = targets.contiguous();
   at::Tensor w_c = in_f32(w, "w"), adv_c = in_f32(adv, "adv");
@@ -262,13 +267,7 @@ std::vector<at::Tensor> policy_rows_(at::Tensor logits, at::Tensor targets, doub
   const float* rp = ref_c.defined() ? ref_c.data_ptr<float>() : nullptr;
   const float* tp = ts_c.defined() ? ts_c.data_ptr<float>() : nullptr;
   const float* kp = kw_c.defined() ? kw_c.data_ptr<float>() : nullptr;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "policy_rows_", [&] {
-    scalar_t* base = logits.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
-      RowView<scalar_t> view;
-      for (int64_t r = b; r < e; ++r) {
-        scalar_t* row = base + r * ld;
-        float* x = view.get(row, V);
+  for_each_row(logits, need_grad, "policy_rows_", [&](int64_t r, float* x) {
         const float m = row_max(x, V) * it;
         float sums[3];
         row_sums(x, V, it, m, true, sums);
@@ -300,10 +299,7 @@ std::vector<at::Tensor> policy_rows_(at::Tensor logits, at::Tensor targets, doub
         if (need_grad) {
           row_grad(x, V, it, lse, H, g, gH);
           x[y[r]] += it * g;
-          view.put(row, x, V);
         }
-      }
-    });
   });
   return out;
 }

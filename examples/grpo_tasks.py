@@ -53,8 +53,8 @@ class Batch:
 class AdditionTask:
     """``a+b=`` with ``digits``-digit operands (zero-padded), answer ``a+b`` reversed, EOS."""
 
-    def __init__(self, digits: int, tokenizer: CharTokenizer):
-        self.digits, self.tok = digits, tokenizer
+    def __init__(self, digits: int, tokenizer: CharTokenizer, partial_credit: bool = False):
+        self.digits, self.tok, self.partial_credit = digits, tokenizer, partial_credit
 
     @property
     def max_answer_tokens(self) -> int:
@@ -84,14 +84,15 @@ class AdditionTask:
         return ids, mask
 
     def score(self, completions: List[str], batch: Batch, group: int):
-        """(reward, correct) per completion: 1 for an exact answer, else half the share of
-        answer digits right (position by position; a wrong length costs); correct = exact."""
+        """(reward, correct) per completion: 1 for an exact answer, else 0 (or, with
+        ``partial_credit``, half the share of answer digits right); correct = exact."""
         rewards, correct = [], []
         for i, c in enumerate(completions):
             ans = batch.answers[i // group]
             exact = c == ans
             hits = sum(x == y for x, y in zip(c, ans))
-            rewards.append(1.0 if exact else 0.5 * hits / max(len(ans), len(c), 1))
+            partial = 0.5 * hits / max(len(ans), len(c), 1) if self.partial_credit else 0.0
+            rewards.append(1.0 if exact else partial)
             correct.append(exact)
         return torch.tensor(rewards), torch.tensor(correct)
 

@@ -36,18 +36,20 @@ class NTHRResult(NamedTuple):
         }
 
 
-def _error_chunks(h, w_v, b_v, lse, col, inv_temp, rows):
-    """Yield (start, end, e) with the restricted error e = onehot_{V*}(y) - q, float32."""
-    n = h.shape[0]
+def _error_chunks(h_all, tok, w_v, b_v, lse, col, inv_temp, rows):
+    """Yield (start, end, h, e) over the tokens ``tok`` a chunk at a time: the chunk's hidden
+    states (float32, gathered here: no [n, H] copy) and the restricted error
+    e = onehot_{V*}(y) - q (float32, [rows, |V*|])."""
+    n = tok.numel()
     for s in range(0, n, rows):
         e_ = min(n, s + rows)
-        z = h[s:e_] @ w_v.t()
+        h = h_all.index_select(0, tok[s:e_]).float()
+        z = h @ w_v.t()
         if b_v is not None:
             z += b_v
-        q = torch.exp(z.mul_(inv_temp).sub_(lse[s:e_].unsqueeze(1)))
-        err = q.neg_()
+        err = torch.exp(z.mul_(inv_temp).sub_(lse[s:e_].unsqueeze(1))).neg_()
         err[torch.arange(e_ - s, device=h.device), col[s:e_]] += 1.0
-        yield s, e_, err
+        yield s, e_, h, err
 
 
 @torch.no_grad()
@@ -109,30 +111,36 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
         if tok.numel() == 0:
             continue
         y = safe[tok]
-        h = h_all.index_select(0, tok)
         if logp is not None:
             # LSE = z[y] - logp from the old-policy pass: one dot product per token
-            zy = (h.float() * weight.index_select(0, y).float()).sum(-1)
+            zy = torch.zeros(tok.numel(), device=device, dtype=torch.float32)
+            for s in range(0, tok.numel(), 1024):
+                hs = h_all.index_select(0, tok[s:s + 1024]).float()
+                zy[s:s + 1024] = (hs * weight.index_select(0, y[s:s + 1024]).float()).sum(-1)
             if bias is not None:
                 zy = zy + bias.index_select(0, y).float()
             lse = zy / temperature - logp.reshape(-1)[tok].float()
         else:
             # full-vocabulary LSE of these tokens (streaming pass of the backend)
-            _, _, lse, _ = stats_sweep(h, weight, bias, y, be, temperature, False)
+            _, _, lse, _ = stats_sweep(h_all.index_select(0, tok), weight, bias, y, be,
+                                       temperature, False)
         vstar, col = torch.unique(y, return_inverse=True)
         w_v = weight.index_select(0, vstar).float()
         b_v = None if bias is None else bias.index_select(0, vstar).float()
-        hf = h.float()
-        rows = _chunking.rows_per_chunk(tok.numel(), vstar.numel(), 2, device)
+        # chunk: [rows, |V*|] logits/error and [rows, H] temporaries within a quarter budget
+        rows = max(1, _chunking.budget_bytes(device) // (16 * (2 * vstar.numel() + 2 * H)))
         row_of = tok // T
         pos = correct[row_of]
+        # pass 1, correct tokens only: M+ = sum e (x) h
         m_plus = torch.zeros(vstar.numel(), H, device=device, dtype=torch.float32)
-        for s, e, err in _error_chunks(hf, w_v, b_v, lse, col, inv_temp, rows):
-            keep = pos[s:e]
-            m_plus.addmm_(err[keep].t(), hf[s:e][keep])
+        pidx = pos.nonzero().squeeze(1)
+        for s, e, hc, err in _error_chunks(h_all, tok[pidx], w_v, b_v, lse[pidx], col[pidx],
+                                           inv_temp, rows):
+            m_plus.addmm_(err.t(), hc)
+        # pass 2, every token: s = e^T M+ h
         s_tok = torch.empty(tok.numel(), device=device, dtype=torch.float32)
-        for s, e, err in _error_chunks(hf, w_v, b_v, lse, col, inv_temp, rows):
-            s_tok[s:e] = ((err @ m_plus) * hf[s:e]).sum(-1)
+        for s, e, hc, err in _error_chunks(h_all, tok, w_v, b_v, lse, col, inv_temp, rows):
+            s_tok[s:e] = (err @ m_plus).mul_(hc).sum(-1)
         scores[tok] = s_tok
         # anchor: mean score per correct response, threshold beta * min over them
         rid, rinv = torch.unique(row_of, return_inverse=True)
