@@ -23,7 +23,7 @@ if os.environ.get("GBC_NO_EXTENSION", "0") != "1":
             ext_modules.append(CppExtension(
                 name="gbc_kernels._C",
                 sources=sources,
-                extra_compile_args=["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off",
+                extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off",
                                     "-fno-trapping-math"],
                 extra_link_args=["-fopenmp"],
             ))

@@ -143,9 +143,9 @@ void check_chunk(const at::Tensor& logits, const at::Tensor& targets) {
 // itself for float32 storage, a thread-local converted copy otherwise). With write_back, x is
 // stored back into the row (rounded to the storage dtype) after fn.
 template <typename F>
-void for_each_row(const at::Tensor& logits, bool write_back, const char* name, const F& fn) {
+void for_each_row(const at::Tensor& logits, bool write_back, const F& fn) {
   const int64_t rows = logits.size(0), V = logits.size(1), ld = logits.stride(0);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), name, [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "gbc_rows", [&] {
     scalar_t* base = logits.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
       RowView<scalar_t> view;
@@ -184,7 +184,7 @@ std::vector<at::Tensor> row_stats(at::Tensor logits, at::Tensor targets, double 
   float* tz_p = tz.data_ptr<float>();
   float* ent_p = want_entropy ? ent.data_ptr<float>() : nullptr;
   float* sp2_p = want_sum_p2 ? sp2.data_ptr<float>() : nullptr;
-  for_each_row(logits, false, "row_stats", [&](int64_t r, float* x) {
+  for_each_row(logits, false, [&](int64_t r, float* x) {
         const float m = row_max(x, V) * it;
         float sums[3];
         row_sums(x, V, it, m, want_entropy || want_sum_p2, sums);
@@ -219,7 +219,7 @@ at::Tensor logit_grad_(at::Tensor logits, at::Tensor targets, double inv_temp, a
   const float* g_p = g_c.data_ptr<float>();
   const float* gh_p = has_h ? gh_c.data_ptr<float>() : nullptr;
   const float* ent_p = has_h ? ent_c.data_ptr<float>() : nullptr;
-  for_each_row(logits, true, "logit_grad_", [&](int64_t r, float* x) {
+  for_each_row(logits, true, [&](int64_t r, float* x) {
     row_grad(x, V, it, lse_p[r], has_h ? ent_p[r] : 0.f, g_p[r], has_h ? gh_p[r] : 0.f);
     x[y[r]] += it * g_p[r];   // the one-hot term, folded in before rounding to storage
   });
@@ -267,7 +267,7 @@ std::vector<at::Tensor> policy_rows_(at::Tensor logits, at::Tensor targets, doub
   const float* rp = ref_c.defined() ? ref_c.data_ptr<float>() : nullptr;
   const float* tp = ts_c.defined() ? ts_c.data_ptr<float>() : nullptr;
   const float* kp = kw_c.defined() ? kw_c.data_ptr<float>() : nullptr;
-  for_each_row(logits, need_grad, "policy_rows_", [&](int64_t r, float* x) {
+  for_each_row(logits, need_grad, [&](int64_t r, float* x) {
         const float m = row_max(x, V) * it;
         float sums[3];
         row_sums(x, V, it, m, true, sums);

@@ -117,3 +117,12 @@ def test_fallback_warns_once_when_extension_missing():
     r = subprocess.run([sys.executable, "-c", FALLBACK], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_extension_is_built_where_required():
+    """CI sets GBC_REQUIRE_EXTENSION=1: there a compiler exists, so a build failure (which the
+    install only warns about, by design) must fail the run instead of silently testing less."""
+    if os.environ.get("GBC_REQUIRE_EXTENSION") != "1":
+        pytest.skip("GBC_REQUIRE_EXTENSION not set")
+    from gbc_kernels.backends import cpu_backend
+    assert cpu_available(), cpu_backend.unavailable_reason()
