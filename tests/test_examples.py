@@ -96,3 +96,10 @@ def test_kk_task_one_step_with_tiny_random_model(tmp_path):
                        "--nthr"])
     rows = [json.loads(l) for l in open(out / "metrics.jsonl")]
     assert len(rows) == 1 and 0.0 <= rows[0]["reward"] <= 1.0
+
+
+def test_quickstart_runs():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "quickstart.py"),
+                        "--steps", "2"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("step ") == 2 and "grad_share_low" in r.stdout
