@@ -30,7 +30,7 @@ SHAPES = {"qwen2.5-7b": (3584, 151936), "llama3-8b": (4096, 128256)}
 
 
 def providers(c):
-    from _common import make_provider, plain_torch_loss, BETA, EPS
+    from _common import make_provider, BETA, EPS
     import gbc_kernels as gbc
 
     cfg = gbc.PolicyLossConfig(epsilon_low=EPS, epsilon_high=EPS, kl_coef=BETA)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import random
 import sys
@@ -236,8 +235,6 @@ def parity_check(model, roll, args, phase, record):
 
 def rl_step(model, opt, roll, args, parity_record=None):
     lib = gbc if args.loss == "fused" else gbc_reference
-    phases = ([None] if args.lopti_eta is None else
-              (["low", "high"] if args.lopti_order == "low-first" else ["high", "low"]))
     results = []
 
     def compute(phase):

@@ -8,14 +8,13 @@ scales the stored gradients by the upstream gradient (the loss is used linearly)
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from . import _chunking
-from ._loss_math import aggregation_weights, policy_metrics, token_terms, TokenTerms
+from ._loss_math import aggregation_weights, policy_metrics, TokenTerms
 from .backends import Backend
 from .backends.base import Workspace
 from .config import PolicyLossConfig

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 ORDERS = {"low-first": ("low", "high"), "high-first": ("high", "low")}
 

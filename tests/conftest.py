@@ -12,8 +12,6 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and "TRITON_INTERPRET" not in os.e
 import pytest
 import torch
 
-import gbc_kernels as gbc
-import gbc_reference as ref
 
 
 def available_backends():

@@ -59,8 +59,7 @@ def test_lopti_split_is_strict(lib):
 
 def test_kl_estimators_known_values():
     logp = torch.tensor([-1.0, -2.0, -30.0])
-    refl = torch.tensor([-1.5, -1.0, -1.0])
-    d = refl - logp   # -0.5, 1.0, 29.0
+    refl = torch.tensor([-1.5, -1.0, -1.0])   # delta = ref - logp = -0.5, 1.0, 29.0
     expect = {
         "k1": [0.5, -1.0, -29.0],
         "k2": [0.125, 0.5, 420.5],
