@@ -44,6 +44,46 @@ def _cat(parts, n, device, dtype=torch.float32):
     return torch.cat(parts) if parts else torch.zeros(n, device=device, dtype=dtype)
 
 
+class _GradMatmuls:
+    """The two gradient matmuls (and the bias sum) of each chunk, shared by the fused loss and
+    the log-probs backward: ``grad_h[rows] = G W``, ``grad_w += G^T h`` (the first chunk writes
+    with beta = 0, so no zero fill), ``grad_b += sum_rows G``.
+
+    ``idx``: the rows of ``hidden2d`` the chunks cover, in order (None: all rows, contiguous).
+    """
+
+    def __init__(self, hidden2d, weight, bias, need_dh, need_dw, need_db, idx=None):
+        dense = idx is None
+        self.weight, self.idx, self.bias = weight, idx, bias
+        self.grad_h = ((torch.empty_like(hidden2d) if dense else torch.zeros_like(hidden2d))
+                       if need_dh else None)
+        self.grad_w = torch.empty_like(weight) if need_dw else None
+        self.grad_b = torch.zeros(weight.shape[0], device=weight.device,
+                                  dtype=torch.float32) if need_db else None
+        self.first = True
+
+    def add(self, lg, hc, s, e):
+        if self.grad_h is not None:
+            if self.idx is None:
+                torch.mm(lg, self.weight, out=self.grad_h[s:e])
+            else:
+                self.grad_h.index_copy_(0, self.idx[s:e], torch.mm(lg, self.weight))
+        if self.grad_w is not None:
+            if self.first:
+                torch.mm(lg.t(), hc, out=self.grad_w)
+            else:
+                self.grad_w.addmm_(lg.t(), hc)
+        if self.grad_b is not None:
+            self.grad_b += lg.sum(0, dtype=torch.float32)
+        self.first = False
+
+    def result(self):
+        if self.grad_w is not None and self.first:      # no rows at all
+            self.grad_w.zero_()
+        gb = None if self.grad_b is None else self.grad_b.to(self.bias.dtype)
+        return self.grad_h, self.grad_w, gb
+
+
 def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, need_dw: bool,
                       need_db: bool):
     """One sweep over the masked-in rows. Returns (loss, grad_hidden2d, grad_weight, grad_bias)."""
@@ -70,11 +110,8 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     tscale, klw = take(inp.token_scale), take(inp.kl_weight)
 
     need_grad = need_dh or need_dw or need_db
-    grad_h = (torch.empty_like(hidden2d) if dense else torch.zeros_like(hidden2d)) \
-        if need_dh else None
-    # grad_weight: the first chunk writes it (beta = 0), later chunks accumulate
-    grad_w = torch.empty_like(weight) if need_dw else None
-    grad_b = torch.zeros(V, device=device, dtype=torch.float32) if need_db else None
+    grads = _GradMatmuls(hidden2d, weight, bias, need_dh, need_dw, need_db,
+                         None if dense else idx)
 
     rows = _chunking.rows_per_chunk(n, V, be.buffers_per_chunk, device)
     buf = torch.empty(rows, V, device=device, dtype=hidden2d.dtype) if n else None
@@ -96,21 +133,8 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
         if want_entropy:
             ents.append(res.entropy)
         if need_grad:
-            if need_dh:
-                if dense:
-                    torch.mm(lg, weight, out=grad_h[s:e])
-                else:
-                    grad_h.index_copy_(0, idx[s:e], torch.mm(lg, weight))
-            if need_dw:
-                if s == 0:
-                    torch.mm(lg.t(), hc, out=grad_w)
-                else:
-                    grad_w.addmm_(lg.t(), hc)
-            if need_db:
-                grad_b += lg.sum(0, dtype=torch.float32)
+            grads.add(lg, hc, s, e)
 
-    if need_dw and n == 0:
-        grad_w.zero_()
     logp = _cat(logps, n, device)
     g = _cat(gs, n, device)
     sum_p2 = _cat(sump2s, n, device)
@@ -128,7 +152,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     full_logp = torch.zeros(mflat.numel(), device=device, dtype=torch.float32)
     inp.logp = full_logp.index_copy_(0, idx, logp.float()).view_as(inp.mask)
 
-    return loss, grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype)
+    return (loss, *grads.result())
 
 
 def _empty_metrics(cfg, device):
@@ -212,9 +236,7 @@ def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperat
     rows = _chunking.rows_per_chunk(N, V, backend.buffers_per_chunk, hidden2d.device)
     buf = torch.empty(rows, V, device=hidden2d.device, dtype=hidden2d.dtype) if N else None
     ws = Workspace()
-    grad_h = torch.empty_like(hidden2d) if need_dh else None
-    grad_w = torch.zeros_like(weight) if need_dw else None
-    grad_b = torch.zeros(V, device=hidden2d.device, dtype=torch.float32) if need_db else None
+    grads = _GradMatmuls(hidden2d, weight, bias, need_dh, need_dw, need_db)
     for s in range(0, N, rows):
         e = min(N, s + rows)
         hc, lg = hidden2d[s:e], buf[: e - s]
@@ -222,13 +244,8 @@ def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperat
         backend.logit_grad_(lg, targets[s:e], 1.0 / temperature, lse[s:e],
                             None if entropy is None else entropy[s:e], g_logp[s:e],
                             None if g_entropy is None else g_entropy[s:e], ws)
-        if need_dh:
-            torch.mm(lg, weight, out=grad_h[s:e])
-        if need_dw:
-            grad_w.addmm_(lg.t(), hc)
-        if need_db:
-            grad_b += lg.sum(0, dtype=torch.float32)
-    return grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype)
+        grads.add(lg, hc, s, e)
+    return grads.result()
 
 
 class FusedLogprobsFunction(torch.autograd.Function):
