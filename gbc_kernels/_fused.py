@@ -221,7 +221,9 @@ def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature: 
             if want_entropy:
                 entropy[s:e] = st.entropy
             if extra is not None:
-                st2 = backend.row_stats(lg, targets[s:e], 1.0 / extra_temperature, True, False,
+                # the same temperature needs no second pass over the chunk
+                st2 = st if extra_temperature == temperature and want_entropy else \
+                    backend.row_stats(lg, targets[s:e], 1.0 / extra_temperature, True, False,
                                        ws)
                 extra["lse"][s:e], extra["zmax"][s:e] = st2.lse, st2.zmax
                 extra["entropy"][s:e] = st2.entropy
