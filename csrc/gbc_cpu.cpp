@@ -240,7 +240,8 @@ std::vector<at::Tensor> policy_rows_(at::Tensor logits, at::Tensor targets, doub
                                      c10::optional<at::Tensor> kl_weight,
                                      double eps_low, double eps_high, double clip_c,
                                      double kl_coef, int64_t kl_estimator, double entropy_coef,
-                                     double ar_alpha, int64_t phase, double eta, bool need_grad) {
+                                     double ar_alpha, int64_t phase, double eta,
+                                     bool kl_ratio, bool need_grad) {
   check_chunk(logits, targets);
   const int64_t rows = logits.size(0), V = logits.size(1);
   auto in_f32 = [&](const c10::optional<at::Tensor>& t, const char* name) {
@@ -252,7 +253,7 @@ std::vector<at::Tensor> policy_rows_(at::Tensor logits, at::Tensor targets, doub
   at::Tensor ts_c = in_f32(token_scale, "token_scale"), kw_c = in_f32(kl_weight, "kl_weight");
   TORCH_CHECK(kl_coef == 0.0 || ref_c.defined(), "ref_logp: required when kl_coef != 0");
   gbc::PolicyParams P{eps_low, eps_high, clip_c, kl_coef, static_cast<int>(kl_estimator),
-                      entropy_coef, ar_alpha, static_cast<int>(phase), eta};
+                      entropy_coef, ar_alpha, static_cast<int>(phase), eta, kl_ratio};
   const bool want_entropy = entropy_coef != 0.0;
   auto f32 = logits.options().dtype(at::kFloat);
   std::vector<at::Tensor> out;
@@ -319,6 +320,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("old_logp"), py::arg("ref_logp"), py::arg("token_scale"), py::arg("kl_weight"),
         py::arg("eps_low"), py::arg("eps_high"), py::arg("clip_c"), py::arg("kl_coef"),
         py::arg("kl_estimator"), py::arg("entropy_coef"), py::arg("ar_alpha"), py::arg("phase"),
-        py::arg("eta"), py::arg("need_grad"));
+        py::arg("eta"), py::arg("kl_ratio"), py::arg("need_grad"));
   m.def("num_threads", []() { return at::get_num_threads(); });
 }

@@ -20,6 +20,7 @@ struct PolicyParams {
   double ar_alpha;
   int phase;            // Phase
   double eta;           // Lopti threshold (used when phase != NONE)
+  bool kl_ratio;        // KL estimator multiplied by the ratio r (TRL's bias correction)
 };
 
 struct TokenIn {
@@ -87,6 +88,10 @@ inline TokenOut token_terms(const PolicyParams& P, const TokenIn& in) {
   if (P.kl_coef != 0.0) {
     double kv, dk;
     kl_estimate(P.kl_estimator, in.logp, in.ref_logp, &kv, &dk);
+    if (P.kl_ratio) {       // d(r k)/dlogp = r k + r dk
+      dk = r * (kv + dk);
+      kv *= r;
+    }
     kv *= in.kl_weight;
     dk *= in.kl_weight;
     o.kl = kv;

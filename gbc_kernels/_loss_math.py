@@ -87,6 +87,8 @@ def token_terms(logp, entropy, adv, old_logp, ref_logp, token_scale, kl_weight, 
     kl = None
     if cfg.kl_coef != 0.0:
         kl, dkl = kl_value_and_grad(logp, ref_logp, cfg.kl_estimator)
+        if cfg.kl_ratio_correction:       # d(r k)/dlogp = r k + r dk (dr/dlogp = r)
+            kl, dkl = ratio * kl, ratio * (kl + dkl)
         if kl_weight is not None:
             kl, dkl = kl * kl_weight, dkl * kl_weight
         if active is not None:

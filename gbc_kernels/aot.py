@@ -48,15 +48,17 @@ def _variants():
     sig.update({"n": "i32", "eps_low": "fp32", "eps_high": "fp32", "clip_c": "fp32",
                 "kl_coef": "fp32", "entropy_coef": "fp32", "ar_alpha": "fp32", "eta": "fp32"})
     flags = ["BLOCK", "HAS_OLD", "HAS_TS", "HAS_KLW", "HAS_KL", "KL_EST", "HAS_ENTROPY",
-             "HAS_AR", "HAS_DUAL", "PHASE"]
+             "HAS_AR", "HAS_DUAL", "PHASE", "KL_RATIO"]
     sig.update({f: "constexpr" for f in flags})
     # Every flag on and off, every KL estimator, every phase (a covering set, not all 2^k).
     base = dict(BLOCK=TOKEN_BLOCK, HAS_OLD=True, HAS_TS=False, HAS_KLW=False, HAS_KL=False,
-                KL_EST=2, HAS_ENTROPY=False, HAS_AR=False, HAS_DUAL=False, PHASE=0)
+                KL_EST=2, HAS_ENTROPY=False, HAS_AR=False, HAS_DUAL=False, PHASE=0,
+                KL_RATIO=False)
     configs = [dict(base), dict(base, HAS_OLD=False)]
     configs += [dict(base, HAS_KL=True, KL_EST=k, HAS_KLW=k == 1) for k in range(4)]
     configs += [dict(base, HAS_ENTROPY=True), dict(base, HAS_AR=True, HAS_TS=True),
-                dict(base, HAS_DUAL=True), dict(base, PHASE=1), dict(base, PHASE=2)]
+                dict(base, HAS_DUAL=True), dict(base, PHASE=1), dict(base, PHASE=2),
+                dict(base, HAS_KL=True, KL_RATIO=True)]
     configs.append(dict(base, HAS_TS=True, HAS_KLW=True, HAS_KL=True, KL_EST=3,
                         HAS_ENTROPY=True, HAS_AR=True, HAS_DUAL=True, PHASE=1))
     for c in configs:

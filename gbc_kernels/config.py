@@ -32,6 +32,8 @@ class PolicyLossConfig:
     temperature: logits are divided by it before the softmax.
     kl_coef, kl_estimator: KL penalty weight and estimator (``k1``, ``k2``, ``k3``,
         ``low_var_kl``); the KL term is skipped when ``kl_coef == 0``.
+    kl_ratio_correction: multiply the KL estimator by the ratio ``r`` (with its gradient), the
+        importance-sampling correction of TRL's ``use_bias_correction_kl`` (default off).
     entropy_coef: entropy bonus weight (the loss subtracts ``entropy_coef * H``).
     ar_alpha: Advantage Reweighting alpha (0 = off).
     lopti_eta: Lopti's probability threshold; required when a ``phase`` is given. Also the
@@ -46,6 +48,7 @@ class PolicyLossConfig:
     temperature: float = 1.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    kl_ratio_correction: bool = False
     entropy_coef: float = 0.0
     ar_alpha: float = 0.0
     lopti_eta: Optional[float] = None

@@ -109,3 +109,25 @@ def max_rel_err(a, b):
     """max |a - b| / max(|b|max, tiny): a scale-aware error for whole tensors."""
     a, b = a.double(), b.double()
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def tiny_hf_model(path, tie_word_embeddings=True):
+    """A tiny Qwen2 and a word-level tokenizer built in code, saved like a real checkpoint."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    words = ("a very special island is inhabited only by knights and knaves always tell the "
+             "truth lie you meet inhabitants commented if then or not who knight knave answer "
+             ", . : \" ' is a and").split()
+    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<eos>"] + sorted(set(words)))}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>",
+                                  eos_token="<eos>")
+    tok.save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=512, pad_token_id=0, eos_token_id=2,
+                      tie_word_embeddings=tie_word_embeddings)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import tiny_hf_model
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,32 +64,10 @@ def test_parity_mode_all_methods(tmp_path):
     assert p["max_rel_grad_diff"] <= 1e-4 and p["max_abs_loss_diff"] <= 1e-5
 
 
-def _tiny_hf_model(path):
-    """A tiny Qwen2 and a word-level tokenizer built in code, saved like a real checkpoint."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    words = ("a very special island is inhabited only by knights and knaves always tell the "
-             "truth lie you meet inhabitants commented if then or not who knight knave answer "
-             ", . : \" ' is a and").split()
-    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<eos>"] + sorted(set(words)))}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>",
-                                  eos_token="<eos>")
-    tok.save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                      max_position_embeddings=512, pad_token_id=0, eos_token_id=2,
-                      tie_word_embeddings=True)
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
-
-
 def test_kk_task_one_step_with_tiny_random_model(tmp_path):
     pytest.importorskip("reasoning_gym")
     path = tmp_path / "tiny"
-    _tiny_hf_model(str(path))
+    tiny_hf_model(str(path))
     import grpo_trainer
     out = tmp_path / "kk"
     grpo_trainer.main(["--task", "kk", "--model", str(path), "--steps", "1", "--prompts", "2",

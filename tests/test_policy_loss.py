@@ -22,6 +22,8 @@ CASES = [
     pytest.param(dict(kl_coef=0.1, kl_estimator="k2"), None, id="kl-k2"),
     pytest.param(dict(kl_coef=0.1, kl_estimator="k3"), None, id="kl-k3"),
     pytest.param(dict(kl_coef=0.1, kl_estimator="low_var_kl"), None, id="kl-low_var"),
+    pytest.param(dict(kl_coef=0.1, kl_estimator="k3", kl_ratio_correction=True), None,
+                 id="kl-k3-ratio-corrected"),
     pytest.param(dict(ar_alpha=0.3), None, id="ar"),
     pytest.param(dict(lopti_eta=0.5), "low", id="lopti-low"),
     pytest.param(dict(lopti_eta=0.5), "high", id="lopti-high"),

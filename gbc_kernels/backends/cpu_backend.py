@@ -48,7 +48,7 @@ class CpuBackend(Backend):
             -1.0 if cfg.clip_ratio_c is None else cfg.clip_ratio_c, cfg.kl_coef,
             KL_ESTIMATORS.index(cfg.kl_estimator), cfg.entropy_coef, cfg.ar_alpha,
             _PHASE_CODE[phase], 0.0 if cfg.lopti_eta is None else cfg.lopti_eta,
-            bool(need_grad))
+            bool(cfg.kl_ratio_correction), bool(need_grad))
         logp, entropy, sum_p2, g, wloss, ratio, adv_hat, ar, p_old, kl = out
         want_entropy = cfg.entropy_coef != 0.0
         # the loss is returned already weighted (wloss); the metrics need only the fields below

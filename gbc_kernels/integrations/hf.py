@@ -49,9 +49,41 @@ def hidden_states(model, input_ids, attention_mask=None, logits_to_keep: int = 0
     return h[:, -logits_to_keep:] if logits_to_keep else h
 
 
-def completion_hidden(model, input_ids, attention_mask=None) -> torch.Tensor:
-    """Hidden states that predict ``input_ids[:, 1:]``: ``[B, L-1, H]``."""
-    return hidden_states(model, input_ids, attention_mask)[:, :-1]
+def completion_hidden(model, input_ids, attention_mask=None, completion_len: int = 0
+                      ) -> torch.Tensor:
+    """Hidden states that predict ``input_ids[:, 1:]``: ``[B, L-1, H]``; with
+    ``completion_len = T > 0``, only those that predict the last ``T`` tokens: ``[B, T, H]``."""
+    keep = completion_len + 1 if completion_len else 0
+    return hidden_states(model, input_ids, attention_mask, logits_to_keep=keep)[:, :-1]
+
+
+def hidden_states_through_forward(model, input_ids, attention_mask=None, completion_len: int = 0,
+                                  unwrapped=None, **kwargs) -> torch.Tensor:
+    """Like :func:`completion_hidden`, but through ``model(...)`` itself.
+
+    ``model`` may be a wrapper (DDP, FSDP, accelerate's) whose forward must run for its gradient
+    synchronisation or parameter gathering to happen; ``unwrapped`` is the transformers model
+    inside it (default: ``model``). The decoder's output is captured with a forward hook while the
+    model computes logits for one position only (``logits_to_keep=1``), so no ``[B, L, V]``
+    tensor is formed.
+    """
+    dec = decoder(model if unwrapped is None else unwrapped)
+    captured = []
+
+    def hook(_module, _args, out):
+        captured.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
+
+    handle = dec.register_forward_hook(hook)
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1,
+              use_cache=False, **kwargs)
+    finally:
+        handle.remove()
+    if len(captured) != 1:
+        raise RuntimeError(f"model: expected its decoder to run once per forward, it ran "
+                           f"{len(captured)} times")
+    h = captured[0]
+    return h[:, -(completion_len + 1):-1] if completion_len else h[:, :-1]
 
 
 class OldPolicyPass(NamedTuple):
@@ -69,13 +101,14 @@ class ReferencePass(NamedTuple):
 @torch.no_grad()
 def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=None,
                     correct=None, temperature=1.0, nthr=False, nthr_beta=1.0, nthr_eta="auto",
-                    backend="auto") -> OldPolicyPass:
+                    backend="auto", completion_len: int = 0) -> OldPolicyPass:
     """The rollout policy's pass of an RL step: ``old_logp`` of ``targets = input_ids[:, 1:]``
-    and, with ``nthr=True``, NTHR's token scale from the same hidden states (SPEC §4)."""
+    (or of the last ``completion_len`` tokens) and, with ``nthr=True``, NTHR's token scale from
+    the same hidden states (SPEC §4)."""
     import gbc_kernels as gbc
 
     head = lm_head(model)
-    h = completion_hidden(model, input_ids, attention_mask)
+    h = completion_hidden(model, input_ids, attention_mask, completion_len)
     st = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temperature,
                          backend=backend)
     res = None
@@ -91,13 +124,13 @@ def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=N
 @torch.no_grad()
 def reference_pass(ref_model, input_ids, attention_mask, targets, temperature=1.0,
                    critical_kl_exponent=None, certainty="max_prob", certainty_temperature=1.0,
-                   intercept=0.0, backend="auto") -> ReferencePass:
+                   intercept=0.0, backend="auto", completion_len: int = 0) -> ReferencePass:
     """The frozen reference model's pass: ``ref_logp`` and, with ``critical_kl_exponent`` set,
     the critical-token KL weights ``(1 - c) J**gamma + c`` from its certainty (SPEC §5)."""
     import gbc_kernels as gbc
 
     head = lm_head(ref_model)
-    h = completion_hidden(ref_model, input_ids, attention_mask)
+    h = completion_hidden(ref_model, input_ids, attention_mask, completion_len)
     crit = critical_kl_exponent is not None
     st = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temperature,
                          certainty=certainty if crit else None,

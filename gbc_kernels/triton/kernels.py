@@ -91,7 +91,7 @@ def policy_token_kernel(
         BLOCK: tl.constexpr, HAS_OLD: tl.constexpr, HAS_TS: tl.constexpr,
         HAS_KLW: tl.constexpr, HAS_KL: tl.constexpr, KL_EST: tl.constexpr,
         HAS_ENTROPY: tl.constexpr, HAS_AR: tl.constexpr, HAS_DUAL: tl.constexpr,
-        PHASE: tl.constexpr):
+        PHASE: tl.constexpr, KL_RATIO: tl.constexpr):
     # KL_EST: index in gbc_kernels.config.KL_ESTIMATORS (k1, k2, k3, low_var_kl);
     # PHASE: 0 none, 1 low, 2 high
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -153,6 +153,9 @@ def policy_token_kernel(
             kv = tl.minimum(tl.maximum(raw, -10.0), 10.0)
             inside = (d >= -20.0) & (d <= 20.0) & (raw >= -10.0) & (raw <= 10.0)
             dk = tl.where(inside, 1.0 - ed, 0.0)
+        if KL_RATIO:  # d(r k)/dlogp = r k + r dk
+            dk = ratio * (kv + dk)
+            kv = kv * ratio
         if HAS_KLW:
             klw = tl.load(klw_ptr + offs, mask=ok, other=0.0)
             kv = kv * klw

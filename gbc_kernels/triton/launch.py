@@ -102,7 +102,8 @@ def launch_policy_tokens(st: RowStats, w, adv, old, ref, tscale, klw, cfg, phase
             HAS_KLW=klw is not None and has_kl, HAS_KL=has_kl,
             KL_EST=KL_ESTIMATORS.index(cfg.kl_estimator), HAS_ENTROPY=has_ent,
             HAS_AR=cfg.ar_alpha != 0.0, HAS_DUAL=cfg.clip_ratio_c is not None,
-            PHASE=_PHASE[phase], num_warps=4, **_opts())
+            PHASE=_PHASE[phase], KL_RATIO=bool(cfg.kl_ratio_correction and has_kl),
+            num_warps=4, **_opts())
     return out
 
 

@@ -29,6 +29,7 @@ class PolicyLossConfig:
     temperature: float = 1.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    kl_ratio_correction: bool = False     # kl *= r (TRL's use_bias_correction_kl)
     entropy_coef: float = 0.0
     ar_alpha: float = 0.0
     lopti_eta: Optional[float] = None
@@ -198,6 +199,8 @@ def _per_token_loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_s
     kl = None
     if cfg.kl_coef != 0.0:
         kl = kl_estimate(logp, ref_logp, cfg.kl_estimator)
+        if cfg.kl_ratio_correction:
+            kl = kl * ratio
         if kl_weight is not None:
             kl = kl * kl_weight
         loss = loss + cfg.kl_coef * torch.where(active, kl, torch.zeros_like(kl))

@@ -1,0 +1,223 @@
+"""The TRL drop-in against the real trl.GRPOTrainer on a tiny Qwen2 built in code (CPU).
+
+With the gbc options off, GBCGRPOTrainer's loss and every parameter gradient must equal
+GRPOTrainer's on the same batch and weights, for each supported loss_type and beta. The batch is
+built by hand so that ratios clip on both sides, one completion is fully masked and the
+completions have different lengths.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from conftest import tiny_hf_model
+
+trl = pytest.importorskip("trl")
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from gbc_kernels.integrations.trl import GBCGRPOConfig, GBCGRPOTrainer  # noqa: E402
+
+B, P, T = 4, 3, 6
+MAX_LEN = 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    tiny_hf_model(str(path), tie_word_embeddings=False)
+    return str(path)
+
+
+def reward_has_knight(completions, **kwargs):
+    return [float("knight" in c) for c in completions]
+
+
+def build(cls, tiny, tmp_path, **options):
+    args = dict(output_dir=str(tmp_path), per_device_train_batch_size=B, num_generations=B,
+                max_completion_length=MAX_LEN, report_to=[], use_cpu=True, bf16=False,
+                logging_steps=1, save_strategy="no", seed=0, learning_rate=1e-2)
+    args.update(options)
+    config = (GBCGRPOConfig if any(k.startswith("gbc_") for k in options) else trl.GRPOConfig)
+    dataset = Dataset.from_dict({"prompt": ["you meet knights and knaves"] * 8})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cls(model=AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32),
+                   reward_funcs=reward_has_knight, args=config(**args), train_dataset=dataset,
+                   processing_class=AutoTokenizer.from_pretrained(tiny))
+
+
+def make_inputs(trainer, seed):
+    """One micro-batch as GRPOTrainer's _generate_and_score_completions lays it out."""
+    g = torch.Generator().manual_seed(seed)
+    V = trainer.model.config.vocab_size
+    prompt_ids = torch.randint(3, V, (B, P), generator=g)
+    prompt_mask = torch.ones(B, P, dtype=torch.long)
+    prompt_mask[0, 0] = 0                                   # left padding
+    prompt_ids[0, 0] = 0
+    completion_ids = torch.randint(3, V, (B, T), generator=g)
+    lengths = torch.tensor([T, 4, 0, 2])                    # one fully masked completion
+    completion_mask = (torch.arange(T)[None] < lengths[:, None]).long()
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, 0)
+    with torch.no_grad():
+        logp, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([prompt_ids, completion_ids], 1),
+            torch.cat([prompt_mask, completion_mask], 1), T)
+    return {
+        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids, "completion_mask": completion_mask,
+        "advantages": torch.randn(B, generator=g),
+        "old_per_token_logps": logp + 0.4 * torch.randn(B, T, generator=g),
+        "ref_per_token_logps": logp + 0.3 * torch.randn(B, T, generator=g),
+        "num_items_in_batch": completion_mask.sum() * 3,    # as if the generation batch were 3x
+    }
+
+
+def loss_and_grads(trainer, inputs, accumulation):
+    trainer.model.train()
+    trainer.model.zero_grad()
+    trainer.current_gradient_accumulation_steps = accumulation
+    loss = trainer.compute_loss(trainer.model, inputs)
+    # a random upstream gradient: the loss must be used linearly
+    (loss * 0.7).backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()
+                           if p.grad is not None}
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_same_loss_and_gradients_as_grpo_trainer(tiny, tmp_path, loss_type, beta):
+    opts = dict(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28,
+                steps_per_generation=2)
+    ref = build(trl.GRPOTrainer, tiny, tmp_path / "ref", **opts)
+    ours = build(GBCGRPOTrainer, tiny, tmp_path / "ours", **opts)
+    inputs = make_inputs(ref, seed=hash((loss_type, beta)) % 1000)
+    loss_ref, g_ref = loss_and_grads(ref, inputs, accumulation=2)
+    loss_ours, g_ours = loss_and_grads(ours, inputs, accumulation=2)
+    assert torch.isfinite(loss_ref)
+    assert abs(loss_ours.item() - loss_ref.item()) <= 1e-5 * max(1.0, abs(loss_ref.item()))
+    assert g_ours.keys() == g_ref.keys() and len(g_ref) > 0
+    for name, gr in g_ref.items():
+        scale = gr.abs().max().clamp(min=1e-6)
+        err = ((g_ours[name] - gr).abs().max() / scale).item()
+        assert err <= 1e-4, f"{name}: rel diff {err:.2e}"
+    # the metrics TRL reports come from the fused loss too, with TRL's names
+    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+        assert abs(ours._metrics["train"][key][-1] - ref._metrics["train"][key][-1]) < 1e-6
+    if beta:
+        assert abs(ours._metrics["train"]["kl"][-1] - ref._metrics["train"]["kl"][-1]) < 1e-5
+
+
+@pytest.mark.parametrize("seq_level", [False, True])
+def test_vllm_importance_sampling_ratio_matches(tiny, tmp_path, seq_level):
+    """TRL multiplies the clipped term by vLLM's truncated IS ratio; GBC passes it as a token
+    scale. vLLM is not installed here, so both trainers get the flags after construction."""
+    opts = dict(loss_type="grpo", beta=0.04)
+    ref = build(trl.GRPOTrainer, tiny, tmp_path / "ref", **opts)
+    ours = build(GBCGRPOTrainer, tiny, tmp_path / "ours", **opts)
+    for t in (ref, ours):
+        t.use_vllm, t.vllm_importance_sampling_correction = True, True
+    inputs = make_inputs(ref, seed=11)
+    shape = (B, 1) if seq_level else (B, T)
+    inputs["importance_sampling_ratio"] = 0.5 + torch.rand(shape, generator=torch.Generator()
+                                                           .manual_seed(3))
+    loss_ref, g_ref = loss_and_grads(ref, inputs, accumulation=1)
+    loss_ours, g_ours = loss_and_grads(ours, inputs, accumulation=1)
+    assert abs(loss_ours.item() - loss_ref.item()) <= 1e-5
+    for name, gr in g_ref.items():
+        assert (g_ours[name] - gr).abs().max() <= 1e-4 * gr.abs().max().clamp(min=1e-6), name
+
+
+def test_entropy_bonus_matches_for_bnpo(tiny, tmp_path):
+    opts = dict(loss_type="bnpo", beta=0.04, entropy_coef=0.01)
+    ref = build(trl.GRPOTrainer, tiny, tmp_path / "ref", **opts)
+    ours = build(GBCGRPOTrainer, tiny, tmp_path / "ours", **opts)
+    inputs = make_inputs(ref, seed=5)
+    loss_ref, g_ref = loss_and_grads(ref, inputs, accumulation=1)
+    loss_ours, g_ours = loss_and_grads(ours, inputs, accumulation=1)
+    assert abs(loss_ours.item() - loss_ref.item()) <= 1e-5
+    for name, gr in g_ref.items():
+        assert (g_ours[name] - gr).abs().max() <= 1e-4 * gr.abs().max().clamp(min=1e-6), name
+
+
+def test_gbc_options_change_the_loss(tiny, tmp_path):
+    """A check that the options reach the kernel: AR with alpha=1 scales each token's advantage
+    by p_old, so the loss differs from TRL's on the same batch."""
+    ref = build(trl.GRPOTrainer, tiny, tmp_path / "ref", loss_type="bnpo")
+    ours = build(GBCGRPOTrainer, tiny, tmp_path / "ours", loss_type="bnpo", gbc_ar_alpha=1.0)
+    inputs = make_inputs(ref, seed=7)
+    loss_ref, _ = loss_and_grads(ref, inputs, accumulation=1)
+    loss_ours, _ = loss_and_grads(ours, inputs, accumulation=1)
+    assert abs(loss_ours.item() - loss_ref.item()) > 1e-3
+
+
+def test_three_steps_with_every_method_on(tiny, tmp_path):
+    trainer = build(GBCGRPOTrainer, tiny, tmp_path, loss_type="dapo", beta=0.04, max_steps=3,
+                    gbc_ar_alpha=0.3, gbc_lopti_eta=0.5, gbc_nthr=True,
+                    gbc_critical_kl_exponent=2.0, temperature=1.3)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    steps = []
+    trainer.create_optimizer()
+    trainer.optimizer.register_step_post_hook(lambda *a: steps.append(1))
+    trainer.train()
+    assert trainer.state.global_step == 3
+    assert len(steps) == 6                       # Lopti: two optimizer steps per training step
+    moved = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
+    assert len(moved) == len(before)
+    logged = {k for row in trainer.state.log_history for k in row}
+    for key in ("gbc/nthr_selected", "gbc/grad_share_low_low", "gbc/grad_share_low_high",
+                "gbc/ar_weight_mean_low", "kl", "clip_ratio/region_mean"):
+        assert key in logged, key
+    for row in trainer.state.log_history:
+        if "loss" in row:
+            assert row["loss"] == row["loss"]    # not NaN
+
+
+@pytest.mark.parametrize("option, value", [
+    ("loss_type", "cispo"), ("loss_type", "sapo"), ("importance_sampling_level", "sequence"),
+    ("delta", 2.0), ("top_entropy_quantile", 0.5), ("off_policy_mask_threshold", 0.5),
+("use_adaptive_entropy", True), ("entropy_coef", 0.01),
+])
+def test_unsupported_trl_option_raises(tiny, tmp_path, option, value):
+    with pytest.raises(ValueError, match=option):
+        build(GBCGRPOTrainer, tiny, tmp_path, **{option: value})
+
+
+@pytest.mark.parametrize("options, name", [
+    (dict(gbc_lopti_eta=0.5, gradient_accumulation_steps=2), "gradient_accumulation_steps"),
+    (dict(gbc_critical_kl_exponent=150.0, beta=0.0), "gbc_critical_kl_exponent"),
+    (dict(gbc_lopti_eta=0.5, gbc_lopti_order="sideways"), "gbc_lopti_order"),
+    (dict(gbc_critical_kl_exponent=150.0, beta=0.04, gbc_critical_kl_certainty="vibes"),
+     "gbc_critical_kl_certainty"),
+    (dict(gbc_backend="cuda"), "gbc_backend"),
+])
+def test_bad_gbc_option_raises(tiny, tmp_path, options, name):
+    with pytest.raises(ValueError, match=name):
+        build(GBCGRPOTrainer, tiny, tmp_path, **options)
+
+
+def test_nthr_needs_whole_groups_per_process(tiny, tmp_path):
+    # One process cannot split a group, so emulate a rank's share of a 2-process run: TRL checks
+    # the global batch, a rank holding 3 completions of groups of 2 must be refused.
+    args = GBCGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                         num_generations=2, report_to=[], use_cpu=True, gbc_nthr=True)
+    args.per_device_train_batch_size = 3
+    with pytest.raises(ValueError, match="gbc_nthr.*multiple of num_generations"):
+        GBCGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny),
+                       reward_funcs=reward_has_knight, args=args,
+                       train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}),
+                       processing_class=AutoTokenizer.from_pretrained(tiny))
+
+
+def test_softcapped_model_raises(tiny, tmp_path):
+    trainer_args = GBCGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=B,
+                                 num_generations=B, report_to=[], use_cpu=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        GBCGRPOTrainer(model=model, reward_funcs=reward_has_knight, args=trainer_args,
+                       train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}),
+                       processing_class=AutoTokenizer.from_pretrained(tiny))
