@@ -8,6 +8,7 @@ PYTHON ?= python
 install:
 	$(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -r requirements-dev.txt
+	$(PYTHON) -m pip install -q --no-deps -r requirements-verl.txt
 	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
 
 demo: install

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import tiny_hf_model
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = os.path.join(ROOT, "examples", "grpo_trainer.py")

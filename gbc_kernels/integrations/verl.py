@@ -1,0 +1,190 @@
+"""verl: the gbc policy loss in verl's policy-loss registry, and the advantage transforms.
+
+verl's actor computes the per-token log-probs itself and hands them, with ``old_log_prob``,
+``advantages`` and ``response_mask``, to the function registered under
+``actor.policy_loss.loss_mode``. :func:`register` puts :func:`gbc_kernels.policy_loss` there:
+
+* PPO clip with verl's ``clip_ratio`` / ``clip_ratio_low`` / ``clip_ratio_high`` and its dual
+  clip ``clip_ratio_c``; ``loss_agg_mode`` and ``global_batch_info`` (``dp_size``,
+  ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``) normalise exactly as
+  verl's ``agg_loss``; ``rollout_is_weights`` scales each token's clipped term.
+* AR (``ar_alpha``) from verl's ``old_log_prob``, computed once after the rollout, as in the
+  paper's official verl code.
+* Lopti: the phase is set around each of the two updates
+  (``with opts.phase("low"): actor.update_policy(batch)``, then ``"high"``).
+
+verl adds its KL and entropy terms outside this function, from tensors the registry never
+passes, so two methods enter through the batch instead, before the actor update:
+
+* NTHR's token scale multiplies ``batch["advantages"]`` (the loss uses ``A * ar * scale``, a
+  product, so this is exact): :func:`scale_advantages`.
+* The critical-token KL weight multiplies verl's KL term; verl computes that term inside its
+  actor, so :func:`weighted_kl_penalty` is the replacement for ``kl_penalty`` in an actor that
+  has the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+import gbc_kernels as gbc
+
+VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                  "seq-mean-token-sum-norm")
+
+
+@dataclass
+class VerlGBCOptions:
+    """The gbc options of a registered loss; ``current_phase`` is set by :meth:`phase`."""
+
+    ar_alpha: float = 0.0
+    lopti_eta: Optional[float] = None
+    current_phase: Optional[str] = None
+
+    @contextlib.contextmanager
+    def phase(self, which: str):
+        """Run one Lopti update inside: ``which`` is ``"low"`` or ``"high"``."""
+        if which not in ("low", "high"):
+            raise ValueError(f"phase: expected 'low' or 'high', got {which!r}")
+        if self.lopti_eta is None:
+            raise ValueError("phase: needs lopti_eta (register(..., lopti_eta=0.5))")
+        prev, self.current_phase = self.current_phase, which
+        try:
+            yield self
+        finally:
+            self.current_phase = prev
+
+
+def _cfg_get(config, name, default=None):
+    if config is None:
+        return default
+    if hasattr(config, "get"):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def make_policy_loss(options: VerlGBCOptions):
+    """A function with the signature of verl's registered policy losses."""
+
+    def gbc_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
+                        advantages: torch.Tensor, response_mask: torch.Tensor,
+                        loss_agg_mode: str = "token-mean", config=None,
+                        rollout_is_weights: Optional[torch.Tensor] = None):
+        if config is None:
+            raise ValueError("config: verl's actor config is required (clip ratios, "
+                             "global_batch_info)")
+        if loss_agg_mode not in VERL_AGG_MODES:
+            raise ValueError(f"loss_agg_mode: expected one of {VERL_AGG_MODES}, "
+                             f"got {loss_agg_mode!r}")
+        clip = _cfg_get(config, "clip_ratio", 0.2)
+        low = _cfg_get(config, "clip_ratio_low") or clip
+        high = _cfg_get(config, "clip_ratio_high") or clip
+        clip_c = _cfg_get(config, "clip_ratio_c", 3.0)
+        info = dict(_cfg_get(config, "global_batch_info", None) or {})
+        dp = info.get("dp_size") or 1
+        mask = response_mask.bool()
+        B, T = mask.shape
+
+        # verl's agg_loss, written as gbc's aggregation times a factor (the loss is linear in it)
+        num_items, factor, max_len = None, 1.0, None
+        if loss_agg_mode == "token-mean":
+            agg = "token-mean"
+            n = info.get("batch_num_tokens")
+            if n is None and dp > 1:
+                raise ValueError("global_batch_info: batch_num_tokens is required when dp_size > 1")
+            if n is not None:
+                num_items = n / dp
+        else:
+            agg = {"token-sum": "seq-mean-token-sum",
+                   "seq-mean-token-sum": "seq-mean-token-sum",
+                   "seq-mean-token-mean": "seq-mean-token-mean",
+                   "seq-mean-token-sum-norm": "seq-mean-token-sum-norm"}[loss_agg_mode]
+            if loss_agg_mode == "token-sum":
+                factor = B * dp
+            else:
+                gbs = info.get("global_batch_size")
+                if gbs is None and dp > 1:
+                    raise ValueError("global_batch_info: global_batch_size is required when "
+                                     "dp_size > 1")
+                # verl averages over the sequences with at least one token
+                seqs = gbs if gbs is not None else mask.any(-1).sum().clamp(min=1)
+                factor = B * dp / seqs
+            if loss_agg_mode == "seq-mean-token-sum-norm":
+                max_len = info.get("loss_scale_factor") or T
+        cfg = gbc.PolicyLossConfig(epsilon_low=low, epsilon_high=high, clip_ratio_c=clip_c,
+                                   loss_agg=agg, max_len=max_len, ar_alpha=options.ar_alpha,
+                                   lopti_eta=options.lopti_eta)
+        loss, m = gbc.policy_loss(log_prob, mask, advantages, old_logp=old_log_prob,
+                                  token_scale=rollout_is_weights, config=cfg,
+                                  phase=options.current_phase, num_items_in_batch=num_items)
+        loss = loss * factor
+
+        with torch.no_grad():     # verl's metric definitions, from its vanilla loss
+            neg_kl = (log_prob - old_log_prob).clamp(-20.0, 20.0)
+            fm = mask.float()
+            denom = fm.sum().clamp(min=1.0)
+            ppo_kl = (-neg_kl * fm).sum() / denom
+            ratio = neg_kl.exp()
+            a = advantages if advantages.dim() == 2 else advantages[:, None]
+            pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - low, 1 + high))
+            lower = ((pg > -a * clip_c) & (a < 0)).float()
+            clipfrac_lower = (lower * fm).sum() / denom
+        metrics = {
+            "actor/pg_clipfrac": (m["clip_frac_low"] + m["clip_frac_high"]).item(),
+            "actor/ppo_kl": ppo_kl.item(),
+            "actor/pg_clipfrac_lower": clipfrac_lower.item(),
+        }
+        for name in ("low_frac", "ar_weight_mean", "grad_share_low"):   # those policy_loss has
+            if name in m:
+                metrics[f"actor/gbc_{name}"] = m[name].item()
+        return loss, metrics
+
+    return gbc_policy_loss
+
+
+def register(name: str = "gbc", ar_alpha: float = 0.0,
+             lopti_eta: Optional[float] = None) -> VerlGBCOptions:
+    """Register the gbc policy loss with verl under ``name`` and return its options.
+
+    Select it with ``actor_rollout_ref.actor.policy_loss.loss_mode=<name>``. verl's workers run
+    in their own processes: call this where they import their code (e.g. the module that
+    defines your reward function).
+    """
+    from verl.trainer.ppo.core_algos import register_policy_loss
+
+    options = VerlGBCOptions(ar_alpha=ar_alpha, lopti_eta=lopti_eta)
+    gbc.PolicyLossConfig(ar_alpha=ar_alpha, lopti_eta=lopti_eta)    # validates both
+    register_policy_loss(name)(make_policy_loss(options))
+    return options
+
+
+def scale_advantages(advantages: torch.Tensor, token_scale: torch.Tensor) -> torch.Tensor:
+    """``advantages * token_scale`` (e.g. NTHR's ``res.scale``), for ``batch["advantages"]``."""
+    if advantages.shape != token_scale.shape:
+        raise ValueError(f"token_scale: expected shape {tuple(advantages.shape)} (the "
+                         f"advantages'), got {tuple(token_scale.shape)}")
+    return advantages * token_scale.to(advantages.dtype)
+
+
+def weighted_kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
+                        kl_weight: Optional[torch.Tensor], kl_penalty: str = "low_var_kl"
+                        ) -> torch.Tensor:
+    """verl's per-token ``kl_penalty`` times the critical-token weights (SPEC §5).
+
+    ``kl_penalty`` is verl's name: ``k1``/``kl``, ``k2``/``mse``, ``low_var_kl`` or ``k3`` (verl
+    clamps its k3 like low_var_kl), ``abs``; a ``+`` suffix is verl's straight-through k2
+    gradient.
+    """
+    from verl.trainer.ppo.core_algos import kl_penalty as verl_kl_penalty
+
+    kl = verl_kl_penalty(log_prob, ref_log_prob, kl_penalty)
+    if kl_weight is None:
+        return kl
+    if kl_weight.shape != kl.shape:
+        raise ValueError(f"kl_weight: expected shape {tuple(kl.shape)}, got "
+                         f"{tuple(kl_weight.shape)}")
+    return kl * kl_weight.to(kl.dtype)

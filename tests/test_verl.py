@@ -1,0 +1,115 @@
+"""The verl drop-in against verl's own registry and its vanilla PPO loss.
+
+verl's ``compute_policy_loss_vanilla`` is the oracle: with the gbc options off our registered
+loss must give its value and gradient for every ``loss_agg_mode`` and ``global_batch_info``;
+AR and a Lopti phase must equal vanilla on the transformed advantages (both are advantage
+multipliers, SPEC §2-§3).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
+from omegaconf import OmegaConf  # noqa: E402
+
+from gbc_kernels.integrations import verl as gbc_verl  # noqa: E402
+
+B, T = 5, 7
+
+
+def actor_config(**info):
+    return OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
+                             "clip_ratio_c": 3.0, "global_batch_info": info})
+
+
+def batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([T, 3, 0, 5, 1])                 # one empty response
+    mask = torch.arange(T)[None] < lengths[:, None]
+    old = -torch.rand(B, T, generator=g) * 3
+    logp = (old + 0.5 * torch.randn(B, T, generator=g)).clamp(max=0)
+    old[0] = -2.5 - torch.rand(T, generator=g)
+    logp[0] = old[0] + 1.5                                # ratio e^1.5 > clip_ratio_c = 3 ...
+    adv = torch.randn(B, 1, generator=g).expand(B, T).clone()
+    adv[0] = -4.0                                         # ... with A < 0: the dual clip binds
+    logp.requires_grad_()
+    return old, logp, adv, mask
+
+
+def loss_grad(fn, old, logp, adv, mask, mode, config, weights=None):
+    logp = logp.detach().clone().requires_grad_()
+    loss, metrics = fn(old_log_prob=old, log_prob=logp, advantages=adv, response_mask=mask,
+                       loss_agg_mode=mode, config=config, rollout_is_weights=weights)
+    (loss * 1.3).backward()
+    return loss.detach(), logp.grad, metrics
+
+
+INFOS = [dict(), dict(dp_size=2, batch_num_tokens=37, global_batch_size=9),
+         dict(dp_size=1, batch_num_tokens=20, global_batch_size=6, loss_scale_factor=11)]
+
+
+@pytest.mark.parametrize("info", INFOS, ids=["local", "dp2", "scale-factor"])
+@pytest.mark.parametrize("mode", gbc_verl.VERL_AGG_MODES)
+def test_registered_loss_equals_verl_vanilla(mode, info):
+    gbc_verl.register("gbc_test")
+    fn = core_algos.get_policy_loss_fn("gbc_test")
+    vanilla = core_algos.get_policy_loss_fn("vanilla")
+    old, logp, adv, mask = batch(1)
+    weights = 0.5 + torch.rand(B, T, generator=torch.Generator().manual_seed(2))
+    for w in (None, weights):
+        cfg = actor_config(**info)
+        want = loss_grad(vanilla, old, logp, adv, mask, mode, cfg, w)
+        got = loss_grad(fn, old, logp, adv, mask, mode, actor_config(**info), w)
+        assert torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-7), (got[0], want[0])
+        assert torch.allclose(got[1], want[1], rtol=1e-5, atol=1e-7)
+        for k in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
+            assert abs(got[2][k] - want[2][k]) < 1e-6, k
+    assert want[2]["actor/pg_clipfrac"] > 0 and want[2]["actor/pg_clipfrac_lower"] > 0
+
+
+def test_ar_and_lopti_phase_are_advantage_transforms():
+    opts = gbc_verl.register("gbc_ar_lopti", ar_alpha=0.3, lopti_eta=0.4)
+    fn = core_algos.get_policy_loss_fn("gbc_ar_lopti")
+    vanilla = core_algos.get_policy_loss_fn("vanilla")
+    old, logp, adv, mask = batch(3)
+    p_old = old.exp()
+    ar_adv = adv * (0.3 * p_old + 0.7)
+    low = p_old < 0.4
+    for phase, sel in (("low", low), ("high", ~low)):
+        with opts.phase(phase):
+            got = loss_grad(fn, old, logp, adv, mask, "token-mean", actor_config())
+        want = loss_grad(vanilla, old, logp, ar_adv * sel, mask, "token-mean", actor_config())
+        assert torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-7)
+        assert torch.allclose(got[1], want[1], rtol=1e-5, atol=1e-7)
+    assert opts.current_phase is None
+
+
+def test_scale_advantages_and_weighted_kl():
+    old, logp, adv, mask = batch(4)
+    scale = torch.rand(B, T)
+    assert torch.equal(gbc_verl.scale_advantages(adv, scale), adv * scale)
+    ref = old - 0.1
+    w = torch.rand(B, T)
+    kl = gbc_verl.weighted_kl_penalty(logp, ref, w, "low_var_kl")
+    assert torch.allclose(kl, core_algos.kl_penalty(logp, ref, "low_var_kl") * w)
+    with pytest.raises(ValueError, match="token_scale"):
+        gbc_verl.scale_advantages(adv, scale[:, :3])
+    with pytest.raises(ValueError, match="kl_weight"):
+        gbc_verl.weighted_kl_penalty(logp, ref, w[:2], "k2")
+
+
+def test_bad_arguments_raise():
+    opts = gbc_verl.register("gbc_bad")
+    fn = core_algos.get_policy_loss_fn("gbc_bad")
+    old, logp, adv, mask = batch(5)
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        fn(old, logp, adv, mask, "seq-mean", actor_config())
+    with pytest.raises(ValueError, match="batch_num_tokens"):
+        fn(old, logp, adv, mask, "token-mean", actor_config(dp_size=2))
+    with pytest.raises(ValueError, match="lopti_eta"):
+        with opts.phase("low"):
+            pass
+    with pytest.raises(ValueError, match="ar_alpha"):
+        gbc_verl.register("gbc_bad2", ar_alpha=2.0)
