@@ -1,4 +1,5 @@
-"""The example GRPO trainer: smoke runs per loss and method, parity mode, the K&K path."""
+"""The examples: the GRPO trainer (smoke runs per loss and method, parity mode, the K&K path),
+the TRL and verl drop-in examples, the quickstart."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import tiny_hf_model
 
@@ -82,3 +84,19 @@ def test_quickstart_runs():
                         "--steps", "2"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("step ") == 2 and "grad_share_low" in r.stdout
+
+
+def test_trl_example_runs(tmp_path):
+    pytest.importorskip("trl")
+    import trl_grpo
+    trainer = trl_grpo.main(["--steps", "2", "--out", str(tmp_path)])
+    assert trainer.state.global_step == 2
+    logged = {k for row in trainer.state.log_history for k in row}
+    assert {"reward", "gbc/nthr_selected", "gbc/grad_share_low_low"} <= logged
+
+
+def test_verl_example_runs():
+    pytest.importorskip("verl.trainer.ppo.core_algos")
+    import verl_loss
+    loss, metrics = verl_loss.main()
+    assert torch.isfinite(loss) and "actor/pg_clipfrac" in metrics
