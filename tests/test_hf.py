@@ -1,0 +1,138 @@
+"""integrations.hf: hidden states and lm_head of transformers causal LMs of several families,
+checked against the models' own logits (float64 on the comparison side)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import gbc_kernels as gbc  # noqa: E402
+from gbc_kernels.integrations import hf  # noqa: E402
+
+V = 53        # not a multiple of any block
+
+
+def make(family, tied):
+    torch.manual_seed(0)
+    small = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, max_position_embeddings=64,
+                 tie_word_embeddings=tied)
+    if family == "qwen2":
+        m = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(num_key_value_heads=2, **small))
+    elif family == "llama":
+        m = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_key_value_heads=2, **small))
+    elif family == "gpt2":      # decoder under .transformer, Conv1D layers
+        m = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+            tie_word_embeddings=tied))
+    elif family == "gpt_neox":  # head named embed_out
+        m = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**small))
+    elif family == "phi":       # lm_head with a bias
+        m = transformers.PhiForCausalLM(transformers.PhiConfig(**small))
+    else:
+        raise AssertionError(family)
+    return m.eval()
+
+
+FAMILIES = [("qwen2", True), ("qwen2", False), ("llama", False), ("gpt2", True),
+            ("gpt_neox", False), ("phi", False)]
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (3, 9), generator=g)
+    attn = torch.ones_like(ids)
+    attn[0, :2] = 0                                     # left padding
+    return ids, attn
+
+
+@pytest.mark.parametrize("family, tied", FAMILIES, ids=[f"{f}-{'tied' if t else 'untied'}"
+                                                          for f, t in FAMILIES])
+def test_hidden_states_and_lm_head_give_the_models_logits(family, tied):
+    model = make(family, tied)
+    ids, attn = batch()
+    head = hf.lm_head(model)
+    if family == "phi":
+        assert head.bias is not None
+    if tied:
+        assert head.weight is model.get_input_embeddings().weight
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=attn).logits.double()
+        h = hf.hidden_states(model, ids, attn)
+        got = h.double() @ head.weight.double().T
+        if head.bias is not None:
+            got = got + head.bias.double()
+        assert torch.allclose(got, want, atol=1e-4)
+        # logits_to_keep and completion_len keep the last positions only
+        h3 = hf.hidden_states(model, ids, attn, logits_to_keep=3)
+        assert torch.equal(h3, h[:, -3:])
+        c = hf.completion_hidden(model, ids, attn, completion_len=4)
+        assert torch.equal(c, h[:, -5:-1])
+        assert torch.equal(hf.completion_hidden(model, ids, attn), h[:, :-1])
+
+
+class Wrapper(torch.nn.Module):
+    """Stands in for DDP: its forward must run, its .module is the model."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module, self.calls = module, 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.module(*args, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+def test_hidden_states_through_a_wrappers_forward(family):
+    model = make(family, True)
+    ids, attn = batch()
+    wrapper = Wrapper(model)
+    with torch.no_grad():
+        got = hf.hidden_states_through_forward(wrapper, ids, attn, 4, unwrapped=model)
+        want = hf.completion_hidden(model, ids, attn, completion_len=4)
+    assert wrapper.calls == 1
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_old_policy_and_reference_passes_match_full_logits():
+    model = make("qwen2", False)
+    ids, attn = batch()
+    T = 5
+    targets = ids[:, -T:]
+    mask = torch.ones(3, T, dtype=torch.bool)
+    mask[1, 3:] = False
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, -T - 1:-1].double() / 0.8
+    lsm = torch.log_softmax(logits, -1)
+    want_logp = lsm.gather(-1, targets[..., None])[..., 0]
+    old = hf.old_policy_pass(model, ids, attn, targets, mask, temperature=0.8,
+                             completion_len=T)
+    assert old.token_scale is None
+    assert torch.allclose(old.old_logp.double(), want_logp, atol=1e-5)
+    ref = hf.reference_pass(model, ids, attn, targets, temperature=0.8,
+                            critical_kl_exponent=3.0, certainty="max_prob",
+                            certainty_temperature=1.0, completion_len=T)
+    lsm1 = torch.log_softmax(logits * 0.8, -1)
+    J = 1 + lsm1.max(-1).values / torch.log(torch.tensor(float(V), dtype=torch.float64))
+    assert torch.allclose(ref.ref_logp.double(), want_logp, atol=1e-5)
+    assert torch.allclose(ref.kl_weight.double(), gbc.critical_kl_weight(J, 3.0).double(),
+                          atol=1e-5)
+
+
+def test_nthr_through_old_policy_pass_needs_groups():
+    model = make("qwen2", True)
+    ids, attn = batch()
+    with pytest.raises(ValueError, match="group_ids, correct"):
+        hf.old_policy_pass(model, ids, attn, ids[:, -3:], torch.ones(3, 3), nthr=True,
+                           completion_len=3)
+
+
+def test_model_without_lm_head_raises():
+    model = transformers.Qwen2Model(transformers.Qwen2Config(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="model: .*lm_head"):
+        hf.lm_head(model)
