@@ -11,6 +11,7 @@ from .transforms import advantage_reweight, critical_kl_weight, group_advantages
 from .nthr import NTHRResult, nthr_scale
 from .lopti import lopti_phases
 from .module import FusedLinearPolicyLoss
+from .vocab_parallel import VocabParallel
 
 __version__ = "0.1.0"
 
@@ -19,4 +20,5 @@ __all__ = [
     "TokenStats", "fused_linear_logprobs", "fused_linear_policy_loss", "policy_loss",
     "token_stats", "advantage_reweight", "critical_kl_weight", "group_advantages",
     "lopti_split", "NTHRResult", "nthr_scale", "lopti_phases", "FusedLinearPolicyLoss",
+    "VocabParallel",
 ]

@@ -54,7 +54,8 @@ def _error_chunks(h_all, tok, w_v, b_v, lse, col, inv_temp, rows):
 
 @torch.no_grad()
 def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, temperature=1.0,
-               beta=1.0, eta="auto", backend="auto", logp=None) -> NTHRResult:
+               beta=1.0, eta="auto", backend="auto", logp=None,
+               vocab_parallel=None) -> NTHRResult:
     """Per-token advantage scale of NTHR (SPEC §4), from the old policy's hidden states.
 
     hidden: [B, T, H]; weight: [V, H]; targets, mask: [B, T]; group_ids: [B] integer (groups
@@ -64,6 +65,8 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
     ``token_stats`` returns as ``old_logp``). Given, the full-vocabulary LSE is recovered as
     ``z[y] - logp`` (O(N H)) instead of a streaming pass over the vocabulary (O(N H V)), which
     makes NTHR cost only its restricted matmuls.
+    ``vocab_parallel``: ``weight``/``bias`` are this rank's slice (SPEC §9); the result is the
+    same on every rank.
     """
     V.check_backend(backend)
     _check_lm_head(hidden, weight, bias)
@@ -79,6 +82,13 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
         raise ValueError(f"eta: expected 'auto' or a float >= 0, got {eta!r}")
     if not isinstance(beta, (int, float)):
         raise TypeError(f"beta: expected a float, got {type(beta).__name__}")
+    if vocab_parallel is not None:
+        from . import vocab_parallel as _vp
+        sl = _vp.check(vocab_parallel, weight, bias, device)
+        if logp is not None:
+            V.check_tensor("logp", logp, shape=(B, T), floating=True, device=device)
+        return _vp.nthr_scale(hidden, weight, bias, V.check_targets(targets, sl.vocab, m), m,
+                              group_ids, correct, temperature, beta, eta, backend, logp, sl)
     safe = V.check_targets(targets, weight.shape[0], m).reshape(-1)
     correct = correct.bool()
     if logp is not None:

@@ -8,6 +8,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _validate as V
+from . import vocab_parallel as _vp
 from ._fused import (FusedLogprobsFunction, FusedPolicyLossFunction, LossInputs, stats_sweep)
 from ._loss_math import aggregation_weights, policy_metrics, token_terms
 from .backends import get_backend
@@ -99,7 +100,8 @@ def _mask(mask, B, T, device):
 
 def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp=None,
                              ref_logp=None, bias=None, token_scale=None, kl_weight=None,
-                             config=None, phase=None, num_items_in_batch=None, backend="auto"):
+                             config=None, phase=None, num_items_in_batch=None, backend="auto",
+                             vocab_parallel=None):
     """GRPO policy loss (SPEC §1-§3, §6) from hidden states, without materialising the logits.
 
     Computes, for ``z = (hidden @ weight.T + bias) / temperature`` one chunk of rows at a time::
@@ -111,6 +113,9 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     advantages: [B] or [B, T]; old_logp, ref_logp, token_scale, kl_weight: [B, T] or None.
     Returns ``(loss, metrics)``: a 0-d float32 loss whose gradient flows to hidden, weight and
     bias, and a dict of detached 0-d float32 metrics (SPEC §7).
+
+    ``vocab_parallel=VocabParallel(group, start, end)``: ``weight``/``bias`` are this rank's rows
+    ``[start, end)`` of the lm_head, ``targets`` are global ids (SPEC §9).
     """
     cfg = _config(config)
     V.check_backend(backend)
@@ -124,6 +129,12 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     _check_num_items(num_items_in_batch)
     adv = _check_per_token(B, T, device, m, advantages, old_logp, ref_logp, token_scale,
                            kl_weight, cfg)
+    if vocab_parallel is not None:
+        sl = _vp.check(vocab_parallel, weight, bias, device)
+        return _vp.policy_loss(hidden, weight, bias, V.check_targets(targets, sl.vocab, m), m,
+                               adv, old_logp, ref_logp, token_scale,
+                               kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase,
+                               num_items_in_batch, sl)
     safe_targets = V.check_targets(targets, weight.shape[0], m)
     inp = LossInputs(safe_targets.reshape(-1), m, adv, old_logp, ref_logp, token_scale,
                      kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase, num_items_in_batch,
@@ -133,7 +144,7 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
 
 
 def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
-                          return_entropy=False, backend="auto"):
+                          return_entropy=False, backend="auto", vocab_parallel=None):
     """Per-token ``log_softmax(z)[targets]`` (and the entropy of ``softmax(z)``) without logits.
 
     hidden: [..., H]; targets: [...] (every id in ``[0, V)``). Returns ``(logp, entropy)``, both
@@ -144,6 +155,10 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     _check_lm_head(hidden, weight, bias)
     _check_temperature("temperature", temperature)
     V.check_tensor("targets", targets, shape=hidden.shape[:-1], integer=True, device=hidden.device)
+    if vocab_parallel is not None:
+        sl = _vp.check(vocab_parallel, weight, bias, hidden.device)
+        return _vp.logprobs(hidden, weight, bias, V.check_targets(targets, sl.vocab),
+                            temperature, return_entropy, sl)
     safe = V.check_targets(targets, weight.shape[0]).reshape(-1)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     be = get_backend(backend, hidden.device, hidden.dtype)
@@ -168,7 +183,7 @@ CERTAINTY_KINDS = (None, "entropy", "max_prob")
 
 
 def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=None,
-                certainty_temperature=1.0, backend="auto") -> TokenStats:
+                certainty_temperature=1.0, backend="auto", vocab_parallel=None) -> TokenStats:
     """No-grad per-token statistics, streaming over the vocabulary (SPEC §5, §7).
 
     certainty="entropy":  J = 1 - H(softmax(z_w)) / log V
@@ -182,6 +197,11 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
     if certainty is not None:
         _check_temperature("certainty_temperature", certainty_temperature)
     V.check_tensor("targets", targets, shape=hidden.shape[:-1], integer=True, device=hidden.device)
+    if vocab_parallel is not None:
+        sl = _vp.check(vocab_parallel, weight, bias, hidden.device)
+        return TokenStats(*_vp.token_stats(hidden, weight, bias, V.check_targets(targets, sl.vocab),
+                                           float(temperature), certainty,
+                                           float(certainty_temperature), sl))
     safe = V.check_targets(targets, weight.shape[0]).reshape(-1)
     h2 = hidden.detach().reshape(-1, hidden.shape[-1])
     b = None if bias is None else bias.detach()

@@ -1,9 +1,16 @@
-"""Data-parallel normalisation (issue 8, first part): token-mean with the global token count
-(``num_items_in_batch``, as DAPO and TRL pass it) gives, summed over DDP ranks, the gradient of
-one process on the whole batch. Real processes, gloo backend, CPU."""
+"""Beyond one device, with real processes (gloo backend, CPU, spawned):
+
+* data-parallel normalisation: token-mean with the global token count (``num_items_in_batch``,
+  as DAPO and TRL pass it) gives, summed over DDP ranks, the gradient of one process on the
+  whole batch;
+* vocab-parallel lm_head (SPEC §9): every rank holds an uneven slice of an odd vocabulary; loss,
+  metrics, log-probs, token statistics and NTHR equal the single-process results, hidden
+  gradients are the full ones on every rank, weight/bias gradients the local slice's.
+"""
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 
@@ -22,54 +29,225 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, batch, cfg, out):
+def _spawn(world, target, *args):
+    """Run ``target(rank, world, *args, queue)`` in ``world`` gloo processes; return what each
+    rank put on the queue, by rank."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_init_and_run, args=(r, world, port, target, args, q))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=120) for _ in range(world))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return [torch.load(io.BytesIO(got[r]), weights_only=False) for r in range(world)]
+
+
+def _init_and_run(rank, world, port, target, args, q):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        rows = torch.arange(batch["mask"].shape[0]).chunk(world)[rank]   # uneven split
-        n_global = batch["mask"].sum()                       # what every rank passes
-        h = batch["hidden"][rows].clone().requires_grad_(True)
-        w = batch["weight"].clone().requires_grad_(True)
-        loss, _ = gbc.fused_linear_policy_loss(
-            h, w, batch["targets"][rows], batch["mask"][rows], batch["advantages"][rows],
-            batch["old_logp"][rows], batch["ref_logp"][rows], config=cfg,
-            num_items_in_batch=n_global, backend="auto")
-        loss.backward()
-        gw = w.grad.clone()
-        dist.all_reduce(gw)                                  # DDP sums (we do not average)
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        gh = torch.zeros_like(batch["hidden"])
-        gh[rows] = h.grad
-        dist.all_reduce(gh)
-        if rank == 0:
-            out.put((float(total), gw, gh))
+        buf = io.BytesIO()        # plain bytes: no shared-memory handles outliving the process
+        torch.save(target(rank, world, *args), buf)
+        q.put((rank, buf.getvalue()))
     finally:
         dist.destroy_process_group()
+
+
+def _ddp_worker(rank, world, batch, cfg):
+    rows = torch.arange(batch["mask"].shape[0]).chunk(world)[rank]   # uneven split
+    n_global = batch["mask"].sum()                       # what every rank passes
+    h = batch["hidden"][rows].clone().requires_grad_(True)
+    w = batch["weight"].clone().requires_grad_(True)
+    loss, _ = gbc.fused_linear_policy_loss(
+        h, w, batch["targets"][rows], batch["mask"][rows], batch["advantages"][rows],
+        batch["old_logp"][rows], batch["ref_logp"][rows], config=cfg,
+        num_items_in_batch=n_global, backend="auto")
+    loss.backward()
+    gw = w.grad.clone()
+    dist.all_reduce(gw)                                  # DDP sums (we do not average)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    gh = torch.zeros_like(batch["hidden"])
+    gh[rows] = h.grad
+    dist.all_reduce(gh)
+    return float(total), gw, gh
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ddp_token_mean_equals_single_process(world):
     batch = make_batch(B=7, T=6, H=8, V=23, seed=world, bias=False)
     cfg = gbc.PolicyLossConfig(loss_agg="dapo", kl_coef=0.1, ar_alpha=0.2)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, batch, cfg, q))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    total, gw, gh = q.get(timeout=300)
-    for p in procs:
-        p.join(timeout=300)
-        assert p.exitcode == 0
+    total, gw, gh = _spawn(world, _ddp_worker, batch, cfg)[0]
     h = batch["hidden"].clone().requires_grad_(True)
     w = batch["weight"].clone().requires_grad_(True)
     loss, _ = gbc.fused_linear_policy_loss(h, w, batch["targets"], batch["mask"],
                                            batch["advantages"], batch["old_logp"],
                                            batch["ref_logp"], config=cfg)
     loss.backward()
-    assert abs(total - float(loss)) < 1e-6
+    assert abs(total - loss.item()) < 1e-6
     assert torch.allclose(gw, w.grad, rtol=1e-5, atol=1e-7)
     assert torch.allclose(gh, h.grad, rtol=1e-5, atol=1e-7)
 
+
+
+# ----------------------------------------------------------------------------------------------
+# vocab-parallel lm_head
+# ----------------------------------------------------------------------------------------------
+
+VP_V = 37
+SPLITS = {2: [(0, 11), (11, 37)], 3: [(0, 5), (5, 21), (21, 37)]}
+VP_CASES = [
+    ("token-mean", dict(loss_agg="token-mean", kl_coef=0.1, ar_alpha=0.3), None),
+    ("grpo-entropy", dict(loss_agg="grpo", entropy_coef=0.05, temperature=0.7,
+                          clip_ratio_c=2.0), None),
+    ("lopti-low", dict(loss_agg="dr_grpo", max_len=11, kl_coef=0.05, kl_estimator="k2",
+                       lopti_eta=0.4), "low"),
+]
+
+
+def _vp_inputs():
+    batch = make_batch(B=5, T=6, H=8, V=VP_V, seed=3, bias=True)
+    batch["targets"][0, :3] = torch.tensor([0, 36, 11])     # slice edges
+    group_ids = torch.tensor([0, 0, 1, 1, 1])
+    correct = torch.tensor([True, False, True, False, False])
+    upstream = torch.randn(2, 5, 6, generator=torch.Generator().manual_seed(9))
+    return batch, group_ids, correct, upstream
+
+
+def _leaves(batch, lo=0, hi=VP_V):
+    return (batch["hidden"].clone().requires_grad_(True),
+            batch["weight"][lo:hi].clone().requires_grad_(True),
+            batch["bias"][lo:hi].clone().requires_grad_(True))
+
+
+def _all_calls(batch, group_ids, correct, upstream, lo=0, hi=VP_V, vp=None):
+    """Every vocab-parallel entry point on one batch; with vp=None the single-process truth."""
+    kw = {} if vp is None else {"vocab_parallel": vp}
+    out = {}
+    for name, cfg, phase in VP_CASES:
+        h, w, b = _leaves(batch, lo, hi)
+        loss, metrics = gbc.fused_linear_policy_loss(
+            h, w, batch["targets"], batch["mask"], batch["advantages"], batch["old_logp"],
+            batch["ref_logp"], bias=b, config=gbc.PolicyLossConfig(**cfg), phase=phase, **kw)
+        (loss * 0.7).backward()
+        out[name] = (loss.detach(), metrics, h.grad, w.grad, b.grad)
+    # bf16 inputs: logits from the bf16 matmul, reductions in float32, as on one device
+    h, w, b = (t.detach().to(torch.bfloat16).requires_grad_(True) for t in _leaves(batch, lo, hi))
+    loss, _ = gbc.fused_linear_policy_loss(
+        h, w, batch["targets"], batch["mask"], batch["advantages"], batch["old_logp"],
+        bias=b, config=gbc.PolicyLossConfig(loss_agg="grpo", ar_alpha=0.2), **kw)
+    loss.backward()
+    out["bf16"] = (loss.detach(), h.grad.float(), w.grad.float(), b.grad.float())
+    h, w, b = _leaves(batch, lo, hi)
+    targets = batch["targets"].clamp(min=0)
+    logp, ent = gbc.fused_linear_logprobs(h, w, targets, bias=b, temperature=1.3,
+                                          return_entropy=True, **kw)
+    ((logp * upstream[0]).sum() + (ent * upstream[1]).sum()).backward()
+    out["logprobs"] = (logp.detach(), ent.detach(), h.grad, w.grad, b.grad)
+    w0, b0 = batch["weight"][lo:hi], batch["bias"][lo:hi]
+    for cert, ct in (("entropy", 0.7), ("max_prob", 1.0)):
+        st = gbc.token_stats(batch["hidden"], w0, targets, bias=b0, certainty=cert,
+                             certainty_temperature=ct, **kw)
+        out[f"stats-{cert}"] = tuple(st)
+    res = gbc.nthr_scale(batch["hidden"], w0, batch["targets"], batch["mask"], group_ids,
+                         correct, bias=b0, beta=0.0, **kw)
+    out["nthr"] = (res.scale, res.selected, res.scores)
+    return out
+
+
+def _vp_worker(rank, world):
+    batch, group_ids, correct, upstream = _vp_inputs()
+    lo, hi = SPLITS[world][rank]
+    group = dist.new_group(list(range(world)))        # an explicit group, not only WORLD
+    out = _all_calls(batch, group_ids, correct, upstream, lo, hi,
+                     gbc.VocabParallel(group, lo, hi))
+    w, b = batch["weight"][lo:hi], batch["bias"][lo:hi]
+    from gbc_kernels import vocab_parallel as vpmod
+    sl = vpmod.check(gbc.VocabParallel(group, lo, hi), w, b, w.device)
+    h2 = batch["hidden"].reshape(-1, batch["hidden"].shape[-1])
+    out["row_stats"] = vpmod.row_stats(h2, w, b, batch["targets"].clamp(min=0).reshape(-1), sl,
+                                       0.9)
+    errors = {}
+    # every rank makes the same mistake, so they fail at the same point (a rank that raises
+    # alone, before a collective, leaves the others waiting in it, as with any collective code)
+    over = hi + 1 if rank == 0 else hi                  # rank 0 claims one row too many
+    bad = {"group": (gbc.VocabParallel("world", lo, hi), w, b),
+           "tiling": (gbc.VocabParallel(None, lo, over), batch["weight"][lo:over],
+                      batch["bias"][lo:over]),
+           "slice": (gbc.VocabParallel(None, lo, hi), w[:-1], b[:-1])}
+    for what, (vp, ww, bb) in bad.items():
+        try:
+            gbc.fused_linear_logprobs(batch["hidden"], ww, batch["targets"].clamp(min=0),
+                                      bias=bb, vocab_parallel=vp)
+        except (ValueError, TypeError) as e:
+            errors[what] = str(e)
+    bad_targets = batch["targets"].clone()
+    bad_targets[0, 0] = VP_V                             # outside [0, V): still an error
+    try:
+        gbc.token_stats(batch["hidden"], w, bad_targets.clamp(min=0), bias=b,
+                        vocab_parallel=gbc.VocabParallel(None, lo, hi))
+    except ValueError as e:
+        errors["target"] = str(e)
+    return out, errors
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocab_parallel_equals_single_process(world):
+    batch, group_ids, correct, upstream = _vp_inputs()
+    truth = _all_calls(batch, group_ids, correct, upstream)
+    ranks = _spawn(world, _vp_worker)
+    close = (lambda a, b: torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6))
+    for rank, (out, errors) in enumerate(ranks):
+        lo, hi = SPLITS[world][rank]
+        for name, _, _ in VP_CASES:
+            loss, metrics, gh, gw, gb = out[name]
+            tl, tm, tgh, tgw, tgb = truth[name]
+            assert close(loss, tl), (name, loss, tl)
+            assert metrics.keys() == tm.keys()
+            for k in tm:
+                assert close(metrics[k], tm[k]), (name, k, metrics[k], tm[k])
+            assert close(gh, tgh), name                  # the full hidden gradient
+            assert close(gw, tgw[lo:hi]) and close(gb, tgb[lo:hi]), name
+        loss, gh, gw, gb = out["bf16"]
+        tl, tgh, tgw, tgb = truth["bf16"]
+        bf = (lambda a, b: torch.allclose(a, b, rtol=2e-2, atol=2e-3 * b.abs().max()))
+        assert abs(loss - tl) <= 1e-2 * abs(tl) + 1e-4
+        assert bf(gh, tgh) and bf(gw, tgw[lo:hi]) and bf(gb, tgb[lo:hi])
+        logp, ent, gh, gw, gb = out["logprobs"]
+        tlogp, tent, tgh, tgw, tgb = truth["logprobs"]
+        assert close(logp, tlogp) and close(ent, tent)
+        assert close(gh, tgh) and close(gw, tgw[lo:hi]) and close(gb, tgb[lo:hi])
+        for cert in ("entropy", "max_prob"):
+            for got, want in zip(out[f"stats-{cert}"], truth[f"stats-{cert}"]):
+                assert close(got, want), cert
+        # the reduced row statistics against the full softmax in float64
+        z = (batch["hidden"].double().reshape(-1, 8) @ batch["weight"].double().T
+             + batch["bias"].double()) / 0.9
+        p = torch.softmax(z, -1)
+        st = out["row_stats"]
+        assert close(st["lse"], torch.logsumexp(z, -1))
+        assert close(st["sum_p2"], (p * p).sum(-1))
+        assert close(st["entropy"], -(p * p.log()).sum(-1))
+        assert close(st["zmax"], z.max(-1).values)
+        scale, selected, scores = out["nthr"]
+        assert torch.equal(selected, truth["nthr"][1]) and close(scale, truth["nthr"][0])
+        assert close(scores, truth["nthr"][2])
+        assert truth["nthr"][1].any()                    # NTHR did select tokens here
+        assert "vocab_parallel.group" in errors["group"]
+        assert "do not tile" in errors["tiling"]
+        assert "weight: expected this rank's slice" in errors["slice"]
+        assert "targets: expected token ids in [0, 37)" in errors["target"]
+
+
+def test_vocab_parallel_without_init_raises():
+    b = make_batch(B=2, T=3, H=4, V=9)
+    with pytest.raises(ValueError, match="vocab_parallel.group: torch.distributed is not"):
+        gbc.fused_linear_logprobs(b["hidden"], b["weight"][:4], b["targets"].clamp(min=0),
+                                  vocab_parallel=gbc.VocabParallel(None, 0, 4))
+    with pytest.raises(TypeError, match="vocab_parallel: expected"):
+        gbc.fused_linear_logprobs(b["hidden"], b["weight"], b["targets"].clamp(min=0),
+                                  vocab_parallel=(None, 0, 9))
