@@ -53,9 +53,40 @@ def _error_chunks(h_all, tok, w_v, b_v, lse, col, inv_temp, rows):
 
 
 @torch.no_grad()
+def check_whole_groups(group_ids: torch.Tensor, process_group) -> None:
+    """Raise ``ValueError`` (on every rank) when a group id occurs on more than one rank of
+    ``process_group`` (``"world"``: the default group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("data_parallel_group: torch.distributed is not initialized")
+    group = None if isinstance(process_group, str) and process_group == "world" else process_group
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"data_parallel_group: expected a torch.distributed ProcessGroup or "
+                         f"'world', got {type(process_group).__name__}")
+    local = torch.unique(group_ids.long())
+    world = dist.get_world_size(group)
+    n = torch.tensor([local.numel()], device=local.device)
+    counts = [torch.empty_like(n) for _ in range(world)]
+    dist.all_gather(counts, n, group=group)
+    width = max(int(c) for c in counts)
+    padded = torch.full((width,), -1, dtype=torch.long, device=local.device)
+    padded[: local.numel()] = local
+    every = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(every, padded, group=group)
+    ids = torch.cat([t[: int(c)] for t, c in zip(every, counts)])
+    uniq, occurrences = torch.unique(ids, return_counts=True)
+    split = uniq[occurrences > 1]
+    if split.numel():
+        raise ValueError(f"group_ids: group(s) {split[:8].tolist()} have responses on more than "
+                         "one rank of data_parallel_group; NTHR compares a group's responses with "
+                         "each other, so each group must sit on one rank (shard the batch by "
+                         "group, or gather the groups first)")
+
+
 def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, temperature=1.0,
                beta=1.0, eta="auto", backend="auto", logp=None,
-               vocab_parallel=None) -> NTHRResult:
+               vocab_parallel=None, data_parallel_group=None) -> NTHRResult:
     """Per-token advantage scale of NTHR (SPEC §4), from the old policy's hidden states.
 
     hidden: [B, T, H]; weight: [V, H]; targets, mask: [B, T]; group_ids: [B] integer (groups
@@ -67,6 +98,11 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
     makes NTHR cost only its restricted matmuls.
     ``vocab_parallel``: ``weight``/``bias`` are this rank's slice (SPEC §9); the result is the
     same on every rank.
+    ``data_parallel_group``: the process group the batch is split over (data parallelism;
+    ``"world"``: the default group).
+    NTHR compares the responses of a group with each other, so each group must sit on one
+    rank; given the group, the (global) ``group_ids`` of all ranks are gathered and a group
+    found on two ranks raises ``ValueError`` on every rank.
     """
     V.check_backend(backend)
     _check_lm_head(hidden, weight, bias)
@@ -82,6 +118,8 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
         raise ValueError(f"eta: expected 'auto' or a float >= 0, got {eta!r}")
     if not isinstance(beta, (int, float)):
         raise TypeError(f"beta: expected a float, got {type(beta).__name__}")
+    if data_parallel_group is not None:
+        check_whole_groups(group_ids, data_parallel_group)
     if vocab_parallel is not None:
         from . import vocab_parallel as _vp
         sl = _vp.check(vocab_parallel, weight, bias, device)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import os
+import socket
 
 # No GPU here: the Triton kernels run under the interpreter on CPU tensors. Must be set before
 # triton compiles anything (gbc_kernels imports triton lazily, on first use).
@@ -11,7 +13,8 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and "TRITON_INTERPRET" not in os.e
 
 import pytest
 import torch
-
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 def available_backends():
@@ -131,3 +134,42 @@ def tiny_hf_model(path, tie_word_embeddings=True):
                       max_position_embeddings=512, pad_token_id=0, eos_token_id=2,
                       tie_word_embeddings=tie_word_embeddings)
     Qwen2ForCausalLM(cfg).save_pretrained(path)
+
+
+# ---- multi-process runs (gloo, CPU) ------------------------------------------------------
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_gloo(world, target, *args):
+    """Run ``target(rank, world, *args)`` in ``world`` spawned processes joined in a gloo
+    process group; return each rank's return value, by rank. ``target`` must be a module-level
+    function of a test module (the children import it)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_init_and_run, args=(r, world, port, target, args, q))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=120) for _ in range(world))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return [torch.load(io.BytesIO(got[r]), weights_only=False) for r in range(world)]
+
+
+def _init_and_run(rank, world, port, target, args, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        buf = io.BytesIO()        # plain bytes: no shared-memory handles outliving the process
+        torch.save(target(rank, world, *args), buf)
+        q.put((rank, buf.getvalue()))
+    finally:
+        dist.destroy_process_group()

@@ -10,88 +10,91 @@
 
 from __future__ import annotations
 
-import io
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import gbc_kernels as gbc
-from conftest import make_batch
+from conftest import make_batch, spawn_gloo as _spawn
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(world, target, *args):
-    """Run ``target(rank, world, *args, queue)`` in ``world`` gloo processes; return what each
-    rank put on the queue, by rank."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_init_and_run, args=(r, world, port, target, args, q))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=120) for _ in range(world))
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    return [torch.load(io.BytesIO(got[r]), weights_only=False) for r in range(world)]
-
-
-def _init_and_run(rank, world, port, target, args, q):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        buf = io.BytesIO()        # plain bytes: no shared-memory handles outliving the process
-        torch.save(target(rank, world, *args), buf)
-        q.put((rank, buf.getvalue()))
-    finally:
-        dist.destroy_process_group()
+PHASES = (None, "low", "high")
 
 
 def _ddp_worker(rank, world, batch, cfg):
+    """Each rank's share of the rows; the loss of every Lopti phase with the global token count;
+    the gradients summed as DDP does (it sums; we do not average)."""
     rows = torch.arange(batch["mask"].shape[0]).chunk(world)[rank]   # uneven split
     n_global = batch["mask"].sum()                       # what every rank passes
-    h = batch["hidden"][rows].clone().requires_grad_(True)
-    w = batch["weight"].clone().requires_grad_(True)
-    loss, _ = gbc.fused_linear_policy_loss(
-        h, w, batch["targets"][rows], batch["mask"][rows], batch["advantages"][rows],
-        batch["old_logp"][rows], batch["ref_logp"][rows], config=cfg,
-        num_items_in_batch=n_global, backend="auto")
-    loss.backward()
-    gw = w.grad.clone()
-    dist.all_reduce(gw)                                  # DDP sums (we do not average)
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    gh = torch.zeros_like(batch["hidden"])
-    gh[rows] = h.grad
-    dist.all_reduce(gh)
-    return float(total), gw, gh
+    out = {}
+    for phase in PHASES:
+        h = batch["hidden"][rows].clone().requires_grad_(True)
+        w = batch["weight"].clone().requires_grad_(True)
+        loss, _ = gbc.fused_linear_policy_loss(
+            h, w, batch["targets"][rows], batch["mask"][rows], batch["advantages"][rows],
+            batch["old_logp"][rows], batch["ref_logp"][rows], config=cfg, phase=phase,
+            num_items_in_batch=n_global, backend="auto")
+        loss.backward()
+        gw = w.grad.clone()
+        dist.all_reduce(gw)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        gh = torch.zeros_like(batch["hidden"])
+        gh[rows] = h.grad
+        dist.all_reduce(gh)
+        out[phase] = (total.item(), gw, gh)
+    return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ddp_token_mean_equals_single_process(world):
+    """Also per Lopti phase: a phase masks advantages and KL per token, the normaliser keeps the
+    full (global) mask, so each phase's DDP gradient is the single-process one."""
     batch = make_batch(B=7, T=6, H=8, V=23, seed=world, bias=False)
-    cfg = gbc.PolicyLossConfig(loss_agg="dapo", kl_coef=0.1, ar_alpha=0.2)
-    total, gw, gh = _spawn(world, _ddp_worker, batch, cfg)[0]
-    h = batch["hidden"].clone().requires_grad_(True)
-    w = batch["weight"].clone().requires_grad_(True)
-    loss, _ = gbc.fused_linear_policy_loss(h, w, batch["targets"], batch["mask"],
-                                           batch["advantages"], batch["old_logp"],
-                                           batch["ref_logp"], config=cfg)
-    loss.backward()
-    assert abs(total - loss.item()) < 1e-6
-    assert torch.allclose(gw, w.grad, rtol=1e-5, atol=1e-7)
-    assert torch.allclose(gh, h.grad, rtol=1e-5, atol=1e-7)
+    cfg = gbc.PolicyLossConfig(loss_agg="dapo", kl_coef=0.1, ar_alpha=0.2, lopti_eta=0.5)
+    got = _spawn(world, _ddp_worker, batch, cfg)[0]
+    for phase in PHASES:
+        total, gw, gh = got[phase]
+        h = batch["hidden"].clone().requires_grad_(True)
+        w = batch["weight"].clone().requires_grad_(True)
+        loss, _ = gbc.fused_linear_policy_loss(h, w, batch["targets"], batch["mask"],
+                                               batch["advantages"], batch["old_logp"],
+                                               batch["ref_logp"], config=cfg, phase=phase)
+        loss.backward()
+        assert abs(total - loss.item()) < 1e-6, phase
+        assert torch.allclose(gw, w.grad, rtol=1e-5, atol=1e-7), phase
+        assert torch.allclose(gh, h.grad, rtol=1e-5, atol=1e-7), phase
 
+
+def _nthr_dp_worker(rank, world, batch, group_ids, correct, rows_of):
+    rows = rows_of[rank]
+    args = (batch["hidden"][rows], batch["weight"], batch["targets"][rows], batch["mask"][rows],
+            group_ids[rows], correct[rows])
+    try:
+        res = gbc.nthr_scale(*args, beta=0.0, data_parallel_group="world")
+        return res.scale, res.selected
+    except ValueError as e:
+        return str(e)
+
+
+def test_nthr_groups_across_data_parallel_ranks():
+    """Whole groups per rank: each rank's NTHR equals the single-process result on its rows. A
+    group split over two ranks: every rank raises (a silent partial group would be wrong)."""
+    batch = make_batch(B=6, T=5, H=8, V=19, seed=4, bias=False)
+    group_ids = torch.tensor([7, 7, 7, 3, 3, 3])        # global ids, non-contiguous values
+    correct = torch.tensor([True, False, False, False, True, False])
+    truth = gbc.nthr_scale(batch["hidden"], batch["weight"], batch["targets"], batch["mask"],
+                           group_ids, correct, beta=0.0)
+    assert truth.selected.any()
+    aligned = _spawn(2, _nthr_dp_worker, batch, group_ids, correct,
+                     [torch.arange(0, 3), torch.arange(3, 6)])
+    for rows, (scale, selected) in zip([slice(0, 3), slice(3, 6)], aligned):
+        assert torch.equal(selected, truth.selected[rows])
+        assert torch.allclose(scale, truth.scale[rows])
+    split = _spawn(2, _nthr_dp_worker, batch, group_ids, correct,
+                   [torch.arange(0, 4), torch.arange(4, 6)])
+    for msg in split:
+        assert isinstance(msg, str) and "group(s) [3]" in msg and "one rank" in msg
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import tiny_hf_model
+from conftest import spawn_gloo, tiny_hf_model
 
 trl = pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
@@ -221,3 +221,44 @@ def test_softcapped_model_raises(tiny, tmp_path):
         GBCGRPOTrainer(model=model, reward_funcs=reward_has_knight, args=trainer_args,
                        train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}),
                        processing_class=AutoTokenizer.from_pretrained(tiny))
+
+
+def _trl_ddp_worker(rank, world, tiny, out_dir, gbc_options):
+    """Both trainers, the same seed and data, under accelerate's multi-CPU (gloo) DDP."""
+    final = {}
+    for cls in (trl.GRPOTrainer, GBCGRPOTrainer):
+        if gbc_options and cls is trl.GRPOTrainer:
+            continue
+        trainer = build(cls, tiny, f"{out_dir}/{cls.__name__}", per_device_train_batch_size=4,
+                        num_generations=4, max_steps=2, loss_type="dapo", beta=0.04,
+                        optim="sgd", learning_rate=0.5, **gbc_options)
+        assert trainer.accelerator.num_processes == world
+        trainer.train()
+        final[cls.__name__] = {n: p.detach().clone()
+                               for n, p in trainer.model.named_parameters()}
+    return final
+
+
+def test_under_accelerate_ddp_same_training_as_grpo_trainer(tiny, tmp_path):
+    """2 processes, 2 SGD steps, gbc options off: the same parameters as GRPOTrainer's (so the
+    hidden states went through DDP's forward and the gradients were synchronised)."""
+    ranks = spawn_gloo(2, _trl_ddp_worker, tiny, str(tmp_path), {})
+    start = AutoModelForCausalLM.from_pretrained(tiny)
+    for final in ranks:
+        ours, theirs = final["GBCGRPOTrainer"], final["GRPOTrainer"]
+        moved = 0
+        for name, p0 in start.named_parameters():
+            assert torch.allclose(ours[name], theirs[name], rtol=1e-4, atol=1e-6), name
+            moved += not torch.equal(theirs[name], p0)
+        assert moved > 0
+    for name in ranks[0]["GBCGRPOTrainer"]:         # DDP kept the ranks in sync
+        assert torch.equal(ranks[0]["GBCGRPOTrainer"][name], ranks[1]["GBCGRPOTrainer"][name])
+
+
+def test_under_accelerate_ddp_every_method_on(tiny, tmp_path):
+    ranks = spawn_gloo(2, _trl_ddp_worker, tiny, str(tmp_path),
+                       dict(gbc_ar_alpha=0.3, gbc_lopti_eta=0.5, gbc_nthr=True,
+                            gbc_critical_kl_exponent=2.0))
+    for name, p in ranks[0]["GBCGRPOTrainer"].items():
+        assert torch.isfinite(p).all()
+        assert torch.equal(p, ranks[1]["GBCGRPOTrainer"][name]), name
