@@ -158,7 +158,8 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
 def _empty_metrics(cfg, device):
     z = torch.zeros((), device=device, dtype=torch.float32)
     out = {k: z.clone() for k in ("clip_frac_low", "clip_frac_high", "ratio_mean",
-                                  "ar_weight_mean", "low_frac", "grad_share_low")}
+                                  "ar_weight_mean", "low_frac", "grad_share_low",
+                                  "grad_norm_sum")}
     if cfg.kl_coef != 0.0:
         out["kl"] = z.clone()
     if cfg.entropy_coef != 0.0:

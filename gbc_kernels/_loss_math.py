@@ -157,4 +157,5 @@ def policy_metrics(terms: TokenTerms, valid, cfg: PolicyLossConfig, entropy=None
         share = masked_sum(torch.where(low, grad_norm, torch.zeros_like(grad_norm)))
         out["grad_share_low"] = torch.where(total > 0, share / total.clamp(min=1e-38),
                                             torch.zeros_like(total))
+        out["grad_norm_sum"] = total
     return {k: v.detach().float() for k, v in out.items()}

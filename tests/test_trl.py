@@ -169,6 +169,7 @@ def test_three_steps_with_every_method_on(tiny, tmp_path):
     assert len(moved) == len(before)
     logged = {k for row in trainer.state.log_history for k in row}
     for key in ("gbc/nthr_selected", "gbc/grad_share_low_low", "gbc/grad_share_low_high",
+                "gbc/grad_share_low",
                 "gbc/ar_weight_mean_low", "kl", "clip_ratio/region_mean"):
         assert key in logged, key
     for row in trainer.state.log_history:

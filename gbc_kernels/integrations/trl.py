@@ -163,6 +163,7 @@ class GBCGRPOTrainer(GRPOTrainer):
         self._gbc_check_model()
         self._gbc_phase = None
         self._gbc_reuse_inputs = None
+        self._gbc_norms = {}
 
     # ---------------------------------------------------------------- construction checks
     @staticmethod
@@ -275,7 +276,12 @@ class GBCGRPOTrainer(GRPOTrainer):
             self._step -= 1        # GRPOTrainer counts micro-batches; this one is not done yet
             self._gbc_phase = second
             loss_second = super().training_step(model, inputs, num_items_in_batch)
+            low, high = self._gbc_norms.get("low"), self._gbc_norms.get("high")
+            if low is not None and high is not None:    # the step's share over both updates
+                self._metrics["train"]["gbc/grad_share_low"].append(
+                    low / (low + high) if low + high > 0 else 0.0)
         finally:
+            self._gbc_norms = {}
             self._gbc_phase = None
             self._gbc_reuse_inputs = None
         return loss_first + loss_second
@@ -342,3 +348,5 @@ class GBCGRPOTrainer(GRPOTrainer):
             if name in metrics:
                 key = f"gbc/{name}" if self._gbc_phase is None else f"gbc/{name}_{self._gbc_phase}"
                 log[key].append(mean(metrics[name]))
+        if self._gbc_phase is not None and "grad_norm_sum" in metrics:
+            self._gbc_norms[self._gbc_phase] = mean(metrics["grad_norm_sum"])

@@ -228,7 +228,7 @@ def _aggregate(per_token, mask, cfg, num_items_in_batch):
     raise ValueError(f"loss_agg: unknown {cfg.loss_agg!r}")
 
 
-def _metrics(parts, logp, entropy, mask, cfg, grad_share_low):
+def _metrics(parts, logp, entropy, mask, cfg, grad_share_low, grad_norm_sum=None):
     m = mask.bool()
     n = m.sum().clamp(min=1).to(torch.float32)
 
@@ -250,6 +250,8 @@ def _metrics(parts, logp, entropy, mask, cfg, grad_share_low):
         out["entropy"] = masked_mean(entropy)
     if grad_share_low is not None:
         out["grad_share_low"] = grad_share_low.float().detach()
+    if grad_norm_sum is not None:
+        out["grad_norm_sum"] = grad_norm_sum.float().detach()
     return out
 
 
@@ -306,7 +308,7 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     total = norm.sum()
     share = torch.where(total > 0, norm[low].sum() / torch.where(total > 0, total, 1.0),
                         torch.zeros_like(total))
-    return loss, _metrics(parts, logp, entropy, mask, cfg, share)
+    return loss, _metrics(parts, logp, entropy, mask, cfg, share, total)
 
 
 # ----------------------------------------------------------------------------------------------
