@@ -46,7 +46,7 @@ def build_args(argv=None):
     ap.add_argument("--sft-mix", type=float, default=0.5,
                     help="share of (digits+1)-digit sums in the warm-up (a pretrained model has "
                          "seen a few of the harder task)")
-    ap.add_argument("--steps", type=int, default=150, help="RL steps")
+    ap.add_argument("--steps", type=int, default=500, help="RL steps")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per RL step")
     ap.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
     ap.add_argument("--partial-credit", action="store_true",
@@ -117,12 +117,17 @@ def completion_mask(completions, eos, pad):
 
 
 @torch.no_grad()
-def evaluate(model, task, tok, n, seed):
+def evaluate(model, task, tok, n, seed, temperature=1.0, k=4):
+    """Accuracy on ``n`` held-out prompts: greedy, and sampled (the mean over ``k`` samples per
+    prompt at the RL temperature: the pass@1 that GRPO optimises)."""
     batch = task.sample(n, random.Random(10_000 + seed))
-    _, comp = sample(model, batch.prompts, 1, task.max_answer_tokens, 1.0, tok.eos_token_id,
-                     tok.pad_token_id, greedy=True)
-    texts = [tok.decode(c) for c in comp]
-    return float(task.score(texts, batch, 1)[1].float().mean())
+    out = {}
+    for name, group, greedy in (("greedy", 1, True), ("sampled", k, False)):
+        _, comp = sample(model, batch.prompts, group, task.max_answer_tokens, temperature,
+                         tok.eos_token_id, tok.pad_token_id, greedy=greedy)
+        texts = [tok.decode(c) for c in comp]
+        out[name] = float(task.score(texts, batch, group)[1].float().mean())
+    return out
 
 
 def sft(model, task, args, log, harder=None):
@@ -303,9 +308,11 @@ def train(args, log=print, model=None, tok=None, tasks=None):
     ref_model = copy.deepcopy(model).eval()
     for p in ref_model.parameters():
         p.requires_grad_(False)
-    acc0 = evaluate(model, rl_task, tok, args.eval_size, args.seed) if args.task == "add" else None
+    acc0 = evaluate(model, rl_task, tok, args.eval_size, args.seed, args.temperature) \
+        if args.task == "add" else None
     if acc0 is not None:
-        log(f"RL task ({rl_task.digits}-digit) greedy accuracy before RL: {acc0:.3f}")
+        log(f"RL task ({rl_task.digits}-digit) accuracy before RL: greedy {acc0['greedy']:.3f}, "
+            f"sampled {acc0['sampled']:.3f}")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     rng = random.Random(args.seed + 1)
     parity = dict(steps=0, checks=0, max_rel_grad_diff=0.0, max_abs_loss_diff=0.0) \
@@ -329,9 +336,12 @@ def train(args, log=print, model=None, tok=None, tasks=None):
             bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row['accuracy']:.2f}",
                             loss=f"{loss:+.4f}")
     if args.task == "add":
-        acc1 = evaluate(model, rl_task, tok, args.eval_size, args.seed)
-        log(f"RL task greedy accuracy: before {acc0:.3f} -> after {acc1:.3f}")
-        history.append(dict(eval_before=acc0, eval_after=acc1))
+        acc1 = evaluate(model, rl_task, tok, args.eval_size, args.seed, args.temperature)
+        for kind in ("greedy", "sampled"):
+            log(f"RL task {kind} accuracy: before {acc0[kind]:.3f} -> after {acc1[kind]:.3f}")
+        history.append(dict(eval_before=acc0["greedy"], eval_after=acc1["greedy"],
+                            eval_sampled_before=acc0["sampled"],
+                            eval_sampled_after=acc1["sampled"]))
     plot_curves(history, os.path.join(args.out, "curves.png"))
     if parity is not None:
         parity["features"] = [k for k, on in (("ar", args.ar_alpha != 0.0),
@@ -399,8 +409,9 @@ def compare(args):
                          tasks=(sft_task, rl_task))
             results[name].append(hist)
             ev = hist[-1]
-            print(f"seed {seed} {name:>10}: eval accuracy {ev['eval_before']:.3f} -> "
-                  f"{ev['eval_after']:.3f}", flush=True)
+            print(f"seed {seed} {name:>10}: greedy accuracy {ev['eval_before']:.3f} -> "
+                  f"{ev['eval_after']:.3f}, sampled {ev['eval_sampled_before']:.3f} -> "
+                  f"{ev['eval_sampled_after']:.3f}", flush=True)
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     summary = {}
     for i, (name, runs) in enumerate(results.items()):
@@ -411,8 +422,12 @@ def compare(args):
         ax[0].plot(smooth(mean), label=name, color=f"C{i}")
         ax[1].plot(smooth(mshare), label=name, color=f"C{i}")
         after = [r[-1]["eval_after"] for r in runs]
+        sampled = [r[-1]["eval_sampled_after"] for r in runs]
         summary[name] = dict(eval_before=[r[-1]["eval_before"] for r in runs], eval_after=after,
                              eval_after_mean=sum(after) / len(after),
+                             eval_sampled_before=[r[-1]["eval_sampled_before"] for r in runs],
+                             eval_sampled_after=sampled,
+                             eval_sampled_after_mean=sum(sampled) / len(sampled),
                              final_reward_mean=sum(mean[-10:]) / len(mean[-10:]),
                              grad_share_low_mean=sum(mshare) / len(mshare))
     ax[0].set_title(f"reward (mean of {len(seeds)} seeds, smoothed)")
