@@ -33,9 +33,24 @@ def setup_case(N, H, V, dtype, seed=0, T=512):
 
 
 def plain_torch_loss(c):
-    """What TRL does: full logits, log_softmax, per-token PPO-clip + k3 KL, token-mean."""
+    """The textbook way: full logits, log_softmax, then the loss on the log-probs."""
     logits = (c["hidden"] @ c["weight"].T).float()
     logp = torch.log_softmax(logits, -1).gather(-1, c["targets"].unsqueeze(-1)).squeeze(-1)
+    return loss_from_logp(c, logp)
+
+
+def trl_chunked_loss(c):
+    """What TRL 1.16's GRPOTrainer runs: its chunked log-prob kernel (log-probs and entropy, the
+    logits recomputed in backward: four matmuls) through the fused LM head, then the loss."""
+    from trl.kernels import ChunkedLogProbFunction
+    x = c["hidden"].reshape(-1, c["hidden"].shape[-1])
+    out = ChunkedLogProbFunction.apply(x, c["weight"], None, c["targets"].reshape(-1), 1.0,
+                                       32768, None, 1.0, ("log_probs", "entropy"))
+    return loss_from_logp(c, out[0].view_as(c["old"]))
+
+
+def loss_from_logp(c, logp):
+    """Per-token PPO-clip + k3 KL, token-mean (TRL's bnpo)."""
     r = torch.exp(logp - c["old"])
     a = c["adv"].unsqueeze(-1)
     pg = torch.maximum(-a * r, -a * r.clamp(1 - EPS, 1 + EPS))
@@ -69,6 +84,8 @@ def make_provider(name, c):
         return run
     if name == "plain_torch":
         return lambda: plain_torch_loss(c).backward()
+    if name == "trl_chunked":
+        return lambda: trl_chunked_loss(c).backward()
     if name.startswith("liger"):
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
         mod = LigerFusedLinearGRPOLoss(beta=BETA, compiled=name == "liger_compiled",

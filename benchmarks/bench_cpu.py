@@ -1,12 +1,12 @@
 """CPU benchmark of the fused GRPO loss (forward + backward) against its floor and baselines.
 
-Providers, each in a fresh process (clean peak RSS), same inputs, same thread count:
-Timing: all providers in one process, repetitions interleaved (robust to machine drift);
+Providers, same inputs, same thread count. Timing: all providers in one process, repetitions interleaved (robust to machine drift);
 memory: each provider in a fresh process (peak RSS beyond inputs and gradients).
 
   floor        the three bare matmuls a training step needs (logits, grad-hidden, grad-weight)
   gbc_cpu      gbc_kernels, C++ backend            gbc_torch   gbc_kernels, chunked PyTorch path
-  plain_torch  full logits + log_softmax + autograd (what TRL does)
+  plain_torch  full logits + log_softmax + autograd (the textbook way)
+  trl_chunked  TRL 1.16 GRPOTrainer's chunked log-prob kernel (logits recomputed in backward)
   liger        Liger-Kernel LigerFusedLinearGRPOLoss(compiled=False)  (liger_compiled: =True)
 
     python benchmarks/bench_cpu.py --quick            # N=2048, H=1024, V=32768 (the README table)
@@ -27,7 +27,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-PROVIDERS = ["floor", "gbc_cpu", "gbc_torch", "plain_torch", "liger", "liger_compiled"]
+PROVIDERS = ["floor", "gbc_cpu", "gbc_torch", "plain_torch", "trl_chunked", "liger",
+             "liger_compiled"]
 
 
 def _peak_kb():

@@ -5,7 +5,8 @@ Providers on the same inputs (bf16 by default):
   gbc_triton      gbc_kernels, backend="triton"
   liger_chunked   Liger-Kernel LigerFusedLinearGRPOLoss (chunked, torch.compile'd)
   liger_triton    Liger's Triton grpo_loss given materialised logits (+ the lm_head matmul)
-  plain_torch     full logits + log_softmax + autograd (what TRL does)
+  plain_torch     full logits + log_softmax + autograd (the textbook way)
+  trl_chunked     TRL 1.16 GRPOTrainer's chunked log-prob kernel (logits recomputed in backward)
 Shapes: Qwen2.5-7B (H=3584, V=151936) and Llama-3-8B (H=4096, V=128256), N in {4096, 8192}.
 
     python benchmarks/bench_gpu.py [--N 4096,8192] [--dtype bfloat16]
@@ -43,6 +44,7 @@ def providers(c):
         loss.backward()
     out["gbc_triton"] = ours
     out["liger_chunked"] = make_provider("liger_compiled", c)
+    out["trl_chunked"] = make_provider("trl_chunked", c)
 
     def liger_triton():
         from liger_kernel.transformers.grpo_loss import triton_grpo_loss
