@@ -194,6 +194,11 @@ def test_unsupported_trl_option_raises(tiny, tmp_path, option, value):
     (dict(gbc_critical_kl_exponent=150.0, beta=0.04, gbc_critical_kl_certainty="vibes"),
      "gbc_critical_kl_certainty"),
     (dict(gbc_backend="cuda"), "gbc_backend"),
+    (dict(gbc_ar_alpha=1.5), "gbc_ar_alpha"),
+    (dict(gbc_lopti_eta=0.0), "gbc_lopti_eta"),
+    (dict(gbc_nthr=True, gbc_nthr_eta=-1.0), "gbc_nthr_eta"),
+    (dict(beta=0.04, gbc_critical_kl_exponent=-3.0), "gbc_critical_kl_exponent"),
+    (dict(gbc_critical_kl_temperature=0.0), "gbc_critical_kl_temperature"),
 ])
 def test_bad_gbc_option_raises(tiny, tmp_path, options, name):
     with pytest.raises(ValueError, match=name):

@@ -120,6 +120,18 @@ def _unsupported(args) -> list[str]:
             bad.append(f"gbc_nthr with per_device_train_batch_size * steps_per_generation = "
                        f"{local}, not a multiple of num_generations={args.num_generations}: "
                        "NTHR needs every group's completions on the same process")
+    if not 0.0 <= args.gbc_ar_alpha <= 1.0:
+        bad.append(f"gbc_ar_alpha={args.gbc_ar_alpha!r}: expected a float in [0, 1]")
+    if args.gbc_lopti_eta is not None and not 0.0 < args.gbc_lopti_eta <= 1.0:
+        bad.append(f"gbc_lopti_eta={args.gbc_lopti_eta!r}: expected None or a float in (0, 1]")
+    if args.gbc_nthr_eta is not None and not args.gbc_nthr_eta >= 0.0:
+        bad.append(f"gbc_nthr_eta={args.gbc_nthr_eta!r}: expected None ('auto') or a float >= 0")
+    if args.gbc_critical_kl_exponent is not None and not args.gbc_critical_kl_exponent > 0.0:
+        bad.append(f"gbc_critical_kl_exponent={args.gbc_critical_kl_exponent!r}: expected None "
+                   "or a float > 0")
+    if not args.gbc_critical_kl_temperature > 0.0:
+        bad.append(f"gbc_critical_kl_temperature={args.gbc_critical_kl_temperature!r}: "
+                   "expected a float > 0")
     if args.gbc_backend not in ("auto", "triton", "cpu", "torch"):
         bad.append(f"gbc_backend={args.gbc_backend!r}: expected 'auto', 'triton', 'cpu' or 'torch'")
     return bad
