@@ -87,6 +87,20 @@ def loss_and_grads(trainer, inputs, accumulation):
                            if p.grad is not None}
 
 
+def assert_same_loss_and_grads(ours, ref, inputs, accumulation):
+    """Loss within 1e-5 (relative beyond 1), every parameter gradient within 1e-4 of its
+    largest entry."""
+    loss_ref, g_ref = loss_and_grads(ref, inputs, accumulation)
+    loss_ours, g_ours = loss_and_grads(ours, inputs, accumulation)
+    assert torch.isfinite(loss_ref)
+    assert abs(loss_ours.item() - loss_ref.item()) <= 1e-5 * max(1.0, abs(loss_ref.item()))
+    assert g_ours.keys() == g_ref.keys() and len(g_ref) > 0
+    for name, gr in g_ref.items():
+        scale = gr.abs().max().clamp(min=1e-6)
+        err = ((g_ours[name] - gr).abs().max() / scale).item()
+        assert err <= 1e-4, f"{name}: rel diff {err:.2e}"
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_same_loss_and_gradients_as_grpo_trainer(tiny, tmp_path, loss_type, beta):
@@ -95,15 +109,7 @@ def test_same_loss_and_gradients_as_grpo_trainer(tiny, tmp_path, loss_type, beta
     ref = build(trl.GRPOTrainer, tiny, tmp_path / "ref", **opts)
     ours = build(GBCGRPOTrainer, tiny, tmp_path / "ours", **opts)
     inputs = make_inputs(ref, seed=hash((loss_type, beta)) % 1000)
-    loss_ref, g_ref = loss_and_grads(ref, inputs, accumulation=2)
-    loss_ours, g_ours = loss_and_grads(ours, inputs, accumulation=2)
-    assert torch.isfinite(loss_ref)
-    assert abs(loss_ours.item() - loss_ref.item()) <= 1e-5 * max(1.0, abs(loss_ref.item()))
-    assert g_ours.keys() == g_ref.keys() and len(g_ref) > 0
-    for name, gr in g_ref.items():
-        scale = gr.abs().max().clamp(min=1e-6)
-        err = ((g_ours[name] - gr).abs().max() / scale).item()
-        assert err <= 1e-4, f"{name}: rel diff {err:.2e}"
+    assert_same_loss_and_grads(ours, ref, inputs, accumulation=2)
     # the metrics TRL reports come from the fused loss too, with TRL's names
     for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
         assert abs(ours._metrics["train"][key][-1] - ref._metrics["train"][key][-1]) < 1e-6
@@ -124,11 +130,7 @@ def test_vllm_importance_sampling_ratio_matches(tiny, tmp_path, seq_level):
     shape = (B, 1) if seq_level else (B, T)
     inputs["importance_sampling_ratio"] = 0.5 + torch.rand(shape, generator=torch.Generator()
                                                            .manual_seed(3))
-    loss_ref, g_ref = loss_and_grads(ref, inputs, accumulation=1)
-    loss_ours, g_ours = loss_and_grads(ours, inputs, accumulation=1)
-    assert abs(loss_ours.item() - loss_ref.item()) <= 1e-5
-    for name, gr in g_ref.items():
-        assert (g_ours[name] - gr).abs().max() <= 1e-4 * gr.abs().max().clamp(min=1e-6), name
+    assert_same_loss_and_grads(ours, ref, inputs, accumulation=1)
 
 
 def test_entropy_bonus_matches_for_bnpo(tiny, tmp_path):
@@ -136,11 +138,7 @@ def test_entropy_bonus_matches_for_bnpo(tiny, tmp_path):
     ref = build(trl.GRPOTrainer, tiny, tmp_path / "ref", **opts)
     ours = build(GBCGRPOTrainer, tiny, tmp_path / "ours", **opts)
     inputs = make_inputs(ref, seed=5)
-    loss_ref, g_ref = loss_and_grads(ref, inputs, accumulation=1)
-    loss_ours, g_ours = loss_and_grads(ours, inputs, accumulation=1)
-    assert abs(loss_ours.item() - loss_ref.item()) <= 1e-5
-    for name, gr in g_ref.items():
-        assert (g_ours[name] - gr).abs().max() <= 1e-4 * gr.abs().max().clamp(min=1e-6), name
+    assert_same_loss_and_grads(ours, ref, inputs, accumulation=1)
 
 
 def test_gbc_options_change_the_loss(tiny, tmp_path):
