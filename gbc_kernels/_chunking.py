@@ -24,12 +24,19 @@ def budget_bytes(device: Optional[torch.device] = None) -> int:
 
 def rows_per_chunk(n_rows: int, vocab: int, buffers: int,
                    device: Optional[torch.device] = None) -> int:
-    """Rows such that ``buffers`` float32 ``[rows, V]`` arrays fit the budget; at least 1, at most
-    ``n_rows``, a multiple of 16 when larger than 16 (friendlier to BLAS)."""
+    """Rows per chunk: ``buffers`` float32 ``[rows, V]`` arrays within the budget, the rows then
+    spread evenly over the chunks that takes (no small ragged last chunk) and rounded up to a
+    multiple of the matmul tile (128 rows on GPUs, 16 on CPUs) when that many rows are allowed:
+    the budget is met to within one tile. At least 1, at most ``n_rows``."""
+    if n_rows <= 0:
+        return 1
     budget = budget_bytes(device)
-    rows = max(1, budget // max(1, vocab * 4 * buffers))
-    if rows > 16:
-        rows -= rows % 16
+    cap = max(1, budget // max(1, vocab * 4 * buffers))
+    chunks = -(-n_rows // cap)
+    rows = -(-n_rows // chunks)
+    tile = 16 if device is None or device.type == "cpu" else 128
+    if cap >= tile:
+        rows = -(-rows // tile) * tile
     return max(1, min(rows, n_rows))
 
 

@@ -6,13 +6,14 @@ import io
 import os
 import socket
 
-# No GPU here: the Triton kernels run under the interpreter on CPU tensors. Must be set before
-# triton compiles anything (gbc_kernels imports triton lazily, on first use).
-if not os.environ.get("CUDA_VISIBLE_DEVICES") and "TRITON_INTERPRET" not in os.environ:
-    os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest
 import torch
+
+# No GPU: the Triton kernels run under the interpreter on CPU tensors. Must be set before
+# triton compiles anything (gbc_kernels imports triton lazily, on first use; importing torch
+# does not import triton). With a GPU the kernels compile for it (tests/test_gpu.py).
+if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
 import torch.distributed as dist
 import torch.multiprocessing as mp
 

@@ -1,0 +1,138 @@
+"""The Triton kernels compiled and run on a real CUDA GPU (skipped elsewhere: CI has none).
+
+Same checks as the interpreter tests, on CUDA tensors: the fused loss, log-probs, statistics
+and NTHR against the float64 reference, fp32 and bf16, odd vocabularies, empty rows, random
+upstream gradients, multi-chunk sweeps, NaN-poisoned allocations (conftest); and the memory
+claim measured by the CUDA allocator.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gbc_kernels as gbc
+import gbc_reference as ref
+from conftest import as64, make_batch, max_rel_err
+from test_policy_loss import CASES, run
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def cuda(batch):
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def cpu(out):
+    loss, metrics, grads = out
+    return (loss.cpu(), {k: v.cpu() for k, v in metrics.items()},
+            {k: v.cpu() for k, v in grads.items()})
+
+
+def check(out, truth, rtol_loss, rtol_grad, rtol_metric=1e-4):
+    loss, metrics, grads = out
+    tloss, tmetrics, tgrads = truth
+    assert torch.isfinite(loss)
+    assert abs(float(loss) - float(tloss)) <= rtol_loss * max(1.0, abs(float(tloss)))
+    for k, g in grads.items():
+        assert torch.isfinite(g).all(), k
+        assert max_rel_err(g.float(), tgrads[k].float()) <= rtol_grad, \
+            (k, max_rel_err(g.float(), tgrads[k].float()))
+    assert set(metrics) == set(tmetrics)
+    for k, v in metrics.items():
+        assert abs(float(v) - float(tmetrics[k])) <= rtol_metric * max(1.0, abs(float(tmetrics[k]))), k
+
+
+@pytest.mark.parametrize("cfg,phase", CASES)
+def test_triton_fp32_on_gpu_matches_float64_reference(cfg, phase, small_chunks):
+    batch = make_batch(B=6, T=33, H=64, V=1001, seed=len(str(cfg)), old_spread=3.0)
+    up = torch.randn(()).item()
+    out = cpu(run(gbc, cuda(batch), cfg, phase, up, "triton"))
+    truth = run(ref, as64(batch), cfg, phase, up)
+    check(out, truth, 1e-5, 1e-4)
+
+
+@pytest.mark.parametrize("cfg,phase", CASES[:4] + CASES[-1:])
+def test_triton_bf16_on_gpu(cfg, phase):
+    """bf16 inputs: logits from the bf16 matmul, float32 reductions; compared with the float64
+    reference on the same bf16-rounded inputs."""
+    batch = make_batch(B=4, T=65, H=128, V=4099, dtype=torch.bfloat16, seed=3)
+    up = 0.8
+    out = cpu(run(gbc, cuda(batch), cfg, phase, up, "triton"))
+    truth = run(ref, as64(batch), cfg, phase, up)
+    check(out, truth, 2e-2, 3e-2, rtol_metric=3e-2)
+
+
+def test_large_vocab_fp32(small_chunks):
+    """V = 128257 (not a multiple of any tile), several chunks of rows."""
+    batch = make_batch(B=2, T=40, H=64, V=128257, seed=7)
+    cfg = dict(loss_agg="grpo", kl_coef=0.05, ar_alpha=0.3, entropy_coef=0.01)
+    out = cpu(run(gbc, cuda(batch), cfg, None, 1.3, "triton"))
+    truth = run(ref, as64(batch), cfg, None, 1.3)
+    check(out, truth, 1e-5, 2e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_entropy_and_stats_on_gpu(dtype):
+    b = make_batch(B=3, T=17, H=96, V=5003, dtype=dtype, seed=11)
+    g = torch.Generator().manual_seed(0)
+    up = torch.randn(2, 3, 17, generator=g)
+    targets = b["targets"].clamp(min=0)
+    outs = []
+    for lib, dev, d in ((gbc, "cuda", dtype), (ref, "cpu", torch.float64)):
+        h = b["hidden"].to(dev, d).requires_grad_(True)
+        w = b["weight"].to(dev, d).requires_grad_(True)
+        bias = b["bias"].to(dev, d).requires_grad_(True)
+        kw = dict(backend="triton") if lib is gbc else {}
+        logp, ent = lib.fused_linear_logprobs(h, w, targets.to(dev), bias=bias, temperature=0.9,
+                                              return_entropy=True, **kw)
+        ((logp * up[0].to(dev)).sum() + (ent * up[1].to(dev)).sum()).backward()
+        st = lib.token_stats(h.detach(), w.detach(), targets.to(dev), bias=bias.detach(),
+                             temperature=0.9, certainty="entropy", certainty_temperature=1.4,
+                             **kw)
+        outs.append([t.detach().float().cpu() for t in (logp, ent, h.grad, w.grad, bias.grad,
+                                                        st.logp, st.certainty)])
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for got, want in zip(*outs):
+        assert max_rel_err(got, want) <= tol
+
+
+def test_nthr_on_gpu_matches_reference():
+    b = make_batch(B=8, T=12, H=32, V=301, seed=5)
+    group_ids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    correct = torch.tensor([True, False, True, False, False, True, False, False])
+    got = gbc.nthr_scale(b["hidden"].cuda(), b["weight"].cuda(), b["targets"].cuda(),
+                         b["mask"].cuda(), group_ids.cuda(), correct.cuda(), bias=b["bias"].cuda(),
+                         beta=0.0, backend="triton")
+    want = ref.nthr_scale(b["hidden"].double(), b["weight"].double(), b["targets"], b["mask"],
+                          group_ids, correct, bias=b["bias"].double(), beta=0.0)
+    assert want.selected.any()
+    assert torch.equal(got.selected.cpu(), want.selected)
+    assert torch.allclose(got.scale.cpu(), want.scale.float())
+
+
+def test_loss_memory_on_gpu():
+    """Peak CUDA memory of the fused loss forward+backward beyond inputs and gradients, against
+    one fp32 [N, V] logits tensor (bf16, N = 8192, V = 128256)."""
+    N, H, V = 8192, 1024, 128256
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = (torch.randn(4, N // 4, H, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(V, H, device="cuda", generator=g) / H ** 0.5).bfloat16().requires_grad_()
+    y = torch.randint(0, V, (4, N // 4), device="cuda", generator=g)
+    mask = torch.ones(4, N // 4, dtype=torch.bool, device="cuda")
+    adv = torch.randn(4, device="cuda", generator=g)
+    old = -torch.rand(4, N // 4, device="cuda", generator=g) * 5
+    h.grad = torch.zeros_like(h)
+    w.grad = torch.zeros_like(w)          # gradients count as inputs here
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss, _ = gbc.fused_linear_policy_loss(h, w, y, mask, adv, old, backend="triton")
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    logits_fp32 = N * V * 4
+    print(f"peak beyond inputs+grads: {extra / 2**20:.0f} MiB = {extra / logits_fp32:.3f} x "
+          f"one fp32 [N, V] ({logits_fp32 / 2**20:.0f} MiB)")
+    assert torch.isfinite(loss)
+    assert extra < 0.5 * logits_fp32
