@@ -227,7 +227,8 @@ class _PolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        out = [None if not has else t * grad_loss.to(t.dtype)
+        unit = bool(grad_loss == 1)         # as the one-device loss: skip a unit scaling
+        out = [None if not has else t if unit else t * grad_loss.to(t.dtype)
                for has, t in zip(ctx.has, ctx.saved_tensors)]
         return out[0], out[1], out[2], None
 
