@@ -14,29 +14,20 @@ def main(path):
     for r in rows:                      # the latest run of each shape
         latest[r["shape"]] = max(latest.get(r["shape"], ""), r["timestamp"])
     rows = [r for r in rows if r["timestamp"] == latest[r["shape"]]]
-    if "median_ms" in rows[0]:          # bench_gpu.py
-        print("| shape | provider | time (ms) median [p20, p80] | × floor | peak beyond inputs "
-              "(MiB) | × one fp32 [N,V] |")
-        print("|---|---|---|---|---|---|")
-        for r in rows:
-            if r["status"] != "ok":
-                print(f"| {r['shape']} | {r['provider']} | {r['status'].strip()[:60]} | | | |")
-                continue
-            print(f"| {r['shape']} | {r['provider']} | {float(r['median_ms']):.1f} "
-                  f"[{float(r['p20_ms']):.1f}, {float(r['p80_ms']):.1f}] | {r['ratio_to_floor']} | "
-                  f"{r['peak_extra_mb']} | {r.get('peak_over_logits', '')} |")
-        return
-    print("| shape | provider | time (s) median [p20, p80] | × floor | peak beyond grads (MiB) "
-          "| × one fp32 [N,V] |")
+    # bench_gpu.py writes milliseconds and peak beyond inputs; bench_cpu.py seconds and peak
+    # beyond the gradients
+    unit, digits, peak = (("ms", 1, "inputs") if "median_ms" in rows[0] else ("s", 3, "grads"))
+    print(f"| shape | provider | time ({unit}) median [p20, p80] | × floor | peak beyond {peak} "
+          "(MiB) | × one fp32 [N,V] |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         if r["status"] != "ok":
-            print(f"| {r['shape']} | {r['provider']} | {r['status']} | | | |")
+            print(f"| {r['shape']} | {r['provider']} | {r['status'].strip()[:60]} | | | |")
             continue
-        print(f"| {r['shape']} | {r['provider']} | {float(r['median_s']):.3f} "
-              f"[{float(r['p20_s']):.3f}, {float(r['p80_s']):.3f}] | {r['ratio_to_floor']} | "
-              f"{r['peak_extra_mb']} | {r['peak_over_logits']} |")
-
+        t = [float(r[f"{q}_{unit}"]) for q in ("median", "p20", "p80")]
+        print(f"| {r['shape']} | {r['provider']} | {t[0]:.{digits}f} "
+              f"[{t[1]:.{digits}f}, {t[2]:.{digits}f}] | {r['ratio_to_floor']} | "
+              f"{r['peak_extra_mb']} | {r.get('peak_over_logits', '')} |")
 
 if __name__ == "__main__":
     main(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/cpu.csv")

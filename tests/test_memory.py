@@ -36,8 +36,8 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 def test_peak_memory_far_below_one_logits_tensor(backend):
     if backend == "triton":
-        pytest.skip("the Triton interpreter's memory is not the GPU's; measured by "
-                    "benchmarks/bench_gpu.py on a GPU")
+        pytest.skip("the Triton interpreter's memory is not the GPU's; measured on a GPU by "
+                    "tests/test_gpu.py::test_loss_memory_on_gpu")
     env = dict(os.environ, GBC_CHUNK_MB="64", OMP_NUM_THREADS="2")
     out = subprocess.run([sys.executable, "-c", SCRIPT, backend], capture_output=True,
                          text=True, env=env, timeout=600)
