@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from . import _chunking
-from ._loss_math import aggregation_weights, policy_metrics, TokenTerms
+from ._loss_math import aggregation_weights, logp_grad_norm, policy_metrics, TokenTerms
 from .backends import Backend
 from .backends.base import Workspace
 from .config import PolicyLossConfig
@@ -143,10 +143,8 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
         terms = TokenTerms(**{f: None if getattr(parts[0], f) is None else
                               torch.cat([getattr(t, f) for t in parts])
                               for f in TokenTerms.__dataclass_fields__})
-        # SPEC §6: |dL/dlogp| / tau * ||onehot - p|| per token
-        p = torch.exp(logp)
-        gnorm = g.abs() * inv_temp * (1.0 - 2.0 * p + sum_p2).clamp(min=0.0).sqrt()
-        inp.metrics = policy_metrics(terms, None, cfg, entropy, gnorm)
+        inp.metrics = policy_metrics(terms, None, cfg, entropy,
+                                     logp_grad_norm(g, logp, sum_p2, inv_temp))
     else:
         inp.metrics = _empty_metrics(cfg, device)
     full_logp = torch.zeros(mflat.numel(), device=device, dtype=torch.float32)
@@ -174,23 +172,31 @@ class FusedPolicyLossFunction(torch.autograd.Function):
         need_db = bias is not None and ctx.needs_input_grad[2]
         loss, gh, gw, gb = policy_loss_sweep(hidden2d, weight, bias, inp, need_dh, need_dw,
                                              need_db)
-        ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in (gh, gw, gb)))
-        ctx.has = (gh is not None, gw is not None, gb is not None)
+        save_grads(ctx, gh, gw, gb)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        saved = ctx.saved_tensors
-        # the stored gradients are those of the loss itself: scale by the upstream gradient.
-        # A unit upstream gradient (loss.backward()) skips the scaling, a pass over [V, H]
-        # (1.4 ms of 25 at Qwen2.5-7B's head, N = 4096, on an H100). On an accelerator the
-        # check is a host sync at the end of this backward, as in Liger's fused losses; it
-        # costs far less than the pass it saves.
-        unit = bool(grad_loss == 1)
-        out = []
-        for has, t in zip(ctx.has, saved):
-            out.append(None if not has else t if unit else t * grad_loss.to(t.dtype))
-        return out[0], out[1], out[2], None
+        return (*scale_stored_grads(ctx, grad_loss), None)
+
+
+def save_grads(ctx, *grads):
+    """Keep the gradients a forward computed (None for those not needed) for
+    :func:`scale_stored_grads`."""
+    ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in grads))
+    ctx.has = tuple(t is not None for t in grads)
+
+
+def scale_stored_grads(ctx, grad_loss):
+    """The stored gradients are those of the loss itself: scale them by the upstream gradient.
+
+    A unit upstream gradient (``loss.backward()``) skips the scaling, a pass over ``[V, H]``
+    (1.4 ms of 25 at Qwen2.5-7B's head, N = 4096, on an H100). On an accelerator the check is a
+    host sync at the end of the backward, as in Liger's fused losses; it costs far less than the
+    pass it saves."""
+    unit = bool(grad_loss == 1)
+    return [None if not has else t if unit else t * grad_loss.to(t.dtype)
+            for has, t in zip(ctx.has, ctx.saved_tensors)]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -127,6 +127,13 @@ def aggregation_weights(mask: torch.Tensor, cfg: PolicyLossConfig, num_items_in_
     return m / (B * cfg.max_len)   # seq-mean-token-sum-norm
 
 
+def logp_grad_norm(g, logp, sum_p2, inv_temp):
+    """SPEC §6: the norm of the logp part of dL/dz per token, |g| / tau * ||onehot - p||, with
+    ||onehot - p||^2 = 1 - 2 p + sum_v p_v^2."""
+    p = torch.exp(logp)
+    return g.abs() * inv_temp * (1.0 - 2.0 * p + sum_p2).clamp(min=0.0).sqrt()
+
+
 def policy_metrics(terms: TokenTerms, valid, cfg: PolicyLossConfig, entropy=None,
                    grad_norm=None) -> dict:
     """SPEC §7 metrics: detached 0-d float32 tensors, means over the tokens with m = 1.

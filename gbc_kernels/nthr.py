@@ -58,12 +58,10 @@ def check_whole_groups(group_ids: torch.Tensor, process_group) -> None:
     ``process_group`` (``"world"``: the default group)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("data_parallel_group: torch.distributed is not initialized")
-    group = None if isinstance(process_group, str) and process_group == "world" else process_group
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise ValueError(f"data_parallel_group: expected a torch.distributed ProcessGroup or "
-                         f"'world', got {type(process_group).__name__}")
+    from .vocab_parallel import resolve_group
+
+    group = resolve_group("data_parallel_group", None if process_group == "world"
+                          else process_group)
     local = torch.unique(group_ids.long())
     world = dist.get_world_size(group)
     n = torch.tensor([local.numel()], device=local.device)

@@ -170,6 +170,14 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     return out.view(targets.shape), None
 
 
+def certainty_from_stats(kind, entropy, zmax, lse, vocab):
+    """SPEC §5: J_entropy = 1 - H / log V, J_max_prob = 1 + (max z - LSE) / log V."""
+    log_v = math.log(vocab) if vocab > 1 else 1.0
+    if kind == "entropy":
+        return 1.0 - entropy / log_v
+    return 1.0 + (zmax - lse) / log_v
+
+
 class TokenStats(NamedTuple):
     """Per-token statistics (float32, shape of targets): log-prob of the target and entropy at
     ``temperature``; certainty J of SPEC §5 at ``certainty_temperature`` (None unless asked)."""
@@ -211,12 +219,8 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
         True, None if certainty is None else float(certainty_temperature))
     cert = None
     if certainty is not None:
-        log_v = math.log(weight.shape[0]) if weight.shape[0] > 1 else 1.0
-        if certainty == "entropy":
-            cert = 1.0 - extra["entropy"] / log_v
-        else:
-            cert = 1.0 + (extra["zmax"] - extra["lse"]) / log_v
-        cert = cert.view(targets.shape)
+        cert = certainty_from_stats(certainty, extra["entropy"], extra["zmax"], extra["lse"],
+                                    weight.shape[0]).view(targets.shape)
     return TokenStats(logp.view(targets.shape), entropy.view(targets.shape), cert)
 
 

@@ -22,7 +22,6 @@ every device: this path is exact and memory-bounded, not yet kernel-fused.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -30,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from . import _chunking
-from ._loss_math import aggregation_weights, policy_metrics, token_terms
+from ._fused import _empty_metrics, save_grads, scale_stored_grads
+from ._loss_math import aggregation_weights, logp_grad_norm, policy_metrics, token_terms
 
 
 @dataclass(frozen=True)
@@ -54,21 +54,27 @@ class _Slice:
     vocab: int          # V of the full vocabulary
 
 
+def resolve_group(name: str, group):
+    """``group`` as a process group for the collectives (None: the default group), or a
+    ``ValueError`` naming ``name``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"{name}: torch.distributed is not initialized "
+                         "(call torch.distributed.init_process_group first)")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"{name}: expected a torch.distributed ProcessGroup or None (the "
+                         f"default group), got {type(group).__name__}")
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"{name}: this process is not a member of the group")
+    return group
+
+
 def check(vp, weight, bias, device) -> _Slice:
     """Validate ``vocab_parallel`` against the weight shard and the other ranks' slices (one
     all_gather of two integers)."""
     if not isinstance(vp, VocabParallel):
         raise TypeError(f"vocab_parallel: expected gbc_kernels.VocabParallel(group, start, end),"
                         f" got {type(vp).__name__}")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("vocab_parallel.group: torch.distributed is not initialized "
-                         "(call torch.distributed.init_process_group first)")
-    group = vp.group
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise ValueError(f"vocab_parallel.group: expected a torch.distributed ProcessGroup or "
-                         f"None (the default group), got {type(group).__name__}")
-    if dist.get_rank(group) < 0:
-        raise ValueError("vocab_parallel.group: this process is not a member of the group")
+    group = resolve_group("vocab_parallel.group", vp.group)
     for name in ("start", "end"):
         v = getattr(vp, name)
         if isinstance(v, bool) or not isinstance(v, int):
@@ -206,13 +212,11 @@ class _PolicyLoss(torch.autograd.Function):
         w = aggregation_weights(mask, cfg, num_items, ct).reshape(-1)[idx]
         loss = (w * terms.loss).sum()
         g = w * terms.dlogp
-        p = torch.exp(st["logp"])
-        gnorm = g.abs() / cfg.temperature * (1.0 - 2.0 * p + st["sum_p2"]).clamp(min=0).sqrt()
         if idx.numel():
-            holder["metrics"] = policy_metrics(terms, None, cfg,
-                                               st["entropy"] if want_ent else None, gnorm)
+            holder["metrics"] = policy_metrics(
+                terms, None, cfg, st["entropy"] if want_ent else None,
+                logp_grad_norm(g, st["logp"], st["sum_p2"], 1.0 / cfg.temperature))
         else:
-            from ._fused import _empty_metrics
             holder["metrics"] = _empty_metrics(cfg, hidden2d.device)
         gh_rows, gw, gb = grads(h, weight.detach(), None if bias is None else bias.detach(), yr,
                                 sl, cfg.temperature, st["lse"], st["entropy"], g,
@@ -221,16 +225,12 @@ class _PolicyLoss(torch.autograd.Function):
         gh = None
         if gh_rows is not None:
             gh = torch.zeros_like(hidden2d).index_copy_(0, idx, gh_rows)
-        ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in (gh, gw, gb)))
-        ctx.has = (gh is not None, gw is not None, gb is not None)
+        save_grads(ctx, gh, gw, gb)
         return loss.to(torch.float32 if ct == torch.float32 else ct)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        unit = bool(grad_loss == 1)         # as the one-device loss: skip a unit scaling
-        out = [None if not has else t if unit else t * grad_loss.to(t.dtype)
-               for has, t in zip(ctx.has, ctx.saved_tensors)]
-        return out[0], out[1], out[2], None
+        return (*scale_stored_grads(ctx, grad_loss), None)
 
 
 def policy_loss(hidden, weight, bias, safe_targets, mask, adv, old, ref, tscale, klw, cfg,
@@ -292,14 +292,11 @@ def token_stats(hidden, weight, bias, safe_targets, temperature, certainty,
     st = row_stats(h2, w, b, y, sl, temperature)
     cert = None
     if certainty is not None:
+        from .ops import certainty_from_stats
         cst = st if certainty_temperature == temperature else row_stats(
             h2, w, b, y, sl, certainty_temperature)
-        log_v = math.log(sl.vocab) if sl.vocab > 1 else 1.0
-        if certainty == "entropy":
-            cert = 1.0 - cst["entropy"] / log_v
-        else:
-            cert = 1.0 + (cst["zmax"] - cst["lse"]) / log_v
-        cert = cert.float().view(safe_targets.shape)
+        cert = certainty_from_stats(certainty, cst["entropy"], cst["zmax"], cst["lse"],
+                                    sl.vocab).float().view(safe_targets.shape)
     shape = safe_targets.shape
     return st["logp"].float().view(shape), st["entropy"].float().view(shape), cert
 
