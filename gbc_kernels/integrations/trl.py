@@ -340,25 +340,28 @@ class GBCGRPOTrainer(GRPOTrainer):
             num_items_in_batch=num_items, backend=args.gbc_backend)
         if args.loss_type != "dapo" and mode == "train":
             loss = loss / self.current_gradient_accumulation_steps
-        self._gbc_log(mode, metrics, loss)
+        self._gbc_log(mode, metrics)
         return loss
 
-    def _gbc_log(self, mode, metrics, loss):
-        def mean(x):
-            return self.accelerator.gather(x.detach().reshape(1)).float().mean().item()
-
-        log = self._metrics[mode]
-        log["clip_ratio/low_mean"].append(mean(metrics["clip_frac_low"]))
-        log["clip_ratio/high_mean"].append(mean(metrics["clip_frac_high"]))
-        log["clip_ratio/region_mean"].append(
-            mean(metrics["clip_frac_low"] + metrics["clip_frac_high"]))
-        if "kl" in metrics:
-            log["kl"].append(mean(metrics["kl"]))
-        if "entropy" in metrics:
-            log["entropy"].append(mean(metrics["entropy"]))
+    def _gbc_log(self, mode, metrics):
+        """The loss's metrics under TRL's names (and ``gbc/...``), averaged over processes with
+        one gather and one host sync per micro-batch."""
+        suffix = "" if self._gbc_phase is None else f"_{self._gbc_phase}"
+        named = {"clip_ratio/low_mean": metrics["clip_frac_low"],
+                 "clip_ratio/high_mean": metrics["clip_frac_high"],
+                 "clip_ratio/region_mean": metrics["clip_frac_low"] + metrics["clip_frac_high"]}
+        for name in ("kl", "entropy"):
+            if name in metrics:
+                named[name] = metrics[name]
         for name in ("grad_share_low", "low_frac", "ar_weight_mean"):
             if name in metrics:
-                key = f"gbc/{name}" if self._gbc_phase is None else f"gbc/{name}_{self._gbc_phase}"
-                log[key].append(mean(metrics[name]))
+                named[f"gbc/{name}{suffix}"] = metrics[name]
         if self._gbc_phase is not None and "grad_norm_sum" in metrics:
-            self._gbc_norms[self._gbc_phase] = mean(metrics["grad_norm_sum"])
+            named["grad_norm_sum"] = metrics["grad_norm_sum"]
+        local = torch.stack([v.detach().float().reshape(()) for v in named.values()])
+        values = self.accelerator.gather(local).view(-1, len(named)).mean(0).tolist()
+        for key, value in zip(named, values):
+            if key == "grad_norm_sum":
+                self._gbc_norms[self._gbc_phase] = value
+            else:
+                self._metrics[mode][key].append(value)
