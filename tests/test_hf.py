@@ -136,3 +136,20 @@ def test_model_without_lm_head_raises():
         num_attention_heads=4, num_key_value_heads=2))
     with pytest.raises(ValueError, match="model: .*lm_head"):
         hf.lm_head(model)
+
+
+def test_old_policy_pass_reuses_given_old_logp():
+    """With the trainer's own old log-probs the NTHR scale is the same as from the pass's."""
+    model = make("qwen2", False)
+    ids, attn = batch()
+    ids = torch.cat([ids, ids[:1]]).clone()                # 4 responses, 2 groups of 2
+    attn = torch.cat([attn, attn[:1]])
+    T = 5
+    targets, mask = ids[:, -T:], torch.ones(4, T, dtype=torch.bool)
+    kw = dict(group_ids=torch.tensor([0, 0, 1, 1]), correct=torch.tensor([True, False] * 2),
+              temperature=0.8, nthr=True, nthr_beta=0.0, completion_len=T)
+    fresh = hf.old_policy_pass(model, ids, attn, targets, mask, **kw)
+    given = hf.old_policy_pass(model, ids, attn, targets, mask, old_logp=fresh.old_logp, **kw)
+    assert given.old_logp is fresh.old_logp
+    assert torch.equal(given.nthr.selected, fresh.nthr.selected) and fresh.nthr.selected.any()
+    assert torch.allclose(given.token_scale, fresh.token_scale)

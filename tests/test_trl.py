@@ -155,7 +155,8 @@ def test_gbc_options_change_the_loss(tiny, tmp_path):
 def test_three_steps_with_every_method_on(tiny, tmp_path):
     trainer = build(GBCGRPOTrainer, tiny, tmp_path, loss_type="dapo", beta=0.04, max_steps=3,
                     gbc_ar_alpha=0.3, gbc_lopti_eta=0.5, gbc_nthr=True,
-                    gbc_critical_kl_exponent=2.0, temperature=1.3)
+                    gbc_critical_kl_exponent=2.0, temperature=1.3,
+                    num_iterations=2)    # TRL computes old log-probs; NTHR reuses them
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     steps = []
     trainer.create_optimizer()

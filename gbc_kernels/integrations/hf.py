@@ -101,24 +101,27 @@ class ReferencePass(NamedTuple):
 @torch.no_grad()
 def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=None,
                     correct=None, temperature=1.0, nthr=False, nthr_beta=1.0, nthr_eta="auto",
-                    backend="auto", completion_len: int = 0) -> OldPolicyPass:
+                    backend="auto", completion_len: int = 0,
+                    old_logp=None) -> OldPolicyPass:
     """The rollout policy's pass of an RL step: ``old_logp`` of ``targets = input_ids[:, 1:]``
     (or of the last ``completion_len`` tokens) and, with ``nthr=True``, NTHR's token scale from
-    the same hidden states (SPEC §4)."""
+    the same hidden states (SPEC §4). ``old_logp`` already computed by the trainer (at the same
+    temperature) is used as is, saving the streaming pass over the vocabulary."""
     import gbc_kernels as gbc
 
     head = lm_head(model)
     h = completion_hidden(model, input_ids, attention_mask, completion_len)
-    st = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temperature,
-                         backend=backend)
+    if old_logp is None:
+        old_logp = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temperature,
+                                   backend=backend).logp
     res = None
     if nthr:
         if group_ids is None or correct is None:
             raise ValueError("group_ids, correct: required when nthr=True")
         res = gbc.nthr_scale(h, head.weight, targets, mask, group_ids, correct, bias=head.bias,
                              temperature=temperature, beta=nthr_beta, eta=nthr_eta,
-                             backend=backend, logp=st.logp)
-    return OldPolicyPass(st.logp, None if res is None else res.scale, res)
+                             backend=backend, logp=old_logp)
+    return OldPolicyPass(old_logp, None if res is None else res.scale, res)
 
 
 @torch.no_grad()

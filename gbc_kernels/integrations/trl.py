@@ -245,7 +245,10 @@ class GBCGRPOTrainer(GRPOTrainer):
                     completion_ids, mask, group_ids=group_ids, correct=adv > 0,
                     temperature=self._gbc_temperature, nthr=True, nthr_beta=args.gbc_nthr_beta,
                     nthr_eta="auto" if args.gbc_nthr_eta is None else args.gbc_nthr_eta,
-                    backend=args.gbc_backend, completion_len=T)
+                    backend=args.gbc_backend, completion_len=T,
+                    # TRL's own old-policy log-probs when it computed them (num_iterations > 1,
+                    # vLLM): NTHR then needs no pass over the vocabulary of its own
+                    old_logp=out.get("old_per_token_logps"))
             out["gbc_token_scale"] = res.token_scale
             m = mask.float()
             selected = (res.nthr.selected.float() * m).sum() / m.sum().clamp(min=1.0)
