@@ -62,21 +62,14 @@ def check_whole_groups(group_ids: torch.Tensor, process_group) -> None:
 
     group = resolve_group("data_parallel_group", None if process_group == "world"
                           else process_group)
-    local = torch.unique(group_ids.long())
-    world = dist.get_world_size(group)
-    n = torch.tensor([local.numel()], device=local.device)
-    counts = [torch.empty_like(n) for _ in range(world)]
-    dist.all_gather(counts, n, group=group)
-    width = max(int(c) for c in counts)
-    padded = torch.full((width,), -1, dtype=torch.long, device=local.device)
-    padded[: local.numel()] = local
-    every = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(every, padded, group=group)
-    ids = torch.cat([t[: int(c)] for t, c in zip(every, counts)])
-    uniq, occurrences = torch.unique(ids, return_counts=True)
-    split = uniq[occurrences > 1]
-    if split.numel():
-        raise ValueError(f"group_ids: group(s) {split[:8].tolist()} have responses on more than "
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, torch.unique(group_ids).tolist(), group=group)
+    seen, split = set(), set()
+    for ids in every:
+        split |= seen & set(ids)
+        seen |= set(ids)
+    if split:
+        raise ValueError(f"group_ids: group(s) {sorted(split)[:8]} have responses on more than "
                          "one rank of data_parallel_group; NTHR compares a group's responses with "
                          "each other, so each group must sit on one rank (shard the batch by "
                          "group, or gather the groups first)")
