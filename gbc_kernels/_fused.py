@@ -8,13 +8,14 @@ scales the stored gradients by the upstream gradient (the loss is used linearly)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
 
 from . import _chunking
-from ._loss_math import aggregation_weights, logp_grad_norm, policy_metrics, TokenTerms
+from ._loss_math import (TokenInputs, aggregation_weights, concat_terms, empty_metrics,
+                         logp_grad_norm, local_ids, loss_terms, policy_metrics, term_weights)
 from .backends import Backend
 from .backends.base import Workspace
 from .config import PolicyLossConfig
@@ -36,12 +37,94 @@ class LossInputs:
     phase: Optional[str]
     num_items_in_batch: object
     backend: Backend
+    is_ratio: Optional[torch.Tensor] = None
+    sampling_logp: Optional[torch.Tensor] = None
     metrics: dict = field(default_factory=dict)     # filled by the forward
     logp: Optional[torch.Tensor] = None              # [B, T] float32, filled by the forward
 
 
-def _cat(parts, n, device, dtype=torch.float32):
-    return torch.cat(parts) if parts else torch.zeros(n, device=device, dtype=dtype)
+def token_inputs(mask, advantages, old, ref, tscale, klw, is_ratio, sampling, cfg, num_items,
+                 idx, ct) -> TokenInputs:
+    """The per-token inputs of the masked tokens ``idx`` (flat indices into ``mask``, sorted),
+    with their aggregation weights and, when the loss needs them, their sequence ids."""
+    def take(t):
+        return None if t is None else t.reshape(-1)[idx].to(ct)
+
+    w_pg, w_kl, w_ent = (w.reshape(-1)[idx] for w in term_weights(mask, cfg, num_items, ct))
+    seq, n_seq = None, 0
+    if cfg.needs_sequence:
+        seq, n_seq = local_ids(idx // mask.shape[1])
+    return TokenInputs(take(advantages), take(old), take(ref), take(tscale), take(klw),
+                       take(is_ratio), take(sampling), w_pg, w_kl, w_ent, seq, n_seq)
+
+
+def entropy_threshold(entropy: torch.Tensor, quantile: float) -> torch.Tensor:
+    """The (1 - quantile) quantile of the entropies, linear interpolation (torch.quantile)."""
+    values = entropy.float()
+    if values.numel() <= 2 ** 24 - 1:     # torch.quantile's input limit
+        return torch.quantile(values, 1.0 - quantile)
+    srt = values.sort().values
+    pos = (1.0 - quantile) * (srt.numel() - 1)
+    lo = int(pos)
+    hi = min(lo + 1, srt.numel() - 1)
+    return torch.lerp(srt[lo], srt[hi], pos - lo)
+
+
+def with_entropy_mask(ti: TokenInputs, entropy, cfg: PolicyLossConfig, mask, idx, ct,
+                      threshold_fn=None) -> TokenInputs:
+    """The batch's entropy-quantile mask (SPEC §10) and the entropy term's weights over it.
+    ``entropy`` covers every masked token of the call (the statistic is batch-global);
+    ``threshold_fn(entropy, quantile)`` replaces :func:`entropy_threshold` (data parallel)."""
+    if not cfg.needs_batch:
+        return ti
+    thr = (threshold_fn or entropy_threshold)(entropy, cfg.top_entropy_quantile)
+    emask = entropy >= thr.to(entropy.dtype)
+    w_ent = ti.w_ent
+    if cfg.entropy_agg is not None:
+        em = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+        em = em.index_copy_(0, idx, emask).view_as(mask)
+        w_ent = aggregation_weights(em, cfg.entropy_agg, cfg, None, ct).reshape(-1)[idx]
+    return replace(ti, emask=emask, w_ent=w_ent)
+
+
+def chunk_plan(n: int, rows: int, cfg: PolicyLossConfig, seq: Optional[torch.Tensor]):
+    """Chunks ``(start, end, n_seq, two_sweep)`` over the ``n`` masked rows, at most ``rows``
+    each.
+
+    * token-local loss: plain chunks, one sweep (three matmuls per chunk);
+    * a loss that needs whole sequences: chunks of whole sequences, one sweep; a sequence longer
+      than a chunk is cut into two-sweep chunks (its statistics first, its gradient once the
+      whole sequence is known: four matmuls for its rows only);
+    * the batch-global entropy quantile: every chunk two-sweep (four matmuls).
+    """
+    if n == 0:
+        return []
+    if not cfg.needs_sequence:
+        two = cfg.needs_batch
+        return [(s, min(n, s + rows), 0, two) for s in range(0, n, rows)]
+    lengths = torch.bincount(seq).tolist()       # tokens per sequence, in order (host)
+    plan = []
+    start = count = n_in = pos = 0
+    for L in lengths:
+        if L > rows:                            # a long sequence: the two-sweep route
+            if count:
+                plan.append((start, start + count, n_in, cfg.needs_batch))
+            plan.extend((s, min(pos + L, s + rows), 1, True) for s in range(pos, pos + L, rows))
+            start, count, n_in = pos + L, 0, 0
+        elif count + L > rows:
+            plan.append((start, start + count, n_in, cfg.needs_batch))
+            start, count, n_in = pos, L, 1
+        else:
+            count, n_in = count + L, n_in + 1
+        pos += L
+    if count:
+        plan.append((start, start + count, n_in, cfg.needs_batch))
+    return plan
+
+
+def _rows_in(plan, device):
+    parts = [torch.arange(s, e, device=device) for s, e, _, two in plan if two]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
 
 
 class _GradMatmuls:
@@ -86,83 +169,102 @@ class _GradMatmuls:
 
 def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, need_dw: bool,
                       need_db: bool):
-    """One sweep over the masked-in rows. Returns (loss, grad_hidden2d, grad_weight, grad_bias)."""
+    """The chunk loop over the masked-in rows (``chunk_plan``). Returns
+    (loss, grad_hidden2d, grad_weight, grad_bias)."""
     cfg, be = inp.config, inp.backend
     device = hidden2d.device
     V = weight.shape[0]
     inv_temp = 1.0 / cfg.temperature
-    want_entropy = cfg.entropy_coef != 0.0
+    want_entropy = cfg.wants_entropy
     mflat = inp.mask.reshape(-1)
     # Row compaction: padding and prompt rows cost no matmul (their gradient is zero). The
-    # nonzero() is the one host sync of the loss: the chunk loop needs the row count.
+    # nonzero() is the one host sync of a token-local loss: the chunk loop needs the row count.
     idx = mflat.nonzero().squeeze(1)
     n = idx.numel()
     ct = torch.float64 if hidden2d.dtype == torch.float64 else torch.float32
-    w_agg = aggregation_weights(inp.mask, cfg, inp.num_items_in_batch, ct).reshape(-1)[idx]
-
-    def take(t):
-        return None if t is None else t.reshape(-1)[idx].to(ct)
+    ti = token_inputs(inp.mask, inp.advantages, inp.old_logp, inp.ref_logp, inp.token_scale,
+                      inp.kl_weight, inp.is_ratio, inp.sampling_logp, cfg,
+                      inp.num_items_in_batch, idx, ct)
 
     # no [n, H] copies: each chunk gathers its rows and scatters its hidden gradient
     dense = n == hidden2d.shape[0]          # nothing masked out: chunks are plain views
     y = inp.targets.index_select(0, idx)
-    adv, old, ref = take(inp.advantages), take(inp.old_logp), take(inp.ref_logp)
-    tscale, klw = take(inp.token_scale), take(inp.kl_weight)
-
     need_grad = need_dh or need_dw or need_db
     grads = _GradMatmuls(hidden2d, weight, bias, need_dh, need_dw, need_db,
                          None if dense else idx)
 
     rows = _chunking.rows_per_chunk(n, V, be.buffers_per_chunk, device)
+    plan = chunk_plan(n, rows, cfg, ti.seq)
     buf = torch.empty(rows, V, device=device, dtype=hidden2d.dtype) if n else None
     ws = Workspace()
+    f32 = dict(device=device, dtype=torch.float32)
+    logp, g, sum_p2 = (torch.zeros(n, **f32) for _ in range(3))
+    entropy = torch.zeros(n, **f32) if want_entropy else None
     loss = torch.zeros((), device=device, dtype=ct)
-    logps, ents, sump2s, gs, parts = [], [], [], [], []
-    for s in range(0, n, rows):
-        e = min(n, s + rows)
+    parts = []
+
+    def project(s, e):
         hc = hidden2d[s:e] if dense else hidden2d.index_select(0, idx[s:e])
-        yc, lg = y[s:e], buf[: e - s]
+        lg = buf[: e - s]
         _chunking.project(hc, weight, bias, lg)
-        sl = slice(s, e)
-        cut = (lambda t: None if t is None else t[sl])
-        res = be.policy_rows_(lg, yc, inv_temp, w_agg[sl], adv[sl], cut(old), cut(ref),
-                              cut(tscale), cut(klw), cfg, inp.phase, need_grad, ws)
+        return hc, lg
+
+    # Sweep 1 (two-sweep chunks only): row statistics; then the loss of those rows at once.
+    pre = _rows_in(plan, device)
+    lse = gH_pre = None
+    if pre.numel():
+        lse = torch.zeros(n, **f32)
+        with torch.no_grad():
+            for s, e, _, two in plan:
+                if two:
+                    _, lg = project(s, e)
+                    st = be.row_stats(lg, y[s:e], inv_temp, want_entropy, True, ws)
+                    logp[s:e], lse[s:e], sum_p2[s:e] = st.target_z - st.lse, st.lse, st.sum_p2
+                    if want_entropy:
+                        entropy[s:e] = st.entropy
+        tp = ti if pre.numel() == n else ti.take(pre)
+        ent_pre = None if entropy is None else entropy[pre].to(ct)
+        tp = with_entropy_mask(tp, ent_pre, cfg, inp.mask, idx[pre], ct)
+        lt = loss_terms(logp[pre].to(ct), ent_pre, tp, cfg, inp.phase)
+        g[pre] = lt.g.float()
+        if lt.gH is not None:
+            gH_pre = torch.zeros(n, **f32)
+            gH_pre[pre] = lt.gH.float()
+        loss = loss + lt.loss_sum
+        parts.append(lt.terms)
+
+    # Sweep 2: every chunk; one-sweep chunks do all their work here.
+    for s, e, n_seq, two in plan:
+        if two:
+            if need_grad:
+                hc, lg = project(s, e)
+                be.logit_grad_(lg, y[s:e], inv_temp, lse[s:e],
+                               None if gH_pre is None else entropy[s:e], g[s:e],
+                               None if gH_pre is None else gH_pre[s:e], ws)
+                grads.add(lg, hc, s, e)
+            continue
+        hc, lg = project(s, e)
+        res = be.policy_rows_(lg, y[s:e], inv_temp, ti.slice(s, e, n_seq), cfg, inp.phase,
+                              need_grad, ws)
         loss = loss + res.loss_sum
-        logps.append(res.logp), sump2s.append(res.sum_p2), gs.append(res.g)
-        parts.append(res.terms)
+        logp[s:e], sum_p2[s:e], g[s:e] = res.logp, res.sum_p2, res.g
         if want_entropy:
-            ents.append(res.entropy)
+            entropy[s:e] = res.entropy
+        parts.append(res.terms)
         if need_grad:
             grads.add(lg, hc, s, e)
 
-    logp = _cat(logps, n, device)
-    g = _cat(gs, n, device)
-    sum_p2 = _cat(sump2s, n, device)
-    entropy = _cat(ents, n, device) if want_entropy else None
-    if n:
-        terms = TokenTerms(**{f: None if getattr(parts[0], f) is None else
-                              torch.cat([getattr(t, f) for t in parts])
-                              for f in TokenTerms.__dataclass_fields__})
-        inp.metrics = policy_metrics(terms, None, cfg, entropy,
-                                     logp_grad_norm(g, logp, sum_p2, inv_temp))
+    terms = concat_terms(parts)
+    B = inp.mask.shape[0]
+    if terms is not None:
+        inp.metrics = policy_metrics(terms, cfg, entropy,
+                                     logp_grad_norm(g, logp, sum_p2, inv_temp), B, ti.n_seq)
     else:
-        inp.metrics = _empty_metrics(cfg, device)
+        inp.metrics = empty_metrics(cfg, device, B)
     full_logp = torch.zeros(mflat.numel(), device=device, dtype=torch.float32)
-    inp.logp = full_logp.index_copy_(0, idx, logp.float()).view_as(inp.mask)
+    inp.logp = full_logp.index_copy_(0, idx, logp).view_as(inp.mask)
 
     return (loss, *grads.result())
-
-
-def _empty_metrics(cfg, device):
-    z = torch.zeros((), device=device, dtype=torch.float32)
-    out = {k: z.clone() for k in ("clip_frac_low", "clip_frac_high", "ratio_mean",
-                                  "ar_weight_mean", "low_frac", "grad_share_low",
-                                  "grad_norm_sum")}
-    if cfg.kl_coef != 0.0:
-        out["kl"] = z.clone()
-    if cfg.entropy_coef != 0.0:
-        out["entropy"] = z.clone()
-    return out
 
 
 class FusedPolicyLossFunction(torch.autograd.Function):

@@ -13,6 +13,7 @@ result equals autograd on the reference formulas:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,14 +24,73 @@ from .config import PolicyLossConfig
 
 @dataclass
 class TokenTerms:
-    loss: torch.Tensor          # l per token, 0 where not valid
-    dlogp: torch.Tensor         # dl/dlogp per token
-    dentropy: torch.Tensor      # dl/dH per token
-    ratio: torch.Tensor
-    adv: torch.Tensor           # A-hat after AR, token_scale and the phase mask
+    """Per-token metric inputs of one call or chunk (1-d over its masked tokens)."""
+
+    ratio: torch.Tensor                     # the importance ratio (per token or its sequence's)
+    adv: torch.Tensor                       # A-hat after AR, token_scale and the phase mask
     ar: torch.Tensor
     p_old: torch.Tensor
-    kl: Optional[torch.Tensor]  # weighted estimator value (None when kl_coef == 0)
+    kl: Optional[torch.Tensor]              # weighted estimator value (None when kl_coef == 0)
+    emask: Optional[torch.Tensor] = None    # entropy-quantile mask (None when off)
+    dropped: Optional[torch.Tensor] = None  # dropped by the off-policy mask (None when off)
+    phi_seq_sum: Optional[torch.Tensor] = None   # vespo: sum over sequences of mean_t phi (0-d)
+
+
+@dataclass
+class TokenInputs:
+    """Everything per token that is not differentiated, compacted to the masked tokens (1-d,
+    compute dtype), with the aggregation weight of each term and the sequence of each token.
+
+    ``seq``: local sequence ids (non-decreasing, 0 .. n_seq - 1), needed when
+    ``cfg.needs_sequence``; ``emask``: the entropy-quantile mask, when ``cfg.needs_batch``."""
+
+    adv: torch.Tensor
+    old: Optional[torch.Tensor]
+    ref: Optional[torch.Tensor]
+    tscale: Optional[torch.Tensor]
+    klw: Optional[torch.Tensor]
+    is_ratio: Optional[torch.Tensor]
+    sampling: Optional[torch.Tensor]
+    w_pg: torch.Tensor
+    w_kl: torch.Tensor
+    w_ent: torch.Tensor
+    seq: Optional[torch.Tensor] = None
+    n_seq: int = 0
+    emask: Optional[torch.Tensor] = None
+
+    def slice(self, s: int, e: int, n_seq: int = 0) -> "TokenInputs":
+        """Tokens ``[s, e)``; with sequences, ``n_seq`` whole sequences starting at ``seq[s]``."""
+        cut = (lambda t: None if t is None else t[s:e])
+        seq = None if self.seq is None else self.seq[s:e] - self.seq[s]
+        return TokenInputs(*(cut(getattr(self, f)) for f in (
+            "adv", "old", "ref", "tscale", "klw", "is_ratio", "sampling", "w_pg", "w_kl",
+            "w_ent")), seq=seq, n_seq=n_seq, emask=cut(self.emask))
+
+    def take(self, index: torch.Tensor) -> "TokenInputs":
+        """The tokens ``index`` (sorted; whole sequences when there are sequences)."""
+        pick = (lambda t: None if t is None else t[index])
+        seq, n_seq = (None, 0) if self.seq is None else local_ids(self.seq[index])
+        return TokenInputs(*(pick(getattr(self, f)) for f in (
+            "adv", "old", "ref", "tscale", "klw", "is_ratio", "sampling", "w_pg", "w_kl",
+            "w_ent")), seq=seq, n_seq=n_seq, emask=pick(self.emask))
+
+    def native_ok(self, cfg: PolicyLossConfig) -> bool:
+        """The one-pass C++ / Triton token kernels cover this call: the token-local PPO loss
+        of §1-§3 with one aggregation for every term."""
+        return (cfg.objective == "ppo_clip" and cfg.delta is None and not cfg.needs_sequence
+                and not cfg.needs_batch and self.is_ratio is None and cfg.kl_agg is None
+                and cfg.entropy_agg is None)
+
+
+@dataclass
+class LossTerms:
+    """What :func:`loss_terms` returns: the weighted loss and its derivatives, and the metric
+    inputs."""
+
+    loss_sum: torch.Tensor      # sum over tokens of the aggregation-weighted loss (0-d)
+    g: torch.Tensor             # dL/dlogp per token
+    gH: Optional[torch.Tensor]  # dL/dH per token (None without entropy bonus)
+    terms: TokenTerms
 
 
 def kl_value_and_grad(logp, ref_logp, estimator):
@@ -52,68 +112,168 @@ def kl_value_and_grad(logp, ref_logp, estimator):
     return val, torch.where(inside, 1.0 - e, torch.zeros_like(e))
 
 
-def token_terms(logp, entropy, adv, old_logp, ref_logp, token_scale, kl_weight, valid,
-                cfg: PolicyLossConfig, phase: Optional[str]) -> TokenTerms:
+def local_ids(ids: torch.Tensor):
+    """Non-decreasing ids -> (the ids renumbered 0 .. n - 1, n). One host sync (the count)."""
+    if ids.numel() == 0:
+        return ids, 0
+    uniq, inverse = torch.unique_consecutive(ids, return_inverse=True)
+    return inverse, int(uniq.numel())
+
+
+def _seg_sum(x, seq, n):
+    return torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, seq, x)
+
+
+def _pick(pg1, pg2, d1, d2):
+    """-min(x1, x2) = max(pg1, pg2) and its derivative, ties split in half (autograd's rule
+    for torch.minimum)."""
+    pg = torch.maximum(pg1, pg2)
+    d = torch.where(pg1 > pg2, d1, torch.where(pg1 < pg2, d2, 0.5 * (d1 + d2)))
+    return pg, d
+
+
+def gamma_log_weight(log_ratio, is_ratio, seq, n_seq):
+    """VESPO's clamped sequence log-weight per sequence (docs/math.md)."""
+    lower = math.log(1e-8)
+    s = _seg_sum(log_ratio.clamp(-20.0, 20.0), seq, n_seq)
+    if is_ratio is not None:
+        s = s + _seg_sum(torch.log(is_ratio).clamp(lower, 20.0), seq, n_seq)
+    return s.clamp(lower, 20.0)
+
+
+def loss_terms(logp, entropy, ti: TokenInputs, cfg: PolicyLossConfig,
+               phase: Optional[str]) -> LossTerms:
+    """The loss of SPEC §1-§3 and §10 over masked tokens (1-d), its derivative in ``logp`` and
+    in the entropy, with the aggregation weights applied.
+
+    The policy term is a function of the log importance weight ``lw`` (the token's
+    ``logp - old`` or its sequence's mean) and, for cispo and vespo, of ``logp`` directly; its
+    derivative is kept in those two parts, ``d_lw`` and ``d_direct``. At sequence level
+    ``dL/dlogp_s = d_direct_s + (1 / n_b) sum_{t in b} d_lw_t`` (the mean's derivative), which
+    is why a sequence-level loss needs its whole sequence before any gradient.
+    """
     zeros = torch.zeros_like(logp)
-    old = logp if old_logp is None else old_logp
+    adv_raw = ti.adv
+    old = logp if ti.old is None else ti.old
     p_old = torch.exp(old)
-    ar = cfg.ar_alpha * p_old + (1.0 - cfg.ar_alpha) if cfg.ar_alpha != 0.0 else torch.ones_like(p_old)
-    a = adv * ar
-    if token_scale is not None:
-        a = a * token_scale
-    active = valid
+    ar = cfg.ar_alpha * p_old + (1.0 - cfg.ar_alpha) if cfg.ar_alpha != 0.0 \
+        else torch.ones_like(p_old)
+    a = adv_raw * ar
+    if ti.tscale is not None:
+        a = a * ti.tscale
+    active = None
     if phase is not None:
         low = p_old < cfg.lopti_eta
-        sel = low if phase == "low" else ~low
-        active = sel if valid is None else sel & valid
-    if active is not None:
+        active = low if phase == "low" else ~low
         a = torch.where(active, a, zeros)
 
-    ratio = torch.exp(logp - old)
-    lo, hi = 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high
-    pg_unclipped = -a * ratio
-    pg_clipped = -a * ratio.clamp(lo, hi)
-    use_unclipped = pg_unclipped >= pg_clipped
-    in_range = (ratio >= lo) & (ratio <= hi)
-    pg = torch.where(use_unclipped, pg_unclipped, pg_clipped)
-    dpg = torch.where(use_unclipped | in_range, pg_unclipped, zeros)   # d(-a r)/dlogp = -a r
-    if cfg.clip_ratio_c is not None:
-        pg_dual = -a * cfg.clip_ratio_c
-        dual = (a < 0) & (pg_dual < pg)
-        pg = torch.where(dual, pg_dual, pg)
-        dpg = torch.where(dual, zeros, dpg)
+    seq, n_seq = ti.seq, ti.n_seq
+    cnt = None
+    if cfg.needs_sequence:
+        cnt = _seg_sum(torch.ones_like(logp), seq, n_seq)
+    log_ratio = logp - old
+    sequence_level = cfg.importance_sampling_level == "sequence"
+    if sequence_level:
+        lw = (_seg_sum(log_ratio, seq, n_seq) / cnt.clamp(min=1.0))[seq]
+    else:
+        lw = log_ratio
+    ratio = torch.exp(lw)
 
-    loss, dlogp = pg, dpg
+    d_direct = None                       # dl/dlogp not through lw (cispo, vespo)
+    phi_seq_sum = None
+    obj = cfg.objective
+    if obj == "ppo_clip":
+        lo, hi = 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high
+        if cfg.delta is None:
+            r1, dr1 = ratio, ratio
+        else:                             # clamp(max=delta) passes the gradient at delta
+            r1, dr1 = ratio.clamp(max=cfg.delta), torch.where(ratio <= cfg.delta, ratio, zeros)
+        r2 = ratio.clamp(lo, hi)
+        dr2 = torch.where((ratio >= lo) & (ratio <= hi), ratio, zeros)
+        pg, d_lw = _pick(-a * r1, -a * r2, -a * dr1, -a * dr2)
+        if cfg.clip_ratio_c is not None:
+            pg_dual = -a * cfg.clip_ratio_c
+            dual = (a < 0) & (pg_dual < pg)
+            pg = torch.where(dual, pg_dual, pg)
+            d_lw = torch.where(dual, zeros, d_lw)
+    elif obj == "cispo":
+        c = ratio.clamp(max=cfg.epsilon_high)          # detached weight
+        pg, d_lw, d_direct = -c * a * logp, zeros, -c * a
+    elif obj == "sapo":
+        kappa = torch.where(adv_raw > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+        sg = torch.sigmoid(kappa * (ratio - 1.0))
+        pg = -sg * (4.0 / kappa) * a
+        d_lw = -4.0 * a * sg * (1.0 - sg) * ratio      # d/dlw of -4/k sigma(k (e^lw - 1)) a
+    else:   # vespo
+        log_w = gamma_log_weight(log_ratio, ti.is_ratio, seq, n_seq)[seq]
+        pos = adv_raw >= 0
+        k = torch.where(pos, cfg.vespo_k_pos, cfg.vespo_k_neg)
+        lam = torch.where(pos, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        phi = phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        pg, d_lw, d_direct = -phi * a * logp, zeros, -phi * a
+        phi_seq_sum = (_seg_sum(phi, seq, n_seq) / cnt.clamp(min=1.0)).sum()
+    if ti.is_ratio is not None and obj != "vespo":
+        pg, d_lw = pg * ti.is_ratio, d_lw * ti.is_ratio
+        d_direct = None if d_direct is None else d_direct * ti.is_ratio
+
+    # the policy term's masks (§10)
+    keep = None
+    dropped = None
+    if cfg.off_policy_mask_threshold is not None:
+        sampling = old if ti.sampling is None else ti.sampling
+        drift = torch.nan_to_num(sampling - logp, nan=0.0)
+        mean = (_seg_sum(drift, seq, n_seq) / cnt.clamp(min=1.0))[seq]
+        keep = (adv_raw >= 0) | (mean <= cfg.off_policy_mask_threshold)
+        dropped = ~keep
+    if ti.emask is not None:
+        keep = ti.emask if keep is None else keep & ti.emask
+    if keep is not None:
+        pg, d_lw = torch.where(keep, pg, zeros), torch.where(keep, d_lw, zeros)
+        d_direct = None if d_direct is None else torch.where(keep, d_direct, zeros)
+
+    loss_sum = (ti.w_pg * pg).sum()
+    g_lw = ti.w_pg * d_lw
+    g = zeros if d_direct is None else ti.w_pg * d_direct
     kl = None
     if cfg.kl_coef != 0.0:
-        kl, dkl = kl_value_and_grad(logp, ref_logp, cfg.kl_estimator)
-        if cfg.kl_ratio_correction:       # d(r k)/dlogp = r k + r dk (dr/dlogp = r)
-            kl, dkl = ratio * kl, ratio * (kl + dkl)
-        if kl_weight is not None:
-            kl, dkl = kl * kl_weight, dkl * kl_weight
+        kl, dk = kl_value_and_grad(logp, ti.ref, cfg.kl_estimator)
+        kl_lw = None
+        if cfg.kl_ratio_correction:       # r k: d/dlw = r k, d/dlogp directly = r dk
+            kl, dk = ratio * kl, ratio * dk
+            kl_lw = kl
+        if ti.klw is not None:
+            kl, dk = kl * ti.klw, dk * ti.klw
+            kl_lw = None if kl_lw is None else kl_lw * ti.klw
+        wk = ti.w_kl * cfg.kl_coef
         if active is not None:
-            loss = loss + cfg.kl_coef * torch.where(active, kl, zeros)
-            dlogp = dlogp + cfg.kl_coef * torch.where(active, dkl, zeros)
-        else:
-            loss, dlogp = loss + cfg.kl_coef * kl, dlogp + cfg.kl_coef * dkl
-    dent = zeros
+            wk = torch.where(active, wk, zeros)
+        loss_sum = loss_sum + (wk * kl).sum()
+        g = g + wk * dk
+        if kl_lw is not None:
+            g_lw = g_lw + wk * kl_lw
+    if sequence_level:
+        g = g + (_seg_sum(g_lw, seq, n_seq) / cnt.clamp(min=1.0))[seq]
+    else:
+        g = g + g_lw
+    gH = None
     if cfg.entropy_coef != 0.0:
-        dent = torch.full_like(logp, -cfg.entropy_coef)
-        if active is not None:
-            dent = torch.where(active, dent, zeros)
-        loss = loss + dent * entropy
-    if valid is not None:
-        loss = torch.where(valid, loss, zeros)
-        dlogp = torch.where(valid, dlogp, zeros)
-    return TokenTerms(loss, dlogp, dent, ratio, a, ar, p_old, kl)
+        on = active
+        if ti.emask is not None:
+            on = ti.emask if on is None else on & ti.emask
+        gH = -cfg.entropy_coef * ti.w_ent
+        if on is not None:
+            gH = torch.where(on, gH, zeros)
+        loss_sum = loss_sum + (gH * entropy).sum()
+    terms = TokenTerms(ratio, a, ar, p_old, kl, ti.emask, dropped, phi_seq_sum)
+    return LossTerms(loss_sum, g, gH, terms)
 
 
-def aggregation_weights(mask: torch.Tensor, cfg: PolicyLossConfig, num_items_in_batch,
+def aggregation_weights(mask: torch.Tensor, agg: str, cfg: PolicyLossConfig, num_items_in_batch,
                         dtype=torch.float32) -> torch.Tensor:
-    """w[b, t] such that the aggregated loss is sum(w * l) (SPEC §1 loss_agg). No host sync."""
+    """w[b, t] such that the aggregated term is sum(w * l) (SPEC §1 loss_agg). No host sync."""
     m = mask.to(dtype)
     B = mask.shape[0]
-    agg = cfg.loss_agg
     if agg == "token-mean":
         if num_items_in_batch is None:
             n = m.sum()
@@ -127,6 +287,21 @@ def aggregation_weights(mask: torch.Tensor, cfg: PolicyLossConfig, num_items_in_
     return m / (B * cfg.max_len)   # seq-mean-token-sum-norm
 
 
+def term_weights(mask, cfg: PolicyLossConfig, num_items_in_batch, dtype, emask=None):
+    """Aggregation weights [B, T] of the policy, KL and entropy terms. A term without an
+    aggregation of its own shares the policy term's; one with its own is normalised over the
+    tokens it acts on (the mask; for the entropy bonus also the entropy quantile ``emask``),
+    without ``num_items_in_batch``."""
+    w_pg = aggregation_weights(mask, cfg.loss_agg, cfg, num_items_in_batch, dtype)
+    w_kl = w_pg if cfg.kl_agg is None else aggregation_weights(mask, cfg.kl_agg, cfg, None,
+                                                                dtype)
+    w_ent = w_pg
+    if cfg.entropy_agg is not None:
+        w_ent = aggregation_weights(mask if emask is None else emask, cfg.entropy_agg, cfg, None,
+                                    dtype)
+    return w_pg, w_kl, w_ent
+
+
 def logp_grad_norm(g, logp, sum_p2, inv_temp):
     """SPEC §6: the norm of the logp part of dL/dz per token, |g| / tau * ||onehot - p||, with
     ||onehot - p||^2 = 1 - 2 p + sum_v p_v^2."""
@@ -134,23 +309,33 @@ def logp_grad_norm(g, logp, sum_p2, inv_temp):
     return g.abs() * inv_temp * (1.0 - 2.0 * p + sum_p2).clamp(min=0.0).sqrt()
 
 
-def policy_metrics(terms: TokenTerms, valid, cfg: PolicyLossConfig, entropy=None,
-                   grad_norm=None) -> dict:
-    """SPEC §7 metrics: detached 0-d float32 tensors, means over the tokens with m = 1.
+def policy_metrics(terms: TokenTerms, cfg: PolicyLossConfig, entropy=None, grad_norm=None,
+                   n_seq_total: int = 0, n_seq_nonempty=None) -> dict:
+    """SPEC §7 metrics: detached 0-d float32 tensors, means over the masked tokens (``terms``
+    holds those only).
 
     ``grad_norm`` is the per-token norm of §6 (None: ``grad_share_low`` is not reported).
+    ``n_seq_total`` (B) and ``n_seq_nonempty`` give vespo's ``phi_mean`` over all B sequences
+    (a sequence without tokens has phi = 1).
     """
     def masked_sum(x):
-        x = x.float()
-        return (x if valid is None else torch.where(valid, x, torch.zeros_like(x))).sum()
+        return x.float().sum()
 
-    n = (torch.tensor(float(terms.ratio.numel()), device=terms.ratio.device) if valid is None
-         else valid.sum().float()).clamp(min=1.0)
     a, r = terms.adv, terms.ratio
+    n = torch.tensor(float(r.numel()), device=r.device).clamp(min=1.0)
+    if cfg.objective == "ppo_clip":
+        rc = r if cfg.delta is None else r.clamp(max=cfg.delta)
+        clip_low = masked_sum((a < 0) & (rc < 1.0 - cfg.epsilon_low)) / n
+        clip_high = masked_sum((a > 0) & (rc > 1.0 + cfg.epsilon_high)) / n
+    elif cfg.objective == "cispo":
+        clip_low = torch.zeros((), device=r.device)
+        clip_high = masked_sum((a > 0) & (r > cfg.epsilon_high)) / n
+    else:                                 # sapo and vespo have no hard clip
+        clip_low = clip_high = torch.zeros((), device=r.device)
     low = terms.p_old < cfg.metric_eta
     out = {
-        "clip_frac_low": masked_sum((a < 0) & (r < 1.0 - cfg.epsilon_low)) / n,
-        "clip_frac_high": masked_sum((a > 0) & (r > 1.0 + cfg.epsilon_high)) / n,
+        "clip_frac_low": clip_low,
+        "clip_frac_high": clip_high,
         "ratio_mean": masked_sum(r) / n,
         "ar_weight_mean": masked_sum(terms.ar) / n,
         "low_frac": masked_sum(low) / n,
@@ -159,6 +344,16 @@ def policy_metrics(terms: TokenTerms, valid, cfg: PolicyLossConfig, entropy=None
         out["kl"] = masked_sum(terms.kl) / n
     if entropy is not None:
         out["entropy"] = masked_sum(entropy) / n
+    if cfg.objective == "vespo":
+        phi = terms.phi_seq_sum if terms.phi_seq_sum is not None else torch.zeros(())
+        empty = n_seq_total - n_seq_nonempty
+        out["phi_mean"] = (phi + empty) / max(n_seq_total, 1)
+    if cfg.needs_batch:
+        out["entropy_mask_frac"] = (masked_sum(terms.emask) / n if terms.emask is not None
+                                    else torch.zeros((), device=r.device))
+    if cfg.off_policy_mask_threshold is not None:
+        out["off_policy_frac"] = (masked_sum(terms.dropped) / n if terms.dropped is not None
+                                  else torch.zeros((), device=r.device))
     if grad_norm is not None:
         total = masked_sum(grad_norm)
         share = masked_sum(torch.where(low, grad_norm, torch.zeros_like(grad_norm)))
@@ -166,3 +361,38 @@ def policy_metrics(terms: TokenTerms, valid, cfg: PolicyLossConfig, entropy=None
                                             torch.zeros_like(total))
         out["grad_norm_sum"] = total
     return {k: v.detach().float() for k, v in out.items()}
+
+
+def concat_terms(parts):
+    """One TokenTerms from the chunks' (None when there are none)."""
+    if not parts:
+        return None
+    out = {}
+    for f in TokenTerms.__dataclass_fields__:
+        vals = [getattr(t, f) for t in parts]
+        if vals[0] is None:
+            out[f] = None
+        elif f == "phi_seq_sum":
+            out[f] = torch.stack(vals).sum()
+        else:
+            out[f] = torch.cat(vals)
+    return TokenTerms(**out)
+
+
+def empty_metrics(cfg: PolicyLossConfig, device, n_seq_total: int = 0) -> dict:
+    """The metrics of a call without any masked token: zeros (phi_mean: 1 with sequences)."""
+    z = torch.zeros((), device=device, dtype=torch.float32)
+    keys = ["clip_frac_low", "clip_frac_high", "ratio_mean", "ar_weight_mean", "low_frac",
+            "grad_share_low", "grad_norm_sum"]
+    if cfg.kl_coef != 0.0:
+        keys.append("kl")
+    if cfg.wants_entropy:
+        keys.append("entropy")
+    if cfg.needs_batch:
+        keys.append("entropy_mask_frac")
+    if cfg.off_policy_mask_threshold is not None:
+        keys.append("off_policy_frac")
+    out = {k: z.clone() for k in keys}
+    if cfg.objective == "vespo":
+        out["phi_mean"] = z + (1.0 if n_seq_total else 0.0)
+    return out

@@ -9,8 +9,9 @@ import torch
 
 from . import _validate as V
 from . import vocab_parallel as _vp
-from ._fused import (FusedLogprobsFunction, FusedPolicyLossFunction, LossInputs, stats_sweep)
-from ._loss_math import aggregation_weights, policy_metrics, token_terms
+from ._fused import (FusedLogprobsFunction, FusedPolicyLossFunction, LossInputs, stats_sweep,
+                     token_inputs, with_entropy_mask)
+from ._loss_math import empty_metrics, loss_terms, policy_metrics
 from .backends import get_backend
 from .config import PHASES, PolicyLossConfig
 
@@ -70,7 +71,7 @@ def _check_num_items(num_items_in_batch):
 
 
 def _check_per_token(B, T, device, mask, advantages, old_logp, ref_logp, token_scale, kl_weight,
-                     cfg):
+                     cfg, is_ratio=None, sampling_logp=None):
     if advantages is None:
         raise ValueError("advantages: expected a [B] or [B, T] tensor, got None")
     V.check_tensor("advantages", advantages, floating=True, device=device, dims=(1, 2))
@@ -78,7 +79,8 @@ def _check_per_token(B, T, device, mask, advantages, old_logp, ref_logp, token_s
         raise ValueError(f"advantages: expected shape [{B}] or [{B}x{T}], got "
                          f"[{'x'.join(map(str, advantages.shape))}]")
     for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp),
-                    ("token_scale", token_scale), ("kl_weight", kl_weight)):
+                    ("token_scale", token_scale), ("kl_weight", kl_weight),
+                    ("is_ratio", is_ratio), ("sampling_logp", sampling_logp)):
         if t is not None:
             V.check_tensor(name, t, shape=(B, T), floating=True, device=device)
     if cfg.kl_coef != 0.0 and ref_logp is None:
@@ -90,6 +92,13 @@ def _check_per_token(B, T, device, mask, advantages, old_logp, ref_logp, token_s
     V.check_finite("ref_logp", ref_logp if cfg.kl_coef != 0.0 else None, mask)
     V.check_finite("token_scale", token_scale, mask)
     V.check_finite("kl_weight", kl_weight if cfg.kl_coef != 0.0 else None, mask)
+    V.check_finite("is_ratio", is_ratio, mask)
+    if is_ratio is not None and V.value_checks_enabled() and bool(((is_ratio < 0) & mask).any()):
+        raise ValueError("is_ratio: expected importance weights >= 0 on masked-in positions, "
+                         f"got a minimum of {float(is_ratio[mask].min())}")
+    if sampling_logp is not None and cfg.off_policy_mask_threshold is None:
+        raise ValueError("sampling_logp: only used by the off-policy mask; expected None when "
+                         "config.off_policy_mask_threshold is None")
     return adv_bt.expand(B, T)
 
 
@@ -101,8 +110,8 @@ def _mask(mask, B, T, device):
 def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp=None,
                              ref_logp=None, bias=None, token_scale=None, kl_weight=None,
                              config=None, phase=None, num_items_in_batch=None, backend="auto",
-                             vocab_parallel=None):
-    """GRPO policy loss (SPEC §1-§3, §6) from hidden states, without materialising the logits.
+                             vocab_parallel=None, is_ratio=None, sampling_logp=None):
+    """GRPO policy loss (SPEC §1-§3, §6, §10) from hidden states, without the logits.
 
     Computes, for ``z = (hidden @ weight.T + bias) / temperature`` one chunk of rows at a time::
 
@@ -111,6 +120,10 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
 
     hidden: [B, T, H]; weight: [V, H]; bias: [V] or None; targets, mask: [B, T];
     advantages: [B] or [B, T]; old_logp, ref_logp, token_scale, kl_weight: [B, T] or None.
+    is_ratio: [B, T] or None, the rollout engine's importance weight pi_old / pi_sampler (TRL's
+    vLLM correction): multiplies the policy term (vespo: enters phi's sequence weight).
+    sampling_logp: [B, T] or None, the sampler's log-probs the off-policy mask measures drift
+    from (default: old_logp).
     Returns ``(loss, metrics)``: a 0-d float32 loss whose gradient flows to hidden, weight and
     bias, and a dict of detached 0-d float32 metrics (SPEC §7).
 
@@ -128,17 +141,17 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     _check_phase(phase, cfg)
     _check_num_items(num_items_in_batch)
     adv = _check_per_token(B, T, device, m, advantages, old_logp, ref_logp, token_scale,
-                           kl_weight, cfg)
+                           kl_weight, cfg, is_ratio, sampling_logp)
     if vocab_parallel is not None:
         sl = _vp.check(vocab_parallel, weight, bias, device)
         return _vp.policy_loss(hidden, weight, bias, V.check_targets(targets, sl.vocab, m), m,
                                adv, old_logp, ref_logp, token_scale,
                                kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase,
-                               num_items_in_batch, sl)
+                               num_items_in_batch, sl, is_ratio, sampling_logp)
     safe_targets = V.check_targets(targets, weight.shape[0], m)
     inp = LossInputs(safe_targets.reshape(-1), m, adv, old_logp, ref_logp, token_scale,
                      kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase, num_items_in_batch,
-                     get_backend(backend, device, hidden.dtype))
+                     get_backend(backend, device, hidden.dtype), is_ratio, sampling_logp)
     loss = FusedPolicyLossFunction.apply(hidden.reshape(B * T, H), weight, bias, inp)
     return loss, inp.metrics
 
@@ -225,23 +238,36 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
 
 
 class _PolicyLossFromLogp(torch.autograd.Function):
-    """The loss of SPEC §1-§3 given per-token log-probs, with the analytic derivative."""
+    """The loss of SPEC §1-§3, §10 given per-token log-probs, with the analytic derivative."""
 
     @staticmethod
     def forward(ctx, logp, entropy, args):
-        (mask, adv, old, ref, tscale, klw, cfg, phase, num_items, holder) = args
+        (mask, adv, old, ref, tscale, klw, isr, sampling, cfg, phase, num_items, holder) = args
         ct = torch.float64 if logp.dtype == torch.float64 else torch.float32
-        cast = (lambda t: None if t is None else t.detach().to(ct))
-        lp = logp.detach().to(ct)
-        ent = cast(entropy)
-        terms = token_terms(lp, ent, cast(adv), cast(old), cast(ref), cast(tscale), cast(klw),
-                            mask, cfg, phase)
-        w = aggregation_weights(mask, cfg, num_items, dtype=ct)
-        holder["metrics"] = policy_metrics(terms, mask, cfg,
-                                           ent if cfg.entropy_coef != 0.0 else None)
-        ctx.save_for_backward(w * terms.dlogp, w * terms.dentropy)
+        idx = mask.reshape(-1).nonzero().squeeze(1)
+        ti = token_inputs(mask, adv, old, ref, tscale, klw, isr, sampling, cfg, num_items, idx,
+                          ct)
+        lp = logp.detach().reshape(-1)[idx].to(ct)
+        ent = None if entropy is None else entropy.detach().reshape(-1)[idx].to(ct)
+        B = mask.shape[0]
+        if idx.numel():
+            ti = with_entropy_mask(ti, ent, cfg, mask, idx, ct)
+            lt = loss_terms(lp, ent, ti, cfg, phase)
+            holder["metrics"] = policy_metrics(lt.terms, cfg, ent, None, B, ti.n_seq)
+            loss, g, gH = lt.loss_sum, lt.g, lt.gH
+        else:
+            metrics = empty_metrics(cfg, logp.device, B)
+            metrics.pop("grad_share_low"), metrics.pop("grad_norm_sum")
+            holder["metrics"] = metrics
+            loss, g, gH = torch.zeros((), dtype=ct, device=logp.device), lp, None
+
+        def full(t):
+            out = torch.zeros(mask.numel(), dtype=ct, device=logp.device)
+            return out.index_copy_(0, idx, t).view_as(mask) if t is not None else out.view_as(mask)
+
+        ctx.save_for_backward(full(g), full(gH))
         ctx.dtypes = (logp.dtype, None if entropy is None else entropy.dtype)
-        return (w * terms.loss).sum().to(torch.float32 if ct == torch.float32 else ct)
+        return loss.to(torch.float32 if ct == torch.float32 else ct)
 
     @staticmethod
     def backward(ctx, grad):
@@ -253,11 +279,12 @@ class _PolicyLossFromLogp(torch.autograd.Function):
 
 def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=None,
                 token_scale=None, kl_weight=None, config=None, phase=None,
-                num_items_in_batch=None):
+                num_items_in_batch=None, is_ratio=None, sampling_logp=None):
     """The same GRPO loss for trainers that already have per-token ``logp`` [B, T].
 
-    ``entropy`` [B, T] is needed when ``config.entropy_coef != 0`` (its gradient flows back to
-    it). Metrics as the fused loss, except ``grad_share_low``, which needs the full distribution.
+    ``entropy`` [B, T] is needed when ``config.entropy_coef != 0`` or
+    ``config.top_entropy_quantile < 1`` (its gradient flows back to it). Metrics as the fused
+    loss, except ``grad_share_low``, which needs the full distribution.
     """
     cfg = _config(config)
     V.check_tensor("logp", logp, floating=True, dims=(2,))
@@ -267,16 +294,20 @@ def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=No
     _check_phase(phase, cfg)
     _check_num_items(num_items_in_batch)
     adv = _check_per_token(B, T, device, m, advantages, old_logp, ref_logp, token_scale,
-                           kl_weight, cfg)
-    if cfg.entropy_coef != 0.0:
+                           kl_weight, cfg, is_ratio, sampling_logp)
+    if cfg.wants_entropy:
         if entropy is None:
-            raise ValueError(f"entropy: required when config.entropy_coef != 0 (got "
-                             f"{cfg.entropy_coef}), got None")
+            raise ValueError(f"entropy: required when config.entropy_coef != 0 or "
+                             f"config.top_entropy_quantile < 1 (got entropy_coef="
+                             f"{cfg.entropy_coef}, top_entropy_quantile="
+                             f"{cfg.top_entropy_quantile}), got None")
         V.check_tensor("entropy", entropy, shape=(B, T), floating=True, device=device)
+        V.check_finite("entropy", entropy, m)
     elif entropy is not None:
         V.check_tensor("entropy", entropy, shape=(B, T), floating=True, device=device)
     holder = {}
     args = (m, adv, old_logp, ref_logp, token_scale,
-            kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase, num_items_in_batch, holder)
-    loss = _PolicyLossFromLogp.apply(logp, entropy if cfg.entropy_coef != 0.0 else None, args)
+            kl_weight if cfg.kl_coef != 0.0 else None, is_ratio, sampling_logp, cfg, phase,
+            num_items_in_batch, holder)
+    loss = _PolicyLossFromLogp.apply(logp, entropy if cfg.wants_entropy else None, args)
     return loss, holder["metrics"]

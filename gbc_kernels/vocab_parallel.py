@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from . import _chunking
-from ._fused import _empty_metrics, save_grads, scale_stored_grads
-from ._loss_math import aggregation_weights, logp_grad_norm, policy_metrics, token_terms
+from ._fused import save_grads, scale_stored_grads, token_inputs, with_entropy_mask
+from ._loss_math import empty_metrics, logp_grad_norm, loss_terms, policy_metrics
 
 
 @dataclass(frozen=True)
@@ -196,31 +196,36 @@ def grads(h2, weight, bias, y, sl: _Slice, temperature, lse, entropy, g_logp, g_
 class _PolicyLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden2d, weight, bias, args):
-        (y, mask, adv, old, ref, tscale, klw, cfg, phase, num_items, sl, holder) = args
+        (y, mask, adv, old, ref, tscale, klw, isr, sampling, cfg, phase, num_items, sl,
+         holder) = args
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_db = bias is not None and ctx.needs_input_grad[2]
         ct = _ct(hidden2d.dtype)
         idx = mask.reshape(-1).nonzero().squeeze(1)        # every rank holds the same mask
-        take = (lambda t: None if t is None else t.reshape(-1)[idx].to(ct))
         h = hidden2d.detach().index_select(0, idx)
         yr = y.index_select(0, idx)
         st = row_stats(h, weight.detach(), None if bias is None else bias.detach(), yr, sl,
                        cfg.temperature)
-        want_ent = cfg.entropy_coef != 0.0
-        terms = token_terms(st["logp"], st["entropy"] if want_ent else None, take(adv),
-                            take(old), take(ref), take(tscale), take(klw), None, cfg, phase)
-        w = aggregation_weights(mask, cfg, num_items, ct).reshape(-1)[idx]
-        loss = (w * terms.loss).sum()
-        g = w * terms.dlogp
+        ti = token_inputs(mask, adv, old, ref, tscale, klw, isr, sampling, cfg, num_items, idx,
+                          ct)
+        ent = st["entropy"] if cfg.wants_entropy else None
+        loss = torch.zeros((), device=hidden2d.device, dtype=ct)
+        g = gH = None
         if idx.numel():
+            # every rank holds every token: the batch-global entropy quantile is local
+            ti = with_entropy_mask(ti, ent, cfg, mask, idx, ct)
+            lt = loss_terms(st["logp"].to(ct), None if ent is None else ent.to(ct), ti, cfg,
+                            phase)
+            loss, g, gH = lt.loss_sum, lt.g, lt.gH
             holder["metrics"] = policy_metrics(
-                terms, None, cfg, st["entropy"] if want_ent else None,
-                logp_grad_norm(g, st["logp"], st["sum_p2"], 1.0 / cfg.temperature))
+                lt.terms, cfg, ent, logp_grad_norm(g, st["logp"], st["sum_p2"],
+                                                   1.0 / cfg.temperature),
+                mask.shape[0], ti.n_seq)
         else:
-            holder["metrics"] = _empty_metrics(cfg, hidden2d.device)
+            holder["metrics"] = empty_metrics(cfg, hidden2d.device, mask.shape[0])
+            g = torch.zeros(0, device=hidden2d.device, dtype=ct)
         gh_rows, gw, gb = grads(h, weight.detach(), None if bias is None else bias.detach(), yr,
-                                sl, cfg.temperature, st["lse"], st["entropy"], g,
-                                w * terms.dentropy if want_ent else None,
+                                sl, cfg.temperature, st["lse"], st["entropy"], g, gH,
                                 need_dh, need_dw, need_db)
         gh = None
         if gh_rows is not None:
@@ -234,11 +239,11 @@ class _PolicyLoss(torch.autograd.Function):
 
 
 def policy_loss(hidden, weight, bias, safe_targets, mask, adv, old, ref, tscale, klw, cfg,
-                phase, num_items, sl: _Slice):
+                phase, num_items, sl: _Slice, is_ratio=None, sampling_logp=None):
     B, T, H = hidden.shape
     holder = {}
-    args = (safe_targets.reshape(-1), mask, adv, old, ref, tscale, klw, cfg, phase, num_items,
-            sl, holder)
+    args = (safe_targets.reshape(-1), mask, adv, old, ref, tscale, klw, is_ratio, sampling_logp,
+            cfg, phase, num_items, sl, holder)
     loss = _PolicyLoss.apply(hidden.reshape(B * T, H), weight, bias, args)
     return loss, holder["metrics"]
 

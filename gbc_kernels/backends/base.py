@@ -49,7 +49,7 @@ class ChunkResult(NamedTuple):
     entropy: Optional[torch.Tensor]
     sum_p2: torch.Tensor
     g: torch.Tensor          # w_agg * dl/dlogp (what the gradient pass used)
-    terms: object            # _loss_math.TokenTerms (loss, ratio, adv, ar, p_old, kl, ...)
+    terms: object            # _loss_math.TokenTerms (the metric inputs)
     loss_sum: torch.Tensor   # sum_r w_agg[r] * l[r] over the chunk (0-d)
 
 
@@ -62,25 +62,26 @@ class Backend:
                   want_entropy: bool, want_sum_p2: bool, ws: Workspace) -> RowStats:
         raise NotImplementedError
 
-    def policy_rows_(self, logits, targets, inv_temp, w, adv, old, ref, tscale, klw, cfg, phase,
-                     need_grad: bool, ws: Workspace) -> ChunkResult:
+    def policy_rows_(self, logits, targets, inv_temp, ti, cfg, phase, need_grad: bool,
+                     ws: Workspace) -> ChunkResult:
         """The fused loss's work on one chunk: row statistics, the per-token loss of SPEC
-        §1-§3 (``_loss_math``), and (``need_grad``) dL/dlogits written into ``logits``.
+        §1-§3, §10 (``_loss_math.loss_terms`` over ``ti``, a ``TokenInputs`` of the chunk's
+        tokens, whole sequences when the loss needs them), and (``need_grad``) dL/dlogits
+        written into ``logits``.
 
         This generic version composes the two primitives with the PyTorch per-token math; a
         backend may override it with one pass that keeps each row in cache.
         """
-        from .._loss_math import token_terms   # local: the loss math sits above the backends
+        from .._loss_math import loss_terms   # local: the loss math sits above the backends
 
-        want_entropy = cfg.entropy_coef != 0.0
-        st = self.row_stats(logits, targets, inv_temp, want_entropy, True, ws)
+        st = self.row_stats(logits, targets, inv_temp, cfg.wants_entropy, True, ws)
         logp = st.target_z - st.lse
-        terms = token_terms(logp, st.entropy, adv, old, ref, tscale, klw, None, cfg, phase)
-        g = w * terms.dlogp
+        ct = ti.adv.dtype
+        ent = None if st.entropy is None else st.entropy.to(ct)
+        lt = loss_terms(logp.to(ct), ent, ti, cfg, phase)
         if need_grad:
-            gH = w * terms.dentropy if want_entropy else None
-            self.logit_grad_(logits, targets, inv_temp, st.lse, st.entropy, g, gH, ws)
-        return ChunkResult(logp, st.entropy, st.sum_p2, g, terms, (w * terms.loss).sum())
+            self.logit_grad_(logits, targets, inv_temp, st.lse, st.entropy, lt.g, lt.gH, ws)
+        return ChunkResult(logp, st.entropy, st.sum_p2, lt.g, lt.terms, lt.loss_sum)
 
     def logit_grad_(self, logits: torch.Tensor, targets: torch.Tensor, inv_temp: float,
                     lse: torch.Tensor, entropy: Optional[torch.Tensor], g_logp: torch.Tensor,

@@ -37,13 +37,16 @@ class CpuBackend(Backend):
         return RowStats(lse, zmax, tz, ent if want_entropy else None,
                         sp2 if want_sum_p2 else None)
 
-    def policy_rows_(self, logits, targets, inv_temp, w, adv, old, ref, tscale, klw, cfg, phase,
-                     need_grad, ws: Workspace) -> ChunkResult:
+    def policy_rows_(self, logits, targets, inv_temp, ti, cfg, phase, need_grad,
+                     ws: Workspace) -> ChunkResult:
         from .._loss_math import TokenTerms
         from ..config import KL_ESTIMATORS
 
+        if not ti.native_ok(cfg):     # the objectives of §10: C++ row passes, PyTorch token math
+            return super().policy_rows_(logits, targets, inv_temp, ti, cfg, phase, need_grad, ws)
         out = _C.policy_rows_(
-            logits, targets, float(inv_temp), w, adv, old, ref, tscale, klw,
+            logits, targets, float(inv_temp), ti.w_pg, ti.adv, ti.old, ti.ref, ti.tscale,
+            ti.klw if cfg.kl_coef != 0.0 else None,
             cfg.epsilon_low, cfg.epsilon_high,
             -1.0 if cfg.clip_ratio_c is None else cfg.clip_ratio_c, cfg.kl_coef,
             KL_ESTIMATORS.index(cfg.kl_estimator), cfg.entropy_coef, cfg.ar_alpha,
@@ -52,8 +55,8 @@ class CpuBackend(Backend):
         logp, entropy, sum_p2, g, wloss, ratio, adv_hat, ar, p_old, kl = out
         want_entropy = cfg.entropy_coef != 0.0
         # the loss is returned already weighted (wloss); the metrics need only the fields below
-        terms = TokenTerms(loss=None, dlogp=None, dentropy=None, ratio=ratio, adv=adv_hat,
-                           ar=ar, p_old=p_old, kl=kl if cfg.kl_coef != 0.0 else None)
+        terms = TokenTerms(ratio=ratio, adv=adv_hat, ar=ar, p_old=p_old,
+                           kl=kl if cfg.kl_coef != 0.0 else None)
         return ChunkResult(logp, entropy if want_entropy else None, sum_p2, g, terms,
                            wloss.sum())
 

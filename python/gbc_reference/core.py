@@ -33,7 +33,39 @@ class PolicyLossConfig:
     entropy_coef: float = 0.0
     ar_alpha: float = 0.0
     lopti_eta: Optional[float] = None
+    # §10: the objectives of today's trainers
+    importance_sampling_level: str = "token"   # "token" | "sequence" (GSPO)
+    objective: str = "ppo_clip"                # "ppo_clip" | "cispo" | "sapo" | "vespo"
+    delta: Optional[float] = None              # two-sided clip of ppo_clip
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    top_entropy_quantile: float = 1.0
+    off_policy_mask_threshold: Optional[float] = None
+    kl_agg: Optional[str] = None               # None: aggregated with the policy term
+    entropy_agg: Optional[str] = None
 
+    @classmethod
+    def preset(cls, loss_type, **options):
+        """TRL's loss_type as a config (see gbc_kernels.config.TRL_LOSS_TYPES)."""
+        d = dict(_TRL_LOSS_TYPES[loss_type], entropy_agg="token-mean")
+        d.update(options)
+        return cls(**d)
+
+
+_TRL_LOSS_TYPES = {
+    "grpo": dict(loss_agg="seq-mean-token-mean"),
+    "bnpo": dict(loss_agg="token-mean"),
+    "dr_grpo": dict(loss_agg="seq-mean-token-sum-norm"),
+    "dapo": dict(loss_agg="token-mean"),
+    "cispo": dict(objective="cispo", loss_agg="token-mean"),
+    "sapo": dict(objective="sapo", loss_agg="seq-mean-token-mean"),
+    "luspo": dict(loss_agg="seq-mean-token-sum"),
+    "vespo": dict(objective="vespo", loss_agg="token-mean"),
+}
 
 _LOSS_AGG_ALIASES = {
     "bnpo": "token-mean",
@@ -169,17 +201,62 @@ def kl_estimate(logp, ref_logp, estimator):
 # ----------------------------------------------------------------------------------------------
 
 
+def gamma_weights(advantages, log_ratio, mask, is_ratio, cfg):
+    """§10 VESPO: phi = exp(lambda + k log w - lambda w), w the sequence's importance weight
+    exp(sum_t m clamp(logp - old_logp, +-20) [+ sum_t m clamp(log is_ratio, log 1e-8, 20)]),
+    log w clamped to [log 1e-8, 20]; (k, lambda) by the sign of A (A >= 0: the _pos pair).
+    No gradient: phi only scales the gradient of -A logp."""
+    m = mask.bool()
+    lower = math.log(1e-8)
+    zero = torch.zeros_like(log_ratio)
+    seq = torch.where(m, log_ratio.clamp(-20.0, 20.0), zero).sum(-1, keepdim=True)
+    if is_ratio is not None:
+        seq = seq + torch.where(m, torch.log(is_ratio).clamp(lower, 20.0), zero).sum(-1, keepdim=True)
+    log_w = seq.clamp(lower, 20.0)
+    pos = advantages >= 0
+    k = torch.where(pos, cfg.vespo_k_pos, cfg.vespo_k_neg)
+    lam = torch.where(pos, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
+
+
+def entropy_quantile_mask(entropy, mask, quantile):
+    """§10 top_entropy_quantile = q: tokens whose entropy is >= the (1 - q) quantile (linear
+    interpolation, torch.quantile) of the masked tokens' entropies."""
+    m = mask.bool()
+    values = entropy.detach()[m].float()
+    if values.numel() == 0:
+        return torch.zeros_like(m)
+    threshold = torch.quantile(values, 1.0 - quantile)
+    return (entropy.detach() >= threshold.to(entropy.dtype)) & m
+
+
+def off_policy_mask(advantages, logp, sampling_logp, mask, threshold):
+    """§10 off-policy sequence mask (DeepSeek-V3.2): keep a token unless its advantage is < 0
+    and its sequence's mean of sampling_logp - logp (NaN counted as 0) exceeds the threshold."""
+    m = mask.bool()
+    drift = torch.nan_to_num(sampling_logp - logp.detach(), nan=0.0)
+    drift = torch.where(m, drift, torch.zeros_like(drift))
+    mean = drift.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+    return (advantages >= 0) | (mean <= threshold)
+
+
 def _per_token_loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_scale,
-                    kl_weight, cfg, phase):
-    """Returns the per-token loss l[b,t] (0 where m = 0) and the intermediates the metrics use."""
+                    kl_weight, cfg, phase, is_ratio=None, sampling_logp=None):
+    """Per-token terms of §1-§3 and §10, each 0 where it does not act. Returns
+    (policy, kl, entropy_term, parts): the loss is policy + kl_coef kl - entropy_coef entropy,
+    each term aggregated on its own (``_aggregate_terms``)."""
     m = mask.bool()
     if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1).expand_as(logp)
+        advantages = advantages.unsqueeze(-1)
+    A = advantages.expand_as(logp)
+    zero = torch.zeros_like(logp)
     old = logp.detach() if old_logp is None else old_logp
+    old = torch.where(m, old, zero)            # garbage outside the mask never leaks
     p_old = old.exp()
     # §2 advantage reweighting, then the token scale (NTHR, §4)
     ar = cfg.ar_alpha * p_old + (1.0 - cfg.ar_alpha)
-    adv = advantages * ar
+    adv = A * ar
     if token_scale is not None:
         adv = adv * token_scale
     # §3 Lopti phase mask: applied after AR
@@ -187,32 +264,69 @@ def _per_token_loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_s
     if phase is not None:
         low, high = lopti_split(old, m, cfg.lopti_eta)
         active = low if phase == "low" else high
-    adv = torch.where(active, adv, torch.zeros_like(adv))
+    adv = torch.where(active, adv, zero)
 
-    ratio = torch.exp(logp - old)
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * torch.clamp(ratio, 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high)
-    pg = torch.maximum(pg_unclipped, pg_clipped)
-    if cfg.clip_ratio_c is not None:
-        pg = torch.where(adv < 0, torch.minimum(pg, -adv * cfg.clip_ratio_c), pg)
-    loss = pg
+    # the importance ratio: per token, or one per sequence (GSPO: exp of the masked mean)
+    log_ratio = torch.where(m, logp - old, zero)
+    if cfg.importance_sampling_level == "sequence":
+        lw = log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+        lw = lw.expand_as(logp)
+    else:
+        lw = log_ratio
+    ratio = torch.exp(lw)
+
+    phi = None
+    if cfg.objective == "ppo_clip":
+        r1 = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
+        r2 = torch.clamp(ratio, 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high)
+        pg = -torch.minimum(adv * r1, adv * r2)
+        if cfg.clip_ratio_c is not None:
+            pg = torch.where(adv < 0, torch.minimum(pg, -adv * cfg.clip_ratio_c), pg)
+    elif cfg.objective == "cispo":
+        pg = -ratio.clamp(max=cfg.epsilon_high).detach() * adv * logp
+    elif cfg.objective == "sapo":
+        kappa = torch.where(A > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+        pg = -torch.sigmoid(kappa * (ratio - 1.0)) * 4.0 / kappa * adv
+    else:   # vespo
+        phi = gamma_weights(A, log_ratio, m, is_ratio, cfg)
+        pg = -phi * adv * logp
+    if is_ratio is not None and cfg.objective != "vespo":
+        pg = pg * is_ratio
+
+    # masks of the policy term (§10): off-policy sequences, the entropy quantile
+    keep = m
+    dropped = None
+    if cfg.off_policy_mask_threshold is not None:
+        sampling = old if sampling_logp is None else sampling_logp
+        kept = off_policy_mask(A, logp, sampling, m, cfg.off_policy_mask_threshold)
+        dropped = m & ~kept
+        keep = keep & kept
+    emask = m
+    if cfg.top_entropy_quantile < 1.0:
+        emask = entropy_quantile_mask(entropy, m, cfg.top_entropy_quantile)
+        keep = keep & emask
+    policy = torch.where(keep & active, pg, zero)
+
     kl = None
+    kl_term = zero
     if cfg.kl_coef != 0.0:
         kl = kl_estimate(logp, ref_logp, cfg.kl_estimator)
         if cfg.kl_ratio_correction:
-            kl = kl * ratio
+            kl = kl * ratio                 # the importance ratio of the level, unclipped
         if kl_weight is not None:
             kl = kl * kl_weight
-        loss = loss + cfg.kl_coef * torch.where(active, kl, torch.zeros_like(kl))
+        kl_term = torch.where(active, kl, zero)
+    ent_term = zero
     if cfg.entropy_coef != 0.0:
-        loss = loss - cfg.entropy_coef * torch.where(active, entropy, torch.zeros_like(entropy))
-    loss = torch.where(m, loss, torch.zeros_like(loss))
-    return loss, dict(ratio=ratio, adv=adv, ar=ar, p_old=p_old, kl=kl)
+        ent_term = torch.where(active & emask, entropy, zero)
+    parts = dict(ratio=ratio, adv=adv, ar=ar, p_old=p_old, kl=kl, phi=phi, A=A,
+                 emask=emask if cfg.top_entropy_quantile < 1.0 else None, dropped=dropped)
+    return policy, kl_term, ent_term, parts
 
 
-def _aggregate(per_token, mask, cfg, num_items_in_batch):
-    """The four loss_agg modes of §1."""
-    agg = _LOSS_AGG_ALIASES.get(cfg.loss_agg, cfg.loss_agg)
+def _aggregate(per_token, mask, agg, cfg, num_items_in_batch):
+    """The four loss_agg modes of §1 over ``mask`` (N_tok = num_items_in_batch when given)."""
+    agg = _LOSS_AGG_ALIASES.get(agg, agg)
     m = mask.to(per_token.dtype)
     B = per_token.shape[0]
     if agg == "token-mean":
@@ -225,7 +339,29 @@ def _aggregate(per_token, mask, cfg, num_items_in_batch):
         return per_token.sum() / B
     if agg == "seq-mean-token-sum-norm":
         return per_token.sum() / (B * cfg.max_len)
-    raise ValueError(f"loss_agg: unknown {cfg.loss_agg!r}")
+    raise ValueError(f"loss_agg: unknown {agg!r}")
+
+
+def _aggregate_terms(policy, kl, ent, mask, parts, cfg, num_items_in_batch):
+    """loss = agg(policy) + kl_coef agg(kl) - entropy_coef agg(entropy). A term without an
+    aggregation of its own (kl_agg / entropy_agg None) is summed into the policy term's; one
+    with its own is normalised over the tokens it acts on (KL: the mask; the entropy bonus:
+    the mask and the entropy quantile), without num_items_in_batch."""
+    m = mask.bool()
+    shared = policy
+    loss = 0.0
+    if cfg.kl_coef != 0.0:
+        if cfg.kl_agg is None:
+            shared = shared + cfg.kl_coef * kl
+        else:
+            loss = loss + cfg.kl_coef * _aggregate(kl, m, cfg.kl_agg, cfg, None)
+    if cfg.entropy_coef != 0.0:
+        if cfg.entropy_agg is None:
+            shared = shared - cfg.entropy_coef * ent
+        else:
+            emask = m if parts["emask"] is None else parts["emask"]
+            loss = loss - cfg.entropy_coef * _aggregate(ent, emask, cfg.entropy_agg, cfg, None)
+    return _aggregate(shared, m, cfg.loss_agg, cfg, num_items_in_batch) + loss
 
 
 def _metrics(parts, logp, entropy, mask, cfg, grad_share_low, grad_norm_sum=None):
@@ -237,9 +373,19 @@ def _metrics(parts, logp, entropy, mask, cfg, grad_share_low, grad_norm_sum=None
 
     ratio, adv = parts["ratio"], parts["adv"]
     eta = cfg.lopti_eta if cfg.lopti_eta is not None else 0.5
+    # clipped: outside the objective's hard clip range (sapo and vespo have none)
+    if cfg.objective == "ppo_clip":
+        r = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
+        low = (adv < 0) & (r < 1.0 - cfg.epsilon_low)
+        high = (adv > 0) & (r > 1.0 + cfg.epsilon_high)
+    elif cfg.objective == "cispo":
+        low = torch.zeros_like(m)
+        high = (adv > 0) & (ratio > cfg.epsilon_high)
+    else:
+        low = high = torch.zeros_like(m)
     out = {
-        "clip_frac_low": masked_mean(((adv < 0) & (ratio < 1.0 - cfg.epsilon_low)).float()),
-        "clip_frac_high": masked_mean(((adv > 0) & (ratio > 1.0 + cfg.epsilon_high)).float()),
+        "clip_frac_low": masked_mean(low.float()),
+        "clip_frac_high": masked_mean(high.float()),
         "ratio_mean": masked_mean(ratio),
         "ar_weight_mean": masked_mean(parts["ar"]),
         "low_frac": masked_mean((parts["p_old"] < eta).float()),
@@ -248,6 +394,16 @@ def _metrics(parts, logp, entropy, mask, cfg, grad_share_low, grad_norm_sum=None
         out["kl"] = masked_mean(parts["kl"])
     if entropy is not None:
         out["entropy"] = masked_mean(entropy)
+    if parts["phi"] is not None:
+        # per sequence: the masked mean of phi (1 for a sequence without tokens), then the mean
+        phi = torch.where(m, parts["phi"], torch.zeros_like(parts["phi"]))
+        cnt = m.sum(-1)
+        seq = torch.where(cnt > 0, phi.sum(-1) / cnt.clamp(min=1), torch.ones_like(phi[:, 0]))
+        out["phi_mean"] = seq.mean().float().detach()
+    if parts["emask"] is not None:
+        out["entropy_mask_frac"] = masked_mean(parts["emask"].float())
+    if parts["dropped"] is not None:
+        out["off_policy_frac"] = masked_mean(parts["dropped"].float())
     if grad_share_low is not None:
         out["grad_share_low"] = grad_share_low.float().detach()
     if grad_norm_sum is not None:
@@ -255,24 +411,34 @@ def _metrics(parts, logp, entropy, mask, cfg, grad_share_low, grad_norm_sum=None
     return out
 
 
+def _loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_scale, kl_weight, cfg,
+          phase, num_items_in_batch, is_ratio, sampling_logp):
+    policy, kl, ent, parts = _per_token_loss(logp, entropy, mask, advantages, old_logp,
+                                             ref_logp, token_scale, kl_weight, cfg, phase,
+                                             is_ratio, sampling_logp)
+    return _aggregate_terms(policy, kl, ent, mask, parts, cfg, num_items_in_batch), parts
+
+
 def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=None,
                 token_scale=None, kl_weight=None, config=None, phase=None,
-                num_items_in_batch=None):
-    """GRPO policy loss from per-token log-probs ``logp`` [B, T] (§1-§3). Returns (loss, metrics).
+                num_items_in_batch=None, is_ratio=None, sampling_logp=None):
+    """GRPO policy loss from per-token log-probs ``logp`` [B, T] (§1-§3, §10). Returns
+    (loss, metrics).
 
     ``grad_share_low`` needs the full distribution and is only reported by
     ``fused_linear_policy_loss``.
     """
     cfg = config or PolicyLossConfig()
-    per_token, parts = _per_token_loss(logp, entropy, mask, advantages, old_logp, ref_logp,
-                                       token_scale, kl_weight, cfg, phase)
-    loss = _aggregate(per_token, mask, cfg, num_items_in_batch)
-    return loss, _metrics(parts, logp, entropy if cfg.entropy_coef != 0 else None, mask, cfg, None)
+    loss, parts = _loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_scale,
+                        kl_weight, cfg, phase, num_items_in_batch, is_ratio, sampling_logp)
+    wants_entropy = cfg.entropy_coef != 0 or cfg.top_entropy_quantile < 1.0
+    return loss, _metrics(parts, logp, entropy if wants_entropy else None, mask, cfg, None)
 
 
 def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp=None,
                              ref_logp=None, bias=None, token_scale=None, kl_weight=None,
-                             config=None, phase=None, num_items_in_batch=None, backend="auto"):
+                             config=None, phase=None, num_items_in_batch=None, backend="auto",
+                             is_ratio=None, sampling_logp=None):
     """The GRPO loss from hidden states [B, T, H] and lm_head weight [V, H], plainly:
 
         z = (hidden @ weight.T + bias) / temperature           # [B, T, V]
@@ -284,20 +450,18 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     safe_targets = torch.where(m, targets, torch.zeros_like(targets))
     logprobs_all = torch.log_softmax(_logits(hidden, weight, bias, cfg.temperature), dim=-1)
     logp = _gather(logprobs_all, safe_targets)
-    entropy = _entropy(logprobs_all) if cfg.entropy_coef != 0.0 else None
-
-    per_token, parts = _per_token_loss(logp, entropy, mask, advantages, old_logp, ref_logp,
-                                       token_scale, kl_weight, cfg, phase)
-    loss = _aggregate(per_token, mask, cfg, num_items_in_batch)
+    wants_entropy = cfg.entropy_coef != 0.0 or cfg.top_entropy_quantile < 1.0
+    entropy = _entropy(logprobs_all) if wants_entropy else None
+    args = (mask, advantages, old_logp, ref_logp, token_scale, kl_weight, cfg, phase,
+            num_items_in_batch, is_ratio, sampling_logp)
+    loss, parts = _loss(logp, entropy, *args)
 
     # §6: the norm of the logp-part of dloss/dlogits per token is
     #     |g| / temperature * sqrt(1 - 2 p + sum_v p_v^2),  g = dloss/dlogp (entropy term excluded)
     with torch.enable_grad():
         logp_leaf = logp.detach().requires_grad_(True)
         ent_leaf = None if entropy is None else entropy.detach()
-        pt, _ = _per_token_loss(logp_leaf, ent_leaf, mask, advantages, old_logp, ref_logp,
-                                token_scale, kl_weight, cfg, phase)
-        g, = torch.autograd.grad(_aggregate(pt, mask, cfg, num_items_in_batch), logp_leaf)
+        g, = torch.autograd.grad(_loss(logp_leaf, ent_leaf, *args)[0], logp_leaf)
     probs = logprobs_all.detach().exp()
     p = logp.detach().exp()
     norm = g.abs() / cfg.temperature * (1.0 - 2.0 * p + (probs ** 2).sum(-1)).clamp(min=0).sqrt()
