@@ -201,7 +201,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     logp, g, sum_p2 = (torch.zeros(n, **f32) for _ in range(3))
     entropy = torch.zeros(n, **f32) if want_entropy else None
     loss = torch.zeros((), device=device, dtype=ct)
-    parts = []
+    parts, part_rows = [], []          # metric inputs, and the rows each part covers
 
     def project(s, e):
         hc = hidden2d[s:e] if dense else hidden2d.index_select(0, idx[s:e])
@@ -232,6 +232,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
             gH_pre[pre] = lt.gH.float()
         loss = loss + lt.loss_sum
         parts.append(lt.terms)
+        part_rows.append(pre)
 
     # Sweep 2: every chunk; one-sweep chunks do all their work here.
     for s, e, n_seq, two in plan:
@@ -251,10 +252,11 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
         if want_entropy:
             entropy[s:e] = res.entropy
         parts.append(res.terms)
+        part_rows.append(torch.arange(s, e, device=device))
         if need_grad:
             grads.add(lg, hc, s, e)
 
-    terms = concat_terms(parts)
+    terms = concat_terms(parts, part_rows if pre.numel() else None)
     B = inp.mask.shape[0]
     if terms is not None:
         inp.metrics = policy_metrics(terms, cfg, entropy,

@@ -363,10 +363,16 @@ def policy_metrics(terms: TokenTerms, cfg: PolicyLossConfig, entropy=None, grad_
     return {k: v.detach().float() for k, v in out.items()}
 
 
-def concat_terms(parts):
-    """One TokenTerms from the chunks' (None when there are none)."""
+def concat_terms(parts, rows=None):
+    """One TokenTerms from the chunks' (None when there are none). ``rows``: the token indices
+    each part covers, when the parts are not in token order (they are put back in order)."""
     if not parts:
         return None
+    inv = None
+    if rows is not None:
+        order = torch.cat(rows)
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=order.device)
     out = {}
     for f in TokenTerms.__dataclass_fields__:
         vals = [getattr(t, f) for t in parts]
@@ -375,7 +381,7 @@ def concat_terms(parts):
         elif f == "phi_seq_sum":
             out[f] = torch.stack(vals).sum()
         else:
-            out[f] = torch.cat(vals)
+            out[f] = torch.cat(vals) if inv is None else torch.cat(vals)[inv]
     return TokenTerms(**out)
 
 
