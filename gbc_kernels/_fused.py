@@ -39,6 +39,7 @@ class LossInputs:
     backend: Backend
     is_ratio: Optional[torch.Tensor] = None
     sampling_logp: Optional[torch.Tensor] = None
+    threshold_fn: Optional[object] = None           # data-parallel entropy quantile
     metrics: dict = field(default_factory=dict)     # filled by the forward
     logp: Optional[torch.Tensor] = None              # [B, T] float32, filled by the forward
 
@@ -61,6 +62,8 @@ def token_inputs(mask, advantages, old, ref, tscale, klw, is_ratio, sampling, cf
 def entropy_threshold(entropy: torch.Tensor, quantile: float) -> torch.Tensor:
     """The (1 - quantile) quantile of the entropies, linear interpolation (torch.quantile)."""
     values = entropy.float()
+    if values.numel() == 0:
+        return torch.full((), float("inf"), device=values.device)
     if values.numel() <= 2 ** 24 - 1:     # torch.quantile's input limit
         return torch.quantile(values, 1.0 - quantile)
     srt = values.sort().values
@@ -68,6 +71,33 @@ def entropy_threshold(entropy: torch.Tensor, quantile: float) -> torch.Tensor:
     lo = int(pos)
     hi = min(lo + 1, srt.numel() - 1)
     return torch.lerp(srt[lo], srt[hi], pos - lo)
+
+
+def gathered_threshold(process_group):
+    """A ``threshold_fn`` computing the quantile over every rank's entropies (TRL gathers them
+    over all processes). ``process_group``: a ProcessGroup or ``"world"`` (the default group).
+    A collective: every rank of the group must call it, with or without tokens."""
+    import torch.distributed as dist
+
+    from .vocab_parallel import resolve_group
+
+    group = resolve_group("data_parallel_group",
+                          None if process_group == "world" else process_group)
+
+    def fn(entropy, quantile):
+        world = dist.get_world_size(group)
+        local = entropy.detach().float().reshape(-1)
+        n = torch.tensor([local.numel()], device=local.device)
+        sizes = [torch.zeros_like(n) for _ in range(world)]
+        dist.all_gather(sizes, n, group=group)
+        sizes = [int(x) for x in sizes]
+        padded = torch.zeros(max(max(sizes), 1), device=local.device)
+        padded[: local.numel()] = local
+        every = [torch.zeros_like(padded) for _ in range(world)]
+        dist.all_gather(every, padded, group=group)
+        return entropy_threshold(torch.cat([t[:k] for t, k in zip(every, sizes)]), quantile)
+
+    return fn
 
 
 def with_entropy_mask(ti: TokenInputs, entropy, cfg: PolicyLossConfig, mask, idx, ct,
@@ -209,6 +239,9 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
         _chunking.project(hc, weight, bias, lg)
         return hc, lg
 
+    if n == 0 and cfg.needs_batch and inp.threshold_fn is not None:
+        inp.threshold_fn(torch.zeros(0, device=device), cfg.top_entropy_quantile)   # collective
+
     # Sweep 1 (two-sweep chunks only): row statistics; then the loss of those rows at once.
     pre = _rows_in(plan, device)
     lse = gH_pre = None
@@ -224,7 +257,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
                         entropy[s:e] = st.entropy
         tp = ti if pre.numel() == n else ti.take(pre)
         ent_pre = None if entropy is None else entropy[pre].to(ct)
-        tp = with_entropy_mask(tp, ent_pre, cfg, inp.mask, idx[pre], ct)
+        tp = with_entropy_mask(tp, ent_pre, cfg, inp.mask, idx[pre], ct, inp.threshold_fn)
         lt = loss_terms(logp[pre].to(ct), ent_pre, tp, cfg, inp.phase)
         g[pre] = lt.g.float()
         if lt.gH is not None:

@@ -34,6 +34,8 @@ class TokenTerms:
     emask: Optional[torch.Tensor] = None    # entropy-quantile mask (None when off)
     dropped: Optional[torch.Tensor] = None  # dropped by the off-policy mask (None when off)
     phi_seq_sum: Optional[torch.Tensor] = None   # vespo: sum over sequences of mean_t phi (0-d)
+    clip_seq_low: Optional[torch.Tensor] = None  # sequence level: sequences clipped (0-d counts)
+    clip_seq_high: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -265,8 +267,25 @@ def loss_terms(logp, entropy, ti: TokenInputs, cfg: PolicyLossConfig,
         if on is not None:
             gH = torch.where(on, gH, zeros)
         loss_sum = loss_sum + (gH * entropy).sum()
-    terms = TokenTerms(ratio, a, ar, p_old, kl, ti.emask, dropped, phi_seq_sum)
+    clip_seq = (None, None)
+    if sequence_level:                  # TRL's clip fractions count sequences at this level
+        clip_seq = tuple((_seg_sum(f.to(logp.dtype), seq, n_seq) > 0).sum().to(logp.dtype)
+                         for f in clip_flags(a, ratio, cfg))
+    terms = TokenTerms(ratio, a, ar, p_old, kl, ti.emask, dropped, phi_seq_sum, *clip_seq)
     return LossTerms(loss_sum, g, gH, terms)
+
+
+def clip_flags(a, r, cfg: PolicyLossConfig):
+    """Tokens outside the objective's hard clip range, (low, high): ppo_clip's
+    ``[1 - epsilon_low, 1 + epsilon_high]`` (on ``min(r, delta)``, as TRL), cispo's cap
+    ``epsilon_high``; sapo and vespo have none."""
+    if cfg.objective == "ppo_clip":
+        rc = r if cfg.delta is None else r.clamp(max=cfg.delta)
+        return (a < 0) & (rc < 1.0 - cfg.epsilon_low), (a > 0) & (rc > 1.0 + cfg.epsilon_high)
+    none = torch.zeros_like(r, dtype=torch.bool)
+    if cfg.objective == "cispo":
+        return none, (a > 0) & (r > cfg.epsilon_high)
+    return none, none
 
 
 def aggregation_weights(mask: torch.Tensor, agg: str, cfg: PolicyLossConfig, num_items_in_batch,
@@ -323,15 +342,8 @@ def policy_metrics(terms: TokenTerms, cfg: PolicyLossConfig, entropy=None, grad_
 
     a, r = terms.adv, terms.ratio
     n = torch.tensor(float(r.numel()), device=r.device).clamp(min=1.0)
-    if cfg.objective == "ppo_clip":
-        rc = r if cfg.delta is None else r.clamp(max=cfg.delta)
-        clip_low = masked_sum((a < 0) & (rc < 1.0 - cfg.epsilon_low)) / n
-        clip_high = masked_sum((a > 0) & (rc > 1.0 + cfg.epsilon_high)) / n
-    elif cfg.objective == "cispo":
-        clip_low = torch.zeros((), device=r.device)
-        clip_high = masked_sum((a > 0) & (r > cfg.epsilon_high)) / n
-    else:                                 # sapo and vespo have no hard clip
-        clip_low = clip_high = torch.zeros((), device=r.device)
+    flag_low, flag_high = clip_flags(a, r, cfg)
+    clip_low, clip_high = masked_sum(flag_low) / n, masked_sum(flag_high) / n
     low = terms.p_old < cfg.metric_eta
     out = {
         "clip_frac_low": clip_low,
@@ -344,13 +356,20 @@ def policy_metrics(terms: TokenTerms, cfg: PolicyLossConfig, entropy=None, grad_
         out["kl"] = masked_sum(terms.kl) / n
     if entropy is not None:
         out["entropy"] = masked_sum(entropy) / n
+    if cfg.importance_sampling_level == "sequence":
+        zero = torch.zeros((), device=r.device)
+        for name, count in (("clip_frac_low_seq", terms.clip_seq_low),
+                            ("clip_frac_high_seq", terms.clip_seq_high)):
+            out[name] = (zero if count is None else count) / max(n_seq_total, 1)
     if cfg.objective == "vespo":
         phi = terms.phi_seq_sum if terms.phi_seq_sum is not None else torch.zeros(())
         empty = n_seq_total - n_seq_nonempty
         out["phi_mean"] = (phi + empty) / max(n_seq_total, 1)
     if cfg.needs_batch:
-        out["entropy_mask_frac"] = (masked_sum(terms.emask) / n if terms.emask is not None
-                                    else torch.zeros((), device=r.device))
+        em = terms.emask
+        out["entropy_mask_frac"] = masked_sum(em) / n
+        out["entropy_top_mean"] = (masked_sum(torch.where(em, entropy, torch.zeros_like(entropy)))
+                                   / masked_sum(em).clamp(min=1.0))
     if cfg.off_policy_mask_threshold is not None:
         out["off_policy_frac"] = (masked_sum(terms.dropped) / n if terms.dropped is not None
                                   else torch.zeros((), device=r.device))
@@ -378,7 +397,7 @@ def concat_terms(parts, rows=None):
         vals = [getattr(t, f) for t in parts]
         if vals[0] is None:
             out[f] = None
-        elif f == "phi_seq_sum":
+        elif f in ("phi_seq_sum", "clip_seq_low", "clip_seq_high"):
             out[f] = torch.stack(vals).sum()
         else:
             out[f] = torch.cat(vals) if inv is None else torch.cat(vals)[inv]
@@ -395,7 +414,9 @@ def empty_metrics(cfg: PolicyLossConfig, device, n_seq_total: int = 0) -> dict:
     if cfg.wants_entropy:
         keys.append("entropy")
     if cfg.needs_batch:
-        keys.append("entropy_mask_frac")
+        keys += ["entropy_mask_frac", "entropy_top_mean"]
+    if cfg.importance_sampling_level == "sequence":
+        keys += ["clip_frac_low_seq", "clip_frac_high_seq"]
     if cfg.off_policy_mask_threshold is not None:
         keys.append("off_policy_frac")
     out = {k: z.clone() for k in keys}

@@ -74,6 +74,8 @@ class PolicyLossConfig:
         policy term by ``loss_agg``). A term with its own aggregation is normalised over the
         tokens it acts on in this call; ``num_items_in_batch`` is the policy term's only.
 
+    return_entropy: compute the entropy (``entropy`` metric) even when no term uses it.
+
     ``PolicyLossConfig.preset(loss_type, **options)`` sets these axes from TRL's ``loss_type``.
     """
 
@@ -102,6 +104,7 @@ class PolicyLossConfig:
     off_policy_mask_threshold: Optional[float] = None
     kl_agg: Optional[str] = None
     entropy_agg: Optional[str] = None
+    return_entropy: bool = False
 
     def __post_init__(self):
         for name in ("loss_agg", "kl_agg", "entropy_agg"):
@@ -205,8 +208,8 @@ class PolicyLossConfig:
 
     @property
     def wants_entropy(self) -> bool:
-        """The per-token entropy enters the loss (bonus or quantile mask)."""
-        return self.entropy_coef != 0.0 or self.needs_batch
+        """The per-token entropy is computed (bonus, quantile mask, or asked for)."""
+        return self.entropy_coef != 0.0 or self.needs_batch or self.return_entropy
 
     @property
     def metric_eta(self) -> float:

@@ -10,7 +10,7 @@ import torch
 from . import _validate as V
 from . import vocab_parallel as _vp
 from ._fused import (FusedLogprobsFunction, FusedPolicyLossFunction, LossInputs, stats_sweep,
-                     token_inputs, with_entropy_mask)
+                     gathered_threshold, token_inputs, with_entropy_mask)
 from ._loss_math import empty_metrics, loss_terms, policy_metrics
 from .backends import get_backend
 from .config import PHASES, PolicyLossConfig
@@ -110,7 +110,8 @@ def _mask(mask, B, T, device):
 def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp=None,
                              ref_logp=None, bias=None, token_scale=None, kl_weight=None,
                              config=None, phase=None, num_items_in_batch=None, backend="auto",
-                             vocab_parallel=None, is_ratio=None, sampling_logp=None):
+                             vocab_parallel=None, is_ratio=None, sampling_logp=None,
+                             data_parallel_group=None):
     """GRPO policy loss (SPEC §1-§3, §6, §10) from hidden states, without the logits.
 
     Computes, for ``z = (hidden @ weight.T + bias) / temperature`` one chunk of rows at a time::
@@ -124,6 +125,9 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     vLLM correction): multiplies the policy term (vespo: enters phi's sequence weight).
     sampling_logp: [B, T] or None, the sampler's log-probs the off-policy mask measures drift
     from (default: old_logp).
+    data_parallel_group: the process group (or ``"world"``) the batch is split over; the
+    batch-global entropy quantile (``top_entropy_quantile < 1``) is then taken over every
+    rank's tokens, as TRL does (None: this process's tokens only).
     Returns ``(loss, metrics)``: a 0-d float32 loss whose gradient flows to hidden, weight and
     bias, and a dict of detached 0-d float32 metrics (SPEC §7).
 
@@ -142,18 +146,26 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     _check_num_items(num_items_in_batch)
     adv = _check_per_token(B, T, device, m, advantages, old_logp, ref_logp, token_scale,
                            kl_weight, cfg, is_ratio, sampling_logp)
+    threshold_fn = _threshold_fn(data_parallel_group, cfg)
     if vocab_parallel is not None:
         sl = _vp.check(vocab_parallel, weight, bias, device)
         return _vp.policy_loss(hidden, weight, bias, V.check_targets(targets, sl.vocab, m), m,
                                adv, old_logp, ref_logp, token_scale,
                                kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase,
-                               num_items_in_batch, sl, is_ratio, sampling_logp)
+                               num_items_in_batch, sl, is_ratio, sampling_logp, threshold_fn)
     safe_targets = V.check_targets(targets, weight.shape[0], m)
     inp = LossInputs(safe_targets.reshape(-1), m, adv, old_logp, ref_logp, token_scale,
                      kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase, num_items_in_batch,
-                     get_backend(backend, device, hidden.dtype), is_ratio, sampling_logp)
+                     get_backend(backend, device, hidden.dtype), is_ratio, sampling_logp,
+                     threshold_fn)
     loss = FusedPolicyLossFunction.apply(hidden.reshape(B * T, H), weight, bias, inp)
     return loss, inp.metrics
+
+
+def _threshold_fn(data_parallel_group, cfg):
+    if data_parallel_group is None or not cfg.needs_batch:
+        return None
+    return gathered_threshold(data_parallel_group)
 
 
 def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
@@ -242,7 +254,8 @@ class _PolicyLossFromLogp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logp, entropy, args):
-        (mask, adv, old, ref, tscale, klw, isr, sampling, cfg, phase, num_items, holder) = args
+        (mask, adv, old, ref, tscale, klw, isr, sampling, cfg, phase, num_items, threshold_fn,
+         holder) = args
         ct = torch.float64 if logp.dtype == torch.float64 else torch.float32
         idx = mask.reshape(-1).nonzero().squeeze(1)
         ti = token_inputs(mask, adv, old, ref, tscale, klw, isr, sampling, cfg, num_items, idx,
@@ -251,11 +264,13 @@ class _PolicyLossFromLogp(torch.autograd.Function):
         ent = None if entropy is None else entropy.detach().reshape(-1)[idx].to(ct)
         B = mask.shape[0]
         if idx.numel():
-            ti = with_entropy_mask(ti, ent, cfg, mask, idx, ct)
+            ti = with_entropy_mask(ti, ent, cfg, mask, idx, ct, threshold_fn)
             lt = loss_terms(lp, ent, ti, cfg, phase)
             holder["metrics"] = policy_metrics(lt.terms, cfg, ent, None, B, ti.n_seq)
             loss, g, gH = lt.loss_sum, lt.g, lt.gH
         else:
+            if threshold_fn is not None:        # a collective: take part without tokens
+                threshold_fn(lp, cfg.top_entropy_quantile)
             metrics = empty_metrics(cfg, logp.device, B)
             metrics.pop("grad_share_low"), metrics.pop("grad_norm_sum")
             holder["metrics"] = metrics
@@ -279,7 +294,8 @@ class _PolicyLossFromLogp(torch.autograd.Function):
 
 def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=None,
                 token_scale=None, kl_weight=None, config=None, phase=None,
-                num_items_in_batch=None, is_ratio=None, sampling_logp=None):
+                num_items_in_batch=None, is_ratio=None, sampling_logp=None,
+                data_parallel_group=None):
     """The same GRPO loss for trainers that already have per-token ``logp`` [B, T].
 
     ``entropy`` [B, T] is needed when ``config.entropy_coef != 0`` or
@@ -308,6 +324,6 @@ def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=No
     holder = {}
     args = (m, adv, old_logp, ref_logp, token_scale,
             kl_weight if cfg.kl_coef != 0.0 else None, is_ratio, sampling_logp, cfg, phase,
-            num_items_in_batch, holder)
+            num_items_in_batch, _threshold_fn(data_parallel_group, cfg), holder)
     loss = _PolicyLossFromLogp.apply(logp, entropy if cfg.wants_entropy else None, args)
     return loss, holder["metrics"]

@@ -197,7 +197,7 @@ class _PolicyLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden2d, weight, bias, args):
         (y, mask, adv, old, ref, tscale, klw, isr, sampling, cfg, phase, num_items, sl,
-         holder) = args
+         threshold_fn, holder) = args
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_db = bias is not None and ctx.needs_input_grad[2]
         ct = _ct(hidden2d.dtype)
@@ -213,7 +213,7 @@ class _PolicyLoss(torch.autograd.Function):
         g = gH = None
         if idx.numel():
             # every rank holds every token: the batch-global entropy quantile is local
-            ti = with_entropy_mask(ti, ent, cfg, mask, idx, ct)
+            ti = with_entropy_mask(ti, ent, cfg, mask, idx, ct, threshold_fn)
             lt = loss_terms(st["logp"].to(ct), None if ent is None else ent.to(ct), ti, cfg,
                             phase)
             loss, g, gH = lt.loss_sum, lt.g, lt.gH
@@ -222,6 +222,8 @@ class _PolicyLoss(torch.autograd.Function):
                                                    1.0 / cfg.temperature),
                 mask.shape[0], ti.n_seq)
         else:
+            if threshold_fn is not None:        # a collective: take part without tokens
+                threshold_fn(st["logp"], cfg.top_entropy_quantile)
             holder["metrics"] = empty_metrics(cfg, hidden2d.device, mask.shape[0])
             g = torch.zeros(0, device=hidden2d.device, dtype=ct)
         gh_rows, gw, gb = grads(h, weight.detach(), None if bias is None else bias.detach(), yr,
@@ -239,11 +241,12 @@ class _PolicyLoss(torch.autograd.Function):
 
 
 def policy_loss(hidden, weight, bias, safe_targets, mask, adv, old, ref, tscale, klw, cfg,
-                phase, num_items, sl: _Slice, is_ratio=None, sampling_logp=None):
+                phase, num_items, sl: _Slice, is_ratio=None, sampling_logp=None,
+                threshold_fn=None):
     B, T, H = hidden.shape
     holder = {}
     args = (safe_targets.reshape(-1), mask, adv, old, ref, tscale, klw, is_ratio, sampling_logp,
-            cfg, phase, num_items, sl, holder)
+            cfg, phase, num_items, sl, threshold_fn, holder)
     loss = _PolicyLoss.apply(hidden.reshape(B * T, H), weight, bias, args)
     return loss, holder["metrics"]
 

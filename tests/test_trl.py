@@ -101,20 +101,106 @@ def assert_same_loss_and_grads(ours, ref, inputs, accumulation):
         assert err <= 1e-4, f"{name}: rel diff {err:.2e}"
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.04])
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-def test_same_loss_and_gradients_as_grpo_trainer(tiny, tmp_path, loss_type, beta):
-    opts = dict(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28,
-                steps_per_generation=2)
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+CLIP_METRICS = {"grpo": "clip_ratio/region_mean", "bnpo": "clip_ratio/region_mean",
+                "dr_grpo": "clip_ratio/region_mean", "dapo": "clip_ratio/region_mean",
+                "luspo": "clip_ratio/region_mean", "cispo": "cispo_clip_ratio",
+                "vespo": "vespo/phi_seq_mean"}
+
+
+def _parity(tiny, tmp_path, seed, accumulation=2, **opts):
     ref = build(trl.GRPOTrainer, tiny, tmp_path / "ref", **opts)
     ours = build(GBCGRPOTrainer, tiny, tmp_path / "ours", **opts)
-    inputs = make_inputs(ref, seed=hash((loss_type, beta)) % 1000)
-    assert_same_loss_and_grads(ours, ref, inputs, accumulation=2)
+    inputs = make_inputs(ref, seed=seed)
+    assert_same_loss_and_grads(ours, ref, inputs, accumulation)
+    return ours, ref
+
+
+def _same_metric(ours, ref, key, tol=1e-5):
+    a, b = ours._metrics["train"][key][-1], ref._metrics["train"][key][-1]
+    assert abs(a - b) <= tol * max(1.0, abs(b)), (key, a, b)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_same_loss_and_gradients_as_grpo_trainer(tiny, tmp_path, loss_type, level, beta):
+    # cispo's epsilon_high is the cap of the ratio (TRL recommends 5.0); 1.1 makes it bite
+    eps_high = 1.1 if loss_type == "cispo" else 0.28
+    ours, ref = _parity(tiny, tmp_path, seed=LOSS_TYPES.index(loss_type) * 7 + int(beta * 100),
+                        loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=eps_high,
+                        importance_sampling_level=level, steps_per_generation=2,
+                        use_bias_correction_kl=beta != 0.0 and level == "sequence")
     # the metrics TRL reports come from the fused loss too, with TRL's names
-    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
-        assert abs(ours._metrics["train"][key][-1] - ref._metrics["train"][key][-1]) < 1e-6
+    if loss_type in CLIP_METRICS:
+        _same_metric(ours, ref, CLIP_METRICS[loss_type])
+    if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        for key in ("clip_ratio/low_mean", "clip_ratio/high_mean"):
+            _same_metric(ours, ref, key)
+    _same_metric(ours, ref, "entropy")
     if beta:
-        assert abs(ours._metrics["train"]["kl"][-1] - ref._metrics["train"]["kl"][-1]) < 1e-5
+        _same_metric(ours, ref, "kl")
+
+
+@pytest.mark.parametrize("loss_type, opts", [
+    pytest.param("dapo", dict(delta=1.1), id="delta"),
+    pytest.param("grpo", dict(delta=1.1, importance_sampling_level="sequence"), id="delta-gspo"),
+    pytest.param("bnpo", dict(top_entropy_quantile=0.4), id="entropy-quantile"),
+    pytest.param("grpo", dict(top_entropy_quantile=0.3, entropy_coef=0.02),
+                 id="entropy-quantile-bonus"),
+    pytest.param("dapo", dict(off_policy_mask_threshold=0.0, beta=0.04), id="off-policy"),
+    pytest.param("grpo", dict(off_policy_mask_threshold=0.01,
+                              importance_sampling_level="sequence"), id="off-policy-gspo"),
+    pytest.param("sapo", dict(sapo_temperature_pos=0.6, sapo_temperature_neg=1.4),
+                 id="sapo-temperatures"),
+    pytest.param("vespo", dict(vespo_k_pos=1.5, vespo_lambda_pos=2.0, vespo_k_neg=2.5,
+                               vespo_lambda_neg=1.0, beta=0.04), id="vespo-parameters"),
+    pytest.param("luspo", dict(importance_sampling_level="sequence", beta=0.04,
+                               top_entropy_quantile=0.5), id="luspo-quantile-kl"),
+] + [pytest.param(lt, dict(entropy_coef=0.01, beta=0.04), id=f"entropy-{lt}")
+     for lt in LOSS_TYPES])
+def test_objective_options_match_grpo_trainer(tiny, tmp_path, loss_type, opts):
+    ours, ref = _parity(tiny, tmp_path, seed=len(str(opts)), loss_type=loss_type,
+                        epsilon_high=1.1 if loss_type == "cispo" else 0.28, **opts)
+    if opts.get("entropy_coef"):
+        _same_metric(ours, ref, "policy_loss")
+
+
+def test_adaptive_entropy_matches_grpo_trainer(tiny, tmp_path):
+    """TRL's controller: no bonus until a window's entropy is measured, then the coefficient
+    moves by entropy_coef_delta toward the target; the same losses and gradients each time."""
+    opts = dict(loss_type="grpo", use_adaptive_entropy=True, entropy_coef=0.05,
+                entropy_target=10.0, entropy_coef_delta=0.01)
+    ref = build(trl.GRPOTrainer, tiny, tmp_path / "ref", **opts)
+    ours = build(GBCGRPOTrainer, tiny, tmp_path / "ours", **opts)
+    for seed in (1, 2):       # first window: _last_world_entropy = inf, no bonus; then a bonus
+        inputs = make_inputs(ref, seed=seed)
+        assert_same_loss_and_grads(ours, ref, inputs, accumulation=1)
+        assert ours.entropy_coef == pytest.approx(ref.entropy_coef)
+        assert ours._last_world_entropy == pytest.approx(ref._last_world_entropy, rel=1e-5)
+    assert ours.entropy_coef > 0.05         # the entropy was below the target: it grew
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_train_with_gradient_accumulation(tiny, tmp_path, loss_type):
+    """Two optimizer steps with gradient accumulation 2 (four micro-batches): the same
+    parameters as GRPOTrainer's."""
+    final = {}
+    for cls in (trl.GRPOTrainer, GBCGRPOTrainer):
+        trainer = build(cls, tiny, tmp_path / cls.__name__, loss_type=loss_type, beta=0.04,
+                        per_device_train_batch_size=2, num_generations=4,
+                        gradient_accumulation_steps=2, max_steps=2, optim="sgd",
+                        learning_rate=0.5, epsilon_high=1.1 if loss_type == "cispo" else 0.28,
+                        importance_sampling_level="sequence" if loss_type == "luspo"
+                        else "token")
+        trainer.train()
+        final[cls] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    start = dict(AutoModelForCausalLM.from_pretrained(tiny).named_parameters())
+    moved = 0
+    for name, p in final[trl.GRPOTrainer].items():
+        assert torch.allclose(final[GBCGRPOTrainer][name], p, rtol=1e-4, atol=1e-6), name
+        moved += not torch.equal(p, start[name])
+    assert moved > 0
 
 
 @pytest.mark.parametrize("seq_level", [False, True])
@@ -176,18 +262,34 @@ def test_three_steps_with_every_method_on(tiny, tmp_path):
             assert row["loss"] == row["loss"]    # not NaN
 
 
-@pytest.mark.parametrize("option, value", [
-    ("loss_type", "cispo"), ("loss_type", "sapo"), ("importance_sampling_level", "sequence"),
-    ("delta", 2.0), ("top_entropy_quantile", 0.5), ("off_policy_mask_threshold", 0.5),
-("use_adaptive_entropy", True), ("entropy_coef", 0.01),
-])
-def test_unsupported_trl_option_raises(tiny, tmp_path, option, value):
-    with pytest.raises(ValueError, match=option):
-        build(GBCGRPOTrainer, tiny, tmp_path, **{option: value})
+def test_lopti_with_gradient_accumulation_equals_one_big_micro_batch(tiny, tmp_path):
+    """Lopti over an accumulation window of 2 micro-batches of 2 equals Lopti on one
+    micro-batch of 4 (dapo normalises by the window's token count): the low phase accumulates
+    over the window, one optimizer step, the high phase over the same window, one step."""
+    final, steps = {}, {}
+    for ga in (1, 2):
+        trainer = build(GBCGRPOTrainer, tiny, tmp_path / f"ga{ga}", loss_type="dapo", beta=0.04,
+                        per_device_train_batch_size=4 // ga, gradient_accumulation_steps=ga,
+                        steps_per_generation=ga, num_generations=4, max_steps=2, optim="sgd",
+                        learning_rate=0.5, gbc_lopti_eta=0.5, gbc_ar_alpha=0.3)
+        count = []
+        trainer.create_optimizer()
+        trainer.optimizer.register_step_post_hook(lambda *a: count.append(1))
+        trainer.train()
+        steps[ga] = len(count)
+        final[ga] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        logged = {k for row in trainer.state.log_history for k in row}
+        assert {"gbc/grad_share_low", "gbc/grad_share_low_low"} <= logged
+    assert steps == {1: 4, 2: 4}                  # two optimizer steps per training step
+    start = dict(AutoModelForCausalLM.from_pretrained(tiny).named_parameters())
+    moved = 0
+    for name, p in final[1].items():
+        assert torch.allclose(final[2][name], p, rtol=1e-4, atol=1e-6), name
+        moved += not torch.equal(p, start[name])
+    assert moved > 0
 
 
 @pytest.mark.parametrize("options, name", [
-    (dict(gbc_lopti_eta=0.5, gradient_accumulation_steps=2), "gradient_accumulation_steps"),
     (dict(gbc_critical_kl_exponent=150.0, beta=0.0), "gbc_critical_kl_exponent"),
     (dict(gbc_lopti_eta=0.5, gbc_lopti_order="sideways"), "gbc_lopti_order"),
     (dict(gbc_critical_kl_exponent=150.0, beta=0.04, gbc_critical_kl_certainty="vibes"),
@@ -228,15 +330,17 @@ def test_softcapped_model_raises(tiny, tmp_path):
                        processing_class=AutoTokenizer.from_pretrained(tiny))
 
 
-def _trl_ddp_worker(rank, world, tiny, out_dir, gbc_options):
+def _trl_ddp_worker(rank, world, tiny, out_dir, gbc_options, trl_options=None):
     """Both trainers, the same seed and data, under accelerate's multi-CPU (gloo) DDP."""
     final = {}
     for cls in (trl.GRPOTrainer, GBCGRPOTrainer):
         if gbc_options and cls is trl.GRPOTrainer:
             continue
+        options = dict(loss_type="dapo", beta=0.04)
+        options.update(trl_options or {})
         trainer = build(cls, tiny, f"{out_dir}/{cls.__name__}", per_device_train_batch_size=4,
-                        num_generations=4, max_steps=2, loss_type="dapo", beta=0.04,
-                        optim="sgd", learning_rate=0.5, **gbc_options)
+                        num_generations=4, max_steps=2, optim="sgd", learning_rate=0.5,
+                        **options, **gbc_options)
         assert trainer.accelerator.num_processes == world
         trainer.train()
         final[cls.__name__] = {n: p.detach().clone()
@@ -244,10 +348,16 @@ def _trl_ddp_worker(rank, world, tiny, out_dir, gbc_options):
     return final
 
 
-def test_under_accelerate_ddp_same_training_as_grpo_trainer(tiny, tmp_path):
+@pytest.mark.parametrize("trl_options", [
+    pytest.param({}, id="dapo"),
+    pytest.param(dict(loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.01,
+                      importance_sampling_level="sequence"), id="gspo-entropy-quantile"),
+])
+def test_under_accelerate_ddp_same_training_as_grpo_trainer(tiny, tmp_path, trl_options):
     """2 processes, 2 SGD steps, gbc options off: the same parameters as GRPOTrainer's (so the
-    hidden states went through DDP's forward and the gradients were synchronised)."""
-    ranks = spawn_gloo(2, _trl_ddp_worker, tiny, str(tmp_path), {})
+    hidden states went through DDP's forward, the gradients were synchronised and the entropy
+    quantile was taken over both processes' tokens, as TRL takes it)."""
+    ranks = spawn_gloo(2, _trl_ddp_worker, tiny, str(tmp_path), {}, trl_options)
     start = AutoModelForCausalLM.from_pretrained(tiny)
     for final in ranks:
         ours, theirs = final["GBCGRPOTrainer"], final["GRPOTrainer"]

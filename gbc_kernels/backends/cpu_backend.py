@@ -53,7 +53,7 @@ class CpuBackend(Backend):
             _PHASE_CODE[phase], 0.0 if cfg.lopti_eta is None else cfg.lopti_eta,
             bool(cfg.kl_ratio_correction), bool(need_grad))
         logp, entropy, sum_p2, g, wloss, ratio, adv_hat, ar, p_old, kl = out
-        want_entropy = cfg.entropy_coef != 0.0
+        want_entropy = cfg.wants_entropy
         # the loss is returned already weighted (wloss); the metrics need only the fields below
         terms = TokenTerms(ratio=ratio, adv=adv_hat, ar=ar, p_old=p_old,
                            kl=kl if cfg.kl_coef != 0.0 else None)

@@ -18,12 +18,19 @@ gradients are TRL's. The ``gbc_*`` options add the token-level methods:
 * ``gbc_critical_kl_exponent``: critical-token KL weights (SPEC §5) from the reference model's
   certainty, multiplied into TRL's k3 KL term (``beta`` must be > 0).
 
-Options whose objective the fused loss cannot reproduce raise a ``ValueError`` when the trainer
-is built; they are never silently changed.
+Every objective of TRL 1.16's ``GRPOTrainer`` goes through the fused loss (SPEC §10): each
+``loss_type``, ``importance_sampling_level``, ``delta``, the SAPO and VESPO parameters,
+``top_entropy_quantile`` (gathered over processes as TRL does), ``off_policy_mask_threshold``,
+``use_bias_correction_kl``, the entropy bonus with TRL's own normaliser and
+``use_adaptive_entropy``, and vLLM's importance-sampling correction. Lopti works with gradient
+accumulation: the low phase accumulates over the window's micro-batches, the optimizer steps, then
+the high phase runs over the same micro-batches. What is still refused raises a ``ValueError``
+when the trainer is built (never a silent change).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -33,7 +40,9 @@ from trl import GRPOConfig, GRPOTrainer
 import gbc_kernels as gbc
 from . import hf
 
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SUPPORTED_LOSS_TYPES = tuple(gbc.config.TRL_LOSS_TYPES)
+PPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")     # TRL applies delta to these
+NUM_ITEMS_LOSS_TYPES = ("cispo", "dapo", "vespo")     # normalised by num_items_in_batch
 _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes",
                     "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
@@ -85,26 +94,9 @@ def _unsupported(args) -> list[str]:
     bad = []
     if args.loss_type not in SUPPORTED_LOSS_TYPES:
         bad.append(f"loss_type={args.loss_type!r}: expected one of {SUPPORTED_LOSS_TYPES}")
-    if args.importance_sampling_level != "token":
-        bad.append(f"importance_sampling_level={args.importance_sampling_level!r}: "
-                   "expected 'token' (sequence-level ratios are not fused)")
-    if args.delta is not None:
-        bad.append(f"delta={args.delta!r}: expected None (two-sided clipping is not fused; "
-                   "gbc's dual clip is verl's clip_ratio_c)")
-    if args.top_entropy_quantile < 1.0:
-        bad.append(f"top_entropy_quantile={args.top_entropy_quantile!r}: expected 1.0")
-    if args.off_policy_mask_threshold is not None:
-        bad.append(f"off_policy_mask_threshold={args.off_policy_mask_threshold!r}: expected None")
-    if args.use_adaptive_entropy:
-        bad.append("use_adaptive_entropy=True: expected False")
-    if args.entropy_coef != 0.0 and args.loss_type != "bnpo":
-        bad.append(f"entropy_coef={args.entropy_coef!r} with loss_type={args.loss_type!r}: TRL "
-                   "averages the entropy bonus over tokens whatever the loss type, the fused "
-                   "loss aggregates it like the policy term; they agree only for 'bnpo'")
-    if args.gbc_lopti_eta is not None and args.gradient_accumulation_steps != 1:
-        bad.append(f"gbc_lopti_eta with gradient_accumulation_steps="
-                   f"{args.gradient_accumulation_steps}: Lopti steps the optimizer between its "
-                   "two phases, so expected gradient_accumulation_steps=1")
+    if args.importance_sampling_level not in ("token", "sequence"):
+        bad.append(f"importance_sampling_level={args.importance_sampling_level!r}: expected "
+                   "'token' or 'sequence'")
     if args.gbc_lopti_order not in ("low-first", "high-first"):
         bad.append(f"gbc_lopti_order={args.gbc_lopti_order!r}: expected 'low-first' or "
                    "'high-first'")
@@ -175,6 +167,8 @@ class GBCGRPOTrainer(GRPOTrainer):
         self._gbc_check_model()
         self._gbc_phase = None
         self._gbc_reuse_inputs = None
+        self._gbc_last_inputs = None
+        self._gbc_window = []
         self._gbc_norms = {}
 
     # ---------------------------------------------------------------- construction checks
@@ -205,16 +199,25 @@ class GBCGRPOTrainer(GRPOTrainer):
                 raise ValueError("gbc_lopti_eta: not supported under DeepSpeed (its engine steps "
                                  "the optimizer inside backward)")
 
-    def _gbc_config(self) -> gbc.PolicyLossConfig:
+    def _gbc_config(self, entropy_coef: float) -> gbc.PolicyLossConfig:
+        """TRL's loss_type as gbc's preset, with TRL's options on the other axes."""
         args = self.gbc_args
-        return gbc.PolicyLossConfig(
-            epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
-            loss_agg=args.loss_type,
-            max_len=args.max_completion_length if args.loss_type == "dr_grpo" else None,
+        lt = args.loss_type
+        return gbc.PolicyLossConfig.preset(
+            lt, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+            max_len=args.max_completion_length if lt == "dr_grpo" else None,
             temperature=self._gbc_temperature, kl_coef=self.beta, kl_estimator="k3",
-            kl_ratio_correction=bool(args.use_bias_correction_kl),
-            entropy_coef=self.entropy_coef if self._entropy_bonus_enabled else 0.0,
-            ar_alpha=args.gbc_ar_alpha, lopti_eta=args.gbc_lopti_eta)
+            kl_ratio_correction=bool(args.use_bias_correction_kl), entropy_coef=entropy_coef,
+            ar_alpha=args.gbc_ar_alpha, lopti_eta=args.gbc_lopti_eta,
+            importance_sampling_level=args.importance_sampling_level,
+            delta=args.delta if lt in PPO_LOSS_TYPES else None,      # TRL ignores it elsewhere
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos,
+            vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg,
+            top_entropy_quantile=self.top_entropy_quantile,
+            off_policy_mask_threshold=self.off_policy_mask_threshold,
+            return_entropy=True)                     # TRL logs the entropy whatever the loss
 
     # ---------------------------------------------------------------- rollout: NTHR, critical KL
     def _generate_and_score_completions(self, inputs):
@@ -269,37 +272,53 @@ class GBCGRPOTrainer(GRPOTrainer):
 
     # ---------------------------------------------------------------- Lopti: two updates per step
     def _prepare_inputs(self, generation_batch):
-        if self._gbc_reuse_inputs is not None:      # Lopti's second phase: the same micro-batch
+        if self._gbc_reuse_inputs is not None:      # Lopti's second phase: a kept micro-batch
             return self._gbc_reuse_inputs
         inputs = super()._prepare_inputs(generation_batch)
-        if self._gbc_phase is not None:
-            self._gbc_reuse_inputs = inputs
+        self._gbc_last_inputs = inputs
         return inputs
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        """Lopti: the first phase on every micro-batch of the accumulation window (gradients
+        accumulate), an optimizer step at the window's end, then the second phase over the same
+        micro-batches; the Trainer's own optimizer step follows. Without gradient accumulation
+        this is phase, step, phase, step on one micro-batch."""
         if self.gbc_args.gbc_lopti_eta is None:
             return super().training_step(model, inputs, num_items_in_batch)
         first, second = (("low", "high") if self.gbc_args.gbc_lopti_order == "low-first"
                          else ("high", "low"))
         try:
             self._gbc_phase = first
-            loss_first = super().training_step(model, inputs, num_items_in_batch)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self._gbc_window.append((self._gbc_last_inputs, num_items_in_batch))
+            if not self.accelerator.sync_gradients:
+                return loss                          # more micro-batches in this window
             if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
                 self._clip_grad_norm(model)
             self.optimizer.step()
             model.zero_grad()
-            self._step -= 1        # GRPOTrainer counts micro-batches; this one is not done yet
             self._gbc_phase = second
-            loss_second = super().training_step(model, inputs, num_items_in_batch)
+            window, self._gbc_window = self._gbc_window, []
+            for k, (prepared, n_items) in enumerate(window):
+                self._gbc_reuse_inputs = prepared
+                self._step -= 1        # GRPOTrainer counts micro-batches; these are re-runs
+                # under DDP, synchronise the gradients once, on the window's last backward
+                sync = k == len(window) - 1
+                ctx = contextlib.nullcontext() if sync else self.accelerator.no_sync(model)
+                with ctx:
+                    loss = loss + super().training_step(model, None, n_items)
             low, high = self._gbc_norms.get("low"), self._gbc_norms.get("high")
             if low is not None and high is not None:    # the step's share over both updates
                 self._metrics["train"]["gbc/grad_share_low"].append(
                     low / (low + high) if low + high > 0 else 0.0)
-        finally:
             self._gbc_norms = {}
+        except BaseException:
+            self._gbc_window = []
+            raise
+        finally:
             self._gbc_phase = None
             self._gbc_reuse_inputs = None
-        return loss_first + loss_second
+        return loss
 
     # ---------------------------------------------------------------- the loss
     def _compute_loss(self, model, inputs):
@@ -323,40 +342,98 @@ class GBCGRPOTrainer(GRPOTrainer):
             hidden = hidden.to(head.weight.dtype)
 
         token_scale = inputs.get("gbc_token_scale")
+        is_ratio = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
-            # TRL multiplies the clipped policy term by the (non-negative) IS ratio; the clipped
-            # term is positively homogeneous in the advantage, so the ratio is a token scale.
-            ratio = inputs["importance_sampling_ratio"].expand_as(mask).float()
-            token_scale = ratio if token_scale is None else token_scale * ratio
+            is_ratio = inputs["importance_sampling_ratio"].expand_as(mask).float()
+        lt = args.loss_type
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         num_items = None
-        if args.loss_type == "dapo":
+        if lt in NUM_ITEMS_LOSS_TYPES:
+            # TRL: num_items_in_batch spans the generation batch; rescale it to one window
             num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
-                num_items = (num_items * self.current_gradient_accumulation_steps
-                             / args.steps_per_generation)
+                num_items = num_items * accumulation / args.steps_per_generation
+
+        # the entropy bonus: TRL's coefficient (adaptive: applied only while the entropy of the
+        # last window is at or below the target), a mean over the tokens it acts on, scaled for
+        # accumulation only (the other loss types divide the whole loss below)
+        coef = 0.0
+        if self._entropy_bonus_enabled:
+            coef = self.entropy_coef
+            if self.use_adaptive_entropy and self._last_world_entropy > args.entropy_target:
+                coef = 0.0
+        coef_in_loss = coef / accumulation if lt in NUM_ITEMS_LOSS_TYPES else coef
+        sampling = None
+        if self.off_policy_mask_threshold is not None:
+            sampling = inputs.get("sampling_per_token_logps")
         loss, metrics = gbc.fused_linear_policy_loss(
             hidden, head.weight, completion_ids, mask, inputs["advantages"],
             old_logp=inputs.get("old_per_token_logps"),
             ref_logp=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
             bias=head.bias, token_scale=token_scale, kl_weight=inputs.get("gbc_kl_weight"),
-            config=self._gbc_config(), phase=self._gbc_phase,
-            num_items_in_batch=num_items, backend=args.gbc_backend)
-        if args.loss_type != "dapo" and mode == "train":
-            loss = loss / self.current_gradient_accumulation_steps
+            config=self._gbc_config(coef_in_loss), phase=self._gbc_phase,
+            num_items_in_batch=num_items, backend=args.gbc_backend, is_ratio=is_ratio,
+            sampling_logp=sampling,
+            data_parallel_group="world" if self.accelerator.num_processes > 1 else None)
+        if lt not in NUM_ITEMS_LOSS_TYPES:
+            loss = loss / accumulation
+        if self._entropy_bonus_enabled:
+            self._gbc_entropy_bonus(mode, loss, metrics, coef_in_loss, accumulation, mask)
         self._gbc_log(mode, metrics)
         return loss
+
+    def _gbc_entropy_bonus(self, mode, loss, metrics, coef_in_loss, accumulation, mask):
+        """TRL's bookkeeping of the entropy bonus: the policy-loss metric, the adaptive
+        coefficient's window statistics and update, the coefficient's log."""
+        args = self.gbc_args
+        quantile = self.top_entropy_quantile < 1.0
+        h_mean = metrics["entropy_top_mean"] if quantile else metrics["entropy"]
+        total = loss.detach() * (1 if args.loss_type in NUM_ITEMS_LOSS_TYPES else accumulation)
+        policy_loss = total + coef_in_loss * h_mean
+        self._metrics[mode]["policy_loss"].append(
+            self.accelerator.gather(policy_loss).nanmean().item())
+        if self.use_adaptive_entropy and mode == "train":
+            n = mask.sum().float()
+            if quantile:
+                n = n * metrics["entropy_mask_frac"]
+            stats = torch.stack([h_mean * n, n]).detach()
+            self._entropy_window_stats = (stats if self._entropy_window_stats is None
+                                          else self._entropy_window_stats + stats)
+            if self.accelerator.sync_gradients:
+                window = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world_entropy = (window[0] / window[1].clamp(min=1.0)).item()
+                if world_entropy <= args.entropy_target:
+                    self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta,
+                                            args.entropy_coef_max)
+                else:
+                    self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta,
+                                            args.entropy_coef_min)
+                self._last_world_entropy = world_entropy
+                self._entropy_window_stats = None
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
 
     def _gbc_log(self, mode, metrics):
         """The loss's metrics under TRL's names (and ``gbc/...``), averaged over processes with
         one gather and one host sync per micro-batch."""
         suffix = "" if self._gbc_phase is None else f"_{self._gbc_phase}"
-        named = {"clip_ratio/low_mean": metrics["clip_frac_low"],
-                 "clip_ratio/high_mean": metrics["clip_frac_high"],
-                 "clip_ratio/region_mean": metrics["clip_frac_low"] + metrics["clip_frac_high"]}
+        lt = self.gbc_args.loss_type
+        named = {}
+        # TRL counts clipped tokens at token level, clipped sequences at sequence level
+        seq = "_seq" if self.gbc_args.importance_sampling_level == "sequence" else ""
+        low, high = metrics["clip_frac_low" + seq], metrics["clip_frac_high" + seq]
+        if lt in PPO_LOSS_TYPES:
+            named.update({"clip_ratio/low_mean": low, "clip_ratio/high_mean": high,
+                          "clip_ratio/region_mean": low + high})
+        elif lt == "cispo":
+            named["cispo_clip_ratio"] = high
+        elif lt == "vespo":
+            named["vespo/phi_seq_mean"] = metrics["phi_mean"]
         for name in ("kl", "entropy"):
             if name in metrics:
                 named[name] = metrics[name]
-        for name in ("grad_share_low", "low_frac", "ar_weight_mean"):
+        for name in ("grad_share_low", "low_frac", "ar_weight_mean", "entropy_mask_frac",
+                     "off_policy_frac"):
             if name in metrics:
                 named[f"gbc/{name}{suffix}"] = metrics[name]
         if self._gbc_phase is not None and "grad_norm_sum" in metrics:
@@ -364,7 +441,8 @@ class GBCGRPOTrainer(GRPOTrainer):
         local = torch.stack([v.detach().float().reshape(()) for v in named.values()])
         values = self.accelerator.gather(local).view(-1, len(named)).mean(0).tolist()
         for key, value in zip(named, values):
-            if key == "grad_norm_sum":
-                self._gbc_norms[self._gbc_phase] = value
+            if key == "grad_norm_sum":     # summed over the window's micro-batches
+                phase = self._gbc_phase
+                self._gbc_norms[phase] = self._gbc_norms.get(phase, 0.0) + value
             else:
                 self._metrics[mode][key].append(value)

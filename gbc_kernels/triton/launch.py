@@ -126,12 +126,11 @@ class TritonBackend(Backend):
             return super().policy_rows_(logits, targets, inv_temp, ti, cfg, phase, need_grad, ws)
         w, adv, old, ref, tscale = ti.w_pg, ti.adv, ti.old, ti.ref, ti.tscale
         klw = ti.klw if cfg.kl_coef != 0.0 else None
-        want_entropy = cfg.entropy_coef != 0.0
-        st = launch_row_stats(logits, targets, inv_temp, want_entropy, True)
+        st = launch_row_stats(logits, targets, inv_temp, cfg.wants_entropy, True)
         o = launch_policy_tokens(st, w, adv, old, ref, tscale, klw, cfg, phase)
         if need_grad:
             launch_logit_grad_(logits, targets, inv_temp, st.lse, st.entropy, o["g"],
-                               o["gh"] if want_entropy else None)
+                               o["gh"] if cfg.entropy_coef != 0.0 else None)
         terms = TokenTerms(ratio=o["ratio"], adv=o["adv"], ar=o["ar"], p_old=o["p_old"],
                            kl=o["kl"] if cfg.kl_coef != 0.0 else None)
         return ChunkResult(o["logp"], st.entropy, st.sum_p2, o["g"], terms, o["wloss"].sum())

@@ -47,6 +47,7 @@ class PolicyLossConfig:
     off_policy_mask_threshold: Optional[float] = None
     kl_agg: Optional[str] = None               # None: aggregated with the policy term
     entropy_agg: Optional[str] = None
+    return_entropy: bool = False               # the entropy metric without an entropy term
 
     @classmethod
     def preset(cls, loss_type, **options):
@@ -394,6 +395,10 @@ def _metrics(parts, logp, entropy, mask, cfg, grad_share_low, grad_norm_sum=None
         out["kl"] = masked_mean(parts["kl"])
     if entropy is not None:
         out["entropy"] = masked_mean(entropy)
+    if cfg.importance_sampling_level == "sequence":
+        # TRL counts sequences at this level: the share of the B sequences with a clipped token
+        out["clip_frac_low_seq"] = (low & m).any(-1).float().mean().detach()
+        out["clip_frac_high_seq"] = (high & m).any(-1).float().mean().detach()
     if parts["phi"] is not None:
         # per sequence: the masked mean of phi (1 for a sequence without tokens), then the mean
         phi = torch.where(m, parts["phi"], torch.zeros_like(parts["phi"]))
@@ -402,6 +407,9 @@ def _metrics(parts, logp, entropy, mask, cfg, grad_share_low, grad_norm_sum=None
         out["phi_mean"] = seq.mean().float().detach()
     if parts["emask"] is not None:
         out["entropy_mask_frac"] = masked_mean(parts["emask"].float())
+        kept = parts["emask"].sum().clamp(min=1)
+        out["entropy_top_mean"] = (torch.where(parts["emask"], entropy, torch.zeros_like(entropy))
+                                   .sum() / kept).float().detach()
     if parts["dropped"] is not None:
         out["off_policy_frac"] = masked_mean(parts["dropped"].float())
     if grad_share_low is not None:
@@ -431,7 +439,8 @@ def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=No
     cfg = config or PolicyLossConfig()
     loss, parts = _loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_scale,
                         kl_weight, cfg, phase, num_items_in_batch, is_ratio, sampling_logp)
-    wants_entropy = cfg.entropy_coef != 0 or cfg.top_entropy_quantile < 1.0
+    wants_entropy = (cfg.entropy_coef != 0 or cfg.top_entropy_quantile < 1.0
+                     or cfg.return_entropy)
     return loss, _metrics(parts, logp, entropy if wants_entropy else None, mask, cfg, None)
 
 
@@ -450,7 +459,8 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     safe_targets = torch.where(m, targets, torch.zeros_like(targets))
     logprobs_all = torch.log_softmax(_logits(hidden, weight, bias, cfg.temperature), dim=-1)
     logp = _gather(logprobs_all, safe_targets)
-    wants_entropy = cfg.entropy_coef != 0.0 or cfg.top_entropy_quantile < 1.0
+    wants_entropy = (cfg.entropy_coef != 0.0 or cfg.top_entropy_quantile < 1.0
+                     or cfg.return_entropy)
     entropy = _entropy(logprobs_all) if wants_entropy else None
     args = (mask, advantages, old_logp, ref_logp, token_scale, kl_weight, cfg, phase,
             num_items_in_batch, is_ratio, sampling_logp)
