@@ -60,10 +60,37 @@ def loss_from_logp(c, logp):
     return (per_tok * m).sum() / m.sum().clamp(min=1)
 
 
+# The objectives of SPEC §10 as bench_cpu.py --objectives runs them ("gbc_cpu@NAME"); every
+# one with the k3 KL of the base case. "ppo" is the token-level PPO loss they are compared to.
+OBJECTIVES = {
+    "ppo": dict(),
+    "gspo": dict(loss_type="grpo", importance_sampling_level="sequence"),
+    "cispo": dict(loss_type="cispo", epsilon_high=5.0),
+    "sapo": dict(loss_type="sapo"),
+    "luspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
+    "vespo": dict(loss_type="vespo"),
+    "delta": dict(loss_type="dapo", delta=1.5),
+    "off_policy_mask": dict(loss_type="dapo", off_policy_mask_threshold=0.5),
+    "entropy_bonus_trl": dict(loss_type="grpo", entropy_coef=0.01),
+    "entropy_quantile": dict(loss_type="dapo", top_entropy_quantile=0.2),
+}
+
+
+def objective_config(name):
+    o = dict(OBJECTIVES[name])
+    lt = o.pop("loss_type", "bnpo")
+    kw = dict(epsilon_low=EPS, epsilon_high=EPS, kl_coef=BETA, kl_estimator="k3")
+    kw.update(o)
+    return gbc.PolicyLossConfig.preset(lt, **kw)
+
+
 def make_provider(name, c):
     """A closure running forward+backward of one provider on case ``c``."""
     cfg = gbc.PolicyLossConfig(epsilon_low=EPS, epsilon_high=EPS, kl_coef=BETA,
                                kl_estimator="k3", loss_agg="token-mean")
+    if "@" in name:                       # gbc_cpu@gspo: an objective of SPEC §10
+        name, objective = name.split("@")
+        cfg = objective_config(objective)
     if name == "floor":
         x = c["hidden"].detach().reshape(-1, c["hidden"].shape[-1])
         w = c["weight"].detach()

@@ -11,6 +11,11 @@ memory: each provider in a fresh process (peak RSS beyond inputs and gradients).
 
     python benchmarks/bench_cpu.py --quick            # N=2048, H=1024, V=32768 (the README table)
     python benchmarks/bench_cpu.py                    # N in 1k..8k, V in 32768/128256/151936, H in 1024/2048
+    python benchmarks/bench_cpu.py --objectives       # SPEC §10's objectives vs token-level PPO
+
+--objectives times gbc_cpu with each objective of _common.OBJECTIVES against the token-level
+PPO loss in one process (round-robin), writes benchmarks/results/objectives.csv and prints the
+markdown table of the README.
 
 Writes benchmarks/results/cpu.csv (appends) and cpu.png.
 """
@@ -157,6 +162,39 @@ def plot(csv_path, png_path):
     fig.savefig(png_path, dpi=110)
 
 
+def objectives(args):
+    """gbc_cpu per objective, side by side with token-level PPO, one process."""
+    from _common import OBJECTIVES, append_rows, now
+
+    provs = ["floor"] + [f"gbc_cpu@{k}" for k in OBJECTIVES]
+    args.reps = max(args.reps, 5)
+    timing, err = _child("time", args, ["--providers", ",".join(provs)])
+    if timing is None:
+        raise SystemExit(f"benchmark child failed: {err}")
+    base = timing["gbc_cpu@ppo"]["median_s"]
+    floor_t = timing["floor"]["median_s"]
+    stamp, rows = now(), []
+    print(f"N={args.N}, H={args.H}, V={args.V}, {args.dtype}, {args.threads} threads")
+    print("| objective | median s | x token-level PPO | x matmul floor |")
+    print("|---|---|---|---|")
+    for p in provs[1:]:
+        t = timing[p]
+        name = p.split("@")[1]
+        row = dict(objective=name, shape=f"N={args.N},H={args.H},V={args.V}",
+                   dtype=args.dtype, threads=args.threads, median_s="", p20_s="", p80_s="",
+                   ratio_to_ppo="", ratio_to_floor="", status="ok" if "error" not in t
+                   else f"error: {t['error']}", version=timing.get("version", ""),
+                   timestamp=stamp)
+        if "error" not in t:
+            row.update(median_s=f"{t['median_s']:.4f}", p20_s=f"{t['p20_s']:.4f}",
+                       p80_s=f"{t['p80_s']:.4f}", ratio_to_ppo=f"{t['median_s'] / base:.3f}",
+                       ratio_to_floor=f"{t['median_s'] / floor_t:.3f}")
+        rows.append(row)
+        print(f"| {name} | {row['median_s']} | {row['ratio_to_ppo']} | {row['ratio_to_floor']} |",
+              flush=True)
+    append_rows(os.path.join(os.path.dirname(args.out), "objectives.csv"), rows)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,6 +209,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--objectives", action="store_true",
+                    help="time every objective of SPEC §10 against token-level PPO (gbc_cpu)")
     ap.add_argument("--Ns", default=None, help="comma list, overrides the grid's N")
     ap.add_argument("--Hs", default=None)
     ap.add_argument("--Vs", default=None)
@@ -183,6 +223,8 @@ def main():
 
     from _common import append_rows, now
 
+    if args.objectives:
+        return objectives(args)
     if args.quick:
         grid = [(2048, 1024, 32768)]
     else:

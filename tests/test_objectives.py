@@ -211,6 +211,7 @@ GBC_CASES = [
     pytest.param(dict(off_policy_mask_threshold=0.02), None, id="off-policy"),
     pytest.param(dict(off_policy_mask_threshold=0.02, importance_sampling_level="sequence",
                       objective="sapo"), None, id="off-policy-sapo-seq"),
+    pytest.param(dict(return_entropy=True, loss_agg="grpo"), None, id="return-entropy"),
     pytest.param(dict(kl_coef=0.1, kl_agg="seq-mean-token-mean", entropy_coef=0.05,
                       entropy_agg="token-mean", loss_agg="seq-mean-token-sum-norm", max_len=12),
                  None, id="own-aggregations"),
@@ -313,6 +314,37 @@ def test_chunk_plan_keeps_sequences_whole():
     tok = gbc.PolicyLossConfig()
     assert chunk_plan(20, 6, tok, None) == [(0, 6, 0, False), (6, 12, 0, False),
                                             (12, 18, 0, False), (18, 20, 0, False)]
+
+
+@pytest.mark.parametrize("cfg, sweeps", [
+    pytest.param(dict(), 1, id="ppo"),
+    pytest.param(dict(importance_sampling_level="sequence"), 1, id="gspo"),
+    pytest.param(dict(objective="vespo", off_policy_mask_threshold=0.1), 1, id="vespo-off-policy"),
+    pytest.param(dict(top_entropy_quantile=0.5), 2, id="entropy-quantile"),
+])
+def test_logits_matmuls_per_chunk(monkeypatch, cfg, sweeps):
+    """A sequence-dependent loss keeps one sweep (three matmuls) per chunk when its chunks hold
+    whole sequences; only the batch-global quantile sweeps twice. Counted at the projection."""
+    from gbc_kernels import _chunking
+    from gbc_kernels._fused import chunk_plan
+
+    calls = []
+    real = _chunking.project
+    monkeypatch.setattr(_chunking, "project", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("GBC_CHUNK_MB", "0.002")       # 14 rows of V = 37: whole sequences fit
+    batch = make_batch(B=6, T=9, V=37, seed=4, empty_row=False)
+    c = gbc.PolicyLossConfig(**cfg)
+    run(gbc, batch, cfg, None, 1.0, "cpu" if gbc.backends.cpu_available() else "torch")
+    m = batch["mask"].reshape(-1)
+    idx = m.nonzero().squeeze(1)
+    from gbc_kernels._loss_math import local_ids
+    seq = local_ids(idx // 9)[0] if c.needs_sequence else None
+    be = gbc.backends.get_backend("cpu" if gbc.backends.cpu_available() else "torch",
+                                  torch.device("cpu"))
+    rows = gbc._chunking.rows_per_chunk(idx.numel(), 37, be.buffers_per_chunk)
+    plan = chunk_plan(idx.numel(), rows, c, seq)
+    assert len(plan) > 1 and not any(two for *_, two in plan if sweeps == 1)
+    assert len(calls) == sweeps * len(plan)
 
 
 def test_bad_combinations_name_both_options():
