@@ -62,7 +62,7 @@ def child_memory(args):
     torch.set_num_threads(args.threads)
     from _common import make_provider, setup_case
 
-    c = setup_case(args.N, args.H, args.V, getattr(torch, args.dtype))
+    c = setup_case(args.N, args.H, args.V, getattr(torch, args.dtype), T=args.T)
     fn = make_provider(args.provider, c)
     base = _reset_peak_kb()
     for _ in range(2):          # a training loop: zero_grad(set_to_none=True) between steps
@@ -85,7 +85,7 @@ def child_time(args):
     from _common import make_provider, setup_case
     import statistics, time
 
-    c = setup_case(args.N, args.H, args.V, getattr(torch, args.dtype))
+    c = setup_case(args.N, args.H, args.V, getattr(torch, args.dtype), T=args.T)
     provs = args.providers.split(",")
     fns, times, errors = {}, {p: [] for p in provs}, {}
     for p in provs:
@@ -117,7 +117,7 @@ def child_time(args):
 def _child(kind, args, extra):
     cmd = [sys.executable, __file__, f"--child-{kind}", "--N", str(args.N), "--H", str(args.H),
            "--V", str(args.V), "--dtype", args.dtype, "--threads", str(args.threads), "--reps",
-           str(args.reps)] + extra
+           str(args.reps), "--T", str(args.T)] + extra
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=7200)
     if r.returncode != 0:
@@ -174,13 +174,13 @@ def objectives(args):
     base = timing["gbc_cpu@ppo"]["median_s"]
     floor_t = timing["floor"]["median_s"]
     stamp, rows = now(), []
-    print(f"N={args.N}, H={args.H}, V={args.V}, {args.dtype}, {args.threads} threads")
+    print(f"N={args.N}, H={args.H}, V={args.V}, T={args.T}, {args.dtype}, {args.threads} threads")
     print("| objective | median s | x token-level PPO | x matmul floor |")
     print("|---|---|---|---|")
     for p in provs[1:]:
         t = timing[p]
         name = p.split("@")[1]
-        row = dict(objective=name, shape=f"N={args.N},H={args.H},V={args.V}",
+        row = dict(objective=name, shape=f"N={args.N},H={args.H},V={args.V},T={args.T}",
                    dtype=args.dtype, threads=args.threads, median_s="", p20_s="", p80_s="",
                    ratio_to_ppo="", ratio_to_floor="", status="ok" if "error" not in t
                    else f"error: {t['error']}", version=timing.get("version", ""),
@@ -206,6 +206,7 @@ def main():
     ap.add_argument("--H", type=int, default=1024)
     ap.add_argument("--V", type=int, default=32768)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--T", type=int, default=512, help="tokens per sequence (B = N / T)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--quick", action="store_true")
