@@ -66,6 +66,40 @@ def test_ddp_token_mean_equals_single_process(world):
         assert torch.allclose(gh, h.grad, rtol=1e-5, atol=1e-7), phase
 
 
+def _dp_quantile_worker(rank, world, batch, cfg):
+    """The entropy quantile over every rank's tokens (data_parallel_group), a rank's share of
+    the sequences each, the global token count: summed over ranks, one process's loss."""
+    rows = torch.arange(batch["mask"].shape[0]).chunk(world)[rank]
+    h = batch["hidden"][rows].clone().requires_grad_(True)
+    w = batch["weight"].clone().requires_grad_(True)
+    loss, metrics = gbc.fused_linear_policy_loss(
+        h, w, batch["targets"][rows], batch["mask"][rows], batch["advantages"][rows],
+        batch["old_logp"][rows], config=cfg, num_items_in_batch=batch["mask"].sum(),
+        data_parallel_group="world")
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    gw = w.grad.clone()
+    dist.all_reduce(gw)
+    return total.item(), gw
+
+
+def test_entropy_quantile_over_data_parallel_ranks():
+    """One rank holds no token at all (it must still join the collective)."""
+    batch = make_batch(B=6, T=7, H=8, V=23, seed=2, bias=False)
+    batch["mask"][4:] = False                           # rank 2 of 3: rows 4, 5, all masked
+    cfg = gbc.PolicyLossConfig(loss_agg="dapo", top_entropy_quantile=0.3, entropy_coef=0.05,
+                               importance_sampling_level="sequence")
+    got = _spawn(3, _dp_quantile_worker, batch, cfg)
+    w = batch["weight"].clone().requires_grad_(True)
+    loss, _ = gbc.fused_linear_policy_loss(batch["hidden"], w, batch["targets"], batch["mask"],
+                                           batch["advantages"], batch["old_logp"], config=cfg)
+    loss.backward()
+    for total, gw in got:
+        assert abs(total - loss.item()) < 1e-6
+        assert torch.allclose(gw, w.grad, rtol=1e-5, atol=1e-7)
+
+
 def _nthr_dp_worker(rank, world, batch, group_ids, correct, rows_of):
     rows = rows_of[rank]
     args = (batch["hidden"][rows], batch["weight"], batch["targets"][rows], batch["mask"][rows],
@@ -109,6 +143,11 @@ VP_CASES = [
                           clip_ratio_c=2.0), None),
     ("lopti-low", dict(loss_agg="dr_grpo", max_len=11, kl_coef=0.05, kl_estimator="k2",
                        lopti_eta=0.4), "low"),
+    ("gspo-quantile", dict(loss_agg="grpo", importance_sampling_level="sequence",
+                           top_entropy_quantile=0.5, entropy_coef=0.02,
+                           entropy_agg="token-mean"), None),
+    ("vespo-off-policy", dict(objective="vespo", off_policy_mask_threshold=0.05, kl_coef=0.05),
+     None),
 ]
 
 
