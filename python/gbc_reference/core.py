@@ -1,6 +1,6 @@
 """The math of SPEC.md, written plainly: full logits, log_softmax, autograd.
 
-Section numbers (§) refer to ``shared/SPEC.md`` / ``docs/math.md``. Float64 inputs are computed
+Section numbers (§) are those of ``docs/math.md``. Float64 inputs are computed
 in float64 (so ``torch.autograd.gradcheck`` works); everything else in float32.
 """
 
