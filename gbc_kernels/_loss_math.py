@@ -126,6 +126,11 @@ def _seg_sum(x, seq, n):
     return torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, seq, x)
 
 
+def _choose(cond, a: float, b: float, like: torch.Tensor) -> torch.Tensor:
+    """``where(cond, a, b)`` in ``like``'s dtype (two Python floats would give float32)."""
+    return torch.where(cond, like.new_tensor(a), like.new_tensor(b))
+
+
 def _pick(pg1, pg2, d1, d2):
     """-min(x1, x2) = max(pg1, pg2) and its derivative, ties split in half (autograd's rule
     for torch.minimum)."""
@@ -202,15 +207,15 @@ def loss_terms(logp, entropy, ti: TokenInputs, cfg: PolicyLossConfig,
         c = ratio.clamp(max=cfg.epsilon_high)          # detached weight
         pg, d_lw, d_direct = -c * a * logp, zeros, -c * a
     elif obj == "sapo":
-        kappa = torch.where(adv_raw > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+        kappa = _choose(adv_raw > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg, logp)
         sg = torch.sigmoid(kappa * (ratio - 1.0))
         pg = -sg * (4.0 / kappa) * a
         d_lw = -4.0 * a * sg * (1.0 - sg) * ratio      # d/dlw of -4/k sigma(k (e^lw - 1)) a
     else:   # vespo
         log_w = gamma_log_weight(log_ratio, ti.is_ratio, seq, n_seq)[seq]
         pos = adv_raw >= 0
-        k = torch.where(pos, cfg.vespo_k_pos, cfg.vespo_k_neg)
-        lam = torch.where(pos, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg).clamp(min=1e-4)
+        k = _choose(pos, cfg.vespo_k_pos, cfg.vespo_k_neg, logp)
+        lam = _choose(pos, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg, logp).clamp(min=1e-4)
         phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
         phi = phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
         pg, d_lw, d_direct = -phi * a * logp, zeros, -phi * a

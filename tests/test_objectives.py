@@ -56,7 +56,7 @@ def trl_formula(logp, entropy, mask, adv, old, refl, loss_type, level="token", e
             c1 = torch.clamp(c1, max=delta)
         ptl = -torch.min(c1 * A, c2 * A)
     elif loss_type == "sapo":
-        temps = torch.where(A > 0, sapo[0], sapo[1])
+        temps = torch.where(A > 0, A.new_tensor(sapo[0]), A.new_tensor(sapo[1]))
         ptl = -torch.sigmoid(temps * (c1 - 1)) * 4 / temps * A
     else:  # vespo
         with torch.no_grad():
@@ -66,8 +66,8 @@ def trl_formula(logp, entropy, mask, adv, old, refl, loss_type, level="token", e
                 slr = slr + (torch.clamp(torch.log(is_ratio), math.log(1e-8), 20) * m).sum(
                     -1, keepdim=True)
             lw_ = torch.clamp(slr, math.log(1e-8), 20)
-            k = torch.where(A >= 0, kp, kn)
-            lam = torch.where(A >= 0, lp_, ln).clamp(min=1e-4)
+            k = torch.where(A >= 0, A.new_tensor(kp), A.new_tensor(kn))
+            lam = torch.where(A >= 0, A.new_tensor(lp_), A.new_tensor(ln)).clamp(min=1e-4)
             phi = torch.exp(lam + k * lw_ - lam * torch.exp(lw_)).nan_to_num(0, 0, 0)
         ptl = -phi * A * logp
     if off_thr is not None:
@@ -150,7 +150,9 @@ def _extras(batch, o, seed):
 
 
 @pytest.mark.parametrize("loss_type,opts", TRL_CASES)
-def test_reference_matches_trl_formulas(loss_type, opts):
+def test_reference_and_policy_loss_match_trl_formulas(loss_type, opts):
+    """TRL's formulas (float64, written above), gbc_reference.policy_loss (autograd) and
+    gbc.policy_loss (the analytic derivative of the fast paths) on the same log-probs."""
     batch = as64(make_batch(seed=zlib.crc32(f"{loss_type}{opts}".encode()) % 997, old_spread=4.0))
     g = torch.Generator().manual_seed(1)
     logp0 = (batch["old_logp"] + 0.4 * torch.randn(batch["old_logp"].shape, generator=g,
@@ -158,8 +160,8 @@ def test_reference_matches_trl_formulas(loss_type, opts):
     ent0 = torch.rand(logp0.shape, generator=g, dtype=torch.float64) * 3
     extra = _extras(batch, opts, 5)
     m = batch["mask"]
-    outs = []
-    for which in ("trl", "ref"):
+    outs, metrics = [], []
+    for which in ("trl", "ref", "gbc"):
         lp = logp0.clone().requires_grad_(True)
         en = ent0.clone().requires_grad_(True)
         if which == "trl":
@@ -169,19 +171,24 @@ def test_reference_matches_trl_formulas(loss_type, opts):
             loss = trl_formula(lp, en, m, batch["advantages"], batch["old_logp"],
                                batch["ref_logp"], loss_type, **o)
         else:
-            loss, _ = ref.policy_loss(lp, m, batch["advantages"], batch["old_logp"],
-                                      batch["ref_logp"], entropy=en,
-                                      config=_config_of(loss_type, opts),
-                                      num_items_in_batch=opts.get("num_items"), **extra)
+            lib = ref if which == "ref" else gbc
+            loss, met = lib.policy_loss(lp, m, batch["advantages"], batch["old_logp"],
+                                        batch["ref_logp"], entropy=en,
+                                        config=_config_of(loss_type, opts, lib),
+                                        num_items_in_batch=opts.get("num_items"), **extra)
+            metrics.append(met)
         (loss * 0.9).backward()
         outs.append((loss.detach(), lp.grad, en.grad))
-    (l1, g1, e1), (l2, g2, e2) = outs
-    assert torch.allclose(l1, l2, rtol=1e-12, atol=1e-13), (float(l1), float(l2))
-    assert torch.allclose(torch.where(m, g1, 0), g2, rtol=1e-10, atol=1e-13)
+    z = torch.zeros_like(ent0)
+    (l1, g1, e1) = outs[0]
     assert g1.abs().max() > 0          # the case has a gradient to compare
-    if e1 is not None or e2 is not None:
-        z = torch.zeros_like(ent0)
+    for l2, g2, e2 in outs[1:]:
+        assert torch.allclose(l1, l2, rtol=1e-12, atol=1e-13), (float(l1), float(l2))
+        assert torch.allclose(torch.where(m, g1, 0), g2, rtol=1e-10, atol=1e-13)
         assert torch.allclose(z if e1 is None else e1, z if e2 is None else e2, atol=1e-13)
+    assert set(metrics[0]) == set(metrics[1])
+    for k, v in metrics[0].items():
+        assert abs(float(v) - float(metrics[1][k])) < 1e-6, k
 
 
 # ----------------------------------------------------------------------------------------------

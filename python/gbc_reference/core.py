@@ -215,8 +215,9 @@ def gamma_weights(advantages, log_ratio, mask, is_ratio, cfg):
         seq = seq + torch.where(m, torch.log(is_ratio).clamp(lower, 20.0), zero).sum(-1, keepdim=True)
     log_w = seq.clamp(lower, 20.0)
     pos = advantages >= 0
-    k = torch.where(pos, cfg.vespo_k_pos, cfg.vespo_k_neg)
-    lam = torch.where(pos, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg).clamp(min=1e-4)
+    k = torch.where(pos, log_w.new_tensor(cfg.vespo_k_pos), log_w.new_tensor(cfg.vespo_k_neg))
+    lam = torch.where(pos, log_w.new_tensor(cfg.vespo_lambda_pos),
+                      log_w.new_tensor(cfg.vespo_lambda_neg)).clamp(min=1e-4)
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
 
@@ -286,7 +287,8 @@ def _per_token_loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_s
     elif cfg.objective == "cispo":
         pg = -ratio.clamp(max=cfg.epsilon_high).detach() * adv * logp
     elif cfg.objective == "sapo":
-        kappa = torch.where(A > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+        kappa = torch.where(A > 0, A.new_tensor(cfg.sapo_temperature_pos),
+                            A.new_tensor(cfg.sapo_temperature_neg))
         pg = -torch.sigmoid(kappa * (ratio - 1.0)) * 4.0 / kappa * adv
     else:   # vespo
         phi = gamma_weights(A, log_ratio, m, is_ratio, cfg)
