@@ -4,6 +4,10 @@
 //   logit_grad_ overwrite the chunk with dL/dlogits given g = dL/dlogp and gH = dL/dH per row:
 //                 dL/dz_v = g (1[v = y] - p_v) - gH p_v (log p_v + H),  dL/dlogits = inv_temp dL/dz
 //
+// Final-logit soft-capping (Gemma-2/3, s = c tanh(x / c)) is applied to the chunk in place by the
+// driver before these passes, so they see the capped logits; the gradient pass then multiplies by
+// ds/dx = 1 - (s / c)^2, read from the capped value it overwrites (inv_cap = 1 / c; 0 = off).
+//
 // The chunk's logits come from one BLAS call made by the Python driver (at::addmm into a reused
 // buffer); these passes run over that buffer, rows in parallel (at::parallel_for, OpenMP), each
 // row by one thread in a fixed order, so results do not depend on the thread count.
@@ -87,8 +91,21 @@ GBC_CLONES void row_sums(const float* __restrict x, int64_t n, float inv_temp, f
 }
 
 // x <- inv_temp * (-p (g + gH (z - lse + H))), p = exp(z - lse), z = x * inv_temp
+// With soft-capping (inv_cap > 0) x holds the capped logit s and the result is multiplied by
+// ds/dx = 1 - (s inv_cap)^2.
 GBC_CLONES void row_grad(float* __restrict x, int64_t n, float inv_temp, float lse, float H,
-                         float g, float gH) {
+                         float g, float gH, float inv_cap) {
+  if (inv_cap > 0.f) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const float sv = x[i];
+      const float lq = sv * inv_temp - lse;
+      const float p = exp_neg(lq);
+      const float t = sv * inv_cap;
+      x[i] = -inv_temp * p * (g + gH * (lq + H)) * (1.f - t * t);
+    }
+    return;
+  }
   if (gH != 0.f) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
@@ -199,9 +216,18 @@ std::vector<at::Tensor> row_stats(at::Tensor logits, at::Tensor targets, double 
   return {lse, zmax, tz, ent, sp2};
 }
 
+// One row's gradient, the one-hot term folded in before rounding to the storage dtype.
+inline void grad_row(float* x, int64_t V, int64_t y, float it, float lse, float H, float g,
+                     float gH, float inv_cap) {
+  const float sy = x[y];
+  row_grad(x, V, it, lse, H, g, gH, inv_cap);
+  const float t = sy * inv_cap;
+  x[y] += it * g * (inv_cap > 0.f ? 1.f - t * t : 1.f);
+}
+
 at::Tensor logit_grad_(at::Tensor logits, at::Tensor targets, double inv_temp, at::Tensor lse,
                        c10::optional<at::Tensor> entropy, at::Tensor g_logp,
-                       c10::optional<at::Tensor> g_entropy) {
+                       c10::optional<at::Tensor> g_entropy, double inv_cap) {
   check_chunk(logits, targets);
   const int64_t rows = logits.size(0), V = logits.size(1);
   targets = targets.contiguous();
@@ -220,8 +246,8 @@ at::Tensor logit_grad_(at::Tensor logits, at::Tensor targets, double inv_temp, a
   const float* gh_p = has_h ? gh_c.data_ptr<float>() : nullptr;
   const float* ent_p = has_h ? ent_c.data_ptr<float>() : nullptr;
   for_each_row(logits, true, [&](int64_t r, float* x) {
-    row_grad(x, V, it, lse_p[r], has_h ? ent_p[r] : 0.f, g_p[r], has_h ? gh_p[r] : 0.f);
-    x[y[r]] += it * g_p[r];   // the one-hot term, folded in before rounding to storage
+    grad_row(x, V, y[r], it, lse_p[r], has_h ? ent_p[r] : 0.f, g_p[r], has_h ? gh_p[r] : 0.f,
+             static_cast<float>(inv_cap));
   });
   return logits;
 }
@@ -241,7 +267,7 @@ std::vector<at::Tensor> policy_rows_(at::Tensor logits, at::Tensor targets, doub
                                      double eps_low, double eps_high, double clip_c,
                                      double kl_coef, int64_t kl_estimator, double entropy_coef,
                                      double ar_alpha, int64_t phase, double eta,
-                                     bool kl_ratio, bool need_grad) {
+                                     bool kl_ratio, bool need_grad, double inv_cap) {
   check_chunk(logits, targets);
   const int64_t rows = logits.size(0), V = logits.size(1);
   auto in_f32 = [&](const c10::optional<at::Tensor>& t, const char* name) {
@@ -298,8 +324,7 @@ std::vector<at::Tensor> policy_rows_(at::Tensor logits, at::Tensor targets, doub
         o[8][r] = static_cast<float>(t.p_old);
         o[9][r] = static_cast<float>(t.kl);
         if (need_grad) {
-          row_grad(x, V, it, lse, H, g, gH);
-          x[y[r]] += it * g;
+          grad_row(x, V, y[r], it, lse, H, g, gH, static_cast<float>(inv_cap));
         }
   });
   return out;
@@ -314,12 +339,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("want_sum_p2"));
   m.def("logit_grad_", &logit_grad_, "overwrite logits with dL/dlogits", py::arg("logits"),
         py::arg("targets"), py::arg("inv_temp"), py::arg("lse"), py::arg("entropy"),
-        py::arg("g_logp"), py::arg("g_entropy"));
+        py::arg("g_logp"), py::arg("g_entropy"), py::arg("inv_cap") = 0.0);
   m.def("policy_rows_", &policy_rows_, "fused per-row statistics, policy loss and logit gradient",
         py::arg("logits"), py::arg("targets"), py::arg("inv_temp"), py::arg("w"), py::arg("adv"),
         py::arg("old_logp"), py::arg("ref_logp"), py::arg("token_scale"), py::arg("kl_weight"),
         py::arg("eps_low"), py::arg("eps_high"), py::arg("clip_c"), py::arg("kl_coef"),
         py::arg("kl_estimator"), py::arg("entropy_coef"), py::arg("ar_alpha"), py::arg("phase"),
-        py::arg("eta"), py::arg("kl_ratio"), py::arg("need_grad"));
+        py::arg("eta"), py::arg("kl_ratio"), py::arg("need_grad"), py::arg("inv_cap") = 0.0);
   m.def("num_threads", []() { return at::get_num_threads(); });
 }

@@ -41,8 +41,14 @@ def rows_per_chunk(n_rows: int, vocab: int, buffers: int,
 
 
 def project(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-            out: torch.Tensor) -> torch.Tensor:
-    """out = h @ weight.T + bias, written into the preallocated chunk buffer."""
+            out: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
+    """out = h @ weight.T + bias, written into the preallocated chunk buffer; with ``softcap``
+    (Gemma's final-logit soft-capping) ``out = c * tanh(out / c)`` in place: the row passes see
+    the capped logits, and the gradient pass multiplies by ``1 - (out / c)^2``."""
     if bias is None:
-        return torch.mm(h, weight.t(), out=out)
-    return torch.addmm(bias, h, weight.t(), out=out)
+        torch.mm(h, weight.t(), out=out)
+    else:
+        torch.addmm(bias, h, weight.t(), out=out)
+    if softcap is not None:
+        out.div_(softcap).tanh_().mul_(softcap)
+    return out

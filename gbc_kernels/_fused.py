@@ -236,7 +236,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     def project(s, e):
         hc = hidden2d[s:e] if dense else hidden2d.index_select(0, idx[s:e])
         lg = buf[: e - s]
-        _chunking.project(hc, weight, bias, lg)
+        _chunking.project(hc, weight, bias, lg, cfg.logit_softcap)
         return hc, lg
 
     if n == 0 and cfg.needs_batch and inp.threshold_fn is not None:
@@ -274,7 +274,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
                 hc, lg = project(s, e)
                 be.logit_grad_(lg, y[s:e], inv_temp, lse[s:e],
                                None if gH_pre is None else entropy[s:e], g[s:e],
-                               None if gH_pre is None else gH_pre[s:e], ws)
+                               None if gH_pre is None else gH_pre[s:e], ws, cfg.logit_softcap)
                 grads.add(lg, hc, s, e)
             continue
         hc, lg = project(s, e)
@@ -342,7 +342,8 @@ def scale_stored_grads(ctx, grad_loss):
 
 
 def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature: float,
-                want_entropy: bool, extra_temperature: Optional[float] = None):
+                want_entropy: bool, extra_temperature: Optional[float] = None,
+                softcap: Optional[float] = None):
     """Row statistics for every row. Returns (logp, entropy, lse, extra RowStats parts)."""
     N, V = hidden2d.shape[0], weight.shape[0]
     device = hidden2d.device
@@ -360,7 +361,7 @@ def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature: 
         for s in range(0, N, rows):
             e = min(N, s + rows)
             lg = buf[: e - s]
-            _chunking.project(hidden2d[s:e], weight, bias, lg)
+            _chunking.project(hidden2d[s:e], weight, bias, lg, softcap)
             st = backend.row_stats(lg, targets[s:e], 1.0 / temperature, want_entropy, False, ws)
             logp[s:e] = st.target_z - st.lse
             lse[s:e] = st.lse
@@ -377,7 +378,7 @@ def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature: 
 
 
 def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature, lse,
-                     entropy, g_logp, g_entropy, need_dh, need_dw, need_db):
+                     entropy, g_logp, g_entropy, need_dh, need_dw, need_db, softcap=None):
     """Backward of the log-probs: recompute each chunk's logits, overwrite them with dL/dlogits,
     and do the two gradient matmuls."""
     N, V = hidden2d.shape[0], weight.shape[0]
@@ -388,23 +389,24 @@ def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperat
     for s in range(0, N, rows):
         e = min(N, s + rows)
         hc, lg = hidden2d[s:e], buf[: e - s]
-        _chunking.project(hc, weight, bias, lg)
+        _chunking.project(hc, weight, bias, lg, softcap)
         backend.logit_grad_(lg, targets[s:e], 1.0 / temperature, lse[s:e],
                             None if entropy is None else entropy[s:e], g_logp[s:e],
-                            None if g_entropy is None else g_entropy[s:e], ws)
+                            None if g_entropy is None else g_entropy[s:e], ws, softcap)
         grads.add(lg, hc, s, e)
     return grads.result()
 
 
 class FusedLogprobsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden2d, weight, bias, targets, temperature, return_entropy, backend):
+    def forward(ctx, hidden2d, weight, bias, targets, temperature, return_entropy, backend,
+                softcap=None):
         logp, entropy, lse, _ = stats_sweep(hidden2d, weight, bias, targets, backend,
-                                            temperature, return_entropy)
+                                            temperature, return_entropy, softcap=softcap)
         ctx.save_for_backward(hidden2d, weight, bias if bias is not None else torch.empty(0),
                               targets, lse, entropy if entropy is not None else torch.empty(0))
         ctx.has_bias, ctx.return_entropy = bias is not None, return_entropy
-        ctx.temperature, ctx.backend = temperature, backend
+        ctx.temperature, ctx.backend, ctx.softcap = temperature, backend, softcap
         if entropy is None:
             return logp
         return logp, entropy
@@ -422,5 +424,6 @@ class FusedLogprobsFunction(torch.autograd.Function):
             gH = g_entropy.float()
         gh, gw, gb = logit_grad_sweep(hidden2d, weight, bias, targets, ctx.backend,
                                       ctx.temperature, lse, entropy if gH is not None else None,
-                                      g_logp.float(), gH, need_dh, need_dw, need_db)
-        return gh, gw, gb, None, None, None, None
+                                      g_logp.float(), gH, need_dh, need_dw, need_db,
+                                      ctx.softcap)
+        return gh, gw, gb, None, None, None, None, None

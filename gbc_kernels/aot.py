@@ -35,12 +35,15 @@ def _variants():
         const = {"BLOCK_V": MAX_BLOCK_V, "WANT_ENTROPY": want_ent, "WANT_SUM_P2": want_p2}
         out.append((K.row_stats_kernel, f"{dtype} entropy={int(want_ent)} sum_p2={int(want_p2)}",
                     sig, const, num_warps(MAX_BLOCK_V)))
-    for dtype, has_h in itertools.product(("fp32", "bf16", "fp16"), (False, True)):
+    for dtype, has_h, cap in itertools.product(("fp32", "bf16", "fp16"), (False, True),
+                                               (False, True)):
         sig = {"logits_ptr": f"*{dtype}", "stride_row": "i64", "targets_ptr": "*i64",
                "lse_ptr": "*fp32", "ent_ptr": "*fp32", "g_ptr": "*fp32", "gh_ptr": "*fp32",
-               "V": "i32", "inv_temp": "fp32", "BLOCK_V": "constexpr", "HAS_ENTROPY": "constexpr"}
-        out.append((K.logit_grad_kernel, f"{dtype} entropy={int(has_h)}", sig,
-                    {"BLOCK_V": MAX_BLOCK_V, "HAS_ENTROPY": has_h}, num_warps(MAX_BLOCK_V)))
+               "V": "i32", "inv_temp": "fp32", "inv_cap": "fp32", "BLOCK_V": "constexpr",
+               "HAS_ENTROPY": "constexpr", "SOFTCAP": "constexpr"}
+        out.append((K.logit_grad_kernel, f"{dtype} entropy={int(has_h)} softcap={int(cap)}",
+                    sig, {"BLOCK_V": MAX_BLOCK_V, "HAS_ENTROPY": has_h, "SOFTCAP": cap},
+                    num_warps(MAX_BLOCK_V)))
     ptrs = ["tz_ptr", "lse_ptr", "ent_ptr", "w_ptr", "adv_ptr", "old_ptr", "ref_ptr", "ts_ptr",
             "klw_ptr", "g_ptr", "gh_ptr", "wloss_ptr", "logp_ptr", "ratio_ptr", "advh_ptr",
             "ar_ptr", "pold_ptr", "kl_ptr"]

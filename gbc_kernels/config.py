@@ -75,6 +75,8 @@ class PolicyLossConfig:
         tokens it acts on in this call; ``num_items_in_batch`` is the policy term's only.
 
     return_entropy: compute the entropy (``entropy`` metric) even when no term uses it.
+    logit_softcap: final-logit soft-capping ``c`` (Gemma-2/3's ``final_logit_softcapping``):
+        the logits are ``c * tanh((h W^T + b) / c)`` before the temperature (None = off).
 
     ``PolicyLossConfig.preset(loss_type, **options)`` sets these axes from TRL's ``loss_type``.
     """
@@ -105,6 +107,7 @@ class PolicyLossConfig:
     kl_agg: Optional[str] = None
     entropy_agg: Optional[str] = None
     return_entropy: bool = False
+    logit_softcap: Optional[float] = None
 
     def __post_init__(self):
         for name in ("loss_agg", "kl_agg", "entropy_agg"):
@@ -178,6 +181,9 @@ class PolicyLossConfig:
         q = self.top_entropy_quantile
         if not (_is_number(q) and 0.0 <= q <= 1.0):
             raise ValueError(f"top_entropy_quantile: expected a float in [0, 1], got {q!r}")
+        c = self.logit_softcap
+        if c is not None and not (_is_number(c) and c > 0 and math.isfinite(c)):
+            raise ValueError(f"logit_softcap: expected None or a finite float > 0, got {c!r}")
         t = self.off_policy_mask_threshold
         if t is not None and not (_is_number(t) and math.isfinite(t)):
             raise ValueError(f"off_policy_mask_threshold: expected None or a finite float, "

@@ -36,7 +36,7 @@ class NTHRResult(NamedTuple):
         }
 
 
-def _error_chunks(h_all, tok, w_v, b_v, lse, col, inv_temp, rows):
+def _error_chunks(h_all, tok, w_v, b_v, lse, col, inv_temp, rows, softcap=None):
     """Yield (start, end, h, e) over the tokens ``tok`` a chunk at a time: the chunk's hidden
     states (float32, gathered here: no [n, H] copy) and the restricted error
     e = onehot_{V*}(y) - q (float32, [rows, |V*|])."""
@@ -47,6 +47,8 @@ def _error_chunks(h_all, tok, w_v, b_v, lse, col, inv_temp, rows):
         z = h @ w_v.t()
         if b_v is not None:
             z += b_v
+        if softcap is not None:
+            z = z.div_(softcap).tanh_().mul_(softcap)
         err = torch.exp(z.mul_(inv_temp).sub_(lse[s:e_].unsqueeze(1))).neg_()
         err[torch.arange(e_ - s, device=h.device), col[s:e_]] += 1.0
         yield s, e_, h, err
@@ -77,7 +79,8 @@ def check_whole_groups(group_ids: torch.Tensor, process_group) -> None:
 
 def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, temperature=1.0,
                beta=1.0, eta="auto", backend="auto", logp=None,
-               vocab_parallel=None, data_parallel_group=None) -> NTHRResult:
+               vocab_parallel=None, data_parallel_group=None,
+               logit_softcap=None) -> NTHRResult:
     """Per-token advantage scale of NTHR (SPEC §4), from the old policy's hidden states.
 
     hidden: [B, T, H]; weight: [V, H]; targets, mask: [B, T]; group_ids: [B] integer (groups
@@ -89,6 +92,8 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
     makes NTHR cost only its restricted matmuls.
     ``vocab_parallel``: ``weight``/``bias`` are this rank's slice (SPEC §9); the result is the
     same on every rank.
+    ``logit_softcap``: final-logit soft-capping ``c`` (the restricted logits and the LSE are
+    those of ``c tanh(x / c)``).
     ``data_parallel_group``: the process group the batch is split over (data parallelism;
     ``"world"``: the default group).
     NTHR compares the responses of a group with each other, so each group must sit on one
@@ -109,9 +114,16 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
         raise ValueError(f"eta: expected 'auto' or a float >= 0, got {eta!r}")
     if not isinstance(beta, (int, float)):
         raise TypeError(f"beta: expected a float, got {type(beta).__name__}")
+    if logit_softcap is not None and not (isinstance(logit_softcap, (int, float))
+                                          and 0 < logit_softcap < float("inf")):
+        raise ValueError(f"logit_softcap: expected None or a finite float > 0, "
+                         f"got {logit_softcap!r}")
     if data_parallel_group is not None:
         check_whole_groups(group_ids, data_parallel_group)
     if vocab_parallel is not None:
+        if logit_softcap is not None:
+            raise ValueError("logit_softcap: not supported with vocab_parallel yet; "
+                             "expected None")
         from . import vocab_parallel as _vp
         sl = _vp.check(vocab_parallel, weight, bias, device)
         if logp is not None:
@@ -158,11 +170,13 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
                 zy[s:s + 1024] = (hs * weight.index_select(0, y[s:s + 1024]).float()).sum(-1)
             if bias is not None:
                 zy = zy + bias.index_select(0, y).float()
+            if logit_softcap is not None:
+                zy = zy.div(logit_softcap).tanh().mul(logit_softcap)
             lse = zy / temperature - logp.reshape(-1)[tok].float()
         else:
             # full-vocabulary LSE of these tokens (streaming pass of the backend)
             _, _, lse, _ = stats_sweep(h_all.index_select(0, tok), weight, bias, y, be,
-                                       temperature, False)
+                                       temperature, False, softcap=logit_softcap)
         vstar, col = torch.unique(y, return_inverse=True)
         w_v = weight.index_select(0, vstar).float()
         b_v = None if bias is None else bias.index_select(0, vstar).float()
@@ -174,11 +188,12 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
         m_plus = torch.zeros(vstar.numel(), H, device=device, dtype=torch.float32)
         pidx = pos.nonzero().squeeze(1)
         for s, e, hc, err in _error_chunks(h_all, tok[pidx], w_v, b_v, lse[pidx], col[pidx],
-                                           inv_temp, rows):
+                                           inv_temp, rows, logit_softcap):
             m_plus.addmm_(err.t(), hc)
         # pass 2, every token: s = e^T M+ h
         s_tok = torch.empty(tok.numel(), device=device, dtype=torch.float32)
-        for s, e, hc, err in _error_chunks(h_all, tok, w_v, b_v, lse, col, inv_temp, rows):
+        for s, e, hc, err in _error_chunks(h_all, tok, w_v, b_v, lse, col, inv_temp, rows,
+                                           logit_softcap):
             s_tok[s:e] = (err @ m_plus).mul_(hc).sum(-1)
         scores[tok] = s_tok
         # anchor: mean score per correct response, threshold beta * min over them

@@ -148,6 +148,7 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
                            kl_weight, cfg, is_ratio, sampling_logp)
     threshold_fn = _threshold_fn(data_parallel_group, cfg)
     if vocab_parallel is not None:
+        _check_vp_softcap(cfg.logit_softcap)
         sl = _vp.check(vocab_parallel, weight, bias, device)
         return _vp.policy_loss(hidden, weight, bias, V.check_targets(targets, sl.vocab, m), m,
                                adv, old_logp, ref_logp, token_scale,
@@ -162,6 +163,18 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     return loss, inp.metrics
 
 
+def _check_softcap(softcap):
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0
+                                    and math.isfinite(softcap)):
+        raise ValueError(f"logit_softcap: expected None or a finite float > 0, got {softcap!r}")
+
+
+def _check_vp_softcap(softcap):
+    if softcap is not None:
+        raise ValueError("logit_softcap: not supported with vocab_parallel yet (the split "
+                         "vocabulary's passes take uncapped logits); expected None")
+
+
 def _threshold_fn(data_parallel_group, cfg):
     if data_parallel_group is None or not cfg.needs_batch:
         return None
@@ -169,8 +182,11 @@ def _threshold_fn(data_parallel_group, cfg):
 
 
 def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
-                          return_entropy=False, backend="auto", vocab_parallel=None):
+                          return_entropy=False, backend="auto", vocab_parallel=None,
+                          logit_softcap=None):
     """Per-token ``log_softmax(z)[targets]`` (and the entropy of ``softmax(z)``) without logits.
+    ``z = (hidden @ weight.T + bias) / temperature``; with ``logit_softcap = c`` (Gemma-2/3),
+    ``z = c tanh((hidden @ weight.T + bias) / c) / temperature``.
 
     hidden: [..., H]; targets: [...] (every id in ``[0, V)``). Returns ``(logp, entropy)``, both
     float32 of shape ``targets.shape`` (entropy None unless ``return_entropy``). Differentiable
@@ -180,7 +196,9 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     _check_lm_head(hidden, weight, bias)
     _check_temperature("temperature", temperature)
     V.check_tensor("targets", targets, shape=hidden.shape[:-1], integer=True, device=hidden.device)
+    _check_softcap(logit_softcap)
     if vocab_parallel is not None:
+        _check_vp_softcap(logit_softcap)
         sl = _vp.check(vocab_parallel, weight, bias, hidden.device)
         return _vp.logprobs(hidden, weight, bias, V.check_targets(targets, sl.vocab),
                             temperature, return_entropy, sl)
@@ -188,7 +206,8 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     h2 = hidden.reshape(-1, hidden.shape[-1])
     be = get_backend(backend, hidden.device, hidden.dtype)
     out = FusedLogprobsFunction.apply(h2, weight, bias, safe, float(temperature),
-                                      bool(return_entropy), be)
+                                      bool(return_entropy), be,
+                                      None if logit_softcap is None else float(logit_softcap))
     if return_entropy:
         logp, entropy = out
         return logp.view(targets.shape), entropy.view(targets.shape)
@@ -216,7 +235,8 @@ CERTAINTY_KINDS = (None, "entropy", "max_prob")
 
 
 def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=None,
-                certainty_temperature=1.0, backend="auto", vocab_parallel=None) -> TokenStats:
+                certainty_temperature=1.0, backend="auto", vocab_parallel=None,
+                logit_softcap=None) -> TokenStats:
     """No-grad per-token statistics, streaming over the vocabulary (SPEC §5, §7).
 
     certainty="entropy":  J = 1 - H(softmax(z_w)) / log V
@@ -230,7 +250,9 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
     if certainty is not None:
         _check_temperature("certainty_temperature", certainty_temperature)
     V.check_tensor("targets", targets, shape=hidden.shape[:-1], integer=True, device=hidden.device)
+    _check_softcap(logit_softcap)
     if vocab_parallel is not None:
+        _check_vp_softcap(logit_softcap)
         sl = _vp.check(vocab_parallel, weight, bias, hidden.device)
         return TokenStats(*_vp.token_stats(hidden, weight, bias, V.check_targets(targets, sl.vocab),
                                            float(temperature), certainty,
@@ -241,7 +263,8 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
     logp, entropy, _, extra = stats_sweep(
         h2, weight.detach(), b, safe, get_backend(backend, hidden.device, hidden.dtype),
         float(temperature),
-        True, None if certainty is None else float(certainty_temperature))
+        True, None if certainty is None else float(certainty_temperature),
+        None if logit_softcap is None else float(logit_softcap))
     cert = None
     if certainty is not None:
         cert = certainty_from_stats(certainty, extra["entropy"], extra["zmax"], extra["lse"],

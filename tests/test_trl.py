@@ -319,15 +319,40 @@ def test_nthr_needs_whole_groups_per_process(tiny, tmp_path):
                        processing_class=AutoTokenizer.from_pretrained(tiny))
 
 
-def test_softcapped_model_raises(tiny, tmp_path):
-    trainer_args = GBCGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=B,
-                                 num_generations=B, report_to=[], use_cpu=True)
-    model = AutoModelForCausalLM.from_pretrained(tiny)
-    model.config.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
-        GBCGRPOTrainer(model=model, reward_funcs=reward_has_knight, args=trainer_args,
-                       train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}),
-                       processing_class=AutoTokenizer.from_pretrained(tiny))
+@pytest.fixture(scope="module")
+def tiny_gemma(tiny, tmp_path_factory):
+    """A tiny Gemma-2 (final-logit soft-capping at 3: the cap bites) with the tiny tokenizer."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_gemma2")
+    tok = AutoTokenizer.from_pretrained(tiny)
+    tok.save_pretrained(path)
+    torch.manual_seed(1)
+    cfg = Gemma2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=16, max_position_embeddings=256, pad_token_id=0, eos_token_id=2,
+                       bos_token_id=1, final_logit_softcapping=3.0)
+    model = Gemma2ForCausalLM(cfg)
+    with torch.no_grad():                       # logits well past the cap
+        model.lm_head.weight.mul_(40.0)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("loss_type, beta", [("dapo", 0.04), ("grpo", 0.0)])
+def test_softcapped_gemma2_matches_grpo_trainer(tiny_gemma, tmp_path, loss_type, beta):
+    _parity(tiny_gemma, tmp_path, seed=13, loss_type=loss_type, beta=beta, temperature=0.9)
+
+
+def test_softcapped_gemma2_trains_with_every_method(tiny_gemma, tmp_path):
+    trainer = build(GBCGRPOTrainer, tiny_gemma, tmp_path, loss_type="dapo", beta=0.04,
+                    max_steps=2, gbc_ar_alpha=0.3, gbc_lopti_eta=0.5, gbc_nthr=True,
+                    gbc_critical_kl_exponent=2.0, num_iterations=2)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    for row in trainer.state.log_history:
+        if "loss" in row:
+            assert row["loss"] == row["loss"]
 
 
 def _trl_ddp_worker(rank, world, tiny, out_dir, gbc_options, trl_options=None):

@@ -9,6 +9,10 @@ interface and is written once; a backend only supplies the two passes over ``[ro
   ``gH = dL/dH`` per row:
 
       dL/dz_v = g * (1[v = y] - p_v) - gH * p_v * (log p_v + H),   dL/dlogits = inv_temp * dL/dz
+
+  With final-logit soft-capping the buffer holds the capped logits ``s = c tanh(x / c)`` (the
+  driver caps it after the matmul) and ``logit_grad_(..., softcap=c)`` returns ``dL/dx``, the
+  above times ``1 - (s / c)^2``.
 """
 
 from __future__ import annotations
@@ -80,10 +84,12 @@ class Backend:
         ent = None if st.entropy is None else st.entropy.to(ct)
         lt = loss_terms(logp.to(ct), ent, ti, cfg, phase)
         if need_grad:
-            self.logit_grad_(logits, targets, inv_temp, st.lse, st.entropy, lt.g, lt.gH, ws)
+            self.logit_grad_(logits, targets, inv_temp, st.lse, st.entropy, lt.g, lt.gH, ws,
+                             cfg.logit_softcap)
         return ChunkResult(logp, st.entropy, st.sum_p2, lt.g, lt.terms, lt.loss_sum)
 
     def logit_grad_(self, logits: torch.Tensor, targets: torch.Tensor, inv_temp: float,
                     lse: torch.Tensor, entropy: Optional[torch.Tensor], g_logp: torch.Tensor,
-                    g_entropy: Optional[torch.Tensor], ws: Workspace) -> torch.Tensor:
+                    g_entropy: Optional[torch.Tensor], ws: Workspace,
+                    softcap: Optional[float] = None) -> torch.Tensor:
         raise NotImplementedError

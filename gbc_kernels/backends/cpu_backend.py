@@ -51,7 +51,7 @@ class CpuBackend(Backend):
             -1.0 if cfg.clip_ratio_c is None else cfg.clip_ratio_c, cfg.kl_coef,
             KL_ESTIMATORS.index(cfg.kl_estimator), cfg.entropy_coef, cfg.ar_alpha,
             _PHASE_CODE[phase], 0.0 if cfg.lopti_eta is None else cfg.lopti_eta,
-            bool(cfg.kl_ratio_correction), bool(need_grad))
+            bool(cfg.kl_ratio_correction), bool(need_grad), _inv_cap(cfg.logit_softcap))
         logp, entropy, sum_p2, g, wloss, ratio, adv_hat, ar, p_old, kl = out
         want_entropy = cfg.wants_entropy
         # the loss is returned already weighted (wloss); the metrics need only the fields below
@@ -61,6 +61,10 @@ class CpuBackend(Backend):
                            wloss.sum())
 
     def logit_grad_(self, logits, targets, inv_temp, lse, entropy, g_logp, g_entropy,
-                    ws: Workspace):
+                    ws: Workspace, softcap=None):
         return _C.logit_grad_(logits, targets, float(inv_temp), lse, entropy, g_logp,
-                              g_entropy)
+                              g_entropy, _inv_cap(softcap))
+
+
+def _inv_cap(softcap) -> float:
+    return 0.0 if softcap is None else 1.0 / float(softcap)

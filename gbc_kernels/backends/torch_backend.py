@@ -39,10 +39,14 @@ class TorchBackend(Backend):
         return RowStats(lse_s + zmax, zmax, target_z, entropy, sum_p2)
 
     def logit_grad_(self, logits, targets, inv_temp, lse, entropy, g_logp, g_entropy,
-                    ws: Workspace):
+                    ws: Workspace, softcap=None):
         rows, V = logits.shape
         # work in place when the buffer is float32 (float64), else in a float32 scratch buffer
         ct = torch.promote_types(logits.dtype, torch.float32)
+        cap = None
+        if softcap is not None:         # ds/dx = 1 - (s / c)^2 of the capped logits s
+            cap = torch.div(logits, softcap, out=ws.get("cap", rows, V, logits, ct))
+            cap.square_().neg_().add_(1.0)
         work = logits if logits.dtype == ct else ws.get("z", rows, V, logits, ct)
         logq = torch.mul(logits, inv_temp, out=work).sub_(lse.unsqueeze(1))
         p = torch.exp(logq, out=ws.get("p", rows, V, logits, ct))
@@ -53,6 +57,8 @@ class TorchBackend(Backend):
         else:
             grad = torch.mul(p, g_logp.unsqueeze(1), out=logq).neg_()
         grad.scatter_add_(1, targets.unsqueeze(1), g_logp.unsqueeze(1).to(grad.dtype))
+        if cap is not None:
+            grad.mul_(cap)
         if inv_temp != 1.0:
             grad.mul_(inv_temp)
         if grad is not logits:

@@ -98,6 +98,18 @@ class ReferencePass(NamedTuple):
     certainty: Optional[torch.Tensor]
 
 
+def logit_softcap(model):
+    """The model's final-logit soft-capping constant ``c`` (Gemma-2/3's
+    ``final_logit_softcapping``: logits = c tanh(x / c)), or None."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return None
+    if hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    c = getattr(cfg, "final_logit_softcapping", None)
+    return None if c is None else float(c)
+
+
 @torch.no_grad()
 def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=None,
                     correct=None, temperature=1.0, nthr=False, nthr_beta=1.0, nthr_eta="auto",
@@ -106,21 +118,23 @@ def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=N
     """The rollout policy's pass of an RL step: ``old_logp`` of ``targets = input_ids[:, 1:]``
     (or of the last ``completion_len`` tokens) and, with ``nthr=True``, NTHR's token scale from
     the same hidden states (SPEC §4). ``old_logp`` already computed by the trainer (at the same
-    temperature) is used as is, saving the streaming pass over the vocabulary."""
+    temperature) is used as is, saving the streaming pass over the vocabulary. The model's
+    final-logit soft-capping, if any, is applied in the passes."""
     import gbc_kernels as gbc
 
     head = lm_head(model)
+    cap = logit_softcap(model)
     h = completion_hidden(model, input_ids, attention_mask, completion_len)
     if old_logp is None:
         old_logp = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temperature,
-                                   backend=backend).logp
+                                   backend=backend, logit_softcap=cap).logp
     res = None
     if nthr:
         if group_ids is None or correct is None:
             raise ValueError("group_ids, correct: required when nthr=True")
         res = gbc.nthr_scale(h, head.weight, targets, mask, group_ids, correct, bias=head.bias,
                              temperature=temperature, beta=nthr_beta, eta=nthr_eta,
-                             backend=backend, logp=old_logp)
+                             backend=backend, logp=old_logp, logit_softcap=cap)
     return OldPolicyPass(old_logp, None if res is None else res.scale, res)
 
 
@@ -129,7 +143,8 @@ def reference_pass(ref_model, input_ids, attention_mask, targets, temperature=1.
                    critical_kl_exponent=None, certainty="max_prob", certainty_temperature=1.0,
                    intercept=0.0, backend="auto", completion_len: int = 0) -> ReferencePass:
     """The frozen reference model's pass: ``ref_logp`` and, with ``critical_kl_exponent`` set,
-    the critical-token KL weights ``(1 - c) J**gamma + c`` from its certainty (SPEC §5)."""
+    the critical-token KL weights ``(1 - c) J**gamma + c`` from its certainty (SPEC §5). The
+    model's final-logit soft-capping, if any, is applied."""
     import gbc_kernels as gbc
 
     head = lm_head(ref_model)
@@ -137,6 +152,7 @@ def reference_pass(ref_model, input_ids, attention_mask, targets, temperature=1.
     crit = critical_kl_exponent is not None
     st = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temperature,
                          certainty=certainty if crit else None,
-                         certainty_temperature=certainty_temperature, backend=backend)
+                         certainty_temperature=certainty_temperature, backend=backend,
+                         logit_softcap=logit_softcap(ref_model))
     w = gbc.critical_kl_weight(st.certainty, critical_kl_exponent, intercept) if crit else None
     return ReferencePass(st.logp, w, st.certainty)

@@ -131,11 +131,10 @@ def _unsupported(args) -> list[str]:
 
 def _logit_scale(model) -> float:
     """The factor transformers models multiply their logits by (1.0 for most), read as TRL's
-    fused head reads it; final logit soft-capping cannot be fused and raises."""
+    fused head reads it. Final-logit soft-capping is part of the fused passes
+    (``hf.logit_softcap``); a model with both a scale and a cap is refused (the order of the
+    two is not defined by one config field)."""
     cfg = model.config.get_text_config()
-    if getattr(cfg, "final_logit_softcapping", None) is not None:
-        raise ValueError(f"model: final_logit_softcapping={cfg.final_logit_softcapping} is not "
-                         "supported by the fused loss (tanh soft-capping of the logits)")
     scale = getattr(cfg, "logit_scale", None)
     if scale is None:
         scale = getattr(cfg, "output_multiplier", None)
@@ -147,6 +146,9 @@ def _logit_scale(model) -> float:
     scale = 1.0 if scale is None else float(scale)
     if not scale > 0:
         raise ValueError(f"model: logit scale {scale} is not supported (expected > 0)")
+    if scale != 1.0 and hf.logit_softcap(model) is not None:
+        raise ValueError(f"model: a logit scale ({scale}) together with final_logit_softcapping "
+                         "is not supported")
     return scale
 
 
@@ -190,6 +192,7 @@ class GBCGRPOTrainer(GRPOTrainer):
         hf.lm_head(unwrapped)
         hf.decoder(unwrapped)
         self._gbc_temperature = self.temperature / _logit_scale(unwrapped)
+        self._gbc_softcap = hf.logit_softcap(unwrapped)
         if args.gbc_critical_kl_exponent is not None and self.ref_model is None:
             raise ValueError("gbc_critical_kl_exponent: needs a separate reference model "
                              "(trainer.ref_model is None)")
@@ -217,7 +220,8 @@ class GBCGRPOTrainer(GRPOTrainer):
             vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg,
             top_entropy_quantile=self.top_entropy_quantile,
             off_policy_mask_threshold=self.off_policy_mask_threshold,
-            return_entropy=True)                     # TRL logs the entropy whatever the loss
+            return_entropy=True,                     # TRL logs the entropy whatever the loss
+            logit_softcap=self._gbc_softcap)
 
     # ---------------------------------------------------------------- rollout: NTHR, critical KL
     def _generate_and_score_completions(self, inputs):

@@ -59,7 +59,10 @@ def row_stats_kernel(logits_ptr, stride_row, targets_ptr, lse_ptr, zmax_ptr, tz_
 
 @triton.jit
 def logit_grad_kernel(logits_ptr, stride_row, targets_ptr, lse_ptr, ent_ptr, g_ptr, gh_ptr, V,
-                      inv_temp, BLOCK_V: tl.constexpr, HAS_ENTROPY: tl.constexpr):
+                      inv_temp, inv_cap, BLOCK_V: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+                      SOFTCAP: tl.constexpr):
+    # SOFTCAP: the buffer holds soft-capped logits s = c tanh(x / c); the gradient in x is the
+    # gradient in s times 1 - (s / c)^2 (inv_cap = 1 / c)
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
     lse = tl.load(lse_ptr + row)
@@ -80,6 +83,9 @@ def logit_grad_kernel(logits_ptr, stride_row, targets_ptr, lse_ptr, ent_ptr, g_p
             grad = -p * g
         # the one-hot term is folded in before rounding to the storage dtype
         grad = tl.where(cols == y, grad + g, grad) * inv_temp
+        if SOFTCAP:
+            t = x * inv_cap
+            grad = grad * (1.0 - t * t)
         tl.store(base + cols, grad.to(logits_ptr.dtype.element_ty), mask=valid)
 
 

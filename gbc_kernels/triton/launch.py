@@ -62,7 +62,8 @@ def launch_row_stats(logits, targets, inv_temp, want_entropy, want_sum_p2) -> Ro
                     sp2 if want_sum_p2 else None)
 
 
-def launch_logit_grad_(logits, targets, inv_temp, lse, entropy, g_logp, g_entropy):
+def launch_logit_grad_(logits, targets, inv_temp, lse, entropy, g_logp, g_entropy,
+                       softcap=None):
     _check(logits)
     rows, V = logits.shape
     has_h = g_entropy is not None
@@ -72,8 +73,9 @@ def launch_logit_grad_(logits, targets, inv_temp, lse, entropy, g_logp, g_entrop
         K.logit_grad_kernel[(rows,)](logits, logits.stride(0), targets, f(lse),
                                      f(entropy) if has_h else lse, f(g_logp),
                                      f(g_entropy) if has_h else lse, V, float(inv_temp),
-                                     BLOCK_V=bv, HAS_ENTROPY=has_h, num_warps=num_warps(bv),
-                                     **_opts())
+                                     0.0 if softcap is None else 1.0 / float(softcap),
+                                     BLOCK_V=bv, HAS_ENTROPY=has_h, SOFTCAP=softcap is not None,
+                                     num_warps=num_warps(bv), **_opts())
     return logits
 
 
@@ -115,8 +117,9 @@ class TritonBackend(Backend):
         return launch_row_stats(logits, targets, inv_temp, want_entropy, want_sum_p2)
 
     def logit_grad_(self, logits, targets, inv_temp, lse, entropy, g_logp, g_entropy,
-                    ws: Workspace):
-        return launch_logit_grad_(logits, targets, inv_temp, lse, entropy, g_logp, g_entropy)
+                    ws: Workspace, softcap=None):
+        return launch_logit_grad_(logits, targets, inv_temp, lse, entropy, g_logp, g_entropy,
+                                  softcap)
 
     def policy_rows_(self, logits, targets, inv_temp, ti, cfg, phase, need_grad,
                      ws: Workspace) -> ChunkResult:
@@ -130,7 +133,7 @@ class TritonBackend(Backend):
         o = launch_policy_tokens(st, w, adv, old, ref, tscale, klw, cfg, phase)
         if need_grad:
             launch_logit_grad_(logits, targets, inv_temp, st.lse, st.entropy, o["g"],
-                               o["gh"] if cfg.entropy_coef != 0.0 else None)
+                               o["gh"] if cfg.entropy_coef != 0.0 else None, cfg.logit_softcap)
         terms = TokenTerms(ratio=o["ratio"], adv=o["adv"], ar=o["ar"], p_old=o["p_old"],
                            kl=o["kl"] if cfg.kl_coef != 0.0 else None)
         return ChunkResult(o["logp"], st.entropy, st.sum_p2, o["g"], terms, o["wloss"].sum())

@@ -48,6 +48,7 @@ class PolicyLossConfig:
     kl_agg: Optional[str] = None               # None: aggregated with the policy term
     entropy_agg: Optional[str] = None
     return_entropy: bool = False               # the entropy metric without an entropy term
+    logit_softcap: Optional[float] = None      # Gemma-2/3: logits = c tanh(x / c)
 
     @classmethod
     def preset(cls, loss_type, **options):
@@ -85,12 +86,15 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 # ----------------------------------------------------------------------------------------------
 
 
-def _logits(hidden, weight, bias, temperature):
-    """z = (hidden @ weight.T + bias) / temperature, in float32 (float64 for float64 inputs)."""
+def _logits(hidden, weight, bias, temperature, softcap=None):
+    """z = (hidden @ weight.T + bias) / temperature, in float32 (float64 for float64 inputs).
+    With final-logit soft-capping (Gemma-2/3): z = softcap * tanh(x / softcap) / temperature."""
     dt = _compute_dtype(hidden)
     z = hidden.to(dt) @ weight.to(dt).T
     if bias is not None:
         z = z + bias.to(dt)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
     return z / temperature
 
 
@@ -103,9 +107,10 @@ def _entropy(logprobs_all):
 
 
 def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
-                          return_entropy=False, backend="auto"):
+                          return_entropy=False, backend="auto", logit_softcap=None):
     """logp[n] = log_softmax(z[n])[targets[n]]; entropy[n] = H(softmax(z[n])). Shapes [...]."""
-    logprobs_all = torch.log_softmax(_logits(hidden, weight, bias, temperature), dim=-1)
+    logprobs_all = torch.log_softmax(_logits(hidden, weight, bias, temperature, logit_softcap),
+                                     dim=-1)
     logp = _gather(logprobs_all, targets)
     entropy = _entropy(logprobs_all) if return_entropy else None
     return logp, entropy
@@ -119,20 +124,22 @@ class TokenStats(NamedTuple):
 
 @torch.no_grad()
 def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=None,
-                certainty_temperature=1.0, backend="auto"):
+                certainty_temperature=1.0, backend="auto", logit_softcap=None):
     """Per-token logp and entropy at ``temperature``, and the certainty J of §5 at
     ``certainty_temperature``:
 
         J_entropy  = 1 - H(pi) / log V
         J_max_prob = 1 + log max_v pi(v) / log V
     """
-    logprobs_all = torch.log_softmax(_logits(hidden, weight, bias, temperature), dim=-1)
+    logprobs_all = torch.log_softmax(_logits(hidden, weight, bias, temperature, logit_softcap),
+                                     dim=-1)
     logp = _gather(logprobs_all, targets)
     entropy = _entropy(logprobs_all)
     cert = None
     if certainty is not None:
         V = weight.shape[0]
-        lp_w = torch.log_softmax(_logits(hidden, weight, bias, certainty_temperature), dim=-1)
+        lp_w = torch.log_softmax(_logits(hidden, weight, bias, certainty_temperature,
+                                         logit_softcap), dim=-1)
         if certainty == "entropy":
             cert = 1.0 - _entropy(lp_w) / math.log(V)
         elif certainty == "max_prob":
@@ -459,7 +466,8 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     cfg = config or PolicyLossConfig()
     m = mask.bool()
     safe_targets = torch.where(m, targets, torch.zeros_like(targets))
-    logprobs_all = torch.log_softmax(_logits(hidden, weight, bias, cfg.temperature), dim=-1)
+    logprobs_all = torch.log_softmax(_logits(hidden, weight, bias, cfg.temperature,
+                                             cfg.logit_softcap), dim=-1)
     logp = _gather(logprobs_all, safe_targets)
     wants_entropy = (cfg.entropy_coef != 0.0 or cfg.top_entropy_quantile < 1.0
                      or cfg.return_entropy)
@@ -501,7 +509,7 @@ class NTHRResult(NamedTuple):
 
 @torch.no_grad()
 def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, temperature=1.0,
-               beta=1.0, eta="auto", backend="auto", logp=None):
+               beta=1.0, eta="auto", backend="auto", logp=None, logit_softcap=None):
     """§4 Negative Token Hidden Reward, with the full logits.
 
     For every group with both correct and incorrect responses:
@@ -521,7 +529,8 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
     selected = torch.zeros(B, T, dtype=torch.bool)
     scores = torch.zeros(B, T, dtype=torch.float32)
     thresholds = {}
-    probs = torch.softmax(_logits(hidden, weight, bias, temperature), dim=-1)  # [B, T, V]
+    probs = torch.softmax(_logits(hidden, weight, bias, temperature, logit_softcap),
+                          dim=-1)                                              # [B, T, V]
     correct = correct.bool()
     for g in torch.unique(group_ids).tolist():
         rows = (group_ids == g).nonzero().flatten().tolist()
