@@ -355,6 +355,41 @@ def test_softcapped_gemma2_trains_with_every_method(tiny_gemma, tmp_path):
             assert row["loss"] == row["loss"]
 
 
+@pytest.fixture(scope="module")
+def tiny_moe(tiny, tmp_path_factory):
+    """A tiny Qwen3-MoE (4 experts, 2 per token) with the tiny tokenizer; TRL turns its router
+    auxiliary loss on by default (the config's router_aux_loss_coef)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_qwen3_moe")
+    tok = AutoTokenizer.from_pretrained(tiny)
+    tok.save_pretrained(path)
+    torch.manual_seed(2)
+    cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                         moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=16, max_position_embeddings=256, pad_token_id=0,
+                         eos_token_id=2, router_aux_loss_coef=0.5)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_moe_router_aux_loss_matches_grpo_trainer(tiny_moe, tmp_path, loss_type):
+    ours, ref = _parity(tiny_moe, tmp_path, seed=17, loss_type=loss_type, beta=0.04)
+    assert ours.aux_loss_enabled and ref.aux_loss_enabled
+    _same_metric(ours, ref, "aux_loss")
+
+
+def test_moe_trains_with_every_method(tiny_moe, tmp_path):
+    trainer = build(GBCGRPOTrainer, tiny_moe, tmp_path, loss_type="dapo", beta=0.04,
+                    max_steps=2, gbc_ar_alpha=0.3, gbc_lopti_eta=0.5, gbc_nthr=True,
+                    gbc_critical_kl_exponent=2.0, num_iterations=2)
+    trainer.train()
+    logged = {k for row in trainer.state.log_history for k in row}
+    assert "aux_loss" in logged and trainer.state.global_step == 2
+
+
 def _trl_ddp_worker(rank, world, tiny, out_dir, gbc_options, trl_options=None):
     """Both trainers, the same seed and data, under accelerate's multi-CPU (gloo) DDP."""
     final = {}

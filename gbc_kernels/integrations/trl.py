@@ -182,10 +182,6 @@ class GBCGRPOTrainer(GRPOTrainer):
 
     def _gbc_check_model(self):
         args = self.gbc_args
-        if self.aux_loss_enabled:
-            raise ValueError("GBCGRPOTrainer: the MoE router auxiliary loss (router_aux_loss_coef "
-                             "with output_router_logits) is not supported; set "
-                             "router_aux_loss_coef=0")
         unwrapped = self.accelerator.unwrap_model(self.model)
         if hasattr(unwrapped, "peft_config"):
             raise ValueError("GBCGRPOTrainer: PEFT models are not supported yet")
@@ -338,9 +334,11 @@ class GBCGRPOTrainer(GRPOTrainer):
             else completion_mask * inputs["tool_mask"]
 
         unwrapped = self.accelerator.unwrap_model(model)
+        extra = {"output_router_logits": True} if self.aux_loss_enabled else {}
         with self.accelerator.autocast():
-            hidden = hf.hidden_states_through_forward(model, input_ids, attention_mask, T,
-                                                      unwrapped=unwrapped)
+            hidden, outputs = hf.hidden_states_through_forward(
+                model, input_ids, attention_mask, T, unwrapped=unwrapped, return_outputs=True,
+                **extra)
         head = hf.lm_head(unwrapped)
         if hidden.dtype != head.weight.dtype:      # cast_lm_head_to_fp32, or autocast output
             hidden = hidden.to(head.weight.dtype)
@@ -383,6 +381,12 @@ class GBCGRPOTrainer(GRPOTrainer):
             loss = loss / accumulation
         if self._entropy_bonus_enabled:
             self._gbc_entropy_bonus(mode, loss, metrics, coef_in_loss, accumulation, mask)
+        if self.aux_loss_enabled:
+            # MoE load balancing, from the same forward, added as TRL adds it
+            aux = outputs.aux_loss
+            loss = loss + self.router_aux_loss_coef * aux / accumulation
+            self._metrics[mode]["aux_loss"].append(
+                self.accelerator.gather_for_metrics(aux.detach()).mean().item())
         self._gbc_log(mode, metrics)
         return loss
 
