@@ -36,7 +36,7 @@ def reward_has_knight(completions, **kwargs):
     return [float("knight" in c) for c in completions]
 
 
-def build(cls, tiny, tmp_path, **options):
+def build(cls, tiny, tmp_path, peft_config=None, **options):
     args = dict(output_dir=str(tmp_path), per_device_train_batch_size=B, num_generations=B,
                 max_completion_length=MAX_LEN, report_to=[], use_cpu=True, bf16=False,
                 logging_steps=1, save_strategy="no", seed=0, learning_rate=1e-2)
@@ -45,9 +45,10 @@ def build(cls, tiny, tmp_path, **options):
     dataset = Dataset.from_dict({"prompt": ["you meet knights and knaves"] * 8})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        extra = {} if peft_config is None else {"peft_config": peft_config}
         return cls(model=AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32),
                    reward_funcs=reward_has_knight, args=config(**args), train_dataset=dataset,
-                   processing_class=AutoTokenizer.from_pretrained(tiny))
+                   processing_class=AutoTokenizer.from_pretrained(tiny), **extra)
 
 
 def make_inputs(trainer, seed):
@@ -388,6 +389,82 @@ def test_moe_trains_with_every_method(tiny_moe, tmp_path):
     trainer.train()
     logged = {k for row in trainer.state.log_history for k in row}
     assert "aux_loss" in logged and trainer.state.global_step == 2
+
+
+def _lora(**kw):
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(3)
+    cfg = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"],
+               init_lora_weights=False)       # B != 0: the adapter changes the loss
+    cfg.update(kw)
+    return peft.LoraConfig(**cfg)
+
+
+@pytest.mark.parametrize("opts", [
+    pytest.param(dict(loss_type="dapo"), id="lora"),
+    pytest.param(dict(loss_type="grpo", beta=0.04), id="lora-beta"),
+    pytest.param(dict(loss_type="dapo", beta=0.04, modules_to_save=["lm_head"]),
+                 id="lora-lm_head-modules_to_save"),
+])
+def test_peft_lora_matches_grpo_trainer(tiny, tmp_path, opts):
+    """LoRA adapters (and a trainable copy of the lm_head): the same loss and adapter
+    gradients as GRPOTrainer; with beta, TRL's reference is the base model (adapter disabled)."""
+    opts = dict(opts)
+    lora = dict(modules_to_save=opts.pop("modules_to_save", None))
+    ref = build(trl.GRPOTrainer, tiny, tmp_path / "ref", peft_config=_lora(**lora), **opts)
+    ours = build(GBCGRPOTrainer, tiny, tmp_path / "ours", peft_config=_lora(**lora), **opts)
+    inputs = make_inputs(ref, seed=19)
+    assert_same_loss_and_grads(ours, ref, inputs, accumulation=1)
+    trained = {n for n, p in ours.model.named_parameters() if p.requires_grad}
+    assert any("lora_" in n for n in trained)
+    if lora["modules_to_save"]:
+        assert any("modules_to_save" in n and "lm_head" in n for n in trained)
+
+
+def test_peft_lora_on_the_lm_head_folds_the_adapter(tiny):
+    """LoRA on the lm_head itself (which TRL refuses): hf.lm_head folds the adapter, and the
+    fused loss's gradients reach lora_A and lora_B as full logits would send them."""
+    peft = pytest.importorskip("peft")
+    import gbc_kernels as gbc
+    from gbc_kernels.integrations import hf
+
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float64),
+                                _lora(target_modules=["q_proj", "lm_head"]))
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, model.config.vocab_size, (3, 7), generator=g)
+    attn = torch.ones_like(ids)
+    adv = torch.randn(3, generator=g, dtype=torch.float64)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    grads = []
+    for fused in (True, False):
+        model.zero_grad()
+        if fused:
+            head = hf.lm_head(model)
+            h = hf.completion_hidden(model, ids, attn, completion_len=4)
+            loss, _ = gbc.fused_linear_policy_loss(h, head.weight, ids[:, -4:], mask, adv,
+                                                   bias=head.bias, backend="torch")
+        else:
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, -5:-1].double()
+            logp = torch.log_softmax(logits, -1).gather(-1, ids[:, -4:, None])[..., 0]
+            loss = -(adv[:, None] * torch.exp(logp - logp.detach())).mean()
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
+    assert any("lm_head.lora_B" in n for n in grads[0])
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[1]:
+        assert torch.allclose(grads[0][n], grads[1][n], rtol=1e-8, atol=1e-12), n
+
+
+def test_peft_trains_with_every_method(tiny, tmp_path):
+    trainer = build(GBCGRPOTrainer, tiny, tmp_path, peft_config=_lora(), loss_type="dapo",
+                    beta=0.04, max_steps=2, gbc_ar_alpha=0.3, gbc_lopti_eta=0.5, gbc_nthr=True,
+                    gbc_critical_kl_exponent=2.0, num_iterations=2)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all("lora_" in n for n in moved)
+    assert trainer.state.global_step == 2
 
 
 def _trl_ddp_worker(rank, world, tiny, out_dir, gbc_options, trl_options=None):

@@ -18,11 +18,37 @@ class LMHead(NamedTuple):
 
 
 def lm_head(model) -> LMHead:
+    """The lm_head's weight and bias as the model's forward uses them. PEFT: a
+    ``modules_to_save`` head gives its trained copy; a LoRA adapter on the head gives the adapted
+    weight ``W + sum_a s_a B_a A_a`` (differentiable in A and B; an adapter with dropout on the
+    head cannot be folded into a weight and raises)."""
     head = model.get_output_embeddings()
     if head is None or not hasattr(head, "weight"):
         raise ValueError(f"model: {type(model).__name__} has no output embedding (lm_head) "
                          "with a weight")
+    if hasattr(head, "lora_A") and hasattr(head, "base_layer"):
+        return _lora_head(head)
     return LMHead(head.weight, getattr(head, "bias", None))
+
+
+def _lora_head(head) -> LMHead:
+    base = head.base_layer
+    weight = base.weight
+    if getattr(head, "disable_adapters", False) or getattr(head, "merged", False):
+        return LMHead(weight, getattr(base, "bias", None))
+    for name in head.active_adapters:
+        if name not in head.lora_A:
+            continue
+        drop = head.lora_dropout[name]
+        if isinstance(drop, torch.nn.Dropout) and drop.p > 0 and head.training:
+            raise ValueError(f"model: the LoRA adapter {name!r} on the lm_head has dropout "
+                             f"{drop.p}; the fused loss folds the adapter into the head's weight, "
+                             "which dropout on the head's input forbids (use lora_dropout=0)")
+        if getattr(head, "use_dora", {}).get(name, False):
+            raise ValueError(f"model: the DoRA adapter {name!r} on the lm_head is not supported")
+        a, b = head.lora_A[name].weight, head.lora_B[name].weight
+        weight = weight + head.scaling[name] * (b @ a).to(weight.dtype)
+    return LMHead(weight, getattr(base, "bias", None))
 
 
 def decoder(model):

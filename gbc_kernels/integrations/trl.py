@@ -183,15 +183,15 @@ class GBCGRPOTrainer(GRPOTrainer):
     def _gbc_check_model(self):
         args = self.gbc_args
         unwrapped = self.accelerator.unwrap_model(self.model)
-        if hasattr(unwrapped, "peft_config"):
-            raise ValueError("GBCGRPOTrainer: PEFT models are not supported yet")
         hf.lm_head(unwrapped)
         hf.decoder(unwrapped)
         self._gbc_temperature = self.temperature / _logit_scale(unwrapped)
         self._gbc_softcap = hf.logit_softcap(unwrapped)
-        if args.gbc_critical_kl_exponent is not None and self.ref_model is None:
-            raise ValueError("gbc_critical_kl_exponent: needs a separate reference model "
-                             "(trainer.ref_model is None)")
+        if (args.gbc_critical_kl_exponent is not None and self.ref_model is None
+                and not hasattr(unwrapped, "disable_adapter")):
+            raise ValueError("gbc_critical_kl_exponent: needs a reference model (trainer.ref_model"
+                             " is None and the model is not a PEFT model whose base serves as "
+                             "the reference)")
         if args.gbc_lopti_eta is not None:
             from accelerate.utils import DistributedType
             if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
@@ -258,9 +258,13 @@ class GBCGRPOTrainer(GRPOTrainer):
             self._metrics["train"]["gbc/nthr_selected"].append(
                 self.accelerator.gather(selected).mean().item())
         if crit:
-            with torch.no_grad():
+            ref_model, ctx = self.ref_model, contextlib.nullcontext()
+            if ref_model is None:       # PEFT: the base model, adapter disabled (as TRL does)
+                ref_model = self.accelerator.unwrap_model(self.model)
+                ctx = ref_model.disable_adapter()
+            with torch.no_grad(), ctx:
                 ref = hf.reference_pass(
-                    self.ref_model, input_ids, attention_mask, completion_ids,
+                    ref_model, input_ids, attention_mask, completion_ids,
                     temperature=self._gbc_temperature,
                     critical_kl_exponent=args.gbc_critical_kl_exponent,
                     certainty=args.gbc_critical_kl_certainty,
