@@ -114,6 +114,88 @@ def hidden_states_through_forward(model, input_ids, attention_mask=None, complet
     return (h, outputs) if return_outputs else h
 
 
+def _unwrap(model):
+    """The transformers (or PEFT) model inside DDP / accelerate wrappers."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def policy_loss_through_forward(model, input_ids, attention_mask, completion_len: int, mask,
+                                advantages, old_logp=None, ref_logp=None, config=None,
+                                unwrapped=None, return_outputs: bool = False,
+                                model_kwargs: Optional[dict] = None, **loss_kwargs):
+    """The fused GRPO loss computed **inside** ``model``'s forward (SPEC §11).
+
+    ``model`` may be wrapped (DDP, accelerate, FSDP2's ``fully_shard``, DeepSpeed ZeRO-3) or a
+    PEFT model. For the duration of one ``model(...)`` call the ``lm_head`` module's ``forward``
+    is replaced by one that runs :func:`gbc_kernels.fused_linear_policy_loss` on the hidden
+    states it receives and on the weight it holds at that moment (FSDP2 and ZeRO-3 gather it
+    for the module's forward; a PEFT adapter on the head is folded in, see :func:`lm_head`), and
+    returns ``[B, T + 1, 1]`` zeros tied to the loss in place of the logits. So every wrapper
+    sees an ordinary forward and backward: its hooks gather and free the head's parameters and
+    reduce their gradients. No ``[B, T, V]`` logits are formed.
+
+    ``completion_len = T``: the loss covers the last ``T`` tokens of ``input_ids`` (targets),
+    with ``mask``, ``advantages``, ``old_logp``, ``ref_logp`` and ``loss_kwargs`` as
+    :func:`gbc_kernels.fused_linear_policy_loss` takes them (``[B, T]``). The model's final-logit
+    soft-capping is applied unless ``config`` sets its own. ``model_kwargs`` go to the model's
+    forward (e.g. ``output_router_logits=True``). Returns ``(loss, metrics)``, or
+    ``(loss, metrics, outputs)`` with ``return_outputs=True``.
+    """
+    import dataclasses
+
+    import gbc_kernels as gbc
+
+    inner = _unwrap(model) if unwrapped is None else unwrapped
+    head_mod = inner.get_output_embeddings()
+    if head_mod is None:
+        raise ValueError(f"model: {type(inner).__name__} has no output embedding (lm_head)")
+    T = int(completion_len)
+    if T <= 0:
+        raise ValueError(f"completion_len: expected a positive int, got {completion_len!r}")
+    cfg = config if isinstance(config, gbc.PolicyLossConfig) else (
+        gbc.PolicyLossConfig() if config is None else gbc.PolicyLossConfig.from_dict(config))
+    cap = logit_softcap(inner)
+    if cap is not None and cfg.logit_softcap is None:
+        cfg = dataclasses.replace(cfg, logit_softcap=cap)
+    captured = {}
+
+    def head_forward(hidden, *args, **kwargs):
+        head = lm_head(inner)                  # the weight as the wrapper holds it right now
+        h = hidden[:, -(T + 1):-1]
+        if h.dtype != head.weight.dtype:       # autocast output, or an fp32 head
+            h = h.to(head.weight.dtype)
+        # the chunk loop picks its own dtypes (its matmuls write into preallocated buffers)
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            loss, metrics = gbc.fused_linear_policy_loss(
+                h, head.weight, input_ids[:, -T:], mask, advantages, old_logp=old_logp,
+                ref_logp=ref_logp, bias=head.bias, config=cfg, **loss_kwargs)
+        captured["loss"], captured["metrics"] = loss, metrics
+        # stand-in logits, tied to the loss so that the wrapper's backward hooks on this
+        # module's output run before the loss's backward
+        return hidden[:, -(T + 1):, :1] * 0 + loss.to(hidden.dtype)
+
+    had_own = "forward" in head_mod.__dict__
+    own = head_mod.__dict__.get("forward")
+    head_mod.forward = head_forward
+    try:
+        outputs = model(input_ids=input_ids, attention_mask=attention_mask,
+                        logits_to_keep=T + 1, use_cache=False, **(model_kwargs or {}))
+    finally:
+        if had_own:
+            head_mod.forward = own
+        else:
+            del head_mod.forward
+    if "loss" not in captured:
+        raise RuntimeError("model: its forward did not call its lm_head")
+    # the stand-in logits contribute 0 to the value and to every gradient
+    loss = captured["loss"] + (outputs.logits.float() * 0).sum()
+    if return_outputs:
+        return loss, captured["metrics"], outputs
+    return loss, captured["metrics"]
+
+
 class OldPolicyPass(NamedTuple):
     old_logp: torch.Tensor                 # [B, T] float32
     token_scale: Optional[torch.Tensor]    # [B, T] NTHR scale (None when NTHR is off)

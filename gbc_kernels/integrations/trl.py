@@ -337,16 +337,6 @@ class GBCGRPOTrainer(GRPOTrainer):
         mask = completion_mask if "tool_mask" not in inputs \
             else completion_mask * inputs["tool_mask"]
 
-        unwrapped = self.accelerator.unwrap_model(model)
-        extra = {"output_router_logits": True} if self.aux_loss_enabled else {}
-        with self.accelerator.autocast():
-            hidden, outputs = hf.hidden_states_through_forward(
-                model, input_ids, attention_mask, T, unwrapped=unwrapped, return_outputs=True,
-                **extra)
-        head = hf.lm_head(unwrapped)
-        if hidden.dtype != head.weight.dtype:      # cast_lm_head_to_fp32, or autocast output
-            hidden = hidden.to(head.weight.dtype)
-
         token_scale = inputs.get("gbc_token_scale")
         is_ratio = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
@@ -372,15 +362,21 @@ class GBCGRPOTrainer(GRPOTrainer):
         sampling = None
         if self.off_policy_mask_threshold is not None:
             sampling = inputs.get("sampling_per_token_logps")
-        loss, metrics = gbc.fused_linear_policy_loss(
-            hidden, head.weight, completion_ids, mask, inputs["advantages"],
-            old_logp=inputs.get("old_per_token_logps"),
-            ref_logp=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
-            bias=head.bias, token_scale=token_scale, kl_weight=inputs.get("gbc_kl_weight"),
-            config=self._gbc_config(coef_in_loss), phase=self._gbc_phase,
-            num_items_in_batch=num_items, backend=args.gbc_backend, is_ratio=is_ratio,
-            sampling_logp=sampling,
-            data_parallel_group="world" if self.accelerator.num_processes > 1 else None)
+        # the loss inside the model's forward: DDP, FSDP2, ZeRO-3 and PEFT see an ordinary
+        # forward of the lm_head and route its gradients (hf.policy_loss_through_forward)
+        extra = {"output_router_logits": True} if self.aux_loss_enabled else {}
+        with self.accelerator.autocast():
+            loss, metrics, outputs = hf.policy_loss_through_forward(
+                model, input_ids, attention_mask, T, mask, inputs["advantages"],
+                old_logp=inputs.get("old_per_token_logps"),
+                ref_logp=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
+                config=self._gbc_config(coef_in_loss),
+                unwrapped=self.accelerator.unwrap_model(model), return_outputs=True,
+                model_kwargs=extra, token_scale=token_scale,
+                kl_weight=inputs.get("gbc_kl_weight"), phase=self._gbc_phase,
+                num_items_in_batch=num_items, backend=args.gbc_backend, is_ratio=is_ratio,
+                sampling_logp=sampling,
+                data_parallel_group="world" if self.accelerator.num_processes > 1 else None)
         if lt not in NUM_ITEMS_LOSS_TYPES:
             loss = loss / accumulation
         if self._entropy_bonus_enabled:
