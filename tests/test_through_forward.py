@@ -147,3 +147,43 @@ def test_fsdp2_two_ranks_equal_one_process_full_logits():
         assert rank_grads.keys() == want.keys()
         for n, g in want.items():
             assert torch.allclose(rank_grads[n], g, rtol=1e-7, atol=1e-10), n
+
+
+def test_zero3_style_parameters_that_exist_only_inside_the_forward():
+    """A stand-in for DeepSpeed ZeRO-3 (not installable on this CPU machine): the lm_head's
+    weight holds no data outside its module's forward; a pre-forward hook gathers it, a
+    post-forward hook frees it, and a backward pre-hook gathers it again before its gradient
+    is accumulated (ZeRO-3's hooks do the same). The loss computed inside the forward gives the
+    gradients of full logits; a loss computed outside it could not even read the weight."""
+    model = _model()
+    head = model.lm_head
+    full = head.weight.detach().clone()
+    events = []
+
+    def gather(*_):
+        head.weight.data = full.clone()
+        events.append("gather")
+
+    def free(*_):
+        head.weight.data = torch.empty(0, dtype=full.dtype)
+        events.append("free")
+
+    head.register_forward_pre_hook(gather)
+    head.register_forward_hook(free)
+    head.register_full_backward_pre_hook(lambda *_: gather())
+    free()
+    ids, attn, mask, adv, old = _batch()
+    cfg = gbc.PolicyLossConfig(epsilon_high=0.28)
+    loss, _ = hf.policy_loss_through_forward(model, ids, attn, T, mask, adv, old, config=cfg,
+                                             backend="torch")
+    assert head.weight.numel() == 0                     # freed after the forward
+    loss.backward()
+    assert events[-1] == "gather"                       # gathered again for the backward
+    ours = _grads(model)
+
+    plain = _model()
+    _plain_loss(plain, ids, attn, mask, adv, old, cfg).backward()
+    want = _grads(plain)
+    assert ours.keys() == want.keys()
+    for n, g in want.items():
+        assert torch.allclose(ours[n], g, rtol=1e-8, atol=1e-12), n
