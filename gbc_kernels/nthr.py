@@ -121,11 +121,8 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
     if data_parallel_group is not None:
         check_whole_groups(group_ids, data_parallel_group)
     if vocab_parallel is not None:
-        if logit_softcap is not None:
-            raise ValueError("logit_softcap: not supported with vocab_parallel yet; "
-                             "expected None")
         from . import vocab_parallel as _vp
-        sl = _vp.check(vocab_parallel, weight, bias, device)
+        sl = _vp.check(vocab_parallel, weight, bias, device, logit_softcap)
         if logp is not None:
             V.check_tensor("logp", logp, shape=(B, T), floating=True, device=device)
         return _vp.nthr_scale(hidden, weight, bias, V.check_targets(targets, sl.vocab, m), m,

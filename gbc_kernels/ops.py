@@ -148,8 +148,7 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
                            kl_weight, cfg, is_ratio, sampling_logp)
     threshold_fn = _threshold_fn(data_parallel_group, cfg)
     if vocab_parallel is not None:
-        _check_vp_softcap(cfg.logit_softcap)
-        sl = _vp.check(vocab_parallel, weight, bias, device)
+        sl = _vp.check(vocab_parallel, weight, bias, device, cfg.logit_softcap)
         return _vp.policy_loss(hidden, weight, bias, V.check_targets(targets, sl.vocab, m), m,
                                adv, old_logp, ref_logp, token_scale,
                                kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase,
@@ -167,12 +166,6 @@ def _check_softcap(softcap):
     if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0
                                     and math.isfinite(softcap)):
         raise ValueError(f"logit_softcap: expected None or a finite float > 0, got {softcap!r}")
-
-
-def _check_vp_softcap(softcap):
-    if softcap is not None:
-        raise ValueError("logit_softcap: not supported with vocab_parallel yet (the split "
-                         "vocabulary's passes take uncapped logits); expected None")
 
 
 def _threshold_fn(data_parallel_group, cfg):
@@ -198,8 +191,7 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     V.check_tensor("targets", targets, shape=hidden.shape[:-1], integer=True, device=hidden.device)
     _check_softcap(logit_softcap)
     if vocab_parallel is not None:
-        _check_vp_softcap(logit_softcap)
-        sl = _vp.check(vocab_parallel, weight, bias, hidden.device)
+        sl = _vp.check(vocab_parallel, weight, bias, hidden.device, logit_softcap)
         return _vp.logprobs(hidden, weight, bias, V.check_targets(targets, sl.vocab),
                             temperature, return_entropy, sl)
     safe = V.check_targets(targets, weight.shape[0]).reshape(-1)
@@ -252,8 +244,7 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
     V.check_tensor("targets", targets, shape=hidden.shape[:-1], integer=True, device=hidden.device)
     _check_softcap(logit_softcap)
     if vocab_parallel is not None:
-        _check_vp_softcap(logit_softcap)
-        sl = _vp.check(vocab_parallel, weight, bias, hidden.device)
+        sl = _vp.check(vocab_parallel, weight, bias, hidden.device, logit_softcap)
         return TokenStats(*_vp.token_stats(hidden, weight, bias, V.check_targets(targets, sl.vocab),
                                            float(temperature), certainty,
                                            float(certainty_temperature), sl))

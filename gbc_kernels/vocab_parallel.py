@@ -52,6 +52,7 @@ class _Slice:
     start: int
     end: int
     vocab: int          # V of the full vocabulary
+    softcap: Optional[float] = None     # final-logit soft-capping c (logits c tanh(x / c))
 
 
 def resolve_group(name: str, group):
@@ -68,7 +69,7 @@ def resolve_group(name: str, group):
     return group
 
 
-def check(vp, weight, bias, device) -> _Slice:
+def check(vp, weight, bias, device, softcap=None) -> _Slice:
     """Validate ``vocab_parallel`` against the weight shard and the other ranks' slices (one
     all_gather of two integers)."""
     if not isinstance(vp, VocabParallel):
@@ -100,18 +101,22 @@ def check(vp, weight, bias, device) -> _Slice:
             raise ValueError(f"vocab_parallel: the ranks' slices {slices} do not tile [0, V) "
                              f"(gap or overlap at {min(s, covered)})")
         covered = e
-    return _Slice(group, vp.start, vp.end, covered)
+    return _Slice(group, vp.start, vp.end, covered,
+                  None if softcap is None else float(softcap))
 
 
 def _ct(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunk_logits(hc, weight, bias, inv_temp, ct):
+def _chunk_logits(hc, weight, bias, inv_temp, ct, softcap=None):
     z = hc @ weight.t()
     if bias is not None:
         z = z + bias
-    return z.to(ct) * inv_temp
+    z = z.to(ct)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z * inv_temp
 
 
 def _local_in_slice(y, sl: _Slice):
@@ -132,7 +137,7 @@ def row_stats(h2, weight, bias, y, sl: _Slice, temperature):
     rows = _chunking.rows_per_chunk(n, weight.shape[0], 3, device)
     for s in range(0, n, rows):
         e = min(n, s + rows)
-        z = _chunk_logits(h2[s:e], weight, bias, inv_temp, ct)
+        z = _chunk_logits(h2[s:e], weight, bias, inv_temp, ct, sl.softcap)
         mc = z.max(-1).values
         ez = torch.exp(z - mc[:, None])
         m[s:e] = mc
@@ -167,7 +172,7 @@ def grads(h2, weight, bias, y, sl: _Slice, temperature, lse, entropy, g_logp, g_
     for s in range(0, n, rows):
         e = min(n, s + rows)
         hc = h2[s:e]
-        z = _chunk_logits(hc, weight, bias, inv_temp, ct)
+        z = _chunk_logits(hc, weight, bias, inv_temp, ct, sl.softcap)
         p = torch.exp(z - lse[s:e, None])
         gl = g_logp[s:e, None].to(ct)
         G = -p * gl
@@ -176,7 +181,10 @@ def grads(h2, weight, bias, y, sl: _Slice, temperature, lse, entropy, g_logp, g_
         if g_entropy is not None:
             mean_z = (lse - entropy)[s:e, None]            # Σ p z = LSE - H
             G -= g_entropy[s:e, None].to(ct) * p * (z - mean_z)
-        G = (G * inv_temp).to(weight.dtype)
+        G = G * inv_temp
+        if sl.softcap is not None:        # d(c tanh(x / c))/dx = 1 - (s / c)^2, s = z / inv_temp
+            G = G * (1.0 - (z / (inv_temp * sl.softcap)) ** 2)
+        G = G.to(weight.dtype)
         if gh is not None:
             gh[s:e] = G @ weight
         if gw is not None:
@@ -344,4 +352,4 @@ def nthr_scale(hidden, weight, bias, safe_targets, mask, group_ids, correct, tem
     compact = torch.where(mask, compact, torch.zeros_like(compact))
     return nthr_one_device(hidden, rows, compact, mask, group_ids, correct, bias=b,
                            temperature=temperature, beta=beta, eta=eta, backend=backend,
-                           logp=logp)
+                           logp=logp, logit_softcap=sl.softcap)

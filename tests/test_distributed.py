@@ -148,6 +148,8 @@ VP_CASES = [
                            entropy_agg="token-mean"), None),
     ("vespo-off-policy", dict(objective="vespo", off_policy_mask_threshold=0.05, kl_coef=0.05),
      None),
+    ("softcap", dict(loss_agg="grpo", kl_coef=0.05, entropy_coef=0.02, logit_softcap=1.0,
+                     temperature=0.8), None),
 ]
 
 
@@ -198,6 +200,18 @@ def _all_calls(batch, group_ids, correct, upstream, lo=0, hi=VP_V, vp=None):
     res = gbc.nthr_scale(batch["hidden"], w0, batch["targets"], batch["mask"], group_ids,
                          correct, bias=b0, beta=0.0, **kw)
     out["nthr"] = (res.scale, res.selected, res.scores)
+    # final-logit soft-capping through the split passes
+    h, w, b = _leaves(batch, lo, hi)
+    logp, ent = gbc.fused_linear_logprobs(h, w, targets, bias=b, return_entropy=True,
+                                          logit_softcap=1.0, **kw)
+    ((logp * upstream[0]).sum() + (ent * upstream[1]).sum()).backward()
+    out["logprobs-softcap"] = (logp.detach(), ent.detach(), h.grad, w.grad, b.grad)
+    st = gbc.token_stats(batch["hidden"], w0, targets, bias=b0, certainty="max_prob",
+                         logit_softcap=1.0, **kw)
+    out["stats-softcap"] = tuple(st)
+    res = gbc.nthr_scale(batch["hidden"], w0, batch["targets"], batch["mask"], group_ids,
+                         correct, bias=b0, beta=0.0, logit_softcap=1.0, **kw)
+    out["nthr-softcap"] = (res.scale, res.selected, res.scores)
     return out
 
 
@@ -278,6 +292,15 @@ def test_vocab_parallel_equals_single_process(world):
         scale, selected, scores = out["nthr"]
         assert torch.equal(selected, truth["nthr"][1]) and close(scale, truth["nthr"][0])
         assert close(scores, truth["nthr"][2])
+        logp, ent, gh, gw, gb = out["logprobs-softcap"]
+        tlogp, tent, tgh, tgw, tgb = truth["logprobs-softcap"]
+        assert close(logp, tlogp) and close(ent, tent) and not close(logp, truth["logprobs"][0])
+        assert close(gh, tgh) and close(gw, tgw[lo:hi]) and close(gb, tgb[lo:hi])
+        for got, want in zip(out["stats-softcap"], truth["stats-softcap"]):
+            assert close(got, want)
+        scale, selected, scores = out["nthr-softcap"]
+        assert torch.equal(selected, truth["nthr-softcap"][1])
+        assert close(scores, truth["nthr-softcap"][2])
         assert truth["nthr"][1].any()                    # NTHR did select tokens here
         assert "vocab_parallel.group" in errors["group"]
         assert "do not tile" in errors["tiling"]
