@@ -421,6 +421,26 @@ def test_peft_lora_matches_grpo_trainer(tiny, tmp_path, opts):
         assert any("modules_to_save" in n and "lm_head" in n for n in trained)
 
 
+def test_ready_peft_model_matches_grpo_trainer(tiny, tmp_path):
+    """A PeftModel built by the user (not peft_config=): the same loss and adapter gradients."""
+    peft = pytest.importorskip("peft")
+    trainers = []
+    for cls in (trl.GRPOTrainer, GBCGRPOTrainer):
+        model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32),
+                                    _lora())
+        args = trl.GRPOConfig(output_dir=str(tmp_path / cls.__name__),
+                              per_device_train_batch_size=B, num_generations=B,
+                              max_completion_length=MAX_LEN, report_to=[], use_cpu=True,
+                              loss_type="dapo", beta=0.04, bf16=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainers.append(cls(model=model, reward_funcs=reward_has_knight, args=args,
+                                train_dataset=Dataset.from_dict({"prompt": ["a"] * 8}),
+                                processing_class=AutoTokenizer.from_pretrained(tiny)))
+    ref, ours = trainers
+    assert_same_loss_and_grads(ours, ref, make_inputs(ref, seed=23), accumulation=1)
+
+
 def test_peft_lora_on_the_lm_head_folds_the_adapter(tiny):
     """LoRA on the lm_head itself (which TRL refuses): hf.lm_head folds the adapter, and the
     fused loss's gradients reach lora_A and lora_B as full logits would send them."""
