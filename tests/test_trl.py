@@ -421,6 +421,19 @@ def test_peft_lora_matches_grpo_trainer(tiny, tmp_path, opts):
         assert any("modules_to_save" in n and "lm_head" in n for n in trained)
 
 
+def test_peft_prompt_tuning_matches_grpo_trainer(tiny, tmp_path):
+    """A prompt-learning adapter (virtual tokens prepended by the PeftModel's forward): the loss
+    inside the forward sees the same positions as TRL's logits."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(6)
+    pc = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    ref = build(trl.GRPOTrainer, tiny, tmp_path / "ref", peft_config=pc, loss_type="dapo")
+    torch.manual_seed(6)
+    pc = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    ours = build(GBCGRPOTrainer, tiny, tmp_path / "ours", peft_config=pc, loss_type="dapo")
+    assert_same_loss_and_grads(ours, ref, make_inputs(ref, seed=29), accumulation=1)
+
+
 def test_ready_peft_model_matches_grpo_trainer(tiny, tmp_path):
     """A PeftModel built by the user (not peft_config=): the same loss and adapter gradients."""
     peft = pytest.importorskip("peft")
