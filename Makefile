@@ -9,6 +9,7 @@ install:
 	$(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -r requirements-dev.txt
 	$(PYTHON) -m pip install -q --no-deps -r requirements-verl.txt
+	DS_BUILD_OPS=0 $(PYTHON) -m pip install -q --no-build-isolation --no-deps deepspeed==0.19.8
 	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
 
 demo: install

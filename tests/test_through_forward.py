@@ -187,3 +187,44 @@ def test_zero3_style_parameters_that_exist_only_inside_the_forward():
     assert ours.keys() == want.keys()
     for n, g in want.items():
         assert torch.allclose(ours[n], g, rtol=1e-8, atol=1e-12), n
+
+
+def _zero3_worker(rank, world):
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _model(dtype=torch.float32)
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(),
+        config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+                "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+                "zero_allow_untested_optimizer": True})
+    outside = engine.module.lm_head.weight.numel()     # ZeRO-3: no data outside a forward
+    ids, attn, mask, adv, old = _batch()
+    rows = torch.arange(ids.shape[0]).chunk(world)[rank]
+    cfg = gbc.PolicyLossConfig(epsilon_high=0.28)
+    loss, _ = hf.policy_loss_through_forward(
+        engine, ids[rows], attn[rows], T, mask[rows], adv[rows].float(), old[rows].float(),
+        config=cfg, backend="torch", num_items_in_batch=int(mask.sum()), unwrapped=engine.module)
+    engine.backward(loss)
+    # ZeRO averages gradients over ranks; each rank's loss is its share of the global mean
+    grads = {n: safe_get_full_grad(p) * world for n, p in engine.module.named_parameters()}
+    return outside, grads
+
+
+def test_deepspeed_zero3_two_ranks_equal_one_process_full_logits():
+    pytest.importorskip("deepspeed")
+    got = spawn_gloo(2, _zero3_worker)
+    model = _model(dtype=torch.float32)
+    ids, attn, mask, adv, old = _batch()
+    _plain_loss(model, ids, attn, mask, adv, old, gbc.PolicyLossConfig(epsilon_high=0.28)).backward()
+    want = _grads(model)
+    for outside, grads in got:
+        assert outside == 0
+        for n, g in want.items():
+            assert max_rel(grads[n], g) <= 1e-5, n
+
+
+def max_rel(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-12))
