@@ -347,10 +347,10 @@ def test_softcapped_gemma2_matches_grpo_trainer(tiny_gemma, tmp_path, loss_type,
 
 def test_softcapped_gemma2_trains_with_every_method(tiny_gemma, tmp_path):
     trainer = build(GBCGRPOTrainer, tiny_gemma, tmp_path, loss_type="dapo", beta=0.04,
-                    max_steps=2, gbc_ar_alpha=0.3, gbc_lopti_eta=0.5, gbc_nthr=True,
+                    max_steps=3, gbc_ar_alpha=0.3, gbc_lopti_eta=0.5, gbc_nthr=True,
                     gbc_critical_kl_exponent=2.0, num_iterations=2)
     trainer.train()
-    assert trainer.state.global_step == 2
+    assert trainer.state.global_step == 3
     for row in trainer.state.log_history:
         if "loss" in row:
             assert row["loss"] == row["loss"]
@@ -384,11 +384,11 @@ def test_moe_router_aux_loss_matches_grpo_trainer(tiny_moe, tmp_path, loss_type)
 
 def test_moe_trains_with_every_method(tiny_moe, tmp_path):
     trainer = build(GBCGRPOTrainer, tiny_moe, tmp_path, loss_type="dapo", beta=0.04,
-                    max_steps=2, gbc_ar_alpha=0.3, gbc_lopti_eta=0.5, gbc_nthr=True,
+                    max_steps=3, gbc_ar_alpha=0.3, gbc_lopti_eta=0.5, gbc_nthr=True,
                     gbc_critical_kl_exponent=2.0, num_iterations=2)
     trainer.train()
     logged = {k for row in trainer.state.log_history for k in row}
-    assert "aux_loss" in logged and trainer.state.global_step == 2
+    assert "aux_loss" in logged and trainer.state.global_step == 3
 
 
 def _lora(**kw):
@@ -491,13 +491,13 @@ def test_peft_lora_on_the_lm_head_folds_the_adapter(tiny):
 
 def test_peft_trains_with_every_method(tiny, tmp_path):
     trainer = build(GBCGRPOTrainer, tiny, tmp_path, peft_config=_lora(), loss_type="dapo",
-                    beta=0.04, max_steps=2, gbc_ar_alpha=0.3, gbc_lopti_eta=0.5, gbc_nthr=True,
+                    beta=0.04, max_steps=3, gbc_ar_alpha=0.3, gbc_lopti_eta=0.5, gbc_nthr=True,
                     gbc_critical_kl_exponent=2.0, num_iterations=2)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
     assert moved and all("lora_" in n for n in moved)
-    assert trainer.state.global_step == 2
+    assert trainer.state.global_step == 3
 
 
 def _trl_ddp_worker(rank, world, tiny, out_dir, gbc_options, trl_options=None):
@@ -547,3 +547,35 @@ def test_under_accelerate_ddp_every_method_on(tiny, tmp_path):
     for name, p in ranks[0]["GBCGRPOTrainer"].items():
         assert torch.isfinite(p).all()
         assert torch.equal(p, ranks[1]["GBCGRPOTrainer"][name]), name
+
+
+def _trl_zero3_worker(rank, world, tiny, out_dir):
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
+    final = {}
+    for cls in (trl.GRPOTrainer, GBCGRPOTrainer):
+        trainer = build(cls, tiny, f"{out_dir}/{cls.__name__}", per_device_train_batch_size=4,
+                        num_generations=4, max_steps=2, loss_type="dapo", beta=0.04,
+                        optim="sgd", learning_rate=0.5, deepspeed=ds)
+        assert trainer.accelerator.distributed_type == "DEEPSPEED"
+        trainer.train()
+        final[cls.__name__] = {n: safe_get_full_fp32_param(p).clone()
+                               for n, p in trainer.model_wrapped.module.named_parameters()}
+    return final
+
+
+def test_under_deepspeed_zero3_same_training_as_grpo_trainer(tiny, tmp_path):
+    """accelerate + DeepSpeed ZeRO-3 on 2 CPU processes (gloo): the lm_head exists only inside
+    the forward, the loss is computed there; 2 SGD steps give GRPOTrainer's parameters."""
+    pytest.importorskip("deepspeed")
+    ranks = spawn_gloo(2, _trl_zero3_worker, tiny, str(tmp_path))
+    start = dict(AutoModelForCausalLM.from_pretrained(tiny).named_parameters())
+    for final in ranks:
+        ours, theirs = final["GBCGRPOTrainer"], final["GRPOTrainer"]
+        moved = 0
+        for name, p in theirs.items():
+            assert torch.allclose(ours[name], p, rtol=1e-4, atol=1e-6), name
+            moved += not torch.equal(p, start[name])
+        assert moved > 0
