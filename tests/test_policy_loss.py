@@ -69,6 +69,15 @@ def check_against(out, truth, rtol_loss, rtol_grad):
         assert abs(float(v) - float(tmetrics[k])) <= 1e-4 * max(1.0, abs(float(tmetrics[k]))), k
 
 
+def check_bf16(out, truth, rtol_loss, rtol_grad):
+    """bf16 results against float64: the loss within rtol_loss, each gradient bf16 and within
+    rtol_grad of its largest entry."""
+    assert abs(float(out[0]) - float(truth[0])) <= rtol_loss * max(1.0, abs(float(truth[0])))
+    for k, g in out[2].items():
+        assert g.dtype == torch.bfloat16
+        assert max_rel_err(g, truth[2][k]) <= rtol_grad, k
+
+
 @pytest.mark.parametrize("cfg,phase", CASES)
 def test_fp32_matches_float64_reference(backend, cfg, phase, small_chunks):
     # old_logp within ~0.6 nats of the policy: ratios on both sides of every clip bound

@@ -325,17 +325,20 @@ def tiny_gemma(tiny, tmp_path_factory):
     """A tiny Gemma-2 (final-logit soft-capping at 3: the cap bites) with the tiny tokenizer."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny_gemma2")
-    tok = AutoTokenizer.from_pretrained(tiny)
-    tok.save_pretrained(path)
     torch.manual_seed(1)
-    cfg = Gemma2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+    cfg = Gemma2Config(vocab_size=len(AutoTokenizer.from_pretrained(tiny)), hidden_size=32, intermediate_size=64,
                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                        head_dim=16, max_position_embeddings=256, pad_token_id=0, eos_token_id=2,
                        bos_token_id=1, final_logit_softcapping=3.0)
     model = Gemma2ForCausalLM(cfg)
     with torch.no_grad():                       # logits well past the cap
         model.lm_head.weight.mul_(40.0)
+    return _save_with_tokenizer(model, tiny, tmp_path_factory.mktemp("tiny_gemma2"))
+
+
+def _save_with_tokenizer(model, tiny, path):
+    """A model built in code, saved like a checkpoint with the tiny model's tokenizer."""
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(path)
     model.save_pretrained(path)
     return str(path)
 
@@ -362,17 +365,14 @@ def tiny_moe(tiny, tmp_path_factory):
     auxiliary loss on by default (the config's router_aux_loss_coef)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny_qwen3_moe")
-    tok = AutoTokenizer.from_pretrained(tiny)
-    tok.save_pretrained(path)
     torch.manual_seed(2)
-    cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+    cfg = Qwen3MoeConfig(vocab_size=len(AutoTokenizer.from_pretrained(tiny)), hidden_size=32, intermediate_size=64,
                          moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                          head_dim=16, max_position_embeddings=256, pad_token_id=0,
                          eos_token_id=2, router_aux_loss_coef=0.5)
-    Qwen3MoeForCausalLM(cfg).save_pretrained(path)
-    return str(path)
+    return _save_with_tokenizer(Qwen3MoeForCausalLM(cfg), tiny,
+                                tmp_path_factory.mktemp("tiny_qwen3_moe"))
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
