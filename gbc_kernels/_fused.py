@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from ._validate import no_double_backward as _no_double_backward
+
 from . import _chunking
 from ._loss_math import (TokenInputs, aggregation_weights, concat_terms, empty_metrics,
                          logp_grad_norm, local_ids, loss_terms, policy_metrics, term_weights)
@@ -314,6 +316,7 @@ class FusedPolicyLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        _no_double_backward()
         return (*scale_stored_grads(ctx, grad_loss), None)
 
 
@@ -413,6 +416,7 @@ class FusedLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy=None):
+        _no_double_backward()
         hidden2d, weight, bias, targets, lse, entropy = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

@@ -29,6 +29,9 @@ def check_tensor(name: str, t, shape: Optional[Sequence[int]] = None, floating: 
     """Raise TypeError/ValueError naming ``name``, the expected and the actual value."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type == "meta":
+        raise ValueError(f"{name}: expected a tensor with data (CPU or CUDA), got a tensor on the "
+                         "meta device (materialise the model's parameters first)")
     if floating and t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name}: expected a floating dtype (float16/bfloat16/float32/float64), "
                         f"got {t.dtype}")
@@ -82,6 +85,14 @@ def check_same_device(device: torch.device, **tensors):
         if t is not None and isinstance(t, torch.Tensor) and t.device != device:
             raise ValueError(f"{name}: expected a tensor on {device} (the device of hidden), "
                              f"got {t.device}")
+
+
+def no_double_backward():
+    """The fused gradients are computed analytically, not as a differentiable graph: refuse
+    ``create_graph=True`` (double backward) instead of returning a non-differentiable result."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("gbc_kernels: double backward (create_graph=True) is not supported; "
+                           "the fused losses and log-probs return first-order gradients only")
 
 
 def check_backend(backend: str):

@@ -110,6 +110,14 @@ class PolicyLossConfig:
     logit_softcap: Optional[float] = None
 
     def __post_init__(self):
+        for f in fields(self):
+            if f.name in _FLOAT_FIELDS:
+                v = getattr(self, f.name)
+                if v is None and f.name in _OPTIONAL_FIELDS:
+                    continue
+                if not _is_number(v):
+                    want = "None or a float" if f.name in _OPTIONAL_FIELDS else "a float"
+                    raise TypeError(f"{f.name}: expected {want}, got {type(v).__name__} {v!r}")
         for name in ("loss_agg", "kl_agg", "entropy_agg"):
             value = getattr(self, name)
             if value is None and name != "loss_agg":
@@ -230,6 +238,15 @@ class PolicyLossConfig:
             raise ValueError(f"config: unknown option(s) {unknown}; expected a subset of "
                              f"{sorted(names)}")
         return cls(**d)
+
+
+_FLOAT_FIELDS = ("epsilon_low", "epsilon_high", "clip_ratio_c", "temperature", "kl_coef",
+                 "entropy_coef", "ar_alpha", "lopti_eta", "delta", "sapo_temperature_pos",
+                 "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                 "vespo_lambda_neg", "top_entropy_quantile", "off_policy_mask_threshold",
+                 "logit_softcap", "max_len")
+_OPTIONAL_FIELDS = ("clip_ratio_c", "lopti_eta", "delta", "off_policy_mask_threshold",
+                    "logit_softcap", "max_len")
 
 
 def _is_number(v) -> bool:

@@ -7,6 +7,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ._validate import no_double_backward as _no_double_backward
+
 from . import _validate as V
 from . import vocab_parallel as _vp
 from ._fused import (FusedLogprobsFunction, FusedPolicyLossFunction, LossInputs, stats_sweep,
@@ -65,6 +67,15 @@ def _check_num_items(num_items_in_batch):
         if num_items_in_batch.numel() != 1:
             raise ValueError(f"num_items_in_batch: expected a number or a 1-element tensor, got "
                              f"shape {list(num_items_in_batch.shape)}")
+        if not V.value_checks_enabled():
+            return
+        if num_items_in_batch.device.type == "cpu":
+            if not float(num_items_in_batch) > 0:
+                raise ValueError(f"num_items_in_batch: expected a count > 0, got "
+                                 f"{float(num_items_in_batch)}")
+        else:   # no host sync: a device-side assertion
+            torch._assert_async(num_items_in_batch.reshape(()) > 0,
+                                "num_items_in_batch: expected a count > 0")
         return
     if not isinstance(num_items_in_batch, (int, float)) or not num_items_in_batch > 0:
         raise ValueError(f"num_items_in_batch: expected a number > 0, got {num_items_in_batch!r}")
@@ -300,6 +311,7 @@ class _PolicyLossFromLogp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        _no_double_backward()
         g, gH = ctx.saved_tensors
         dl = (g * grad).to(ctx.dtypes[0])
         dh = None if ctx.dtypes[1] is None else (gH * grad).to(ctx.dtypes[1])

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from ._validate import no_double_backward as _no_double_backward
 import torch.distributed as dist
 
 from . import _chunking
@@ -245,6 +247,7 @@ class _PolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        _no_double_backward()
         return (*scale_stored_grads(ctx, grad_loss), None)
 
 
@@ -277,6 +280,7 @@ class _Logprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy=None):
+        _no_double_backward()
         h, w, b, y, lse, ent = ctx.saved_tensors
         temperature, return_entropy, sl = ctx.cfg
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

@@ -122,3 +122,66 @@ def test_transform_errors():
         gbc.group_advantages(torch.ones(4), torch.zeros(4, dtype=torch.long), scale="mad")
     with pytest.raises(ValueError, match="exponent"):
         gbc.critical_kl_weight(torch.ones(3), exponent=0.0)
+
+
+# ---- bad and nasty input tried as a user would ------------------------------------------------
+
+def test_nan_hidden_state_propagates_into_the_loss(backend):
+    """A NaN on a masked-in row is not swallowed by a clip (Triton's max/min drop NaN)."""
+    batch = make_batch(seed=31)
+    h = batch["hidden"].clone()
+    b, t = batch["mask"].nonzero()[0].tolist()
+    h[b, t, 0] = float("nan")
+    loss, _ = gbc.fused_linear_policy_loss(h, batch["weight"], batch["targets"], batch["mask"],
+                                           batch["advantages"], batch["old_logp"],
+                                           backend=backend)
+    assert torch.isnan(loss)
+
+
+def test_torch_backend_bf16_temperature_in_float32():
+    """z / tau is formed in float32 from bf16 logits (not rounded to bf16 first)."""
+    batch = make_batch(B=2, T=8, H=32, V=300, dtype=torch.bfloat16, seed=5, logit_scale=8.0)
+    y = batch["targets"].clamp(min=0)
+    got, _ = gbc.fused_linear_logprobs(batch["hidden"], batch["weight"], y, temperature=0.7,
+                                       backend="torch")
+    z = (batch["hidden"] @ batch["weight"].T).float() / 0.7    # bf16 logits, fp32 after
+    want = torch.log_softmax(z, -1).gather(-1, y[..., None])[..., 0]
+    assert (got - want).abs().max() < 1e-3
+
+
+def test_num_items_tensor_not_positive_refused():
+    batch = make_batch(seed=1)
+    for bad in (torch.tensor(0.0), torch.tensor(-3)):
+        with pytest.raises(ValueError, match="num_items_in_batch: expected a count > 0"):
+            gbc.fused_linear_policy_loss(batch["hidden"], batch["weight"], batch["targets"],
+                                         batch["mask"], batch["advantages"],
+                                         num_items_in_batch=bad)
+
+
+def test_meta_tensors_refused_clearly():
+    batch = make_batch(seed=1)
+    with pytest.raises(ValueError, match="hidden: .*meta device"):
+        gbc.fused_linear_policy_loss(batch["hidden"].to("meta"), batch["weight"].to("meta"),
+                                     batch["targets"], batch["mask"], batch["advantages"])
+
+
+@pytest.mark.parametrize("field, value", [("temperature", "1"), ("temperature", None),
+                                          ("kl_coef", "0.1"), ("epsilon_high", None),
+                                          ("delta", "2"), ("logit_softcap", "30")])
+def test_config_wrong_types_named(field, value):
+    with pytest.raises(TypeError, match=f"{field}: expected"):
+        gbc.PolicyLossConfig(**{field: value})
+
+
+def test_double_backward_refused(backend):
+    batch = make_batch(seed=2)
+    h = batch["hidden"].clone().requires_grad_(True)
+    loss, _ = gbc.fused_linear_policy_loss(h, batch["weight"], batch["targets"], batch["mask"],
+                                           batch["advantages"], batch["old_logp"],
+                                           backend=backend)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss, h, create_graph=True)
+    y = batch["targets"].clamp(min=0)
+    logp, _ = gbc.fused_linear_logprobs(h, batch["weight"], y, backend=backend)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(logp.sum(), h, create_graph=True)

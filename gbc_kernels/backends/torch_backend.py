@@ -24,7 +24,8 @@ class TorchBackend(Backend):
         # z - max(z): shifting first makes the entropy (lse - max) - sum p (z - max) a sum of
         # small terms instead of a difference of two large ones
         zs = ws.get("z", rows, V, logits, ct)
-        torch.mul(logits, inv_temp, out=zs).sub_(zmax.unsqueeze(1))
+        # copy first: torch.mul(bf16, float, out=fp32) rounds the product to bf16
+        zs.copy_(logits).mul_(inv_temp).sub_(zmax.unsqueeze(1))
         p = torch.exp(zs, out=ws.get("p", rows, V, logits, ct))
         sumexp = p.sum(dim=-1)
         lse_s = torch.log(sumexp)
@@ -45,10 +46,11 @@ class TorchBackend(Backend):
         ct = torch.promote_types(logits.dtype, torch.float32)
         cap = None
         if softcap is not None:         # ds/dx = 1 - (s / c)^2 of the capped logits s
-            cap = torch.div(logits, softcap, out=ws.get("cap", rows, V, logits, ct))
-            cap.square_().neg_().add_(1.0)
+            cap = ws.get("cap", rows, V, logits, ct).copy_(logits)
+            cap.div_(softcap).square_().neg_().add_(1.0)
         work = logits if logits.dtype == ct else ws.get("z", rows, V, logits, ct)
-        logq = torch.mul(logits, inv_temp, out=work).sub_(lse.unsqueeze(1))
+        logq = (work if work is logits else work.copy_(logits)).mul_(inv_temp)
+        logq.sub_(lse.unsqueeze(1))
         p = torch.exp(logq, out=ws.get("p", rows, V, logits, ct))
         if g_entropy is not None:
             # dH/dz_v = -p_v (log p_v + H)

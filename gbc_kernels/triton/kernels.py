@@ -138,6 +138,9 @@ def policy_token_kernel(
         dual = (a < 0) & (pgd < pg)
         pg = tl.where(dual, pgd, pg)
         dpg = tl.where(dual, 0.0, dpg)
+    # tl.maximum / tl.minimum drop a NaN operand: a NaN log-prob (NaN hidden states or weights)
+    # would take the clipped branch and give a finite loss; carry it into the loss instead
+    pg = tl.where(logp == logp, pg, logp)
     loss = pg
     dl = dpg
     if HAS_KL:
