@@ -81,7 +81,7 @@ def gathered_threshold(process_group):
     A collective: every rank of the group must call it, with or without tokens."""
     import torch.distributed as dist
 
-    from .vocab_parallel import resolve_group
+    from ._validate import resolve_group
 
     group = resolve_group("data_parallel_group",
                           None if process_group == "world" else process_group)

@@ -428,3 +428,11 @@ def empty_metrics(cfg: PolicyLossConfig, device, n_seq_total: int = 0) -> dict:
     if cfg.objective == "vespo":
         out["phi_mean"] = z + (1.0 if n_seq_total else 0.0)
     return out
+
+
+def certainty_from_stats(kind, entropy, zmax, lse, vocab):
+    """SPEC §5: J_entropy = 1 - H / log V, J_max_prob = 1 + (max z - LSE) / log V."""
+    log_v = math.log(vocab) if vocab > 1 else 1.0
+    if kind == "entropy":
+        return 1.0 - entropy / log_v
+    return 1.0 + (zmax - lse) / log_v

@@ -8,6 +8,7 @@ finite log-probs and advantages) need a device-to-host sync; they run unless the
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional, Sequence
 
@@ -85,6 +86,50 @@ def check_same_device(device: torch.device, **tensors):
         if t is not None and isinstance(t, torch.Tensor) and t.device != device:
             raise ValueError(f"{name}: expected a tensor on {device} (the device of hidden), "
                              f"got {t.device}")
+
+
+def check_lm_head(hidden, weight, bias):
+    check_tensor("hidden", hidden, floating=True)
+    check_tensor("weight", weight, floating=True, dims=(2,), device=hidden.device)
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight: expected shape [V x {hidden.shape[-1]}] (H from hidden), "
+                         f"got [{'x'.join(map(str, weight.shape))}]")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight: expected dtype {hidden.dtype} (the dtype of hidden), "
+                        f"got {weight.dtype}")
+    if weight.shape[0] < 1:
+        raise ValueError("weight: expected at least one vocabulary row, got V = 0")
+    if bias is not None:
+        check_tensor("bias", bias, shape=(weight.shape[0],), device=hidden.device)
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"bias: expected dtype {hidden.dtype} (the dtype of hidden), "
+                            f"got {bias.dtype}")
+
+
+def check_temperature(name, t):
+    if not (isinstance(t, (int, float)) and t > 0 and math.isfinite(t)):
+        raise ValueError(f"{name}: expected a finite float > 0, got {t!r}")
+
+
+def as_mask(mask, B, T, device):
+    check_tensor("mask", mask, shape=(B, T), device=device)
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def resolve_group(name: str, group):
+    import torch.distributed as dist
+
+    """``group`` as a process group for the collectives (None: the default group), or a
+    ``ValueError`` naming ``name``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"{name}: torch.distributed is not initialized "
+                         "(call torch.distributed.init_process_group first)")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"{name}: expected a torch.distributed ProcessGroup or None (the "
+                         f"default group), got {type(group).__name__}")
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"{name}: this process is not a member of the group")
+    return group
 
 
 def no_double_backward():

@@ -14,7 +14,8 @@ from . import _chunking
 from . import _validate as V
 from ._fused import stats_sweep
 from .backends import get_backend
-from .ops import _check_lm_head, _check_temperature, _mask
+from ._validate import as_mask as _mask, check_lm_head as _check_lm_head
+from ._validate import check_temperature as _check_temperature, resolve_group
 
 
 class NTHRResult(NamedTuple):
@@ -59,8 +60,6 @@ def check_whole_groups(group_ids: torch.Tensor, process_group) -> None:
     """Raise ``ValueError`` (on every rank) when a group id occurs on more than one rank of
     ``process_group`` (``"world"``: the default group)."""
     import torch.distributed as dist
-
-    from .vocab_parallel import resolve_group
 
     group = resolve_group("data_parallel_group", None if process_group == "world"
                           else process_group)
@@ -125,8 +124,9 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
         sl = _vp.check(vocab_parallel, weight, bias, device, logit_softcap)
         if logp is not None:
             V.check_tensor("logp", logp, shape=(B, T), floating=True, device=device)
-        return _vp.nthr_scale(hidden, weight, bias, V.check_targets(targets, sl.vocab, m), m,
-                              group_ids, correct, temperature, beta, eta, backend, logp, sl)
+        return _nthr_vocab_parallel(hidden, weight, bias, V.check_targets(targets, sl.vocab, m),
+                                    m, group_ids, correct, temperature, beta, eta, backend, logp,
+                                    sl)
     safe = V.check_targets(targets, weight.shape[0], m).reshape(-1)
     correct = correct.bool()
     if logp is not None:
@@ -209,3 +209,25 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
         selected[tok[sel]] = True
         scale[tok[sel]] = eta_g
     return NTHRResult(scale.view(B, T), selected.view(B, T), scores.view(B, T), thresholds)
+
+
+def _nthr_vocab_parallel(hidden, weight, bias, safe_targets, mask, group_ids, correct, temperature,
+                         beta, eta, backend, logp, sl):
+    """NTHR over a split vocabulary: the global LSE from ``vocab_parallel.row_stats`` (or from
+    ``logp``), and the rows of the lm_head its restricted matmuls need — the ids that occur in the masked
+    targets — assembled on every rank; then the one-device computation on those rows."""
+    from .vocab_parallel import gather_rows, token_stats
+
+    B, T, _ = hidden.shape
+    if logp is None:
+        logp = token_stats(hidden, weight, bias, safe_targets, temperature, None, 1.0, sl)[0]
+    used = torch.unique(safe_targets[mask])            # sorted; the same on every rank
+    rows, b = gather_rows(used, weight.detach(), None if bias is None else bias.detach(), sl)
+    if used.numel() == 0:
+        rows = weight.new_zeros(1, weight.shape[1])
+        b = None if bias is None else bias.new_zeros(1)
+    compact = torch.searchsorted(used, safe_targets).clamp(max=max(used.numel() - 1, 0))
+    compact = torch.where(mask, compact, torch.zeros_like(compact))
+    return nthr_scale(hidden, rows, compact, mask, group_ids, correct, bias=b,
+                      temperature=temperature, beta=beta, eta=eta, backend=backend, logp=logp,
+                      logit_softcap=sl.softcap)

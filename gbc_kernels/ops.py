@@ -13,7 +13,9 @@ from . import _validate as V
 from . import vocab_parallel as _vp
 from ._fused import (FusedLogprobsFunction, FusedPolicyLossFunction, LossInputs, stats_sweep,
                      gathered_threshold, token_inputs, with_entropy_mask)
-from ._loss_math import empty_metrics, loss_terms, policy_metrics
+from ._loss_math import certainty_from_stats, empty_metrics, loss_terms, policy_metrics
+from ._validate import check_lm_head as _check_lm_head, check_temperature as _check_temperature
+from ._validate import as_mask as _mask
 from .backends import get_backend
 from .config import PHASES, PolicyLossConfig
 
@@ -27,29 +29,6 @@ def _config(config) -> PolicyLossConfig:
         return PolicyLossConfig.from_dict(config)
     raise TypeError(f"config: expected a gbc_kernels.PolicyLossConfig or a dict, "
                     f"got {type(config).__name__}")
-
-
-def _check_lm_head(hidden, weight, bias):
-    V.check_tensor("hidden", hidden, floating=True)
-    V.check_tensor("weight", weight, floating=True, dims=(2,), device=hidden.device)
-    if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight: expected shape [V x {hidden.shape[-1]}] (H from hidden), "
-                         f"got [{'x'.join(map(str, weight.shape))}]")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight: expected dtype {hidden.dtype} (the dtype of hidden), "
-                        f"got {weight.dtype}")
-    if weight.shape[0] < 1:
-        raise ValueError("weight: expected at least one vocabulary row, got V = 0")
-    if bias is not None:
-        V.check_tensor("bias", bias, shape=(weight.shape[0],), device=hidden.device)
-        if bias.dtype != hidden.dtype:
-            raise TypeError(f"bias: expected dtype {hidden.dtype} (the dtype of hidden), "
-                            f"got {bias.dtype}")
-
-
-def _check_temperature(name, t):
-    if not (isinstance(t, (int, float)) and t > 0 and math.isfinite(t)):
-        raise ValueError(f"{name}: expected a finite float > 0, got {t!r}")
 
 
 def _check_phase(phase, cfg):
@@ -111,11 +90,6 @@ def _check_per_token(B, T, device, mask, advantages, old_logp, ref_logp, token_s
         raise ValueError("sampling_logp: only used by the off-policy mask; expected None when "
                          "config.off_policy_mask_threshold is None")
     return adv_bt.expand(B, T)
-
-
-def _mask(mask, B, T, device):
-    V.check_tensor("mask", mask, shape=(B, T), device=device)
-    return mask if mask.dtype == torch.bool else mask != 0
 
 
 def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp=None,
@@ -215,14 +189,6 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
         logp, entropy = out
         return logp.view(targets.shape), entropy.view(targets.shape)
     return out.view(targets.shape), None
-
-
-def certainty_from_stats(kind, entropy, zmax, lse, vocab):
-    """SPEC §5: J_entropy = 1 - H / log V, J_max_prob = 1 + (max z - LSE) / log V."""
-    log_v = math.log(vocab) if vocab > 1 else 1.0
-    if kind == "entropy":
-        return 1.0 - entropy / log_v
-    return 1.0 + (zmax - lse) / log_v
 
 
 class TokenStats(NamedTuple):

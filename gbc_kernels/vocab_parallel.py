@@ -27,12 +27,13 @@ from typing import Optional
 
 import torch
 
-from ._validate import no_double_backward as _no_double_backward
 import torch.distributed as dist
 
 from . import _chunking
+from ._validate import no_double_backward as _no_double_backward, resolve_group
 from ._fused import save_grads, scale_stored_grads, token_inputs, with_entropy_mask
-from ._loss_math import empty_metrics, logp_grad_norm, loss_terms, policy_metrics
+from ._loss_math import (certainty_from_stats, empty_metrics, logp_grad_norm, loss_terms,
+                         policy_metrics)
 
 
 @dataclass(frozen=True)
@@ -55,20 +56,6 @@ class _Slice:
     end: int
     vocab: int          # V of the full vocabulary
     softcap: Optional[float] = None     # final-logit soft-capping c (logits c tanh(x / c))
-
-
-def resolve_group(name: str, group):
-    """``group`` as a process group for the collectives (None: the default group), or a
-    ``ValueError`` naming ``name``."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(f"{name}: torch.distributed is not initialized "
-                         "(call torch.distributed.init_process_group first)")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise ValueError(f"{name}: expected a torch.distributed ProcessGroup or None (the "
-                         f"default group), got {type(group).__name__}")
-    if dist.get_rank(group) < 0:
-        raise ValueError(f"{name}: this process is not a member of the group")
-    return group
 
 
 def check(vp, weight, bias, device, softcap=None) -> _Slice:
@@ -312,7 +299,6 @@ def token_stats(hidden, weight, bias, safe_targets, temperature, certainty,
     st = row_stats(h2, w, b, y, sl, temperature)
     cert = None
     if certainty is not None:
-        from .ops import certainty_from_stats
         cst = st if certainty_temperature == temperature else row_stats(
             h2, w, b, y, sl, certainty_temperature)
         cert = certainty_from_stats(certainty, cst["entropy"], cst["zmax"], cst["lse"],
@@ -335,25 +321,3 @@ def gather_rows(ids: torch.Tensor, weight, bias, sl: _Slice):
                         torch.zeros((), dtype=bias.dtype, device=bias.device))
         dist.all_reduce(b, op=dist.ReduceOp.SUM, group=sl.group)
     return rows, b
-
-
-def nthr_scale(hidden, weight, bias, safe_targets, mask, group_ids, correct, temperature, beta,
-               eta, backend, logp: Optional[torch.Tensor], sl: _Slice):
-    """NTHR over a split vocabulary: the global LSE from :func:`row_stats` (or from ``logp``),
-    and the rows of the lm_head its restricted matmuls need — the ids that occur in the masked
-    targets — assembled on every rank; then the one-device computation on those rows."""
-    from .nthr import nthr_scale as nthr_one_device
-
-    B, T, _ = hidden.shape
-    if logp is None:
-        logp = token_stats(hidden, weight, bias, safe_targets, temperature, None, 1.0, sl)[0]
-    used = torch.unique(safe_targets[mask])            # sorted; the same on every rank
-    rows, b = gather_rows(used, weight.detach(), None if bias is None else bias.detach(), sl)
-    if used.numel() == 0:
-        rows = weight.new_zeros(1, weight.shape[1])
-        b = None if bias is None else bias.new_zeros(1)
-    compact = torch.searchsorted(used, safe_targets).clamp(max=max(used.numel() - 1, 0))
-    compact = torch.where(mask, compact, torch.zeros_like(compact))
-    return nthr_one_device(hidden, rows, compact, mask, group_ids, correct, bias=b,
-                           temperature=temperature, beta=beta, eta=eta, backend=backend,
-                           logp=logp, logit_softcap=sl.softcap)
