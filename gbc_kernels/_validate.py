@@ -92,8 +92,9 @@ def check_lm_head(hidden, weight, bias):
     check_tensor("hidden", hidden, floating=True)
     check_tensor("weight", weight, floating=True, dims=(2,), device=hidden.device)
     if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight: expected shape [V x {hidden.shape[-1]}] (H from hidden), "
-                         f"got [{'x'.join(map(str, weight.shape))}]")
+        raise ValueError(f"hidden: expected hidden size H = {weight.shape[1]} in its last "
+                         f"dimension (the lm_head weight is [{weight.shape[0]} x "
+                         f"{weight.shape[1]}]), got [{'x'.join(map(str, hidden.shape))}]")
     if weight.dtype != hidden.dtype:
         raise TypeError(f"weight: expected dtype {hidden.dtype} (the dtype of hidden), "
                         f"got {weight.dtype}")
@@ -112,8 +113,38 @@ def check_temperature(name, t):
 
 
 def as_mask(mask, B, T, device):
+    """The loss mask as bool: a bool tensor, or an integer/float tensor of 0s and 1s (any other
+    value, NaN included, is an error: a mask is not a weight; scale advantages or use
+    ``token_scale`` to weight tokens)."""
     check_tensor("mask", mask, shape=(B, T), device=device)
-    return mask if mask.dtype == torch.bool else mask != 0
+    if mask.dtype == torch.bool:
+        return mask
+    if value_checks_enabled():
+        bad = (mask != 0) & (mask != 1)
+        if bool(bad.any()):
+            first = bad.nonzero()[0].tolist()
+            raise ValueError(f"mask: expected a boolean or 0/1 mask, got {mask[tuple(first)].item()}"
+                             f" at index {first} (to weight tokens, use token_scale)")
+    return mask != 0
+
+
+# log-probabilities a little above 0 come from rounding (p -> 1); beyond this they are not
+# log-probabilities (probabilities, or logits, passed by mistake)
+LOGP_SLACK = 1e-3
+
+
+def check_logprob(name: str, t: Optional[torch.Tensor], mask: Optional[torch.Tensor]):
+    """``t`` holds log-probabilities: <= 0 (within rounding) on masked-in positions; NaN is left
+    to the caller's own check."""
+    if t is None or not value_checks_enabled():
+        return
+    bad = t > LOGP_SLACK
+    if mask is not None:
+        bad = bad & mask
+    if bool(bad.any()):
+        first = bad.nonzero()[0].tolist()
+        raise ValueError(f"{name}: expected log-probabilities (<= 0) on masked-in positions, got "
+                         f"{float(t[tuple(first)])} at index {first}")
 
 
 def resolve_group(name: str, group):

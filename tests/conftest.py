@@ -85,8 +85,9 @@ def make_batch(B=4, T=9, H=16, V=37, dtype=torch.float32, seed=0, bias=True, mas
     with torch.no_grad():
         z = hidden @ weight.T + (0 if b is None else b)
         logp = torch.log_softmax(z, -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    old = logp + old_spread * 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
-    refl = logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    # log-probabilities: perturbed, still <= 0
+    old = (logp + old_spread * 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=0)
+    refl = (logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=0)
     adv = torch.randn((B,) if adv_shape == "B" else (B, T), generator=g, dtype=torch.float64)
     if adv_shape == "B":   # both signs present: rows alternate +, -, +, ...
         adv = adv.abs() * torch.tensor([1.0, -1.0] * B, dtype=torch.float64)[:B]

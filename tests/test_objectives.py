@@ -145,7 +145,8 @@ def _extras(batch, o, seed):
     if o.get("is_ratio"):
         out["is_ratio"] = (torch.rand(shape, generator=g) * 1.5 + 0.2).double()
     if o.get("sampling"):
-        out["sampling_logp"] = (batch["old_logp"] + 0.2 * torch.randn(shape, generator=g)).double()
+        out["sampling_logp"] = (batch["old_logp"] + 0.2 * torch.randn(shape, generator=g)
+                                ).clamp(max=0).double()
     return out
 
 
@@ -268,8 +269,8 @@ def test_fp32_matches_float64_reference(backend, cfg, phase, chunking):
     if cfg.get("objective") in ("vespo", "sapo"):
         extra["is_ratio"] = torch.rand(batch["mask"].shape, generator=g) + 0.5
     if cfg.get("off_policy_mask_threshold") is not None:
-        extra["sampling_logp"] = batch["old_logp"] + 0.1 * torch.randn(batch["mask"].shape,
-                                                                       generator=g)
+        extra["sampling_logp"] = (batch["old_logp"] + 0.1 * torch.randn(
+            batch["mask"].shape, generator=g)).clamp(max=0)
     up = float(torch.randn((), generator=g))
     out = run(gbc, batch, cfg, phase, up, backend, extra)
     truth = run(ref, as64(batch), cfg, phase, up, extra={k: v.double() for k, v in extra.items()})
@@ -409,7 +410,7 @@ def test_liger_parity(backend, loss_type, opts):
                        old_spread=4.0, bias=False, empty_row=False)
     g = torch.Generator().manual_seed(2)
     # old log-probs spread by ~0.8 nats: every clip and gate is active
-    batch["old_logp"] = batch["old_logp"] + 0.8 * torch.randn(B, T, generator=g)
+    batch["old_logp"] = (batch["old_logp"] + 0.8 * torch.randn(B, T, generator=g)).clamp(max=0)
     o = dict(opts)
     isr = None
     if o.pop("vllm_is_ratio", False):

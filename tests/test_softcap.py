@@ -30,8 +30,9 @@ def _batch(dtype=torch.float32, seed=0):
     logp, _ = ref.fused_linear_logprobs(b64["hidden"], b64["weight"], b["targets"].clamp(min=0),
                                         b64["bias"], logit_softcap=CAP)
     g = torch.Generator().manual_seed(seed + 100)
-    b["old_logp"] = (logp + 0.3 * torch.randn(logp.shape, generator=g, dtype=logp.dtype)).float()
-    b["ref_logp"] = (logp + 0.3 * torch.randn(logp.shape, generator=g, dtype=logp.dtype)).float()
+    noise = (lambda: 0.3 * torch.randn(logp.shape, generator=g, dtype=logp.dtype))
+    b["old_logp"] = (logp + noise()).clamp(max=0).float()
+    b["ref_logp"] = (logp + noise()).clamp(max=0).float()
     return b
 
 

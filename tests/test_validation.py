@@ -185,3 +185,40 @@ def test_double_backward_refused(backend):
     logp, _ = gbc.fused_linear_logprobs(h, batch["weight"], y, backend=backend)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(logp.sum(), h, create_graph=True)
+
+
+@pytest.mark.parametrize("value", [0.5, 2.0, float("nan")])
+def test_mask_values_other_than_0_1_refused(value):
+    batch = make_batch(seed=3)
+    m = batch["mask"].float()
+    m[0, 0] = value
+    with pytest.raises(ValueError, match="mask: expected a boolean or 0/1 mask"):
+        gbc.fused_linear_policy_loss(batch["hidden"], batch["weight"], batch["targets"], m,
+                                     batch["advantages"])
+
+
+def test_integer_and_float_0_1_masks_equal_bool():
+    batch = make_batch(seed=3)
+    out = [gbc.fused_linear_policy_loss(batch["hidden"], batch["weight"], batch["targets"], m,
+                                        batch["advantages"], batch["old_logp"])[0]
+           for m in (batch["mask"], batch["mask"].long(), batch["mask"].float())]
+    assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[2])
+
+
+@pytest.mark.parametrize("name", ["old_logp", "ref_logp"])
+def test_positive_logprobs_refused(name):
+    batch = make_batch(seed=4)
+    b, t = batch["mask"].nonzero()[0].tolist()
+    batch[name] = batch[name].clone()
+    batch[name][b, t] = 0.7                      # a probability passed by mistake
+    with pytest.raises(ValueError, match=f"{name}: expected log-probabilities"):
+        gbc.fused_linear_policy_loss(batch["hidden"], batch["weight"], batch["targets"],
+                                     batch["mask"], batch["advantages"], batch["old_logp"],
+                                     batch["ref_logp"], config=gbc.PolicyLossConfig(kl_coef=0.1))
+
+
+def test_wrong_hidden_size_blames_hidden():
+    batch = make_batch(seed=4)
+    with pytest.raises(ValueError, match="hidden: expected hidden size H = 16"):
+        gbc.fused_linear_policy_loss(batch["hidden"][..., :12], batch["weight"],
+                                     batch["targets"], batch["mask"], batch["advantages"])
