@@ -437,7 +437,8 @@ def test_liger_parity(backend, loss_type, opts):
                                            batch["old_logp"], batch["ref_logp"] if beta else None,
                                            config=cfg, backend=backend, is_ratio=isr)
     loss.backward()
-    assert abs(float(loss) - float(lloss.detach())) <= 1e-5 * max(1.0, abs(float(lloss.detach())))
+    loss, lloss = float(loss.detach()), float(lloss.detach())
+    assert abs(loss - lloss) <= 1e-5 * max(1.0, abs(lloss))
     for k in ("hidden", "weight"):
         assert max_rel_err(xg[k].grad, xl[k].grad) <= 1e-4, k
     assert xg["hidden"].grad.abs().max() > 0
