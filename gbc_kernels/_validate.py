@@ -69,16 +69,23 @@ def check_targets(targets: torch.Tensor, vocab: int, mask: Optional[torch.Tensor
     return t.clamp(0, vocab - 1)
 
 
-def check_finite(name: str, t: Optional[torch.Tensor], mask: Optional[torch.Tensor]):
+def _check_values(name: str, t: Optional[torch.Tensor], mask: Optional[torch.Tensor],
+                  is_bad, expected: str):
+    """Raise naming the first masked-in value of ``t`` for which ``is_bad`` holds (a host sync;
+    skipped under GBC_VALIDATE=0)."""
     if t is None or not value_checks_enabled():
         return
-    bad = ~torch.isfinite(t)
+    bad = is_bad(t)
     if mask is not None:
         bad = bad & mask
     if bool(bad.any()):
         first = bad.nonzero()[0].tolist()
-        raise ValueError(f"{name}: expected finite values on masked-in positions, got "
+        raise ValueError(f"{name}: expected {expected} on masked-in positions, got "
                          f"{float(t[tuple(first)])} at index {first}")
+
+
+def check_finite(name: str, t: Optional[torch.Tensor], mask: Optional[torch.Tensor]):
+    _check_values(name, t, mask, lambda x: ~torch.isfinite(x), "finite values")
 
 
 def check_same_device(device: torch.device, **tensors):
@@ -136,15 +143,7 @@ LOGP_SLACK = 1e-3
 def check_logprob(name: str, t: Optional[torch.Tensor], mask: Optional[torch.Tensor]):
     """``t`` holds log-probabilities: <= 0 (within rounding) on masked-in positions; NaN is left
     to the caller's own check."""
-    if t is None or not value_checks_enabled():
-        return
-    bad = t > LOGP_SLACK
-    if mask is not None:
-        bad = bad & mask
-    if bool(bad.any()):
-        first = bad.nonzero()[0].tolist()
-        raise ValueError(f"{name}: expected log-probabilities (<= 0) on masked-in positions, got "
-                         f"{float(t[tuple(first)])} at index {first}")
+    _check_values(name, t, mask, lambda x: x > LOGP_SLACK, "log-probabilities (<= 0)")
 
 
 def resolve_group(name: str, group):
