@@ -45,10 +45,14 @@ def project(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     """out = h @ weight.T + bias, written into the preallocated chunk buffer; with ``softcap``
     (Gemma's final-logit soft-capping) ``out = c * tanh(out / c)`` in place: the row passes see
     the capped logits, and the gradient pass multiplies by ``1 - (out / c)^2``."""
-    if bias is None:
-        torch.mm(h, weight.t(), out=out)
+    if softcap is None:
+        if bias is None:
+            return torch.mm(h, weight.t(), out=out)
+        return torch.addmm(bias, h, weight.t(), out=out)
+    # x / c folded into the matmul (alpha, beta): two passes over the chunk, tanh and * c
+    inv = 1.0 / softcap
+    if bias is None:        # beta = 0: the (uninitialised) buffer is not read
+        torch.addmm(out, h, weight.t(), beta=0.0, alpha=inv, out=out)
     else:
-        torch.addmm(bias, h, weight.t(), out=out)
-    if softcap is not None:
-        out.div_(softcap).tanh_().mul_(softcap)
-    return out
+        torch.addmm(bias, h, weight.t(), beta=inv, alpha=inv, out=out)
+    return out.tanh_().mul_(softcap)

@@ -13,11 +13,10 @@ from typing import Optional
 
 import torch
 
-from ._validate import no_double_backward as _no_double_backward
-
 from . import _chunking
 from ._loss_math import (TokenInputs, aggregation_weights, concat_terms, empty_metrics,
                          logp_grad_norm, local_ids, loss_terms, policy_metrics, term_weights)
+from ._validate import no_double_backward as _no_double_backward
 from .backends import Backend
 from .backends.base import Workspace
 from .config import PolicyLossConfig
@@ -54,11 +53,12 @@ def token_inputs(mask, advantages, old, ref, tscale, klw, is_ratio, sampling, cf
         return None if t is None else t.reshape(-1)[idx].to(ct)
 
     w_pg, w_kl, w_ent = (w.reshape(-1)[idx] for w in term_weights(mask, cfg, num_items, ct))
-    seq, n_seq = None, 0
+    seq, n_seq, lengths = None, 0, None
     if cfg.needs_sequence:
-        seq, n_seq = local_ids(idx // mask.shape[1])
+        seq, n_seq, lengths = local_ids(idx // mask.shape[1], with_lengths=True)
     return TokenInputs(take(advantages), take(old), take(ref), take(tscale), take(klw),
-                       take(is_ratio), take(sampling), w_pg, w_kl, w_ent, seq, n_seq)
+                       take(is_ratio), take(sampling), w_pg, w_kl, w_ent, seq, n_seq,
+                       seq_lengths=lengths)
 
 
 def entropy_threshold(entropy: torch.Tensor, quantile: float) -> torch.Tensor:
@@ -119,7 +119,8 @@ def with_entropy_mask(ti: TokenInputs, entropy, cfg: PolicyLossConfig, mask, idx
     return replace(ti, emask=emask, w_ent=w_ent)
 
 
-def chunk_plan(n: int, rows: int, cfg: PolicyLossConfig, seq: Optional[torch.Tensor]):
+def chunk_plan(n: int, rows: int, cfg: PolicyLossConfig, seq: Optional[torch.Tensor],
+               lengths: Optional[list] = None):
     """Chunks ``(start, end, n_seq, two_sweep)`` over the ``n`` masked rows, at most ``rows``
     each.
 
@@ -134,7 +135,8 @@ def chunk_plan(n: int, rows: int, cfg: PolicyLossConfig, seq: Optional[torch.Ten
     if not cfg.needs_sequence:
         two = cfg.needs_batch
         return [(s, min(n, s + rows), 0, two) for s in range(0, n, rows)]
-    lengths = torch.bincount(seq).tolist()       # tokens per sequence, in order (host)
+    if lengths is None:                           # tokens per sequence, in order (host)
+        lengths = torch.bincount(seq).tolist()
     plan = []
     start = count = n_in = pos = 0
     for L in lengths:
@@ -226,7 +228,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
                          None if dense else idx)
 
     rows = _chunking.rows_per_chunk(n, V, be.buffers_per_chunk, device)
-    plan = chunk_plan(n, rows, cfg, ti.seq)
+    plan = chunk_plan(n, rows, cfg, ti.seq, ti.seq_lengths)
     buf = torch.empty(rows, V, device=device, dtype=hidden2d.dtype) if n else None
     ws = Workspace()
     f32 = dict(device=device, dtype=torch.float32)

@@ -59,22 +59,26 @@ class TokenInputs:
     seq: Optional[torch.Tensor] = None
     n_seq: int = 0
     emask: Optional[torch.Tensor] = None
+    seq_lengths: Optional[list] = None    # tokens per sequence (host), for the chunk plan
+
+    _PER_TOKEN = ("adv", "old", "ref", "tscale", "klw", "is_ratio", "sampling", "w_pg", "w_kl",
+                  "w_ent", "emask")
+
+    def _select(self, sel, seq, n_seq) -> "TokenInputs":
+        """The per-token fields indexed by ``sel`` (a slice or an index tensor)."""
+        kw = {f: None if getattr(self, f) is None else getattr(self, f)[sel]
+              for f in self._PER_TOKEN}
+        return TokenInputs(**kw, seq=seq, n_seq=n_seq)
 
     def slice(self, s: int, e: int, n_seq: int = 0) -> "TokenInputs":
         """Tokens ``[s, e)``; with sequences, ``n_seq`` whole sequences starting at ``seq[s]``."""
-        cut = (lambda t: None if t is None else t[s:e])
         seq = None if self.seq is None else self.seq[s:e] - self.seq[s]
-        return TokenInputs(*(cut(getattr(self, f)) for f in (
-            "adv", "old", "ref", "tscale", "klw", "is_ratio", "sampling", "w_pg", "w_kl",
-            "w_ent")), seq=seq, n_seq=n_seq, emask=cut(self.emask))
+        return self._select(slice(s, e), seq, n_seq)
 
     def take(self, index: torch.Tensor) -> "TokenInputs":
         """The tokens ``index`` (sorted; whole sequences when there are sequences)."""
-        pick = (lambda t: None if t is None else t[index])
         seq, n_seq = (None, 0) if self.seq is None else local_ids(self.seq[index])
-        return TokenInputs(*(pick(getattr(self, f)) for f in (
-            "adv", "old", "ref", "tscale", "klw", "is_ratio", "sampling", "w_pg", "w_kl",
-            "w_ent")), seq=seq, n_seq=n_seq, emask=pick(self.emask))
+        return self._select(index, seq, n_seq)
 
     def native_ok(self, cfg: PolicyLossConfig) -> bool:
         """The one-pass C++ / Triton token kernels cover this call: the token-local PPO loss
@@ -114,12 +118,14 @@ def kl_value_and_grad(logp, ref_logp, estimator):
     return val, torch.where(inside, 1.0 - e, torch.zeros_like(e))
 
 
-def local_ids(ids: torch.Tensor):
-    """Non-decreasing ids -> (the ids renumbered 0 .. n - 1, n). One host sync (the count)."""
+def local_ids(ids: torch.Tensor, with_lengths: bool = False):
+    """Non-decreasing ids -> (the ids renumbered 0 .. n - 1, n), and with ``with_lengths`` the
+    count of each id as a list. One host sync (the counts)."""
     if ids.numel() == 0:
-        return ids, 0
-    uniq, inverse = torch.unique_consecutive(ids, return_inverse=True)
-    return inverse, int(uniq.numel())
+        return (ids, 0, []) if with_lengths else (ids, 0)
+    _, inverse, counts = torch.unique_consecutive(ids, return_inverse=True, return_counts=True)
+    lengths = counts.tolist()
+    return (inverse, len(lengths), lengths) if with_lengths else (inverse, len(lengths))
 
 
 def _seg_sum(x, seq, n):

@@ -7,13 +7,12 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ._validate import no_double_backward as _no_double_backward
-
 from . import _validate as V
 from . import vocab_parallel as _vp
 from ._fused import (FusedLogprobsFunction, FusedPolicyLossFunction, LossInputs, stats_sweep,
                      gathered_threshold, token_inputs, with_entropy_mask)
 from ._loss_math import certainty_from_stats, empty_metrics, loss_terms, policy_metrics
+from ._validate import no_double_backward as _no_double_backward
 from ._validate import check_lm_head as _check_lm_head, check_temperature as _check_temperature
 from ._validate import as_mask as _mask
 from .backends import get_backend

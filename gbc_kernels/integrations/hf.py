@@ -84,15 +84,14 @@ def completion_hidden(model, input_ids, attention_mask=None, completion_len: int
 
 
 def hidden_states_through_forward(model, input_ids, attention_mask=None, completion_len: int = 0,
-                                  unwrapped=None, return_outputs: bool = False, **kwargs):
+                                  unwrapped=None, **kwargs) -> torch.Tensor:
     """Like :func:`completion_hidden`, but through ``model(...)`` itself.
 
     ``model`` may be a wrapper (DDP, FSDP, accelerate's) whose forward must run for its gradient
     synchronisation or parameter gathering to happen; ``unwrapped`` is the transformers model
     inside it (default: ``model``). The decoder's output is captured with a forward hook while the
     model computes logits for one position only (``logits_to_keep=1``), so no ``[B, L, V]``
-    tensor is formed. ``return_outputs=True`` returns ``(hidden, outputs)``, the model's output
-    object too (e.g. an MoE model's ``aux_loss`` with ``output_router_logits=True``).
+    tensor is formed.
     """
     dec = decoder(model if unwrapped is None else unwrapped)
     captured = []
@@ -102,16 +101,15 @@ def hidden_states_through_forward(model, input_ids, attention_mask=None, complet
 
     handle = dec.register_forward_hook(hook)
     try:
-        outputs = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1,
-                        use_cache=False, **kwargs)
+        model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1,
+              use_cache=False, **kwargs)
     finally:
         handle.remove()
     if len(captured) != 1:
         raise RuntimeError(f"model: expected its decoder to run once per forward, it ran "
                            f"{len(captured)} times")
     h = captured[0]
-    h = h[:, -(completion_len + 1):-1] if completion_len else h[:, :-1]
-    return (h, outputs) if return_outputs else h
+    return h[:, -(completion_len + 1):-1] if completion_len else h[:, :-1]
 
 
 def _unwrap(model):
