@@ -27,7 +27,7 @@ def setup_case(N, H, V, dtype, seed=0, T=512):
     mask = torch.ones(B, T, dtype=torch.bool)
     adv = torch.randn(B, generator=g)
     old = -torch.rand(B, T, generator=g) * 8
-    ref = old + 0.1 * torch.randn(B, T, generator=g)
+    ref = (old + 0.1 * torch.randn(B, T, generator=g)).clamp(max=0.0)   # log-probabilities
     return dict(hidden=hidden, weight=weight, targets=targets, mask=mask, adv=adv, old=old,
                 ref=ref)
 

@@ -22,16 +22,18 @@ def budget_bytes(device: Optional[torch.device] = None) -> int:
     return DEFAULT_BUDGET_MB.get(kind, 256) * 2 ** 20
 
 
-def rows_per_chunk(n_rows: int, vocab: int, buffers: int,
+def rows_per_chunk(n_rows: int, vocab: int, bytes_per_logit: int,
                    device: Optional[torch.device] = None) -> int:
-    """Rows per chunk: ``buffers`` float32 ``[rows, V]`` arrays within the budget, the rows then
-    spread evenly over the chunks that takes (no small ragged last chunk) and rounded up to a
-    multiple of the matmul tile (128 rows on GPUs, 16 on CPUs) when that many rows are allowed:
-    the budget is met to within one tile. At least 1, at most ``n_rows``."""
+    """Rows per chunk: ``[rows, V]`` working arrays of ``bytes_per_logit`` bytes per logit in
+    all (the chunk buffer's real element size, plus any float32 temporaries of the backend)
+    within the budget, the rows then spread evenly over the chunks that takes (no small ragged
+    last chunk) and rounded up to a multiple of the matmul tile (128 rows on GPUs, 16 on CPUs)
+    when that many rows are allowed: the budget is met to within one tile. At least 1, at most
+    ``n_rows``."""
     if n_rows <= 0:
         return 1
     budget = budget_bytes(device)
-    cap = max(1, budget // max(1, vocab * 4 * buffers))
+    cap = max(1, budget // max(1, vocab * bytes_per_logit))
     chunks = -(-n_rows // cap)
     rows = -(-n_rows // chunks)
     tile = 16 if device is None or device.type == "cpu" else 128

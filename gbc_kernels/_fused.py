@@ -16,7 +16,7 @@ import torch
 from . import _chunking
 from ._loss_math import (TokenInputs, aggregation_weights, concat_terms, empty_metrics,
                          logp_grad_norm, local_ids, loss_terms, policy_metrics, term_weights)
-from ._validate import no_double_backward as _no_double_backward
+from ._validate import Checks, no_double_backward as _no_double_backward
 from .backends import Backend
 from .backends.base import Workspace
 from .config import PolicyLossConfig
@@ -41,6 +41,7 @@ class LossInputs:
     is_ratio: Optional[torch.Tensor] = None
     sampling_logp: Optional[torch.Tensor] = None
     threshold_fn: Optional[object] = None           # data-parallel entropy quantile
+    checks: Optional[Checks] = None                  # value checks, resolved before any kernel
     metrics: dict = field(default_factory=dict)     # filled by the forward
     logp: Optional[torch.Tensor] = None              # [B, T] float32, filled by the forward
 
@@ -211,10 +212,24 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     inv_temp = 1.0 / cfg.temperature
     want_entropy = cfg.wants_entropy
     mflat = inp.mask.reshape(-1)
-    # Row compaction: padding and prompt rows cost no matmul (their gradient is zero). The
-    # nonzero() is the one host sync of a token-local loss: the chunk loop needs the row count.
-    idx = mflat.nonzero().squeeze(1)
-    n = idx.numel()
+    N = mflat.numel()
+    bpl = be.bytes_per_logit(hidden2d.dtype)
+    # Row compaction: padding and prompt rows cost no matmul (their gradient is zero). The row
+    # count is the one host transfer of the forward (the chunk loop needs it); the value checks'
+    # flags travel with it and fail before any kernel reads the checked inputs. For a
+    # token-local loss the first chunk's logits matmul (which reads only hidden and weight) is
+    # queued before the host waits, so the device is busy while the host prepares the rest.
+    pending = (inp.checks if inp.checks is not None else Checks()).start(mflat.sum())
+    early = None
+    if N and not (cfg.needs_sequence or cfg.needs_batch):
+        rows = _chunking.rows_per_chunk(N, V, bpl, device)
+        buf = torch.empty(rows, V, device=device, dtype=hidden2d.dtype)
+        first = torch.nonzero_static(mflat, size=min(rows, N), fill_value=0).squeeze(1)
+        early = hidden2d.index_select(0, first)
+        _chunking.project(early, weight, bias, buf, cfg.logit_softcap)
+    n, = pending.finish()
+    idx = (torch.arange(n, device=device) if n == N
+           else torch.nonzero_static(mflat, size=n).squeeze(1))
     ct = torch.float64 if hidden2d.dtype == torch.float64 else torch.float32
     ti = token_inputs(inp.mask, inp.advantages, inp.old_logp, inp.ref_logp, inp.token_scale,
                       inp.kl_weight, inp.is_ratio, inp.sampling_logp, cfg,
@@ -227,9 +242,10 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     grads = _GradMatmuls(hidden2d, weight, bias, need_dh, need_dw, need_db,
                          None if dense else idx)
 
-    rows = _chunking.rows_per_chunk(n, V, be.buffers_per_chunk, device)
+    if early is None:
+        rows = _chunking.rows_per_chunk(n, V, bpl, device)
+        buf = torch.empty(rows, V, device=device, dtype=hidden2d.dtype) if n else None
     plan = chunk_plan(n, rows, cfg, ti.seq, ti.seq_lengths)
-    buf = torch.empty(rows, V, device=device, dtype=hidden2d.dtype) if n else None
     ws = Workspace()
     f32 = dict(device=device, dtype=torch.float32)
     logp, g, sum_p2 = (torch.zeros(n, **f32) for _ in range(3))
@@ -238,6 +254,8 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     parts, part_rows = [], []          # metric inputs, and the rows each part covers
 
     def project(s, e):
+        if s == 0 and early is not None:            # queued before the row count was known
+            return early[:e], buf[:e]
         hc = hidden2d[s:e] if dense else hidden2d.index_select(0, idx[s:e])
         lg = buf[: e - s]
         _chunking.project(hc, weight, bias, lg, cfg.logit_softcap)
@@ -352,7 +370,8 @@ def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature: 
     """Row statistics for every row. Returns (logp, entropy, lse, extra RowStats parts)."""
     N, V = hidden2d.shape[0], weight.shape[0]
     device = hidden2d.device
-    rows = _chunking.rows_per_chunk(N, V, backend.buffers_per_chunk, hidden2d.device)
+    rows = _chunking.rows_per_chunk(N, V, backend.bytes_per_logit(hidden2d.dtype),
+                                     hidden2d.device)
     buf = torch.empty(rows, V, device=device, dtype=hidden2d.dtype) if N else None
     ws = Workspace()
     logp = torch.empty(N, device=device, dtype=torch.float32)
@@ -387,7 +406,8 @@ def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperat
     """Backward of the log-probs: recompute each chunk's logits, overwrite them with dL/dlogits,
     and do the two gradient matmuls."""
     N, V = hidden2d.shape[0], weight.shape[0]
-    rows = _chunking.rows_per_chunk(N, V, backend.buffers_per_chunk, hidden2d.device)
+    rows = _chunking.rows_per_chunk(N, V, backend.bytes_per_logit(hidden2d.dtype),
+                                     hidden2d.device)
     buf = torch.empty(rows, V, device=hidden2d.device, dtype=hidden2d.dtype) if N else None
     ws = Workspace()
     grads = _GradMatmuls(hidden2d, weight, bias, need_dh, need_dw, need_db)

@@ -352,7 +352,7 @@ def policy_metrics(terms: TokenTerms, cfg: PolicyLossConfig, entropy=None, grad_
         return x.float().sum()
 
     a, r = terms.adv, terms.ratio
-    n = torch.tensor(float(r.numel()), device=r.device).clamp(min=1.0)
+    n = torch.full((), float(max(r.numel(), 1)), device=r.device)   # no host-to-device copy
     flag_low, flag_high = clip_flags(a, r, cfg)
     clip_low, clip_high = masked_sum(flag_low) / n, masked_sum(flag_high) / n
     low = terms.p_old < cfg.metric_eta

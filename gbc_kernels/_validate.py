@@ -1,9 +1,14 @@
-"""Argument checks of SPEC §8.
+"""Argument checks (docs/math.md, "Input rules").
 
 Shape, dtype and device checks are free and always run. Value checks (target ids in range,
-finite log-probs and advantages) need a device-to-host sync; they run unless the environment sets
-``GBC_VALIDATE=0``. Even then an out-of-range id never reaches a kernel: ids are clamped into
-``[0, V)`` (the result is garbage for that token, but no memory is touched out of bounds).
+finite log-probs and advantages, 0/1 masks) read device values; they run unless the environment
+sets ``GBC_VALIDATE=0``. Even then an out-of-range id never reaches a kernel: ids are clamped
+into ``[0, V)`` (the result is garbage for that token, but no memory is touched out of bounds).
+
+A fused loss gathers its value checks in a :class:`Checks` and resolves them with the one
+device-to-host transfer it needs anyway (the masked-in row count), before any kernel reads the
+inputs: validation adds no host sync. Only a failed check costs more (finding the first bad
+index for the message).
 """
 
 from __future__ import annotations
@@ -19,6 +24,79 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def value_checks_enabled() -> bool:
     return os.environ.get("GBC_VALIDATE", "1") != "0"
+
+
+class Checks:
+    """Value checks of one call, resolved together by one device-to-host transfer.
+
+    ``add(bad, fail)``: ``bad()`` returns a bool tensor (True where a value is wrong), ``fail()``
+    raises the check's error. ``start(*counts)`` evaluates every check and queues the copy of
+    their flags and of the given 0-d integer tensors to the host (on a GPU asynchronously, into
+    pinned memory, so that the caller can queue its first matmul before the host waits).
+    ``finish()`` of what ``start`` returns waits for that copy only (an event, not the stream),
+    raises the first failed check's error and returns the counts as Python ints; the caller must
+    not let a kernel read a checked input before it. ``resolve(*counts)`` is both at once."""
+
+    def __init__(self):
+        self._pending = []
+
+    def add(self, bad, fail) -> None:
+        self._pending.append((lambda: bad().any().reshape(1), [fail]))
+
+    def add_many(self, flags, fails) -> None:
+        """``flags()`` returns a bool vector, one flag per entry of ``fails``."""
+        self._pending.append((flags, list(fails)))
+
+    def start(self, *counts: torch.Tensor) -> "_PendingChecks":
+        pending, self._pending = self._pending, []
+        fails = [fail for _, group in pending for fail in group]
+        if not counts and not pending:
+            return _PendingChecks(None, None, [], 0)
+        packed = self._pack(counts, pending)
+        if packed.is_cuda:
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            return _PendingChecks(host, event, fails, len(counts))
+        return _PendingChecks(packed, None, fails, len(counts))
+
+    @staticmethod
+    def _pack(counts, pending) -> torch.Tensor:
+        parts = [c.reshape(1).long() for c in counts]
+        parts += [flags().reshape(-1).long() for flags, _ in pending]
+        return torch.cat(parts)
+
+    def resolve(self, *counts: torch.Tensor) -> list:
+        return self.start(*counts).finish()
+
+
+class _PendingChecks:
+    def __init__(self, host, event, fails, n_counts):
+        self.host, self.event, self.fails, self.n_counts = host, event, fails, n_counts
+
+    def finish(self) -> list:
+        if self.host is None:
+            return []
+        if self.event is not None:
+            self.event.synchronize()        # the copy only, not the work queued after it
+        values = self.host.tolist()         # the one host transfer
+        for flag, fail in zip(values[self.n_counts:], self.fails):
+            if flag:
+                fail()
+        return values[:self.n_counts]
+
+
+def _defer_or_raise(checks: Optional[Checks], bad, fail) -> None:
+    """Queue the check on ``checks``, or (None) check now (a host sync)."""
+    if checks is not None:
+        checks.add(bad, fail)
+    elif bool(bad().any()):
+        fail()
+
+
+def _first(bad: torch.Tensor) -> tuple:
+    return tuple(bad.nonzero()[0].tolist())
 
 
 def _shape(t) -> str:
@@ -51,41 +129,84 @@ def check_tensor(name: str, t, shape: Optional[Sequence[int]] = None, floating: 
 
 
 def check_targets(targets: torch.Tensor, vocab: int, mask: Optional[torch.Tensor] = None,
-                  name: str = "targets") -> torch.Tensor:
+                  name: str = "targets", checks: Optional[Checks] = None) -> torch.Tensor:
     """Return int64 targets safe to hand to a kernel: masked-out ids become 0.
 
-    A masked-in id outside ``[0, vocab)`` raises (validation on) or is clamped (validation off).
+    A masked-in id outside ``[0, vocab)`` raises (validation on; at ``checks.resolve()`` when
+    ``checks`` is given) or is clamped (validation off).
     """
     t = targets.long()
     if mask is not None:
         t = torch.where(mask, t, torch.zeros_like(t))
-    bad = (t < 0) | (t >= vocab)
-    if value_checks_enabled():
-        if bool(bad.any()):
-            first = bad.nonzero()[0].tolist()
-            raise ValueError(f"{name}: expected token ids in [0, {vocab}) on masked-in "
-                             f"positions, got {int(t[tuple(first)])} at index {first}")
-        return t
-    return t.clamp(0, vocab - 1)
+    if not value_checks_enabled():
+        return t.clamp(0, vocab - 1)
+    def bad():
+        return (t < 0) | (t >= vocab)
+
+    def fail():
+        first = _first(bad())
+        raise ValueError(f"{name}: expected token ids in [0, {vocab}) on masked-in "
+                         f"positions, got {int(t[first])} at index {list(first)}")
+    _defer_or_raise(checks, bad, fail)
+    return t
 
 
 def _check_values(name: str, t: Optional[torch.Tensor], mask: Optional[torch.Tensor],
-                  is_bad, expected: str):
-    """Raise naming the first masked-in value of ``t`` for which ``is_bad`` holds (a host sync;
-    skipped under GBC_VALIDATE=0)."""
+                  is_bad, expected: str, checks: Optional[Checks] = None):
+    """Raise naming the first masked-in value of ``t`` for which ``is_bad`` holds (now, or at
+    ``checks.resolve()``; skipped under GBC_VALIDATE=0)."""
     if t is None or not value_checks_enabled():
         return
-    bad = is_bad(t)
-    if mask is not None:
-        bad = bad & mask
-    if bool(bad.any()):
-        first = bad.nonzero()[0].tolist()
+    def bad():
+        b = is_bad(t)
+        return b if mask is None else b & mask
+
+    def fail():
+        first = _first(bad())
         raise ValueError(f"{name}: expected {expected} on masked-in positions, got "
-                         f"{float(t[tuple(first)])} at index {first}")
+                         f"{float(t[first])} at index {list(first)}")
+    _defer_or_raise(checks, bad, fail)
 
 
-def check_finite(name: str, t: Optional[torch.Tensor], mask: Optional[torch.Tensor]):
-    _check_values(name, t, mask, lambda x: ~torch.isfinite(x), "finite values")
+# value rules of the per-token inputs: (what the message says is expected, the test of a bad value)
+_RULES = {
+    "finite": ("finite values", lambda x: ~torch.isfinite(x)),
+    "logprob": ("log-probabilities (<= 0)", lambda x: x > LOGP_SLACK),
+    "nonneg": ("importance weights >= 0", lambda x: x < 0),
+}
+
+
+def check_many(entries, mask: torch.Tensor, checks: Optional[Checks]) -> None:
+    """Value checks of several ``[B, T]`` tensors, ``entries`` = ``(name, tensor or None, rule)``
+    with ``rule`` a key of ``_RULES``: one batched test per rule (a handful of kernels instead
+    of four per check), each failure still named by the argument and the first bad index."""
+    entries = [(n, t, r) for n, t, r in entries if t is not None]
+    if not entries or not value_checks_enabled():
+        return
+    by_rule = {}
+    for name, t, rule in entries:
+        by_rule.setdefault(rule, []).append((name, t))
+
+    def flags():
+        out = []
+        for rule, group in by_rule.items():
+            stacked = torch.stack([t.float() for _, t in group])
+            out.append((_RULES[rule][1](stacked) & mask).flatten(1).any(1))
+        return torch.cat(out)
+
+    fails = [(lambda n=name, t=t, r=rule: _check_values(n, t, mask, _RULES[r][1], _RULES[r][0]))
+             for rule, group in by_rule.items() for name, t in group]
+    if checks is None:
+        checks = Checks()
+        checks.add_many(flags, fails)
+        checks.resolve()
+    else:
+        checks.add_many(flags, fails)
+
+
+def check_finite(name: str, t: Optional[torch.Tensor], mask: Optional[torch.Tensor],
+                 checks: Optional[Checks] = None):
+    _check_values(name, t, mask, lambda x: ~torch.isfinite(x), "finite values", checks)
 
 
 def check_same_device(device: torch.device, **tensors):
@@ -119,7 +240,7 @@ def check_temperature(name, t):
         raise ValueError(f"{name}: expected a finite float > 0, got {t!r}")
 
 
-def as_mask(mask, B, T, device):
+def as_mask(mask, B, T, device, checks: Optional[Checks] = None):
     """The loss mask as bool: a bool tensor, or an integer/float tensor of 0s and 1s (any other
     value, NaN included, is an error: a mask is not a weight; scale advantages or use
     ``token_scale`` to weight tokens)."""
@@ -127,11 +248,14 @@ def as_mask(mask, B, T, device):
     if mask.dtype == torch.bool:
         return mask
     if value_checks_enabled():
-        bad = (mask != 0) & (mask != 1)
-        if bool(bad.any()):
-            first = bad.nonzero()[0].tolist()
-            raise ValueError(f"mask: expected a boolean or 0/1 mask, got {mask[tuple(first)].item()}"
-                             f" at index {first} (to weight tokens, use token_scale)")
+        def bad():
+            return (mask != 0) & (mask != 1)
+
+        def fail():
+            first = _first(bad())
+            raise ValueError(f"mask: expected a boolean or 0/1 mask, got {mask[first].item()} "
+                             f"at index {list(first)} (to weight tokens, use token_scale)")
+        _defer_or_raise(checks, bad, fail)
     return mask != 0
 
 
@@ -140,10 +264,11 @@ def as_mask(mask, B, T, device):
 LOGP_SLACK = 1e-3
 
 
-def check_logprob(name: str, t: Optional[torch.Tensor], mask: Optional[torch.Tensor]):
+def check_logprob(name: str, t: Optional[torch.Tensor], mask: Optional[torch.Tensor],
+                  checks: Optional[Checks] = None):
     """``t`` holds log-probabilities: <= 0 (within rounding) on masked-in positions; NaN is left
     to the caller's own check."""
-    _check_values(name, t, mask, lambda x: x > LOGP_SLACK, "log-probabilities (<= 0)")
+    _check_values(name, t, mask, lambda x: x > LOGP_SLACK, "log-probabilities (<= 0)", checks)
 
 
 def resolve_group(name: str, group):

@@ -60,7 +60,8 @@ def _check_num_items(num_items_in_batch):
 
 
 def _check_per_token(B, T, device, mask, advantages, old_logp, ref_logp, token_scale, kl_weight,
-                     cfg, is_ratio=None, sampling_logp=None):
+                     cfg, is_ratio=None, sampling_logp=None, checks=None):
+    """Shape/dtype/device checks now; value checks queued on ``checks`` (V.Checks)."""
     if advantages is None:
         raise ValueError("advantages: expected a [B] or [B, T] tensor, got None")
     V.check_tensor("advantages", advantages, floating=True, device=device, dims=(1, 2))
@@ -76,18 +77,15 @@ def _check_per_token(B, T, device, mask, advantages, old_logp, ref_logp, token_s
         raise ValueError(f"ref_logp: required when config.kl_coef != 0 (got kl_coef="
                          f"{cfg.kl_coef}), got None")
     adv_bt = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
-    V.check_finite("advantages", adv_bt.expand(B, T), mask)
-    V.check_finite("old_logp", old_logp, mask)
-    V.check_finite("ref_logp", ref_logp if cfg.kl_coef != 0.0 else None, mask)
-    V.check_logprob("old_logp", old_logp, mask)
-    V.check_logprob("ref_logp", ref_logp if cfg.kl_coef != 0.0 else None, mask)
-    V.check_logprob("sampling_logp", sampling_logp, mask)
-    V.check_finite("token_scale", token_scale, mask)
-    V.check_finite("kl_weight", kl_weight if cfg.kl_coef != 0.0 else None, mask)
-    V.check_finite("is_ratio", is_ratio, mask)
-    if is_ratio is not None and V.value_checks_enabled() and bool(((is_ratio < 0) & mask).any()):
-        raise ValueError("is_ratio: expected importance weights >= 0 on masked-in positions, "
-                         f"got a minimum of {float(is_ratio[mask].min())}")
+    kl_on = cfg.kl_coef != 0.0
+    ref, klw = (ref_logp, kl_weight) if kl_on else (None, None)
+    V.check_many([("advantages", adv_bt.expand(B, T), "finite"), ("old_logp", old_logp, "finite"),
+                  ("ref_logp", ref, "finite"), ("token_scale", token_scale, "finite"),
+                  ("kl_weight", klw, "finite"), ("is_ratio", is_ratio, "finite"),
+                  ("sampling_logp", sampling_logp, "finite"),
+                  ("old_logp", old_logp, "logprob"), ("ref_logp", ref, "logprob"),
+                  ("sampling_logp", sampling_logp, "logprob"), ("is_ratio", is_ratio, "nonneg")],
+                 mask, checks)
     if sampling_logp is not None and cfg.off_policy_mask_threshold is None:
         raise ValueError("sampling_logp: only used by the off-policy mask; expected None when "
                          "config.off_policy_mask_threshold is None")
@@ -128,23 +126,26 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     B, T, H = hidden.shape
     device = hidden.device
     V.check_tensor("targets", targets, shape=(B, T), integer=True, device=device)
-    m = _mask(mask, B, T, device)
+    checks = V.Checks()      # value checks: resolved by the chunk loop's one host transfer
+    m = _mask(mask, B, T, device, checks)
     _check_phase(phase, cfg)
     _check_num_items(num_items_in_batch)
     adv = _check_per_token(B, T, device, m, advantages, old_logp, ref_logp, token_scale,
-                           kl_weight, cfg, is_ratio, sampling_logp)
+                           kl_weight, cfg, is_ratio, sampling_logp, checks)
     threshold_fn = _threshold_fn(data_parallel_group, cfg)
     if vocab_parallel is not None:
         sl = _vp.check(vocab_parallel, weight, bias, device, cfg.logit_softcap)
-        return _vp.policy_loss(hidden, weight, bias, V.check_targets(targets, sl.vocab, m), m,
+        safe_targets = V.check_targets(targets, sl.vocab, m, checks=checks)
+        checks.resolve()
+        return _vp.policy_loss(hidden, weight, bias, safe_targets, m,
                                adv, old_logp, ref_logp, token_scale,
                                kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase,
                                num_items_in_batch, sl, is_ratio, sampling_logp, threshold_fn)
-    safe_targets = V.check_targets(targets, weight.shape[0], m)
+    safe_targets = V.check_targets(targets, weight.shape[0], m, checks=checks)
     inp = LossInputs(safe_targets.reshape(-1), m, adv, old_logp, ref_logp, token_scale,
                      kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase, num_items_in_batch,
                      get_backend(backend, device, hidden.dtype), is_ratio, sampling_logp,
-                     threshold_fn)
+                     threshold_fn, checks)
     loss = FusedPolicyLossFunction.apply(hidden.reshape(B * T, H), weight, bias, inp)
     return loss, inp.metrics
 
@@ -300,11 +301,12 @@ def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=No
     V.check_tensor("logp", logp, floating=True, dims=(2,))
     B, T = logp.shape
     device = logp.device
-    m = _mask(mask, B, T, device)
+    checks = V.Checks()
+    m = _mask(mask, B, T, device, checks)
     _check_phase(phase, cfg)
     _check_num_items(num_items_in_batch)
     adv = _check_per_token(B, T, device, m, advantages, old_logp, ref_logp, token_scale,
-                           kl_weight, cfg, is_ratio, sampling_logp)
+                           kl_weight, cfg, is_ratio, sampling_logp, checks)
     if cfg.wants_entropy:
         if entropy is None:
             raise ValueError(f"entropy: required when config.entropy_coef != 0 or "
@@ -312,9 +314,10 @@ def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=No
                              f"{cfg.entropy_coef}, top_entropy_quantile="
                              f"{cfg.top_entropy_quantile}), got None")
         V.check_tensor("entropy", entropy, shape=(B, T), floating=True, device=device)
-        V.check_finite("entropy", entropy, m)
+        V.check_finite("entropy", entropy, m, checks)
     elif entropy is not None:
         V.check_tensor("entropy", entropy, shape=(B, T), floating=True, device=device)
+    checks.resolve()
     holder = {}
     args = (m, adv, old_logp, ref_logp, token_scale,
             kl_weight if cfg.kl_coef != 0.0 else None, is_ratio, sampling_logp, cfg, phase,

@@ -123,7 +123,7 @@ def row_stats(h2, weight, bias, y, sl: _Slice, temperature):
     m = torch.empty(n, device=device, dtype=ct)
     sums = torch.empty(4, n, device=device, dtype=ct)        # s, t, q, target logit
     inside, local = _local_in_slice(y, sl)
-    rows = _chunking.rows_per_chunk(n, weight.shape[0], 3, device)
+    rows = _chunking.rows_per_chunk(n, weight.shape[0], 3 * ct.itemsize, device)
     for s in range(0, n, rows):
         e = min(n, s + rows)
         z = _chunk_logits(h2[s:e], weight, bias, inv_temp, ct, sl.softcap)
@@ -157,7 +157,7 @@ def grads(h2, weight, bias, y, sl: _Slice, temperature, lse, entropy, g_logp, g_
     gh = torch.zeros_like(h2) if need_dh else None
     gw = torch.zeros_like(weight) if need_dw else None
     gb = torch.zeros(weight.shape[0], device=device, dtype=ct) if need_db else None
-    rows = _chunking.rows_per_chunk(n, weight.shape[0], 3, device)
+    rows = _chunking.rows_per_chunk(n, weight.shape[0], 3 * ct.itemsize, device)
     for s in range(0, n, rows):
         e = min(n, s + rows)
         hc = h2[s:e]

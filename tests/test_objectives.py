@@ -346,7 +346,7 @@ def test_logits_matmuls_per_chunk(monkeypatch, cfg, sweeps):
     seq = local_ids(idx // 9)[0] if c.needs_sequence else None
     be = gbc.backends.get_backend("cpu" if gbc.backends.cpu_available() else "torch",
                                   torch.device("cpu"))
-    rows = gbc._chunking.rows_per_chunk(idx.numel(), 37, be.buffers_per_chunk)
+    rows = gbc._chunking.rows_per_chunk(idx.numel(), 37, be.bytes_per_logit(torch.float32))
     plan = chunk_plan(idx.numel(), rows, c, seq)
     assert len(plan) > 1 and not any(two for *_, two in plan if sweeps == 1)
     assert len(calls) == sweeps * len(plan)

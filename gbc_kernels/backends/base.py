@@ -59,8 +59,13 @@ class ChunkResult(NamedTuple):
 
 class Backend:
     name = "base"
-    # How many [rows, V] float32 buffers the backend's passes hold at once (chunk sizing).
+    # How many [rows, V] buffers the backend's passes hold at once: the chunk's logits (in the
+    # input dtype) and ``buffers_per_chunk - 1`` float32 temporaries (chunk sizing).
     buffers_per_chunk = 1
+
+    def bytes_per_logit(self, dtype: torch.dtype) -> int:
+        """Working-set bytes per logit of a chunk whose logits are ``dtype``."""
+        return dtype.itemsize + 4 * (self.buffers_per_chunk - 1)
 
     def row_stats(self, logits: torch.Tensor, targets: torch.Tensor, inv_temp: float,
                   want_entropy: bool, want_sum_p2: bool, ws: Workspace) -> RowStats:
