@@ -208,7 +208,7 @@ std::vector<at::Tensor> row_stats(at::Tensor logits, at::Tensor targets, double 
         const float log_s = std::log(sums[0]);
         zmax_p[r] = m;
         lse_p[r] = m + log_s;
-        tz_p[r] = x[y[r]] * it;
+        tz_p[r] = y[r] >= 0 ? x[y[r]] * it : 0.f;   // -1: the target is not in this slice
         // H = log s - t / s  (shifted by the max: a sum of small terms)
         if (ent_p) ent_p[r] = log_s - sums[1] / sums[0];
         if (sp2_p) sp2_p[r] = sums[2] / (sums[0] * sums[0]);
@@ -217,8 +217,13 @@ std::vector<at::Tensor> row_stats(at::Tensor logits, at::Tensor targets, double 
 }
 
 // One row's gradient, the one-hot term folded in before rounding to the storage dtype.
+// y = -1: the target is not in this vocabulary slice (vocab parallel): no one-hot term.
 inline void grad_row(float* x, int64_t V, int64_t y, float it, float lse, float H, float g,
                      float gH, float inv_cap) {
+  if (y < 0) {
+    row_grad(x, V, it, lse, H, g, gH, inv_cap);
+    return;
+  }
   const float sy = x[y];
   row_grad(x, V, it, lse, H, g, gH, inv_cap);
   const float t = sy * inv_cap;

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from . import _chunking
+from . import vocab_parallel as _vp
 from ._loss_math import (TokenInputs, aggregation_weights, concat_terms, empty_metrics,
                          logp_grad_norm, local_ids, loss_terms, policy_metrics, term_weights)
 from ._validate import Checks, no_double_backward as _no_double_backward
@@ -42,6 +43,7 @@ class LossInputs:
     sampling_logp: Optional[torch.Tensor] = None
     threshold_fn: Optional[object] = None           # data-parallel entropy quantile
     checks: Optional[Checks] = None                  # value checks, resolved before any kernel
+    vp: Optional[_vp._Slice] = None                  # vocab parallel: this rank's lm_head slice
     metrics: dict = field(default_factory=dict)     # filled by the forward
     logp: Optional[torch.Tensor] = None              # [B, T] float32, filled by the forward
 
@@ -206,10 +208,11 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
                       need_db: bool):
     """The chunk loop over the masked-in rows (``chunk_plan``). Returns
     (loss, grad_hidden2d, grad_weight, grad_bias)."""
-    cfg, be = inp.config, inp.backend
+    cfg, be, vp = inp.config, inp.backend, inp.vp
     device = hidden2d.device
-    V = weight.shape[0]
+    V = weight.shape[0] if vp is None else vp.width     # chunk sizing: the same on every rank
     inv_temp = 1.0 / cfg.temperature
+    combine = None if vp is None else (lambda st: _vp.combine(st, vp))
     want_entropy = cfg.wants_entropy
     mflat = inp.mask.reshape(-1)
     N = mflat.numel()
@@ -223,7 +226,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     early = None
     if N and not (cfg.needs_sequence or cfg.needs_batch):
         rows = _chunking.rows_per_chunk(N, V, bpl, device)
-        buf = torch.empty(rows, V, device=device, dtype=hidden2d.dtype)
+        buf = torch.empty(rows, weight.shape[0], device=device, dtype=hidden2d.dtype)
         first = torch.nonzero_static(mflat, size=min(rows, N), fill_value=0).squeeze(1)
         early = hidden2d.index_select(0, first)
         _chunking.project(early, weight, bias, buf, cfg.logit_softcap)
@@ -238,13 +241,15 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     # no [n, H] copies: each chunk gathers its rows and scatters its hidden gradient
     dense = n == hidden2d.shape[0]          # nothing masked out: chunks are plain views
     y = inp.targets.index_select(0, idx)
+    if vp is not None:
+        y = _vp.local_targets(y, vp)
     need_grad = need_dh or need_dw or need_db
     grads = _GradMatmuls(hidden2d, weight, bias, need_dh, need_dw, need_db,
                          None if dense else idx)
 
     if early is None:
         rows = _chunking.rows_per_chunk(n, V, bpl, device)
-        buf = torch.empty(rows, V, device=device, dtype=hidden2d.dtype) if n else None
+        buf = torch.empty(rows, weight.shape[0], device=device, dtype=hidden2d.dtype) if n else None
     plan = chunk_plan(n, rows, cfg, ti.seq, ti.seq_lengths)
     ws = Workspace()
     f32 = dict(device=device, dtype=torch.float32)
@@ -274,6 +279,8 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
                 if two:
                     _, lg = project(s, e)
                     st = be.row_stats(lg, y[s:e], inv_temp, want_entropy, True, ws)
+                    if combine is not None:
+                        st = combine(st)
                     logp[s:e], lse[s:e], sum_p2[s:e] = st.target_z - st.lse, st.lse, st.sum_p2
                     if want_entropy:
                         entropy[s:e] = st.entropy
@@ -301,7 +308,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
             continue
         hc, lg = project(s, e)
         res = be.policy_rows_(lg, y[s:e], inv_temp, ti.slice(s, e, n_seq), cfg, inp.phase,
-                              need_grad, ws)
+                              need_grad, ws, combine)
         loss = loss + res.loss_sum
         logp[s:e], sum_p2[s:e], g[s:e] = res.logp, res.sum_p2, res.g
         if want_entropy:
@@ -320,8 +327,10 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
         inp.metrics = empty_metrics(cfg, device, B)
     full_logp = torch.zeros(mflat.numel(), device=device, dtype=torch.float32)
     inp.logp = full_logp.index_copy_(0, idx, logp).view_as(inp.mask)
-
-    return (loss, *grads.result())
+    gh, gw, gb = grads.result()
+    if vp is not None:
+        gh = _vp.reduce_hidden_grad(gh, vp)
+    return loss, gh, gw, gb
 
 
 class FusedPolicyLossFunction(torch.autograd.Function):
@@ -366,13 +375,16 @@ def scale_stored_grads(ctx, grad_loss):
 
 def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature: float,
                 want_entropy: bool, extra_temperature: Optional[float] = None,
-                softcap: Optional[float] = None):
-    """Row statistics for every row. Returns (logp, entropy, lse, extra RowStats parts)."""
-    N, V = hidden2d.shape[0], weight.shape[0]
+                softcap: Optional[float] = None, vp=None):
+    """Row statistics for every row (``vp``: over the split vocabulary, ``targets`` global
+    ids). Returns (logp, entropy, lse, extra RowStats parts)."""
+    N = hidden2d.shape[0]
     device = hidden2d.device
-    rows = _chunking.rows_per_chunk(N, V, backend.bytes_per_logit(hidden2d.dtype),
-                                     hidden2d.device)
-    buf = torch.empty(rows, V, device=device, dtype=hidden2d.dtype) if N else None
+    rows = _chunking.rows_per_chunk(N, weight.shape[0] if vp is None else vp.width,
+                                     backend.bytes_per_logit(hidden2d.dtype), hidden2d.device)
+    buf = torch.empty(rows, weight.shape[0], device=device, dtype=hidden2d.dtype) if N else None
+    if vp is not None:
+        targets = _vp.local_targets(targets, vp)
     ws = Workspace()
     logp = torch.empty(N, device=device, dtype=torch.float32)
     lse = torch.empty(N, device=device, dtype=torch.float32)
@@ -381,12 +393,17 @@ def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature: 
     if extra_temperature is not None:
         extra = {k: torch.empty(N, device=device, dtype=torch.float32)
                  for k in ("lse", "zmax", "entropy")}
+
+    def stats(lg, y, inv_temp, entropy_too):
+        st = backend.row_stats(lg, y, inv_temp, entropy_too, False, ws)
+        return st if vp is None else _vp.combine(st, vp)
+
     with torch.no_grad():
         for s in range(0, N, rows):
             e = min(N, s + rows)
             lg = buf[: e - s]
             _chunking.project(hidden2d[s:e], weight, bias, lg, softcap)
-            st = backend.row_stats(lg, targets[s:e], 1.0 / temperature, want_entropy, False, ws)
+            st = stats(lg, targets[s:e], 1.0 / temperature, want_entropy)
             logp[s:e] = st.target_z - st.lse
             lse[s:e] = st.lse
             if want_entropy:
@@ -394,21 +411,25 @@ def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature: 
             if extra is not None:
                 # the same temperature needs no second pass over the chunk
                 st2 = st if extra_temperature == temperature and want_entropy else \
-                    backend.row_stats(lg, targets[s:e], 1.0 / extra_temperature, True, False,
-                                       ws)
+                    stats(lg, targets[s:e], 1.0 / extra_temperature, True)
                 extra["lse"][s:e], extra["zmax"][s:e] = st2.lse, st2.zmax
                 extra["entropy"][s:e] = st2.entropy
     return logp, entropy, lse, extra
 
 
 def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature, lse,
-                     entropy, g_logp, g_entropy, need_dh, need_dw, need_db, softcap=None):
+                     entropy, g_logp, g_entropy, need_dh, need_dw, need_db, softcap=None,
+                     vp=None):
     """Backward of the log-probs: recompute each chunk's logits, overwrite them with dL/dlogits,
-    and do the two gradient matmuls."""
-    N, V = hidden2d.shape[0], weight.shape[0]
-    rows = _chunking.rows_per_chunk(N, V, backend.bytes_per_logit(hidden2d.dtype),
-                                     hidden2d.device)
-    buf = torch.empty(rows, V, device=hidden2d.device, dtype=hidden2d.dtype) if N else None
+    and do the two gradient matmuls (``vp``: this slice's part; the hidden gradient summed over
+    the ranks once)."""
+    N = hidden2d.shape[0]
+    rows = _chunking.rows_per_chunk(N, weight.shape[0] if vp is None else vp.width,
+                                     backend.bytes_per_logit(hidden2d.dtype), hidden2d.device)
+    buf = torch.empty(rows, weight.shape[0], device=hidden2d.device,
+                      dtype=hidden2d.dtype) if N else None
+    if vp is not None:
+        targets = _vp.local_targets(targets, vp)
     ws = Workspace()
     grads = _GradMatmuls(hidden2d, weight, bias, need_dh, need_dw, need_db)
     for s in range(0, N, rows):
@@ -419,19 +440,22 @@ def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperat
                             None if entropy is None else entropy[s:e], g_logp[s:e],
                             None if g_entropy is None else g_entropy[s:e], ws, softcap)
         grads.add(lg, hc, s, e)
-    return grads.result()
+    gh, gw, gb = grads.result()
+    if vp is not None:
+        gh = _vp.reduce_hidden_grad(gh, vp)
+    return gh, gw, gb
 
 
 class FusedLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden2d, weight, bias, targets, temperature, return_entropy, backend,
-                softcap=None):
+                softcap=None, vp=None):
         logp, entropy, lse, _ = stats_sweep(hidden2d, weight, bias, targets, backend,
-                                            temperature, return_entropy, softcap=softcap)
+                                            temperature, return_entropy, softcap=softcap, vp=vp)
         ctx.save_for_backward(hidden2d, weight, bias if bias is not None else torch.empty(0),
                               targets, lse, entropy if entropy is not None else torch.empty(0))
         ctx.has_bias, ctx.return_entropy = bias is not None, return_entropy
-        ctx.temperature, ctx.backend, ctx.softcap = temperature, backend, softcap
+        ctx.temperature, ctx.backend, ctx.softcap, ctx.vp = temperature, backend, softcap, vp
         if entropy is None:
             return logp
         return logp, entropy
@@ -451,5 +475,5 @@ class FusedLogprobsFunction(torch.autograd.Function):
         gh, gw, gb = logit_grad_sweep(hidden2d, weight, bias, targets, ctx.backend,
                                       ctx.temperature, lse, entropy if gH is not None else None,
                                       g_logp.float(), gH, need_dh, need_dw, need_db,
-                                      ctx.softcap)
-        return gh, gw, gb, None, None, None, None, None
+                                      ctx.softcap, ctx.vp)
+        return gh, gw, gb, None, None, None, None, None, None

@@ -121,12 +121,12 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
         check_whole_groups(group_ids, data_parallel_group)
     if vocab_parallel is not None:
         from . import vocab_parallel as _vp
-        sl = _vp.check(vocab_parallel, weight, bias, device, logit_softcap)
+        sl = _vp.check(vocab_parallel, weight, bias, device)
         if logp is not None:
             V.check_tensor("logp", logp, shape=(B, T), floating=True, device=device)
         return _nthr_vocab_parallel(hidden, weight, bias, V.check_targets(targets, sl.vocab, m),
                                     m, group_ids, correct, temperature, beta, eta, backend, logp,
-                                    sl)
+                                    sl, logit_softcap)
     safe = V.check_targets(targets, weight.shape[0], m).reshape(-1)
     correct = correct.bool()
     if logp is not None:
@@ -212,15 +212,20 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
 
 
 def _nthr_vocab_parallel(hidden, weight, bias, safe_targets, mask, group_ids, correct, temperature,
-                         beta, eta, backend, logp, sl):
-    """NTHR over a split vocabulary: the global LSE from ``vocab_parallel.row_stats`` (or from
-    ``logp``), and the rows of the lm_head its restricted matmuls need — the ids that occur in the masked
-    targets — assembled on every rank; then the one-device computation on those rows."""
-    from .vocab_parallel import gather_rows, token_stats
+                         beta, eta, backend, logp, sl, logit_softcap=None):
+    """NTHR over a split vocabulary: the log-probs over the whole vocabulary (the shared chunk
+    loop in vocab-parallel mode, or ``logp``), and the rows of the lm_head its restricted
+    matmuls need — the ids that occur in the masked targets — assembled on every rank; then the
+    one-device computation on those rows."""
+    from .vocab_parallel import gather_rows
 
     B, T, _ = hidden.shape
     if logp is None:
-        logp = token_stats(hidden, weight, bias, safe_targets, temperature, None, 1.0, sl)[0]
+        h2 = hidden.detach().reshape(B * T, -1)
+        logp = stats_sweep(h2, weight.detach(), None if bias is None else bias.detach(),
+                           safe_targets.reshape(-1),
+                           get_backend(backend, hidden.device, hidden.dtype), float(temperature),
+                           False, softcap=logit_softcap, vp=sl)[0].view(B, T)
     used = torch.unique(safe_targets[mask])            # sorted; the same on every rank
     rows, b = gather_rows(used, weight.detach(), None if bias is None else bias.detach(), sl)
     if used.numel() == 0:
@@ -230,4 +235,4 @@ def _nthr_vocab_parallel(hidden, weight, bias, safe_targets, mask, group_ids, co
     compact = torch.where(mask, compact, torch.zeros_like(compact))
     return nthr_scale(hidden, rows, compact, mask, group_ids, correct, bias=b,
                       temperature=temperature, beta=beta, eta=eta, backend=backend, logp=logp,
-                      logit_softcap=sl.softcap)
+                      logit_softcap=logit_softcap)

@@ -133,19 +133,13 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     adv = _check_per_token(B, T, device, m, advantages, old_logp, ref_logp, token_scale,
                            kl_weight, cfg, is_ratio, sampling_logp, checks)
     threshold_fn = _threshold_fn(data_parallel_group, cfg)
-    if vocab_parallel is not None:
-        sl = _vp.check(vocab_parallel, weight, bias, device, cfg.logit_softcap)
-        safe_targets = V.check_targets(targets, sl.vocab, m, checks=checks)
-        checks.resolve()
-        return _vp.policy_loss(hidden, weight, bias, safe_targets, m,
-                               adv, old_logp, ref_logp, token_scale,
-                               kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase,
-                               num_items_in_batch, sl, is_ratio, sampling_logp, threshold_fn)
-    safe_targets = V.check_targets(targets, weight.shape[0], m, checks=checks)
+    sl = None if vocab_parallel is None else _vp.check(vocab_parallel, weight, bias, device)
+    safe_targets = V.check_targets(targets, weight.shape[0] if sl is None else sl.vocab, m,
+                                   checks=checks)
     inp = LossInputs(safe_targets.reshape(-1), m, adv, old_logp, ref_logp, token_scale,
                      kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase, num_items_in_batch,
                      get_backend(backend, device, hidden.dtype), is_ratio, sampling_logp,
-                     threshold_fn, checks)
+                     threshold_fn, checks, sl)
     loss = FusedPolicyLossFunction.apply(hidden.reshape(B * T, H), weight, bias, inp)
     return loss, inp.metrics
 
@@ -178,16 +172,13 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     _check_temperature("temperature", temperature)
     V.check_tensor("targets", targets, shape=hidden.shape[:-1], integer=True, device=hidden.device)
     _check_softcap(logit_softcap)
-    if vocab_parallel is not None:
-        sl = _vp.check(vocab_parallel, weight, bias, hidden.device, logit_softcap)
-        return _vp.logprobs(hidden, weight, bias, V.check_targets(targets, sl.vocab),
-                            temperature, return_entropy, sl)
-    safe = V.check_targets(targets, weight.shape[0]).reshape(-1)
+    sl = None if vocab_parallel is None else _vp.check(vocab_parallel, weight, bias, hidden.device)
+    safe = V.check_targets(targets, weight.shape[0] if sl is None else sl.vocab).reshape(-1)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     be = get_backend(backend, hidden.device, hidden.dtype)
     out = FusedLogprobsFunction.apply(h2, weight, bias, safe, float(temperature),
                                       bool(return_entropy), be,
-                                      None if logit_softcap is None else float(logit_softcap))
+                                      None if logit_softcap is None else float(logit_softcap), sl)
     if return_entropy:
         logp, entropy = out
         return logp.view(targets.shape), entropy.view(targets.shape)
@@ -223,23 +214,20 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
         _check_temperature("certainty_temperature", certainty_temperature)
     V.check_tensor("targets", targets, shape=hidden.shape[:-1], integer=True, device=hidden.device)
     _check_softcap(logit_softcap)
-    if vocab_parallel is not None:
-        sl = _vp.check(vocab_parallel, weight, bias, hidden.device, logit_softcap)
-        return TokenStats(*_vp.token_stats(hidden, weight, bias, V.check_targets(targets, sl.vocab),
-                                           float(temperature), certainty,
-                                           float(certainty_temperature), sl))
-    safe = V.check_targets(targets, weight.shape[0]).reshape(-1)
+    sl = None if vocab_parallel is None else _vp.check(vocab_parallel, weight, bias, hidden.device)
+    vocab = weight.shape[0] if sl is None else sl.vocab
+    safe = V.check_targets(targets, vocab).reshape(-1)
     h2 = hidden.detach().reshape(-1, hidden.shape[-1])
     b = None if bias is None else bias.detach()
     logp, entropy, _, extra = stats_sweep(
         h2, weight.detach(), b, safe, get_backend(backend, hidden.device, hidden.dtype),
         float(temperature),
         True, None if certainty is None else float(certainty_temperature),
-        None if logit_softcap is None else float(logit_softcap))
+        None if logit_softcap is None else float(logit_softcap), sl)
     cert = None
     if certainty is not None:
         cert = certainty_from_stats(certainty, extra["entropy"], extra["zmax"], extra["lse"],
-                                    weight.shape[0]).view(targets.shape)
+                                    vocab).view(targets.shape)
     return TokenStats(logp.view(targets.shape), entropy.view(targets.shape), cert)
 
 

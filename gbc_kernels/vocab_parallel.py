@@ -1,23 +1,21 @@
-"""Vocab-parallel lm_head (SPEC §9): each rank holds rows ``[start, end)`` of the weight.
+"""Vocab-parallel lm_head (docs/math.md, "Vocab-parallel reductions"): each rank holds rows
+``[start, end)`` of the weight.
 
-Every rank passes the same hidden states, targets (global ids) and per-token inputs. Two sweeps
-over the local slice, one chunk of rows at a time:
+Every rank passes the same hidden states, targets (global ids), mask and per-token inputs. The
+loss runs the one-device chunk loop (``_fused``) with the backend's own kernels over the local
+slice; this module holds what the loop adds in this mode:
 
-1. statistics of the local logits per row — max ``m_r``, ``s_r = Σ exp(z - m_r)``,
-   ``t_r = Σ exp(z - m_r) z``, ``q_r = Σ exp(2 (z - m_r))`` and the target logit when the target
-   is in the slice — then two collectives per call (not per chunk): ``all_reduce(MAX)`` of the
-   maxima, and ``all_reduce(SUM)`` of the rescaled sums and target logits. That gives the global
-   ``LSE = M + log S``, entropy ``LSE - T / S``, ``Σ p² = Q / S²`` and ``logp = z[y] - LSE``, the
-   same on every rank; the per-token loss, its normaliser and metrics follow as in one process.
-2. the logit gradient of the local slice (``∂logp/∂z = onehot - p``, ``∂H/∂z = -p (z - Σ p z)``),
-   its two matmuls into ``grad_weight[start:end]`` and this slice's part of ``grad_hidden``,
-   which one ``all_reduce(SUM)`` completes.
+* ``local_targets``: global ids as ids into the slice, ``-1`` where the target lies in another
+  rank's slice (the backends then neither read it nor add its one-hot term);
+* ``combine``: per chunk, ONE collective (an all_gather of the local row statistics: LSE, max,
+  target logit, entropy, ``Σp²``) from which every rank forms the global statistics:
+  ``LSE = logsumexp_r LSE_r``, with ``w_r = exp(LSE_r - LSE)`` the slice's probability mass,
+  ``H = Σ_r w_r (H_r - log w_r)``, ``Σp² = Σ_r w_r² Σp²_r``, ``z[y]`` from the rank holding it;
+* ``reduce_hidden_grad``: each rank's ``grad_hidden`` is its slice's part ``G_r W_r``; one
+  all_reduce(SUM) per call completes it. ``grad_weight`` and ``grad_bias`` are the slice's own.
 
-The loss computes its gradients in the forward, like the one-device path (its backward only
-scales them), so sweep 2 follows sweep 1 in the same call: four matmuls per chunk instead of
-three, because the global LSE is known only after sweep 1. The collectives run outside the chunk
-loops, so the ranks may chunk differently (uneven slices). The per-chunk math is PyTorch on
-every device: this path is exact and memory-bounded, not yet kernel-fused.
+Three matmuls per chunk, as on one device. The chunk plan depends only on the row count, the
+widest slice and the sequences, so every rank runs the same chunks and collectives in step.
 """
 
 from __future__ import annotations
@@ -26,14 +24,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
 import torch.distributed as dist
 
-from . import _chunking
-from ._validate import no_double_backward as _no_double_backward, resolve_group
-from ._fused import save_grads, scale_stored_grads, token_inputs, with_entropy_mask
-from ._loss_math import (certainty_from_stats, empty_metrics, logp_grad_norm, loss_terms,
-                         policy_metrics)
+from ._validate import resolve_group
+from .backends.base import RowStats
 
 
 @dataclass(frozen=True)
@@ -55,10 +49,10 @@ class _Slice:
     start: int
     end: int
     vocab: int          # V of the full vocabulary
-    softcap: Optional[float] = None     # final-logit soft-capping c (logits c tanh(x / c))
+    width: int          # rows of the widest slice (every rank sizes its chunks by it)
 
 
-def check(vp, weight, bias, device, softcap=None) -> _Slice:
+def check(vp, weight, bias, device) -> _Slice:
     """Validate ``vocab_parallel`` against the weight shard and the other ranks' slices (one
     all_gather of two integers)."""
     if not isinstance(vp, VocabParallel):
@@ -90,22 +84,7 @@ def check(vp, weight, bias, device, softcap=None) -> _Slice:
             raise ValueError(f"vocab_parallel: the ranks' slices {slices} do not tile [0, V) "
                              f"(gap or overlap at {min(s, covered)})")
         covered = e
-    return _Slice(group, vp.start, vp.end, covered,
-                  None if softcap is None else float(softcap))
-
-
-def _ct(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _chunk_logits(hc, weight, bias, inv_temp, ct, softcap=None):
-    z = hc @ weight.t()
-    if bias is not None:
-        z = z + bias
-    z = z.to(ct)
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    return z * inv_temp
+    return _Slice(group, vp.start, vp.end, covered, max(e - s for s, e in slices))
 
 
 def _local_in_slice(y, sl: _Slice):
@@ -113,198 +92,42 @@ def _local_in_slice(y, sl: _Slice):
     return inside, (y - sl.start).clamp(0, sl.end - sl.start - 1)
 
 
-@torch.no_grad()
-def row_stats(h2, weight, bias, y, sl: _Slice, temperature):
-    """Global per-row statistics of ``z = (h W^T + b) / temperature`` over the split vocabulary:
-    dict of [n] tensors ``lse, entropy, sum_p2, logp, zmax``."""
-    n, device = h2.shape[0], h2.device
-    ct = _ct(h2.dtype)
-    inv_temp = 1.0 / temperature
-    m = torch.empty(n, device=device, dtype=ct)
-    sums = torch.empty(4, n, device=device, dtype=ct)        # s, t, q, target logit
+def local_targets(y: torch.Tensor, sl: _Slice) -> torch.Tensor:
+    """Global target ids as ids into this rank's slice, -1 where another rank holds them."""
     inside, local = _local_in_slice(y, sl)
-    rows = _chunking.rows_per_chunk(n, weight.shape[0], 3 * ct.itemsize, device)
-    for s in range(0, n, rows):
-        e = min(n, s + rows)
-        z = _chunk_logits(h2[s:e], weight, bias, inv_temp, ct, sl.softcap)
-        mc = z.max(-1).values
-        ez = torch.exp(z - mc[:, None])
-        m[s:e] = mc
-        sums[0, s:e] = ez.sum(-1)
-        sums[1, s:e] = (ez * z).sum(-1)
-        sums[2, s:e] = (ez * ez).sum(-1)
-        sums[3, s:e] = torch.where(inside[s:e], z.gather(1, local[s:e, None])[:, 0], 0.0)
-    big = m.clone()
-    dist.all_reduce(big, op=dist.ReduceOp.MAX, group=sl.group)
-    scale = torch.exp(m - big)
-    sums[0] *= scale
-    sums[1] *= scale
-    sums[2] *= scale * scale
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=sl.group)
-    S, Tz, Q, zy = sums
-    lse = big + torch.log(S)
-    return dict(lse=lse, entropy=lse - Tz / S, sum_p2=Q / (S * S), logp=zy - lse, zmax=big)
+    return torch.where(inside, local, torch.full_like(local, -1))
 
 
-def grads(h2, weight, bias, y, sl: _Slice, temperature, lse, entropy, g_logp, g_entropy,
-          need_dh, need_dw, need_db):
-    """Gradients of ``Σ g_logp logp + g_entropy H`` (per row) in hidden (all-reduced: the full
-    gradient on every rank), the weight slice and the bias slice."""
-    n, device = h2.shape[0], h2.device
-    ct = _ct(h2.dtype)
-    inv_temp = 1.0 / temperature
-    inside, local = _local_in_slice(y, sl)
-    gh = torch.zeros_like(h2) if need_dh else None
-    gw = torch.zeros_like(weight) if need_dw else None
-    gb = torch.zeros(weight.shape[0], device=device, dtype=ct) if need_db else None
-    rows = _chunking.rows_per_chunk(n, weight.shape[0], 3 * ct.itemsize, device)
-    for s in range(0, n, rows):
-        e = min(n, s + rows)
-        hc = h2[s:e]
-        z = _chunk_logits(hc, weight, bias, inv_temp, ct, sl.softcap)
-        p = torch.exp(z - lse[s:e, None])
-        gl = g_logp[s:e, None].to(ct)
-        G = -p * gl
-        G[torch.arange(e - s, device=device), local[s:e]] += torch.where(
-            inside[s:e], gl[:, 0], 0.0)
-        if g_entropy is not None:
-            mean_z = (lse - entropy)[s:e, None]            # Σ p z = LSE - H
-            G -= g_entropy[s:e, None].to(ct) * p * (z - mean_z)
-        G = G * inv_temp
-        if sl.softcap is not None:        # d(c tanh(x / c))/dx = 1 - (s / c)^2, s = z / inv_temp
-            G = G * (1.0 - (z / (inv_temp * sl.softcap)) ** 2)
-        G = G.to(weight.dtype)
-        if gh is not None:
-            gh[s:e] = G @ weight
-        if gw is not None:
-            gw.addmm_(G.t(), hc)
-        if gb is not None:
-            gb += G.to(ct).sum(0)
-    if gh is not None:
-        dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=sl.group)
-    return gh, gw, None if gb is None else gb.to(bias.dtype)
+def combine(st: RowStats, sl: _Slice) -> RowStats:
+    """The global row statistics from every rank's statistics of its slice (one all_gather)."""
+    parts = [st.lse, st.target_z, st.zmax]
+    if st.entropy is not None:
+        parts.append(st.entropy)
+    if st.sum_p2 is not None:
+        parts.append(st.sum_p2)
+    local = torch.stack(parts)                                     # [k, rows]
+    every = [torch.empty_like(local) for _ in range(dist.get_world_size(sl.group))]
+    dist.all_gather(every, local, group=sl.group)
+    every = torch.stack(every)                                     # [ranks, k, rows]
+    lse_r = every[:, 0]
+    lse = torch.logsumexp(lse_r, 0)
+    log_w = lse_r - lse                                            # log of each slice's mass
+    w = torch.exp(log_w)
+    entropy = sum_p2 = None
+    k = 3
+    if st.entropy is not None:
+        entropy = (w * (every[:, k] - log_w)).sum(0)
+        k += 1
+    if st.sum_p2 is not None:
+        sum_p2 = (w * w * every[:, k]).sum(0)
+    return RowStats(lse, every[:, 2].amax(0), every[:, 1].sum(0), entropy, sum_p2)
 
 
-# ----------------------------------------------------------------------------------------------
-# the loss
-# ----------------------------------------------------------------------------------------------
-
-
-class _PolicyLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden2d, weight, bias, args):
-        (y, mask, adv, old, ref, tscale, klw, isr, sampling, cfg, phase, num_items, sl,
-         threshold_fn, holder) = args
-        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_db = bias is not None and ctx.needs_input_grad[2]
-        ct = _ct(hidden2d.dtype)
-        idx = mask.reshape(-1).nonzero().squeeze(1)        # every rank holds the same mask
-        h = hidden2d.detach().index_select(0, idx)
-        yr = y.index_select(0, idx)
-        st = row_stats(h, weight.detach(), None if bias is None else bias.detach(), yr, sl,
-                       cfg.temperature)
-        ti = token_inputs(mask, adv, old, ref, tscale, klw, isr, sampling, cfg, num_items, idx,
-                          ct)
-        ent = st["entropy"] if cfg.wants_entropy else None
-        loss = torch.zeros((), device=hidden2d.device, dtype=ct)
-        g = gH = None
-        if idx.numel():
-            # every rank holds every token: the batch-global entropy quantile is local
-            ti = with_entropy_mask(ti, ent, cfg, mask, idx, ct, threshold_fn)
-            lt = loss_terms(st["logp"].to(ct), None if ent is None else ent.to(ct), ti, cfg,
-                            phase)
-            loss, g, gH = lt.loss_sum, lt.g, lt.gH
-            holder["metrics"] = policy_metrics(
-                lt.terms, cfg, ent, logp_grad_norm(g, st["logp"], st["sum_p2"],
-                                                   1.0 / cfg.temperature),
-                mask.shape[0], ti.n_seq)
-        else:
-            if threshold_fn is not None:        # a collective: take part without tokens
-                threshold_fn(st["logp"], cfg.top_entropy_quantile)
-            holder["metrics"] = empty_metrics(cfg, hidden2d.device, mask.shape[0])
-            g = torch.zeros(0, device=hidden2d.device, dtype=ct)
-        gh_rows, gw, gb = grads(h, weight.detach(), None if bias is None else bias.detach(), yr,
-                                sl, cfg.temperature, st["lse"], st["entropy"], g, gH,
-                                need_dh, need_dw, need_db)
-        gh = None
-        if gh_rows is not None:
-            gh = torch.zeros_like(hidden2d).index_copy_(0, idx, gh_rows)
-        save_grads(ctx, gh, gw, gb)
-        return loss.to(torch.float32 if ct == torch.float32 else ct)
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        _no_double_backward()
-        return (*scale_stored_grads(ctx, grad_loss), None)
-
-
-def policy_loss(hidden, weight, bias, safe_targets, mask, adv, old, ref, tscale, klw, cfg,
-                phase, num_items, sl: _Slice, is_ratio=None, sampling_logp=None,
-                threshold_fn=None):
-    B, T, H = hidden.shape
-    holder = {}
-    args = (safe_targets.reshape(-1), mask, adv, old, ref, tscale, klw, is_ratio, sampling_logp,
-            cfg, phase, num_items, sl, threshold_fn, holder)
-    loss = _PolicyLoss.apply(hidden.reshape(B * T, H), weight, bias, args)
-    return loss, holder["metrics"]
-
-
-# ----------------------------------------------------------------------------------------------
-# log-probs, token statistics, NTHR
-# ----------------------------------------------------------------------------------------------
-
-
-class _Logprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden2d, weight, bias, y, temperature, return_entropy, sl):
-        st = row_stats(hidden2d.detach(), weight.detach(),
-                       None if bias is None else bias.detach(), y, sl, temperature)
-        ctx.save_for_backward(hidden2d, weight, bias, y, st["lse"], st["entropy"])
-        ctx.cfg = (temperature, return_entropy, sl)
-        if return_entropy:
-            return st["logp"].float(), st["entropy"].float()
-        return st["logp"].float()
-
-    @staticmethod
-    def backward(ctx, g_logp, g_entropy=None):
-        _no_double_backward()
-        h, w, b, y, lse, ent = ctx.saved_tensors
-        temperature, return_entropy, sl = ctx.cfg
-        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_db = b is not None and ctx.needs_input_grad[2]
-        if g_logp is None:
-            g_logp = torch.zeros_like(lse)
-        gh, gw, gb = grads(h.detach(), w.detach(), None if b is None else b.detach(), y, sl,
-                           temperature, lse, ent, g_logp,
-                           g_entropy if return_entropy else None, need_dh, need_dw, need_db)
-        return gh, gw, gb, None, None, None, None
-
-
-def logprobs(hidden, weight, bias, safe_targets, temperature, return_entropy, sl: _Slice):
-    h2 = hidden.reshape(-1, hidden.shape[-1])
-    out = _Logprobs.apply(h2, weight, bias, safe_targets.reshape(-1), float(temperature),
-                          bool(return_entropy), sl)
-    shape = safe_targets.shape
-    if return_entropy:
-        return out[0].view(shape), out[1].view(shape)
-    return out.view(shape), None
-
-
-@torch.no_grad()
-def token_stats(hidden, weight, bias, safe_targets, temperature, certainty,
-                certainty_temperature, sl: _Slice):
-    h2 = hidden.reshape(-1, hidden.shape[-1]).detach()
-    y = safe_targets.reshape(-1)
-    w, b = weight.detach(), None if bias is None else bias.detach()
-    st = row_stats(h2, w, b, y, sl, temperature)
-    cert = None
-    if certainty is not None:
-        cst = st if certainty_temperature == temperature else row_stats(
-            h2, w, b, y, sl, certainty_temperature)
-        cert = certainty_from_stats(certainty, cst["entropy"], cst["zmax"], cst["lse"],
-                                    sl.vocab).float().view(safe_targets.shape)
-    shape = safe_targets.shape
-    return st["logp"].float().view(shape), st["entropy"].float().view(shape), cert
+def reduce_hidden_grad(grad_hidden: Optional[torch.Tensor], sl: _Slice):
+    """Sum the slices' parts of the hidden gradient (once per call)."""
+    if grad_hidden is not None:
+        dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=sl.group)
+    return grad_hidden
 
 
 @torch.no_grad()

@@ -168,9 +168,9 @@ def _leaves(batch, lo=0, hi=VP_V):
             batch["bias"][lo:hi].clone().requires_grad_(True))
 
 
-def _all_calls(batch, group_ids, correct, upstream, lo=0, hi=VP_V, vp=None):
+def _all_calls(batch, group_ids, correct, upstream, lo=0, hi=VP_V, vp=None, backend="auto"):
     """Every vocab-parallel entry point on one batch; with vp=None the single-process truth."""
-    kw = {} if vp is None else {"vocab_parallel": vp}
+    kw = {"backend": backend} if vp is None else {"vocab_parallel": vp, "backend": backend}
     out = {}
     for name, cfg, phase in VP_CASES:
         h, w, b = _leaves(batch, lo, hi)
@@ -215,18 +215,21 @@ def _all_calls(batch, group_ids, correct, upstream, lo=0, hi=VP_V, vp=None):
     return out
 
 
-def _vp_worker(rank, world):
+def _vp_worker(rank, world, backend):
     batch, group_ids, correct, upstream = _vp_inputs()
     lo, hi = SPLITS[world][rank]
     group = dist.new_group(list(range(world)))        # an explicit group, not only WORLD
     out = _all_calls(batch, group_ids, correct, upstream, lo, hi,
-                     gbc.VocabParallel(group, lo, hi))
+                     gbc.VocabParallel(group, lo, hi), backend)
     w, b = batch["weight"][lo:hi], batch["bias"][lo:hi]
     from gbc_kernels import vocab_parallel as vpmod
+    from gbc_kernels.backends.base import Workspace
     sl = vpmod.check(gbc.VocabParallel(group, lo, hi), w, b, w.device)
     h2 = batch["hidden"].reshape(-1, batch["hidden"].shape[-1])
-    out["row_stats"] = vpmod.row_stats(h2, w, b, batch["targets"].clamp(min=0).reshape(-1), sl,
-                                       0.9)
+    be = gbc.backends.get_backend(backend, h2.device, h2.dtype)
+    y = vpmod.local_targets(batch["targets"].clamp(min=0).reshape(-1), sl)
+    st = vpmod.combine(be.row_stats(h2 @ w.T + b, y, 1 / 0.9, True, True, Workspace()), sl)
+    out["row_stats"] = st._asdict()
     errors = {}
     # every rank makes the same mistake, so they fail at the same point (a rank that raises
     # alone, before a collective, leaves the others waiting in it, as with any collective code)
@@ -251,11 +254,17 @@ def _vp_worker(rank, world):
     return out, errors
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_vocab_parallel_equals_single_process(world):
+VP_RUNS = [(2, "torch"), (3, "torch")] + ([(2, "cpu"), (3, "cpu")]
+                                          if gbc.backends.cpu_available() else [])
+
+
+@pytest.mark.parametrize("world,backend", VP_RUNS)
+def test_vocab_parallel_equals_single_process(world, backend):
+    """Every entry point over 2 or 3 uneven slices equals one process on the same backend: the
+    shared chunk loop with the backend's own row kernels and one collective per chunk."""
     batch, group_ids, correct, upstream = _vp_inputs()
-    truth = _all_calls(batch, group_ids, correct, upstream)
-    ranks = _spawn(world, _vp_worker)
+    truth = _all_calls(batch, group_ids, correct, upstream, backend=backend)
+    ranks = _spawn(world, _vp_worker, backend)
     close = (lambda a, b: torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6))
     for rank, (out, errors) in enumerate(ranks):
         lo, hi = SPLITS[world][rank]
@@ -289,6 +298,8 @@ def test_vocab_parallel_equals_single_process(world):
         assert close(st["sum_p2"], (p * p).sum(-1))
         assert close(st["entropy"], -(p * p.log()).sum(-1))
         assert close(st["zmax"], z.max(-1).values)
+        y = batch["targets"].clamp(min=0).reshape(-1, 1)
+        assert close(st["target_z"], z.gather(1, y)[:, 0])
         scale, selected, scores = out["nthr"]
         assert torch.equal(selected, truth["nthr"][1]) and close(scale, truth["nthr"][0])
         assert close(scores, truth["nthr"][2])
@@ -316,3 +327,40 @@ def test_vocab_parallel_without_init_raises():
     with pytest.raises(TypeError, match="vocab_parallel: expected"):
         gbc.fused_linear_logprobs(b["hidden"], b["weight"], b["targets"].clamp(min=0),
                                   vocab_parallel=(None, 0, 9))
+
+
+BACKEND_NAMES = ["torch", "triton"] + (["cpu"] if gbc.backends.cpu_available() else [])
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_target_outside_slice(backend, dtype):
+    """A target id of -1 (another rank's slice): the target logit is 0 and never read, and the
+    gradient has no one-hot term; other rows are untouched by the rule. Against float64."""
+    from gbc_kernels.backends.base import Workspace
+    g = torch.Generator().manual_seed(2)
+    rows, V = 7, 133                      # V not a multiple of any block
+    logits = (torch.randn(rows, V, generator=g) * 3).to(dtype)
+    y = torch.randint(0, V, (rows,), generator=g)
+    y[[1, 4, 5]] = -1
+    be = gbc.backends.get_backend(backend, torch.device("cpu"), dtype)
+    it = 1 / 0.8
+    st = be.row_stats(logits.clone(), y, it, True, True, Workspace())
+    z = logits.double() * it
+    lse = torch.logsumexp(z, -1)
+    p = torch.softmax(z, -1)
+    inside = y >= 0
+    tz = torch.where(inside, z.gather(1, y.clamp(min=0)[:, None])[:, 0], 0.0)
+    tol = dict(rtol=1e-5, atol=1e-5)
+    assert torch.allclose(st.lse.double(), lse, **tol)
+    assert torch.allclose(st.target_z.double(), tz, **tol)
+    assert torch.allclose(st.entropy.double(), -(p * p.log()).sum(-1), **tol)
+    gl, gh = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
+    buf = logits.clone()
+    be.logit_grad_(buf, y, it, st.lse, st.entropy, gl, gh, Workspace())
+    H = -(p * p.log()).sum(-1)
+    want = -p * (gl.double()[:, None] + gh.double()[:, None] * (p.log() + H[:, None]))
+    want[inside.nonzero()[:, 0], y[inside]] += gl.double()[inside]
+    want *= it
+    err = (buf.double() - want).abs().max() / want.abs().max()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err

@@ -5,6 +5,9 @@ interface and is written once; a backend only supplies the two passes over ``[ro
 
 * ``row_stats``: per row of ``z = logits * inv_temp``: LSE, max, the target's ``z``, and when
   asked the entropy ``H = LSE - sum_v p_v z_v`` and ``sum_v p_v^2``. All float32.
+
+A target id of ``-1`` means "not in this chunk's vocabulary slice" (vocab parallel): the
+target's ``z`` is 0 and never read, and the gradient has no one-hot term.
 * ``logit_grad_``: overwrite the chunk buffer with ``dL/dlogits`` given ``g = dL/dlogp`` and
   ``gH = dL/dH`` per row:
 
@@ -72,18 +75,21 @@ class Backend:
         raise NotImplementedError
 
     def policy_rows_(self, logits, targets, inv_temp, ti, cfg, phase, need_grad: bool,
-                     ws: Workspace) -> ChunkResult:
+                     ws: Workspace, combine=None) -> ChunkResult:
         """The fused loss's work on one chunk: row statistics, the per-token loss of SPEC
         §1-§3, §10 (``_loss_math.loss_terms`` over ``ti``, a ``TokenInputs`` of the chunk's
         tokens, whole sequences when the loss needs them), and (``need_grad``) dL/dlogits
         written into ``logits``.
 
         This generic version composes the two primitives with the PyTorch per-token math; a
-        backend may override it with one pass that keeps each row in cache.
+        backend may override it with one pass that keeps each row in cache. ``combine`` (vocab
+        parallel) turns the slice's row statistics into the global ones before the loss.
         """
         from .._loss_math import loss_terms   # local: the loss math sits above the backends
 
         st = self.row_stats(logits, targets, inv_temp, cfg.wants_entropy, True, ws)
+        if combine is not None:
+            st = combine(st)
         logp = st.target_z - st.lse
         ct = ti.adv.dtype
         ent = None if st.entropy is None else st.entropy.to(ct)

@@ -38,12 +38,14 @@ class CpuBackend(Backend):
                         sp2 if want_sum_p2 else None)
 
     def policy_rows_(self, logits, targets, inv_temp, ti, cfg, phase, need_grad,
-                     ws: Workspace) -> ChunkResult:
+                     ws: Workspace, combine=None) -> ChunkResult:
         from .._loss_math import TokenTerms
         from ..config import KL_ESTIMATORS
 
-        if not ti.native_ok(cfg):     # the objectives of §10: C++ row passes, PyTorch token math
-            return super().policy_rows_(logits, targets, inv_temp, ti, cfg, phase, need_grad, ws)
+        # the objectives of §10 and vocab parallel: C++ row passes, PyTorch token math
+        if combine is not None or not ti.native_ok(cfg):
+            return super().policy_rows_(logits, targets, inv_temp, ti, cfg, phase, need_grad, ws,
+                                        combine)
         out = _C.policy_rows_(
             logits, targets, float(inv_temp), ti.w_pg, ti.adv, ti.old, ti.ref, ti.tscale,
             ti.klw if cfg.kl_coef != 0.0 else None,

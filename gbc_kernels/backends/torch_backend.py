@@ -29,7 +29,9 @@ class TorchBackend(Backend):
         p = torch.exp(zs, out=ws.get("p", rows, V, logits, ct))
         sumexp = p.sum(dim=-1)
         lse_s = torch.log(sumexp)
-        target_z = zs.gather(1, targets.unsqueeze(1)).squeeze(1) + zmax
+        inside = targets >= 0                   # -1: the target is not in this vocabulary slice
+        target_z = torch.where(inside, zs.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
+                               + zmax, 0.0)
         entropy = sum_p2 = None
         if want_entropy or want_sum_p2:
             p.div_(sumexp.unsqueeze(1))
@@ -58,7 +60,8 @@ class TorchBackend(Backend):
             grad.add_(g_logp.unsqueeze(1)).mul_(p).neg_()
         else:
             grad = torch.mul(p, g_logp.unsqueeze(1), out=logq).neg_()
-        grad.scatter_add_(1, targets.unsqueeze(1), g_logp.unsqueeze(1).to(grad.dtype))
+        onehot = torch.where(targets >= 0, g_logp, 0.0).to(grad.dtype)   # -1: not in the slice
+        grad.scatter_add_(1, targets.clamp(min=0).unsqueeze(1), onehot.unsqueeze(1))
         if cap is not None:
             grad.mul_(cap)
         if inv_temp != 1.0:

@@ -46,8 +46,8 @@ def row_stats_kernel(logits_ptr, stride_row, targets_ptr, lse_ptr, zmax_ptr, tz_
         s = s * a + tl.sum(e, axis=0)
         m = m_new
     log_s = tl.log(s)
-    y = tl.load(targets_ptr + row)
-    z_y = tl.load(base + y).to(tl.float32) * inv_temp
+    y = tl.load(targets_ptr + row)          # -1: the target is not in this vocabulary slice
+    z_y = tl.load(base + y, mask=y >= 0, other=0.0).to(tl.float32) * inv_temp
     tl.store(lse_ptr + row, m + log_s)
     tl.store(zmax_ptr + row, m)
     tl.store(tz_ptr + row, z_y)
@@ -81,7 +81,7 @@ def logit_grad_kernel(logits_ptr, stride_row, targets_ptr, lse_ptr, ent_ptr, g_p
             grad = -p * (g + gh * (lq + H))
         else:
             grad = -p * g
-        # the one-hot term is folded in before rounding to the storage dtype
+        # the one-hot term is folded in before rounding to the storage dtype (y = -1: none)
         grad = tl.where(cols == y, grad + g, grad) * inv_temp
         if SOFTCAP:
             t = x * inv_cap

@@ -122,11 +122,13 @@ class TritonBackend(Backend):
                                   softcap)
 
     def policy_rows_(self, logits, targets, inv_temp, ti, cfg, phase, need_grad,
-                     ws: Workspace) -> ChunkResult:
+                     ws: Workspace, combine=None) -> ChunkResult:
         from .._loss_math import TokenTerms
 
-        if not ti.native_ok(cfg):     # the objectives of §10: Triton row passes, PyTorch token math
-            return super().policy_rows_(logits, targets, inv_temp, ti, cfg, phase, need_grad, ws)
+        # the objectives of §10 and vocab parallel: Triton row passes, PyTorch token math
+        if combine is not None or not ti.native_ok(cfg):
+            return super().policy_rows_(logits, targets, inv_temp, ti, cfg, phase, need_grad, ws,
+                                        combine)
         w, adv, old, ref, tscale = ti.w_pg, ti.adv, ti.old, ti.ref, ti.tscale
         klw = ti.klw if cfg.kl_coef != 0.0 else None
         st = launch_row_stats(logits, targets, inv_temp, cfg.wants_entropy, True)
