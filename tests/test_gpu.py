@@ -136,3 +136,33 @@ def test_loss_memory_on_gpu():
           f"one fp32 [N, V] ({logits_fp32 / 2**20:.0f} MiB)")
     assert torch.isfinite(loss)
     assert extra < 0.5 * logits_fp32
+
+
+def test_vocab_parallel_one_rank_on_gpu(monkeypatch):
+    """Vocab parallel with the Triton kernels on a one-rank NCCL group (the slice is the whole
+    lm_head) equals the one-device loss: the per-chunk all_gather and the hidden-gradient
+    all_reduce on CUDA tensors. The multi-rank math is tested on CPU (test_distributed.py)."""
+    import socket
+    import torch.distributed as dist
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        b = cuda(make_batch(B=4, T=33, H=64, V=1001, seed=13))
+        cfg = gbc.PolicyLossConfig(loss_agg="grpo", kl_coef=0.05, entropy_coef=0.01)
+        outs = []
+        for vp in (None, gbc.VocabParallel(None, 0, 1001)):
+            h = b["hidden"].clone().requires_grad_(True)
+            w = b["weight"].clone().requires_grad_(True)
+            loss, m = gbc.fused_linear_policy_loss(h, w, b["targets"], b["mask"],
+                                                   b["advantages"], b["old_logp"], b["ref_logp"],
+                                                   config=cfg, backend="triton", vocab_parallel=vp)
+            loss.backward()
+            outs.append((loss.detach(), m["entropy"], h.grad, w.grad))
+        for a, c in zip(*outs):
+            assert torch.allclose(a, c, rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
