@@ -36,51 +36,86 @@ from gbc_kernels.integrations import hf           # noqa: E402
 from grpo_tasks import AdditionTask, CharTokenizer, KKTask   # noqa: E402
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every option's default in its help line."""
+
+
 def build_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", choices=["add", "kk"], default="add")
-    ap.add_argument("--model", default=None, help="local HF causal LM (default: tiny Qwen2)")
-    ap.add_argument("--digits", type=int, default=1, help="warm-up digits; RL uses digits+1")
-    ap.add_argument("--sft-steps", type=int, default=1500)
-    ap.add_argument("--sft-mix", type=float, default=0.5,
-                    help="share of (digits+1)-digit sums in the warm-up (a pretrained model has "
-                         "seen a few of the harder task)")
-    ap.add_argument("--steps", type=int, default=500, help="RL steps")
-    ap.add_argument("--prompts", type=int, default=16, help="prompts per RL step")
-    ap.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
-    ap.add_argument("--partial-credit", action="store_true",
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    task = ap.add_argument_group("task and model")
+    task.add_argument("--task", choices=["add", "kk"], default="add",
+                      help="add: N-digit addition (built in); kk: Knights-and-Knaves puzzles "
+                           "from reasoning-gym (needs --model)")
+    task.add_argument("--model", default=None,
+                      help="path of a local Hugging Face causal LM (None: a tiny Qwen2 built "
+                           "from a config, no download)")
+    task.add_argument("--digits", type=int, default=1, help="warm-up digits; RL uses digits + 1")
+    task.add_argument("--sft-steps", type=int, default=None,
+                      help="supervised warm-up steps (None: 1500, or 100 with --parity)")
+    task.add_argument("--sft-mix", type=float, default=0.5,
+                      help="share of (digits+1)-digit sums in the warm-up (a pretrained model "
+                           "has seen a few of the harder task)")
+    task.add_argument("--sft-lr", type=float, default=3e-3, help="warm-up learning rate")
+    task.add_argument("--eval-size", type=int, default=300,
+                      help="held-out sums for the accuracy before and after RL")
+    rl = ap.add_argument_group("GRPO")
+    rl.add_argument("--steps", type=int, default=500, help="RL steps")
+    rl.add_argument("--prompts", type=int, default=None,
+                    help="prompts per RL step (None: 16, or 4 with --parity)")
+    rl.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
+    rl.add_argument("--partial-credit", action="store_true",
                     help="addition reward: half credit for the share of right digits")
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--sft-lr", type=float, default=3e-3)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--loss", choices=["fused", "reference"], default="fused")
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--loss-agg", default="token-mean")
-    ap.add_argument("--epsilon-low", type=float, default=0.2)
-    ap.add_argument("--epsilon-high", type=float, default=0.28)
-    ap.add_argument("--kl-coef", type=float, default=0.0)
-    ap.add_argument("--kl-estimator", default="k2")
-    ap.add_argument("--entropy-coef", type=float, default=0.0)
-    ap.add_argument("--ar-alpha", type=float, default=0.0, help="Advantage Reweighting alpha")
-    ap.add_argument("--lopti-eta", type=float, default=None, help="Lopti threshold (on)")
-    ap.add_argument("--lopti-order", default="low-first", choices=["low-first", "high-first"])
-    ap.add_argument("--nthr", action="store_true", help="NTHR token scale on negatives")
-    ap.add_argument("--nthr-beta", type=float, default=1.0)
-    ap.add_argument("--critical-kl-exponent", type=float, default=None,
-                    help="critical-token KL weights (J**gamma); needs --kl-coef")
-    ap.add_argument("--critical-kl-certainty", default="max_prob", choices=["max_prob", "entropy"])
-    ap.add_argument("--critical-kl-temperature", type=float, default=1.0)
-    ap.add_argument("--parity", action="store_true",
-                    help="every step: fused vs reference loss and gradients (all methods on)")
-    ap.add_argument("--compare", action="store_true",
-                    help="GRPO vs +AR vs +Lopti vs +AR+Lopti over --seeds")
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--eval-size", type=int, default=300)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="runs/grpo")
-    ap.add_argument("--quiet", action="store_true")
-    return ap.parse_args(argv)
+    rl.add_argument("--lr", type=float, default=1e-4, help="RL learning rate (AdamW)")
+    rl.add_argument("--temperature", type=float, default=1.0,
+                    help="sampling temperature (the loss uses the same)")
+    rl.add_argument("--loss", choices=["fused", "reference"], default="fused",
+                    help="fused: gbc_kernels; reference: gbc_reference (full logits, autograd)")
+    rl.add_argument("--backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
+                    help="gbc_kernels backend")
+    rl.add_argument("--loss-agg", default="token-mean",
+                    choices=list(gbc.config.LOSS_AGG_MODES) + list(gbc.config.LOSS_AGG_ALIASES),
+                    help="aggregation of the per-token loss (docs/math.md)")
+    rl.add_argument("--epsilon-low", type=float, default=0.2, help="PPO clip, lower side")
+    rl.add_argument("--epsilon-high", type=float, default=0.28,
+                    help="PPO clip, upper side (DAPO clip-higher)")
+    rl.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty coefficient beta")
+    rl.add_argument("--kl-estimator", default="k2", choices=list(gbc.config.KL_ESTIMATORS),
+                    help="per-token KL estimator")
+    rl.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus coefficient")
+    methods = ap.add_argument_group("the papers' methods")
+    methods.add_argument("--ar-alpha", type=float, default=0.0,
+                         help="Advantage Reweighting alpha (0: off)")
+    methods.add_argument("--lopti-eta", type=float, default=None,
+                         help="Lopti probability threshold (None: off)")
+    methods.add_argument("--lopti-order", default="low-first", choices=["low-first", "high-first"],
+                         help="which Lopti phase updates first")
+    methods.add_argument("--nthr", action="store_true",
+                         help="NTHR: soften the penalty of negatives' tokens aligned with positives")
+    methods.add_argument("--nthr-beta", type=float, default=1.0, help="NTHR threshold factor")
+    methods.add_argument("--critical-kl-exponent", type=float, default=None,
+                         help="critical-token KL: weight each token's KL by J**gamma "
+                              "(None: off; needs --kl-coef)")
+    methods.add_argument("--critical-kl-certainty", default="max_prob",
+                         choices=["max_prob", "entropy"], help="certainty J of the reference")
+    methods.add_argument("--critical-kl-temperature", type=float, default=1.0,
+                         help="temperature of the reference's certainty")
+    run = ap.add_argument_group("runs")
+    run.add_argument("--parity", action="store_true",
+                     help="every step: fused vs reference loss and gradients, all methods on "
+                          "(a short warm-up unless --sft-steps is given)")
+    run.add_argument("--compare", action="store_true",
+                     help="GRPO vs +AR vs +Lopti vs +AR+Lopti over --seeds")
+    run.add_argument("--seeds", default="0,1,2", help="comma-separated seeds for --compare")
+    run.add_argument("--seed", type=int, default=0, help="random seed")
+    run.add_argument("--out", default="runs/grpo",
+                     help="output folder: metrics.jsonl, curves.png (parity.json, compare.png)")
+    run.add_argument("--quiet", action="store_true", help="no progress bars or log lines")
+    args = ap.parse_args(argv)
+    if args.sft_steps is None:
+        args.sft_steps = 100 if args.parity else 1500
+    if args.prompts is None:
+        args.prompts = 4 if args.parity else 16
+    return args
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,7 +174,9 @@ def sft(model, task, args, log, harder=None):
     rng = random.Random(args.seed)
     head = hf.lm_head(model)
     model.train()
-    for step in range(args.sft_steps):
+    from tqdm import tqdm
+    bar = tqdm(range(args.sft_steps), disable=args.quiet, desc="warm-up", dynamic_ncols=True)
+    for step in bar:
         t = harder if harder is not None and rng.random() < args.sft_mix else task
         ids, mask = t.sft_batch(64, rng)
         h = hf.completion_hidden(model, ids)
@@ -150,8 +187,11 @@ def sft(model, task, args, log, harder=None):
         loss.backward()
         opt.step()
         sched.step()
-        if step % 100 == 0 or step == args.sft_steps - 1:
-            log(f"sft step {step:4d}  nll {float(loss.detach()):.4f}")
+        if step % 10 == 0 or step == args.sft_steps - 1:
+            nll = float(loss.detach())
+            bar.set_postfix(nll=f"{nll:.4f}")
+    if args.sft_steps:
+        log(f"warm-up: {args.sft_steps} steps, final nll {nll:.4f}")
 
 
 # ---------------------------------------------------------------------------------------------
