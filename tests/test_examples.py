@@ -79,6 +79,23 @@ def test_kk_task_one_step_with_tiny_random_model(tmp_path):
     assert len(rows) == 1 and 0.0 <= rows[0]["reward"] <= 1.0
 
 
+def test_trl_example_parameters_move(tmp_path):
+    pytest.importorskip("trl")
+    import trl_grpo
+    from transformers import AutoModelForCausalLM
+    model_dir = tmp_path / "model"
+    trl_grpo.tiny_char_model(str(model_dir))
+    before = {k: v.clone() for k, v in
+              AutoModelForCausalLM.from_pretrained(str(model_dir)).state_dict().items()}
+    trainer = trl_grpo.main(["--steps", "4", "--model", str(model_dir),
+                             "--out", str(tmp_path / "out")])
+    after = trainer.model.state_dict()
+    moved = [k for k in before if not torch.equal(before[k], after[k].detach().cpu())]
+    trainable = [k for k, p in trainer.model.named_parameters() if p.requires_grad]
+    assert set(trainable) <= set(moved) | {k for k in trainable if "rotary" in k}, \
+        sorted(set(trainable) - set(moved))
+
+
 def test_quickstart_runs():
     r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "quickstart.py"),
                         "--steps", "2"], capture_output=True, text=True, timeout=300)
@@ -86,13 +103,22 @@ def test_quickstart_runs():
     assert r.stdout.count("step ") == 2 and "grad_share_low" in r.stdout
 
 
-def test_trl_example_runs(tmp_path):
+def test_trl_example_trains_and_logs_true_grad_norm(tmp_path):
+    """The TRL example under Lopti: every parameter the loss reaches moves, and the logged
+    grad_norm is that of both updates (positive, and at least each phase's own norm)."""
     pytest.importorskip("trl")
     import trl_grpo
-    trainer = trl_grpo.main(["--steps", "2", "--out", str(tmp_path)])
-    assert trainer.state.global_step == 2
-    logged = {k for row in trainer.state.log_history for k in row}
-    assert {"reward", "gbc/nthr_selected", "gbc/grad_share_low_low"} <= logged
+    trainer = trl_grpo.main(["--steps", "12", "--out", str(tmp_path)])
+    assert trainer.state.global_step == 12
+    rows = [r for r in trainer.state.log_history if "reward" in r]
+    logged = {k for row in rows for k in row}
+    assert {"reward", "kl", "clip_ratio/region_mean", "gbc/nthr_selected",
+            "gbc/grad_share_low_low", "gbc/grad_norm_low", "gbc/grad_norm_high"} <= logged
+    for r in rows:
+        assert r["grad_norm"] > 0
+        both = (r["gbc/grad_norm_low"] ** 2 + r["gbc/grad_norm_high"] ** 2) ** 0.5
+        assert abs(r["grad_norm"] - both) <= 1e-4 * both + 1e-6, r
+    assert max(r["kl"] for r in rows) > 0            # the policy left the reference
 
 
 def test_verl_example_runs():

@@ -10,7 +10,9 @@ gradients are TRL's. The ``gbc_*`` options add the token-level methods:
   current log-probs, detached, when TRL skips the old-policy pass).
 * ``gbc_lopti_eta``: Lopti (SPEC §3). Every training step runs the low phase, an optimizer step
   (with TRL's gradient clipping), then the high phase; the Trainer's own optimizer step follows.
-  The learning-rate schedule advances once per training step.
+  The learning-rate schedule advances once per training step. The logged ``grad_norm`` is that of
+  both updates together, ``sqrt(|g_low|^2 + |g_high|^2)`` (each before clipping), with each
+  phase's own as ``gbc/grad_norm_low`` and ``gbc/grad_norm_high``.
 * ``gbc_nthr``: NTHR (SPEC §4) from the rollout policy's hidden states, computed right after
   TRL scores the completions. A completion counts as correct when its advantage is > 0 (for
   binary rewards: reward 1 in a mixed group), and a group is ``num_generations`` consecutive
@@ -172,6 +174,7 @@ class GBCGRPOTrainer(GRPOTrainer):
         self._gbc_last_inputs = None
         self._gbc_window = []
         self._gbc_norms = {}
+        self._gbc_first_norm = None      # Lopti: the first update's gradient norm (pre-clip)
 
     # ---------------------------------------------------------------- construction checks
     @staticmethod
@@ -298,7 +301,11 @@ class GBCGRPOTrainer(GRPOTrainer):
             if not self.accelerator.sync_gradients:
                 return loss                          # more micro-batches in this window
             if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
-                self._clip_grad_norm(model)
+                first_norm = super()._clip_grad_norm(model)
+            else:
+                first_norm = self.accelerator.clip_grad_norm_(model.parameters(), float("inf"))
+            self._gbc_first_norm = float(first_norm)
+            self._metrics["train"][f"gbc/grad_norm_{first}"].append(self._gbc_first_norm)
             self.optimizer.step()
             model.zero_grad()
             self._gbc_phase = second
@@ -323,6 +330,27 @@ class GBCGRPOTrainer(GRPOTrainer):
             self._gbc_phase = None
             self._gbc_reuse_inputs = None
         return loss
+
+    # ------------------------------------------------ Lopti: the logged gradient norm of a step
+    def _gbc_step_norm(self, second_norm):
+        """Under Lopti the Trainer measures only the second update's gradient; log the norm of
+        both updates' gradients together, sqrt(|g_first|^2 + |g_second|^2) (each pre-clip),
+        and each phase's own as gbc/grad_norm_low and gbc/grad_norm_high."""
+        first, self._gbc_first_norm = self._gbc_first_norm, None
+        if first is None or second_norm is None:
+            return second_norm
+        second = float(second_norm)
+        phase = "high" if self.gbc_args.gbc_lopti_order == "low-first" else "low"
+        self._metrics["train"][f"gbc/grad_norm_{phase}"].append(second)
+        return (first * first + second * second) ** 0.5
+
+    def _clip_grad_norm(self, model):
+        return self._gbc_step_norm(super()._clip_grad_norm(model))
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None and self._gbc_first_norm is not None:   # max_grad_norm = 0
+            grad_norm = self._gbc_step_norm(super()._get_grad_norm(model))
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     # ---------------------------------------------------------------- the loss
     def _compute_loss(self, model, inputs):
