@@ -1,9 +1,11 @@
 # The two set-up commands of the README: `make demo` (main job) and `make test` (the tests).
-# Both install the dev environment first; torch is installed alone and first, pinned to the CPU
-# wheel on this machine's disk, so that nothing afterwards can pull a CUDA build.
+# `make demo` installs only what the demo imports (the library and its `demo` extra:
+# transformers, tqdm, matplotlib); `make test` installs the full dev/test environment. torch is
+# installed alone and first, pinned to the CPU wheel on this machine's disk, so that nothing
+# afterwards can pull a CUDA build.
 PYTHON ?= python
 
-.PHONY: install demo test aot bench
+.PHONY: install install-demo demo test aot bench
 
 install:
 	$(PYTHON) -m pip install -q torch==2.13.0
@@ -12,7 +14,13 @@ install:
 	DS_BUILD_OPS=0 $(PYTHON) -m pip install -q --no-build-isolation --no-deps deepspeed==0.19.8
 	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
 
-demo: install
+install-demo:
+	@echo "== make demo: installing torch (CPU), the library and its demo extra"
+	$(PYTHON) -m pip install --progress-bar on torch==2.13.0 "setuptools>=64" wheel
+	$(PYTHON) -m pip install --progress-bar on --no-build-isolation -e ".[demo]"
+
+demo: install-demo
+	@echo "== make demo: warm-up then GRPO (progress bars below; outputs in runs/demo)"
 	$(PYTHON) examples/grpo_trainer.py --out runs/demo
 
 test: install

@@ -70,6 +70,8 @@ setup(
     extras_require={
         "triton": ["triton>=3.0"],
         "trl": ["trl>=0.20", "transformers>=4.50"],
+        # what examples/grpo_trainer.py (make demo) and examples/quickstart.py import
+        "demo": ["transformers>=4.50", "matplotlib", "tqdm"],
         "examples": ["transformers>=4.50", "matplotlib", "tqdm"],
     },
     ext_modules=ext_modules,
