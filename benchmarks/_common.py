@@ -60,7 +60,7 @@ def loss_from_logp(c, logp):
     return (per_tok * m).sum() / m.sum().clamp(min=1)
 
 
-# The objectives of SPEC §10 as bench_cpu.py --objectives runs them ("gbc_cpu@NAME"); every
+# The objectives of docs/math.md §10 as bench_cpu.py --objectives runs them ("gbc_cpu@NAME"); every
 # one with the k3 KL of the base case. "ppo" is the token-level PPO loss they are compared to.
 OBJECTIVES = {
     "ppo": dict(),
@@ -88,7 +88,7 @@ def make_provider(name, c):
     """A closure running forward+backward of one provider on case ``c``."""
     cfg = gbc.PolicyLossConfig(epsilon_low=EPS, epsilon_high=EPS, kl_coef=BETA,
                                kl_estimator="k3", loss_agg="token-mean")
-    if "@" in name:                       # gbc_cpu@gspo: an objective of SPEC §10
+    if "@" in name:                       # gbc_cpu@gspo: an objective of docs/math.md §10
         name, objective = name.split("@")
         cfg = objective_config(objective)
     if name == "floor":

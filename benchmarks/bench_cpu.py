@@ -11,7 +11,7 @@ memory: each provider in a fresh process (peak RSS beyond inputs and gradients).
 
     python benchmarks/bench_cpu.py --quick            # N=2048, H=1024, V=32768 (the README table)
     python benchmarks/bench_cpu.py                    # N in 1k..8k, V in 32768/128256/151936, H in 1024/2048
-    python benchmarks/bench_cpu.py --objectives       # SPEC §10's objectives vs token-level PPO
+    python benchmarks/bench_cpu.py --objectives       # docs/math.md §10's objectives vs token-level PPO
 
 --objectives times gbc_cpu with each objective of _common.OBJECTIVES against the token-level
 PPO loss in one process (round-robin), writes benchmarks/results/objectives.csv and prints the
@@ -211,7 +211,7 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--objectives", action="store_true",
-                    help="time every objective of SPEC §10 against token-level PPO (gbc_cpu)")
+                    help="time every objective of docs/math.md §10 against token-level PPO (gbc_cpu)")
     ap.add_argument("--Ns", default=None, help="comma list, overrides the grid's N")
     ap.add_argument("--Hs", default=None)
     ap.add_argument("--Vs", default=None)

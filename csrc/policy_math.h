@@ -1,4 +1,4 @@
-// The per-token GRPO policy-loss math of SPEC §1-§3 in C++ (the PyTorch copy is
+// The per-token GRPO policy-loss math of docs/math.md §1-§3 in C++ (the PyTorch copy is
 // gbc_kernels/_loss_math.py, the Triton copy gbc_kernels/triton/kernels.py; all three are
 // tested against gbc_reference). Scalar, double precision: it runs once per token, next to a
 // pass over the whole vocabulary, so its cost does not matter and its rounding stays small.
@@ -64,7 +64,7 @@ inline TokenOut token_terms(const PolicyParams& P, const TokenIn& in) {
   double a = in.adv * o.ar * in.token_scale;
   bool active = true;
   if (P.phase != PHASE_NONE) {
-    const bool low = o.p_old < P.eta;       // strict, SPEC §3
+    const bool low = o.p_old < P.eta;       // strict, docs/math.md §3
     active = P.phase == PHASE_LOW ? low : !low;
   }
   if (!active) a = 0.0;

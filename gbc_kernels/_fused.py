@@ -107,7 +107,7 @@ def gathered_threshold(process_group):
 
 def with_entropy_mask(ti: TokenInputs, entropy, cfg: PolicyLossConfig, mask, idx, ct,
                       threshold_fn=None) -> TokenInputs:
-    """The batch's entropy-quantile mask (SPEC §10) and the entropy term's weights over it.
+    """The batch's entropy-quantile mask (docs/math.md §10) and the entropy term's weights over it.
     ``entropy`` covers every masked token of the call (the statistic is batch-global);
     ``threshold_fn(entropy, quantile)`` replaces :func:`entropy_threshold` (data parallel)."""
     if not cfg.needs_batch:

@@ -1,4 +1,5 @@
-"""The per-token GRPO policy-loss math of SPEC §1-§3 in PyTorch, with its analytic derivative.
+"""The per-token GRPO policy-loss math (docs/math.md §1-§3) in PyTorch, with its analytic
+derivative.
 
 Every backend calls this once per chunk of tokens (the Triton and C++ backends carry their own
 copies of the same formulas, each tested against ``gbc_reference``). Inputs are 1-d over tokens;
@@ -100,7 +101,7 @@ class LossTerms:
 
 
 def kl_value_and_grad(logp, ref_logp, estimator):
-    """KL estimator k(logp, ref_logp) and dk/dlogp, delta = ref_logp - logp (SPEC §1)."""
+    """KL estimator k(logp, ref_logp) and dk/dlogp, delta = ref_logp - logp (docs/math.md §1)."""
     delta = ref_logp - logp
     if estimator == "k1":
         return -delta, torch.ones_like(delta)
@@ -156,8 +157,8 @@ def gamma_log_weight(log_ratio, is_ratio, seq, n_seq):
 
 def loss_terms(logp, entropy, ti: TokenInputs, cfg: PolicyLossConfig,
                phase: Optional[str]) -> LossTerms:
-    """The loss of SPEC §1-§3 and §10 over masked tokens (1-d), its derivative in ``logp`` and
-    in the entropy, with the aggregation weights applied.
+    """The loss of docs/math.md §1-§3 and §10 over masked tokens (1-d), its derivative in
+    ``logp`` and in the entropy, with the aggregation weights applied.
 
     The policy term is a function of the log importance weight ``lw`` (the token's
     ``logp - old`` or its sequence's mean) and, for cispo and vespo, of ``logp`` directly; its
@@ -301,7 +302,8 @@ def clip_flags(a, r, cfg: PolicyLossConfig):
 
 def aggregation_weights(mask: torch.Tensor, agg: str, cfg: PolicyLossConfig, num_items_in_batch,
                         dtype=torch.float32) -> torch.Tensor:
-    """w[b, t] such that the aggregated term is sum(w * l) (SPEC §1 loss_agg). No host sync."""
+    """w[b, t] such that the aggregated term is sum(w * l) (docs/math.md §1, loss_agg). No host
+    sync."""
     m = mask.to(dtype)
     B = mask.shape[0]
     if agg == "token-mean":
@@ -333,16 +335,16 @@ def term_weights(mask, cfg: PolicyLossConfig, num_items_in_batch, dtype, emask=N
 
 
 def logp_grad_norm(g, logp, sum_p2, inv_temp):
-    """SPEC §6: the norm of the logp part of dL/dz per token, |g| / tau * ||onehot - p||, with
-    ||onehot - p||^2 = 1 - 2 p + sum_v p_v^2."""
+    """docs/math.md §6: the norm of the logp part of dL/dz per token,
+    |g| / tau * ||onehot - p||, with ||onehot - p||^2 = 1 - 2 p + sum_v p_v^2."""
     p = torch.exp(logp)
     return g.abs() * inv_temp * (1.0 - 2.0 * p + sum_p2).clamp(min=0.0).sqrt()
 
 
 def policy_metrics(terms: TokenTerms, cfg: PolicyLossConfig, entropy=None, grad_norm=None,
                    n_seq_total: int = 0, n_seq_nonempty=None) -> dict:
-    """SPEC §7 metrics: detached 0-d float32 tensors, means over the masked tokens (``terms``
-    holds those only).
+    """docs/math.md §7 metrics: detached 0-d float32 tensors, means over the masked tokens
+    (``terms`` holds those only).
 
     ``grad_norm`` is the per-token norm of §6 (None: ``grad_share_low`` is not reported).
     ``n_seq_total`` (B) and ``n_seq_nonempty`` give vespo's ``phi_mean`` over all B sequences
@@ -437,7 +439,7 @@ def empty_metrics(cfg: PolicyLossConfig, device, n_seq_total: int = 0) -> dict:
 
 
 def certainty_from_stats(kind, entropy, zmax, lse, vocab):
-    """SPEC §5: J_entropy = 1 - H / log V, J_max_prob = 1 + (max z - LSE) / log V."""
+    """docs/math.md §5: J_entropy = 1 - H / log V, J_max_prob = 1 + (max z - LSE) / log V."""
     log_v = math.log(vocab) if vocab > 1 else 1.0
     if kind == "entropy":
         return 1.0 - entropy / log_v

@@ -1,4 +1,4 @@
-"""PolicyLossConfig: every non-tensor option of the GRPO policy loss (SPEC §1-§3)."""
+"""PolicyLossConfig: every non-tensor option of the GRPO policy loss (docs/math.md §1-§3)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class PolicyLossConfig:
     lopti_eta: Lopti's probability threshold; required when a ``phase`` is given. Also the
         threshold of the ``low_frac`` and ``grad_share_low`` metrics (0.5 when None).
 
-    The objectives of today's trainers (SPEC §10, docs/math.md), each an axis of its own:
+    The objectives of today's trainers (docs/math.md §10, docs/math.md), each an axis of its own:
 
     importance_sampling_level: ``token`` (one ratio per token) or ``sequence`` (GSPO: one ratio
         per sequence, ``exp`` of the masked mean of ``logp - old_logp``, gradient through it).

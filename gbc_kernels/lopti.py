@@ -1,4 +1,4 @@
-"""Lopti's two updates per RL step (SPEC §3), for a plain training loop."""
+"""Lopti's two updates per RL step (docs/math.md §3), for a plain training loop."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""NTHR, Negative Token Hidden Reward (SPEC §4), streaming: never the [N, V] logits.
+"""NTHR, Negative Token Hidden Reward (docs/math.md §4), streaming: never the [N, V] logits.
 
 Working set: one chunk of the full-vocabulary LSE pass (``O(chunk * V)``), then per group the
 restricted logits ``h @ W[V*].T`` a chunk of tokens at a time and ``M+`` (``O(|V*| * H)``).
@@ -80,7 +80,7 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
                beta=1.0, eta="auto", backend="auto", logp=None,
                vocab_parallel=None, data_parallel_group=None,
                logit_softcap=None) -> NTHRResult:
-    """Per-token advantage scale of NTHR (SPEC §4), from the old policy's hidden states.
+    """Per-token advantage scale of NTHR (docs/math.md §4), from the old policy's hidden states.
 
     hidden: [B, T, H]; weight: [V, H]; targets, mask: [B, T]; group_ids: [B] integer (groups
     may be non-contiguous and of any size); correct: [B] bool (binary reward).
@@ -89,8 +89,8 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
     ``token_stats`` returns as ``old_logp``). Given, the full-vocabulary LSE is recovered as
     ``z[y] - logp`` (O(N H)) instead of a streaming pass over the vocabulary (O(N H V)), which
     makes NTHR cost only its restricted matmuls.
-    ``vocab_parallel``: ``weight``/``bias`` are this rank's slice (SPEC §9); the result is the
-    same on every rank.
+    ``vocab_parallel``: ``weight``/``bias`` are this rank's slice (docs/math.md §9); the result
+    is the same on every rank.
     ``logit_softcap``: final-logit soft-capping ``c`` (the restricted logits and the LSE are
     those of ``c tanh(x / c)``).
     ``data_parallel_group``: the process group the batch is split over (data parallelism;

@@ -1,4 +1,4 @@
-"""The public functions of SPEC §7: validation, dispatch to a backend, autograd glue."""
+"""The public functions of docs/math.md §7: validation, dispatch to a backend, autograd glue."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
                              config=None, phase=None, num_items_in_batch=None, backend="auto",
                              vocab_parallel=None, is_ratio=None, sampling_logp=None,
                              data_parallel_group=None):
-    """GRPO policy loss (SPEC §1-§3, §6, §10) from hidden states, without the logits.
+    """GRPO policy loss (docs/math.md §1-§3, §6, §10) from hidden states, without the logits.
 
     Computes, for ``z = (hidden @ weight.T + bias) / temperature`` one chunk of rows at a time::
 
@@ -114,10 +114,10 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     batch-global entropy quantile (``top_entropy_quantile < 1``) is then taken over every
     rank's tokens, as TRL does (None: this process's tokens only).
     Returns ``(loss, metrics)``: a 0-d float32 loss whose gradient flows to hidden, weight and
-    bias, and a dict of detached 0-d float32 metrics (SPEC §7).
+    bias, and a dict of detached 0-d float32 metrics (docs/math.md §7).
 
     ``vocab_parallel=VocabParallel(group, start, end)``: ``weight``/``bias`` are this rank's rows
-    ``[start, end)`` of the lm_head, ``targets`` are global ids (SPEC §9).
+    ``[start, end)`` of the lm_head, ``targets`` are global ids (docs/math.md §9).
     """
     cfg = _config(config)
     V.check_backend(backend)
@@ -187,7 +187,8 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
 
 class TokenStats(NamedTuple):
     """Per-token statistics (float32, shape of targets): log-prob of the target and entropy at
-    ``temperature``; certainty J of SPEC §5 at ``certainty_temperature`` (None unless asked)."""
+    ``temperature``; certainty J of docs/math.md §5 at ``certainty_temperature`` (None unless
+    asked)."""
 
     logp: torch.Tensor
     entropy: torch.Tensor
@@ -200,7 +201,7 @@ CERTAINTY_KINDS = (None, "entropy", "max_prob")
 def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=None,
                 certainty_temperature=1.0, backend="auto", vocab_parallel=None,
                 logit_softcap=None) -> TokenStats:
-    """No-grad per-token statistics, streaming over the vocabulary (SPEC §5, §7).
+    """No-grad per-token statistics, streaming over the vocabulary (docs/math.md §5, §7).
 
     certainty="entropy":  J = 1 - H(softmax(z_w)) / log V
     certainty="max_prob": J = 1 + log max_v softmax(z_w)_v / log V,  z_w = logits / certainty_temperature
@@ -232,7 +233,8 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
 
 
 class _PolicyLossFromLogp(torch.autograd.Function):
-    """The loss of SPEC §1-§3, §10 given per-token log-probs, with the analytic derivative."""
+    """The loss of docs/math.md §1-§3, §10 given per-token log-probs, with the analytic
+    derivative."""
 
     @staticmethod
     def forward(ctx, logp, entropy, args):

@@ -9,7 +9,7 @@ from . import _validate as V
 
 
 def advantage_reweight(advantages, old_logp, alpha):
-    """SPEC §2: ``A * (alpha * exp(old_logp) + 1 - alpha)``. advantages [B] or [B, T];
+    """docs/math.md §2: ``A * (alpha * exp(old_logp) + 1 - alpha)``. advantages [B] or [B, T];
     old_logp [B, T]. Returns [B, T] (no gradient through old_logp)."""
     V.check_tensor("old_logp", old_logp, floating=True, dims=(2,))
     V.check_tensor("advantages", advantages, floating=True, dims=(1, 2), device=old_logp.device)
@@ -25,7 +25,7 @@ def advantage_reweight(advantages, old_logp, alpha):
 
 
 def lopti_split(old_logp, mask, eta):
-    """SPEC §3: ``(low, high)`` bool masks; low = masked tokens with ``exp(old_logp) < eta``
+    """docs/math.md §3: ``(low, high)`` bool masks; low = masked tokens with ``exp(old_logp) < eta``
     (strict), high = the remaining masked tokens."""
     V.check_tensor("old_logp", old_logp, floating=True)
     V.check_tensor("mask", mask, shape=tuple(old_logp.shape), device=old_logp.device)
@@ -37,7 +37,8 @@ def lopti_split(old_logp, mask, eta):
 
 
 def critical_kl_weight(certainty, exponent=150.0, intercept=0.0):
-    """SPEC §5: ``w_kl = (1 - c) * J**gamma + c`` (J clamped at 0 from below; no gradient)."""
+    """docs/math.md §5: ``w_kl = (1 - c) * J**gamma + c`` (J clamped at 0 from below; no
+    gradient)."""
     V.check_tensor("certainty", certainty, floating=True)
     if not exponent > 0:
         raise ValueError(f"exponent: expected a float > 0, got {exponent!r}")

@@ -3,7 +3,7 @@
 * data-parallel normalisation: token-mean with the global token count (``num_items_in_batch``,
   as DAPO and TRL pass it) gives, summed over DDP ranks, the gradient of one process on the
   whole batch;
-* vocab-parallel lm_head (SPEC §9): every rank holds an uneven slice of an odd vocabulary; loss,
+* vocab-parallel lm_head (docs/math.md §9): every rank holds an uneven slice of an odd vocabulary; loss,
   metrics, log-probs, token statistics and NTHR equal the single-process results, hidden
   gradients are the full ones on every rank, weight/bias gradients the local slice's.
 """

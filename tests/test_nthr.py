@@ -1,4 +1,4 @@
-"""NTHR (SPEC §4): streaming implementation vs the full-logits reference and float64."""
+"""NTHR (docs/math.md §4): streaming implementation vs the full-logits reference and float64."""
 
 from __future__ import annotations
 

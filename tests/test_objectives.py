@@ -1,4 +1,4 @@
-"""The objectives of today's trainers (SPEC §10): GSPO's sequence ratio, cispo, sapo, luspo,
+"""The objectives of today's trainers (docs/math.md §10): GSPO's sequence ratio, cispo, sapo, luspo,
 vespo, delta, the entropy-quantile and off-policy masks, per-term aggregation.
 
 1. gbc_reference against a float64 computation written here, line by line after TRL 1.16's

@@ -1,5 +1,5 @@
 """gbc_reference itself: gradcheck in float64 and hand-computed known values (the formulas of
-SPEC §1-§3, and TRL's loss-type normalisations where they coincide)."""
+docs/math.md §1-§3, and TRL's loss-type normalisations where they coincide)."""
 
 from __future__ import annotations
 

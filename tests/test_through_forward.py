@@ -1,4 +1,4 @@
-"""hf.policy_loss_through_forward (SPEC §11): the fused loss inside the model's own forward, so
+"""hf.policy_loss_through_forward (docs/math.md §11): the fused loss inside the model's own forward, so
 that wrappers which gather the lm_head only for the forward (FSDP2, ZeRO-3) and adapters (PEFT)
 route its gradients. Against plain full logits in float64: one process (plain, tied head, PEFT
 LoRA with an adapter on the lm_head, soft-capped Gemma-2), and FSDP2 on 2 gloo ranks."""

@@ -1,4 +1,4 @@
-"""SPEC §8: every bad input raises a clear error naming the argument."""
+"""docs/math.md §8: every bad input raises a clear error naming the argument."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 verl's ``compute_policy_loss_vanilla`` is the oracle: with the gbc options off our registered
 loss must give its value and gradient for every ``loss_agg_mode`` and ``global_batch_info``;
 AR and a Lopti phase must equal vanilla on the transformed advantages (both are advantage
-multipliers, SPEC §2-§3).
+multipliers, docs/math.md §2-§3).
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class Backend:
 
     def policy_rows_(self, logits, targets, inv_temp, ti, cfg, phase, need_grad: bool,
                      ws: Workspace, combine=None) -> ChunkResult:
-        """The fused loss's work on one chunk: row statistics, the per-token loss of SPEC
+        """The fused loss's work on one chunk: row statistics, the per-token loss of docs/math.md
         §1-§3, §10 (``_loss_math.loss_terms`` over ``ti``, a ``TokenInputs`` of the chunk's
         tokens, whole sequences when the loss needs them), and (``need_grad``) dL/dlogits
         written into ``logits``.

@@ -123,7 +123,7 @@ def policy_loss_through_forward(model, input_ids, attention_mask, completion_len
                                 advantages, old_logp=None, ref_logp=None, config=None,
                                 unwrapped=None, return_outputs: bool = False,
                                 model_kwargs: Optional[dict] = None, **loss_kwargs):
-    """The fused GRPO loss computed **inside** ``model``'s forward (SPEC §11).
+    """The fused GRPO loss computed **inside** ``model``'s forward (docs/math.md §11).
 
     ``model`` may be wrapped (DDP, accelerate, FSDP2's ``fully_shard``, DeepSpeed ZeRO-3) or a
     PEFT model. For the duration of one ``model(...)`` call the ``lm_head`` module's ``forward``
@@ -225,8 +225,8 @@ def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=N
                     old_logp=None) -> OldPolicyPass:
     """The rollout policy's pass of an RL step: ``old_logp`` of ``targets = input_ids[:, 1:]``
     (or of the last ``completion_len`` tokens) and, with ``nthr=True``, NTHR's token scale from
-    the same hidden states (SPEC §4). ``old_logp`` already computed by the trainer (at the same
-    temperature) is used as is, saving the streaming pass over the vocabulary. The model's
+    the same hidden states (docs/math.md §4). ``old_logp`` already computed by the trainer (at
+    the same temperature) is used as is, saving the streaming pass over the vocabulary. The model's
     final-logit soft-capping, if any, is applied in the passes."""
     import gbc_kernels as gbc
 
@@ -251,7 +251,7 @@ def reference_pass(ref_model, input_ids, attention_mask, targets, temperature=1.
                    critical_kl_exponent=None, certainty="max_prob", certainty_temperature=1.0,
                    intercept=0.0, backend="auto", completion_len: int = 0) -> ReferencePass:
     """The frozen reference model's pass: ``ref_logp`` and, with ``critical_kl_exponent`` set,
-    the critical-token KL weights ``(1 - c) J**gamma + c`` from its certainty (SPEC §5). The
+    the critical-token KL weights ``(1 - c) J**gamma + c`` from its certainty (docs/math.md §5). The
     model's final-logit soft-capping, if any, is applied."""
     import gbc_kernels as gbc
 

@@ -173,7 +173,7 @@ def scale_advantages(advantages: torch.Tensor, token_scale: torch.Tensor) -> tor
 def weighted_kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
                         kl_weight: Optional[torch.Tensor], kl_penalty: str = "low_var_kl"
                         ) -> torch.Tensor:
-    """verl's per-token ``kl_penalty`` times the critical-token weights (SPEC §5).
+    """verl's per-token ``kl_penalty`` times the critical-token weights (docs/math.md §5).
 
     ``kl_penalty`` is verl's name: ``k1``/``kl``, ``k2``/``mse``, ``low_var_kl`` or ``k3`` (verl
     clamps its k3 like low_var_kl), ``abs``; a ``+`` suffix is verl's straight-through k2

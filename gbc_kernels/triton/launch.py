@@ -80,7 +80,8 @@ def launch_logit_grad_(logits, targets, inv_temp, lse, entropy, g_logp, g_entrop
 
 
 def launch_policy_tokens(st: RowStats, w, adv, old, ref, tscale, klw, cfg, phase):
-    """The per-token loss (SPEC §1-§3) over a chunk: returns a dict of float32 [rows] tensors."""
+    """The per-token loss (docs/math.md §1-§3) over a chunk: a dict of float32 [rows]
+    tensors."""
     n = st.lse.numel()
     f32 = dict(device=st.lse.device, dtype=torch.float32)
     names = ("g", "gh", "wloss", "logp", "ratio", "adv", "ar", "p_old", "kl")

@@ -2,7 +2,7 @@
 
 Everything here is written the obvious way: full ``[B, T, V]`` logits, ``torch.log_softmax``
 and autograd. It is slow and memory-hungry on purpose; it exists so that a reader can learn the
-formulas of ``SPEC.md`` from code, and so that every fast path of ``gbc_kernels`` can be tested
+formulas of ``docs/math.md`` from code, and so that every fast path of ``gbc_kernels`` can be tested
 against it. It imports nothing from ``gbc_kernels``.
 
 The API mirrors ``gbc_kernels`` name for name (``backend`` arguments are accepted and ignored).

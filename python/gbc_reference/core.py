@@ -1,4 +1,4 @@
-"""The math of SPEC.md, written plainly: full logits, log_softmax, autograd.
+"""The math of docs/math.md, written plainly: full logits, log_softmax, autograd.
 
 Section numbers (§) are those of ``docs/math.md``. Float64 inputs are computed
 in float64 (so ``torch.autograd.gradcheck`` works); everything else in float32.
