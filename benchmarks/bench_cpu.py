@@ -14,10 +14,12 @@ memory: each provider in a fresh process (peak RSS beyond inputs and gradients).
     python benchmarks/bench_cpu.py --objectives       # docs/math.md §10's objectives vs token-level PPO
 
 --objectives times gbc_cpu with each objective of _common.OBJECTIVES against the token-level
-PPO loss in one process (round-robin), writes benchmarks/results/objectives.csv and prints the
+PPO loss in one process (round-robin), writes objectives.csv beside --out and prints the
 markdown table of the README.
 
-Writes benchmarks/results/cpu.csv (appends) and cpu.png.
+Prints a progress line per provider warm-up, per round of timed repetitions and per memory
+measurement. Appends to runs/bench/cpu.csv (untracked) and draws cpu.png beside it; the tracked
+reference results are regenerated only on request: --out benchmarks/results/cpu.csv.
 """
 
 from __future__ import annotations
@@ -88,13 +90,21 @@ def child_time(args):
     c = setup_case(args.N, args.H, args.V, getattr(torch, args.dtype), T=args.T)
     provs = args.providers.split(",")
     fns, times, errors = {}, {p: [] for p in provs}, {}
+    shape = f"N={args.N},H={args.H},V={args.V}"
+
+    def progress(msg):
+        print(f"  [{shape}] {msg}", file=sys.stderr, flush=True)
+
     for p in provs:
+        t0 = time.perf_counter()
         try:
             fns[p] = make_provider(p, c)
             fns[p]()                                    # warm-up (and compile)
+            progress(f"warm-up {p}: {time.perf_counter() - t0:.2f} s")
         except Exception as exc:                        # e.g. a baseline that can't run here
             errors[p] = f"{type(exc).__name__}: {exc}"[:200]
-    for _ in range(args.reps):
+            progress(f"warm-up {p}: {errors[p][:80]}")
+    for i in range(args.reps):
         for p in fns:
             if p in errors:
                 continue
@@ -102,6 +112,8 @@ def child_time(args):
             t0 = time.perf_counter()
             fns[p]()
             times[p].append(time.perf_counter() - t0)
+        progress(f"round {i + 1}/{args.reps}: " + ", ".join(
+            f"{p} {times[p][-1]:.3f} s" for p in fns if p not in errors))
     out = {}
     for p in provs:
         if p in errors:
@@ -119,9 +131,11 @@ def _child(kind, args, extra):
            "--V", str(args.V), "--dtype", args.dtype, "--threads", str(args.threads), "--reps",
            str(args.reps), "--T", str(args.T)] + extra
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=7200)
+    # the child's stderr (its progress lines) goes straight to the terminal
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, timeout=7200)
     if r.returncode != 0:
-        return None, (r.stderr.strip().splitlines() or ["killed (out of memory?)"])[-1][:200]
+        return None, (f"the {kind} child exited with code {r.returncode} (killed: out of "
+                      "memory?); its output is above")
     return json.loads(r.stdout.strip().splitlines()[-1]), None
 
 
@@ -192,6 +206,7 @@ def objectives(args):
         rows.append(row)
         print(f"| {name} | {row['median_s']} | {row['ratio_to_ppo']} | {row['ratio_to_floor']} |",
               flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     append_rows(os.path.join(os.path.dirname(args.out), "objectives.csv"), rows)
 
 
@@ -215,7 +230,9 @@ def main():
     ap.add_argument("--Ns", default=None, help="comma list, overrides the grid's N")
     ap.add_argument("--Hs", default=None)
     ap.add_argument("--Vs", default=None)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "cpu.csv"))
+    ap.add_argument("--out", default=os.path.join("runs", "bench", "cpu.csv"),
+                    help="CSV to append to, cpu.png beside it (default: %(default)s, untracked; "
+                         "benchmarks/results/cpu.csv regenerates the tracked reference)")
     args = ap.parse_args()
     if args.child_time:
         return child_time(args)
@@ -236,7 +253,7 @@ def main():
         grid = [(N, H, V) for V in pick(args.Vs, [32768]) for H in pick(args.Hs, [1024])
                 for N in pick(args.Ns, [2048])]
     stamp = now()
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for N, H, V in grid:
         args.N, args.H, args.V = N, H, V
         provs = args.providers.split(",")
@@ -247,6 +264,9 @@ def main():
         rows = []
         for p in provs:
             t = timing[p]
+            if "error" not in t:
+                print(f"  [N={N},H={H},V={V}] peak memory of {p} (a fresh process)",
+                      file=sys.stderr, flush=True)
             mem, merr = _child("memory", args, ["--provider", p]) if "error" not in t else \
                 (None, t["error"])
             ok = "error" not in t and mem is not None

@@ -12,7 +12,9 @@ Shapes: Qwen2.5-7B (H=3584, V=151936) and Llama-3-8B (H=4096, V=128256), N in {4
     python benchmarks/bench_gpu.py [--N 4096,8192] [--dtype bfloat16]
 
 Time by triton.testing.do_bench (median, p20, p80 over 1.5 s of repetitions); memory by
-torch.cuda.max_memory_allocated beyond the inputs, also as a multiple of one fp32 [N, V] logits. Appends to benchmarks/results/gpu.csv. See docs/kernels.md for the byte and
+torch.cuda.max_memory_allocated beyond the inputs, also as a multiple of one fp32 [N, V] logits.
+Prints a line per provider; appends to runs/bench/gpu.csv (--out benchmarks/results/gpu.csv
+regenerates the tracked reference). See docs/kernels.md for the byte and
 FLOP counts and the H100 roofline these numbers should be judged against.
 """
 
@@ -65,7 +67,9 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--N", default="4096,8192")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "gpu.csv"))
+    ap.add_argument("--out", default=os.path.join("runs", "bench", "gpu.csv"),
+                    help="CSV to append to (default: %(default)s, untracked; "
+                         "benchmarks/results/gpu.csv regenerates the tracked reference)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu.py: no CUDA device here; nothing to measure")
@@ -82,6 +86,7 @@ def main():
             c["hidden"] = c["hidden"].detach().requires_grad_(True)
             c["weight"] = c["weight"].detach().requires_grad_(True)
             rows, floor = [], None
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             for prov, fn in providers(c).items():
                 try:
                     fn()
