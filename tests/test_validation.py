@@ -222,3 +222,34 @@ def test_wrong_hidden_size_blames_hidden():
     with pytest.raises(ValueError, match="hidden: expected hidden size H = 16"):
         gbc.fused_linear_policy_loss(batch["hidden"][..., :12], batch["weight"],
                                      batch["targets"], batch["mask"], batch["advantages"])
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("sampling_logp", 0.7, "sampling_logp: expected log-probabilities"),
+    ("sampling_logp", float("nan"), "sampling_logp: expected finite values"),
+    ("is_ratio", -0.5, "is_ratio: expected importance weights >= 0"),
+    ("is_ratio", float("inf"), "is_ratio: expected finite values"),
+    ("advantages", float("nan"), "advantages: expected finite values"),
+])
+@pytest.mark.parametrize("entry", ["fused", "from_logp"])
+def test_batched_value_checks_name_the_argument_and_index(name, value, message, entry):
+    """The per-token value checks run as one batched test per rule; a failure still names the
+    argument, the rule and the first bad index, for the fused loss and the logp-given loss."""
+    batch = make_batch(seed=6, adv_shape="BT")
+    b, t = batch["mask"].nonzero()[1].tolist()
+    B, T = batch["mask"].shape
+    extra = dict(sampling_logp=batch["old_logp"].clone(), is_ratio=torch.ones(B, T))
+    cfg = gbc.PolicyLossConfig(off_policy_mask_threshold=0.5)
+    if name == "advantages":
+        batch["advantages"] = batch["advantages"].clone()
+        batch["advantages"][b, t] = value
+    else:
+        extra[name][b, t] = value
+    with pytest.raises(ValueError, match=rf"{message}.*\[{b}, {t}\]"):
+        if entry == "fused":
+            gbc.fused_linear_policy_loss(batch["hidden"], batch["weight"], batch["targets"],
+                                         batch["mask"], batch["advantages"], batch["old_logp"],
+                                         config=cfg, **extra)
+        else:
+            gbc.policy_loss(batch["old_logp"], batch["mask"], batch["advantages"],
+                            batch["old_logp"], config=cfg, **extra)
