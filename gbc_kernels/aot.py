@@ -4,8 +4,15 @@
 
 For each kernel, each constexpr variant the library launches, and each architecture:
 ``triton.compile`` to PTX and cubin, then ``cuobjdump --dump-resource-usage`` (shipped in
-Triton's wheel) for registers, local memory (register spills) and shared memory. Prints one row per (kernel, variant, arch); exits 1 when a kernel fails
-to compile or spills registers.
+Triton's wheel) for registers, local memory (register spills) and shared memory. Prints one row
+per (kernel, variant, arch); exits 1 when a kernel fails to compile or spills registers.
+
+Each kernel is compiled with the specialisation Triton's launcher gives it at run time: every
+pointer argument 16-byte aligned (PyTorch's allocations are), and the integer arguments that are
+multiples of 16 marked divisible (``tt.divisibility = 16``), which lets the compiler vectorise
+the loads. The row kernels are compiled twice: ``V%16=0`` (the row stride and V divisible, as
+at the Qwen2.5 and Llama-3 vocabularies 151936 and 128256) and ``V odd`` (neither, e.g.
+V = 128257), so the report describes both kinds of run.
 """
 
 from __future__ import annotations
@@ -20,8 +27,16 @@ import tempfile
 import time
 
 
+def _attrs(fn, sig, divisible_ints=()):
+    """The run-time specialisation: 16-byte aligned pointers, ``divisible_ints`` multiples of
+    16 (Triton's ``tt.divisibility`` hint), keyed by argument index as the launcher keys it."""
+    return {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+            for name, kind in sig.items() if kind.startswith("*") or name in divisible_ints}
+
+
 def _variants():
-    """(kernel, variant label, signature, constexprs, num_warps) for every launched variant."""
+    """(kernel, variant label, signature, constexprs, num_warps, attrs) for every launched
+    variant and run-time specialisation."""
     from .triton import kernels as K
     from .triton.launch import MAX_BLOCK_V, TOKEN_BLOCK, num_warps
 
@@ -33,17 +48,22 @@ def _variants():
                "sp2_ptr": "*fp32", "V": "i32", "inv_temp": "fp32", "BLOCK_V": "constexpr",
                "WANT_ENTROPY": "constexpr", "WANT_SUM_P2": "constexpr"}
         const = {"BLOCK_V": MAX_BLOCK_V, "WANT_ENTROPY": want_ent, "WANT_SUM_P2": want_p2}
-        out.append((K.row_stats_kernel, f"{dtype} entropy={int(want_ent)} sum_p2={int(want_p2)}",
-                    sig, const, num_warps(MAX_BLOCK_V)))
+        for spec, ints in SPECS:
+            out.append((K.row_stats_kernel,
+                        f"{dtype} entropy={int(want_ent)} sum_p2={int(want_p2)} {spec}",
+                        sig, const, num_warps(MAX_BLOCK_V),
+                        _attrs(K.row_stats_kernel, sig, ints)))
     for dtype, has_h, cap in itertools.product(("fp32", "bf16", "fp16"), (False, True),
                                                (False, True)):
         sig = {"logits_ptr": f"*{dtype}", "stride_row": "i64", "targets_ptr": "*i64",
                "lse_ptr": "*fp32", "ent_ptr": "*fp32", "g_ptr": "*fp32", "gh_ptr": "*fp32",
                "V": "i32", "inv_temp": "fp32", "inv_cap": "fp32", "BLOCK_V": "constexpr",
                "HAS_ENTROPY": "constexpr", "SOFTCAP": "constexpr"}
-        out.append((K.logit_grad_kernel, f"{dtype} entropy={int(has_h)} softcap={int(cap)}",
-                    sig, {"BLOCK_V": MAX_BLOCK_V, "HAS_ENTROPY": has_h, "SOFTCAP": cap},
-                    num_warps(MAX_BLOCK_V)))
+        for spec, ints in SPECS:
+            out.append((K.logit_grad_kernel,
+                        f"{dtype} entropy={int(has_h)} softcap={int(cap)} {spec}", sig,
+                        {"BLOCK_V": MAX_BLOCK_V, "HAS_ENTROPY": has_h, "SOFTCAP": cap},
+                        num_warps(MAX_BLOCK_V), _attrs(K.logit_grad_kernel, sig, ints)))
     ptrs = ["tz_ptr", "lse_ptr", "ent_ptr", "w_ptr", "adv_ptr", "old_ptr", "ref_ptr", "ts_ptr",
             "klw_ptr", "g_ptr", "gh_ptr", "wloss_ptr", "logp_ptr", "ratio_ptr", "advh_ptr",
             "ar_ptr", "pold_ptr", "kl_ptr"]
@@ -67,8 +87,21 @@ def _variants():
     for c in configs:
         label = " ".join(f"{k}={int(v)}" for k, v in c.items() if k != "BLOCK" and v != base[k]) \
             or "default"
-        out.append((K.policy_token_kernel, label, dict(sig), c, 4))
+        out.append((K.policy_token_kernel, label, dict(sig), c, 4,
+                    _attrs(K.policy_token_kernel, sig)))
     return out
+
+
+# the two run-time specialisations of the row kernels: (label, integer arguments divisible by 16)
+SPECS = (("V%16=0", ("stride_row", "V")), ("V odd", ()))
+
+
+def _widest_load(ptx: str) -> str:
+    """The widest vector load from global memory in the PTX (``ld.global.v4.b32``: 16 bytes
+    per thread): how far the divisibility hints let the compiler vectorise."""
+    widths = [int(v or 1) * int(b) // 8
+              for v, b in re.findall(r"ld\.global(?:\.\w+)*?(?:\.v(\d))?\.[bfu](\d+)", ptx)]
+    return f"{max(widths)}B" if widths else "-"
 
 
 def _cuobjdump():
@@ -109,24 +142,26 @@ def main(argv=None):
     archs = [int(a.replace("sm_", "")) for a in args.arch.split(",")]
     failures = 0
     print(f"{'kernel':<22} {'variant':<58} {'arch':<6} {'regs':>5} {'local B':>8} "
-          f"{'smem B':>7} {'compile s':>9}")
-    for fn, label, sig, const, warps in _variants():
+          f"{'smem B':>7} {'compile s':>9} {'widest ld':>9}")
+    for fn, label, sig, const, warps, attrs in _variants():
         for arch in archs:
             t0 = time.perf_counter()
             try:
-                src = ASTSource(fn=fn, signature=sig, constexprs=const)
+                src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
                 ck = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                     options={"num_warps": warps, **COMPILE_OPTIONS})
                 dt = time.perf_counter() - t0
                 regs, spill, smem, rc = _resources(ck.asm["cubin"])
+                width = _widest_load(ck.asm["ptx"])
                 bad = rc != 0 or regs < 0 or spill != 0
                 status = "" if not bad else ("  SPILLS" if spill > 0 else "  NO RESOURCE REPORT")
             except Exception as exc:  # a compile failure is a result, reported per row
                 dt, regs, spill, smem, bad = time.perf_counter() - t0, -1, -1, -1, True
+                width = "-"
                 status = f"  FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
             failures += bad
             print(f"{fn.__name__:<22} {label[:58]:<58} sm_{arch:<3} {regs:>5} {spill:>8} "
-                  f"{smem:>7} {dt:>9.2f}{status}", flush=True)
+                  f"{smem:>7} {dt:>9.2f} {width:>9}{status}", flush=True)
     print(f"{failures} failure(s)")
     return 1 if failures else 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -17,8 +18,20 @@ def test_aot_compiles_every_variant_without_spills():
     r = subprocess.run([sys.executable, "-m", "gbc_kernels.aot", "--arch", "sm_80,sm_90"],
                        capture_output=True, text=True, env=env, timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    lines = [l for l in r.stdout.splitlines() if " sm_" in l and not l.startswith("kernel ")]
-    kernels = {l.split()[0] for l in lines}
+    rows = []
+    for line in r.stdout.splitlines():
+        m = re.match(r"(\w+)\s+(.*?)\s+sm_(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+[\d.]+\s+(\S+)$",
+                     line)
+        if m:
+            rows.append(m.groups())
+    kernels = {k for k, *_ in rows}
     assert kernels == {"row_stats_kernel", "logit_grad_kernel", "policy_token_kernel"}
-    assert all(int(l.split()[-3]) == 0 for l in lines), "local memory (spills) reported"
+    assert all(int(local) == 0 for *_, local, _, _ in rows), "local memory (spills) reported"
     assert r.stdout.strip().endswith("0 failure(s)")
+    # the run-time specialisations are both reported; with V (and the row stride) divisible by
+    # 16 the row kernels load 16 bytes per thread, as the launcher's hints allow
+    for k in ("row_stats_kernel", "logit_grad_kernel"):
+        div = [w for name, label, *_, w in rows if name == k and "V%16=0" in label]
+        odd = [w for name, label, *_, w in rows if name == k and "V odd" in label]
+        assert div and odd and len(div) == len(odd)
+        assert all(w == "16B" for w in div), div
