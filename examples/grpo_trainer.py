@@ -333,8 +333,12 @@ def setup(args):
     return tok, model, None, KKTask(tok, seed=args.seed)
 
 
-def train(args, log=print, model=None, tok=None, tasks=None):
-    """SFT warm-up (addition) then GRPO. Returns the list of per-step metric dicts."""
+def train(args, log=print, model=None, tok=None, tasks=None, hooks=None):
+    """SFT warm-up (addition) then GRPO. Returns the list of per-step metric dicts.
+
+    ``hooks`` (examples/experiments.py): an object with ``before(model, roll, args)``, called
+    before each RL update, and ``after(model, roll, args, state, metrics) -> dict``, called after
+    it with what ``before`` returned; the dict joins the step's metrics."""
     os.makedirs(args.out, exist_ok=True)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -364,10 +368,13 @@ def train(args, log=print, model=None, tok=None, tasks=None):
         for step in bar:
             t0 = time.time()
             roll = rollout(model, ref_model, rl_task, tok, args, rng)
+            state = hooks.before(model, roll, args) if hooks is not None else None
             loss, metrics = rl_step(model, opt, roll, args, parity)
             row = dict(step=step, reward=float(roll["rewards"].mean()),
                        accuracy=float(roll["correct"].float().mean()), loss=loss,
                        seconds=time.time() - t0, **metrics, **roll["extra"])
+            if hooks is not None:
+                row.update(hooks.after(model, roll, args, state, metrics))
             if parity is not None:
                 parity["steps"] = step + 1
             history.append(row)

@@ -74,7 +74,7 @@ def _compare(model, cfg=None, pad=True, **kw):
     loss, metrics = hf.policy_loss_through_forward(model, ids, attn, T, mask, adv, old,
                                                    config=cfg, backend="torch", **kw)
     (loss * 0.7).backward()
-    ours = (float(loss), _grads(model))
+    ours = (float(loss.detach()), _grads(model))
     model.zero_grad()
     ref = _plain_loss(model, ids, attn, mask, adv, old, cfg)
     (ref * 0.7).backward()
