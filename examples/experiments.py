@@ -126,12 +126,6 @@ class DisplacementHook:
         return {"ll_correct_delta": delta, "n_correct": int(rows.numel())}
 
 
-def displacement(logp_before, logp_after, correct):
-    """Summed change of the correct responses' log-likelihood (rows of ``correct``)."""
-    rows = correct.nonzero()[:, 0]
-    return float((logp_after[rows] - logp_before[rows]).sum())
-
-
 class BalanceHook:
     """Per step: the share of the loss's logit-gradient norm (and of the tokens) in each p_old
     bucket, at the parameters before the update; after it, the share of high-probability
@@ -269,9 +263,12 @@ def summarise(name, hist, hook):
 def run_experiment(name, seeds, quick, out, log=print):
     spec = EXPERIMENTS[name]
     records = []
+    # each run's own metrics.jsonl / curves.png: beside a quick run's results, else under runs/
+    # (untracked), not in docs/
+    runs = os.path.join(out, "runs") if quick else os.path.join("runs", "experiment-runs")
     for seed in seeds:
         t0 = time.time()
-        a0 = base_args(quick, seed, os.path.join(out, "runs", f"{name}-sft-{seed}"))
+        a0 = base_args(quick, seed, os.path.join(runs, f"{name}-sft-{seed}"))
         for k, v in spec["base"].items():
             setattr(a0, k, v)
         tok, model0, sft_task, rl_task = gt.setup(a0)
@@ -280,7 +277,7 @@ def run_experiment(name, seeds, quick, out, log=print):
             a = copy.copy(a0)
             for k, v in over.items():
                 setattr(a, k, v)
-            a.out = os.path.join(out, "runs", f"{name}-{variant}-{seed}".replace(" ", "_"))
+            a.out = os.path.join(runs, f"{name}-{variant}-{seed}".replace(" ", "_"))
             hook = HOOKS[name](a)
             hist = gt.train(a, log=lambda *_: None, model=copy.deepcopy(model0), tok=tok,
                             tasks=(sft_task, rl_task), hooks=hook)
@@ -349,7 +346,7 @@ def plot(records, out):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = {"critical-kl": ["accuracy", "kl" if False else "reward"],
+    panels = {"critical-kl": ["accuracy", "reward"],
               "nthr": ["accuracy", "ll_correct_delta"],
               "balance": ["accuracy", "high_right_direction"]}
     for name, keys in panels.items():
@@ -400,8 +397,9 @@ def plot(records, out):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("experiment", choices=list(EXPERIMENTS) + ["all"],
-                    help="which experiment (all: the three)")
+    ap.add_argument("experiment", choices=list(EXPERIMENTS) + ["all", "report"],
+                    help="which experiment (all: the three; report: only the plots and tables "
+                         "from the results.json in --out)")
     ap.add_argument("--quick", action="store_true",
                     help="a few steps per run (minutes): checks the pipeline, not the claims")
     ap.add_argument("--seeds", default=None,
@@ -414,16 +412,17 @@ def main(argv=None):
     seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1,2,3,4")).split(",")]
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "results.json")
-    names = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
+    names = {"all": list(EXPERIMENTS), "report": []}.get(args.experiment, [args.experiment])
     records = json.load(open(path)) if os.path.exists(path) else []
     for name in names:
         t0 = time.time()
         new = run_experiment(name, seeds, args.quick, out)
         records = [r for r in records if not (r["experiment"] == name and r["seed"] in seeds)]
         records += new
+        seconds = time.time() - t0
         for r in new:
-            r["seconds"] = None
-        print(f"[{name}] {len(seeds)} seed(s) in {time.time() - t0:.0f} s", flush=True)
+            r["experiment_seconds"] = round(seconds)
+        print(f"[{name}] {len(seeds)} seed(s) in {seconds:.0f} s", flush=True)
         with open(path, "w") as f:
             json.dump(records, f)
     plot(records, out)
