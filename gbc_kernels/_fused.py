@@ -159,6 +159,17 @@ def chunk_plan(n: int, rows: int, cfg: PolicyLossConfig, seq: Optional[torch.Ten
     return plan
 
 
+def _first_rows(mflat: torch.Tensor, size: int) -> torch.Tensor:
+    """The indices of the first ``size`` True entries of ``mflat`` (0-padded), without a host
+    sync (``torch.nonzero_static``); torch builds without it on this device take ``nonzero``
+    (one more sync, same result)."""
+    try:
+        return torch.nonzero_static(mflat, size=size, fill_value=0).squeeze(1)
+    except (AttributeError, NotImplementedError, RuntimeError):
+        idx = mflat.nonzero().squeeze(1)[:size]
+        return torch.cat([idx, idx.new_zeros(size - idx.numel())])
+
+
 def _rows_in(plan, device):
     parts = [torch.arange(s, e, device=device) for s, e, _, two in plan if two]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
@@ -227,12 +238,12 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     if N and not (cfg.needs_sequence or cfg.needs_batch):
         rows = _chunking.rows_per_chunk(N, V, bpl, device)
         buf = torch.empty(rows, weight.shape[0], device=device, dtype=hidden2d.dtype)
-        first = torch.nonzero_static(mflat, size=min(rows, N), fill_value=0).squeeze(1)
+        first = _first_rows(mflat, min(rows, N))
         early = hidden2d.index_select(0, first)
         _chunking.project(early, weight, bias, buf, cfg.logit_softcap)
     n, = pending.finish()
     idx = (torch.arange(n, device=device) if n == N
-           else torch.nonzero_static(mflat, size=n).squeeze(1))
+           else _first_rows(mflat, n))
     ct = torch.float64 if hidden2d.dtype == torch.float64 else torch.float32
     ti = token_inputs(inp.mask, inp.advantages, inp.old_logp, inp.ref_logp, inp.token_scale,
                       inp.kl_weight, inp.is_ratio, inp.sampling_logp, cfg,
