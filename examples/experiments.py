@@ -346,7 +346,7 @@ def plot(records, out):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = {"critical-kl": ["accuracy", "reward"],
+    panels = {"critical-kl": ["accuracy", "kl"],
               "nthr": ["accuracy", "ll_correct_delta"],
               "balance": ["accuracy", "high_right_direction"]}
     for name, keys in panels.items():
@@ -394,6 +394,17 @@ def plot(records, out):
         plt.close(fig)
 
 
+def rounded(x, digits=5):
+    """``x`` with every float rounded to ``digits`` significant digits (a compact results.json)."""
+    if isinstance(x, float):
+        return float(f"{x:.{digits}g}") if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: rounded(v, digits) for k, v in x.items()}
+    if isinstance(x, list):
+        return [rounded(v, digits) for v in x]
+    return x
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -424,7 +435,7 @@ def main(argv=None):
             r["experiment_seconds"] = round(seconds)
         print(f"[{name}] {len(seeds)} seed(s) in {seconds:.0f} s", flush=True)
         with open(path, "w") as f:
-            json.dump(records, f)
+            json.dump(rounded(records), f)
     plot(records, out)
     md = tables(records)
     with open(os.path.join(out, "tables.md"), "w") as f:
