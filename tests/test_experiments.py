@@ -36,7 +36,7 @@ def test_quick_modes_write_well_formed_results(tmp_path):
         shares = [r["curves"][k] for k in r["curves"] if k.startswith("token_share[")]
         assert len(shares) == 4
         for t in range(3):
-            assert abs(sum(s[t] for s in shares) - 1.0) < 1e-6
+            assert abs(sum(s[t] for s in shares) - 1.0) < 1e-4     # 5 significant digits
     crit = [r for r in records if r["experiment"] == "critical-kl"
             and r["variant"].startswith("critical")]
     assert all("klw_decision_median" in r["final"] for r in crit)

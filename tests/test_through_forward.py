@@ -78,7 +78,7 @@ def _compare(model, cfg=None, pad=True, **kw):
     model.zero_grad()
     ref = _plain_loss(model, ids, attn, mask, adv, old, cfg)
     (ref * 0.7).backward()
-    theirs = (float(ref), _grads(model))
+    theirs = (float(ref.detach()), _grads(model))
     assert abs(ours[0] - theirs[0]) < 1e-10
     assert ours[1].keys() == theirs[1].keys() and theirs[1]
     for n, g in theirs[1].items():
