@@ -308,6 +308,12 @@ CLAIMS = [
 ]
 
 
+# (experiment, variant, metric a, metric b, claimed sign of a - b): within-run observations
+OBSERVATIONS = [
+    ("balance", "GRPO", "mean_grad_share[0.00-0.25]", "mean_token_share[0.00-0.25]", +1),
+]
+
+
 def tables(records):
     """Markdown: per experiment, mean ± 95% interval over seeds of the final metrics, and the
     paired verdicts of CLAIMS."""
@@ -338,8 +344,26 @@ def tables(records):
             v, m, h = verdict(diffs, sign)
             lines.append(f"- `{metric}`, {var} − {base} (paper: {'+' if sign > 0 else '−'}): "
                          f"{m:+.4g} ± {h:.2g} over {len(diffs)} seeds → **{v}**")
+        for exp, var, a, b, sign in OBSERVATIONS:
+            if exp != name:
+                continue
+            diffs = [r["final"][a] - r["final"][b] for r in recs if r["variant"] == var
+                     and r["final"].get(a) is not None and r["final"].get(b) is not None]
+            v, m, h = verdict(diffs, sign)
+            lines.append(f"- {var}: `{a}` − `{b}` (paper: {'+' if sign > 0 else '−'}): "
+                         f"{m:+.4g} ± {h:.2g} over {len(diffs)} seeds → **{v}**")
         lines.append("")
     return "\n".join(lines)
+
+
+def _smooth_finite(xs, k):
+    """Trailing mean over the last ``k`` steps, of the finite values only (a step without a
+    measurement, e.g. no high-probability token, is NaN)."""
+    out = []
+    for i in range(len(xs)):
+        w = [x for x in xs[max(0, i - k + 1):i + 1] if math.isfinite(x)]
+        out.append(statistics.fmean(w) if w else float("nan"))
+    return out
 
 
 def plot(records, out):
@@ -362,10 +386,12 @@ def plot(records, out):
                 if not cs:
                     continue
                 T = min(map(len, cs))
-                sm = [gt.smooth([c[t] for t in range(T)], 10) for c in cs]
-                mean = [statistics.fmean(s[t] for s in sm) for t in range(T)]
-                lo = [min(s[t] for s in sm) for t in range(T)]
-                hi = [max(s[t] for s in sm) for t in range(T)]
+                sm = [_smooth_finite(c[:T], 10) for c in cs]
+                cols = [[s[t] for s in sm if math.isfinite(s[t])] for t in range(T)]
+                nan = float("nan")
+                mean = [statistics.fmean(c) if c else nan for c in cols]
+                lo = [min(c) if c else nan for c in cols]
+                hi = [max(c) if c else nan for c in cols]
                 ax.plot(mean, color=f"C{i}", label=v)
                 ax.fill_between(range(T), lo, hi, color=f"C{i}", alpha=0.15)
             ax.set_xlabel("RL step")
