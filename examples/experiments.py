@@ -1,6 +1,7 @@
 """The three papers' mechanisms, measured at small scale with the example trainer.
 
     python examples/experiments.py critical-kl   [--quick] [--seeds 0,1,2,3,4]
+    python examples/experiments.py critical-kl-strong   [--quick] [--seeds ...]
     python examples/experiments.py nthr          [--quick] [--seeds ...]
     python examples/experiments.py balance       [--quick] [--seeds ...]
     python examples/experiments.py all           [--quick]
@@ -12,9 +13,10 @@ around each update). Per seed and variant the final metrics and the curves go to
 The full mode writes to docs/experiments/ (docs/experiments.md reads them); ``--quick`` (a few
 minutes, for the test suite) to runs/experiments/.
 
-1. critical-kl: no KL vs uniform KL vs critical-token KL (certainty max_prob and entropy), the
-   KL weight on the carry-or-EOS decision token (the one a 1-digit model has never had to make)
-   against the other answer tokens.
+1. critical-kl (KL coefficient 0.1) and critical-kl-strong (1.0): no KL vs uniform KL vs
+   critical-token KL (certainty max_prob and entropy), the KL weight on the carry-or-EOS
+   decision token (the one a 1-digit model has never had to make) against the other answer
+   tokens.
 2. nthr: likelihood displacement measured directly: per step, the change of the summed
    log-likelihood of the batch's correct responses caused by that step's update (same batch,
    before vs after), for GRPO and GRPO + NTHR.
@@ -55,6 +57,18 @@ EXPERIMENTS = {
             "critical KL (max_prob)": dict(kl_coef=0.1, critical_kl_exponent=150.0,
                                            critical_kl_certainty="max_prob"),
             "critical KL (entropy)": dict(kl_coef=0.1, critical_kl_exponent=150.0,
+                                          critical_kl_certainty="entropy"),
+        },
+        "base": dict(kl_estimator="k2"),
+    },
+    # the same with a KL penalty strong enough to hold RL back (coefficient 1 instead of 0.1)
+    "critical-kl-strong": {
+        "variants": {
+            "no KL": dict(kl_coef=0.0),
+            "uniform KL": dict(kl_coef=1.0),
+            "critical KL (max_prob)": dict(kl_coef=1.0, critical_kl_exponent=150.0,
+                                           critical_kl_certainty="max_prob"),
+            "critical KL (entropy)": dict(kl_coef=1.0, critical_kl_exponent=150.0,
                                           critical_kl_certainty="entropy"),
         },
         "base": dict(kl_estimator="k2"),
@@ -175,6 +189,7 @@ class BalanceHook:
 
 
 HOOKS = {"critical-kl": lambda args: CriticalKLHook(args.digits + 1),
+         "critical-kl-strong": lambda args: CriticalKLHook(args.digits + 1),
          "nthr": lambda args: DisplacementHook(), "balance": lambda args: BalanceHook()}
 
 
@@ -298,6 +313,9 @@ def run_experiment(name, seeds, quick, out, log=print):
 CLAIMS = [
     ("critical-kl", "eval_sampled_after", "uniform KL", "critical KL (max_prob)", +1),
     ("critical-kl", "eval_sampled_after", "uniform KL", "critical KL (entropy)", +1),
+    ("critical-kl-strong", "eval_sampled_after", "no KL", "uniform KL", -1),
+    ("critical-kl-strong", "eval_sampled_after", "uniform KL", "critical KL (max_prob)", +1),
+    ("critical-kl-strong", "eval_sampled_after", "uniform KL", "critical KL (entropy)", +1),
     ("nthr", "displaced_share", "GRPO", "GRPO + NTHR", -1),
     ("nthr", "mean_ll_correct_delta", "GRPO", "GRPO + NTHR", +1),
     ("nthr", "eval_sampled_after", "GRPO", "GRPO + NTHR", +1),
@@ -370,7 +388,7 @@ def plot(records, out):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = {"critical-kl": ["accuracy", "kl"],
+    panels = {"critical-kl": ["accuracy", "kl"], "critical-kl-strong": ["accuracy", "kl"],
               "nthr": ["accuracy", "ll_correct_delta"],
               "balance": ["accuracy", "high_right_direction"]}
     for name, keys in panels.items():
@@ -401,7 +419,7 @@ def plot(records, out):
         fig.savefig(os.path.join(out, f"{name}.png"), dpi=100)
         plt.close(fig)
     recs = [r for r in records if r["experiment"] == "critical-kl" and
-            "klw_decision_hist" in r["final"]]
+            "klw_decision_hist" in r["final"]]          # the weights do not depend on the coefficient
     if recs:
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
         for ax, v in zip(axes, ["critical KL (max_prob)", "critical KL (entropy)"]):
