@@ -64,7 +64,8 @@ class Checks:
     @staticmethod
     def _pack(counts, pending) -> torch.Tensor:
         parts = [c.reshape(1).long() for c in counts]
-        parts += [flags().reshape(-1).long() for flags, _ in pending]
+        if pending:
+            parts.append(torch.cat([flags().reshape(-1) for flags, _ in pending]).long())
         return torch.cat(parts)
 
     def resolve(self, *counts: torch.Tensor) -> list:
@@ -168,6 +169,10 @@ def _check_values(name: str, t: Optional[torch.Tensor], mask: Optional[torch.Ten
     _defer_or_raise(checks, bad, fail)
 
 
+# log-probabilities a little above 0 come from rounding (p -> 1); beyond this they are not
+# log-probabilities (probabilities, or logits, passed by mistake)
+LOGP_SLACK = 1e-3
+
 # value rules of the per-token inputs: (what the message says is expected, the test of a bad value)
 _RULES = {
     "finite": ("finite values", lambda x: ~torch.isfinite(x)),
@@ -206,7 +211,8 @@ def check_many(entries, mask: torch.Tensor, checks: Optional[Checks]) -> None:
 
 def check_finite(name: str, t: Optional[torch.Tensor], mask: Optional[torch.Tensor],
                  checks: Optional[Checks] = None):
-    _check_values(name, t, mask, lambda x: ~torch.isfinite(x), "finite values", checks)
+    expected, is_bad = _RULES["finite"]
+    _check_values(name, t, mask, is_bad, expected, checks)
 
 
 def check_same_device(device: torch.device, **tensors):
@@ -259,23 +265,11 @@ def as_mask(mask, B, T, device, checks: Optional[Checks] = None):
     return mask != 0
 
 
-# log-probabilities a little above 0 come from rounding (p -> 1); beyond this they are not
-# log-probabilities (probabilities, or logits, passed by mistake)
-LOGP_SLACK = 1e-3
-
-
-def check_logprob(name: str, t: Optional[torch.Tensor], mask: Optional[torch.Tensor],
-                  checks: Optional[Checks] = None):
-    """``t`` holds log-probabilities: <= 0 (within rounding) on masked-in positions; NaN is left
-    to the caller's own check."""
-    _check_values(name, t, mask, lambda x: x > LOGP_SLACK, "log-probabilities (<= 0)", checks)
-
-
 def resolve_group(name: str, group):
-    import torch.distributed as dist
-
     """``group`` as a process group for the collectives (None: the default group), or a
     ``ValueError`` naming ``name``."""
+    import torch.distributed as dist
+
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"{name}: torch.distributed is not initialized "
                          "(call torch.distributed.init_process_group first)")
