@@ -159,6 +159,18 @@ def chunk_plan(n: int, rows: int, cfg: PolicyLossConfig, seq: Optional[torch.Ten
     return plan
 
 
+def _chunk_buffer(n: int, hidden2d, weight, backend: Backend, vp=None):
+    """Rows per chunk for ``n`` rows and the reused ``[rows, V_local]`` logits buffer (None when
+    there is no row). Vocab parallel sizes by the widest slice, so every rank runs the same
+    chunks."""
+    width = weight.shape[0] if vp is None else vp.width
+    rows = _chunking.rows_per_chunk(n, width, backend.bytes_per_logit(hidden2d.dtype),
+                                    hidden2d.device)
+    buf = torch.empty(rows, weight.shape[0], device=hidden2d.device,
+                      dtype=hidden2d.dtype) if n else None
+    return rows, buf
+
+
 def _first_rows(mflat: torch.Tensor, size: int) -> torch.Tensor:
     """The indices of the first ``size`` True entries of ``mflat`` (0-padded), without a host
     sync (``torch.nonzero_static``); torch builds without it on this device take ``nonzero``
@@ -221,13 +233,11 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     (loss, grad_hidden2d, grad_weight, grad_bias)."""
     cfg, be, vp = inp.config, inp.backend, inp.vp
     device = hidden2d.device
-    V = weight.shape[0] if vp is None else vp.width     # chunk sizing: the same on every rank
     inv_temp = 1.0 / cfg.temperature
-    combine = None if vp is None else (lambda st: _vp.combine(st, vp))
+    combine = _vp.combiner(vp)
     want_entropy = cfg.wants_entropy
     mflat = inp.mask.reshape(-1)
     N = mflat.numel()
-    bpl = be.bytes_per_logit(hidden2d.dtype)
     # Row compaction: padding and prompt rows cost no matmul (their gradient is zero). The row
     # count is the one host transfer of the forward (the chunk loop needs it); the value checks'
     # flags travel with it and fail before any kernel reads the checked inputs. For a
@@ -236,8 +246,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     pending = (inp.checks if inp.checks is not None else Checks()).start(mflat.sum())
     early = None
     if N and not (cfg.needs_sequence or cfg.needs_batch):
-        rows = _chunking.rows_per_chunk(N, V, bpl, device)
-        buf = torch.empty(rows, weight.shape[0], device=device, dtype=hidden2d.dtype)
+        rows, buf = _chunk_buffer(N, hidden2d, weight, be, vp)
         first = _first_rows(mflat, min(rows, N))
         early = hidden2d.index_select(0, first)
         _chunking.project(early, weight, bias, buf, cfg.logit_softcap)
@@ -259,8 +268,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
                          None if dense else idx)
 
     if early is None:
-        rows = _chunking.rows_per_chunk(n, V, bpl, device)
-        buf = torch.empty(rows, weight.shape[0], device=device, dtype=hidden2d.dtype) if n else None
+        rows, buf = _chunk_buffer(n, hidden2d, weight, be, vp)
     plan = chunk_plan(n, rows, cfg, ti.seq, ti.seq_lengths)
     ws = Workspace()
     f32 = dict(device=device, dtype=torch.float32)
@@ -391,9 +399,7 @@ def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature: 
     ids). Returns (logp, entropy, lse, extra RowStats parts)."""
     N = hidden2d.shape[0]
     device = hidden2d.device
-    rows = _chunking.rows_per_chunk(N, weight.shape[0] if vp is None else vp.width,
-                                     backend.bytes_per_logit(hidden2d.dtype), hidden2d.device)
-    buf = torch.empty(rows, weight.shape[0], device=device, dtype=hidden2d.dtype) if N else None
+    rows, buf = _chunk_buffer(N, hidden2d, weight, backend, vp)
     if vp is not None:
         targets = _vp.local_targets(targets, vp)
     ws = Workspace()
@@ -405,9 +411,11 @@ def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature: 
         extra = {k: torch.empty(N, device=device, dtype=torch.float32)
                  for k in ("lse", "zmax", "entropy")}
 
+    combine = _vp.combiner(vp)
+
     def stats(lg, y, inv_temp, entropy_too):
         st = backend.row_stats(lg, y, inv_temp, entropy_too, False, ws)
-        return st if vp is None else _vp.combine(st, vp)
+        return st if combine is None else combine(st)
 
     with torch.no_grad():
         for s in range(0, N, rows):
@@ -435,10 +443,7 @@ def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperat
     and do the two gradient matmuls (``vp``: this slice's part; the hidden gradient summed over
     the ranks once)."""
     N = hidden2d.shape[0]
-    rows = _chunking.rows_per_chunk(N, weight.shape[0] if vp is None else vp.width,
-                                     backend.bytes_per_logit(hidden2d.dtype), hidden2d.device)
-    buf = torch.empty(rows, weight.shape[0], device=hidden2d.device,
-                      dtype=hidden2d.dtype) if N else None
+    rows, buf = _chunk_buffer(N, hidden2d, weight, backend, vp)
     if vp is not None:
         targets = _vp.local_targets(targets, vp)
     ws = Workspace()

@@ -133,9 +133,8 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     adv = _check_per_token(B, T, device, m, advantages, old_logp, ref_logp, token_scale,
                            kl_weight, cfg, is_ratio, sampling_logp, checks)
     threshold_fn = _threshold_fn(data_parallel_group, cfg)
-    sl = None if vocab_parallel is None else _vp.check(vocab_parallel, weight, bias, device)
-    safe_targets = V.check_targets(targets, weight.shape[0] if sl is None else sl.vocab, m,
-                                   checks=checks)
+    sl, vocab = _vp.resolve(vocab_parallel, weight, bias, device)
+    safe_targets = V.check_targets(targets, vocab, m, checks=checks)
     inp = LossInputs(safe_targets.reshape(-1), m, adv, old_logp, ref_logp, token_scale,
                      kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase, num_items_in_batch,
                      get_backend(backend, device, hidden.dtype), is_ratio, sampling_logp,
@@ -172,8 +171,8 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     _check_temperature("temperature", temperature)
     V.check_tensor("targets", targets, shape=hidden.shape[:-1], integer=True, device=hidden.device)
     _check_softcap(logit_softcap)
-    sl = None if vocab_parallel is None else _vp.check(vocab_parallel, weight, bias, hidden.device)
-    safe = V.check_targets(targets, weight.shape[0] if sl is None else sl.vocab).reshape(-1)
+    sl, vocab = _vp.resolve(vocab_parallel, weight, bias, hidden.device)
+    safe = V.check_targets(targets, vocab).reshape(-1)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     be = get_backend(backend, hidden.device, hidden.dtype)
     out = FusedLogprobsFunction.apply(h2, weight, bias, safe, float(temperature),
@@ -215,8 +214,7 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
         _check_temperature("certainty_temperature", certainty_temperature)
     V.check_tensor("targets", targets, shape=hidden.shape[:-1], integer=True, device=hidden.device)
     _check_softcap(logit_softcap)
-    sl = None if vocab_parallel is None else _vp.check(vocab_parallel, weight, bias, hidden.device)
-    vocab = weight.shape[0] if sl is None else sl.vocab
+    sl, vocab = _vp.resolve(vocab_parallel, weight, bias, hidden.device)
     safe = V.check_targets(targets, vocab).reshape(-1)
     h2 = hidden.detach().reshape(-1, hidden.shape[-1])
     b = None if bias is None else bias.detach()

@@ -123,6 +123,20 @@ def combine(st: RowStats, sl: _Slice) -> RowStats:
     return RowStats(lse, every[:, 2].amax(0), every[:, 1].sum(0), entropy, sum_p2)
 
 
+def combiner(sl: Optional[_Slice]):
+    """``combine`` bound to ``sl`` (None without vocab parallelism)."""
+    return None if sl is None else (lambda st: combine(st, sl))
+
+
+def resolve(vp, weight, bias, device):
+    """``(slice, vocab)``: the checked slice (None without vocab parallelism) and the size of
+    the whole vocabulary the target ids index."""
+    if vp is None:
+        return None, weight.shape[0]
+    sl = check(vp, weight, bias, device)
+    return sl, sl.vocab
+
+
 def reduce_hidden_grad(grad_hidden: Optional[torch.Tensor], sl: _Slice):
     """Sum the slices' parts of the hidden gradient (once per call)."""
     if grad_hidden is not None:
