@@ -54,7 +54,7 @@ class PolicyLossConfig:
     lopti_eta: Lopti's probability threshold; required when a ``phase`` is given. Also the
         threshold of the ``low_frac`` and ``grad_share_low`` metrics (0.5 when None).
 
-    The objectives of today's trainers (docs/math.md §10, docs/math.md), each an axis of its own:
+    The objectives of today's trainers (docs/math.md §10), each an axis of its own:
 
     importance_sampling_level: ``token`` (one ratio per token) or ``sequence`` (GSPO: one ratio
         per sequence, ``exp`` of the masked mean of ``logp - old_logp``, gradient through it).

@@ -5,9 +5,6 @@ interface and is written once; a backend only supplies the two passes over ``[ro
 
 * ``row_stats``: per row of ``z = logits * inv_temp``: LSE, max, the target's ``z``, and when
   asked the entropy ``H = LSE - sum_v p_v z_v`` and ``sum_v p_v^2``. All float32.
-
-A target id of ``-1`` means "not in this chunk's vocabulary slice" (vocab parallel): the
-target's ``z`` is 0 and never read, and the gradient has no one-hot term.
 * ``logit_grad_``: overwrite the chunk buffer with ``dL/dlogits`` given ``g = dL/dlogp`` and
   ``gH = dL/dH`` per row:
 
@@ -16,6 +13,9 @@ target's ``z`` is 0 and never read, and the gradient has no one-hot term.
   With final-logit soft-capping the buffer holds the capped logits ``s = c tanh(x / c)`` (the
   driver caps it after the matmul) and ``logit_grad_(..., softcap=c)`` returns ``dL/dx``, the
   above times ``1 - (s / c)^2``.
+
+A target id of ``-1`` means "not in this chunk's vocabulary slice" (vocab parallel): the
+target's ``z`` is 0 and never read, and the gradient has no one-hot term.
 """
 
 from __future__ import annotations

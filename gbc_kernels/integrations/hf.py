@@ -226,8 +226,8 @@ def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=N
     """The rollout policy's pass of an RL step: ``old_logp`` of ``targets = input_ids[:, 1:]``
     (or of the last ``completion_len`` tokens) and, with ``nthr=True``, NTHR's token scale from
     the same hidden states (docs/math.md §4). ``old_logp`` already computed by the trainer (at
-    the same temperature) is used as is, saving the streaming pass over the vocabulary. The model's
-    final-logit soft-capping, if any, is applied in the passes."""
+    the same temperature) is used as is, saving the streaming pass over the vocabulary. The
+    model's final-logit soft-capping, if any, is applied in the passes."""
     import gbc_kernels as gbc
 
     head = lm_head(model)
@@ -251,8 +251,8 @@ def reference_pass(ref_model, input_ids, attention_mask, targets, temperature=1.
                    critical_kl_exponent=None, certainty="max_prob", certainty_temperature=1.0,
                    intercept=0.0, backend="auto", completion_len: int = 0) -> ReferencePass:
     """The frozen reference model's pass: ``ref_logp`` and, with ``critical_kl_exponent`` set,
-    the critical-token KL weights ``(1 - c) J**gamma + c`` from its certainty (docs/math.md §5). The
-    model's final-logit soft-capping, if any, is applied."""
+    the critical-token KL weights ``(1 - c) J**gamma + c`` from its certainty (docs/math.md
+    §5). The model's final-logit soft-capping, if any, is applied."""
     import gbc_kernels as gbc
 
     head = lm_head(ref_model)

@@ -6,22 +6,23 @@ meaning (``loss_type``, ``beta``, ``epsilon``, ``epsilon_high``, ``temperature``
 accumulation, ``num_items_in_batch``), so with every ``gbc_*`` option off the loss and its
 gradients are TRL's. The ``gbc_*`` options add the token-level methods:
 
-* ``gbc_ar_alpha``: Advantage Reweighting (docs/math.md §2) with TRL's ``old_per_token_logps`` (the
-  current log-probs, detached, when TRL skips the old-policy pass).
+* ``gbc_ar_alpha``: Advantage Reweighting (docs/math.md §2) with TRL's ``old_per_token_logps``
+  (the current log-probs, detached, when TRL skips the old-policy pass).
 * ``gbc_lopti_eta``: Lopti (docs/math.md §3). Every training step runs the low phase, an
-  optimizer step (with TRL's gradient clipping), then the high phase; the Trainer's own optimizer step follows.
-  The learning-rate schedule advances once per training step. The logged ``grad_norm`` is that of
-  both updates together, ``sqrt(|g_low|^2 + |g_high|^2)`` (each before clipping), with each
-  phase's own as ``gbc/grad_norm_low`` and ``gbc/grad_norm_high``.
-* ``gbc_nthr``: NTHR (docs/math.md §4) from the rollout policy's hidden states, computed right after
-  TRL scores the completions. A completion counts as correct when its advantage is > 0 (for
+  optimizer step (with TRL's gradient clipping), then the high phase; the Trainer's own
+  optimizer step follows. The learning-rate schedule advances once per training step. The
+  logged ``grad_norm`` is that of both updates together, ``sqrt(|g_low|^2 + |g_high|^2)``
+  (each before clipping), with each phase's own as ``gbc/grad_norm_low`` and
+  ``gbc/grad_norm_high``.
+* ``gbc_nthr``: NTHR (docs/math.md §4) from the rollout policy's hidden states, computed right
+  after TRL scores the completions. A completion counts as correct when its advantage is > 0 (for
   binary rewards: reward 1 in a mixed group), and a group is ``num_generations`` consecutive
   completions, as TRL's sampler lays them out.
 * ``gbc_critical_kl_exponent``: critical-token KL weights (docs/math.md §5) from the reference
   model's certainty, multiplied into TRL's k3 KL term (``beta`` must be > 0).
 
-Every objective of TRL 1.16's ``GRPOTrainer`` goes through the fused loss (docs/math.md §10): each
-``loss_type``, ``importance_sampling_level``, ``delta``, the SAPO and VESPO parameters,
+Every objective of TRL 1.16's ``GRPOTrainer`` goes through the fused loss (docs/math.md §10):
+each ``loss_type``, ``importance_sampling_level``, ``delta``, the SAPO and VESPO parameters,
 ``top_entropy_quantile`` (gathered over processes as TRL does), ``off_policy_mask_threshold``,
 ``use_bias_correction_kl``, the entropy bonus with TRL's own normaliser and
 ``use_adaptive_entropy``, and vLLM's importance-sampling correction. Lopti works with gradient

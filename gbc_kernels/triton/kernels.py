@@ -6,9 +6,10 @@ Per chunk of rows, after cuBLAS has written the chunk's logits into a reused buf
    online max / sum-exp, the target's logit, and (flags) the entropy and ``sum_v p_v^2`` with
    the online rescaling ``s' = a s, t' = a (t - dm s), q' = a^2 q`` (``a = exp(m - m')``).
 2. ``policy_token_kernel`` element-wise over tokens: the per-token loss of docs/math.md §1-§3
-   (ratio, clips, AR, Lopti phase, token_scale, KL estimators with weights, entropy bonus, aggregation
-   weight) -> ``g = w dl/dlogp``, ``gH = w dl/dH``, ``w l`` and the metric inputs. The PyTorch
-   copy is ``gbc_kernels/_loss_math.py``, the C++ copy ``csrc/policy_math.h``.
+   (ratio, clips, AR, Lopti phase, token_scale, KL estimators with weights, entropy bonus,
+   aggregation weight) -> ``g = w dl/dlogp``, ``gH = w dl/dH``, ``w l`` and the metric
+   inputs. The PyTorch copy is ``gbc_kernels/_loss_math.py``, the C++ copy
+   ``csrc/policy_math.h``.
 3. ``logit_grad_kernel``  one program per row: ``dL/dlogits`` written in place into the buffer.
 
 All math is float32 whatever the storage dtype; row offsets are int64 (rows x V may pass 2^31).
