@@ -49,38 +49,22 @@ from gbc_kernels.integrations import hf            # noqa: E402
 BUCKETS = (0.0, 0.25, 0.5, 0.75, 1.0001)
 HIGH_P = 0.75
 
+def _kl_variants(coef: float) -> dict:
+    """No KL, uniform KL at ``coef``, critical-token KL at ``coef`` (gamma 150, both
+    certainty kinds); every run uses the k2 estimator (``base_args``)."""
+    critical = dict(kl_coef=coef, critical_kl_exponent=150.0)
+    return {"no KL": dict(kl_coef=0.0), "uniform KL": dict(kl_coef=coef),
+            "critical KL (max_prob)": dict(critical, critical_kl_certainty="max_prob"),
+            "critical KL (entropy)": dict(critical, critical_kl_certainty="entropy")}
+
+
+# experiment -> {variant: the options it changes}
 EXPERIMENTS = {
-    "critical-kl": {
-        "variants": {
-            "no KL": dict(kl_coef=0.0),
-            "uniform KL": dict(kl_coef=0.1),
-            "critical KL (max_prob)": dict(kl_coef=0.1, critical_kl_exponent=150.0,
-                                           critical_kl_certainty="max_prob"),
-            "critical KL (entropy)": dict(kl_coef=0.1, critical_kl_exponent=150.0,
-                                          critical_kl_certainty="entropy"),
-        },
-        "base": dict(kl_estimator="k2"),
-    },
-    # the same with a KL penalty strong enough to hold RL back (coefficient 1 instead of 0.1)
-    "critical-kl-strong": {
-        "variants": {
-            "no KL": dict(kl_coef=0.0),
-            "uniform KL": dict(kl_coef=1.0),
-            "critical KL (max_prob)": dict(kl_coef=1.0, critical_kl_exponent=150.0,
-                                           critical_kl_certainty="max_prob"),
-            "critical KL (entropy)": dict(kl_coef=1.0, critical_kl_exponent=150.0,
-                                          critical_kl_certainty="entropy"),
-        },
-        "base": dict(kl_estimator="k2"),
-    },
-    "nthr": {
-        "variants": {"GRPO": dict(), "GRPO + NTHR": dict(nthr=True)},
-        "base": dict(),
-    },
-    "balance": {
-        "variants": {"GRPO": dict(), "+AR": dict(ar_alpha=0.3), "+Lopti": dict(lopti_eta=0.5)},
-        "base": dict(),
-    },
+    "critical-kl": _kl_variants(0.1),
+    # the same with a KL penalty strong enough to hold RL back
+    "critical-kl-strong": _kl_variants(1.0),
+    "nthr": {"GRPO": dict(), "GRPO + NTHR": dict(nthr=True)},
+    "balance": {"GRPO": dict(), "+AR": dict(ar_alpha=0.3), "+Lopti": dict(lopti_eta=0.5)},
 }
 
 
@@ -188,9 +172,10 @@ class BalanceHook:
         return out
 
 
-HOOKS = {"critical-kl": lambda args: CriticalKLHook(args.digits + 1),
-         "critical-kl-strong": lambda args: CriticalKLHook(args.digits + 1),
-         "nthr": lambda args: DisplacementHook(), "balance": lambda args: BalanceHook()}
+def make_hook(name, args):
+    if name.startswith("critical-kl"):
+        return CriticalKLHook(args.digits + 1)
+    return DisplacementHook() if name == "nthr" else BalanceHook()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,7 +261,7 @@ def summarise(name, hist, hook):
 
 
 def run_experiment(name, seeds, quick, out, log=print):
-    spec = EXPERIMENTS[name]
+    variants = EXPERIMENTS[name]
     records = []
     # each run's own metrics.jsonl / curves.png: beside a quick run's results, else under runs/
     # (untracked), not in docs/
@@ -284,16 +269,14 @@ def run_experiment(name, seeds, quick, out, log=print):
     for seed in seeds:
         t0 = time.time()
         a0 = base_args(quick, seed, os.path.join(runs, f"{name}-sft-{seed}"))
-        for k, v in spec["base"].items():
-            setattr(a0, k, v)
         tok, model0, sft_task, rl_task = gt.setup(a0)
         gt.sft(model0, sft_task, a0, lambda *_: None, harder=rl_task)
-        for variant, over in spec["variants"].items():
+        for variant, over in variants.items():
             a = copy.copy(a0)
             for k, v in over.items():
                 setattr(a, k, v)
             a.out = os.path.join(runs, f"{name}-{variant}-{seed}".replace(" ", "_"))
-            hook = HOOKS[name](a)
+            hook = make_hook(name, a)
             hist = gt.train(a, log=lambda *_: None, model=copy.deepcopy(model0), tok=tok,
                             tasks=(sft_task, rl_task), hooks=hook)
             final, curves = summarise(name, hist, hook)
@@ -343,11 +326,11 @@ def tables(records):
         keys = sorted({k for r in recs for k, v in r["final"].items()
                        if isinstance(v, (int, float))})
         lines.append(f"### {name} ({len({r['seed'] for r in recs})} seeds)\n")
-        lines.append("| metric | " + " | ".join(EXPERIMENTS[name]["variants"]) + " |")
-        lines.append("|---|" + "---|" * len(EXPERIMENTS[name]["variants"]))
+        lines.append("| metric | " + " | ".join(EXPERIMENTS[name]) + " |")
+        lines.append("|---|" + "---|" * len(EXPERIMENTS[name]))
         for k in keys:
             cells = []
-            for v in EXPERIMENTS[name]["variants"]:
+            for v in EXPERIMENTS[name]:
                 m, h = mean_ci([r["final"].get(k) for r in recs if r["variant"] == v])
                 cells.append(f"{m:.4g} ± {h:.2g}" if math.isfinite(h) else f"{m:.4g}")
             lines.append(f"| {k} | " + " | ".join(cells) + " |")
@@ -397,7 +380,7 @@ def plot(records, out):
             continue
         fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 3.8))
         for ax, key in zip(axes, keys):
-            for i, v in enumerate(EXPERIMENTS[name]["variants"]):
+            for i, v in enumerate(EXPERIMENTS[name]):
                 cs = [r["curves"].get(key) for r in recs if r["variant"] == v]
                 cs = [[x if x is not None and math.isfinite(x) else float("nan") for x in c]
                       for c in cs if c]

@@ -21,7 +21,7 @@ def test_quick_modes_write_well_formed_results(tmp_path):
     ex.main(["all", "--quick", "--out", str(tmp_path)])
     records = json.load(open(tmp_path / "results.json"))
     seen = {(r["experiment"], r["variant"]) for r in records}
-    want = {(e, v) for e, spec in ex.EXPERIMENTS.items() for v in spec["variants"]}
+    want = {(e, v) for e, variants in ex.EXPERIMENTS.items() for v in variants}
     assert seen == want
     for r in records:
         assert r["seed"] == 0 and isinstance(r["final"], dict) and r["curves"]
