@@ -299,14 +299,10 @@ def rl_step(model, opt, roll, args, parity_record=None):
         results = gbc.lopti_phases(compute, opt, order=args.lopti_order, before_step=clip)
     loss = sum(float(l.detach()) for l, _ in results)
     metrics = {k: float(v) for k, v in results[0][1].items()}   # phase-independent metrics
-    if len(results) == 2 and "grad_norm_sum" in results[0][1]:
-        # Lopti: each phase's grad_share_low is 0 or 1 by construction; report the step's share
-        # over both updates: the low phase's gradient norm over both phases' norms
-        norms = {phase: float(m["grad_norm_sum"]) for phase, (_, m) in
-                 zip(("low", "high") if args.lopti_order == "low-first" else ("high", "low"),
-                     results)}
-        total = norms["low"] + norms["high"]
-        metrics["grad_share_low"] = norms["low"] / total if total > 0 else 0.0
+    if len(results) == 2:       # Lopti: the step's share over both updates
+        share = gbc.lopti_grad_share_low(results, args.lopti_order)
+        if share is not None:
+            metrics["grad_share_low"] = share
     return loss, metrics
 
 

@@ -83,11 +83,11 @@ def main():
                                                 mask, adv, old_logp, ref_logp, config=cfg,
                                                 phase=phase)
 
-        (loss_low, m_low), (loss_high, m_high) = gbc.lopti_phases(compute_loss, opt)
+        results = gbc.lopti_phases(compute_loss, opt)
+        (loss_low, m_low), (loss_high, _) = results
         # each phase's loss covers its own tokens: the step's share of the policy-gradient norm
-        # on low-probability tokens is the low phase's sum over both phases' sums
-        low, high = float(m_low["grad_norm_sum"]), float(m_high["grad_norm_sum"])
-        share = low / (low + high) if low + high > 0 else 0.0
+        # on low-probability tokens is taken over both updates
+        share = gbc.lopti_grad_share_low(results)
         print(f"step {step:2d}  reward {float(rewards.mean()):.3f}  "
               f"loss {float(loss_low.detach() + loss_high.detach()):+.4f}  "
               f"kl {float(m_low['kl']):.4f}  low_frac {float(m_low['low_frac']):.2f}  "

@@ -9,7 +9,7 @@ from .ops import (TokenStats, fused_linear_logprobs, fused_linear_policy_loss, p
                   token_stats)
 from .transforms import advantage_reweight, critical_kl_weight, group_advantages, lopti_split
 from .nthr import NTHRResult, nthr_scale
-from .lopti import lopti_phases
+from .lopti import lopti_grad_share_low, lopti_phases
 from .module import FusedLinearPolicyLoss
 from .vocab_parallel import VocabParallel
 
@@ -19,6 +19,7 @@ __all__ = [
     "PolicyLossConfig", "LOSS_AGG_ALIASES", "LOSS_AGG_MODES", "KL_ESTIMATORS",
     "TokenStats", "fused_linear_logprobs", "fused_linear_policy_loss", "policy_loss",
     "token_stats", "advantage_reweight", "critical_kl_weight", "group_advantages",
-    "lopti_split", "NTHRResult", "nthr_scale", "lopti_phases", "FusedLinearPolicyLoss",
+    "lopti_split", "NTHRResult", "nthr_scale", "lopti_phases", "lopti_grad_share_low",
+    "FusedLinearPolicyLoss",
     "VocabParallel",
 ]

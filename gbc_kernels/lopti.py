@@ -32,3 +32,18 @@ def lopti_phases(compute_loss: Callable, optimizer, order: str = "low-first",
         optimizer.step()
         results.append(out)
     return results
+
+
+def lopti_grad_share_low(results, order: str = "low-first") -> Optional[float]:
+    """The step's ``grad_share_low`` over both Lopti updates, from what :func:`lopti_phases`
+    returned (``(loss, metrics)`` per phase): the low phase's ``grad_norm_sum`` over both
+    phases' (within one phase the share is 0 or 1 by construction). None when the metrics carry
+    no ``grad_norm_sum`` (the loss given per-token log-probs). Reads two device values."""
+    norms = {}
+    for phase, out in zip(ORDERS[order], results):
+        metrics = out[1] if isinstance(out, tuple) else {}
+        if "grad_norm_sum" not in metrics:
+            return None
+        norms[phase] = float(metrics["grad_norm_sum"])
+    total = norms["low"] + norms["high"]
+    return norms["low"] / total if total > 0 else 0.0

@@ -51,3 +51,15 @@ def test_lopti_phases_runs_low_then_high_with_a_step_after_each():
     seen.clear()
     gbc.lopti_phases(compute, opt, order="high-first")
     assert [p for p, _ in seen] == ["high", "low"]
+
+
+def test_lopti_grad_share_low_over_both_updates():
+    """The step's share is the low phase's summed norm over both phases' (either order); the
+    loss given per-token log-probs has no norms: None."""
+    t = torch.tensor
+    low, high = (t(1.0), {"grad_norm_sum": t(3.0)}), (t(2.0), {"grad_norm_sum": t(1.0)})
+    assert gbc.lopti_grad_share_low([low, high]) == 0.75
+    assert gbc.lopti_grad_share_low([high, low], order="high-first") == 0.75
+    zero = (t(0.0), {"grad_norm_sum": t(0.0)})
+    assert gbc.lopti_grad_share_low([zero, zero]) == 0.0
+    assert gbc.lopti_grad_share_low([(t(1.0), {}), high]) is None
