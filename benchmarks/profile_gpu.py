@@ -134,19 +134,34 @@ def main():
     step()
     print(f"host syncs in one step: {count_syncs(step)}")
     host_timeline(c, cfg)
+    c["hidden"].grad = c["weight"].grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    print(f"peak beyond inputs, gradients included (one step, no do_bench cache buffer): "
+          f"{peak / 2**20:.0f} MiB = {peak / (args.N * V * 4):.3f}x one fp32 [N, V]")
+    # three steps back to back, as a training loop runs them: the idle gaps then show what the
+    # host cannot hide behind the previous step's kernels
+    steps = 3
     torch.cuda.synchronize()
     marker = torch.ones(1, device="cuda")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        marker.add_(1)            # a kernel just before the step: the gap after it is host time
-        step()
+        marker.add_(1)            # a kernel just before the steps: the gap after it is host time
+        for _ in range(steps):
+            c["hidden"].grad = c["weight"].grad = None
+            step()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    total = sum(e.self_device_time_total for e in events) or 1.0
-    launches = sum(e.count for e in events)
-    print(f"CUDA kernels in one step: {launches} launches, {total / 1e3:.3f} ms of GPU time")
+    total = sum(e.self_device_time_total for e in events) / steps or 1.0
+    launches = sum(e.count for e in events) / steps
+    print(f"CUDA kernels per step ({steps} steps back to back): {launches:.0f} launches, "
+          f"{total / 1e3:.3f} ms of GPU time")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
-        print(f"  {e.self_device_time_total / 1e3:8.3f} ms {100 * e.self_device_time_total / total:5.1f}%"
-              f"  x{e.count:<4d} {e.key[:90]}")
+        t = e.self_device_time_total / steps
+        print(f"  {t / 1e3:8.3f} ms {100 * t / total:5.1f}%  x{e.count / steps:<5.1f} {e.key[:90]}")
     print_gaps(prof)
     return 0
 

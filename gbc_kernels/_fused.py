@@ -18,7 +18,7 @@ from . import vocab_parallel as _vp
 from ._loss_math import (TokenInputs, aggregation_weights, concat_terms, empty_metrics,
                          logp_grad_norm, local_ids, loss_terms, policy_metrics, term_weights)
 from ._validate import Checks, no_double_backward as _no_double_backward
-from .backends import Backend
+from .backends import Backend, triton_usable
 from .backends.base import Workspace
 from .config import PolicyLossConfig
 
@@ -375,16 +375,48 @@ def save_grads(ctx, *grads):
     ctx.has = tuple(t is not None for t in grads)
 
 
-def scale_stored_grads(ctx, grad_loss):
-    """The stored gradients are those of the loss itself: scale them by the upstream gradient.
+def _scale_on_device(t: torch.Tensor) -> bool:
+    """Whether :func:`scale_stored_grads` tests the upstream gradient on the device (Triton's
+    ``scale_unless_one_kernel``): contiguous CUDA tensors of a float type up to 32 bits."""
+    return (t.device.type == "cuda" and t.is_contiguous()
+            and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and triton_usable(t.device))
 
-    A unit upstream gradient (``loss.backward()``) skips the scaling, a pass over ``[V, H]``
-    (1.4 ms of 25 at Qwen2.5-7B's head, N = 4096, on an H100). On an accelerator the check is a
-    host sync at the end of the backward, as in Liger's fused losses; it costs far less than the
-    pass it saves."""
-    unit = bool(grad_loss == 1)
-    return [None if not has else t if unit else t * grad_loss.to(t.dtype)
-            for has, t in zip(ctx.has, ctx.saved_tensors)]
+
+def scale_stored_grads(ctx, grad_loss):
+    """The stored gradients are those of the loss itself: scale them in place by the upstream
+    gradient and hand them over (autograd takes them as ``.grad`` without a copy).
+
+    A unit upstream gradient (``loss.backward()``) needs no scaling, a pass over ``[V, H]``
+    (1.4 ms of 25 at Qwen2.5-7B's head, N = 4096, on an H100). On CUDA the test runs on the
+    device (``scale_unless_one_kernel`` reads the upstream gradient and returns at once when it
+    is 1): the backward has no host sync, so the host queues the next step while the GPU is
+    still busy with this one. On CPU the test is a plain comparison (no device to wait for);
+    other devices scale unconditionally (one pass, no sync).
+
+    The gradients are handed over once: a second backward through the same loss
+    (``retain_graph=True``) raises instead of scaling them twice."""
+    if getattr(ctx, "handed_over", False):
+        raise RuntimeError("gbc_kernels: backward through the same fused loss twice "
+                           "(retain_graph=True) is not supported; the gradients were computed "
+                           "in the forward and handed over by the first backward: compute the "
+                           "loss again")
+    ctx.handed_over = True
+    g = grad_loss.detach()
+    unit = None
+    out = []
+    for has, t in zip(ctx.has, ctx.saved_tensors):
+        if not has:
+            out.append(None)
+        elif _scale_on_device(t):
+            from .triton.launch import launch_scale_unless_one_
+            out.append(launch_scale_unless_one_(t, g))
+        elif t.device.type == "cpu":
+            unit = bool(g == 1) if unit is None else unit
+            out.append(t if unit else t.mul_(g.to(t.dtype)))
+        else:
+            out.append(t.mul_(g.to(t.dtype)))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

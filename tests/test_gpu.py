@@ -138,6 +138,33 @@ def test_loss_memory_on_gpu():
     assert extra < 0.5 * logits_fp32
 
 
+@pytest.mark.parametrize("upstream", [1.0, 0.25])
+def test_backward_without_host_sync_on_gpu(upstream):
+    """The backward tests the upstream gradient on the device: PyTorch's sync debug mode
+    ("error": raise on any synchronising CUDA call) stays silent, and the gradients are those
+    of a second, synchronised run scaled by the upstream gradient."""
+    batch = cuda(make_batch(B=3, T=40, H=64, V=1001, dtype=torch.bfloat16, seed=9))
+    grads = []
+    for sync_free in (False, True):
+        h = batch["hidden"].detach().requires_grad_()
+        w = batch["weight"].detach().requires_grad_()
+        loss, _ = gbc.fused_linear_policy_loss(h, w, batch["targets"], batch["mask"],
+                                               batch["advantages"], batch["old_logp"],
+                                               backend="triton")
+        up = torch.tensor(upstream if sync_free else 1.0, device="cuda")
+        torch.cuda.synchronize()
+        if sync_free:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss.backward(up)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        grads.append((h.grad.float(), w.grad.float()))
+    for unit, scaled in zip(*grads):
+        torch.testing.assert_close(scaled, unit * upstream, rtol=1e-2, atol=0)
+        assert scaled.abs().sum() > 0
+
+
 def test_vocab_parallel_one_rank_on_gpu(monkeypatch):
     """Vocab parallel with the Triton kernels on a one-rank NCCL group (the slice is the whole
     lm_head) equals the one-device loss: the per-chunk all_gather and the hidden-gradient

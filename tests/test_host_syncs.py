@@ -121,3 +121,56 @@ def test_bad_value_still_named_without_extra_sync():
     batch["targets"][0, 3] = 37
     with pytest.raises(ValueError, match=r"targets: expected token ids in \[0, 37\).*\[0, 3\]"):
         step(batch, gbc.PolicyLossConfig(), "torch")
+
+
+@pytest.mark.skipif(not gbc.backends.triton_usable(torch.device("cpu")),
+                    reason="needs triton (its interpreter runs the scale kernel on CPU tensors)")
+@pytest.mark.parametrize("upstream", [None, 0.5], ids=["unit", "scaled"])
+def test_gpu_route_backward_has_no_sync(count_syncs, monkeypatch, upstream):
+    """On CUDA the backward tests the upstream gradient on the device: the step's only host
+    transfer is the forward's. Simulated here by sending CPU tensors down the CUDA route (the
+    Triton scale kernel, run by the interpreter)."""
+    from gbc_kernels import _fused
+    monkeypatch.setattr(_fused, "_scale_on_device", lambda t: True)
+    batch = make_batch(B=2, T=12, H=16, V=101, seed=3, empty_row=True)
+    batch.update(leaves(batch))
+    cfg = gbc.PolicyLossConfig(kl_coef=0.04)
+    step(batch, cfg, "torch")                       # warm-up: the kernel is traced once
+    ref = [leaf.grad.clone() for leaf in (batch["hidden"], batch["weight"])]
+    for leaf in (batch["hidden"], batch["weight"]):
+        leaf.grad = None
+    count_syncs.seen.clear()
+    with count_syncs:
+        step(batch, cfg, "torch", None if upstream is None else torch.tensor(upstream))
+    assert count_syncs.seen == ["tolist"], count_syncs.seen
+    scale = 1.0 if upstream is None else upstream
+    for leaf, r in zip((batch["hidden"], batch["weight"]), ref):
+        torch.testing.assert_close(leaf.grad, r * scale, rtol=1e-6, atol=0)
+
+
+@pytest.mark.skipif(not gbc.backends.triton_usable(torch.device("cpu")),
+                    reason="needs triton (its interpreter runs the kernel on CPU tensors)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("g", [1.0, 0.37, -2.5])
+def test_scale_unless_one_kernel(monkeypatch, dtype, g):
+    """x *= g in place, over a grid-stride loop (2 programs, 4 blocks and a ragged tail); g == 1
+    leaves every bit as it was."""
+    from gbc_kernels.triton import launch
+    monkeypatch.setattr(launch, "SCALE_PROGRAMS", 2)
+    n = 3 * launch.SCALE_BLOCK + 37
+    x = torch.randn(n, dtype=torch.float64).to(dtype)
+    x[5] = float("inf")
+    before = x.clone()
+    out = launch.launch_scale_unless_one_(x, torch.tensor(g, dtype=torch.float64))
+    assert out.data_ptr() == x.data_ptr()
+    if g == 1.0:
+        assert torch.equal(x.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           before.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    else:
+        # float32 arithmetic, one rounding to the storage dtype (bf16: within one unit in the
+        # last place, as Triton's interpreter may round toward zero where a GPU rounds to even)
+        want = (before.float() * torch.tensor(g, dtype=torch.float32)).to(dtype)
+        torch.testing.assert_close(x, want, rtol=2 ** -7 if dtype == torch.bfloat16 else 0,
+                                   atol=0)
+    with pytest.raises(ValueError, match="x: expected a contiguous"):
+        launch.launch_scale_unless_one_(torch.zeros(4, 4).t(), torch.tensor(2.0))

@@ -184,3 +184,18 @@ def policy_token_kernel(
     tl.store(advh_ptr + offs, a, mask=ok)
     tl.store(ar_ptr + offs, ar, mask=ok)
     tl.store(pold_ptr + offs, p_old, mask=ok)
+
+
+@triton.jit
+def scale_unless_one_kernel(x_ptr, n, g_ptr, BLOCK: tl.constexpr):
+    # x *= g in place, read from device memory, and nothing at all when g == 1 (the unit
+    # upstream gradient of loss.backward()): the backward decides without a host sync. A
+    # grid-stride loop over a few waves of programs, so the g == 1 case costs one wave.
+    g = tl.load(g_ptr).to(tl.float32)
+    if g != 1.0:
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
+            offs = start + tl.arange(0, BLOCK)
+            valid = offs < n
+            x = tl.load(x_ptr + offs, mask=valid).to(tl.float32)
+            tl.store(x_ptr + offs, (x * g).to(x_ptr.dtype.element_ty), mask=valid)

@@ -110,6 +110,23 @@ def launch_policy_tokens(st: RowStats, w, adv, old, ref, tscale, klw, cfg, phase
     return out
 
 
+SCALE_BLOCK = 4096
+SCALE_PROGRAMS = 1024     # programs of the in-place scale: a few waves on an H100's 132 SMs
+
+
+def launch_scale_unless_one_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``x *= g`` in place unless the device scalar ``g`` is 1 (checked on the device: no host
+    sync). ``x`` contiguous; ``g`` a one-element tensor on ``x``'s device."""
+    if not x.is_contiguous():
+        raise ValueError("x: expected a contiguous tensor")
+    n = x.numel()
+    if n:
+        grid = (min(SCALE_PROGRAMS, triton.cdiv(n, SCALE_BLOCK)),)
+        K.scale_unless_one_kernel[grid](x, n, g.reshape(()).float(), BLOCK=SCALE_BLOCK,
+                                        num_warps=4, **_opts())
+    return x
+
+
 class TritonBackend(Backend):
     name = "triton"
     buffers_per_chunk = 1
