@@ -8,8 +8,11 @@ bench_gpu.py):
   * the step time (triton.testing.do_bench median) beside the floor (the three bare matmuls),
     for every chunk budget given (GBC_CHUNK_MB), with the rows per chunk it gives;
   * the profiler's CUDA kernels of one step, grouped by name, with their share of the step;
+  * the one-pass row kernel (the default) against the three row kernels it replaces;
+  * the peak memory of one step, gradients included;
   * the number of kernel launches and of host synchronisations in one step (the latter counted
-    by torch.cuda.set_sync_debug_mode, which reports every synchronising CUDA call PyTorch makes).
+    by torch.cuda.set_sync_debug_mode, which reports every synchronising CUDA call PyTorch makes);
+  * the GPU's idle gaps over three steps run back to back, as a training loop runs them.
 """
 
 from __future__ import annotations
@@ -126,6 +129,13 @@ def main():
         print(f"gbc_triton chunk_mb={mb:>5} rows/chunk~{rows:5d}: {ms:.3f} ms = "
               f"{ms / f_ms:.3f}x floor", flush=True)
     os.environ["GBC_CHUNK_MB"] = args.chunk_mb.split(",")[0]
+    from gbc_kernels.triton import launch
+    for one_pass in (False, True):        # the row kernel against the three-kernel baseline
+        launch.ONE_PASS = one_pass
+        step()
+        ms = triton.testing.do_bench(step, **bench)
+        print(f"gbc_triton {'one-pass row kernel' if one_pass else 'three row kernels  '}: "
+              f"{ms:.3f} ms = {ms / f_ms:.3f}x floor", flush=True)
     os.environ["GBC_VALIDATE"] = "0"
     ms = triton.testing.do_bench(step, **bench)
     print(f"gbc_triton value checks off (GBC_VALIDATE=0): {ms:.3f} ms = {ms / f_ms:.3f}x floor")

@@ -11,6 +11,10 @@ import torch
 # 1-2% of the bare matmuls (benchmarks/bench_cpu.py) while peak memory stays near 0.1x of one
 # [8192, 32768] float32 logits; GPUs want bigger chunks for the matmuls to saturate.
 DEFAULT_BUDGET_MB = {"cpu": 64, "cuda": 1024}
+# On CUDA the default budget also keeps the chunk buffer plus the gradients of the call within
+# half of one float32 [rows, V] logits tensor where that leaves chunks of this many rows (below
+# it the gradient matmuls lose efficiency and grad_weight is re-read once per chunk).
+GPU_MIN_ROWS = 2048
 
 
 def budget_bytes(device: Optional[torch.device] = None) -> int:
@@ -23,20 +27,32 @@ def budget_bytes(device: Optional[torch.device] = None) -> int:
 
 
 def rows_per_chunk(n_rows: int, vocab: int, bytes_per_logit: int,
-                   device: Optional[torch.device] = None) -> int:
+                   device: Optional[torch.device] = None, grad_bytes: int = 0) -> int:
     """Rows per chunk: ``[rows, V]`` working arrays of ``bytes_per_logit`` bytes per logit in
     all (the chunk buffer's real element size, plus any float32 temporaries of the backend)
     within the budget, the rows then spread evenly over the chunks that takes (no small ragged
     last chunk) and rounded up to a multiple of the matmul tile (128 rows on GPUs, 16 on CPUs)
     when that many rows are allowed: the budget is met to within one tile. At least 1, at most
-    ``n_rows``."""
+    ``n_rows``.
+
+    On CUDA without ``GBC_CHUNK_MB`` the budget is lowered to half of one float32
+    ``[n_rows, V]`` less ``grad_bytes`` (the gradients the call returns) where that still
+    allows chunks of ``GPU_MIN_ROWS`` rows: the call's peak then stays within 0.5x of what one
+    float32 logits tensor would take. Where it does not (few rows against a large
+    ``grad_weight``: the gradients alone come near 0.5x) the budget stays as it is, for
+    speed."""
     if n_rows <= 0:
         return 1
     budget = budget_bytes(device)
+    gpu = device is not None and device.type == "cuda"
+    if gpu and os.environ.get("GBC_CHUNK_MB") is None:
+        within_half = n_rows * vocab * 2 - grad_bytes
+        if within_half >= GPU_MIN_ROWS * vocab * bytes_per_logit:
+            budget = min(budget, within_half)
     cap = max(1, budget // max(1, vocab * bytes_per_logit))
     chunks = -(-n_rows // cap)
     rows = -(-n_rows // chunks)
-    tile = 16 if device is None or device.type == "cpu" else 128
+    tile = 128 if gpu or (device is not None and device.type != "cpu") else 16
     if cap >= tile:
         rows = -(-rows // tile) * tile
     return max(1, min(rows, n_rows))

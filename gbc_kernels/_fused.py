@@ -159,13 +159,16 @@ def chunk_plan(n: int, rows: int, cfg: PolicyLossConfig, seq: Optional[torch.Ten
     return plan
 
 
-def _chunk_buffer(n: int, hidden2d, weight, backend: Backend, vp=None):
+def _chunk_buffer(n: int, hidden2d, weight, backend: Backend, vp=None, grads=(False, False)):
     """Rows per chunk for ``n`` rows and the reused ``[rows, V_local]`` logits buffer (None when
     there is no row). Vocab parallel sizes by the widest slice, so every rank runs the same
-    chunks."""
+    chunks. ``grads``: whether the call returns (grad_hidden, grad_weight), which count against
+    the CUDA default budget (``_chunking.rows_per_chunk``)."""
     width = weight.shape[0] if vp is None else vp.width
+    grad_bytes = (grads[0] * hidden2d.numel() * hidden2d.element_size()
+                  + grads[1] * weight.numel() * weight.element_size())
     rows = _chunking.rows_per_chunk(n, width, backend.bytes_per_logit(hidden2d.dtype),
-                                    hidden2d.device)
+                                    hidden2d.device, grad_bytes)
     buf = torch.empty(rows, weight.shape[0], device=hidden2d.device,
                       dtype=hidden2d.dtype) if n else None
     return rows, buf
@@ -246,7 +249,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     pending = (inp.checks if inp.checks is not None else Checks()).start(mflat.sum())
     early = None
     if N and not (cfg.needs_sequence or cfg.needs_batch):
-        rows, buf = _chunk_buffer(N, hidden2d, weight, be, vp)
+        rows, buf = _chunk_buffer(N, hidden2d, weight, be, vp, (need_dh, need_dw))
         first = _first_rows(mflat, min(rows, N))
         early = hidden2d.index_select(0, first)
         _chunking.project(early, weight, bias, buf, cfg.logit_softcap)
@@ -268,7 +271,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
                          None if dense else idx)
 
     if early is None:
-        rows, buf = _chunk_buffer(n, hidden2d, weight, be, vp)
+        rows, buf = _chunk_buffer(n, hidden2d, weight, be, vp, (need_dh, need_dw))
     plan = chunk_plan(n, rows, cfg, ti.seq, ti.seq_lengths)
     ws = Workspace()
     f32 = dict(device=device, dtype=torch.float32)
@@ -475,7 +478,7 @@ def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperat
     and do the two gradient matmuls (``vp``: this slice's part; the hidden gradient summed over
     the ranks once)."""
     N = hidden2d.shape[0]
-    rows, buf = _chunk_buffer(N, hidden2d, weight, backend, vp)
+    rows, buf = _chunk_buffer(N, hidden2d, weight, backend, vp, (need_dh, need_dw))
     if vp is not None:
         targets = _vp.local_targets(targets, vp)
     ws = Workspace()

@@ -38,7 +38,7 @@ def _variants():
     """(kernel, variant label, signature, constexprs, num_warps, attrs) for every launched
     variant and run-time specialisation."""
     from .triton import kernels as K
-    from .triton.launch import MAX_BLOCK_V, TOKEN_BLOCK, num_warps
+    from .triton.launch import MAX_BLOCK_V, SCALE_BLOCK, TOKEN_BLOCK, num_warps
 
     out = []
     for dtype, want_ent, want_p2 in itertools.product(("fp32", "bf16", "fp16"), (False, True),
@@ -84,11 +84,38 @@ def _variants():
                 dict(base, HAS_KL=True, KL_RATIO=True)]
     configs.append(dict(base, HAS_TS=True, HAS_KLW=True, HAS_KL=True, KL_EST=3,
                         HAS_ENTROPY=True, HAS_AR=True, HAS_DUAL=True, PHASE=1))
+    label = lambda c, ref: " ".join(f"{k}={int(v)}" for k, v in c.items()
+                                    if k in ref and v != ref[k]) or "default"
     for c in configs:
-        label = " ".join(f"{k}={int(v)}" for k, v in c.items() if k != "BLOCK" and v != base[k]) \
-            or "default"
-        out.append((K.policy_token_kernel, label, dict(sig), c, 4,
+        out.append((K.policy_token_kernel, label(c, dict(base, BLOCK=None)), dict(sig), c, 4,
                     _attrs(K.policy_token_kernel, sig)))
+    # the one-pass row kernel: the row kernels' specialisations, the token loss's flags
+    rsig = {"logits_ptr": None, "stride_row": "i64", "targets_ptr": "*i64"}
+    rsig.update({p: "*fp32" for p in ["ent_ptr", "sp2_ptr", "w_ptr", "adv_ptr", "old_ptr",
+                                      "ref_ptr", "ts_ptr", "klw_ptr", "g_ptr", "gh_ptr",
+                                      "wloss_ptr", "logp_ptr", "ratio_ptr", "advh_ptr", "ar_ptr",
+                                      "pold_ptr", "kl_ptr"]})
+    rsig.update({"V": "i32", "inv_temp": "fp32", "inv_cap": "fp32"})
+    rsig.update({k: v for k, v in sig.items() if v == "fp32"})
+    rsig.update({f: "constexpr" for f in ["BLOCK_V", "NEED_GRAD", "SOFTCAP", "WANT_ENTROPY"]
+                 + flags[1:]})
+    rbase = {k: v for k, v in base.items() if k != "BLOCK"}
+    rbase.update(BLOCK_V=MAX_BLOCK_V, NEED_GRAD=True, SOFTCAP=False, WANT_ENTROPY=False)
+    rconfigs = [dict(rbase), dict(rbase, NEED_GRAD=False), dict(rbase, SOFTCAP=True),
+                dict(rbase, WANT_ENTROPY=True),
+                dict(rbase, HAS_KL=True, KL_EST=3, HAS_KLW=True, KL_RATIO=True),
+                dict(rbase, HAS_TS=True, HAS_KLW=True, HAS_KL=True, KL_EST=3, HAS_ENTROPY=True,
+                     WANT_ENTROPY=True, HAS_AR=True, HAS_DUAL=True, PHASE=1, SOFTCAP=True)]
+    for dtype, c, (spec, ints) in itertools.product(("fp32", "bf16"), rconfigs, SPECS):
+        s = dict(rsig, logits_ptr=f"*{dtype}")
+        out.append((K.policy_rows_kernel, f"{dtype} {label(c, rbase)} {spec}", s, c,
+                    num_warps(MAX_BLOCK_V), _attrs(K.policy_rows_kernel, s, ints)))
+    # the in-place scale of the backward (x *= g unless g == 1)
+    for dtype, (spec, ints) in itertools.product(("fp32", "bf16"),
+                                                 (("n%16=0", ("n",)), ("n odd", ()))):
+        s = {"x_ptr": f"*{dtype}", "n": "i64", "g_ptr": "*fp32", "BLOCK": "constexpr"}
+        out.append((K.scale_unless_one_kernel, f"{dtype} {spec}", s, {"BLOCK": SCALE_BLOCK}, 4,
+                    _attrs(K.scale_unless_one_kernel, s, ints)))
     return out
 
 

@@ -48,3 +48,30 @@ def test_peak_memory_far_below_one_logits_tensor(backend):
     # the gradients of hidden [N, H] and weight [V, H] are 10 MiB together; everything else is
     # the chunk working set
     assert grown_mb < 0.15 * one_logits_mb, (grown_mb, one_logits_mb)
+
+
+@pytest.mark.parametrize("H,V", [(3584, 151936), (4096, 128256), (512, 32771)])
+@pytest.mark.parametrize("N", [1000, 4096, 8192, 16384])
+def test_cuda_chunk_budget(monkeypatch, H, V, N):
+    """The CUDA default chunk size (a pure function of the shapes: no GPU needed): within the
+    1 GiB budget; chunk buffer + gradients within half of one fp32 [N, V] wherever chunks of
+    GPU_MIN_ROWS rows allow it, else the plain budget; GBC_CHUNK_MB overrides both."""
+    import torch
+    from gbc_kernels import _chunking as C
+    monkeypatch.delenv("GBC_CHUNK_MB", raising=False)
+    cuda = torch.device("cuda")
+    grads = V * H * 2 + N * H * 2                      # bf16 grad_weight and grad_hidden
+    rows = C.rows_per_chunk(N, V, 2, cuda, grads)
+    plain = C.rows_per_chunk(N, V, 2, cuda)            # no gradients counted
+    assert 1 <= rows <= N and rows <= plain
+    assert rows * V * 2 <= C.DEFAULT_BUDGET_MB["cuda"] * 2 ** 20 + 128 * V * 2
+    assert rows == N or rows % 128 == 0
+    if N * V * 2 - grads >= C.GPU_MIN_ROWS * V * 2:    # the half-logits target is reachable
+        assert rows * V * 2 + grads <= 0.5 * N * V * 4 + 128 * V * 2    # within one tile
+        assert rows >= min(N, C.GPU_MIN_ROWS)
+    else:
+        assert rows == C.rows_per_chunk(N, V, 2, cuda, 0)
+    monkeypatch.setenv("GBC_CHUNK_MB", "64")           # an explicit budget is taken as given
+    env_rows = C.rows_per_chunk(N, V, 2, cuda, grads)
+    assert env_rows == C.rows_per_chunk(N, V, 2, cuda, 0)
+    assert env_rows * V * 2 <= 64 * 2 ** 20 + 128 * V * 2

@@ -9,7 +9,7 @@ import torch
 
 import gbc_kernels as gbc
 import gbc_reference as ref
-from conftest import as64, leaves, make_batch, max_rel_err
+from conftest import BACKENDS, as64, leaves, make_batch, max_rel_err
 
 LOSS_ARGS = ("old_logp", "ref_logp", "token_scale", "kl_weight")
 
@@ -88,6 +88,20 @@ def test_fp32_matches_float64_reference(backend, cfg, phase, small_chunks):
     check_against(out, truth, 1e-5, 1e-4)
     # the reference at float32 agrees too
     check_against(run(ref, batch, cfg, phase, up), truth, 1e-5, 1e-4)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs triton (GPU or interpreter)")
+@pytest.mark.parametrize("cfg,phase", CASES)
+def test_triton_three_kernel_path(monkeypatch, cfg, phase, small_chunks):
+    """The Triton backend's token-local loss composed of its three kernels (statistics, token
+    loss, gradient; ``launch.ONE_PASS = False``, the baseline of the one-pass row kernel that
+    runs by default) against the float64 reference."""
+    from gbc_kernels.triton import launch
+    monkeypatch.setattr(launch, "ONE_PASS", False)
+    batch = make_batch(seed=zlib.crc32(str(cfg).encode()) % 1000, old_spread=3.0)
+    up = torch.randn(()).item()
+    check_against(run(gbc, batch, cfg, phase, up, "triton"),
+                  run(ref, as64(batch), cfg, phase, up), 1e-5, 1e-4)
 
 
 @pytest.mark.parametrize("variant", ["no-bias", "adv-BT", "token_scale", "kl_weight",

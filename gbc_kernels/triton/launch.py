@@ -20,6 +20,10 @@ COMPILE_OPTIONS = {"enable_fp_fusion": False}
 MAX_BLOCK_V = 4096
 TOKEN_BLOCK = 256
 _PHASE = {None: 0, "low": 1, "high": 2}
+# The token-local loss takes the one-pass row kernel (policy_rows_kernel); False composes the
+# three kernels (statistics, token loss, gradient) as the other objectives do. A switch for
+# benchmarks/profile_gpu.py's side-by-side measurement and for the tests of both paths.
+ONE_PASS = True
 
 
 def block_v(V: int) -> int:
@@ -79,34 +83,69 @@ def launch_logit_grad_(logits, targets, inv_temp, lse, entropy, g_logp, g_entrop
     return logits
 
 
-def launch_policy_tokens(st: RowStats, w, adv, old, ref, tscale, klw, cfg, phase):
-    """The per-token loss (docs/math.md §1-§3) over a chunk: a dict of float32 [rows]
-    tensors."""
-    n = st.lse.numel()
-    f32 = dict(device=st.lse.device, dtype=torch.float32)
-    names = ("g", "gh", "wloss", "logp", "ratio", "adv", "ar", "p_old", "kl")
-    out = {k: torch.empty(n, **f32) for k in names}
+_TOKEN_OUTPUTS = ("g", "gh", "wloss", "logp", "ratio", "adv", "ar", "p_old", "kl")
+
+
+def _token_args(n, device, w, adv, old, ref, tscale, klw, cfg, phase, dummy):
+    """The per-token inputs, outputs (a dict of float32 ``[n]`` views of one allocation),
+    scalars and constexpr flags shared by ``policy_token_kernel`` and ``policy_rows_kernel``."""
+    from ..config import KL_ESTIMATORS
+    out = dict(zip(_TOKEN_OUTPUTS, torch.empty(len(_TOKEN_OUTPUTS), n, device=device,
+                                               dtype=torch.float32).unbind(0)))
     has_kl = cfg.kl_coef != 0.0
-    has_ent = cfg.entropy_coef != 0.0
-    f = lambda t: None if t is None else t.float().contiguous()
-    dummy = st.lse
+
+    def f(t, use=True):
+        return t.float().contiguous() if t is not None and use else dummy
+    inputs = [f(w), f(adv), f(old), f(ref, has_kl), f(tscale), f(klw, has_kl)]
+    scalars = [float(cfg.epsilon_low), float(cfg.epsilon_high), float(cfg.clip_ratio_c or 0.0),
+               float(cfg.kl_coef), float(cfg.entropy_coef), float(cfg.ar_alpha),
+               float(cfg.lopti_eta or 0.0)]
+    flags = dict(HAS_OLD=old is not None, HAS_TS=tscale is not None,
+                 HAS_KLW=klw is not None and has_kl, HAS_KL=has_kl,
+                 KL_EST=KL_ESTIMATORS.index(cfg.kl_estimator),
+                 HAS_ENTROPY=cfg.entropy_coef != 0.0, HAS_AR=cfg.ar_alpha != 0.0,
+                 HAS_DUAL=cfg.clip_ratio_c is not None, PHASE=_PHASE[phase],
+                 KL_RATIO=bool(cfg.kl_ratio_correction and has_kl))
+    return inputs, out, scalars, flags
+
+
+def launch_policy_tokens(st: RowStats, w, adv, old, ref, tscale, klw, cfg, phase):
+    """The per-token loss (docs/math.md §1-§3) over a chunk from its row statistics: a dict of
+    float32 [rows] tensors."""
+    n = st.lse.numel()
+    inputs, out, scalars, flags = _token_args(n, st.lse.device, w, adv, old, ref, tscale, klw,
+                                              cfg, phase, st.lse)
     if n:
-        from ..config import KL_ESTIMATORS
+        ent = st.entropy if flags["HAS_ENTROPY"] else st.lse
         K.policy_token_kernel[(triton.cdiv(n, TOKEN_BLOCK),)](
-            st.target_z, st.lse, st.entropy if has_ent else dummy, f(w), f(adv),
-            f(old) if old is not None else dummy, f(ref) if has_kl else dummy,
-            f(tscale) if tscale is not None else dummy, f(klw) if klw is not None else dummy,
+            st.target_z, st.lse, ent, *inputs, out["g"], out["gh"], out["wloss"], out["logp"],
+            out["ratio"], out["adv"], out["ar"], out["p_old"], out["kl"], n, *scalars,
+            BLOCK=TOKEN_BLOCK, num_warps=4, **flags, **_opts())
+    return out
+
+
+def launch_policy_rows_(logits, targets, inv_temp, w, adv, old, ref, tscale, klw, cfg, phase,
+                        need_grad):
+    """The one-pass row kernel over a chunk: per-token outputs as ``launch_policy_tokens``
+    plus ``entropy`` (None unless ``cfg.wants_entropy``) and ``sum_p2``; with ``need_grad`` the
+    logit gradient is written into ``logits`` in place."""
+    _check(logits)
+    rows, V = logits.shape
+    stats = torch.empty(2, rows, device=logits.device, dtype=torch.float32)
+    inputs, out, scalars, flags = _token_args(rows, logits.device, w, adv, old, ref, tscale,
+                                              klw, cfg, phase, stats[1])
+    if rows:
+        bv = block_v(V)
+        cap = cfg.logit_softcap
+        K.policy_rows_kernel[(rows,)](
+            logits, logits.stride(0), targets, stats[0], stats[1], *inputs,
             out["g"], out["gh"], out["wloss"], out["logp"], out["ratio"], out["adv"],
-            out["ar"], out["p_old"], out["kl"], n,
-            float(cfg.epsilon_low), float(cfg.epsilon_high),
-            float(cfg.clip_ratio_c or 0.0), float(cfg.kl_coef), float(cfg.entropy_coef),
-            float(cfg.ar_alpha), float(cfg.lopti_eta or 0.0),
-            BLOCK=TOKEN_BLOCK, HAS_OLD=old is not None, HAS_TS=tscale is not None,
-            HAS_KLW=klw is not None and has_kl, HAS_KL=has_kl,
-            KL_EST=KL_ESTIMATORS.index(cfg.kl_estimator), HAS_ENTROPY=has_ent,
-            HAS_AR=cfg.ar_alpha != 0.0, HAS_DUAL=cfg.clip_ratio_c is not None,
-            PHASE=_PHASE[phase], KL_RATIO=bool(cfg.kl_ratio_correction and has_kl),
-            num_warps=4, **_opts())
+            out["ar"], out["p_old"], out["kl"], V, float(inv_temp),
+            0.0 if cap is None else 1.0 / float(cap), *scalars, BLOCK_V=bv,
+            NEED_GRAD=bool(need_grad), SOFTCAP=cap is not None,
+            WANT_ENTROPY=bool(cfg.wants_entropy), num_warps=num_warps(bv), **flags, **_opts())
+    out["entropy"] = stats[0] if cfg.wants_entropy else None
+    out["sum_p2"] = stats[1]
     return out
 
 
@@ -149,11 +188,18 @@ class TritonBackend(Backend):
                                         combine)
         w, adv, old, ref, tscale = ti.w_pg, ti.adv, ti.old, ti.ref, ti.tscale
         klw = ti.klw if cfg.kl_coef != 0.0 else None
-        st = launch_row_stats(logits, targets, inv_temp, cfg.wants_entropy, True)
-        o = launch_policy_tokens(st, w, adv, old, ref, tscale, klw, cfg, phase)
-        if need_grad:
-            launch_logit_grad_(logits, targets, inv_temp, st.lse, st.entropy, o["g"],
-                               o["gh"] if cfg.entropy_coef != 0.0 else None, cfg.logit_softcap)
+        if ONE_PASS:
+            o = launch_policy_rows_(logits, targets, inv_temp, w, adv, old, ref, tscale, klw,
+                                    cfg, phase, need_grad)
+            entropy, sum_p2 = o["entropy"], o["sum_p2"]
+        else:
+            st = launch_row_stats(logits, targets, inv_temp, cfg.wants_entropy, True)
+            o = launch_policy_tokens(st, w, adv, old, ref, tscale, klw, cfg, phase)
+            if need_grad:
+                launch_logit_grad_(logits, targets, inv_temp, st.lse, st.entropy, o["g"],
+                                   o["gh"] if cfg.entropy_coef != 0.0 else None,
+                                   cfg.logit_softcap)
+            entropy, sum_p2 = st.entropy, st.sum_p2
         terms = TokenTerms(ratio=o["ratio"], adv=o["adv"], ar=o["ar"], p_old=o["p_old"],
                            kl=o["kl"] if cfg.kl_coef != 0.0 else None)
-        return ChunkResult(o["logp"], st.entropy, st.sum_p2, o["g"], terms, o["wloss"].sum())
+        return ChunkResult(o["logp"], entropy, sum_p2, o["g"], terms, o["wloss"].sum())
