@@ -247,15 +247,15 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     # token-local loss the first chunk's logits matmul (which reads only hidden and weight) is
     # queued before the host waits, so the device is busy while the host prepares the rest.
     pending = (inp.checks if inp.checks is not None else Checks()).start(mflat.sum())
-    early = None
+    early = order = None
     if N and not (cfg.needs_sequence or cfg.needs_batch):
         rows, buf = _chunk_buffer(N, hidden2d, weight, be, vp, (need_dh, need_dw))
-        first = _first_rows(mflat, min(rows, N))
-        early = hidden2d.index_select(0, first)
+        order = _first_rows(mflat, N)        # the masked-in rows first (0-padded)
+        early = hidden2d.index_select(0, order[:rows])
         _chunking.project(early, weight, bias, buf, cfg.logit_softcap)
     n, = pending.finish()
     idx = (torch.arange(n, device=device) if n == N
-           else _first_rows(mflat, n))
+           else order[:n] if order is not None else _first_rows(mflat, n))
     ct = torch.float64 if hidden2d.dtype == torch.float64 else torch.float32
     ti = token_inputs(inp.mask, inp.advantages, inp.old_logp, inp.ref_logp, inp.token_scale,
                       inp.kl_weight, inp.is_ratio, inp.sampling_logp, cfg,
