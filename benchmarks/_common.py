@@ -141,6 +141,19 @@ def time_it(fn, reps, warmup=1):
     return statistics.median(ts), q[0], q[3]
 
 
+def cuda_peak_bytes(fn, c):
+    """Peak CUDA memory of one call of ``fn`` beyond what is allocated before it, starting from
+    no gradients on ``c``'s hidden and weight (the gradients count as working memory). Measured
+    apart from ``triton.testing.do_bench``, whose cache-flush buffer would count."""
+    c["hidden"].grad = c["weight"].grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 def append_rows(path, rows):
     new = not os.path.exists(path)
     with open(path, "a", newline="") as f:

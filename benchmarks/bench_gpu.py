@@ -75,7 +75,7 @@ def main():
         print("bench_gpu.py: no CUDA device here; nothing to measure")
         return 0
     import triton.testing
-    from _common import append_rows, now, setup_case
+    from _common import append_rows, cuda_peak_bytes, now, setup_case
     import gbc_kernels
 
     stamp, dev = now(), torch.cuda.get_device_name()
@@ -93,15 +93,7 @@ def main():
                     ms = triton.testing.do_bench(fn, warmup=100, rep=1500,
                                                  quantiles=[0.5, 0.2, 0.8],
                                                  grad_to_none=[c["hidden"], c["weight"]])
-                    # peak of one step apart from do_bench (whose 256 MB cache-flush buffer
-                    # would count), from no gradients: the gradients count as working memory
-                    c["hidden"].grad = c["weight"].grad = None
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    base = torch.cuda.memory_allocated()
-                    fn()
-                    torch.cuda.synchronize()
-                    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+                    peak = cuda_peak_bytes(fn, c) / 2 ** 20
                     floor = ms[0] if prov == "floor" else floor
                     status = "ok"
                 except Exception as exc:

@@ -8,7 +8,7 @@ mkdir -p "$out"
 nlist=${1:-4096,8192}
 python -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 timeout 150 python -m pytest -q -s tests/test_gpu.py 2>&1 | tail -15 | tee "$out/gpu_tests.log"
-timeout 120 python benchmarks/profile_gpu.py --shape qwen2.5-7b --N 8192 --chunk-mb 1024,2048 \
+timeout 120 python benchmarks/profile_gpu.py --shape qwen2.5-7b --N 8192 --chunk-mb default,2048 \
     2>&1 | tee "$out/profile_qwen.log"
 timeout 90 python benchmarks/profile_gpu.py --shape llama3-8b --N 8192 2>&1 \
     | tee "$out/profile_llama.log"

@@ -1,7 +1,7 @@
 """Where the GPU time of one fused-loss step goes: a torch-profiler breakdown, kernel launches and
 host synchronisations per step, and the step time as the chunk budget varies.
 
-    python benchmarks/profile_gpu.py [--shape qwen2.5-7b] [--N 8192] [--chunk-mb 1024,2048,4096]
+    python benchmarks/profile_gpu.py [--shape qwen2.5-7b] [--N 8192] [--chunk-mb default,2048]
 
 Prints, for backend="triton" (forward + backward, bf16, PPO clip + k3 KL, the case of
 bench_gpu.py):
@@ -93,8 +93,9 @@ def main():
     ap.add_argument("--shape", default="qwen2.5-7b", choices=sorted(SHAPES),
                     help="LM head shape (default: %(default)s)")
     ap.add_argument("--N", type=int, default=8192, help="tokens (default: %(default)s)")
-    ap.add_argument("--chunk-mb", default="1024",
-                    help="comma-separated chunk budgets in MiB to time (default: %(default)s)")
+    ap.add_argument("--chunk-mb", default="default",
+                    help="comma-separated chunk budgets in MiB to time, 'default' for the "
+                         "library's own (default: %(default)s)")
     ap.add_argument("--dtype", default="bfloat16", help="default: %(default)s")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -103,7 +104,7 @@ def main():
     import triton.testing
     from torch.profiler import ProfilerActivity, profile
 
-    from _common import BETA, EPS, make_provider, setup_case
+    from _common import BETA, EPS, cuda_peak_bytes, make_provider, setup_case
     import gbc_kernels as gbc
     from gbc_kernels import _chunking
 
@@ -120,15 +121,19 @@ def main():
     f_ms = triton.testing.do_bench(floor, **bench)
     print(f"{torch.cuda.get_device_name()}  {args.shape} N={args.N} {args.dtype}")
     print(f"floor (3 matmuls): {f_ms:.3f} ms")
+    grad_bytes = sum(c[k].numel() * c[k].element_size() for k in ("hidden", "weight"))
     for mb in args.chunk_mb.split(","):
-        os.environ["GBC_CHUNK_MB"] = mb
+        if mb == "default":
+            os.environ.pop("GBC_CHUNK_MB", None)
+        else:
+            os.environ["GBC_CHUNK_MB"] = mb
         rows = _chunking.rows_per_chunk(args.N, V, c["hidden"].element_size(),
-                                        c["hidden"].device)
+                                        c["hidden"].device, grad_bytes)
         step()
         ms = triton.testing.do_bench(step, **bench)
-        print(f"gbc_triton chunk_mb={mb:>5} rows/chunk~{rows:5d}: {ms:.3f} ms = "
+        print(f"gbc_triton chunk_mb={mb:>7} rows/chunk~{rows:5d}: {ms:.3f} ms = "
               f"{ms / f_ms:.3f}x floor", flush=True)
-    os.environ["GBC_CHUNK_MB"] = args.chunk_mb.split(",")[0]
+    os.environ.pop("GBC_CHUNK_MB", None)          # the rest: the library's default chunks
     from gbc_kernels.triton import launch
     for one_pass in (False, True):        # the row kernel against the three-kernel baseline
         launch.ONE_PASS = one_pass
@@ -144,13 +149,7 @@ def main():
     step()
     print(f"host syncs in one step: {count_syncs(step)}")
     host_timeline(c, cfg)
-    c["hidden"].grad = c["weight"].grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    peak = cuda_peak_bytes(step, c)
     print(f"peak beyond inputs, gradients included (one step, no do_bench cache buffer): "
           f"{peak / 2**20:.0f} MiB = {peak / (args.N * V * 4):.3f}x one fp32 [N, V]")
     # three steps back to back, as a training loop runs them: the idle gaps then show what the
