@@ -1,13 +1,16 @@
-"""Host synchronisations of one training step of the fused loss: at most 2 (forward + backward).
+"""Host synchronisations of one training step of the fused loss: at most 2 (forward + backward),
+and on the CUDA route exactly 1.
 
 On a GPU every read of a device value by the host (``.item()``, ``bool(t)``, ``.tolist()``,
 ``nonzero()`` and the other data-dependent shapes, ``.cpu()``) stalls the CPU until the GPU has
-drained its queue: the GPU then idles while Python prepares the next launches. The fused loss
-makes two: the forward's row count (the value checks' flags travel with it) and the backward's
-unit-gradient test. This test counts them on CPU tensors, where the same calls happen: the
-aten operators that read device values, seen by a TorchDispatchMode, plus the Tensor methods
-that copy to the host without one (``tolist``, ``cpu``, ``numpy``). benchmarks/profile_gpu.py
-counts them on a GPU with PyTorch's own sync debug mode.
+drained its queue: the GPU then idles while Python prepares the next launches. The forward makes
+one: the row count (the value checks' flags travel with it). The backward's test of the
+upstream gradient against 1 is a host comparison on CPU (free there) and a device-side test on
+CUDA (``scale_unless_one_kernel``), so a CUDA step has one sync. This test counts them on CPU
+tensors, where the same calls happen: the aten operators that read device values, seen by a
+TorchDispatchMode, plus the Tensor methods that copy to the host without one (``tolist``,
+``cpu``, ``numpy``); the CUDA route's backward is run on CPU tensors through the Triton
+interpreter. benchmarks/profile_gpu.py counts them on a GPU with PyTorch's own sync debug mode.
 """
 
 from __future__ import annotations
