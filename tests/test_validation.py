@@ -187,6 +187,26 @@ def test_double_backward_refused(backend):
         torch.autograd.grad(logp.sum(), h, create_graph=True)
 
 
+@pytest.mark.parametrize("upstream", [1.0, 0.3])
+def test_second_backward_through_one_loss_refused(backend, upstream):
+    """The fused gradients are scaled in place and handed over by the first backward: a second
+    one (retain_graph=True) raises instead of returning gradients scaled twice; the first one's
+    gradients are those of a fresh loss."""
+    batch = make_batch(seed=4)
+    args = (batch["weight"], batch["targets"], batch["mask"], batch["advantages"],
+            batch["old_logp"])
+    h = batch["hidden"].clone().requires_grad_(True)
+    loss, _ = gbc.fused_linear_policy_loss(h, *args, backend=backend)
+    (loss * upstream).backward(retain_graph=True)
+    first = h.grad.clone()
+    with pytest.raises(RuntimeError, match="retain_graph=True"):
+        (loss * upstream).backward()
+    h2 = batch["hidden"].clone().requires_grad_(True)
+    loss2, _ = gbc.fused_linear_policy_loss(h2, *args, backend=backend)
+    loss2.backward()
+    torch.testing.assert_close(first, h2.grad * upstream, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("value", [0.5, 2.0, float("nan")])
 def test_mask_values_other_than_0_1_refused(value):
     batch = make_batch(seed=3)
