@@ -21,7 +21,13 @@ def budget_bytes(device: Optional[torch.device] = None) -> int:
     """``GBC_CHUNK_MB`` MiB if set, else the device's default."""
     env = os.environ.get("GBC_CHUNK_MB")
     if env is not None:
-        return int(float(env) * 2 ** 20)
+        try:
+            mb = float(env)
+        except ValueError:
+            mb = float("nan")
+        if not mb > 0 or mb == float("inf"):
+            raise ValueError(f"GBC_CHUNK_MB: expected a positive number of MiB, got {env!r}")
+        return int(mb * 2 ** 20)
     kind = "cpu" if device is None else device.type
     return DEFAULT_BUDGET_MB.get(kind, 256) * 2 ** 20
 

@@ -273,3 +273,19 @@ def test_batched_value_checks_name_the_argument_and_index(name, value, message, 
         else:
             gbc.policy_loss(batch["old_logp"], batch["mask"], batch["advantages"],
                             batch["old_logp"], config=cfg, **extra)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf", ""])
+def test_bad_chunk_budget_env_named(monkeypatch, value):
+    """GBC_CHUNK_MB must be a positive number of MiB: anything else is named, not turned into
+    one-row chunks or an obscure float() error."""
+    batch = make_batch(seed=6)
+    monkeypatch.setenv("GBC_CHUNK_MB", value)
+    with pytest.raises(ValueError, match="GBC_CHUNK_MB: expected a positive number"):
+        gbc.fused_linear_policy_loss(batch["hidden"], batch["weight"], batch["targets"],
+                                     batch["mask"], batch["advantages"], batch["old_logp"])
+    monkeypatch.setenv("GBC_CHUNK_MB", "0.5")           # a fraction of a MiB is fine
+    loss, _ = gbc.fused_linear_policy_loss(batch["hidden"], batch["weight"], batch["targets"],
+                                           batch["mask"], batch["advantages"],
+                                           batch["old_logp"])
+    assert torch.isfinite(loss)
