@@ -22,8 +22,19 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+_SWITCH = {"1": True, "true": True, "yes": True, "on": True,
+           "0": False, "false": False, "no": False, "off": False}
+
+
 def value_checks_enabled() -> bool:
-    return os.environ.get("GBC_VALIDATE", "1") != "0"
+    """``GBC_VALIDATE``: unset or 1/true/yes/on runs the value checks, 0/false/no/off skips them
+    (any case); anything else raises rather than being read as either."""
+    env = os.environ.get("GBC_VALIDATE")
+    if env is None:
+        return True
+    if env.strip().lower() not in _SWITCH:
+        raise ValueError(f"GBC_VALIDATE: expected 1/true/yes/on or 0/false/no/off, got {env!r}")
+    return _SWITCH[env.strip().lower()]
 
 
 class Checks:

@@ -289,3 +289,24 @@ def test_bad_chunk_budget_env_named(monkeypatch, value):
                                            batch["mask"], batch["advantages"],
                                            batch["old_logp"])
     assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("value,on", [("0", False), ("false", False), ("OFF", False),
+                                      ("1", True), ("yes", True), ("maybe", None)])
+def test_validate_switch(monkeypatch, value, on):
+    """GBC_VALIDATE takes the usual spellings of on and off; any other value is named."""
+    batch = make_batch(seed=7)
+    batch["mask"][:] = True
+    batch["old_logp"][0, 1] = float("nan")          # caught only while the checks run
+    monkeypatch.setenv("GBC_VALIDATE", value)
+    call = lambda: gbc.fused_linear_policy_loss(batch["hidden"], batch["weight"],
+                                                batch["targets"], batch["mask"],
+                                                batch["advantages"], batch["old_logp"])
+    if on is None:
+        with pytest.raises(ValueError, match="GBC_VALIDATE: expected"):
+            call()
+    elif on:
+        with pytest.raises(ValueError, match="old_logp: expected finite"):
+            call()
+    else:
+        call()                                       # no check: the NaN flows into the loss
