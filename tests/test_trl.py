@@ -36,7 +36,7 @@ def reward_has_knight(completions, **kwargs):
     return [float("knight" in c) for c in completions]
 
 
-def build(cls, tiny, tmp_path, peft_config=None, **options):
+def build(cls, tiny, tmp_path, peft_config=None, model_dtype=torch.float32, **options):
     args = dict(output_dir=str(tmp_path), per_device_train_batch_size=B, num_generations=B,
                 max_completion_length=MAX_LEN, report_to=[], use_cpu=True, bf16=False,
                 logging_steps=1, save_strategy="no", seed=0, learning_rate=1e-2)
@@ -46,7 +46,7 @@ def build(cls, tiny, tmp_path, peft_config=None, **options):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         extra = {} if peft_config is None else {"peft_config": peft_config}
-        return cls(model=AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32),
+        return cls(model=AutoModelForCausalLM.from_pretrained(tiny, dtype=model_dtype),
                    reward_funcs=reward_has_knight, args=config(**args), train_dataset=dataset,
                    processing_class=AutoTokenizer.from_pretrained(tiny), **extra)
 
@@ -165,6 +165,31 @@ def test_objective_options_match_grpo_trainer(tiny, tmp_path, loss_type, opts):
                         epsilon_high=1.1 if loss_type == "cispo" else 0.28, **opts)
     if opts.get("entropy_coef"):
         _same_metric(ours, ref, "policy_loss")
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_cast_lm_head_to_fp32_matches_grpo_trainer(tiny, tmp_path, loss_type):
+    """TRL's cast_lm_head_to_fp32 (ScaleRL) on a bf16 model: the lm_head computes in float32
+    from the bf16 hidden states; the fused loss takes the float32 head the same way."""
+    opts = dict(loss_type=loss_type, beta=0.04, cast_lm_head_to_fp32=True,
+                model_dtype=torch.bfloat16)
+    ref = build(trl.GRPOTrainer, tiny, tmp_path / "ref", **opts)
+    ours = build(GBCGRPOTrainer, tiny, tmp_path / "ours", **opts)
+    for t in (ref, ours):
+        assert t.model.lm_head.weight.dtype == torch.float32
+        assert t.model.model.norm.weight.dtype == torch.bfloat16
+    inputs = make_inputs(ref, seed=11)
+    loss_ref, g_ref = loss_and_grads(ref, inputs, 1)
+    loss_ours, g_ours = loss_and_grads(ours, inputs, 1)
+    assert torch.isfinite(loss_ref)
+    assert abs(loss_ours.item() - loss_ref.item()) <= 1e-4 * max(1.0, abs(loss_ref.item()))
+    assert g_ours.keys() == g_ref.keys()
+    for name, gr in g_ref.items():
+        assert g_ours[name].dtype == gr.dtype, name
+        scale = gr.float().abs().max().clamp(min=1e-6)
+        err = ((g_ours[name].float() - gr.float()).abs().max() / scale).item()
+        # bf16 decoder gradients: one bf16 rounding of the hidden-state gradient apart at most
+        assert err <= (1e-4 if gr.dtype == torch.float32 else 8e-3), f"{name}: {err:.2e}"
 
 
 def test_adaptive_entropy_matches_grpo_trainer(tiny, tmp_path):
