@@ -187,6 +187,10 @@ LOGP_SLACK = 1e-3
 # value rules of the per-token inputs: (what the message says is expected, the test of a bad value)
 _RULES = {
     "finite": ("finite values", lambda x: ~torch.isfinite(x)),
+    # the sampler's log-probs: NaN marks a token it could not score (TRL's convention with vLLM;
+    # the off-policy mask counts it as no drift), infinities are errors
+    "finite_or_nan": ("finite values or NaN (a token the sampler could not score)",
+                      lambda x: torch.isinf(x)),
     "logprob": ("log-probabilities (<= 0)", lambda x: x > LOGP_SLACK),
     "nonneg": ("importance weights >= 0", lambda x: x < 0),
 }

@@ -82,7 +82,7 @@ def _check_per_token(B, T, device, mask, advantages, old_logp, ref_logp, token_s
     V.check_many([("advantages", adv_bt.expand(B, T), "finite"), ("old_logp", old_logp, "finite"),
                   ("ref_logp", ref, "finite"), ("token_scale", token_scale, "finite"),
                   ("kl_weight", klw, "finite"), ("is_ratio", is_ratio, "finite"),
-                  ("sampling_logp", sampling_logp, "finite"),
+                  ("sampling_logp", sampling_logp, "finite_or_nan"),
                   ("old_logp", old_logp, "logprob"), ("ref_logp", ref, "logprob"),
                   ("sampling_logp", sampling_logp, "logprob"), ("is_ratio", is_ratio, "nonneg")],
                  mask, checks)

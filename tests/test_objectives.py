@@ -39,7 +39,8 @@ def trl_formula(logp, entropy, mask, adv, old, refl, loss_type, level="token", e
         emask = ((entropy.detach() * m) >= thr) & mask
     if off_thr is not None:
         s = old if sampling is None else sampling
-        kl_seq = ((s - logp.detach()) * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
+        drift = torch.nan_to_num(s - logp.detach(), nan=0.0)    # NaN: a token not scored
+        kl_seq = (drift * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
         keep = ((A >= 0) | (kl_seq <= off_thr)).double()
     lr = logp - old
     lw = lr if level == "token" else ((lr * m).sum(-1) / m.sum(-1).clamp(min=1)).unsqueeze(-1)
@@ -145,8 +146,10 @@ def _extras(batch, o, seed):
     if o.get("is_ratio"):
         out["is_ratio"] = (torch.rand(shape, generator=g) * 1.5 + 0.2).double()
     if o.get("sampling"):
-        out["sampling_logp"] = (batch["old_logp"] + 0.2 * torch.randn(shape, generator=g)
-                                ).clamp(max=0).double()
+        s = (batch["old_logp"] + 0.2 * torch.randn(shape, generator=g)).clamp(max=0)
+        # tokens the sampler could not score (TRL passes vLLM's as NaN): no drift
+        s[torch.rand(shape, generator=g) < 0.15] = float("nan")
+        out["sampling_logp"] = s.double()
     return out
 
 

@@ -167,6 +167,24 @@ def test_objective_options_match_grpo_trainer(tiny, tmp_path, loss_type, opts):
         _same_metric(ours, ref, "policy_loss")
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_off_policy_mask_with_unscored_sampler_tokens(tiny, tmp_path, level):
+    """vLLM's sampling log-probs reach the loss with NaN where a token could not be scored (TRL
+    builds them so); the off-policy mask counts those tokens as no drift, in TRL and here."""
+    opts = dict(loss_type="dapo", off_policy_mask_threshold=0.0, beta=0.04,
+                importance_sampling_level=level)
+    ref = build(trl.GRPOTrainer, tiny, tmp_path / "ref", **opts)
+    ours = build(GBCGRPOTrainer, tiny, tmp_path / "ours", **opts)
+    inputs = make_inputs(ref, seed=13)
+    g = torch.Generator().manual_seed(3)
+    old = inputs["old_per_token_logps"]
+    sampling = (old + 0.3 * torch.randn(old.shape, generator=g)).clamp(max=0)
+    sampling[0, 1] = sampling[1, 0] = float("nan")       # masked-in tokens vLLM did not score
+    assert inputs["completion_mask"][0, 1] and inputs["completion_mask"][1, 0]
+    inputs["sampling_per_token_logps"] = sampling
+    assert_same_loss_and_grads(ours, ref, inputs, 1)
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_cast_lm_head_to_fp32_matches_grpo_trainer(tiny, tmp_path, loss_type):
     """TRL's cast_lm_head_to_fp32 (ScaleRL) on a bf16 model: the lm_head computes in float32

@@ -246,7 +246,8 @@ def test_wrong_hidden_size_blames_hidden():
 
 @pytest.mark.parametrize("name,value,message", [
     ("sampling_logp", 0.7, "sampling_logp: expected log-probabilities"),
-    ("sampling_logp", float("nan"), "sampling_logp: expected finite values"),
+    ("sampling_logp", float("inf"), "sampling_logp: expected finite values or NaN"),
+    ("sampling_logp", float("-inf"), "sampling_logp: expected finite values or NaN"),
     ("is_ratio", -0.5, "is_ratio: expected importance weights >= 0"),
     ("is_ratio", float("inf"), "is_ratio: expected finite values"),
     ("advantages", float("nan"), "advantages: expected finite values"),
