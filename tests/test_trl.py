@@ -248,18 +248,23 @@ def test_train_with_gradient_accumulation(tiny, tmp_path, loss_type):
 
 
 @pytest.mark.parametrize("seq_level", [False, True])
-def test_vllm_importance_sampling_ratio_matches(tiny, tmp_path, seq_level):
-    """TRL multiplies the clipped term by vLLM's truncated IS ratio; GBC passes it as a token
-    scale. vLLM is not installed here, so both trainers get the flags after construction."""
-    opts = dict(loss_type="grpo", beta=0.04)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_vllm_importance_sampling_ratio_matches(tiny, tmp_path, loss_type, seq_level):
+    """TRL multiplies the per-token loss by vLLM's IS ratio (vespo: folds it into phi); the
+    ratio is per token ([B, T], token_* modes) or per sequence ([B, 1], sequence_* modes). vLLM
+    is not installed here, so both trainers get the flags after construction."""
+    opts = dict(loss_type=loss_type, beta=0.04,
+                epsilon_high=1.1 if loss_type == "cispo" else 0.28)
     ref = build(trl.GRPOTrainer, tiny, tmp_path / "ref", **opts)
     ours = build(GBCGRPOTrainer, tiny, tmp_path / "ours", **opts)
     for t in (ref, ours):
         t.use_vllm, t.vllm_importance_sampling_correction = True, True
     inputs = make_inputs(ref, seed=11)
     shape = (B, 1) if seq_level else (B, T)
-    inputs["importance_sampling_ratio"] = 0.5 + torch.rand(shape, generator=torch.Generator()
-                                                           .manual_seed(3))
+    ratio = 0.5 + torch.rand(shape, generator=torch.Generator().manual_seed(3))
+    if not seq_level:       # as TRL builds it: exp of a masked difference, 1 off the mask
+        ratio = torch.where(inputs["completion_mask"].bool(), ratio, torch.ones_like(ratio))
+    inputs["importance_sampling_ratio"] = ratio
     assert_same_loss_and_grads(ours, ref, inputs, accumulation=1)
 
 
