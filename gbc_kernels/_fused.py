@@ -165,8 +165,9 @@ def _chunk_buffer(n: int, hidden2d, weight, backend: Backend, vp=None, grads=(Fa
     chunks. ``grads``: whether the call returns (grad_hidden, grad_weight), which count against
     the CUDA default budget (``_chunking.rows_per_chunk``)."""
     width = weight.shape[0] if vp is None else vp.width
+    # counted by the widest slice too: the same on every rank, so the chunks stay in step
     grad_bytes = (grads[0] * hidden2d.numel() * hidden2d.element_size()
-                  + grads[1] * weight.numel() * weight.element_size())
+                  + grads[1] * width * weight.shape[1] * weight.element_size())
     rows = _chunking.rows_per_chunk(n, width, backend.bytes_per_logit(hidden2d.dtype),
                                     hidden2d.device, grad_bytes)
     buf = torch.empty(rows, weight.shape[0], device=hidden2d.device,

@@ -364,3 +364,21 @@ def test_backend_target_outside_slice(backend, dtype):
     want *= it
     err = (buf.double() - want).abs().max() / want.abs().max()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+@pytest.mark.parametrize("need_dw", [False, True])
+def test_uneven_slices_size_chunks_alike(monkeypatch, need_dw):
+    """Every rank of a vocab-parallel group must run the same chunks (one collective each): the
+    chunk size depends on the widest slice only, never on the rank's own slice, also where the
+    CUDA budget counts the weight gradient."""
+    from gbc_kernels import _chunking, _fused
+    from gbc_kernels.backends import get_backend
+    from gbc_kernels.vocab_parallel import _Slice
+    seen = []
+    monkeypatch.setattr(_chunking, "rows_per_chunk", lambda *a: seen.append(a) or 64)
+    hidden = torch.randn(300, 16)
+    be = get_backend("torch", hidden.device, hidden.dtype)
+    for start, end in ((0, 40), (40, 101)):              # V = 101 over two uneven slices
+        sl = _Slice(None, start, end, 101, 61)
+        _fused._chunk_buffer(300, hidden, torch.randn(end - start, 16), be, sl, (True, need_dw))
+    assert len(seen) == 2 and seen[0] == seen[1], seen
