@@ -36,7 +36,8 @@ def reward_has_knight(completions, **kwargs):
     return [float("knight" in c) for c in completions]
 
 
-def build(cls, tiny, tmp_path, peft_config=None, model_dtype=torch.float32, **options):
+def build(cls, tiny, tmp_path, peft_config=None, model_dtype=torch.float32, eval_prompts=0,
+          **options):
     args = dict(output_dir=str(tmp_path), per_device_train_batch_size=B, num_generations=B,
                 max_completion_length=MAX_LEN, report_to=[], use_cpu=True, bf16=False,
                 logging_steps=1, save_strategy="no", seed=0, learning_rate=1e-2)
@@ -46,6 +47,8 @@ def build(cls, tiny, tmp_path, peft_config=None, model_dtype=torch.float32, **op
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         extra = {} if peft_config is None else {"peft_config": peft_config}
+        if eval_prompts:
+            extra["eval_dataset"] = dataset.select(range(eval_prompts))
         return cls(model=AutoModelForCausalLM.from_pretrained(tiny, dtype=model_dtype),
                    reward_funcs=reward_has_knight, args=config(**args), train_dataset=dataset,
                    processing_class=AutoTokenizer.from_pretrained(tiny), **extra)
@@ -309,6 +312,26 @@ def test_three_steps_with_every_method_on(tiny, tmp_path):
     for row in trainer.state.log_history:
         if "loss" in row:
             assert row["loss"] == row["loss"]    # not NaN
+
+
+@pytest.mark.parametrize("methods", [False, True], ids=["trl-options", "every-method"])
+def test_evaluation_before_and_during_training(tiny, tmp_path, methods):
+    """TRL's own regression case: evaluation before the first step (eval_on_start, while the
+    accumulation count is still unset) and every 2 steps, one generation per eval prompt,
+    num_iterations=2, gradient accumulation 2; with the gbc methods off and on (NTHR and
+    critical KL are train-time only; the eval loss is that of the current Lopti phase)."""
+    gbc_opts = dict(gbc_ar_alpha=0.3, gbc_lopti_eta=0.5, gbc_nthr=True,
+                    gbc_critical_kl_exponent=2.0) if methods else {}
+    trainer = build(GBCGRPOTrainer, tiny, tmp_path, loss_type="grpo", beta=0.04, max_steps=4,
+                    per_device_eval_batch_size=B, num_generations_eval=1,
+                    eval_strategy="steps", eval_steps=2, eval_on_start=True, num_iterations=2,
+                    gradient_accumulation_steps=2, eval_prompts=4, **gbc_opts)
+    trainer.train()
+    evals = [row for row in trainer.state.log_history if "eval_loss" in row]
+    assert len(evals) == 3                          # on start, after steps 2 and 4
+    for row in evals:
+        assert row["eval_loss"] == row["eval_loss"] and "eval_kl" in row
+    assert trainer.state.global_step == 4
 
 
 def test_lopti_with_gradient_accumulation_equals_one_big_micro_batch(tiny, tmp_path):
