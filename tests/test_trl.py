@@ -188,10 +188,13 @@ def test_off_policy_mask_with_unscored_sampler_tokens(tiny, tmp_path, level):
     assert_same_loss_and_grads(ours, ref, inputs, 1)
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_cast_lm_head_to_fp32_matches_grpo_trainer(tiny, tmp_path, loss_type):
+@pytest.mark.parametrize("loss_type,model", [("dapo", "tiny"), ("grpo", "tiny"),
+                                              ("dapo", "tiny_gemma")])
+def test_cast_lm_head_to_fp32_matches_grpo_trainer(request, tmp_path, loss_type, model):
     """TRL's cast_lm_head_to_fp32 (ScaleRL) on a bf16 model: the lm_head computes in float32
-    from the bf16 hidden states; the fused loss takes the float32 head the same way."""
+    from the bf16 hidden states; the fused loss takes the float32 head the same way. Also on a
+    Gemma-2 (tied embeddings, which TRL casts with the head, and final-logit soft-capping)."""
+    tiny = request.getfixturevalue(model)
     opts = dict(loss_type=loss_type, beta=0.04, cast_lm_head_to_fp32=True,
                 model_dtype=torch.bfloat16)
     ref = build(trl.GRPOTrainer, tiny, tmp_path / "ref", **opts)
