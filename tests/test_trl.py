@@ -170,6 +170,24 @@ def test_objective_options_match_grpo_trainer(tiny, tmp_path, loss_type, opts):
         _same_metric(ours, ref, "policy_loss")
 
 
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_all_completions_masked_like_grpo_trainer(tiny, tmp_path, loss_type):
+    """Every completion masked (mask_truncated_completions with nothing finished): a zero loss
+    and zero gradients for every parameter, as GRPOTrainer gives (so the step leaves the model
+    as it was), with KL and the entropy bonus on."""
+    opts = dict(loss_type=loss_type, beta=0.04, entropy_coef=0.01)
+    ref = build(trl.GRPOTrainer, tiny, tmp_path / "ref", **opts)
+    ours = build(GBCGRPOTrainer, tiny, tmp_path / "ours", **opts)
+    inputs = make_inputs(ref, seed=2)
+    inputs["completion_mask"] = torch.zeros_like(inputs["completion_mask"])
+    inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
+    loss_ref, g_ref = loss_and_grads(ref, inputs, 1)
+    loss_ours, g_ours = loss_and_grads(ours, inputs, 1)
+    assert loss_ref.item() == 0.0 and loss_ours.item() == 0.0
+    assert g_ours.keys() == g_ref.keys()
+    assert all(torch.count_nonzero(g) == 0 for g in g_ours.values())
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_off_policy_mask_with_unscored_sampler_tokens(tiny, tmp_path, level):
     """vLLM's sampling log-probs reach the loss with NaN where a token could not be scored (TRL
