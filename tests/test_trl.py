@@ -671,3 +671,120 @@ def test_under_deepspeed_zero3_same_training_as_grpo_trainer(tiny, tmp_path):
             assert torch.allclose(ours[name], p, rtol=1e-4, atol=1e-6), name
             moved += not torch.equal(p, start[name])
         assert moved > 0
+
+
+# ---- vision-language models ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tiny, tmp_path_factory):
+    """A tiny Qwen2-VL (one-layer vision tower, M-RoPE) with the tiny tokenizer; its four image
+    token ids sit past the tokenizer's words. Returns (path, image token id, vision start id,
+    vision end id)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    V = len(AutoTokenizer.from_pretrained(tiny)) + 4
+    img, vid, start, end = V - 4, V - 3, V - 2, V - 1
+    text = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+                tie_word_embeddings=False, pad_token_id=0, eos_token_id=2)
+    vision = dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=img,
+                        video_token_id=vid, vision_start_token_id=start, vision_end_token_id=end,
+                        pad_token_id=0, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(4)
+    path = _save_with_tokenizer(Qwen2VLForConditionalGeneration(cfg), tiny,
+                                tmp_path_factory.mktemp("tiny_qwen2_vl"))
+    return path, img, start, end
+
+
+def build_vlm(cls, tiny_vlm, tmp_path, **options):
+    from transformers import AutoModelForImageTextToText
+
+    args = dict(output_dir=str(tmp_path), per_device_train_batch_size=B, num_generations=B,
+                max_completion_length=MAX_LEN, report_to=[], use_cpu=True, bf16=False,
+                save_strategy="no", seed=0)
+    args.update(options)
+    config = GBCGRPOConfig if any(k.startswith("gbc_") for k in options) else trl.GRPOConfig
+    dataset = Dataset.from_dict({"prompt": ["you meet knights and knaves"] * 8})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cls(model=AutoModelForImageTextToText.from_pretrained(tiny_vlm[0],
+                                                                     dtype=torch.float32),
+                   reward_funcs=reward_has_knight, args=config(**args), train_dataset=dataset,
+                   processing_class=AutoTokenizer.from_pretrained(tiny_vlm[0]))
+
+
+def make_vlm_inputs(trainer, tiny_vlm, seed):
+    """A micro-batch with one 8x8-patch image per prompt (4 image tokens after the 2x2 merge),
+    as TRL lays out a vision-language batch: pixel_values, image_grid_thw, num_images and the
+    multimodal token types beside the text inputs."""
+    _, img, start, end = tiny_vlm
+    g = torch.Generator().manual_seed(seed)
+    grid = torch.tensor([[1, 4, 4]] * B)
+    pixel_values = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 4 * 4, generator=g)
+    prompt_ids = torch.tensor([[start] + [img] * 4 + [end, 5 + i] for i in range(B)])
+    prompt_mask = torch.ones_like(prompt_ids)
+    completion_ids = torch.randint(3, img, (B, T), generator=g)
+    lengths = torch.tensor([T, 4, 0, 2])
+    completion_mask = (torch.arange(T)[None] < lengths[:, None]).long()
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, 0)
+    mm = torch.cat([(prompt_ids == img).long(), torch.zeros_like(completion_ids)], 1)
+    media = dict(pixel_values=pixel_values, image_grid_thw=grid, num_images=[1] * B,
+                 mm_token_type_ids=mm)
+    with torch.no_grad():
+        logp, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([prompt_ids, completion_ids], 1),
+            torch.cat([prompt_mask, completion_mask], 1), T, **media)
+    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                completion_mask=completion_mask, advantages=torch.randn(B, generator=g),
+                old_per_token_logps=logp + 0.4 * torch.randn(B, T, generator=g),
+                ref_per_token_logps=logp + 0.3 * torch.randn(B, T, generator=g),
+                num_items_in_batch=completion_mask.sum() * 3, **media)
+
+
+@pytest.mark.parametrize("loss_type,level", [("dapo", "token"), ("grpo", "sequence"),
+                                             ("vespo", "token")])
+def test_vision_language_model_matches_grpo_trainer(tiny_vlm, tmp_path, loss_type, level):
+    """A Qwen2-VL batch with images: the images go into the model's forward with the text (the
+    decoder sees their embeddings, the vision tower gets its gradients), and the loss and every
+    gradient, vision tower included, equal GRPOTrainer's."""
+    opts = dict(loss_type=loss_type, beta=0.04, importance_sampling_level=level)
+    ref = build_vlm(trl.GRPOTrainer, tiny_vlm, tmp_path / "ref", **opts)
+    ours = build_vlm(GBCGRPOTrainer, tiny_vlm, tmp_path / "ours", **opts)
+    inputs = make_vlm_inputs(ref, tiny_vlm, seed=21)
+    assert_same_loss_and_grads(ours, ref, inputs, accumulation=2)
+    _, grads = loss_and_grads(ours, inputs, 1)
+    assert any(n.startswith("model.visual.") and g.abs().sum() > 0 for n, g in grads.items())
+
+
+def test_vision_language_model_nthr_and_critical_kl(tiny_vlm, tmp_path, monkeypatch):
+    """NTHR's and critical KL's passes over a vision-language batch run the model with its
+    images: the old-policy log-probs they compute equal TRL's, and the weights reach the loss."""
+    ours = build_vlm(GBCGRPOTrainer, tiny_vlm, tmp_path, loss_type="dapo", beta=0.04,
+                     gbc_nthr=True, gbc_critical_kl_exponent=2.0)
+    inputs = make_vlm_inputs(ours, tiny_vlm, seed=22)
+    inputs.pop("old_per_token_logps")
+    inputs["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])      # one mixed group of 4
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate_and_score_completions",
+                        lambda self, batch: dict(inputs))
+    ours.model.train()
+    out = ours._generate_and_score_completions(None)
+    mask = out["completion_mask"].bool()
+    assert out["gbc_token_scale"].shape == mask.shape and out["gbc_kl_weight"].shape == mask.shape
+    assert torch.isfinite(out["gbc_kl_weight"][mask]).all()
+    # the passes saw the images: their log-probs are TRL's, not those of the text alone
+    from gbc_kernels.integrations import hf
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    am = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    media = {k: inputs[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids")}
+    ours_lp = hf.old_policy_pass(ours.model, ids, am, out["completion_ids"], mask,
+                                 completion_len=T, model_kwargs=media).old_logp
+    with torch.no_grad():
+        trl_lp, _, _ = ours._get_per_token_logps_and_entropies(ours.model, ids, am, T,
+                                                               num_images=[1] * B, **media)
+        text_lp, _, _ = ours._get_per_token_logps_and_entropies(ours.model, ids, am, T)
+    torch.testing.assert_close(ours_lp[mask], trl_lp[mask], rtol=1e-5, atol=1e-5)
+    assert (ours_lp[mask] - text_lp[mask]).abs().max() > 1e-4
+    loss_and_grads(ours, out, 1)                   # the weights are accepted by the loss

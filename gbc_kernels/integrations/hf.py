@@ -219,20 +219,32 @@ def logit_softcap(model):
 
 
 @torch.no_grad()
+def _pass_hidden(model, input_ids, attention_mask, completion_len, model_kwargs):
+    """The hidden states that predict the completion, for the no-grad passes: from the decoder
+    alone for text, through the whole model's forward when it takes more inputs (images: a
+    vision-language model merges them into the decoder's input in its own forward)."""
+    if model_kwargs:
+        return hidden_states_through_forward(model, input_ids, attention_mask, completion_len,
+                                             **model_kwargs)
+    return completion_hidden(model, input_ids, attention_mask, completion_len)
+
+
 def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=None,
                     correct=None, temperature=1.0, nthr=False, nthr_beta=1.0, nthr_eta="auto",
                     backend="auto", completion_len: int = 0,
-                    old_logp=None) -> OldPolicyPass:
+                    old_logp=None, model_kwargs: Optional[dict] = None) -> OldPolicyPass:
     """The rollout policy's pass of an RL step: ``old_logp`` of ``targets = input_ids[:, 1:]``
     (or of the last ``completion_len`` tokens) and, with ``nthr=True``, NTHR's token scale from
     the same hidden states (docs/math.md §4). ``old_logp`` already computed by the trainer (at
     the same temperature) is used as is, saving the streaming pass over the vocabulary. The
-    model's final-logit soft-capping, if any, is applied in the passes."""
+    model's final-logit soft-capping, if any, is applied in the passes. ``model_kwargs``: more
+    inputs of the model's forward (a vision-language model's images: ``pixel_values``,
+    ``image_grid_thw``, ...)."""
     import gbc_kernels as gbc
 
     head = lm_head(model)
     cap = logit_softcap(model)
-    h = completion_hidden(model, input_ids, attention_mask, completion_len)
+    h = _pass_hidden(model, input_ids, attention_mask, completion_len, model_kwargs)
     if old_logp is None:
         old_logp = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temperature,
                                    backend=backend, logit_softcap=cap).logp
@@ -249,14 +261,16 @@ def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=N
 @torch.no_grad()
 def reference_pass(ref_model, input_ids, attention_mask, targets, temperature=1.0,
                    critical_kl_exponent=None, certainty="max_prob", certainty_temperature=1.0,
-                   intercept=0.0, backend="auto", completion_len: int = 0) -> ReferencePass:
+                   intercept=0.0, backend="auto", completion_len: int = 0,
+                   model_kwargs: Optional[dict] = None) -> ReferencePass:
     """The frozen reference model's pass: ``ref_logp`` and, with ``critical_kl_exponent`` set,
     the critical-token KL weights ``(1 - c) J**gamma + c`` from its certainty (docs/math.md
-    §5). The model's final-logit soft-capping, if any, is applied."""
+    §5). The model's final-logit soft-capping, if any, is applied. ``model_kwargs`` as in
+    :func:`old_policy_pass`."""
     import gbc_kernels as gbc
 
     head = lm_head(ref_model)
-    h = completion_hidden(ref_model, input_ids, attention_mask, completion_len)
+    h = _pass_hidden(ref_model, input_ids, attention_mask, completion_len, model_kwargs)
     crit = critical_kl_exponent is not None
     st = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temperature,
                          certainty=certainty if crit else None,

@@ -46,8 +46,16 @@ from . import hf
 SUPPORTED_LOSS_TYPES = tuple(gbc.config.TRL_LOSS_TYPES)
 PPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")     # TRL applies delta to these
 NUM_ITEMS_LOSS_TYPES = ("cispo", "dapo", "vespo")     # normalised by num_items_in_batch
+# the inputs of a vision-language model's forward that TRL's batches carry (num_images and
+# num_tiles only slice them into micro-batches; over a whole batch every slice is the whole)
 _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes",
                     "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+def _model_inputs(batch) -> dict:
+    """The multimodal inputs of ``batch`` for the model's forward over the whole batch, as
+    TRL's ``_get_per_token_logps_and_entropies`` gives them (empty for text)."""
+    return {k: batch[k] for k in _MULTIMODAL_KEYS if batch.get(k) is not None}
 
 
 @dataclass
@@ -245,8 +253,7 @@ class GBCGRPOTrainer(GRPOTrainer):
         crit = args.gbc_critical_kl_exponent is not None
         if not self.model.training or not (args.gbc_nthr or crit):
             return out
-        if any(k in out for k in _MULTIMODAL_KEYS):
-            raise ValueError("GBCGRPOTrainer: multimodal inputs are not supported")
+        model_kwargs = _model_inputs(out)
         completion_ids = out["completion_ids"]
         T = completion_ids.size(1)
         input_ids = torch.cat([out["prompt_ids"], completion_ids], dim=1)
@@ -270,7 +277,7 @@ class GBCGRPOTrainer(GRPOTrainer):
                     backend=args.gbc_backend, completion_len=T,
                     # TRL's own old-policy log-probs when it computed them (num_iterations > 1,
                     # vLLM): NTHR then needs no pass over the vocabulary of its own
-                    old_logp=out.get("old_per_token_logps"))
+                    old_logp=out.get("old_per_token_logps"), model_kwargs=model_kwargs)
             out["gbc_token_scale"] = res.token_scale
             m = mask.float()
             selected = (res.nthr.selected.float() * m).sum() / m.sum().clamp(min=1.0)
@@ -289,7 +296,7 @@ class GBCGRPOTrainer(GRPOTrainer):
                     certainty=args.gbc_critical_kl_certainty,
                     certainty_temperature=args.gbc_critical_kl_temperature,
                     intercept=args.gbc_critical_kl_intercept, backend=args.gbc_backend,
-                    completion_len=T)
+                    completion_len=T, model_kwargs=model_kwargs)
             out["gbc_kl_weight"] = ref.kl_weight
         return out
 
@@ -370,8 +377,6 @@ class GBCGRPOTrainer(GRPOTrainer):
 
     # ---------------------------------------------------------------- the loss
     def _compute_loss(self, model, inputs):
-        if any(k in inputs for k in _MULTIMODAL_KEYS):
-            raise ValueError("GBCGRPOTrainer: multimodal inputs are not supported")
         args = self.gbc_args
         mode = "train" if self.model.training else "eval"
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
@@ -409,7 +414,9 @@ class GBCGRPOTrainer(GRPOTrainer):
             sampling = inputs.get("sampling_per_token_logps")
         # the loss inside the model's forward: DDP, FSDP2, ZeRO-3 and PEFT see an ordinary
         # forward of the lm_head and route its gradients (hf.policy_loss_through_forward)
-        extra = {"output_router_logits": True} if self.aux_loss_enabled else {}
+        extra = _model_inputs(inputs)           # a vision-language model's images
+        if self.aux_loss_enabled:
+            extra["output_router_logits"] = True
         with self.accelerator.autocast():
             loss, metrics, outputs = hf.policy_loss_through_forward(
                 model, input_ids, attention_mask, T, mask, inputs["advantages"],
