@@ -153,3 +153,10 @@ def test_old_policy_pass_reuses_given_old_logp():
     assert given.old_logp is fresh.old_logp
     assert torch.equal(given.nthr.selected, fresh.nthr.selected) and fresh.nthr.selected.any()
     assert torch.allclose(given.token_scale, fresh.token_scale)
+    # the passes build no autograd graph (the model's parameters require grad here)
+    assert torch.is_grad_enabled() and next(model.parameters()).requires_grad
+    for res in (fresh, given):
+        assert not res.old_logp.requires_grad and not res.token_scale.requires_grad
+        assert not res.nthr.scores.requires_grad
+    ref = hf.reference_pass(model, ids, attn, targets, completion_len=T, critical_kl_exponent=2.0)
+    assert not ref.ref_logp.requires_grad and not ref.kl_weight.requires_grad

@@ -218,7 +218,6 @@ def logit_softcap(model):
     return None if c is None else float(c)
 
 
-@torch.no_grad()
 def _pass_hidden(model, input_ids, attention_mask, completion_len, model_kwargs):
     """The hidden states that predict the completion, for the no-grad passes: from the decoder
     alone for text, through the whole model's forward when it takes more inputs (images: a
@@ -229,6 +228,7 @@ def _pass_hidden(model, input_ids, attention_mask, completion_len, model_kwargs)
     return completion_hidden(model, input_ids, attention_mask, completion_len)
 
 
+@torch.no_grad()
 def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=None,
                     correct=None, temperature=1.0, nthr=False, nthr_beta=1.0, nthr_eta="auto",
                     backend="auto", completion_len: int = 0,
