@@ -58,7 +58,7 @@ def rows_per_chunk(n_rows: int, vocab: int, bytes_per_logit: int,
     cap = max(1, budget // max(1, vocab * bytes_per_logit))
     chunks = -(-n_rows // cap)
     rows = -(-n_rows // chunks)
-    tile = 128 if gpu or (device is not None and device.type != "cpu") else 16
+    tile = 16 if device is None or device.type == "cpu" else 128
     if cap >= tile:
         rows = -(-rows // tile) * tile
     return max(1, min(rows, n_rows))

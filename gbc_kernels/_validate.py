@@ -30,11 +30,10 @@ def value_checks_enabled() -> bool:
     """``GBC_VALIDATE``: unset or 1/true/yes/on runs the value checks, 0/false/no/off skips them
     (any case); anything else raises rather than being read as either."""
     env = os.environ.get("GBC_VALIDATE")
-    if env is None:
-        return True
-    if env.strip().lower() not in _SWITCH:
+    on = True if env is None else _SWITCH.get(env.strip().lower())
+    if on is None:
         raise ValueError(f"GBC_VALIDATE: expected 1/true/yes/on or 0/false/no/off, got {env!r}")
-    return _SWITCH[env.strip().lower()]
+    return on
 
 
 class Checks:
