@@ -146,6 +146,21 @@ def _pick(pg1, pg2, d1, d2):
     return pg, d
 
 
+def per_token_is_ratio(is_ratio, mask, cfg: PolicyLossConfig):
+    """The importance ratio as the loss takes it, ``[B, T]``: a per-token one as it is; a
+    per-sequence ``[B, 1]`` one multiplies each token of its sequence (broadcast), except under
+    vespo, whose sequence weight adds ``Σ_t log r_t`` over the masked tokens: there the ratio
+    goes whole on the sequence's first masked-in token and 1 (``log 1 = 0``) on the others, so
+    that it enters the weight once (TRL's ``sequence_*`` modes)."""
+    if is_ratio is None or is_ratio.shape[-1] == mask.shape[-1]:
+        return is_ratio
+    if cfg.objective != "vespo":
+        return is_ratio.expand(mask.shape)
+    first = mask.int().argmax(dim=-1, keepdim=True)        # 0 for an empty row: masked out
+    return torch.ones(mask.shape, dtype=is_ratio.dtype, device=is_ratio.device).scatter_(
+        1, first, is_ratio)
+
+
 def gamma_log_weight(log_ratio, is_ratio, seq, n_seq):
     """VESPO's clamped sequence log-weight per sequence (docs/math.md)."""
     lower = math.log(1e-8)

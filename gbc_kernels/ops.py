@@ -11,7 +11,8 @@ from . import _validate as V
 from . import vocab_parallel as _vp
 from ._fused import (FusedLogprobsFunction, FusedPolicyLossFunction, LossInputs, stats_sweep,
                      gathered_threshold, token_inputs, with_entropy_mask)
-from ._loss_math import certainty_from_stats, empty_metrics, loss_terms, policy_metrics
+from ._loss_math import (certainty_from_stats, empty_metrics, loss_terms, per_token_is_ratio,
+                         policy_metrics)
 from ._validate import no_double_backward as _no_double_backward
 from ._validate import check_lm_head as _check_lm_head, check_temperature as _check_temperature
 from ._validate import as_mask as _mask
@@ -61,7 +62,8 @@ def _check_num_items(num_items_in_batch):
 
 def _check_per_token(B, T, device, mask, advantages, old_logp, ref_logp, token_scale, kl_weight,
                      cfg, is_ratio=None, sampling_logp=None, checks=None):
-    """Shape/dtype/device checks now; value checks queued on ``checks`` (V.Checks)."""
+    """Shape/dtype/device checks now; value checks queued on ``checks`` (V.Checks). Returns the
+    ``[B, T]`` advantages and the ``[B, T]`` importance ratio (or None) the loss takes."""
     if advantages is None:
         raise ValueError("advantages: expected a [B] or [B, T] tensor, got None")
     V.check_tensor("advantages", advantages, floating=True, device=device, dims=(1, 2))
@@ -70,15 +72,23 @@ def _check_per_token(B, T, device, mask, advantages, old_logp, ref_logp, token_s
                          f"[{'x'.join(map(str, advantages.shape))}]")
     for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp),
                     ("token_scale", token_scale), ("kl_weight", kl_weight),
-                    ("is_ratio", is_ratio), ("sampling_logp", sampling_logp)):
+                    ("sampling_logp", sampling_logp)):
         if t is not None:
             V.check_tensor(name, t, shape=(B, T), floating=True, device=device)
+    if is_ratio is not None:
+        V.check_tensor("is_ratio", is_ratio, floating=True, device=device, dims=(2,))
+        if tuple(is_ratio.shape) not in ((B, T), (B, 1)):
+            raise ValueError(f"is_ratio: expected shape [{B}x{T}] (per token) or [{B}x1] (per "
+                             f"sequence), got [{'x'.join(map(str, is_ratio.shape))}]")
     if cfg.kl_coef != 0.0 and ref_logp is None:
         raise ValueError(f"ref_logp: required when config.kl_coef != 0 (got kl_coef="
                          f"{cfg.kl_coef}), got None")
     adv_bt = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     kl_on = cfg.kl_coef != 0.0
     ref, klw = (ref_logp, kl_weight) if kl_on else (None, None)
+    is_ratio_in = is_ratio
+    if is_ratio is not None:
+        is_ratio = is_ratio.expand(B, T)     # checked where it applies: the masked-in tokens
     V.check_many([("advantages", adv_bt.expand(B, T), "finite"), ("old_logp", old_logp, "finite"),
                   ("ref_logp", ref, "finite"), ("token_scale", token_scale, "finite"),
                   ("kl_weight", klw, "finite"), ("is_ratio", is_ratio, "finite"),
@@ -89,7 +99,7 @@ def _check_per_token(B, T, device, mask, advantages, old_logp, ref_logp, token_s
     if sampling_logp is not None and cfg.off_policy_mask_threshold is None:
         raise ValueError("sampling_logp: only used by the off-policy mask; expected None when "
                          "config.off_policy_mask_threshold is None")
-    return adv_bt.expand(B, T)
+    return adv_bt.expand(B, T), per_token_is_ratio(is_ratio_in, mask, cfg)
 
 
 def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp=None,
@@ -106,8 +116,9 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
 
     hidden: [B, T, H]; weight: [V, H]; bias: [V] or None; targets, mask: [B, T];
     advantages: [B] or [B, T]; old_logp, ref_logp, token_scale, kl_weight: [B, T] or None.
-    is_ratio: [B, T] or None, the rollout engine's importance weight pi_old / pi_sampler (TRL's
-    vLLM correction): multiplies the policy term (vespo: enters phi's sequence weight).
+    is_ratio: [B, T] (per token), [B, 1] (per sequence) or None, the rollout engine's
+    importance weight pi_old / pi_sampler (TRL's vLLM correction): multiplies the policy term
+    (vespo: enters phi's sequence weight, a per-sequence ratio once).
     sampling_logp: [B, T] or None, the sampler's log-probs the off-policy mask measures drift
     from (default: old_logp).
     data_parallel_group: the process group (or ``"world"``) the batch is split over; the
@@ -130,8 +141,8 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     m = _mask(mask, B, T, device, checks)
     _check_phase(phase, cfg)
     _check_num_items(num_items_in_batch)
-    adv = _check_per_token(B, T, device, m, advantages, old_logp, ref_logp, token_scale,
-                           kl_weight, cfg, is_ratio, sampling_logp, checks)
+    adv, is_ratio = _check_per_token(B, T, device, m, advantages, old_logp, ref_logp,
+                                     token_scale, kl_weight, cfg, is_ratio, sampling_logp, checks)
     threshold_fn = _threshold_fn(data_parallel_group, cfg)
     sl, vocab = _vp.resolve(vocab_parallel, weight, bias, device)
     safe_targets = V.check_targets(targets, vocab, m, checks=checks)
@@ -293,8 +304,8 @@ def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=No
     m = _mask(mask, B, T, device, checks)
     _check_phase(phase, cfg)
     _check_num_items(num_items_in_batch)
-    adv = _check_per_token(B, T, device, m, advantages, old_logp, ref_logp, token_scale,
-                           kl_weight, cfg, is_ratio, sampling_logp, checks)
+    adv, is_ratio = _check_per_token(B, T, device, m, advantages, old_logp, ref_logp,
+                                     token_scale, kl_weight, cfg, is_ratio, sampling_logp, checks)
     if cfg.wants_entropy:
         if entropy is None:
             raise ValueError(f"entropy: required when config.entropy_coef != 0 or "

@@ -64,7 +64,10 @@ def trl_formula(logp, entropy, mask, adv, old, refl, loss_type, level="token", e
             kp, lp_, kn, ln = vespo
             slr = (torch.clamp(lr, -20, 20) * m).sum(-1, keepdim=True)
             if is_ratio is not None:
-                slr = slr + (torch.clamp(torch.log(is_ratio), math.log(1e-8), 20) * m).sum(
+                log_is = torch.clamp(torch.log(is_ratio), math.log(1e-8), 20)
+                # TRL sums the log over the last dim: once for a sequence ratio [B, 1]; for a
+                # token ratio over every position, padding holding ratio 1 (here: masked sum)
+                slr = slr + (log_is if is_ratio.shape[-1] == 1 else log_is * m).sum(
                     -1, keepdim=True)
             lw_ = torch.clamp(slr, math.log(1e-8), 20)
             k = torch.where(A >= 0, A.new_tensor(kp), A.new_tensor(kn))
@@ -122,6 +125,8 @@ TRL_CASES = [
     pytest.param("cispo", dict(entropy_coef=0.03, num_items=29, q=0.5, eps_high=1.2),
                  id="entropy-quantile-cispo"),
     pytest.param("sapo", dict(is_ratio=True, beta=0.04, off_thr=0.01), id="sapo-is-ratio"),
+    pytest.param("vespo", dict(num_items=41, is_ratio="seq"), id="vespo-sequence-is-ratio"),
+    pytest.param("grpo", dict(is_ratio="seq", level="sequence"), id="gspo-sequence-is-ratio"),
 ]
 
 
@@ -143,8 +148,9 @@ def _extras(batch, o, seed):
     g = torch.Generator().manual_seed(seed)
     shape = batch["mask"].shape
     out = {}
-    if o.get("is_ratio"):
-        out["is_ratio"] = (torch.rand(shape, generator=g) * 1.5 + 0.2).double()
+    if o.get("is_ratio"):     # True: per token [B, T]; "seq": per sequence [B, 1]
+        rshape = (shape[0], 1) if o["is_ratio"] == "seq" else shape
+        out["is_ratio"] = (torch.rand(rshape, generator=g) * 1.5 + 0.2).double()
     if o.get("sampling"):
         s = (batch["old_logp"] + 0.2 * torch.randn(shape, generator=g)).clamp(max=0)
         # tokens the sampler could not score (TRL passes vLLM's as NaN): no drift
@@ -278,6 +284,25 @@ def test_fp32_matches_float64_reference(backend, cfg, phase, chunking):
     out = run(gbc, batch, cfg, phase, up, backend, extra)
     truth = run(ref, as64(batch), cfg, phase, up, extra={k: v.double() for k, v in extra.items()})
     check_against(out, truth, 1e-5, 1e-4)
+
+
+@pytest.mark.parametrize("cfg", [dict(objective="vespo"), dict(objective="sapo"),
+                                 dict(importance_sampling_level="sequence", kl_coef=0.04)],
+                         ids=["vespo", "sapo", "gspo"])
+def test_sequence_is_ratio(backend, cfg, chunking):
+    """A per-sequence importance ratio ``[B, 1]`` (TRL's sequence_* modes), an empty row among
+    the sequences: the fused loss against the float64 reference, which folds it into vespo's
+    weight once and broadcasts it elsewhere."""
+    batch = make_batch(B=5, T=9, V=37, seed=8, old_spread=4.0)
+    batch["mask"][2] = False
+    g = torch.Generator().manual_seed(8)
+    extra = {"is_ratio": torch.rand(5, 1, generator=g) * 1.5 + 0.2}
+    out = run(gbc, batch, cfg, None, 0.6, backend, extra)
+    truth = run(ref, as64(batch), cfg, None, 0.6, extra={"is_ratio": extra["is_ratio"].double()})
+    check_against(out, truth, 1e-5, 1e-4)
+    with pytest.raises(ValueError, match=r"is_ratio: expected shape \[5x9\] \(per token\) or "
+                                         r"\[5x1\] \(per sequence\), got \[5x3\]"):
+        run(gbc, batch, cfg, None, 0.6, backend, {"is_ratio": torch.ones(5, 3)})
 
 
 @pytest.mark.parametrize("cfg,phase", [GBC_CASES[0], GBC_CASES[7], GBC_CASES[-2]])

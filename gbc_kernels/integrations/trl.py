@@ -140,21 +140,6 @@ def _unsupported(args) -> list[str]:
     return bad
 
 
-def _token_is_ratio(ratio: torch.Tensor, mask: torch.Tensor, vespo: bool) -> torch.Tensor:
-    """vLLM's importance-sampling ratio as the fused loss takes it, ``[B, T]`` float32.
-
-    TRL's ratio is ``[B, T]`` (token_* modes) or ``[B, 1]`` (sequence_* modes). Every loss type
-    but vespo multiplies the per-token loss by it, so a ``[B, 1]`` ratio is broadcast. vespo
-    adds ``Σ_t log r_t`` to its sequence's log weight once; a sequence ratio would be counted
-    once per token if broadcast, so it goes whole on the sequence's first masked-in token and
-    the other tokens get 1 (``log 1 = 0``)."""
-    ratio = ratio.float()
-    if not vespo or ratio.shape[-1] != 1 or mask.shape[-1] == 1:
-        return ratio.expand_as(mask)
-    first = (mask != 0).int().argmax(dim=-1, keepdim=True)     # 0 for an empty row: masked out
-    return torch.ones(mask.shape, device=ratio.device).scatter_(1, first, ratio)
-
-
 def _logit_scale(model) -> float:
     """The factor transformers models multiply their logits by (1.0 for most), read as TRL's
     fused head reads it. Final-logit soft-capping is part of the fused passes
@@ -389,8 +374,7 @@ class GBCGRPOTrainer(GRPOTrainer):
         token_scale = inputs.get("gbc_token_scale")
         is_ratio = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
-            is_ratio = _token_is_ratio(inputs["importance_sampling_ratio"], mask,
-                                       args.loss_type == "vespo")
+            is_ratio = inputs["importance_sampling_ratio"].float()   # [B, T] or [B, 1]
         lt = args.loss_type
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         num_items = None

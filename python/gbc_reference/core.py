@@ -219,7 +219,11 @@ def gamma_weights(advantages, log_ratio, mask, is_ratio, cfg):
     zero = torch.zeros_like(log_ratio)
     seq = torch.where(m, log_ratio.clamp(-20.0, 20.0), zero).sum(-1, keepdim=True)
     if is_ratio is not None:
-        seq = seq + torch.where(m, torch.log(is_ratio).clamp(lower, 20.0), zero).sum(-1, keepdim=True)
+        log_is = torch.log(is_ratio).clamp(lower, 20.0)
+        if is_ratio.shape[-1] == 1:         # one ratio per sequence: it enters the weight once
+            seq = seq + log_is
+        else:
+            seq = seq + torch.where(m, log_is, zero).sum(-1, keepdim=True)
     log_w = seq.clamp(lower, 20.0)
     pos = advantages >= 0
     k = torch.where(pos, log_w.new_tensor(cfg.vespo_k_pos), log_w.new_tensor(cfg.vespo_k_neg))
