@@ -15,7 +15,7 @@ import torch
 
 from . import _chunking
 from . import vocab_parallel as _vp
-from ._loss_math import (TokenInputs, aggregation_weights, concat_terms, empty_metrics,
+from ._loss_math import (TokenInputs, aggregation_weights, concat_terms, empty_metrics, own_norms,
                          logp_grad_norm, local_ids, loss_terms, policy_metrics, term_weights)
 from ._validate import Checks, no_double_backward as _no_double_backward
 from .backends import Backend, triton_usable
@@ -61,7 +61,7 @@ def token_inputs(mask, advantages, old, ref, tscale, klw, is_ratio, sampling, cf
         seq, n_seq, lengths = local_ids(idx // mask.shape[1], with_lengths=True)
     return TokenInputs(take(advantages), take(old), take(ref), take(tscale), take(klw),
                        take(is_ratio), take(sampling), w_pg, w_kl, w_ent, seq, n_seq,
-                       seq_lengths=lengths)
+                       seq_lengths=lengths, norms=num_items)
 
 
 def entropy_threshold(entropy: torch.Tensor, quantile: float) -> torch.Tensor:
@@ -105,12 +105,44 @@ def gathered_threshold(process_group):
     return fn
 
 
-def with_entropy_mask(ti: TokenInputs, entropy, cfg: PolicyLossConfig, mask, idx, ct,
-                      threshold_fn=None) -> TokenInputs:
-    """The batch's entropy-quantile mask (docs/math.md §10) and the entropy term's weights over it.
-    ``entropy`` covers every masked token of the call (the statistic is batch-global);
-    ``threshold_fn(entropy, quantile)`` replaces :func:`entropy_threshold` (data parallel)."""
+def cov_selection(logp: torch.Tensor, ti: TokenInputs, cfg: PolicyLossConfig) -> torch.Tensor:
+    """Clip-Cov / KL-Cov's tokens (docs/math.md §12; verl 0.9.1 ``clip_cov``/``kl_cov``) among
+    the call's masked tokens, by the covariance ``(A - mean A)(logp - mean logp)`` of the raw
+    advantage and the current log-prob. ``clip``: ``max(1, int(cov_ratio N))`` tokens drawn at
+    random (``torch.randperm`` on the default CPU generator, as verl) among those with
+    ``cov_lb < cov < cov_ub`` that PPO's clip has not already clipped; ``kl``: the top
+    ``max(1, int(cov_ratio N))`` by covariance."""
+    n = logp.numel()
+    sel = torch.zeros(n, dtype=torch.bool, device=logp.device)
+    if n == 0:
+        return sel
+    adv = ti.adv
+    cov = (adv - adv.mean()) * (logp - logp.mean())
+    k = max(int(cfg.cov_ratio * n), 1)
+    if cfg.cov_mode == "kl":
+        return sel.index_fill_(0, torch.topk(cov, min(k, n), largest=True).indices, True)
+    lr = logp - (logp if ti.old is None else ti.old)
+    if cfg.log_ratio_clamp is not None:
+        lr = lr.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    r = torch.exp(lr)
+    clipped = -adv * r.clamp(1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high) > -adv * r
+    cand = ((cov < cfg.cov_ub) & (cov > cfg.cov_lb) & ~clipped).nonzero().squeeze(1)
+    if cand.numel():
+        cand = cand[torch.randperm(cand.numel())[:min(k, cand.numel())].to(cand.device)]
+    return sel.index_fill_(0, cand, True)
+
+
+def with_batch_masks(ti: TokenInputs, entropy, logp, cfg: PolicyLossConfig, mask, idx, ct,
+                     threshold_fn=None) -> TokenInputs:
+    """The batch-global statistics over every masked token of the call: the entropy-quantile
+    mask and the entropy term's weights over it (docs/math.md §10), Clip-Cov / KL-Cov's
+    selection (§12). ``threshold_fn(entropy, quantile)`` replaces :func:`entropy_threshold`
+    (data parallel)."""
     if not cfg.needs_batch:
+        return ti
+    if cfg.cov_mode is not None:
+        ti = replace(ti, cov_sel=cov_selection(logp, ti, cfg))
+    if cfg.top_entropy_quantile >= 1.0:
         return ti
     thr = (threshold_fn or entropy_threshold)(entropy, cfg.top_entropy_quantile)
     emask = entropy >= thr.to(entropy.dtype)
@@ -118,7 +150,8 @@ def with_entropy_mask(ti: TokenInputs, entropy, cfg: PolicyLossConfig, mask, idx
     if cfg.entropy_agg is not None:
         em = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
         em = em.index_copy_(0, idx, emask).view_as(mask)
-        w_ent = aggregation_weights(em, cfg.entropy_agg, cfg, None, ct).reshape(-1)[idx]
+        w_ent = aggregation_weights(em, cfg.entropy_agg, cfg, own_norms(ti.norms, cfg),
+                                    ct).reshape(-1)[idx]
     return replace(ti, emask=emask, w_ent=w_ent)
 
 
@@ -289,7 +322,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
         _chunking.project(hc, weight, bias, lg, cfg.logit_softcap)
         return hc, lg
 
-    if n == 0 and cfg.needs_batch and inp.threshold_fn is not None:
+    if n == 0 and cfg.top_entropy_quantile < 1.0 and inp.threshold_fn is not None:
         inp.threshold_fn(torch.zeros(0, device=device), cfg.top_entropy_quantile)   # collective
 
     # Sweep 1 (two-sweep chunks only): row statistics; then the loss of those rows at once.
@@ -309,8 +342,9 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
                         entropy[s:e] = st.entropy
         tp = ti if pre.numel() == n else ti.take(pre)
         ent_pre = None if entropy is None else entropy[pre].to(ct)
-        tp = with_entropy_mask(tp, ent_pre, cfg, inp.mask, idx[pre], ct, inp.threshold_fn)
-        lt = loss_terms(logp[pre].to(ct), ent_pre, tp, cfg, inp.phase)
+        lp_pre = logp[pre].to(ct)
+        tp = with_batch_masks(tp, ent_pre, lp_pre, cfg, inp.mask, idx[pre], ct, inp.threshold_fn)
+        lt = loss_terms(lp_pre, ent_pre, tp, cfg, inp.phase)
         g[pre] = lt.g.float()
         if lt.gH is not None:
             gH_pre = torch.zeros(n, **f32)

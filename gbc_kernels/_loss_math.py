@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -37,6 +37,9 @@ class TokenTerms:
     phi_seq_sum: Optional[torch.Tensor] = None   # vespo: sum over sequences of mean_t phi (0-d)
     clip_seq_low: Optional[torch.Tensor] = None  # sequence level: sequences clipped (0-d counts)
     clip_seq_high: Optional[torch.Tensor] = None
+    flag_low: Optional[torch.Tensor] = None      # dppo, gmpo: their own clip flags per token
+    flag_high: Optional[torch.Tensor] = None
+    cov_sel: Optional[torch.Tensor] = None       # Clip-Cov / KL-Cov: the selected tokens
 
 
 @dataclass
@@ -61,15 +64,17 @@ class TokenInputs:
     n_seq: int = 0
     emask: Optional[torch.Tensor] = None
     seq_lengths: Optional[list] = None    # tokens per sequence (host), for the chunk plan
+    cov_sel: Optional[torch.Tensor] = None   # Clip-Cov / KL-Cov selection, when cfg.cov_mode
+    norms: object = None                      # the call's batch normalisers (Norms)
 
     _PER_TOKEN = ("adv", "old", "ref", "tscale", "klw", "is_ratio", "sampling", "w_pg", "w_kl",
-                  "w_ent", "emask")
+                  "w_ent", "emask", "cov_sel")
 
     def _select(self, sel, seq, n_seq) -> "TokenInputs":
         """The per-token fields indexed by ``sel`` (a slice or an index tensor)."""
         kw = {f: None if getattr(self, f) is None else getattr(self, f)[sel]
               for f in self._PER_TOKEN}
-        return TokenInputs(**kw, seq=seq, n_seq=n_seq)
+        return TokenInputs(**kw, seq=seq, n_seq=n_seq, norms=self.norms)
 
     def slice(self, s: int, e: int, n_seq: int = 0) -> "TokenInputs":
         """Tokens ``[s, e)``; with sequences, ``n_seq`` whole sequences starting at ``seq[s]``."""
@@ -86,7 +91,9 @@ class TokenInputs:
         of §1-§3 with one aggregation for every term."""
         return (cfg.objective == "ppo_clip" and cfg.delta is None and not cfg.needs_sequence
                 and not cfg.needs_batch and self.is_ratio is None and cfg.kl_agg is None
-                and cfg.entropy_agg is None)
+                and cfg.entropy_agg is None and cfg.log_ratio_clamp is None
+                and cfg.log_ratio_penalty == 0.0 and cfg.kl_estimator in NATIVE_KL
+                and cfg.kl_clamp is None and not cfg.kl_unbiased_gradient)
 
 
 @dataclass
@@ -100,23 +107,40 @@ class LossTerms:
     terms: TokenTerms
 
 
-def kl_value_and_grad(logp, ref_logp, estimator):
-    """KL estimator k(logp, ref_logp) and dk/dlogp, delta = ref_logp - logp (docs/math.md §1)."""
+# the estimators the one-pass C++ / Triton token kernels know (by their index in this tuple)
+NATIVE_KL = ("k1", "k2", "k3", "low_var_kl")
+
+
+def kl_value_and_grad(logp, ref_logp, estimator, clamp=None):
+    """KL estimator k(logp, ref_logp) and dk/dlogp, delta = ref_logp - logp (docs/math.md §1,
+    §12). ``clamp``: the value clamped to ``[-clamp, clamp]`` (gradient inside only). A ``+``
+    suffix keeps the value and takes k2's gradient ``logp - ref_logp`` (straight-through)."""
+    base = estimator.rstrip("+")
     delta = ref_logp - logp
-    if estimator == "k1":
-        return -delta, torch.ones_like(delta)
-    if estimator == "k2":
-        return 0.5 * delta * delta, -delta
-    if estimator == "k3":
+    if base == "k1":
+        val, grad = -delta, torch.ones_like(delta)
+    elif base == "k2":
+        val, grad = 0.5 * delta * delta, -delta
+    elif base == "k3":
         e = torch.exp(delta)
-        return e - delta - 1.0, 1.0 - e
-    # low_var_kl (verl): delta clamped to +-20, the value to +-10; clamp passes gradient inside
-    d = delta.clamp(-20.0, 20.0)
-    e = torch.exp(d)
-    raw = e - d - 1.0
-    val = raw.clamp(-10.0, 10.0)
-    inside = (delta >= -20.0) & (delta <= 20.0) & (raw >= -10.0) & (raw <= 10.0)
-    return val, torch.where(inside, 1.0 - e, torch.zeros_like(e))
+        val, grad = e - delta - 1.0, 1.0 - e
+    elif base == "abs":                    # d|x|/dx = sign(x), 0 at 0 (autograd's)
+        val, grad = delta.abs(), -torch.sign(delta)
+    else:
+        # low_var_kl (verl): delta clamped to +-20, the value to +-10; clamp passes gradient
+        # inside
+        d = delta.clamp(-20.0, 20.0)
+        e = torch.exp(d)
+        raw = e - d - 1.0
+        val = raw.clamp(-10.0, 10.0)
+        inside = (delta >= -20.0) & (delta <= 20.0) & (raw >= -10.0) & (raw <= 10.0)
+        grad = torch.where(inside, 1.0 - e, torch.zeros_like(e))
+    if clamp is not None:
+        inside = (val >= -clamp) & (val <= clamp)
+        val, grad = val.clamp(-clamp, clamp), torch.where(inside, grad, torch.zeros_like(grad))
+    if estimator.endswith("+"):
+        grad = -delta
+    return val, grad
 
 
 def local_ids(ids: torch.Tensor, with_lengths: bool = False):
@@ -170,16 +194,107 @@ def gamma_log_weight(log_ratio, is_ratio, seq, n_seq):
     return s.clamp(lower, 20.0)
 
 
+def _seg_mean(x, seq, n_seq, cnt):
+    return (_seg_sum(x, seq, n_seq) / cnt.clamp(min=1.0))[seq]
+
+
+def _objective(obj, cfg, a, adv_raw, logp, old, log_ratio, ratio, ti, seq, n_seq, cnt):
+    """The policy term ``pg`` per token and its derivative in two parts, ``d_lw`` (through the
+    log importance weight) and ``d_direct`` (through ``logp`` itself, None when 0), with what
+    the objective adds to the metrics. docs/math.md §1, §10, §12."""
+    zeros = torch.zeros_like(logp)
+    d_direct = None
+    extra = {}
+    if obj == "ppo_clip":
+        lo, hi = 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high
+        if cfg.delta is None:
+            r1, dr1 = ratio, ratio
+        else:                             # clamp(max=delta) passes the gradient at delta
+            r1, dr1 = ratio.clamp(max=cfg.delta), torch.where(ratio <= cfg.delta, ratio, zeros)
+        r2 = ratio.clamp(lo, hi)
+        dr2 = torch.where((ratio >= lo) & (ratio <= hi), ratio, zeros)
+        pg, d_lw = _pick(-a * r1, -a * r2, -a * dr1, -a * dr2)
+        if cfg.clip_ratio_c is not None:
+            pg_dual = -a * cfg.clip_ratio_c
+            dual = (a < 0) & (pg_dual < pg)
+            pg = torch.where(dual, pg_dual, pg)
+            d_lw = torch.where(dual, zeros, d_lw)
+    elif obj == "cispo":                  # detached weight, two-sided with cispo_min
+        c = ratio.clamp(min=cfg.cispo_min, max=cfg.epsilon_high)
+        pg, d_lw, d_direct = -c * a * logp, zeros, -c * a
+    elif obj == "sapo":
+        kappa = _choose(adv_raw > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg, logp)
+        sg = torch.sigmoid(kappa * (ratio - 1.0))
+        pg = -sg * (4.0 / kappa) * a
+        d_lw = -4.0 * a * sg * (1.0 - sg) * ratio      # d/dlw of -4/k sigma(k (e^lw - 1)) a
+    elif obj == "reinforce":
+        pg, d_lw, d_direct = -a * logp, zeros, -a
+    elif obj == "unclipped":
+        pg = -a * ratio
+        d_lw = pg
+    elif obj == "dppo":
+        c = ratio if cfg.clip_ratio_c is None else ratio.clamp(max=cfg.clip_ratio_c)
+        valid = dppo_valid(logp, old, adv_raw, cfg)
+        w = torch.where(valid, -c * a, zeros)
+        pg, d_lw, d_direct = w * logp, zeros, w
+        extra["flags"] = ((adv_raw <= 0) & ~valid, (adv_raw > 0) & ~valid)
+    elif obj == "gmpo":
+        sgn = torch.sign(adv_raw)
+        clamped = log_ratio.clamp(-cfg.epsilon_low, cfg.epsilon_high)
+        inside = (log_ratio >= -cfg.epsilon_low) & (log_ratio <= cfg.epsilon_high)
+        x1, x2 = sgn * log_ratio, sgn * clamped
+        # sgn * min(sgn lr, sgn clamp(lr)), its derivative in lr: ties split (torch.minimum)
+        c = sgn * torch.minimum(x1, x2)
+        one = torch.ones_like(logp)
+        dc = torch.where(x1 < x2, one, torch.where(x1 > x2, inside.to(logp.dtype),
+                                                   0.5 * (one + inside.to(logp.dtype))))
+        dc = torch.where(sgn == 0, zeros, dc)
+        R = torch.exp(_seg_mean(c, seq, n_seq, cnt))
+        if ti.is_ratio is not None:       # verl: the sequence's geometric mean of is_ratio
+            R = R * torch.exp(_seg_mean(torch.log(ti.is_ratio + 1e-10), seq, n_seq, cnt))
+        pg, d_lw = -a * R, zeros
+        extra["gmpo_dc"] = dc
+        extra["flags"] = ((adv_raw < 0) & ~inside, (adv_raw > 0) & ~inside)
+    else:   # vespo
+        log_w = gamma_log_weight(log_ratio, ti.is_ratio, seq, n_seq)[seq]
+        pos = adv_raw >= 0
+        k = _choose(pos, cfg.vespo_k_pos, cfg.vespo_k_neg, logp)
+        lam = _choose(pos, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg, logp).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        phi = phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        pg, d_lw, d_direct = -phi * a * logp, zeros, -phi * a
+        extra["phi_seq_sum"] = (_seg_sum(phi, seq, n_seq) / cnt.clamp(min=1.0)).sum()
+    return pg, d_lw, d_direct, extra
+
+
+def dppo_valid(logp, old, adv_raw, cfg):
+    """DPPO's binary trust region (verl 0.9.1 ``dppo_tv`` / ``dppo_kl``): the tokens whose
+    sampled-token probability ``p`` stayed within the divergence bound of ``p_old``, one-sided
+    by the sign of the advantage (A > 0: bounded above by epsilon_high; A <= 0: by
+    epsilon_low)."""
+    p, p_old = torch.exp(logp), torch.exp(old)
+    if cfg.dppo_divergence == "tv":
+        pos = (p - p_old) <= cfg.epsilon_high
+        neg = (p - p_old) >= -cfg.epsilon_low
+    else:
+        bkl = p_old * (old - logp) + (1.0 - p_old) * torch.log((1.0 - p_old + 1e-8)
+                                                               / (1.0 - p + 1e-8))
+        pos = (bkl <= cfg.epsilon_high) | (p <= p_old)
+        neg = (bkl <= cfg.epsilon_low) | (p >= p_old)
+    return torch.where(adv_raw > 0, pos, neg)
+
+
 def loss_terms(logp, entropy, ti: TokenInputs, cfg: PolicyLossConfig,
                phase: Optional[str]) -> LossTerms:
-    """The loss of docs/math.md §1-§3 and §10 over masked tokens (1-d), its derivative in
+    """The loss of docs/math.md §1-§3, §10 and §12 over masked tokens (1-d), its derivative in
     ``logp`` and in the entropy, with the aggregation weights applied.
 
     The policy term is a function of the log importance weight ``lw`` (the token's
-    ``logp - old`` or its sequence's mean) and, for cispo and vespo, of ``logp`` directly; its
-    derivative is kept in those two parts, ``d_lw`` and ``d_direct``. At sequence level
-    ``dL/dlogp_s = d_direct_s + (1 / n_b) sum_{t in b} d_lw_t`` (the mean's derivative), which
-    is why a sequence-level loss needs its whole sequence before any gradient.
+    ``logp - old`` or its sequence's mean) and, for cispo, vespo, reinforce and dppo, of
+    ``logp`` directly; its derivative is kept in those two parts, ``d_lw`` and ``d_direct``.
+    At sequence level ``dL/dlogp_s = d_direct_s + (1 / n_b) sum_{t in b} d_lw_t`` (the mean's
+    derivative), which is why a sequence-level loss needs its whole sequence before any
+    gradient; verl's ``sequence_token`` form takes each token's own ``d_lw`` instead.
     """
     zeros = torch.zeros_like(logp)
     adv_raw = ti.adv
@@ -201,72 +316,79 @@ def loss_terms(logp, entropy, ti: TokenInputs, cfg: PolicyLossConfig,
     if cfg.needs_sequence:
         cnt = _seg_sum(torch.ones_like(logp), seq, n_seq)
     log_ratio = logp - old
-    sequence_level = cfg.importance_sampling_level == "sequence"
-    if sequence_level:
-        lw = (_seg_sum(log_ratio, seq, n_seq) / cnt.clamp(min=1.0))[seq]
-    else:
+    lr_in = None                          # the log-ratio clamp passes the gradient inside
+    if cfg.log_ratio_clamp is not None:
+        c = cfg.log_ratio_clamp
+        lr_in = ((log_ratio >= -c) & (log_ratio <= c)).to(logp.dtype)
+        log_ratio = log_ratio.clamp(-c, c)
+    level = cfg.importance_sampling_level
+    st_in = None                          # sequence_token: log s clamped at 10 above (verl)
+    if level == "token":
         lw = log_ratio
+    else:
+        lw = _seg_mean(log_ratio, seq, n_seq, cnt)
+        if level == "sequence_token":
+            st_in = (lw <= 10.0).to(logp.dtype)
+            lw = lw.clamp(max=10.0)
     ratio = torch.exp(lw)
 
-    d_direct = None                       # dl/dlogp not through lw (cispo, vespo)
-    phi_seq_sum = None
     obj = cfg.objective
-    if obj == "ppo_clip":
-        lo, hi = 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high
-        if cfg.delta is None:
-            r1, dr1 = ratio, ratio
-        else:                             # clamp(max=delta) passes the gradient at delta
-            r1, dr1 = ratio.clamp(max=cfg.delta), torch.where(ratio <= cfg.delta, ratio, zeros)
-        r2 = ratio.clamp(lo, hi)
-        dr2 = torch.where((ratio >= lo) & (ratio <= hi), ratio, zeros)
-        pg, d_lw = _pick(-a * r1, -a * r2, -a * dr1, -a * dr2)
-        if cfg.clip_ratio_c is not None:
-            pg_dual = -a * cfg.clip_ratio_c
-            dual = (a < 0) & (pg_dual < pg)
-            pg = torch.where(dual, pg_dual, pg)
-            d_lw = torch.where(dual, zeros, d_lw)
-    elif obj == "cispo":
-        c = ratio.clamp(max=cfg.epsilon_high)          # detached weight
-        pg, d_lw, d_direct = -c * a * logp, zeros, -c * a
-    elif obj == "sapo":
-        kappa = _choose(adv_raw > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg, logp)
-        sg = torch.sigmoid(kappa * (ratio - 1.0))
-        pg = -sg * (4.0 / kappa) * a
-        d_lw = -4.0 * a * sg * (1.0 - sg) * ratio      # d/dlw of -4/k sigma(k (e^lw - 1)) a
-    else:   # vespo
-        log_w = gamma_log_weight(log_ratio, ti.is_ratio, seq, n_seq)[seq]
-        pos = adv_raw >= 0
-        k = _choose(pos, cfg.vespo_k_pos, cfg.vespo_k_neg, logp)
-        lam = _choose(pos, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg, logp).clamp(min=1e-4)
-        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
-        phi = phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-        pg, d_lw, d_direct = -phi * a * logp, zeros, -phi * a
-        phi_seq_sum = (_seg_sum(phi, seq, n_seq) / cnt.clamp(min=1.0)).sum()
-    if ti.is_ratio is not None and obj != "vespo":
+    pg, d_lw, d_direct, extra = _objective(obj, cfg, a, adv_raw, logp, old, log_ratio, ratio,
+                                           ti, seq, n_seq, cnt)
+    # per-token terms of the policy term beside the objective: verl dro's squared log-ratio,
+    # KL-Cov's |log-ratio| on its selected tokens (derivatives in the log-ratio)
+    pen, d_pen = None, None
+    if cfg.log_ratio_penalty != 0.0:
+        pen = 0.5 * cfg.log_ratio_penalty * log_ratio * log_ratio
+        d_pen = cfg.log_ratio_penalty * log_ratio
+    if cfg.cov_mode == "kl":
+        sel = ti.cov_sel
+        kc = torch.where(sel, cfg.cov_kl_coef * log_ratio.abs(), zeros)
+        dkc = torch.where(sel, cfg.cov_kl_coef * torch.sign(log_ratio), zeros)
+        pen, d_pen = (kc, dkc) if pen is None else (pen + kc, d_pen + dkc)
+    if pen is not None and active is not None:
+        pen, d_pen = torch.where(active, pen, zeros), torch.where(active, d_pen, zeros)
+    if ti.is_ratio is not None and obj not in ("vespo", "gmpo"):
         pg, d_lw = pg * ti.is_ratio, d_lw * ti.is_ratio
         d_direct = None if d_direct is None else d_direct * ti.is_ratio
+        if pen is not None:
+            pen, d_pen = pen * ti.is_ratio, d_pen * ti.is_ratio
 
-    # the policy term's masks (§10)
+    # the policy term's masks (§10, §12)
     keep = None
     dropped = None
     if cfg.off_policy_mask_threshold is not None:
         sampling = old if ti.sampling is None else ti.sampling
         drift = torch.nan_to_num(sampling - logp, nan=0.0)
-        mean = (_seg_sum(drift, seq, n_seq) / cnt.clamp(min=1.0))[seq]
+        mean = _seg_mean(drift, seq, n_seq, cnt)
         keep = (adv_raw >= 0) | (mean <= cfg.off_policy_mask_threshold)
         dropped = ~keep
     if ti.emask is not None:
         keep = ti.emask if keep is None else keep & ti.emask
+    if cfg.cov_mode == "clip":
+        keep = ~ti.cov_sel if keep is None else keep & ~ti.cov_sel
     if keep is not None:
         pg, d_lw = torch.where(keep, pg, zeros), torch.where(keep, d_lw, zeros)
         d_direct = None if d_direct is None else torch.where(keep, d_direct, zeros)
+        if pen is not None:
+            pen, d_pen = torch.where(keep, pen, zeros), torch.where(keep, d_pen, zeros)
 
-    loss_sum = (ti.w_pg * pg).sum()
+    wpg = ti.w_pg * pg
+    loss_sum = wpg.sum()
     g_lw = ti.w_pg * d_lw
     g = zeros if d_direct is None else ti.w_pg * d_direct
+    g_tok = None                          # through each token's own (clamped) log-ratio
+    if pen is not None:
+        loss_sum = loss_sum + (ti.w_pg * pen).sum()
+        g_tok = ti.w_pg * d_pen
+    if obj == "gmpo":                     # d/dlr_s of sum_t w_t pg_t = (that sum) * c'_s / n_b
+        gm = _seg_mean(wpg, seq, n_seq, cnt) * extra["gmpo_dc"]
+        g_tok = gm if g_tok is None else g_tok + gm
     kl = None
     if cfg.kl_coef != 0.0:
-        kl, dk = kl_value_and_grad(logp, ti.ref, cfg.kl_estimator)
+        kl, dk = kl_value_and_grad(logp, ti.ref, cfg.kl_estimator, cfg.kl_clamp)
+        if cfg.kl_unbiased_gradient:      # OpenRLHF: w (logp - ref), w = min(r, 10) detached
+            dk = torch.exp(logp - old).clamp(max=10.0) * (logp - ti.ref)
         kl_lw = None
         if cfg.kl_ratio_correction:       # r k: d/dlw = r k, d/dlogp directly = r dk
             kl, dk = ratio * kl, ratio * dk
@@ -281,10 +403,13 @@ def loss_terms(logp, entropy, ti: TokenInputs, cfg: PolicyLossConfig,
         g = g + wk * dk
         if kl_lw is not None:
             g_lw = g_lw + wk * kl_lw
-    if sequence_level:
-        g = g + (_seg_sum(g_lw, seq, n_seq) / cnt.clamp(min=1.0))[seq]
-    else:
-        g = g + g_lw
+    if level == "sequence":
+        g_lw = _seg_mean(g_lw, seq, n_seq, cnt)
+    elif st_in is not None:
+        g_lw = g_lw * st_in
+    if g_tok is not None:
+        g_lw = g_lw + g_tok
+    g = g + (g_lw if lr_in is None else g_lw * lr_in)
     gH = None
     if cfg.entropy_coef != 0.0:
         on = active
@@ -294,39 +419,57 @@ def loss_terms(logp, entropy, ti: TokenInputs, cfg: PolicyLossConfig,
         if on is not None:
             gH = torch.where(on, gH, zeros)
         loss_sum = loss_sum + (gH * entropy).sum()
+    flags = extra.get("flags")
     clip_seq = (None, None)
-    if sequence_level:                  # TRL's clip fractions count sequences at this level
+    if level != "token":                # TRL's clip fractions count sequences at this level
         clip_seq = tuple((_seg_sum(f.to(logp.dtype), seq, n_seq) > 0).sum().to(logp.dtype)
                          for f in clip_flags(a, ratio, cfg))
-    terms = TokenTerms(ratio, a, ar, p_old, kl, ti.emask, dropped, phi_seq_sum, *clip_seq)
+    terms = TokenTerms(ratio, a, ar, p_old, kl, ti.emask, dropped, extra.get("phi_seq_sum"),
+                       *clip_seq, *(flags or (None, None)), ti.cov_sel)
     return LossTerms(loss_sum, g, gH, terms)
 
 
-def clip_flags(a, r, cfg: PolicyLossConfig):
+def clip_flags(a, r, cfg: PolicyLossConfig, terms: Optional[TokenTerms] = None):
     """Tokens outside the objective's hard clip range, (low, high): ppo_clip's
     ``[1 - epsilon_low, 1 + epsilon_high]`` (on ``min(r, delta)``, as TRL), cispo's cap
-    ``epsilon_high``; sapo and vespo have none."""
+    ``epsilon_high`` (A > 0) and ``cispo_min`` (A < 0); dppo's trust region and gmpo's log-ratio
+    clip come with ``terms`` (``flag_low``/``flag_high``); the others have none."""
+    if terms is not None and terms.flag_low is not None:
+        return terms.flag_low, terms.flag_high
     if cfg.objective == "ppo_clip":
         rc = r if cfg.delta is None else r.clamp(max=cfg.delta)
         return (a < 0) & (rc < 1.0 - cfg.epsilon_low), (a > 0) & (rc > 1.0 + cfg.epsilon_high)
     none = torch.zeros_like(r, dtype=torch.bool)
     if cfg.objective == "cispo":
-        return none, (a > 0) & (r > cfg.epsilon_high)
+        low = none if cfg.cispo_min is None else (a < 0) & (r < cfg.cispo_min)
+        return low, (a > 0) & (r > cfg.epsilon_high)
     return none, none
 
 
-def aggregation_weights(mask: torch.Tensor, agg: str, cfg: PolicyLossConfig, num_items_in_batch,
+class Norms(NamedTuple):
+    """The batch normalisers of a call: ``items`` (``num_items_in_batch``, token-mean's count)
+    and ``seqs`` (``num_seqs_in_batch``, the sequence modes' count); None: this call's own."""
+
+    items: object = None
+    seqs: object = None
+
+
+def _count(value, dtype, device):
+    return torch.as_tensor(value, dtype=dtype, device=device)
+
+
+def aggregation_weights(mask: torch.Tensor, agg: str, cfg: PolicyLossConfig, norms,
                         dtype=torch.float32) -> torch.Tensor:
-    """w[b, t] such that the aggregated term is sum(w * l) (docs/math.md §1, loss_agg). No host
-    sync."""
+    """w[b, t] such that the aggregated term is sum(w * l) (docs/math.md §1, loss_agg). ``norms``
+    (:class:`Norms`, a bare ``num_items_in_batch`` or None) replaces the token count of
+    token-mean and the sequence count B of the sequence modes. No host sync."""
+    if not isinstance(norms, Norms):
+        norms = Norms(norms)
     m = mask.to(dtype)
-    B = mask.shape[0]
     if agg == "token-mean":
-        if num_items_in_batch is None:
-            n = m.sum()
-        else:
-            n = torch.as_tensor(num_items_in_batch, dtype=dtype, device=mask.device)
-        return m / n.clamp(min=1.0)
+        n = m.sum() if norms.items is None else _count(norms.items, dtype, mask.device)
+        return m / n.clamp(min=1.0) if norms.items is None else m / n
+    B = mask.shape[0] if norms.seqs is None else _count(norms.seqs, dtype, mask.device)
     if agg == "seq-mean-token-mean":
         return m / (m.sum(-1, keepdim=True).clamp(min=1.0) * B)
     if agg == "seq-mean-token-sum":
@@ -334,17 +477,23 @@ def aggregation_weights(mask: torch.Tensor, agg: str, cfg: PolicyLossConfig, num
     return m / (B * cfg.max_len)   # seq-mean-token-sum-norm
 
 
-def term_weights(mask, cfg: PolicyLossConfig, num_items_in_batch, dtype, emask=None):
+def own_norms(norms, cfg: PolicyLossConfig):
+    """The normalisers of a term with its own aggregation: this call's (TRL), or the batch's
+    when ``cfg.normalise_all_terms`` (verl's global_batch_info enters every term)."""
+    return norms if cfg.normalise_all_terms else None
+
+
+def term_weights(mask, cfg: PolicyLossConfig, norms, dtype, emask=None):
     """Aggregation weights [B, T] of the policy, KL and entropy terms. A term without an
     aggregation of its own shares the policy term's; one with its own is normalised over the
     tokens it acts on (the mask; for the entropy bonus also the entropy quantile ``emask``),
-    without ``num_items_in_batch``."""
-    w_pg = aggregation_weights(mask, cfg.loss_agg, cfg, num_items_in_batch, dtype)
-    w_kl = w_pg if cfg.kl_agg is None else aggregation_weights(mask, cfg.kl_agg, cfg, None,
-                                                                dtype)
+    without the batch normalisers unless ``cfg.normalise_all_terms``."""
+    w_pg = aggregation_weights(mask, cfg.loss_agg, cfg, norms, dtype)
+    own = own_norms(norms, cfg)
+    w_kl = w_pg if cfg.kl_agg is None else aggregation_weights(mask, cfg.kl_agg, cfg, own, dtype)
     w_ent = w_pg
     if cfg.entropy_agg is not None:
-        w_ent = aggregation_weights(mask if emask is None else emask, cfg.entropy_agg, cfg, None,
+        w_ent = aggregation_weights(mask if emask is None else emask, cfg.entropy_agg, cfg, own,
                                     dtype)
     return w_pg, w_kl, w_ent
 
@@ -370,7 +519,7 @@ def policy_metrics(terms: TokenTerms, cfg: PolicyLossConfig, entropy=None, grad_
 
     a, r = terms.adv, terms.ratio
     n = torch.full((), float(max(r.numel(), 1)), device=r.device)   # no host-to-device copy
-    flag_low, flag_high = clip_flags(a, r, cfg)
+    flag_low, flag_high = clip_flags(a, r, cfg, terms)
     low = terms.p_old < cfg.metric_eta
     # the per-token means: one stacked sum and one division (a launch or two, not two each)
     means = {"clip_frac_low": flag_low, "clip_frac_high": flag_high, "ratio_mean": r,
@@ -379,13 +528,15 @@ def policy_metrics(terms: TokenTerms, cfg: PolicyLossConfig, entropy=None, grad_
         means["kl"] = terms.kl
     if entropy is not None:
         means["entropy"] = entropy
-    if cfg.needs_batch:
+    if cfg.top_entropy_quantile < 1.0:
         means["entropy_mask_frac"] = terms.emask
     if cfg.off_policy_mask_threshold is not None and terms.dropped is not None:
         means["off_policy_frac"] = terms.dropped
+    if cfg.cov_mode is not None:
+        means["cov_frac"] = terms.cov_sel
     rows = torch.stack([v.reshape(-1).to(torch.float32) for v in means.values()])
     out = dict(zip(means, (rows.sum(1) / n).unbind(0)))
-    if cfg.importance_sampling_level == "sequence":
+    if cfg.importance_sampling_level != "token":
         zero = torch.zeros((), device=r.device)
         for name, count in (("clip_frac_low_seq", terms.clip_seq_low),
                             ("clip_frac_high_seq", terms.clip_seq_high)):
@@ -394,7 +545,7 @@ def policy_metrics(terms: TokenTerms, cfg: PolicyLossConfig, entropy=None, grad_
         phi = terms.phi_seq_sum if terms.phi_seq_sum is not None else torch.zeros(())
         empty = n_seq_total - n_seq_nonempty
         out["phi_mean"] = (phi + empty) / max(n_seq_total, 1)
-    if cfg.needs_batch:
+    if cfg.top_entropy_quantile < 1.0:
         em = terms.emask
         out["entropy_top_mean"] = (masked_sum(torch.where(em, entropy, torch.zeros_like(entropy)))
                                    / masked_sum(em).clamp(min=1.0))
@@ -440,12 +591,14 @@ def empty_metrics(cfg: PolicyLossConfig, device, n_seq_total: int = 0) -> dict:
         keys.append("kl")
     if cfg.wants_entropy:
         keys.append("entropy")
-    if cfg.needs_batch:
+    if cfg.top_entropy_quantile < 1.0:
         keys += ["entropy_mask_frac", "entropy_top_mean"]
-    if cfg.importance_sampling_level == "sequence":
+    if cfg.importance_sampling_level != "token":
         keys += ["clip_frac_low_seq", "clip_frac_high_seq"]
     if cfg.off_policy_mask_threshold is not None:
         keys.append("off_policy_frac")
+    if cfg.cov_mode is not None:
+        keys.append("cov_frac")
     out = {k: z.clone() for k in keys}
     if cfg.objective == "vespo":
         out["phi_mean"] = z + (1.0 if n_seq_total else 0.0)

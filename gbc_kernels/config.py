@@ -15,10 +15,14 @@ LOSS_AGG_ALIASES = {
     "grpo": "seq-mean-token-mean",
     "dr_grpo": "seq-mean-token-sum-norm",
 }
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
+# "k3+" and the like (verl): the value of the estimator, the gradient of k2 (straight-through)
+KL_STRAIGHT_THROUGH = tuple(k + "+" for k in KL_ESTIMATORS)
 PHASES = (None, "low", "high")
-IS_LEVELS = ("token", "sequence")
-OBJECTIVES = ("ppo_clip", "cispo", "sapo", "vespo")
+IS_LEVELS = ("token", "sequence", "sequence_token")
+OBJECTIVES = ("ppo_clip", "cispo", "sapo", "vespo", "reinforce", "unclipped", "dppo", "gmpo")
+DPPO_DIVERGENCES = ("tv", "binary_kl")
+COV_MODES = (None, "clip", "kl")
 # TRL 1.16 GRPOTrainer's loss_type names as presets over the axes (PolicyLossConfig.preset).
 # TRL averages the entropy bonus over the tokens it acts on whatever the loss type: its own
 # normaliser, entropy_agg="token-mean". luspo is PPO clip summed over each sequence's tokens.
@@ -31,6 +35,29 @@ TRL_LOSS_TYPES = {
     "sapo": dict(objective="sapo", loss_agg="seq-mean-token-mean"),
     "luspo": dict(loss_agg="seq-mean-token-sum"),
     "vespo": dict(objective="vespo", loss_agg="token-mean"),
+}
+
+# Other trainers' objective names as presets, "trainer:name" (docs/math.md §12). Each sets the
+# axes with that trainer's defaults; the trainer's own values (clip ratios, coefficients) come
+# in as options, or through its mapping (gbc_kernels.integrations.verl.policy_loss_config).
+# verl 0.9.1: verl/trainer/ppo/core_algos.py, its registered policy losses (defaults of its
+# ActorConfig: clip_ratio 0.2, clip_ratio_c 3.0, loss_agg_mode token-mean). Its vanilla, dppo,
+# sapo and cispo clamp the log-ratio to +-20; its sapo aggregates seq-mean-token-mean whatever
+# loss_agg_mode says, its geo_mean takes the plain mean over the micro-batch's sequences.
+_VERL_CLAMP = dict(log_ratio_clamp=20.0)
+TRAINER_PRESETS = {
+    "verl:vanilla": dict(objective="ppo_clip", clip_ratio_c=3.0, **_VERL_CLAMP),
+    "verl:dppo_tv": dict(objective="dppo", dppo_divergence="tv", clip_ratio_c=3.0, **_VERL_CLAMP),
+    "verl:dppo_kl": dict(objective="dppo", dppo_divergence="binary_kl", clip_ratio_c=3.0,
+                         **_VERL_CLAMP),
+    "verl:gspo": dict(objective="ppo_clip", importance_sampling_level="sequence_token"),
+    "verl:sapo": dict(objective="sapo", loss_agg="seq-mean-token-mean", **_VERL_CLAMP),
+    "verl:gpg": dict(objective="reinforce"),
+    "verl:clip_cov": dict(objective="ppo_clip", cov_mode="clip"),
+    "verl:kl_cov": dict(objective="unclipped", cov_mode="kl"),
+    "verl:geo_mean": dict(objective="gmpo", loss_agg="seq-mean-token-mean"),
+    "verl:dro": dict(objective="reinforce"),          # + log_ratio_penalty = dro_beta (required)
+    "verl:cispo": dict(objective="cispo", epsilon_high=1.2, cispo_min=0.8, **_VERL_CLAMP),
 }
 
 
@@ -72,13 +99,48 @@ class PolicyLossConfig:
         ``sampling_logp - logp`` exceeds it (DeepSeek-V3.2's off-policy sequence mask; None = off).
     kl_agg, entropy_agg: the KL / entropy term's own aggregation (None: aggregated with the
         policy term by ``loss_agg``). A term with its own aggregation is normalised over the
-        tokens it acts on in this call; ``num_items_in_batch`` is the policy term's only.
+        tokens it acts on in this call; ``num_items_in_batch`` and ``num_seqs_in_batch`` are
+        the policy term's only, unless ``normalise_all_terms``.
+    normalise_all_terms: the call's ``num_items_in_batch`` / ``num_seqs_in_batch`` normalise
+        every term, those with their own aggregation too (verl: its ``global_batch_info``
+        enters the KL and entropy terms). False: TRL's rule above.
 
     return_entropy: compute the entropy (``entropy`` metric) even when no term uses it.
     logit_softcap: final-logit soft-capping ``c`` (Gemma-2/3's ``final_logit_softcapping``):
         the logits are ``c * tanh((h W^T + b) / c)`` before the temperature (None = off).
 
-    ``PolicyLossConfig.preset(loss_type, **options)`` sets these axes from TRL's ``loss_type``.
+    The objectives of verl, OpenRLHF and the other trainers (docs/math.md §12):
+
+    objective ``reinforce`` (``-A * logp``: GPG, verl's ``gpg``/REINFORCE), ``unclipped``
+        (``-A * r``, PPO's surrogate without a clip: verl ``kl_cov``'s base), ``dppo`` (DPPO's
+        binary trust region: ``-A * sg(min(r, clip_ratio_c)) * logp`` on the tokens whose
+        sampled-token probability stayed within ``epsilon_low``/``epsilon_high`` of ``p_old``,
+        one-sided by the sign of A), ``gmpo`` (the geometric mean of the token ratios of a
+        sequence, each log-ratio clipped to ``[-epsilon_low, epsilon_high]`` by the sign of A).
+    importance_sampling_level ``sequence_token``: verl's GSPO-token ratio, the sequence's ratio
+        as value (log clamped at 10 above) and each token's own gradient.
+    cispo_min: the lower bound of cispo's detached weight, ``clamp(r, cispo_min, epsilon_high)``
+        (verl's two-sided CISPO: ``cispo_min = 1 - clip_ratio_low``); None = upper bound only.
+    dppo_divergence: ``tv`` (``|p - p_old|``) or ``binary_kl`` (the KL between the Bernoulli
+        distributions ``p_old`` and ``p``), the divergence dppo's trust region bounds.
+    log_ratio_clamp: clamp each token's ``logp - old_logp`` to ``[-c, c]`` before the ratio
+        (verl's and OpenRLHF's 20); the gradient passes inside only. None = off.
+    log_ratio_penalty: ``beta``: adds ``beta/2 * (logp - old_logp)^2`` to the policy term (verl
+        ``dro``, ROLL ``kimi15``, prime-rl's ``kl_tau``). 0 = off.
+    kl_estimator also takes ``abs`` (``|logp - ref_logp|``) and a ``+`` suffix on any estimator
+        (``k3+``: its value with the gradient of k2, verl's straight-through form).
+    kl_clamp: clamp the KL estimator's value to ``[-c, c]`` (OpenRLHF's 10); None = off.
+    kl_unbiased_gradient: OpenRLHF's ``unbiased_gradient``: the estimator's value with the
+        gradient ``w * (logp - ref_logp)``, ``w = min(exp(logp - old_logp), 10)`` detached.
+    cov_mode: ``clip`` (Clip-Cov: the policy term dropped on ``max(1, int(cov_ratio * N))``
+        random tokens among those, not already clipped, whose covariance ``(A - mean A)(logp -
+        mean logp)`` over the call's N tokens lies in ``(cov_lb, cov_ub)``) or ``kl`` (KL-Cov:
+        ``cov_kl_coef * |logp - old_logp|`` added on the top ``max(1, int(cov_ratio * N))``
+        tokens by covariance); None = off. A batch-global statistic (a statistics sweep).
+
+    ``PolicyLossConfig.preset(loss_type, **options)`` sets these axes from TRL's ``loss_type``;
+    ``preset("verl:<loss_mode>")`` and ``preset("openrlhf:<policy_loss_type>")`` from those
+    trainers' names (docs/math.md §12).
     """
 
     epsilon_low: float = 0.2
@@ -108,6 +170,19 @@ class PolicyLossConfig:
     entropy_agg: Optional[str] = None
     return_entropy: bool = False
     logit_softcap: Optional[float] = None
+    # the objectives of verl, OpenRLHF and the other trainers (docs/math.md §12)
+    cispo_min: Optional[float] = None
+    dppo_divergence: str = "tv"
+    log_ratio_clamp: Optional[float] = None
+    log_ratio_penalty: float = 0.0
+    kl_clamp: Optional[float] = None
+    kl_unbiased_gradient: bool = False
+    cov_mode: Optional[str] = None
+    cov_ratio: float = 2e-4
+    cov_lb: float = 1.0
+    cov_ub: float = 5.0
+    cov_kl_coef: float = 0.1
+    normalise_all_terms: bool = False
 
     def __post_init__(self):
         for f in fields(self):
@@ -133,9 +208,10 @@ class PolicyLossConfig:
                 raise ValueError(f"max_len: {name}='seq-mean-token-sum-norm' (dr_grpo) needs a "
                                  f"positive max_len, got {self.max_len!r}")
         self._check_objective_axes()
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator: expected one of {KL_ESTIMATORS}, "
-                             f"got {self.kl_estimator!r}")
+        if self.kl_estimator not in KL_ESTIMATORS + KL_STRAIGHT_THROUGH:
+            raise ValueError(f"kl_estimator: expected one of "
+                             f"{KL_ESTIMATORS + KL_STRAIGHT_THROUGH}, got {self.kl_estimator!r}")
+        self._check_other_trainers()
         for name in ("epsilon_low", "epsilon_high"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0.0 <= v and math.isfinite(v)):
@@ -174,10 +250,16 @@ class PolicyLossConfig:
                 raise ValueError(f"delta: the two-sided clip applies to objective='ppo_clip' "
                                  f"only, got delta={self.delta!r} with objective="
                                  f"{self.objective!r}")
-        if self.clip_ratio_c is not None and self.objective != "ppo_clip":
-            raise ValueError(f"clip_ratio_c: the dual clip applies to objective='ppo_clip' only, "
-                             f"got clip_ratio_c={self.clip_ratio_c!r} with objective="
-                             f"{self.objective!r}")
+        if self.clip_ratio_c is not None and self.objective not in ("ppo_clip", "dppo"):
+            raise ValueError(f"clip_ratio_c: the dual clip (objective='ppo_clip') or dppo's "
+                             f"truncation (objective='dppo') only, got clip_ratio_c="
+                             f"{self.clip_ratio_c!r} with objective={self.objective!r}")
+        own_ratio = self.objective in ("reinforce", "dppo", "gmpo") or (
+            self.objective == "vespo" and self.importance_sampling_level == "sequence_token")
+        if own_ratio and self.importance_sampling_level != "token":
+            raise ValueError(f"importance_sampling_level: objective={self.objective!r} defines "
+                             f"its own ratio (or none); expected 'token', got "
+                             f"importance_sampling_level={self.importance_sampling_level!r}")
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             v = getattr(self, name)
             if not (_is_number(v) and v > 0 and math.isfinite(v)):
@@ -197,14 +279,99 @@ class PolicyLossConfig:
             raise ValueError(f"off_policy_mask_threshold: expected None or a finite float, "
                              f"got {t!r}")
 
+    def _check_other_trainers(self):
+        """The options of docs/math.md §12, and the combinations that have no meaning."""
+        def bool_field(name):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise TypeError(f"{name}: expected a bool, got {type(v).__name__} {v!r}")
+
+        def optional_positive(name):
+            v = getattr(self, name)
+            if v is not None and not (_is_number(v) and v > 0 and math.isfinite(v)):
+                raise ValueError(f"{name}: expected None or a finite float > 0, got {v!r}")
+
+        bool_field("kl_unbiased_gradient")
+        bool_field("normalise_all_terms")
+        optional_positive("log_ratio_clamp")
+        optional_positive("kl_clamp")
+        if self.cispo_min is not None:
+            if not (_is_number(self.cispo_min) and 0.0 <= self.cispo_min <= self.epsilon_high):
+                raise ValueError(f"cispo_min: expected None or a float in [0, epsilon_high="
+                                 f"{self.epsilon_high}], got {self.cispo_min!r}")
+            if self.objective != "cispo":
+                raise ValueError(f"cispo_min: the lower bound of cispo's weight applies to "
+                                 f"objective='cispo' only, got cispo_min={self.cispo_min!r} with "
+                                 f"objective={self.objective!r}")
+        if self.dppo_divergence not in DPPO_DIVERGENCES:
+            raise ValueError(f"dppo_divergence: expected one of {DPPO_DIVERGENCES}, got "
+                             f"{self.dppo_divergence!r}")
+        if self.dppo_divergence != "tv" and self.objective != "dppo":
+            raise ValueError(f"dppo_divergence: applies to objective='dppo' only, got "
+                             f"dppo_divergence={self.dppo_divergence!r} with objective="
+                             f"{self.objective!r}")
+        if self.objective == "dppo" and self.clip_ratio_c is not None \
+                and not self.clip_ratio_c > 0:
+            raise ValueError(f"clip_ratio_c: dppo's truncation expects a float > 0, got "
+                             f"{self.clip_ratio_c!r}")
+        if self.objective == "gmpo" and self.delta is not None:
+            raise ValueError("delta: gmpo clips each log-ratio itself; expected delta=None with "
+                             "objective='gmpo'")
+        v = self.log_ratio_penalty
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"log_ratio_penalty: expected a finite float >= 0, got {v!r}")
+        if self.kl_clamp is not None and self.kl_estimator.rstrip("+") == "low_var_kl":
+            raise ValueError(f"kl_clamp: kl_estimator={self.kl_estimator!r} clamps its value at "
+                             f"+-10 already; use kl_estimator='k3' with kl_clamp="
+                             f"{self.kl_clamp!r}")
+        if self.kl_unbiased_gradient and self.kl_estimator.endswith("+"):
+            raise ValueError(f"kl_unbiased_gradient: kl_estimator={self.kl_estimator!r} already "
+                             f"takes k2's gradient (with weight 1); use one of the two")
+        if self.kl_ratio_correction and (self.kl_unbiased_gradient
+                                         or self.kl_estimator.endswith("+")):
+            raise ValueError(f"kl_ratio_correction: the ratio-corrected KL and the "
+                             f"straight-through gradient (kl_estimator={self.kl_estimator!r}, "
+                             f"kl_unbiased_gradient={self.kl_unbiased_gradient}) each define "
+                             f"the KL's gradient; use one")
+        if self.cov_mode not in COV_MODES:
+            raise ValueError(f"cov_mode: expected one of {COV_MODES}, got {self.cov_mode!r}")
+        if not (_is_number(self.cov_ratio) and 0.0 < self.cov_ratio <= 1.0):
+            raise ValueError(f"cov_ratio: expected a float in (0, 1], got {self.cov_ratio!r}")
+        if not (math.isfinite(self.cov_lb) and math.isfinite(self.cov_ub)
+                and self.cov_lb < self.cov_ub):
+            raise ValueError(f"cov_lb, cov_ub: expected finite floats with cov_lb < cov_ub, got "
+                             f"cov_lb={self.cov_lb!r}, cov_ub={self.cov_ub!r}")
+        if not math.isfinite(self.cov_kl_coef):
+            raise ValueError(f"cov_kl_coef: expected a finite float, got {self.cov_kl_coef!r}")
+        if self.cov_mode is not None:
+            if self.importance_sampling_level != "token":
+                raise ValueError(f"cov_mode: Clip-Cov and KL-Cov select tokens; expected "
+                                 f"importance_sampling_level='token', got "
+                                 f"{self.importance_sampling_level!r} with cov_mode="
+                                 f"{self.cov_mode!r}")
+            if self.cov_mode == "clip" and self.objective != "ppo_clip":
+                raise ValueError(f"cov_mode: 'clip' drops tokens that PPO's clip left in; "
+                                 f"expected objective='ppo_clip', got objective="
+                                 f"{self.objective!r}")
+
     @classmethod
     def preset(cls, loss_type: str, **options) -> "PolicyLossConfig":
         """The config of TRL's ``loss_type`` (grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo,
-        vespo) with TRL's entropy normaliser; ``options`` set or override any other field."""
-        if loss_type not in TRL_LOSS_TYPES:
-            raise ValueError(f"loss_type: expected one of {tuple(TRL_LOSS_TYPES)}, "
+        vespo) with TRL's entropy normaliser, or of another trainer's objective
+        (``"verl:<loss_mode>"``, :data:`TRAINER_PRESETS`); ``options`` set or override any
+        other field."""
+        if not isinstance(loss_type, str) or (loss_type not in TRL_LOSS_TYPES
+                                              and loss_type not in TRAINER_PRESETS):
+            raise ValueError(f"loss_type: expected one of "
+                             f"{tuple(TRL_LOSS_TYPES) + tuple(TRAINER_PRESETS)}, "
                              f"got {loss_type!r}")
-        d = dict(TRL_LOSS_TYPES[loss_type], entropy_agg="token-mean")
+        if loss_type in TRAINER_PRESETS:
+            if loss_type == "verl:dro" and not options.get("log_ratio_penalty"):
+                raise ValueError("log_ratio_penalty: preset 'verl:dro' needs verl's dro_beta > 0 "
+                                 "as log_ratio_penalty")
+            d = dict(TRAINER_PRESETS[loss_type])
+        else:
+            d = dict(TRL_LOSS_TYPES[loss_type], entropy_agg="token-mean")
         d.update(options)
         return cls.from_dict(d)
 
@@ -212,18 +379,20 @@ class PolicyLossConfig:
     @property
     def needs_sequence(self) -> bool:
         """A token's loss depends on the other tokens of its sequence."""
-        return (self.importance_sampling_level == "sequence" or self.objective == "vespo"
+        return (self.importance_sampling_level != "token"
+                or self.objective in ("vespo", "gmpo")
                 or self.off_policy_mask_threshold is not None)
 
     @property
     def needs_batch(self) -> bool:
-        """A token's loss depends on the whole batch (the entropy quantile)."""
-        return self.top_entropy_quantile < 1.0
+        """A token's loss depends on the whole batch (the entropy quantile, Clip/KL-Cov)."""
+        return self.top_entropy_quantile < 1.0 or self.cov_mode is not None
 
     @property
     def wants_entropy(self) -> bool:
         """The per-token entropy is computed (bonus, quantile mask, or asked for)."""
-        return self.entropy_coef != 0.0 or self.needs_batch or self.return_entropy
+        return (self.entropy_coef != 0.0 or self.top_entropy_quantile < 1.0
+                or self.return_entropy)
 
     @property
     def metric_eta(self) -> float:
@@ -244,9 +413,10 @@ _FLOAT_FIELDS = ("epsilon_low", "epsilon_high", "clip_ratio_c", "temperature", "
                  "entropy_coef", "ar_alpha", "lopti_eta", "delta", "sapo_temperature_pos",
                  "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                  "vespo_lambda_neg", "top_entropy_quantile", "off_policy_mask_threshold",
-                 "logit_softcap", "max_len")
+                 "logit_softcap", "max_len", "cispo_min", "log_ratio_clamp", "log_ratio_penalty",
+                 "kl_clamp", "cov_ratio", "cov_lb", "cov_ub", "cov_kl_coef")
 _OPTIONAL_FIELDS = ("clip_ratio_c", "lopti_eta", "delta", "off_policy_mask_threshold",
-                    "logit_softcap", "max_len")
+                    "logit_softcap", "max_len", "cispo_min", "log_ratio_clamp", "kl_clamp")
 
 
 def _is_number(v) -> bool:

@@ -20,7 +20,7 @@ class FusedLinearPolicyLoss(torch.nn.Module):
     def forward(self, hidden, weight, targets, mask, advantages, old_logp=None, ref_logp=None,
                 bias=None, token_scale=None, kl_weight=None, phase=None,
                 num_items_in_batch=None, is_ratio=None, sampling_logp=None,
-                data_parallel_group=None):
+                data_parallel_group=None, num_seqs_in_batch=None):
         return fused_linear_policy_loss(hidden, weight, targets, mask, advantages,
                                         old_logp=old_logp, ref_logp=ref_logp, bias=bias,
                                         token_scale=token_scale, kl_weight=kl_weight,
@@ -28,7 +28,8 @@ class FusedLinearPolicyLoss(torch.nn.Module):
                                         num_items_in_batch=num_items_in_batch,
                                         backend=self.backend, is_ratio=is_ratio,
                                         sampling_logp=sampling_logp,
-                                        data_parallel_group=data_parallel_group)
+                                        data_parallel_group=data_parallel_group,
+                                        num_seqs_in_batch=num_seqs_in_batch)
 
     def extra_repr(self) -> str:
         return f"config={self.config}, backend={self.backend!r}"

@@ -10,9 +10,9 @@ import torch
 from . import _validate as V
 from . import vocab_parallel as _vp
 from ._fused import (FusedLogprobsFunction, FusedPolicyLossFunction, LossInputs, stats_sweep,
-                     gathered_threshold, token_inputs, with_entropy_mask)
-from ._loss_math import (certainty_from_stats, empty_metrics, loss_terms, per_token_is_ratio,
-                         policy_metrics)
+                     gathered_threshold, token_inputs, with_batch_masks)
+from ._loss_math import (Norms, certainty_from_stats, empty_metrics, loss_terms,
+                         per_token_is_ratio, policy_metrics)
 from ._validate import no_double_backward as _no_double_backward
 from ._validate import check_lm_head as _check_lm_head, check_temperature as _check_temperature
 from ._validate import as_mask as _mask
@@ -39,25 +39,32 @@ def _check_phase(phase, cfg):
                          "threshold), got lopti_eta=None")
 
 
-def _check_num_items(num_items_in_batch):
+def _norms(num_items_in_batch, num_seqs_in_batch):
+    """The call's batch normalisers, checked (docs/math.md §1, loss_agg)."""
+    _check_num_items(num_items_in_batch)
+    _check_num_items(num_seqs_in_batch, "num_seqs_in_batch")
+    return Norms(num_items_in_batch, num_seqs_in_batch)
+
+
+def _check_num_items(num_items_in_batch, name="num_items_in_batch"):
     if num_items_in_batch is None:
         return
     if isinstance(num_items_in_batch, torch.Tensor):
         if num_items_in_batch.numel() != 1:
-            raise ValueError(f"num_items_in_batch: expected a number or a 1-element tensor, got "
+            raise ValueError(f"{name}: expected a number or a 1-element tensor, got "
                              f"shape {list(num_items_in_batch.shape)}")
         if not V.value_checks_enabled():
             return
         if num_items_in_batch.device.type == "cpu":
             if not float(num_items_in_batch) > 0:
-                raise ValueError(f"num_items_in_batch: expected a count > 0, got "
+                raise ValueError(f"{name}: expected a count > 0, got "
                                  f"{float(num_items_in_batch)}")
         else:   # no host sync: a device-side assertion
             torch._assert_async(num_items_in_batch.reshape(()) > 0,
-                                "num_items_in_batch: expected a count > 0")
+                                f"{name}: expected a count > 0")
         return
     if not isinstance(num_items_in_batch, (int, float)) or not num_items_in_batch > 0:
-        raise ValueError(f"num_items_in_batch: expected a number > 0, got {num_items_in_batch!r}")
+        raise ValueError(f"{name}: expected a number > 0, got {num_items_in_batch!r}")
 
 
 def _check_per_token(B, T, device, mask, advantages, old_logp, ref_logp, token_scale, kl_weight,
@@ -106,8 +113,9 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
                              ref_logp=None, bias=None, token_scale=None, kl_weight=None,
                              config=None, phase=None, num_items_in_batch=None, backend="auto",
                              vocab_parallel=None, is_ratio=None, sampling_logp=None,
-                             data_parallel_group=None):
-    """GRPO policy loss (docs/math.md §1-§3, §6, §10) from hidden states, without the logits.
+                             data_parallel_group=None, num_seqs_in_batch=None):
+    """GRPO policy loss (docs/math.md §1-§3, §6, §10, §12) from hidden states, without the
+    logits.
 
     Computes, for ``z = (hidden @ weight.T + bias) / temperature`` one chunk of rows at a time::
 
@@ -121,6 +129,10 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     (vespo: enters phi's sequence weight, a per-sequence ratio once).
     sampling_logp: [B, T] or None, the sampler's log-probs the off-policy mask measures drift
     from (default: old_logp).
+    num_items_in_batch, num_seqs_in_batch: the token count of ``token-mean`` and the sequence
+    count of the sequence modes (default: this call's masked tokens, and B), for a loss whose
+    batch is split over micro-batches or ranks (TRL's num_items_in_batch, verl's
+    global_batch_info).
     data_parallel_group: the process group (or ``"world"``) the batch is split over; the
     batch-global entropy quantile (``top_entropy_quantile < 1``) is then taken over every
     rank's tokens, as TRL does (None: this process's tokens only).
@@ -140,14 +152,14 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     checks = V.Checks()      # value checks: resolved by the chunk loop's one host transfer
     m = _mask(mask, B, T, device, checks)
     _check_phase(phase, cfg)
-    _check_num_items(num_items_in_batch)
+    norms = _norms(num_items_in_batch, num_seqs_in_batch)
     adv, is_ratio = _check_per_token(B, T, device, m, advantages, old_logp, ref_logp,
                                      token_scale, kl_weight, cfg, is_ratio, sampling_logp, checks)
     threshold_fn = _threshold_fn(data_parallel_group, cfg)
     sl, vocab = _vp.resolve(vocab_parallel, weight, bias, device)
     safe_targets = V.check_targets(targets, vocab, m, checks=checks)
     inp = LossInputs(safe_targets.reshape(-1), m, adv, old_logp, ref_logp, token_scale,
-                     kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase, num_items_in_batch,
+                     kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase, norms,
                      get_backend(backend, device, hidden.dtype), is_ratio, sampling_logp,
                      threshold_fn, checks, sl)
     loss = FusedPolicyLossFunction.apply(hidden.reshape(B * T, H), weight, bias, inp)
@@ -161,7 +173,7 @@ def _check_softcap(softcap):
 
 
 def _threshold_fn(data_parallel_group, cfg):
-    if data_parallel_group is None or not cfg.needs_batch:
+    if data_parallel_group is None or cfg.top_entropy_quantile >= 1.0:
         return None
     return gathered_threshold(data_parallel_group)
 
@@ -257,7 +269,7 @@ class _PolicyLossFromLogp(torch.autograd.Function):
         ent = None if entropy is None else entropy.detach().reshape(-1)[idx].to(ct)
         B = mask.shape[0]
         if idx.numel():
-            ti = with_entropy_mask(ti, ent, cfg, mask, idx, ct, threshold_fn)
+            ti = with_batch_masks(ti, ent, lp, cfg, mask, idx, ct, threshold_fn)
             lt = loss_terms(lp, ent, ti, cfg, phase)
             holder["metrics"] = policy_metrics(lt.terms, cfg, ent, None, B, ti.n_seq)
             loss, g, gH = lt.loss_sum, lt.g, lt.gH
@@ -289,7 +301,7 @@ class _PolicyLossFromLogp(torch.autograd.Function):
 def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=None,
                 token_scale=None, kl_weight=None, config=None, phase=None,
                 num_items_in_batch=None, is_ratio=None, sampling_logp=None,
-                data_parallel_group=None):
+                data_parallel_group=None, num_seqs_in_batch=None):
     """The same GRPO loss for trainers that already have per-token ``logp`` [B, T].
 
     ``entropy`` [B, T] is needed when ``config.entropy_coef != 0`` or
@@ -303,7 +315,7 @@ def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=No
     checks = V.Checks()
     m = _mask(mask, B, T, device, checks)
     _check_phase(phase, cfg)
-    _check_num_items(num_items_in_batch)
+    norms = _norms(num_items_in_batch, num_seqs_in_batch)
     adv, is_ratio = _check_per_token(B, T, device, m, advantages, old_logp, ref_logp,
                                      token_scale, kl_weight, cfg, is_ratio, sampling_logp, checks)
     if cfg.wants_entropy:
@@ -320,6 +332,6 @@ def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=No
     holder = {}
     args = (m, adv, old_logp, ref_logp, token_scale,
             kl_weight if cfg.kl_coef != 0.0 else None, is_ratio, sampling_logp, cfg, phase,
-            num_items_in_batch, _threshold_fn(data_parallel_group, cfg), holder)
+            norms, _threshold_fn(data_parallel_group, cfg), holder)
     loss = _PolicyLossFromLogp.apply(logp, entropy if cfg.wants_entropy else None, args)
     return loss, holder["metrics"]

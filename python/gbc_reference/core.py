@@ -49,11 +49,28 @@ class PolicyLossConfig:
     entropy_agg: Optional[str] = None
     return_entropy: bool = False               # the entropy metric without an entropy term
     logit_softcap: Optional[float] = None      # Gemma-2/3: logits = c tanh(x / c)
+    # §12: the objectives of verl, OpenRLHF and the other trainers
+    cispo_min: Optional[float] = None          # cispo's weight clamp(r, cispo_min, eps_high)
+    dppo_divergence: str = "tv"                # "tv" | "binary_kl"
+    log_ratio_clamp: Optional[float] = None    # logp - old_logp clamped to +-c per token
+    log_ratio_penalty: float = 0.0             # + beta/2 (logp - old_logp)^2 (verl dro)
+    kl_clamp: Optional[float] = None           # the KL value clamped to +-c (OpenRLHF: 10)
+    kl_unbiased_gradient: bool = False         # OpenRLHF's straight-through IS-weighted k2 grad
+    cov_mode: Optional[str] = None             # "clip" (Clip-Cov) | "kl" (KL-Cov)
+    cov_ratio: float = 2e-4
+    cov_lb: float = 1.0
+    cov_ub: float = 5.0
+    cov_kl_coef: float = 0.1
+    normalise_all_terms: bool = False          # num_items / num_seqs normalise every term
 
     @classmethod
     def preset(cls, loss_type, **options):
         """TRL's loss_type as a config (see gbc_kernels.config.TRL_LOSS_TYPES)."""
-        d = dict(_TRL_LOSS_TYPES[loss_type], entropy_agg="token-mean")
+        if ":" in loss_type:      # another trainer's names (gbc_kernels.config.TRAINER_PRESETS)
+            from gbc_kernels.config import TRAINER_PRESETS
+            d = dict(TRAINER_PRESETS[loss_type])
+        else:
+            d = dict(_TRL_LOSS_TYPES[loss_type], entropy_agg="token-mean")
         d.update(options)
         return cls(**d)
 
@@ -189,9 +206,31 @@ def group_advantages(rewards, group_ids, scale="std"):
     return out
 
 
+def kl_penalty(logp, ref_logp, cfg, old_logp=None):
+    """§1, §12: the KL term's estimator with its clamp and its gradient form, by autograd:
+    ``kl_clamp`` clamps the value; a ``+`` suffix (verl) keeps the value and takes the
+    gradient of k2 = (logp - ref)^2 / 2; ``kl_unbiased_gradient`` (OpenRLHF) takes the gradient
+    of w (logp - ref)^2 / 2, w = min(exp(logp - old_logp), 10) detached."""
+    val = kl_estimate(logp, ref_logp, cfg.kl_estimator.rstrip("+"))
+    if cfg.kl_clamp is not None:
+        val = val.clamp(-cfg.kl_clamp, cfg.kl_clamp)
+    w = None
+    if cfg.kl_estimator.endswith("+"):
+        w = 1.0
+    elif cfg.kl_unbiased_gradient:
+        old = logp.detach() if old_logp is None else old_logp
+        w = (logp - old).exp().clamp(max=10.0).detach()
+    if w is None:
+        return val
+    surrogate = w * 0.5 * (logp - ref_logp) ** 2
+    return val.detach() + surrogate - surrogate.detach()
+
+
 def kl_estimate(logp, ref_logp, estimator):
     """§1 KL estimators of KL(pi || pi_ref) at the sampled token, delta = ref_logp - logp."""
     delta = ref_logp - logp
+    if estimator == "abs":
+        return delta.abs()
     if estimator == "k1":
         return -delta
     if estimator == "k2":
@@ -254,8 +293,52 @@ def off_policy_mask(advantages, logp, sampling_logp, mask, threshold):
     return (advantages >= 0) | (mean <= threshold)
 
 
+def cov_selection(A, logp, old, mask, cfg):
+    """§12 Clip-Cov / KL-Cov (verl 0.9.1 clip_cov / kl_cov): cov = (A - mean A)(logp - mean
+    logp) over the masked tokens. kl: the top max(1, int(cov_ratio N)) tokens by cov. clip:
+    that many drawn by torch.randperm among the tokens with cov_lb < cov < cov_ub that PPO's
+    clip has not clipped (candidates in row-major order)."""
+    m = mask.bool()
+    sel = torch.zeros_like(m)
+    n = int(m.sum())
+    if n == 0:
+        return sel
+    a, lp = A.detach(), logp.detach()
+    cov = (a - a[m].mean()) * (lp - lp[m].mean())
+    k = max(int(cfg.cov_ratio * n), 1)
+    if cfg.cov_mode == "kl":
+        flat = m.reshape(-1).nonzero().squeeze(1)
+        top = torch.topk(cov.reshape(-1)[flat], min(k, n), largest=True).indices
+        sel.view(-1)[flat[top]] = True
+        return sel
+    lr = lp - old
+    if cfg.log_ratio_clamp is not None:
+        lr = lr.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    r = lr.exp()
+    clipped = -a * r.clamp(1 - cfg.epsilon_low, 1 + cfg.epsilon_high) > -a * r
+    cand = (m & (cov < cfg.cov_ub) & (cov > cfg.cov_lb) & ~clipped).reshape(-1).nonzero()
+    cand = cand.squeeze(1)
+    if cand.numel():
+        cand = cand[torch.randperm(cand.numel())[:min(k, cand.numel())]]
+    sel.view(-1)[cand] = True
+    return sel
+
+
+def dppo_valid(logp, old, A, cfg):
+    """§12 DPPO's binary trust region (verl dppo_tv / dppo_kl), one-sided by the sign of A."""
+    p, p_old = logp.detach().exp(), old.exp()
+    if cfg.dppo_divergence == "tv":
+        pos, neg = (p - p_old) <= cfg.epsilon_high, (p - p_old) >= -cfg.epsilon_low
+    else:
+        bkl = p_old * (old - logp.detach()) + (1 - p_old) * torch.log(
+            (1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+        pos = (bkl <= cfg.epsilon_high) | (p <= p_old)
+        neg = (bkl <= cfg.epsilon_low) | (p >= p_old)
+    return torch.where(A > 0, pos, neg)
+
+
 def _per_token_loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_scale,
-                    kl_weight, cfg, phase, is_ratio=None, sampling_logp=None):
+                    kl_weight, cfg, phase, is_ratio=None, sampling_logp=None, cov_sel=None):
     """Per-token terms of §1-§3 and §10, each 0 where it does not act. Returns
     (policy, kl, entropy_term, parts): the loss is policy + kl_coef kl - entropy_coef entropy,
     each term aggregated on its own (``_aggregate_terms``)."""
@@ -281,14 +364,24 @@ def _per_token_loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_s
 
     # the importance ratio: per token, or one per sequence (GSPO: exp of the masked mean)
     log_ratio = torch.where(m, logp - old, zero)
+    if cfg.log_ratio_clamp is not None:
+        log_ratio = log_ratio.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    n_b = m.sum(-1, keepdim=True).clamp(min=1)
     if cfg.importance_sampling_level == "sequence":
-        lw = log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+        lw = log_ratio.sum(-1, keepdim=True) / n_b
         lw = lw.expand_as(logp)
+    elif cfg.importance_sampling_level == "sequence_token":
+        # verl's GSPO-token: sg(sequence log-ratio) + lr - sg(lr), clamped at 10 above
+        seq = (log_ratio.sum(-1, keepdim=True) / n_b).detach()
+        lw = (seq + log_ratio - log_ratio.detach()).clamp(max=10.0)
     else:
         lw = log_ratio
     ratio = torch.exp(lw)
+    if cfg.cov_mode is not None and cov_sel is None:
+        cov_sel = cov_selection(A, logp, old, m, cfg)
 
     phi = None
+    flags = None
     if cfg.objective == "ppo_clip":
         r1 = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
         r2 = torch.clamp(ratio, 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high)
@@ -296,7 +389,26 @@ def _per_token_loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_s
         if cfg.clip_ratio_c is not None:
             pg = torch.where(adv < 0, torch.minimum(pg, -adv * cfg.clip_ratio_c), pg)
     elif cfg.objective == "cispo":
-        pg = -ratio.clamp(max=cfg.epsilon_high).detach() * adv * logp
+        pg = -ratio.clamp(min=cfg.cispo_min, max=cfg.epsilon_high).detach() * adv * logp
+    elif cfg.objective == "reinforce":
+        pg = -adv * logp
+    elif cfg.objective == "unclipped":
+        pg = -adv * ratio
+    elif cfg.objective == "dppo":
+        c = ratio if cfg.clip_ratio_c is None else ratio.clamp(max=cfg.clip_ratio_c)
+        valid = dppo_valid(logp, old, A, cfg)
+        flags = ((A <= 0) & ~valid, (A > 0) & ~valid)
+        pg = -adv * c.detach() * logp * valid.to(logp.dtype)
+    elif cfg.objective == "gmpo":
+        sgn = torch.sign(A)
+        clamped = log_ratio.clamp(-cfg.epsilon_low, cfg.epsilon_high)
+        c = sgn * torch.minimum(sgn * log_ratio, sgn * clamped)
+        R = torch.exp(torch.where(m, c, zero).sum(-1, keepdim=True) / n_b)
+        if is_ratio is not None:
+            log_is = torch.where(m, torch.log(is_ratio + 1e-10), zero)
+            R = R * torch.exp(log_is.sum(-1, keepdim=True) / n_b)
+        flags = ((A < 0) & (log_ratio != clamped), (A > 0) & (log_ratio != clamped))
+        pg = -adv * R
     elif cfg.objective == "sapo":
         kappa = torch.where(A > 0, A.new_tensor(cfg.sapo_temperature_pos),
                             A.new_tensor(cfg.sapo_temperature_neg))
@@ -304,7 +416,12 @@ def _per_token_loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_s
     else:   # vespo
         phi = gamma_weights(A, log_ratio, m, is_ratio, cfg)
         pg = -phi * adv * logp
-    if is_ratio is not None and cfg.objective != "vespo":
+    # beside the objective, in the policy term: verl dro's squared log-ratio, KL-Cov's |lr|
+    if cfg.log_ratio_penalty != 0.0:
+        pg = pg + 0.5 * cfg.log_ratio_penalty * log_ratio ** 2
+    if cfg.cov_mode == "kl":
+        pg = pg + torch.where(cov_sel, cfg.cov_kl_coef * log_ratio.abs(), zero)
+    if is_ratio is not None and cfg.objective not in ("vespo", "gmpo"):
         pg = pg * is_ratio
 
     # masks of the policy term (§10): off-policy sequences, the entropy quantile
@@ -319,12 +436,14 @@ def _per_token_loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_s
     if cfg.top_entropy_quantile < 1.0:
         emask = entropy_quantile_mask(entropy, m, cfg.top_entropy_quantile)
         keep = keep & emask
+    if cfg.cov_mode == "clip":
+        keep = keep & ~cov_sel
     policy = torch.where(keep & active, pg, zero)
 
     kl = None
     kl_term = zero
     if cfg.kl_coef != 0.0:
-        kl = kl_estimate(logp, ref_logp, cfg.kl_estimator)
+        kl = kl_penalty(logp, ref_logp, cfg, old)
         if cfg.kl_ratio_correction:
             kl = kl * ratio                 # the importance ratio of the level, unclipped
         if kl_weight is not None:
@@ -334,19 +453,22 @@ def _per_token_loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_s
     if cfg.entropy_coef != 0.0:
         ent_term = torch.where(active & emask, entropy, zero)
     parts = dict(ratio=ratio, adv=adv, ar=ar, p_old=p_old, kl=kl, phi=phi, A=A,
-                 emask=emask if cfg.top_entropy_quantile < 1.0 else None, dropped=dropped)
+                 emask=emask if cfg.top_entropy_quantile < 1.0 else None, dropped=dropped,
+                 flags=flags, cov_sel=cov_sel)
     return policy, kl_term, ent_term, parts
 
 
-def _aggregate(per_token, mask, agg, cfg, num_items_in_batch):
-    """The four loss_agg modes of §1 over ``mask`` (N_tok = num_items_in_batch when given)."""
+def _aggregate(per_token, mask, agg, cfg, num_items_in_batch, num_seqs_in_batch=None):
+    """The four loss_agg modes of §1 over ``mask`` (N_tok = num_items_in_batch, and the
+    sequence count B = num_seqs_in_batch, when given)."""
     agg = _LOSS_AGG_ALIASES.get(agg, agg)
     m = mask.to(per_token.dtype)
-    B = per_token.shape[0]
+    B = per_token.shape[0] if num_seqs_in_batch is None else torch.as_tensor(
+        num_seqs_in_batch, dtype=per_token.dtype)
     if agg == "token-mean":
-        n = m.sum() if num_items_in_batch is None else torch.as_tensor(
-            num_items_in_batch, dtype=per_token.dtype)
-        return per_token.sum() / n.clamp(min=1.0)
+        if num_items_in_batch is None:
+            return per_token.sum() / m.sum().clamp(min=1.0)
+        return per_token.sum() / torch.as_tensor(num_items_in_batch, dtype=per_token.dtype)
     if agg == "seq-mean-token-mean":
         return (per_token.sum(-1) / m.sum(-1).clamp(min=1.0)).sum() / B
     if agg == "seq-mean-token-sum":
@@ -356,7 +478,8 @@ def _aggregate(per_token, mask, agg, cfg, num_items_in_batch):
     raise ValueError(f"loss_agg: unknown {agg!r}")
 
 
-def _aggregate_terms(policy, kl, ent, mask, parts, cfg, num_items_in_batch):
+def _aggregate_terms(policy, kl, ent, mask, parts, cfg, num_items_in_batch,
+                     num_seqs_in_batch=None):
     """loss = agg(policy) + kl_coef agg(kl) - entropy_coef agg(entropy). A term without an
     aggregation of its own (kl_agg / entropy_agg None) is summed into the policy term's; one
     with its own is normalised over the tokens it acts on (KL: the mask; the entropy bonus:
@@ -364,18 +487,19 @@ def _aggregate_terms(policy, kl, ent, mask, parts, cfg, num_items_in_batch):
     m = mask.bool()
     shared = policy
     loss = 0.0
+    own = (num_items_in_batch, num_seqs_in_batch) if cfg.normalise_all_terms else (None, None)
     if cfg.kl_coef != 0.0:
         if cfg.kl_agg is None:
             shared = shared + cfg.kl_coef * kl
         else:
-            loss = loss + cfg.kl_coef * _aggregate(kl, m, cfg.kl_agg, cfg, None)
+            loss = loss + cfg.kl_coef * _aggregate(kl, m, cfg.kl_agg, cfg, *own)
     if cfg.entropy_coef != 0.0:
         if cfg.entropy_agg is None:
             shared = shared - cfg.entropy_coef * ent
         else:
             emask = m if parts["emask"] is None else parts["emask"]
-            loss = loss - cfg.entropy_coef * _aggregate(ent, emask, cfg.entropy_agg, cfg, None)
-    return _aggregate(shared, m, cfg.loss_agg, cfg, num_items_in_batch) + loss
+            loss = loss - cfg.entropy_coef * _aggregate(ent, emask, cfg.entropy_agg, cfg, *own)
+    return _aggregate(shared, m, cfg.loss_agg, cfg, num_items_in_batch, num_seqs_in_batch) + loss
 
 
 def _metrics(parts, logp, entropy, mask, cfg, grad_share_low, grad_norm_sum=None):
@@ -393,8 +517,10 @@ def _metrics(parts, logp, entropy, mask, cfg, grad_share_low, grad_norm_sum=None
         low = (adv < 0) & (r < 1.0 - cfg.epsilon_low)
         high = (adv > 0) & (r > 1.0 + cfg.epsilon_high)
     elif cfg.objective == "cispo":
-        low = torch.zeros_like(m)
+        low = torch.zeros_like(m) if cfg.cispo_min is None else (adv < 0) & (ratio < cfg.cispo_min)
         high = (adv > 0) & (ratio > cfg.epsilon_high)
+    elif parts["flags"] is not None:       # dppo: outside the trust region; gmpo: lr clipped
+        low, high = parts["flags"]
     else:
         low = high = torch.zeros_like(m)
     out = {
@@ -408,7 +534,7 @@ def _metrics(parts, logp, entropy, mask, cfg, grad_share_low, grad_norm_sum=None
         out["kl"] = masked_mean(parts["kl"])
     if entropy is not None:
         out["entropy"] = masked_mean(entropy)
-    if cfg.importance_sampling_level == "sequence":
+    if cfg.importance_sampling_level != "token":
         # TRL counts sequences at this level: the share of the B sequences with a clipped token
         out["clip_frac_low_seq"] = (low & m).any(-1).float().mean().detach()
         out["clip_frac_high_seq"] = (high & m).any(-1).float().mean().detach()
@@ -425,6 +551,8 @@ def _metrics(parts, logp, entropy, mask, cfg, grad_share_low, grad_norm_sum=None
                                    .sum() / kept).float().detach()
     if parts["dropped"] is not None:
         out["off_policy_frac"] = masked_mean(parts["dropped"].float())
+    if parts["cov_sel"] is not None:
+        out["cov_frac"] = masked_mean(parts["cov_sel"].float())
     if grad_share_low is not None:
         out["grad_share_low"] = grad_share_low.float().detach()
     if grad_norm_sum is not None:
@@ -433,16 +561,19 @@ def _metrics(parts, logp, entropy, mask, cfg, grad_share_low, grad_norm_sum=None
 
 
 def _loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_scale, kl_weight, cfg,
-          phase, num_items_in_batch, is_ratio, sampling_logp):
+          phase, num_items_in_batch, is_ratio, sampling_logp, num_seqs_in_batch=None,
+          cov_sel=None):
     policy, kl, ent, parts = _per_token_loss(logp, entropy, mask, advantages, old_logp,
                                              ref_logp, token_scale, kl_weight, cfg, phase,
-                                             is_ratio, sampling_logp)
-    return _aggregate_terms(policy, kl, ent, mask, parts, cfg, num_items_in_batch), parts
+                                             is_ratio, sampling_logp, cov_sel)
+    return _aggregate_terms(policy, kl, ent, mask, parts, cfg, num_items_in_batch,
+                            num_seqs_in_batch), parts
 
 
 def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=None,
                 token_scale=None, kl_weight=None, config=None, phase=None,
-                num_items_in_batch=None, is_ratio=None, sampling_logp=None):
+                num_items_in_batch=None, is_ratio=None, sampling_logp=None,
+                num_seqs_in_batch=None):
     """GRPO policy loss from per-token log-probs ``logp`` [B, T] (§1-§3, §10). Returns
     (loss, metrics).
 
@@ -451,7 +582,8 @@ def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=No
     """
     cfg = config or PolicyLossConfig()
     loss, parts = _loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_scale,
-                        kl_weight, cfg, phase, num_items_in_batch, is_ratio, sampling_logp)
+                        kl_weight, cfg, phase, num_items_in_batch, is_ratio, sampling_logp,
+                        num_seqs_in_batch)
     wants_entropy = (cfg.entropy_coef != 0 or cfg.top_entropy_quantile < 1.0
                      or cfg.return_entropy)
     return loss, _metrics(parts, logp, entropy if wants_entropy else None, mask, cfg, None)
@@ -460,7 +592,7 @@ def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=No
 def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp=None,
                              ref_logp=None, bias=None, token_scale=None, kl_weight=None,
                              config=None, phase=None, num_items_in_batch=None, backend="auto",
-                             is_ratio=None, sampling_logp=None):
+                             is_ratio=None, sampling_logp=None, num_seqs_in_batch=None):
     """The GRPO loss from hidden states [B, T, H] and lm_head weight [V, H], plainly:
 
         z = (hidden @ weight.T + bias) / temperature           # [B, T, V]
@@ -477,8 +609,9 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
                      or cfg.return_entropy)
     entropy = _entropy(logprobs_all) if wants_entropy else None
     args = (mask, advantages, old_logp, ref_logp, token_scale, kl_weight, cfg, phase,
-            num_items_in_batch, is_ratio, sampling_logp)
+            num_items_in_batch, is_ratio, sampling_logp, num_seqs_in_batch)
     loss, parts = _loss(logp, entropy, *args)
+    args = args + (parts["cov_sel"],)     # the gradient pass below: the same random selection
 
     # §6: the norm of the logp-part of dloss/dlogits per token is
     #     |g| / temperature * sqrt(1 - 2 p + sum_v p_v^2),  g = dloss/dlogp (entropy term excluded)
