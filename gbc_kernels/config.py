@@ -296,13 +296,13 @@ class PolicyLossConfig:
         optional_positive("log_ratio_clamp")
         optional_positive("kl_clamp")
         if self.cispo_min is not None:
-            if not (_is_number(self.cispo_min) and 0.0 <= self.cispo_min <= self.epsilon_high):
-                raise ValueError(f"cispo_min: expected None or a float in [0, epsilon_high="
-                                 f"{self.epsilon_high}], got {self.cispo_min!r}")
             if self.objective != "cispo":
                 raise ValueError(f"cispo_min: the lower bound of cispo's weight applies to "
                                  f"objective='cispo' only, got cispo_min={self.cispo_min!r} with "
                                  f"objective={self.objective!r}")
+            if not (_is_number(self.cispo_min) and 0.0 <= self.cispo_min <= self.epsilon_high):
+                raise ValueError(f"cispo_min: expected None or a float in [0, epsilon_high="
+                                 f"{self.epsilon_high}], got {self.cispo_min!r}")
         if self.dppo_divergence not in DPPO_DIVERGENCES:
             raise ValueError(f"dppo_divergence: expected one of {DPPO_DIVERGENCES}, got "
                              f"{self.dppo_divergence!r}")

@@ -134,3 +134,290 @@ def test_empty_rows(backend, cfg, chunking):
     assert float(loss) == 0.0
     assert all(torch.equal(gr, torch.zeros_like(gr)) for gr in grads.values())
     assert all(float(v) == 0.0 for v in metrics.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. verl 0.9.1's own functions
+# ----------------------------------------------------------------------------------------------
+
+VERL_MODES = ["vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov",
+              "geo_mean", "dro", "cispo"]
+VERL_AGGS = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+             "seq-mean-token-sum-norm"]
+
+
+def verl_actor_config(mode, agg, kl_type=None, entropy_coeff=0.0, **over):
+    """verl's own ActorConfig (its dataclass, validated by verl)."""
+    from verl.workers.config.actor import ActorConfig, PolicyLossConfig as VerlPLC
+
+    pl = dict(loss_mode=mode, clip_cov_ratio=0.2, clip_cov_lb=0.0, clip_cov_ub=4.0,
+              kl_cov_ratio=0.15, ppo_kl_coef=0.5, dro_beta=0.3 if mode == "dro" else None)
+    kw = dict(strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2,
+              policy_loss=VerlPLC(**pl), loss_agg_mode=agg, clip_ratio=0.2,
+              clip_ratio_low=0.15 if mode.startswith("dppo") else 0.2,
+              clip_ratio_high=0.25 if not mode.startswith("dppo") else 0.3,
+              clip_ratio_c=2.5, tau_pos=0.9, tau_neg=1.2, entropy_coeff=entropy_coeff,
+              use_kl_loss=kl_type is not None, kl_loss_type=kl_type or "low_var_kl",
+              kl_loss_coef=0.07)
+    kw.update(over)
+    return ActorConfig(**kw)
+
+
+def verl_ppo_loss(cfg, log_prob, entropy, old, adv, mask, refl, is_w, info):
+    """verl's ppo_loss (verl/workers/utils/losses.py) on padded tensors: its registered policy
+    loss, then its entropy and KL terms through its agg_loss, with the global batch info."""
+    from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
+
+    cfg.global_batch_info.clear()
+    cfg.global_batch_info.update(dp_size=info.get("dp_size", 1),
+                                 batch_num_tokens=info.get("batch_num_tokens"),
+                                 global_batch_size=info.get("global_batch_size"),
+                                 loss_scale_factor=cfg.loss_scale_factor)
+    pg_loss, _ = get_policy_loss_fn(cfg.policy_loss.loss_mode)(
+        old_log_prob=old, log_prob=log_prob, advantages=adv, response_mask=mask,
+        loss_agg_mode=cfg.loss_agg_mode, config=cfg, rollout_is_weights=is_w)
+    loss = pg_loss
+    if entropy is not None:
+        loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode,
+                                                   **cfg.global_batch_info)
+    if cfg.use_kl_loss:
+        kld = kl_penalty(logprob=log_prob, ref_logprob=refl, kl_penalty=cfg.kl_loss_type)
+        loss = loss + cfg.kl_loss_coef * agg_loss(kld, mask, cfg.loss_agg_mode,
+                                                  **cfg.global_batch_info)
+    return loss
+
+
+def _verl_batch(seed, B=6, T=10):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(B, T, generator=g) < 0.75
+    mask[2] = False                                       # an empty response
+    mask[0, :] = True
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3.0 - 0.02
+    logp = (old + 0.35 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=-1e-3)
+    refl = (old + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=-1e-3)
+    adv = torch.randn(B, generator=g, dtype=torch.float64)[:, None].expand(B, T).contiguous()
+    ent = torch.rand(B, T, generator=g, dtype=torch.float64) * 2.0
+    is_w = torch.rand(B, T, generator=g, dtype=torch.float64) + 0.5
+    return dict(mask=mask, old=old, logp=logp, ref=refl, adv=adv, ent=ent, is_w=is_w)
+
+
+VERL_CASES = [pytest.param(mode, agg, id=f"{mode}-{agg}") for mode in VERL_MODES
+              for agg in VERL_AGGS]
+
+
+def _gbc_verl(lib, cfg_verl, b, lp, en, info, with_is):
+    from gbc_kernels.integrations import verl as gv
+
+    T = b["mask"].shape[1]
+    cfg = gv.policy_loss_config(cfg_verl, response_length=T)
+    want_entropy = cfg.wants_entropy
+    if lib is ref:
+        cfg = ref.PolicyLossConfig(**{k: getattr(cfg, k) for k in
+                                      ref.PolicyLossConfig.__dataclass_fields__})
+    norms = gv.batch_normalisers(cfg_verl, b["mask"], info)
+    return lib.policy_loss(lp, b["mask"], b["adv"], b["old"], b["ref"] if cfg.kl_coef else None,
+                           entropy=en if want_entropy else None, config=cfg,
+                           is_ratio=b["is_w"] if with_is else None, **norms)[0]
+
+
+def _compare_with_verl(cfg_verl, b, info, with_is, tol=1e-10):
+    pytest.importorskip("verl")
+    outs = []
+    for which in ("verl", "ref", "gbc"):
+        lp = b["logp"].clone().requires_grad_(True)
+        en = b["ent"].clone().requires_grad_(True)
+        if which == "verl":        # clip_cov draws its tokens: every run from the same state
+            loss = _seeded(verl_ppo_loss, cfg_verl, lp, en if cfg_verl.entropy_coeff else None,
+                           b["old"], b["adv"], b["mask"], b["ref"],
+                           b["is_w"] if with_is else None, info)
+        else:
+            loss = _seeded(_gbc_verl, ref if which == "ref" else gbc, cfg_verl, b, lp, en, info,
+                           with_is)
+        (loss * 0.7).backward()
+        m = b["mask"]
+        outs.append((float(loss.detach()), torch.where(m, lp.grad, 0.0),
+                     torch.where(m, en.grad if en.grad is not None else torch.zeros_like(en),
+                                 0.0)))
+    (l0, g0, e0) = outs[0]
+    assert g0.abs().max() > 0
+    for l1, g1, e1 in outs[1:]:
+        assert abs(l0 - l1) <= tol * max(1.0, abs(l0)), (l0, l1)
+        assert torch.allclose(g0, g1, rtol=1e-8, atol=1e-12), (g0 - g1).abs().max()
+        assert torch.allclose(e0, e1, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode,agg", VERL_CASES)
+def test_verl_loss_modes(mode, agg):
+    """Each of verl's registered losses x each loss_agg_mode, one process, no global info: its
+    ppo_loss (with its KL, low_var_kl, and its entropy term) equals gbc's from the mapping."""
+    b = _verl_batch(zlib.crc32(f"{mode}{agg}".encode()) % 1000)
+    if mode == "geo_mean" and agg.startswith("seq-mean"):
+        cfg = verl_actor_config(mode, agg)               # no KL / entropy: expressible
+        with pytest.raises(ValueError, match="loss_agg_mode.*geo_mean"):
+            from gbc_kernels.integrations import verl as gv
+            gv.policy_loss_config(verl_actor_config(mode, agg, "k1"), response_length=10)
+    else:
+        cfg = verl_actor_config(mode, agg, "low_var_kl", entropy_coeff=0.03)
+    _compare_with_verl(cfg, b, {}, with_is=mode in ("vanilla", "sapo", "geo_mean", "dro"))
+
+
+
+@pytest.mark.parametrize("kl_type", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+",
+                                     "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"])
+def test_verl_kl_penalty_variants(kl_type):
+    """verl's kl_penalty, one variant at a time (its straight-through '+' forms included), with
+    log-ratios past the low_var_kl clamp on a few tokens."""
+    b = _verl_batch(zlib.crc32(kl_type.encode()) % 1000)
+    b["ref"][1, :3] = b["logp"][1, :3] - 12.0             # k3 beyond its +-10 clamp
+    _compare_with_verl(verl_actor_config("vanilla", "token-mean", kl_type), b, {}, False)
+
+
+@pytest.mark.parametrize("mode", VERL_MODES)
+@pytest.mark.parametrize("agg,info", [
+    ("token-mean", dict(dp_size=2, batch_num_tokens=70, global_batch_size=14)),
+    ("token-sum", dict(dp_size=4, batch_num_tokens=130, global_batch_size=22)),
+    ("seq-mean-token-mean", dict(dp_size=2, batch_num_tokens=70, global_batch_size=16)),
+    ("seq-mean-token-sum-norm", dict(dp_size=2, batch_num_tokens=70, global_batch_size=16,
+                                     lsf=7)),
+], ids=["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_verl_global_batch_info(mode, agg, info):
+    """verl's global_batch_info (dp_size, batch_num_tokens, global_batch_size,
+    loss_scale_factor), its rollout_is_weights, KL (k3+) and entropy: the normalisers of every
+    term through ``batch_normalisers``."""
+    info = dict(info)
+    lsf = info.pop("lsf", None)
+    b = _verl_batch(zlib.crc32(f"{mode}{agg}gbi".encode()) % 1000)
+    kl = ("k3+", 0.02) if not (mode == "geo_mean" and agg.startswith("seq")) else (None, 0.0)
+    cfg = verl_actor_config(mode, agg, kl[0], entropy_coeff=kl[1], loss_scale_factor=lsf)
+    _compare_with_verl(cfg, b, info, with_is=True)
+
+
+def test_verl_refusals():
+    """A verl option gbc cannot honour is refused, naming it; never a silent change."""
+    from gbc_kernels.integrations import verl as gv
+
+    with pytest.raises(ValueError, match="policy_loss.loss_mode.*bypass_mode"):
+        gv.policy_loss_config(verl_actor_config("bypass_mode", "token-mean"))
+    with pytest.raises(ValueError, match="policy_loss.dro_beta"):
+        gv.policy_loss_config({"policy_loss": {"loss_mode": "dro"}})
+    with pytest.raises(ValueError, match="kl_loss_type.*'full'"):
+        gv.policy_loss_config({"use_kl_loss": True, "kl_loss_type": "full"})
+    with pytest.raises(ValueError, match="response_length"):
+        gv.policy_loss_config({"loss_agg_mode": "seq-mean-token-sum-norm"})
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        gv.policy_loss_config({"loss_agg_mode": "mean"})
+    with pytest.raises(ValueError, match="batch_num_tokens"):
+        gv.batch_normalisers({}, torch.ones(2, 3, dtype=torch.bool), {"dp_size": 2})
+    with pytest.raises(ValueError, match="global_batch_size"):
+        gv.batch_normalisers({"loss_agg_mode": "seq-mean-token-mean"},
+                             torch.ones(2, 3, dtype=torch.bool), {"dp_size": 2})
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. OpenRLHF 0.11.2's KL estimators
+# ----------------------------------------------------------------------------------------------
+
+
+def openrlhf_approx_kl(log_probs, log_probs_base, log_probs_old, kl_estimator, unbiased):
+    """openrlhf/models/utils.py compute_approx_kl (0.11.2), line by line."""
+    log_ratio = log_probs - log_probs_base
+    if kl_estimator == "k1":
+        value = log_ratio
+    elif kl_estimator == "k2":
+        value = log_ratio ** 2 / 2.0
+    else:
+        k3_log_ratio = log_ratio.clamp(min=-10)
+        value = (-k3_log_ratio).exp() - 1 + k3_log_ratio
+    value = value.clamp(min=-10, max=10)
+    if not unbiased:
+        return value
+    w = (log_probs - log_probs_old).exp().clamp(max=10.0).detach()
+    surrogate = w * (log_ratio ** 2 / 2.0)
+    return value.detach() + surrogate - surrogate.detach()
+
+
+@pytest.mark.parametrize("est", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("unbiased", [False, True], ids=["plain", "unbiased-gradient"])
+def test_openrlhf_kl(est, unbiased):
+    """OpenRLHF's clamped estimators (kl_clamp=10) and its unbiased_gradient, as the KL term of
+    a token-mean loss, against gbc_reference and gbc.policy_loss: loss and gradient, with
+    log-ratios past both clamps."""
+    b = _verl_batch(zlib.crc32(f"orl{est}{unbiased}".encode()) % 1000)
+    b["ref"][1, :2] = b["logp"][1, :2] - 11.0
+    b["ref"][0, :2] = (b["logp"][0, :2] + 4.5).clamp(max=-1e-3)
+    m = b["mask"]
+    outs = []
+    for which in ("openrlhf", "ref", "gbc"):
+        lp = b["logp"].clone().requires_grad_(True)
+        if which == "openrlhf":
+            kl = openrlhf_approx_kl(lp, b["ref"], b["old"], est, unbiased)
+            loss = 0.1 * (kl * m).sum() / m.sum()
+        else:
+            lib = ref if which == "ref" else gbc
+            cfg = lib.PolicyLossConfig(objective="reinforce", kl_coef=0.1, kl_estimator=est,
+                                       kl_clamp=10.0, kl_unbiased_gradient=unbiased)
+            zero = torch.zeros_like(b["adv"])      # the KL term alone
+            loss = lib.policy_loss(lp, m, zero, b["old"], b["ref"], config=cfg)[0]
+        loss.backward()
+        outs.append((float(loss.detach()), torch.where(m, lp.grad, 0.0)))
+    assert outs[0][1].abs().max() > 0
+    for loss, grad in outs[1:]:
+        assert abs(loss - outs[0][0]) <= 1e-12
+        assert torch.allclose(grad, outs[0][1], rtol=1e-10, atol=1e-14)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. bad combinations
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(cispo_min=0.8), "cispo_min.*objective='ppo_clip'"),
+    (dict(objective="cispo", epsilon_high=1.2, cispo_min=1.5), "cispo_min.*epsilon_high"),
+    (dict(dppo_divergence="binary_kl"), "dppo_divergence.*objective='ppo_clip'"),
+    (dict(objective="dppo", dppo_divergence="kl"), "dppo_divergence: expected"),
+    (dict(objective="gmpo", importance_sampling_level="sequence"),
+     "importance_sampling_level.*objective='gmpo'"),
+    (dict(objective="reinforce", importance_sampling_level="sequence_token"),
+     "importance_sampling_level.*'reinforce'"),
+    (dict(objective="gmpo", delta=2.0), "delta"),
+    (dict(objective="sapo", clip_ratio_c=3.0), "clip_ratio_c.*objective='sapo'"),
+    (dict(kl_estimator="k4"), "kl_estimator"),
+    (dict(kl_estimator="low_var_kl", kl_clamp=5.0), "kl_clamp.*low_var_kl"),
+    (dict(kl_estimator="k3+", kl_unbiased_gradient=True), "kl_unbiased_gradient.*k3\\+"),
+    (dict(kl_ratio_correction=True, kl_estimator="k1+"), "kl_ratio_correction.*k1\\+"),
+    (dict(kl_unbiased_gradient="yes"), "kl_unbiased_gradient: expected a bool"),
+    (dict(normalise_all_terms=1), "normalise_all_terms: expected a bool"),
+    (dict(log_ratio_clamp=0.0), "log_ratio_clamp"),
+    (dict(log_ratio_clamp="20"), "log_ratio_clamp"),
+    (dict(log_ratio_penalty=-0.1), "log_ratio_penalty"),
+    (dict(kl_clamp=float("inf")), "kl_clamp"),
+    (dict(cov_mode="topk"), "cov_mode"),
+    (dict(cov_mode="clip", cov_ratio=0.0), "cov_ratio"),
+    (dict(cov_mode="clip", cov_lb=5.0, cov_ub=1.0), "cov_lb, cov_ub"),
+    (dict(cov_mode="clip", objective="cispo"), "cov_mode.*objective='cispo'"),
+    (dict(cov_mode="kl", importance_sampling_level="sequence"),
+     "cov_mode.*importance_sampling_level"),
+])
+def test_bad_combinations(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        gbc.PolicyLossConfig(**kwargs)
+
+
+def test_presets():
+    """Each "verl:<mode>" preset is a config; unknown names and dro without its beta are
+    refused; an option overrides a preset's field."""
+    from gbc_kernels.config import TRAINER_PRESETS
+
+    for name in TRAINER_PRESETS:
+        opts = dict(log_ratio_penalty=0.1) if name == "verl:dro" else {}
+        cfg = gbc.PolicyLossConfig.preset(name, ar_alpha=0.3, **opts)
+        assert cfg.ar_alpha == 0.3
+    assert gbc.PolicyLossConfig.preset("verl:cispo").cispo_min == 0.8
+    assert gbc.PolicyLossConfig.preset("verl:vanilla", clip_ratio_c=4.0).clip_ratio_c == 4.0
+    with pytest.raises(ValueError, match="log_ratio_penalty.*verl:dro"):
+        gbc.PolicyLossConfig.preset("verl:dro")
+    with pytest.raises(ValueError, match="loss_type.*'verl:ppo'"):
+        gbc.PolicyLossConfig.preset("verl:ppo")
+    with pytest.raises(ValueError, match="loss_type"):
+        gbc.PolicyLossConfig.preset(["grpo"])

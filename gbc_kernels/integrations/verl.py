@@ -35,6 +35,138 @@ import gbc_kernels as gbc
 
 VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                   "seq-mean-token-sum-norm")
+# verl 0.9.1's registered policy losses that gbc reproduces (TRAINER_PRESETS "verl:<mode>");
+# bypass_mode (its rollout-correction dispatcher) is refused
+VERL_LOSS_MODES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov",
+                   "geo_mean", "dro", "cispo")
+# verl's kl_loss_type names -> gbc's kl_estimator ("k3" is verl's clamped low_var_kl; a "+"
+# on k2 / mse is k2 itself, its gradient being k2's already)
+VERL_KL_TYPES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2",
+                 "low_var_kl": "low_var_kl", "k3": "low_var_kl",
+                 "kl+": "k1+", "k1+": "k1+", "abs+": "abs+", "mse+": "k2", "k2+": "k2",
+                 "low_var_kl+": "low_var_kl+", "k3+": "low_var_kl+"}
+
+
+def policy_loss_config(actor_config, response_length: Optional[int] = None,
+                       **gbc_options) -> "gbc.PolicyLossConfig":
+    """The :class:`gbc_kernels.PolicyLossConfig` that reproduces verl 0.9.1's ``ppo_loss``
+    (``verl/workers/utils/losses.py``) for ``actor_config`` (verl's ``ActorConfig``, an
+    OmegaConf node or a dict): its ``policy_loss.loss_mode`` and that mode's parameters,
+    ``clip_ratio``/``clip_ratio_low``/``clip_ratio_high``/``clip_ratio_c``, ``loss_agg_mode``
+    and ``loss_scale_factor``, ``tau_pos``/``tau_neg``, ``use_kl_loss``/``kl_loss_type``/
+    ``kl_loss_coef`` and ``entropy_coeff``. ``gbc_options`` add the gbc methods (``ar_alpha``,
+    ``lopti_eta``, ...) or override a field.
+
+    ``response_length``: the padded response length T of the call, needed only for
+    ``seq-mean-token-sum-norm`` without ``loss_scale_factor`` (verl then divides by T). The
+    call's batch normalisers (verl's ``global_batch_info``) come from :func:`batch_normalisers`.
+    An option gbc cannot honour raises a ValueError naming it.
+    """
+    policy_loss = _cfg_get(actor_config, "policy_loss", None)
+    mode = _cfg_get(policy_loss, "loss_mode", "vanilla")
+    if mode not in VERL_LOSS_MODES:
+        raise ValueError(f"policy_loss.loss_mode: gbc reproduces verl's {VERL_LOSS_MODES}, got "
+                         f"{mode!r}" + (" (verl's rollout-correction dispatcher: set "
+                                        "rollout_is_weights and a loss mode instead)"
+                                        if mode == "bypass_mode" else ""))
+    clip = _cfg_get(actor_config, "clip_ratio", 0.2)
+    low = _cfg_get(actor_config, "clip_ratio_low")
+    high = _cfg_get(actor_config, "clip_ratio_high")
+    low = clip if low is None else low
+    high = clip if high is None else high
+    opts = {}
+    if mode in ("vanilla", "dppo_tv", "dppo_kl", "gspo", "clip_cov", "geo_mean"):
+        opts.update(epsilon_low=low, epsilon_high=high)
+    if mode in ("vanilla", "dppo_tv", "dppo_kl"):
+        opts["clip_ratio_c"] = _cfg_get(actor_config, "clip_ratio_c",
+                                        3.0 if mode == "vanilla" else 20.0)
+    if mode == "sapo":
+        opts.update(sapo_temperature_pos=_cfg_get(actor_config, "tau_pos", 1.0),
+                    sapo_temperature_neg=_cfg_get(actor_config, "tau_neg", 1.05))
+    if mode == "cispo":
+        opts.update(epsilon_high=1.0 + high, cispo_min=1.0 - low)
+    def pl(name, default):          # verl: "x if x is not None else default"
+        v = _cfg_get(policy_loss, name, None)
+        return default if v is None else v
+
+    if mode == "clip_cov":
+        opts.update(cov_ratio=pl("clip_cov_ratio", 0.0002), cov_lb=pl("clip_cov_lb", 1.0),
+                    cov_ub=pl("clip_cov_ub", 5.0))
+    if mode == "kl_cov":
+        opts.update(cov_ratio=pl("kl_cov_ratio", 0.0002), cov_kl_coef=pl("ppo_kl_coef", 1.0))
+    if mode == "dro":
+        beta = _cfg_get(policy_loss, "dro_beta", None)
+        if beta is None or not beta > 0:
+            raise ValueError(f"policy_loss.dro_beta: verl's dro needs a positive dro_beta, got "
+                             f"{beta!r}")
+        opts["log_ratio_penalty"] = float(beta)
+
+    agg_mode = _cfg_get(actor_config, "loss_agg_mode", "token-mean")
+    if agg_mode not in VERL_AGG_MODES:
+        raise ValueError(f"loss_agg_mode: expected one of {VERL_AGG_MODES}, got {agg_mode!r}")
+    agg = "token-mean" if agg_mode == "token-sum" else agg_mode   # token-sum: num_items = 1/dp
+    max_len = None
+    if agg_mode == "seq-mean-token-sum-norm":
+        max_len = _cfg_get(actor_config, "loss_scale_factor", None) or response_length
+        if max_len is None:
+            raise ValueError("response_length: loss_agg_mode='seq-mean-token-sum-norm' without "
+                             "loss_scale_factor divides by the response length T; pass it")
+    kl_on = bool(_cfg_get(actor_config, "use_kl_loss", False))
+    ent = float(_cfg_get(actor_config, "entropy_coeff", 0.0) or 0.0)
+    if kl_on:
+        kl_type = _cfg_get(actor_config, "kl_loss_type", "low_var_kl")
+        if kl_type not in VERL_KL_TYPES:
+            raise ValueError(f"kl_loss_type: gbc reproduces verl's {tuple(VERL_KL_TYPES)}, got "
+                             f"{kl_type!r}")
+        opts.update(kl_coef=float(_cfg_get(actor_config, "kl_loss_coef", 0.001)),
+                    kl_estimator=VERL_KL_TYPES[kl_type])
+    opts["entropy_coef"] = ent
+    if mode in ("sapo", "geo_mean"):
+        # the policy term has its own aggregation there (seq-mean-token-mean; geo_mean: the
+        # plain mean over the call's sequences); the KL and entropy terms keep loss_agg_mode
+        if mode == "geo_mean" and agg != "token-mean" and (kl_on or ent):
+            raise ValueError(f"loss_agg_mode: verl's geo_mean averages its policy term over the "
+                             f"micro-batch's sequences while its KL/entropy terms take "
+                             f"loss_agg_mode={agg_mode!r} over the global batch; gbc has one "
+                             f"sequence count per call: use loss_agg_mode='token-mean' or "
+                             f"'token-sum' with geo_mean and a KL or entropy term")
+        opts.update(kl_agg=agg if kl_on else None, entropy_agg=agg if ent else None,
+                    normalise_all_terms=True)
+    else:
+        opts["loss_agg"] = agg
+    opts["max_len"] = max_len
+    opts.update(gbc_options)
+    return gbc.PolicyLossConfig.preset(f"verl:{mode}", **opts)
+
+
+def batch_normalisers(actor_config, mask: torch.Tensor, global_batch_info=None) -> dict:
+    """``num_items_in_batch`` and ``num_seqs_in_batch`` for one call, as verl's ``agg_loss``
+    normalises with ``global_batch_info`` (``dp_size``, ``batch_num_tokens``,
+    ``global_batch_size``; default: ``actor_config.global_batch_info``): token-mean divides by
+    ``batch_num_tokens / dp_size`` (else this call's tokens), token-sum by ``1 / dp_size``, the
+    sequence modes by ``global_batch_size / dp_size`` (else this call's non-empty sequences:
+    verl excludes fully masked ones; at least 1, where verl would return NaN). verl's
+    geo_mean takes the plain mean over the call's sequences: no sequence count. No host sync.
+    """
+    info = dict(global_batch_info if global_batch_info is not None
+                else (_cfg_get(actor_config, "global_batch_info", None) or {}))
+    dp = info.get("dp_size") or 1
+    agg_mode = _cfg_get(actor_config, "loss_agg_mode", "token-mean")
+    mode = _cfg_get(_cfg_get(actor_config, "policy_loss", None), "loss_mode", "vanilla")
+    items = seqs = None
+    if agg_mode == "token-mean":
+        n = info.get("batch_num_tokens")
+        if n is None and dp > 1:
+            raise ValueError("global_batch_info: batch_num_tokens is required when dp_size > 1")
+        items = None if n is None else n / dp
+    elif agg_mode == "token-sum":
+        items = 1.0 / dp
+    if (agg_mode.startswith("seq-mean") and mode != "geo_mean") or mode == "sapo":
+        gbs = info.get("global_batch_size")
+        if gbs is None and dp > 1:
+            raise ValueError("global_batch_info: global_batch_size is required when dp_size > 1")
+        seqs = (mask.bool().any(-1).sum().clamp(min=1) if gbs is None else gbs / dp)
+    return dict(num_items_in_batch=items, num_seqs_in_batch=seqs)
 
 
 @dataclass
