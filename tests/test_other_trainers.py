@@ -421,3 +421,34 @@ def test_presets():
         gbc.PolicyLossConfig.preset("verl:ppo")
     with pytest.raises(ValueError, match="loss_type"):
         gbc.PolicyLossConfig.preset(["grpo"])
+
+
+@pytest.mark.parametrize("mode", VERL_MODES)
+def test_verl_registry_every_base_mode(mode):
+    """``integrations.verl.register(base_loss_mode=mode)``: the registered function equals
+    verl's own registered ``mode`` (value and gradient), global batch info and rollout IS
+    weights on."""
+    core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
+    from gbc_kernels.integrations import verl as gv
+
+    gv.register(f"gbc_{mode}", base_loss_mode=mode)
+    b = _verl_batch(zlib.crc32(f"reg{mode}".encode()) % 1000)
+    agg = "token-mean" if mode == "geo_mean" else "seq-mean-token-mean"
+    outs = []
+    for name in (mode, f"gbc_{mode}"):
+        cfg = verl_actor_config(mode, agg)
+        cfg.global_batch_info.update(dp_size=2, batch_num_tokens=70, global_batch_size=14,
+                                     loss_scale_factor=None)
+        lp = b["logp"].clone().requires_grad_(True)
+        loss, metrics = _seeded(core_algos.get_policy_loss_fn(name), old_log_prob=b["old"],
+                                log_prob=lp, advantages=b["adv"], response_mask=b["mask"],
+                                loss_agg_mode=agg, config=cfg, rollout_is_weights=b["is_w"])
+        loss.backward()
+        outs.append((float(loss.detach()), lp.grad, metrics))
+    assert abs(outs[0][0] - outs[1][0]) <= 1e-10 * max(1.0, abs(outs[0][0]))
+    assert torch.allclose(torch.where(b["mask"], outs[0][1], 0.0), outs[1][1], rtol=1e-8,
+                          atol=1e-12)
+    if "actor/ppo_kl" in outs[0][2] and mode != "kl_cov":    # kl_cov reports |lr| there
+        assert abs(outs[0][2]["actor/ppo_kl"] - outs[1][2]["actor/ppo_kl"]) < 1e-9
+    with pytest.raises(ValueError, match="base_loss_mode"):
+        gv.register("gbc_bad", base_loss_mode="ppo")

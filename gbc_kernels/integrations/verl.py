@@ -107,7 +107,10 @@ def policy_loss_config(actor_config, response_length: Optional[int] = None,
     agg = "token-mean" if agg_mode == "token-sum" else agg_mode   # token-sum: num_items = 1/dp
     max_len = None
     if agg_mode == "seq-mean-token-sum-norm":
-        max_len = _cfg_get(actor_config, "loss_scale_factor", None) or response_length
+        # verl's ppo_loss copies loss_scale_factor into global_batch_info; agg_loss reads it there
+        info = _cfg_get(actor_config, "global_batch_info", None) or {}
+        max_len = (_cfg_get(info, "loss_scale_factor", None)
+                   or _cfg_get(actor_config, "loss_scale_factor", None) or response_length)
         if max_len is None:
             raise ValueError("response_length: loss_agg_mode='seq-mean-token-sum-norm' without "
                              "loss_scale_factor divides by the response length T; pass it")
@@ -176,6 +179,7 @@ class VerlGBCOptions:
     ar_alpha: float = 0.0
     lopti_eta: Optional[float] = None
     current_phase: Optional[str] = None
+    base_loss_mode: str = "vanilla"
 
     @contextlib.contextmanager
     def phase(self, which: str):
@@ -199,8 +203,29 @@ def _cfg_get(config, name, default=None):
     return getattr(config, name, default)
 
 
+class _PolicyTermOnly:
+    """A read-only view of verl's actor config for the registry path: verl adds its KL and
+    entropy terms outside the registered function, so the view turns them off, and names the
+    verl loss mode gbc reproduces (``base_loss_mode``) and the call's ``loss_agg_mode``."""
+
+    def __init__(self, config, loss_mode, loss_agg_mode):
+        self._config, self._agg = config, loss_agg_mode
+        pl = _cfg_get(config, "policy_loss", None)
+        self._pl = {k: _cfg_get(pl, k, None) for k in
+                    ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
+                     "ppo_kl_coef", "dro_beta")}
+        self._pl["loss_mode"] = loss_mode
+
+    def get(self, name, default=None):
+        over = {"policy_loss": self._pl, "use_kl_loss": False, "entropy_coeff": 0.0,
+                "loss_agg_mode": self._agg}
+        return over[name] if name in over else _cfg_get(self._config, name, default)
+
+
 def make_policy_loss(options: VerlGBCOptions):
-    """A function with the signature of verl's registered policy losses."""
+    """A function with the signature of verl's registered policy losses: verl's
+    ``options.base_loss_mode`` loss through :func:`policy_loss_config` and
+    :func:`batch_normalisers`, with the gbc options on top."""
 
     def gbc_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
                         advantages: torch.Tensor, response_mask: torch.Tensor,
@@ -212,65 +237,32 @@ def make_policy_loss(options: VerlGBCOptions):
         if loss_agg_mode not in VERL_AGG_MODES:
             raise ValueError(f"loss_agg_mode: expected one of {VERL_AGG_MODES}, "
                              f"got {loss_agg_mode!r}")
-        clip = _cfg_get(config, "clip_ratio", 0.2)
-        low = _cfg_get(config, "clip_ratio_low") or clip
-        high = _cfg_get(config, "clip_ratio_high") or clip
-        clip_c = _cfg_get(config, "clip_ratio_c", 3.0)
-        info = dict(_cfg_get(config, "global_batch_info", None) or {})
-        dp = info.get("dp_size") or 1
         mask = response_mask.bool()
-        B, T = mask.shape
-
-        # verl's agg_loss, written as gbc's aggregation times a factor (the loss is linear in it)
-        num_items, factor, max_len = None, 1.0, None
-        if loss_agg_mode == "token-mean":
-            agg = "token-mean"
-            n = info.get("batch_num_tokens")
-            if n is None and dp > 1:
-                raise ValueError("global_batch_info: batch_num_tokens is required when dp_size > 1")
-            if n is not None:
-                num_items = n / dp
-        else:
-            agg = {"token-sum": "seq-mean-token-sum",
-                   "seq-mean-token-sum": "seq-mean-token-sum",
-                   "seq-mean-token-mean": "seq-mean-token-mean",
-                   "seq-mean-token-sum-norm": "seq-mean-token-sum-norm"}[loss_agg_mode]
-            if loss_agg_mode == "token-sum":
-                factor = B * dp
-            else:
-                gbs = info.get("global_batch_size")
-                if gbs is None and dp > 1:
-                    raise ValueError("global_batch_info: global_batch_size is required when "
-                                     "dp_size > 1")
-                # verl averages over the sequences with at least one token
-                seqs = gbs if gbs is not None else mask.any(-1).sum().clamp(min=1)
-                factor = B * dp / seqs
-            if loss_agg_mode == "seq-mean-token-sum-norm":
-                max_len = info.get("loss_scale_factor") or T
-        cfg = gbc.PolicyLossConfig(epsilon_low=low, epsilon_high=high, clip_ratio_c=clip_c,
-                                   loss_agg=agg, max_len=max_len, ar_alpha=options.ar_alpha,
-                                   lopti_eta=options.lopti_eta)
+        view = _PolicyTermOnly(config, options.base_loss_mode, loss_agg_mode)
+        cfg = policy_loss_config(view, response_length=mask.shape[1],
+                                 ar_alpha=options.ar_alpha, lopti_eta=options.lopti_eta)
         loss, m = gbc.policy_loss(log_prob, mask, advantages, old_logp=old_log_prob,
-                                  token_scale=rollout_is_weights, config=cfg,
-                                  phase=options.current_phase, num_items_in_batch=num_items)
-        loss = loss * factor
-
-        with torch.no_grad():     # verl's metric definitions, from its vanilla loss
-            neg_kl = (log_prob - old_log_prob).clamp(-20.0, 20.0)
-            fm = mask.float()
-            denom = fm.sum().clamp(min=1.0)
-            ppo_kl = (-neg_kl * fm).sum() / denom
-            ratio = neg_kl.exp()
-            a = advantages if advantages.dim() == 2 else advantages[:, None]
-            pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - low, 1 + high))
-            lower = ((pg > -a * clip_c) & (a < 0)).float()
-            clipfrac_lower = (lower * fm).sum() / denom
-        metrics = {
-            "actor/pg_clipfrac": (m["clip_frac_low"] + m["clip_frac_high"]).item(),
-            "actor/ppo_kl": ppo_kl.item(),
-            "actor/pg_clipfrac_lower": clipfrac_lower.item(),
-        }
-        for name in ("low_frac", "ar_weight_mean", "grad_share_low"):   # those policy_loss has
+                                  config=cfg, phase=options.current_phase,
+                                  is_ratio=rollout_is_weights,
+                                  **batch_normalisers(view, mask))
+        with torch.no_grad():     # verl's ppo_kl (its vanilla clamps the log-ratio at +-20)
+            lr = log_prob - old_log_prob
+            if cfg.log_ratio_clamp is not None:
+                lr = lr.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+            fm = mask.to(lr.dtype)
+            ppo_kl = (-lr * fm).sum() / (fm.sum() + 1e-8)
+        metrics = {"actor/ppo_kl": ppo_kl.item(),
+                   "actor/pg_clipfrac": (m["clip_frac_low"] + m["clip_frac_high"]).item()}
+        if options.base_loss_mode == "vanilla":
+            with torch.no_grad():     # verl's dual-clip share, from its vanilla loss
+                ratio = lr.exp()
+                a = advantages if advantages.dim() == 2 else advantages[:, None]
+                pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - cfg.epsilon_low,
+                                                                1 + cfg.epsilon_high))
+                lower = ((pg > -a * cfg.clip_ratio_c) & (a < 0)).to(lr.dtype)
+                metrics["actor/pg_clipfrac_lower"] = ((lower * fm).sum()
+                                                      / (fm.sum() + 1e-8)).item()
+        for name in ("low_frac", "ar_weight_mean", "cov_frac"):   # those policy_loss has
             if name in m:
                 metrics[f"actor/gbc_{name}"] = m[name].item()
         return loss, metrics
@@ -278,17 +270,23 @@ def make_policy_loss(options: VerlGBCOptions):
     return gbc_policy_loss
 
 
-def register(name: str = "gbc", ar_alpha: float = 0.0,
-             lopti_eta: Optional[float] = None) -> VerlGBCOptions:
+def register(name: str = "gbc", ar_alpha: float = 0.0, lopti_eta: Optional[float] = None,
+             base_loss_mode: str = "vanilla") -> VerlGBCOptions:
     """Register the gbc policy loss with verl under ``name`` and return its options.
 
+    ``base_loss_mode``: the verl loss the registered one reproduces (any of
+    :data:`VERL_LOSS_MODES`, with the actor config's parameters for it), AR and Lopti on top.
     Select it with ``actor_rollout_ref.actor.policy_loss.loss_mode=<name>``. verl's workers run
     in their own processes: call this where they import their code (e.g. the module that
     defines your reward function).
     """
     from verl.trainer.ppo.core_algos import register_policy_loss
 
-    options = VerlGBCOptions(ar_alpha=ar_alpha, lopti_eta=lopti_eta)
+    if base_loss_mode not in VERL_LOSS_MODES:
+        raise ValueError(f"base_loss_mode: expected one of {VERL_LOSS_MODES}, got "
+                         f"{base_loss_mode!r}")
+    options = VerlGBCOptions(ar_alpha=ar_alpha, lopti_eta=lopti_eta,
+                             base_loss_mode=base_loss_mode)
     gbc.PolicyLossConfig(ar_alpha=ar_alpha, lopti_eta=lopti_eta)    # validates both
     register_policy_loss(name)(make_policy_loss(options))
     return options
