@@ -1,6 +1,7 @@
 // gbc_kernels CPU backend: the two streaming passes over a chunk of logits.
 //
 //   row_stats   per row of z = logits * inv_temp: max, LSE, z[target], entropy, sum_v p_v^2
+//               (inv_temp_rows: a float32 [rows] tensor of per-row inverse temperatures)
 //   logit_grad_ overwrite the chunk with dL/dlogits given g = dL/dlogp and gH = dL/dH per row:
 //                 dL/dz_v = g (1[v = y] - p_v) - gH p_v (log p_v + H),  dL/dlogits = inv_temp dL/dz
 //
@@ -185,7 +186,8 @@ at::Tensor rows_f32(const c10::optional<at::Tensor>& t, int64_t rows, const char
 }
 
 std::vector<at::Tensor> row_stats(at::Tensor logits, at::Tensor targets, double inv_temp,
-                                  bool want_entropy, bool want_sum_p2) {
+                                  bool want_entropy, bool want_sum_p2,
+                                  c10::optional<at::Tensor> inv_temp_rows) {
   check_chunk(logits, targets);
   targets = targets.contiguous();
   const int64_t rows = logits.size(0), V = logits.size(1);
@@ -201,14 +203,17 @@ std::vector<at::Tensor> row_stats(at::Tensor logits, at::Tensor targets, double 
   float* tz_p = tz.data_ptr<float>();
   float* ent_p = want_entropy ? ent.data_ptr<float>() : nullptr;
   float* sp2_p = want_sum_p2 ? sp2.data_ptr<float>() : nullptr;
+  at::Tensor itr_c = rows_f32(inv_temp_rows, rows, "inv_temp_rows");
+  const float* itr = itr_c.defined() ? itr_c.data_ptr<float>() : nullptr;
   for_each_row(logits, false, [&](int64_t r, float* x) {
-        const float m = row_max(x, V) * it;
+        const float it_r = itr ? itr[r] : it;     // a per-row temperature, when given
+        const float m = row_max(x, V) * it_r;
         float sums[3];
-        row_sums(x, V, it, m, want_entropy || want_sum_p2, sums);
+        row_sums(x, V, it_r, m, want_entropy || want_sum_p2, sums);
         const float log_s = std::log(sums[0]);
         zmax_p[r] = m;
         lse_p[r] = m + log_s;
-        tz_p[r] = y[r] >= 0 ? x[y[r]] * it : 0.f;   // -1: the target is not in this slice
+        tz_p[r] = y[r] >= 0 ? x[y[r]] * it_r : 0.f;   // -1: the target is not in this slice
         // H = log s - t / s  (shifted by the max: a sum of small terms)
         if (ent_p) ent_p[r] = log_s - sums[1] / sums[0];
         if (sp2_p) sp2_p[r] = sums[2] / (sums[0] * sums[0]);
@@ -232,7 +237,8 @@ inline void grad_row(float* x, int64_t V, int64_t y, float it, float lse, float 
 
 at::Tensor logit_grad_(at::Tensor logits, at::Tensor targets, double inv_temp, at::Tensor lse,
                        c10::optional<at::Tensor> entropy, at::Tensor g_logp,
-                       c10::optional<at::Tensor> g_entropy, double inv_cap) {
+                       c10::optional<at::Tensor> g_entropy, double inv_cap,
+                       c10::optional<at::Tensor> inv_temp_rows) {
   check_chunk(logits, targets);
   const int64_t rows = logits.size(0), V = logits.size(1);
   targets = targets.contiguous();
@@ -250,8 +256,10 @@ at::Tensor logit_grad_(at::Tensor logits, at::Tensor targets, double inv_temp, a
   const float* g_p = g_c.data_ptr<float>();
   const float* gh_p = has_h ? gh_c.data_ptr<float>() : nullptr;
   const float* ent_p = has_h ? ent_c.data_ptr<float>() : nullptr;
+  at::Tensor itr_c = rows_f32(inv_temp_rows, rows, "inv_temp_rows");
+  const float* itr = itr_c.defined() ? itr_c.data_ptr<float>() : nullptr;
   for_each_row(logits, true, [&](int64_t r, float* x) {
-    grad_row(x, V, y[r], it, lse_p[r], has_h ? ent_p[r] : 0.f, g_p[r], has_h ? gh_p[r] : 0.f,
+    grad_row(x, V, y[r], itr ? itr[r] : it, lse_p[r], has_h ? ent_p[r] : 0.f, g_p[r], has_h ? gh_p[r] : 0.f,
              static_cast<float>(inv_cap));
   });
   return logits;
@@ -341,10 +349,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "gbc_kernels CPU kernels: streaming row statistics and in-place logit gradients";
   m.def("row_stats", &row_stats, "per-row max, LSE, target logit, entropy, sum p^2",
         py::arg("logits"), py::arg("targets"), py::arg("inv_temp"), py::arg("want_entropy"),
-        py::arg("want_sum_p2"));
+        py::arg("want_sum_p2"), py::arg("inv_temp_rows") = py::none());
   m.def("logit_grad_", &logit_grad_, "overwrite logits with dL/dlogits", py::arg("logits"),
         py::arg("targets"), py::arg("inv_temp"), py::arg("lse"), py::arg("entropy"),
-        py::arg("g_logp"), py::arg("g_entropy"), py::arg("inv_cap") = 0.0);
+        py::arg("g_logp"), py::arg("g_entropy"), py::arg("inv_cap") = 0.0,
+        py::arg("inv_temp_rows") = py::none());
   m.def("policy_rows_", &policy_rows_, "fused per-row statistics, policy loss and logit gradient",
         py::arg("logits"), py::arg("targets"), py::arg("inv_temp"), py::arg("w"), py::arg("adv"),
         py::arg("old_logp"), py::arg("ref_logp"), py::arg("token_scale"), py::arg("kl_weight"),

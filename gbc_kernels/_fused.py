@@ -44,12 +44,13 @@ class LossInputs:
     threshold_fn: Optional[object] = None           # data-parallel entropy quantile
     checks: Optional[Checks] = None                  # value checks, resolved before any kernel
     vp: Optional[_vp._Slice] = None                  # vocab parallel: this rank's lm_head slice
+    inv_temp: Optional[torch.Tensor] = None          # [B*T] float32 per-token 1/temperature
     metrics: dict = field(default_factory=dict)     # filled by the forward
     logp: Optional[torch.Tensor] = None              # [B, T] float32, filled by the forward
 
 
 def token_inputs(mask, advantages, old, ref, tscale, klw, is_ratio, sampling, cfg, num_items,
-                 idx, ct) -> TokenInputs:
+                 idx, ct, inv_temp=None) -> TokenInputs:
     """The per-token inputs of the masked tokens ``idx`` (flat indices into ``mask``, sorted),
     with their aggregation weights and, when the loss needs them, their sequence ids."""
     def take(t):
@@ -61,7 +62,8 @@ def token_inputs(mask, advantages, old, ref, tscale, klw, is_ratio, sampling, cf
         seq, n_seq, lengths = local_ids(idx // mask.shape[1], with_lengths=True)
     return TokenInputs(take(advantages), take(old), take(ref), take(tscale), take(klw),
                        take(is_ratio), take(sampling), w_pg, w_kl, w_ent, seq, n_seq,
-                       seq_lengths=lengths, norms=num_items)
+                       seq_lengths=lengths, norms=num_items,
+                       itemp=None if inv_temp is None else inv_temp.reshape(-1)[idx])
 
 
 def entropy_threshold(entropy: torch.Tensor, quantile: float) -> torch.Tensor:
@@ -270,7 +272,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     (loss, grad_hidden2d, grad_weight, grad_bias)."""
     cfg, be, vp = inp.config, inp.backend, inp.vp
     device = hidden2d.device
-    inv_temp = 1.0 / cfg.temperature
+    inv_temp = 1.0 / cfg.temperature        # per token (inp.inv_temp): ti.itemp, by chunk
     combine = _vp.combiner(vp)
     want_entropy = cfg.wants_entropy
     mflat = inp.mask.reshape(-1)
@@ -293,7 +295,10 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     ct = torch.float64 if hidden2d.dtype == torch.float64 else torch.float32
     ti = token_inputs(inp.mask, inp.advantages, inp.old_logp, inp.ref_logp, inp.token_scale,
                       inp.kl_weight, inp.is_ratio, inp.sampling_logp, cfg,
-                      inp.num_items_in_batch, idx, ct)
+                      inp.num_items_in_batch, idx, ct, inp.inv_temp)
+
+    def it(s, e):                        # the chunk's inverse temperature(s)
+        return inv_temp if ti.itemp is None else ti.itemp[s:e]
 
     # no [n, H] copies: each chunk gathers its rows and scatters its hidden gradient
     dense = n == hidden2d.shape[0]          # nothing masked out: chunks are plain views
@@ -334,7 +339,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
             for s, e, _, two in plan:
                 if two:
                     _, lg = project(s, e)
-                    st = be.row_stats(lg, y[s:e], inv_temp, want_entropy, True, ws)
+                    st = be.row_stats(lg, y[s:e], it(s, e), want_entropy, True, ws)
                     if combine is not None:
                         st = combine(st)
                     logp[s:e], lse[s:e], sum_p2[s:e] = st.target_z - st.lse, st.lse, st.sum_p2
@@ -358,13 +363,13 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
         if two:
             if need_grad:
                 hc, lg = project(s, e)
-                be.logit_grad_(lg, y[s:e], inv_temp, lse[s:e],
+                be.logit_grad_(lg, y[s:e], it(s, e), lse[s:e],
                                None if gH_pre is None else entropy[s:e], g[s:e],
                                None if gH_pre is None else gH_pre[s:e], ws, cfg.logit_softcap)
                 grads.add(lg, hc, s, e)
             continue
         hc, lg = project(s, e)
-        res = be.policy_rows_(lg, y[s:e], inv_temp, ti.slice(s, e, n_seq), cfg, inp.phase,
+        res = be.policy_rows_(lg, y[s:e], it(s, e), ti.slice(s, e, n_seq), cfg, inp.phase,
                               need_grad, ws, combine)
         loss = loss + res.loss_sum
         logp[s:e], sum_p2[s:e], g[s:e] = res.logp, res.sum_p2, res.g
@@ -379,7 +384,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     B = inp.mask.shape[0]
     if terms is not None:
         inp.metrics = policy_metrics(terms, cfg, entropy,
-                                     logp_grad_norm(g, logp, sum_p2, inv_temp), B, ti.n_seq)
+                                     logp_grad_norm(g, logp, sum_p2, it(0, n)), B, ti.n_seq)
     else:
         inp.metrics = empty_metrics(cfg, device, B)
     full_logp = torch.zeros(mflat.numel(), device=device, dtype=torch.float32)
@@ -462,11 +467,17 @@ def scale_stored_grads(ctx, grad_loss):
 # ----------------------------------------------------------------------------------------------
 
 
-def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature: float,
+def _rows(inv_temp, s, e):
+    """Rows ``[s, e)`` of a per-row inverse temperature; a float as it is."""
+    return inv_temp[s:e] if isinstance(inv_temp, torch.Tensor) else inv_temp
+
+
+def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature,
                 want_entropy: bool, extra_temperature: Optional[float] = None,
-                softcap: Optional[float] = None, vp=None):
+                softcap: Optional[float] = None, vp=None, want_sum_p2: bool = False):
     """Row statistics for every row (``vp``: over the split vocabulary, ``targets`` global
-    ids). Returns (logp, entropy, lse, extra RowStats parts)."""
+    ids). ``temperature``: a float or a float32 ``[N]`` tensor (per row). Returns
+    (logp, entropy, lse, extra RowStats parts, sum_p2)."""
     N = hidden2d.shape[0]
     device = hidden2d.device
     rows, buf = _chunk_buffer(N, hidden2d, weight, backend, vp)
@@ -476,15 +487,18 @@ def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature: 
     logp = torch.empty(N, device=device, dtype=torch.float32)
     lse = torch.empty(N, device=device, dtype=torch.float32)
     entropy = torch.empty(N, device=device, dtype=torch.float32) if want_entropy else None
+    sum_p2 = torch.empty(N, device=device, dtype=torch.float32) if want_sum_p2 else None
     extra = None
     if extra_temperature is not None:
         extra = {k: torch.empty(N, device=device, dtype=torch.float32)
                  for k in ("lse", "zmax", "entropy")}
+    inv_temp = 1.0 / temperature
+    same_temp = not isinstance(temperature, torch.Tensor) and extra_temperature == temperature
 
     combine = _vp.combiner(vp)
 
-    def stats(lg, y, inv_temp, entropy_too):
-        st = backend.row_stats(lg, y, inv_temp, entropy_too, False, ws)
+    def stats(lg, y, it, entropy_too, p2_too):
+        st = backend.row_stats(lg, y, it, entropy_too, p2_too, ws)
         return st if combine is None else combine(st)
 
     with torch.no_grad():
@@ -492,18 +506,20 @@ def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature: 
             e = min(N, s + rows)
             lg = buf[: e - s]
             _chunking.project(hidden2d[s:e], weight, bias, lg, softcap)
-            st = stats(lg, targets[s:e], 1.0 / temperature, want_entropy)
+            st = stats(lg, targets[s:e], _rows(inv_temp, s, e), want_entropy, want_sum_p2)
             logp[s:e] = st.target_z - st.lse
             lse[s:e] = st.lse
             if want_entropy:
                 entropy[s:e] = st.entropy
+            if want_sum_p2:
+                sum_p2[s:e] = st.sum_p2
             if extra is not None:
                 # the same temperature needs no second pass over the chunk
-                st2 = st if extra_temperature == temperature and want_entropy else \
-                    stats(lg, targets[s:e], 1.0 / extra_temperature, True)
+                st2 = st if same_temp and want_entropy else \
+                    stats(lg, targets[s:e], 1.0 / extra_temperature, True, False)
                 extra["lse"][s:e], extra["zmax"][s:e] = st2.lse, st2.zmax
                 extra["entropy"][s:e] = st2.entropy
-    return logp, entropy, lse, extra
+    return logp, entropy, lse, extra, sum_p2
 
 
 def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature, lse,
@@ -522,7 +538,7 @@ def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperat
         e = min(N, s + rows)
         hc, lg = hidden2d[s:e], buf[: e - s]
         _chunking.project(hc, weight, bias, lg, softcap)
-        backend.logit_grad_(lg, targets[s:e], 1.0 / temperature, lse[s:e],
+        backend.logit_grad_(lg, targets[s:e], _rows(1.0 / temperature, s, e), lse[s:e],
                             None if entropy is None else entropy[s:e], g_logp[s:e],
                             None if g_entropy is None else g_entropy[s:e], ws, softcap)
         grads.add(lg, hc, s, e)
@@ -533,21 +549,28 @@ def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperat
 
 
 class FusedLogprobsFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden2d, weight, bias, targets, temperature, return_entropy, backend,
-                softcap=None, vp=None):
-        logp, entropy, lse, _ = stats_sweep(hidden2d, weight, bias, targets, backend,
-                                            temperature, return_entropy, softcap=softcap, vp=vp)
-        ctx.save_for_backward(hidden2d, weight, bias if bias is not None else torch.empty(0),
-                              targets, lse, entropy if entropy is not None else torch.empty(0))
-        ctx.has_bias, ctx.return_entropy = bias is not None, return_entropy
-        ctx.temperature, ctx.backend, ctx.softcap, ctx.vp = temperature, backend, softcap, vp
-        if entropy is None:
-            return logp
-        return logp, entropy
+    """Per-row log-probs, entropy and sum p^2 (the last two empty unless asked); gradients
+    through the log-probs and the entropy, recomputed in backward. ``temperature``: a float or
+    a float32 ``[N]`` tensor."""
 
     @staticmethod
-    def backward(ctx, g_logp, g_entropy=None):
+    def forward(ctx, hidden2d, weight, bias, targets, temperature, return_entropy, backend,
+                softcap=None, vp=None, return_sum_p2=False):
+        logp, entropy, lse, _, sum_p2 = stats_sweep(hidden2d, weight, bias, targets, backend,
+                                                    temperature, return_entropy, softcap=softcap,
+                                                    vp=vp, want_sum_p2=return_sum_p2)
+        empty = logp.new_empty(0)
+        ctx.save_for_backward(hidden2d, weight, bias if bias is not None else empty,
+                              targets, lse, entropy if entropy is not None else empty)
+        ctx.has_bias, ctx.return_entropy = bias is not None, return_entropy
+        ctx.temperature, ctx.backend, ctx.softcap, ctx.vp = temperature, backend, softcap, vp
+        entropy = empty if entropy is None else entropy
+        sum_p2 = logp.new_empty(0) if sum_p2 is None else sum_p2
+        ctx.mark_non_differentiable(sum_p2)
+        return logp, entropy, sum_p2
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy=None, g_sum_p2=None):
         _no_double_backward()
         hidden2d, weight, bias, targets, lse, entropy = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
@@ -562,4 +585,4 @@ class FusedLogprobsFunction(torch.autograd.Function):
                                       ctx.temperature, lse, entropy if gH is not None else None,
                                       g_logp.float(), gH, need_dh, need_dw, need_db,
                                       ctx.softcap, ctx.vp)
-        return gh, gw, gb, None, None, None, None, None, None
+        return gh, gw, gb, None, None, None, None, None, None, None

@@ -66,9 +66,10 @@ class TokenInputs:
     seq_lengths: Optional[list] = None    # tokens per sequence (host), for the chunk plan
     cov_sel: Optional[torch.Tensor] = None   # Clip-Cov / KL-Cov selection, when cfg.cov_mode
     norms: object = None                      # the call's batch normalisers (Norms)
+    itemp: Optional[torch.Tensor] = None      # per-token 1/temperature (None: the config's)
 
     _PER_TOKEN = ("adv", "old", "ref", "tscale", "klw", "is_ratio", "sampling", "w_pg", "w_kl",
-                  "w_ent", "emask", "cov_sel")
+                  "w_ent", "emask", "cov_sel", "itemp")
 
     def _select(self, sel, seq, n_seq) -> "TokenInputs":
         """The per-token fields indexed by ``sel`` (a slice or an index tensor)."""
@@ -93,7 +94,8 @@ class TokenInputs:
                 and not cfg.needs_batch and self.is_ratio is None and cfg.kl_agg is None
                 and cfg.entropy_agg is None and cfg.log_ratio_clamp is None
                 and cfg.log_ratio_penalty == 0.0 and cfg.kl_estimator in NATIVE_KL
-                and cfg.kl_clamp is None and not cfg.kl_unbiased_gradient)
+                and cfg.kl_clamp is None and not cfg.kl_unbiased_gradient
+                and self.itemp is None)
 
 
 @dataclass

@@ -192,6 +192,7 @@ _RULES = {
                       lambda x: torch.isinf(x)),
     "logprob": ("log-probabilities (<= 0)", lambda x: x > LOGP_SLACK),
     "nonneg": ("importance weights >= 0", lambda x: x < 0),
+    "temperature": ("finite temperatures > 0", lambda x: ~(torch.isfinite(x) & (x > 0))),
 }
 
 

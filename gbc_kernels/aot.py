@@ -41,28 +41,34 @@ def _variants():
     from .triton.launch import MAX_BLOCK_V, SCALE_BLOCK, TOKEN_BLOCK, num_warps
 
     out = []
-    for dtype, want_ent, want_p2 in itertools.product(("fp32", "bf16", "fp16"), (False, True),
-                                                      (False, True)):
+    for dtype, want_ent, want_p2, row_t in itertools.product(
+            ("fp32", "bf16", "fp16"), (False, True), (False, True), (False, True)):
         sig = {"logits_ptr": f"*{dtype}", "stride_row": "i64", "targets_ptr": "*i64",
                "lse_ptr": "*fp32", "zmax_ptr": "*fp32", "tz_ptr": "*fp32", "ent_ptr": "*fp32",
-               "sp2_ptr": "*fp32", "V": "i32", "inv_temp": "fp32", "BLOCK_V": "constexpr",
-               "WANT_ENTROPY": "constexpr", "WANT_SUM_P2": "constexpr"}
-        const = {"BLOCK_V": MAX_BLOCK_V, "WANT_ENTROPY": want_ent, "WANT_SUM_P2": want_p2}
+               "sp2_ptr": "*fp32", "itemp_ptr": "*fp32", "V": "i32", "inv_temp": "fp32",
+               "BLOCK_V": "constexpr", "WANT_ENTROPY": "constexpr", "WANT_SUM_P2": "constexpr",
+               "ROW_TEMP": "constexpr"}
+        const = {"BLOCK_V": MAX_BLOCK_V, "WANT_ENTROPY": want_ent, "WANT_SUM_P2": want_p2,
+                 "ROW_TEMP": row_t}
         for spec, ints in SPECS:
             out.append((K.row_stats_kernel,
-                        f"{dtype} entropy={int(want_ent)} sum_p2={int(want_p2)} {spec}",
+                        f"{dtype} entropy={int(want_ent)} sum_p2={int(want_p2)} "
+                        f"row_temp={int(row_t)} {spec}",
                         sig, const, num_warps(MAX_BLOCK_V),
                         _attrs(K.row_stats_kernel, sig, ints)))
-    for dtype, has_h, cap in itertools.product(("fp32", "bf16", "fp16"), (False, True),
-                                               (False, True)):
+    for dtype, has_h, cap, row_t in itertools.product(("fp32", "bf16", "fp16"), (False, True),
+                                                      (False, True), (False, True)):
         sig = {"logits_ptr": f"*{dtype}", "stride_row": "i64", "targets_ptr": "*i64",
                "lse_ptr": "*fp32", "ent_ptr": "*fp32", "g_ptr": "*fp32", "gh_ptr": "*fp32",
-               "V": "i32", "inv_temp": "fp32", "inv_cap": "fp32", "BLOCK_V": "constexpr",
-               "HAS_ENTROPY": "constexpr", "SOFTCAP": "constexpr"}
+               "itemp_ptr": "*fp32", "V": "i32", "inv_temp": "fp32", "inv_cap": "fp32",
+               "BLOCK_V": "constexpr", "HAS_ENTROPY": "constexpr", "SOFTCAP": "constexpr",
+               "ROW_TEMP": "constexpr"}
         for spec, ints in SPECS:
             out.append((K.logit_grad_kernel,
-                        f"{dtype} entropy={int(has_h)} softcap={int(cap)} {spec}", sig,
-                        {"BLOCK_V": MAX_BLOCK_V, "HAS_ENTROPY": has_h, "SOFTCAP": cap},
+                        f"{dtype} entropy={int(has_h)} softcap={int(cap)} row_temp={int(row_t)} "
+                        f"{spec}", sig,
+                        {"BLOCK_V": MAX_BLOCK_V, "HAS_ENTROPY": has_h, "SOFTCAP": cap,
+                         "ROW_TEMP": row_t},
                         num_warps(MAX_BLOCK_V), _attrs(K.logit_grad_kernel, sig, ints)))
     ptrs = ["tz_ptr", "lse_ptr", "ent_ptr", "w_ptr", "adv_ptr", "old_ptr", "ref_ptr", "ts_ptr",
             "klw_ptr", "g_ptr", "gh_ptr", "wloss_ptr", "logp_ptr", "ratio_ptr", "advh_ptr",

@@ -172,8 +172,8 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
             lse = zy / temperature - logp.reshape(-1)[tok].float()
         else:
             # full-vocabulary LSE of these tokens (streaming pass of the backend)
-            _, _, lse, _ = stats_sweep(h_all.index_select(0, tok), weight, bias, y, be,
-                                       temperature, False, softcap=logit_softcap)
+            lse = stats_sweep(h_all.index_select(0, tok), weight, bias, y, be,
+                                       temperature, False, softcap=logit_softcap)[2]
         vstar, col = torch.unique(y, return_inverse=True)
         w_v = weight.index_select(0, vstar).float()
         b_v = None if bias is None else bias.index_select(0, vstar).float()

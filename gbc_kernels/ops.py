@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple, Optional
 
@@ -113,7 +114,8 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
                              ref_logp=None, bias=None, token_scale=None, kl_weight=None,
                              config=None, phase=None, num_items_in_batch=None, backend="auto",
                              vocab_parallel=None, is_ratio=None, sampling_logp=None,
-                             data_parallel_group=None, num_seqs_in_batch=None):
+                             data_parallel_group=None, num_seqs_in_batch=None,
+                             temperature=None):
     """GRPO policy loss (docs/math.md §1-§3, §6, §10, §12) from hidden states, without the
     logits.
 
@@ -133,6 +135,8 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     count of the sequence modes (default: this call's masked tokens, and B), for a loss whose
     batch is split over micro-batches or ranks (TRL's num_items_in_batch, verl's
     global_batch_info).
+    temperature: None (the config's), a float, or a tensor ``[B]`` (per sequence) or
+    ``[B, T]`` (per token): the logits of each token are divided by its own temperature.
     data_parallel_group: the process group (or ``"world"``) the batch is split over; the
     batch-global entropy quantile (``top_entropy_quantile < 1``) is then taken over every
     rank's tokens, as TRL does (None: this process's tokens only).
@@ -156,14 +160,44 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     adv, is_ratio = _check_per_token(B, T, device, m, advantages, old_logp, ref_logp,
                                      token_scale, kl_weight, cfg, is_ratio, sampling_logp, checks)
     threshold_fn = _threshold_fn(data_parallel_group, cfg)
+    inv_temp = None
+    if temperature is not None:
+        temp = _temperature(temperature, (B, T), device, m, checks)
+        if isinstance(temp, torch.Tensor):
+            inv_temp = (1.0 / temp).reshape(-1)
+        elif temp != cfg.temperature:
+            cfg = dataclasses.replace(cfg, temperature=temp)
     sl, vocab = _vp.resolve(vocab_parallel, weight, bias, device)
     safe_targets = V.check_targets(targets, vocab, m, checks=checks)
     inp = LossInputs(safe_targets.reshape(-1), m, adv, old_logp, ref_logp, token_scale,
                      kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase, norms,
                      get_backend(backend, device, hidden.dtype), is_ratio, sampling_logp,
-                     threshold_fn, checks, sl)
+                     threshold_fn, checks, sl, inv_temp)
     loss = FusedPolicyLossFunction.apply(hidden.reshape(B * T, H), weight, bias, inp)
     return loss, inp.metrics
+
+
+def _temperature(temperature, shape, device, mask=None, checks=None, name="temperature"):
+    """A temperature as the sweeps take it: a float (checked), or a tensor per row — shape
+    ``shape`` (per token), a leading part of it (``[B]`` for ``[B, T]``: per sequence) or
+    ``shape`` with 1s (``[B, 1]``) — as a float32 tensor of ``shape``, its values checked (on the
+    masked-in positions; queued on ``checks``: no host sync of its own)."""
+    if not isinstance(temperature, torch.Tensor):
+        _check_temperature(name, temperature)
+        return float(temperature)
+    V.check_tensor(name, temperature, floating=True, device=device)
+    t = temperature
+    if t.dim() < len(shape) and tuple(t.shape) == tuple(shape[:t.dim()]):
+        t = t.reshape(*t.shape, *([1] * (len(shape) - t.dim())))
+    if t.dim() != len(shape) or any(a not in (1, b) for a, b in zip(t.shape, shape)):
+        raise ValueError(f"{name}: expected a float or a tensor of shape "
+                         f"[{'x'.join(map(str, shape))}] (per token) or a leading part of it "
+                         f"(per sequence), got [{'x'.join(map(str, temperature.shape))}]")
+    t = t.expand(*shape).float()
+    if mask is None:
+        mask = torch.ones(shape, dtype=torch.bool, device=device)
+    V.check_many([(name, t, "temperature")], mask, checks)
+    return t
 
 
 def _check_softcap(softcap):
@@ -180,41 +214,50 @@ def _threshold_fn(data_parallel_group, cfg):
 
 def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
                           return_entropy=False, backend="auto", vocab_parallel=None,
-                          logit_softcap=None):
+                          logit_softcap=None, return_sum_p2=False):
     """Per-token ``log_softmax(z)[targets]`` (and the entropy of ``softmax(z)``) without logits.
     ``z = (hidden @ weight.T + bias) / temperature``; with ``logit_softcap = c`` (Gemma-2/3),
     ``z = c tanh((hidden @ weight.T + bias) / c) / temperature``.
 
-    hidden: [..., H]; targets: [...] (every id in ``[0, V)``). Returns ``(logp, entropy)``, both
-    float32 of shape ``targets.shape`` (entropy None unless ``return_entropy``). Differentiable
-    in hidden, weight and bias through both outputs; the backward recomputes the logits.
+    hidden: [..., H]; targets: [...] (every id in ``[0, V)``); temperature: a float, or a tensor
+    of ``targets.shape`` (per token) or a leading part of it (``[B]`` for ``[B, T]`` targets:
+    per sequence). Returns ``(logp, entropy)``, both float32 of shape ``targets.shape`` (entropy
+    None unless ``return_entropy``), and with ``return_sum_p2=True`` a third output,
+    ``sum_p2 = sum_v p_v^2`` (no gradient; verl's ``calculate_sum_pi_squared``).
+    Differentiable in hidden, weight and bias through logp and entropy; the backward recomputes
+    the logits.
     """
     V.check_backend(backend)
     _check_lm_head(hidden, weight, bias)
-    _check_temperature("temperature", temperature)
     V.check_tensor("targets", targets, shape=hidden.shape[:-1], integer=True, device=hidden.device)
+    for name, flag in (("return_entropy", return_entropy), ("return_sum_p2", return_sum_p2)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r}")
+    temp = _temperature(temperature, tuple(targets.shape), hidden.device)
+    if isinstance(temp, torch.Tensor):
+        temp = temp.reshape(-1)
     _check_softcap(logit_softcap)
     sl, vocab = _vp.resolve(vocab_parallel, weight, bias, hidden.device)
     safe = V.check_targets(targets, vocab).reshape(-1)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     be = get_backend(backend, hidden.device, hidden.dtype)
-    out = FusedLogprobsFunction.apply(h2, weight, bias, safe, float(temperature),
-                                      bool(return_entropy), be,
-                                      None if logit_softcap is None else float(logit_softcap), sl)
-    if return_entropy:
-        logp, entropy = out
-        return logp.view(targets.shape), entropy.view(targets.shape)
-    return out.view(targets.shape), None
+    logp, entropy, sum_p2 = FusedLogprobsFunction.apply(
+        h2, weight, bias, safe, temp, return_entropy, be,
+        None if logit_softcap is None else float(logit_softcap), sl, return_sum_p2)
+    out = (logp.view(targets.shape),
+           entropy.view(targets.shape) if return_entropy else None)
+    return out + (sum_p2.view(targets.shape),) if return_sum_p2 else out
 
 
 class TokenStats(NamedTuple):
-    """Per-token statistics (float32, shape of targets): log-prob of the target and entropy at
-    ``temperature``; certainty J of docs/math.md §5 at ``certainty_temperature`` (None unless
-    asked)."""
+    """Per-token statistics (float32, shape of targets): log-prob of the target, entropy and
+    ``sum_p2 = sum_v p_v^2`` at ``temperature``; certainty J of docs/math.md §5 at
+    ``certainty_temperature`` (None unless asked)."""
 
     logp: torch.Tensor
     entropy: torch.Tensor
     certainty: Optional[torch.Tensor]
+    sum_p2: Optional[torch.Tensor] = None
 
 
 CERTAINTY_KINDS = (None, "entropy", "max_prob")
@@ -230,27 +273,29 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
     """
     V.check_backend(backend)
     _check_lm_head(hidden, weight, bias)
-    _check_temperature("temperature", temperature)
     if certainty not in CERTAINTY_KINDS:
         raise ValueError(f"certainty: expected one of {CERTAINTY_KINDS}, got {certainty!r}")
     if certainty is not None:
         _check_temperature("certainty_temperature", certainty_temperature)
     V.check_tensor("targets", targets, shape=hidden.shape[:-1], integer=True, device=hidden.device)
+    temp = _temperature(temperature, tuple(targets.shape), hidden.device)
+    if isinstance(temp, torch.Tensor):
+        temp = temp.reshape(-1)
     _check_softcap(logit_softcap)
     sl, vocab = _vp.resolve(vocab_parallel, weight, bias, hidden.device)
     safe = V.check_targets(targets, vocab).reshape(-1)
     h2 = hidden.detach().reshape(-1, hidden.shape[-1])
     b = None if bias is None else bias.detach()
-    logp, entropy, _, extra = stats_sweep(
+    logp, entropy, _, extra, sum_p2 = stats_sweep(
         h2, weight.detach(), b, safe, get_backend(backend, hidden.device, hidden.dtype),
-        float(temperature),
-        True, None if certainty is None else float(certainty_temperature),
-        None if logit_softcap is None else float(logit_softcap), sl)
+        temp, True, None if certainty is None else float(certainty_temperature),
+        None if logit_softcap is None else float(logit_softcap), sl, want_sum_p2=True)
     cert = None
     if certainty is not None:
         cert = certainty_from_stats(certainty, extra["entropy"], extra["zmax"], extra["lse"],
                                     vocab).view(targets.shape)
-    return TokenStats(logp.view(targets.shape), entropy.view(targets.shape), cert)
+    shape = targets.shape
+    return TokenStats(logp.view(shape), entropy.view(shape), cert, sum_p2.view(shape))
 
 
 class _PolicyLossFromLogp(torch.autograd.Function):

@@ -32,8 +32,9 @@ class CpuBackend(Backend):
     buffers_per_chunk = 1   # the chunk's logits only; the passes work in place
 
     def row_stats(self, logits, targets, inv_temp, want_entropy, want_sum_p2, ws: Workspace):
-        lse, zmax, tz, ent, sp2 = _C.row_stats(logits, targets, float(inv_temp),
-                                               bool(want_entropy), bool(want_sum_p2))
+        it, rows_t = _inv_temp(inv_temp)
+        lse, zmax, tz, ent, sp2 = _C.row_stats(logits, targets, it, bool(want_entropy),
+                                               bool(want_sum_p2), rows_t)
         return RowStats(lse, zmax, tz, ent if want_entropy else None,
                         sp2 if want_sum_p2 else None)
 
@@ -64,8 +65,17 @@ class CpuBackend(Backend):
 
     def logit_grad_(self, logits, targets, inv_temp, lse, entropy, g_logp, g_entropy,
                     ws: Workspace, softcap=None):
-        return _C.logit_grad_(logits, targets, float(inv_temp), lse, entropy, g_logp,
-                              g_entropy, _inv_cap(softcap))
+        it, rows_t = _inv_temp(inv_temp)
+        return _C.logit_grad_(logits, targets, it, lse, entropy, g_logp, g_entropy,
+                              _inv_cap(softcap), rows_t)
+
+
+def _inv_temp(inv_temp):
+    """(scalar, per-row tensor or None): the C++ passes take a float32 ``[rows]`` tensor of
+    per-row inverse temperatures beside the scalar."""
+    if isinstance(inv_temp, torch.Tensor):
+        return 1.0, inv_temp.float().contiguous()
+    return float(inv_temp), None
 
 
 def _inv_cap(softcap) -> float:

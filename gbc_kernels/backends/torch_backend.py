@@ -20,12 +20,12 @@ class TorchBackend(Backend):
     def row_stats(self, logits, targets, inv_temp, want_entropy, want_sum_p2, ws: Workspace):
         rows, V = logits.shape
         ct = torch.promote_types(logits.dtype, torch.float32)
-        zmax = logits.amax(dim=-1).to(ct) * inv_temp
+        zmax = logits.amax(dim=-1).to(ct) * inv_temp    # a float, or per row: [rows]
         # z - max(z): shifting first makes the entropy (lse - max) - sum p (z - max) a sum of
         # small terms instead of a difference of two large ones
         zs = ws.get("z", rows, V, logits, ct)
         # copy first: torch.mul(bf16, float, out=fp32) rounds the product to bf16
-        zs.copy_(logits).mul_(inv_temp).sub_(zmax.unsqueeze(1))
+        zs.copy_(logits).mul_(_col(inv_temp)).sub_(zmax.unsqueeze(1))
         p = torch.exp(zs, out=ws.get("p", rows, V, logits, ct))
         sumexp = p.sum(dim=-1)
         lse_s = torch.log(sumexp)
@@ -51,7 +51,7 @@ class TorchBackend(Backend):
             cap = ws.get("cap", rows, V, logits, ct).copy_(logits)
             cap.div_(softcap).square_().neg_().add_(1.0)
         work = logits if logits.dtype == ct else ws.get("z", rows, V, logits, ct)
-        logq = (work if work is logits else work.copy_(logits)).mul_(inv_temp)
+        logq = (work if work is logits else work.copy_(logits)).mul_(_col(inv_temp))
         logq.sub_(lse.unsqueeze(1))
         p = torch.exp(logq, out=ws.get("p", rows, V, logits, ct))
         if g_entropy is not None:
@@ -64,8 +64,13 @@ class TorchBackend(Backend):
         grad.scatter_add_(1, targets.clamp(min=0).unsqueeze(1), onehot.unsqueeze(1))
         if cap is not None:
             grad.mul_(cap)
-        if inv_temp != 1.0:
-            grad.mul_(inv_temp)
+        if isinstance(inv_temp, torch.Tensor) or inv_temp != 1.0:
+            grad.mul_(_col(inv_temp))
         if grad is not logits:
             logits.copy_(grad)
         return logits
+
+
+def _col(inv_temp):
+    """A per-row inverse temperature ``[rows]`` as a column ``[rows, 1]``; a float as it is."""
+    return inv_temp.unsqueeze(1) if isinstance(inv_temp, torch.Tensor) else inv_temp

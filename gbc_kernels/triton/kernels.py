@@ -175,15 +175,18 @@ def _token_terms(offs, ok, logp, ent, w_ptr, adv_ptr, old_ptr, ref_ptr, ts_ptr, 
 
 @triton.jit
 def row_stats_kernel(logits_ptr, stride_row, targets_ptr, lse_ptr, zmax_ptr, tz_ptr, ent_ptr,
-                     sp2_ptr, V, inv_temp,
+                     sp2_ptr, itemp_ptr, V, inv_temp,
                      BLOCK_V: tl.constexpr, WANT_ENTROPY: tl.constexpr,
-                     WANT_SUM_P2: tl.constexpr):
+                     WANT_SUM_P2: tl.constexpr, ROW_TEMP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
-    m, s, t, q = _row_sums(base, V, inv_temp, BLOCK_V, WANT_ENTROPY, WANT_SUM_P2)
+    it = inv_temp
+    if ROW_TEMP:                            # a per-row temperature (float32 [rows])
+        it = tl.load(itemp_ptr + row)
+    m, s, t, q = _row_sums(base, V, it, BLOCK_V, WANT_ENTROPY, WANT_SUM_P2)
     log_s = tl.log(s)
     y = tl.load(targets_ptr + row)          # -1: the target is not in this vocabulary slice
-    z_y = tl.load(base + y, mask=y >= 0, other=0.0).to(tl.float32) * inv_temp
+    z_y = tl.load(base + y, mask=y >= 0, other=0.0).to(tl.float32) * it
     tl.store(lse_ptr + row, m + log_s)
     tl.store(zmax_ptr + row, m)
     tl.store(tz_ptr + row, z_y)
@@ -194,11 +197,15 @@ def row_stats_kernel(logits_ptr, stride_row, targets_ptr, lse_ptr, zmax_ptr, tz_
 
 
 @triton.jit
-def logit_grad_kernel(logits_ptr, stride_row, targets_ptr, lse_ptr, ent_ptr, g_ptr, gh_ptr, V,
-                      inv_temp, inv_cap, BLOCK_V: tl.constexpr, HAS_ENTROPY: tl.constexpr,
-                      SOFTCAP: tl.constexpr):
+def logit_grad_kernel(logits_ptr, stride_row, targets_ptr, lse_ptr, ent_ptr, g_ptr, gh_ptr,
+                      itemp_ptr, V, inv_temp, inv_cap, BLOCK_V: tl.constexpr,
+                      HAS_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr,
+                      ROW_TEMP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
+    it = inv_temp
+    if ROW_TEMP:
+        it = tl.load(itemp_ptr + row)
     lse = tl.load(lse_ptr + row)
     g = tl.load(g_ptr + row)
     y = tl.load(targets_ptr + row)
@@ -209,7 +216,7 @@ def logit_grad_kernel(logits_ptr, stride_row, targets_ptr, lse_ptr, ent_ptr, g_p
         H = tl.load(ent_ptr + row)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        _grad_tile(base, cols, cols < V, y, inv_temp, lse, g, gh, H, inv_cap, HAS_ENTROPY,
+        _grad_tile(base, cols, cols < V, y, it, lse, g, gh, H, inv_cap, HAS_ENTROPY,
                    SOFTCAP)
 
 

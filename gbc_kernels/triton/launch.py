@@ -48,6 +48,13 @@ def _check(logits: torch.Tensor):
         raise ValueError("logits: expected unit stride over the vocabulary")
 
 
+def _inv_temp(inv_temp, dummy):
+    """(per-row pointer, scalar, per-row?) for a float or a float32 ``[rows]`` tensor."""
+    if isinstance(inv_temp, torch.Tensor):
+        return inv_temp.float().contiguous(), 1.0, True
+    return dummy, float(inv_temp), False
+
+
 def launch_row_stats(logits, targets, inv_temp, want_entropy, want_sum_p2) -> RowStats:
     _check(logits)
     rows, V = logits.shape
@@ -57,11 +64,12 @@ def launch_row_stats(logits, targets, inv_temp, want_entropy, want_sum_p2) -> Ro
     sp2 = torch.empty(rows, **f32) if want_sum_p2 else lse
     if rows:
         bv = block_v(V)
+        itemp, it, per_row = _inv_temp(inv_temp, lse)
         K.row_stats_kernel[(rows,)](logits, logits.stride(0), targets, lse, zmax, tz, ent, sp2,
-                                    V, float(inv_temp), BLOCK_V=bv,
+                                    itemp, V, it, BLOCK_V=bv,
                                     WANT_ENTROPY=bool(want_entropy),
-                                    WANT_SUM_P2=bool(want_sum_p2), num_warps=num_warps(bv),
-                                    **_opts())
+                                    WANT_SUM_P2=bool(want_sum_p2), ROW_TEMP=per_row,
+                                    num_warps=num_warps(bv), **_opts())
     return RowStats(lse, zmax, tz, ent if want_entropy else None,
                     sp2 if want_sum_p2 else None)
 
@@ -74,12 +82,13 @@ def launch_logit_grad_(logits, targets, inv_temp, lse, entropy, g_logp, g_entrop
     if rows:
         bv = block_v(V)
         f = lambda t: t.float().contiguous()
+        itemp, it, per_row = _inv_temp(inv_temp, lse)
         K.logit_grad_kernel[(rows,)](logits, logits.stride(0), targets, f(lse),
                                      f(entropy) if has_h else lse, f(g_logp),
-                                     f(g_entropy) if has_h else lse, V, float(inv_temp),
+                                     f(g_entropy) if has_h else lse, itemp, V, it,
                                      0.0 if softcap is None else 1.0 / float(softcap),
                                      BLOCK_V=bv, HAS_ENTROPY=has_h, SOFTCAP=softcap is not None,
-                                     num_warps=num_warps(bv), **_opts())
+                                     ROW_TEMP=per_row, num_warps=num_warps(bv), **_opts())
     return logits
 
 

@@ -103,15 +103,30 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 # ----------------------------------------------------------------------------------------------
 
 
+def _per_token_temperature(temperature, shape):
+    """A float as it is; a tensor of ``shape`` or a leading part of it (``[B]`` for ``[B, T]``)
+    or with 1s (``[B, 1]``), broadcast to ``shape``."""
+    if not isinstance(temperature, torch.Tensor):
+        return temperature
+    t = temperature
+    if t.dim() < len(shape):
+        t = t.reshape(*t.shape, *([1] * (len(shape) - t.dim())))
+    return t.expand(*shape)
+
+
 def _logits(hidden, weight, bias, temperature, softcap=None):
     """z = (hidden @ weight.T + bias) / temperature, in float32 (float64 for float64 inputs).
-    With final-logit soft-capping (Gemma-2/3): z = softcap * tanh(x / softcap) / temperature."""
+    With final-logit soft-capping (Gemma-2/3): z = softcap * tanh(x / softcap) / temperature.
+    ``temperature``: a float, or per token (a tensor over hidden's leading dims, or a leading
+    part of them)."""
     dt = _compute_dtype(hidden)
     z = hidden.to(dt) @ weight.to(dt).T
     if bias is not None:
         z = z + bias.to(dt)
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
+    if isinstance(temperature, torch.Tensor):
+        temperature = _per_token_temperature(temperature, hidden.shape[:-1]).to(dt)[..., None]
     return z / temperature
 
 
@@ -124,12 +139,16 @@ def _entropy(logprobs_all):
 
 
 def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
-                          return_entropy=False, backend="auto", logit_softcap=None):
-    """logp[n] = log_softmax(z[n])[targets[n]]; entropy[n] = H(softmax(z[n])). Shapes [...]."""
+                          return_entropy=False, backend="auto", logit_softcap=None,
+                          return_sum_p2=False):
+    """logp[n] = log_softmax(z[n])[targets[n]]; entropy[n] = H(softmax(z[n])); with
+    return_sum_p2 also sum_v p_v^2 (no gradient). Shapes [...]."""
     logprobs_all = torch.log_softmax(_logits(hidden, weight, bias, temperature, logit_softcap),
                                      dim=-1)
     logp = _gather(logprobs_all, targets)
     entropy = _entropy(logprobs_all) if return_entropy else None
+    if return_sum_p2:
+        return logp, entropy, (logprobs_all.detach().exp() ** 2).sum(-1)
     return logp, entropy
 
 
@@ -137,6 +156,7 @@ class TokenStats(NamedTuple):
     logp: torch.Tensor
     entropy: torch.Tensor
     certainty: Optional[torch.Tensor]
+    sum_p2: Optional[torch.Tensor] = None
 
 
 @torch.no_grad()
@@ -163,7 +183,9 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
             cert = 1.0 + lp_w.max(dim=-1).values / math.log(V)
         else:
             raise ValueError(f"certainty: expected None, 'entropy' or 'max_prob', got {certainty!r}")
-    return TokenStats(logp.float(), entropy.float(), None if cert is None else cert.float())
+    sum_p2 = (logprobs_all.exp() ** 2).sum(-1)
+    return TokenStats(logp.float(), entropy.float(), None if cert is None else cert.float(),
+                      sum_p2.float())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -592,7 +614,8 @@ def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=No
 def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp=None,
                              ref_logp=None, bias=None, token_scale=None, kl_weight=None,
                              config=None, phase=None, num_items_in_batch=None, backend="auto",
-                             is_ratio=None, sampling_logp=None, num_seqs_in_batch=None):
+                             is_ratio=None, sampling_logp=None, num_seqs_in_batch=None,
+                             temperature=None):
     """The GRPO loss from hidden states [B, T, H] and lm_head weight [V, H], plainly:
 
         z = (hidden @ weight.T + bias) / temperature           # [B, T, V]
@@ -602,8 +625,9 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     cfg = config or PolicyLossConfig()
     m = mask.bool()
     safe_targets = torch.where(m, targets, torch.zeros_like(targets))
-    logprobs_all = torch.log_softmax(_logits(hidden, weight, bias, cfg.temperature,
-                                             cfg.logit_softcap), dim=-1)
+    temp = cfg.temperature if temperature is None else temperature     # float, [B] or [B, T]
+    logprobs_all = torch.log_softmax(_logits(hidden, weight, bias, temp, cfg.logit_softcap),
+                                     dim=-1)
     logp = _gather(logprobs_all, safe_targets)
     wants_entropy = (cfg.entropy_coef != 0.0 or cfg.top_entropy_quantile < 1.0
                      or cfg.return_entropy)
@@ -621,7 +645,8 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
         g, = torch.autograd.grad(_loss(logp_leaf, ent_leaf, *args)[0], logp_leaf)
     probs = logprobs_all.detach().exp()
     p = logp.detach().exp()
-    norm = g.abs() / cfg.temperature * (1.0 - 2.0 * p + (probs ** 2).sum(-1)).clamp(min=0).sqrt()
+    norm = (g.abs() / _per_token_temperature(temp, g.shape)
+            * (1.0 - 2.0 * p + (probs ** 2).sum(-1)).clamp(min=0).sqrt())
     norm = torch.where(m, norm, torch.zeros_like(norm))
     old = logp.detach() if old_logp is None else old_logp
     eta = cfg.lopti_eta if cfg.lopti_eta is not None else 0.5
