@@ -67,8 +67,10 @@ def token_inputs(mask, advantages, old, ref, tscale, klw, is_ratio, sampling, cf
 
 
 def entropy_threshold(entropy: torch.Tensor, quantile: float) -> torch.Tensor:
-    """The (1 - quantile) quantile of the entropies, linear interpolation (torch.quantile)."""
-    values = entropy.float()
+    """The (1 - quantile) quantile of the entropies, linear interpolation (torch.quantile), in
+    their own precision (float64 stays float64: a float32 threshold can round above the float64
+    entropy it equals and drop that token)."""
+    values = entropy if entropy.dtype in (torch.float32, torch.float64) else entropy.float()
     if values.numel() == 0:
         return torch.full((), float("inf"), device=values.device)
     if values.numel() <= 2 ** 24 - 1:     # torch.quantile's input limit
@@ -93,12 +95,14 @@ def gathered_threshold(process_group):
 
     def fn(entropy, quantile):
         world = dist.get_world_size(group)
-        local = entropy.detach().float().reshape(-1)
+        local = entropy.detach().reshape(-1)
+        if local.dtype not in (torch.float32, torch.float64):
+            local = local.float()
         n = torch.tensor([local.numel()], device=local.device)
         sizes = [torch.zeros_like(n) for _ in range(world)]
         dist.all_gather(sizes, n, group=group)
         sizes = [int(x) for x in sizes]
-        padded = torch.zeros(max(max(sizes), 1), device=local.device)
+        padded = torch.zeros(max(max(sizes), 1), device=local.device, dtype=local.dtype)
         padded[: local.numel()] = local
         every = [torch.zeros_like(padded) for _ in range(world)]
         dist.all_gather(every, padded, group=group)

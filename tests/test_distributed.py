@@ -150,7 +150,20 @@ VP_CASES = [
      None),
     ("softcap", dict(loss_agg="grpo", kl_coef=0.05, entropy_coef=0.02, logit_softcap=1.0,
                      temperature=0.8), None),
+    # the objectives of verl and the other trainers (docs/math.md §12)
+    ("dppo-kl", dict(objective="dppo", dppo_divergence="binary_kl", epsilon_low=0.05,
+                     epsilon_high=0.1, kl_coef=0.05, kl_estimator="k3+"), None),
+    ("gmpo", dict(objective="gmpo", loss_agg="grpo", entropy_coef=0.02, ar_alpha=0.3), None),
+    ("gspo-token-cispo", dict(objective="cispo", importance_sampling_level="sequence_token",
+                              epsilon_high=1.2, cispo_min=0.8), None),
+    ("kl-cov-dro", dict(objective="unclipped", cov_mode="kl", cov_ratio=0.2,
+                        log_ratio_penalty=0.2, kl_coef=0.05, kl_estimator="abs",
+                        kl_clamp=1.0), None),
+    ("per-token-temperature", dict(loss_agg="grpo", entropy_coef=0.02, kl_coef=0.05), None),
 ]
+# call arguments beside the config
+VP_CALL = {"per-token-temperature": lambda batch: dict(
+    temperature=0.6 + torch.rand(batch["mask"].shape, generator=torch.Generator().manual_seed(4)))}
 
 
 def _vp_inputs():
@@ -176,7 +189,8 @@ def _all_calls(batch, group_ids, correct, upstream, lo=0, hi=VP_V, vp=None, back
         h, w, b = _leaves(batch, lo, hi)
         loss, metrics = gbc.fused_linear_policy_loss(
             h, w, batch["targets"], batch["mask"], batch["advantages"], batch["old_logp"],
-            batch["ref_logp"], bias=b, config=gbc.PolicyLossConfig(**cfg), phase=phase, **kw)
+            batch["ref_logp"], bias=b, config=gbc.PolicyLossConfig(**cfg), phase=phase, **kw,
+            **VP_CALL.get(name, lambda _: {})(batch))
         (loss * 0.7).backward()
         out[name] = (loss.detach(), metrics, h.grad, w.grad, b.grad)
     # bf16 inputs: logits from the bf16 matmul, reductions in float32, as on one device

@@ -452,3 +452,80 @@ def test_verl_registry_every_base_mode(mode):
         assert abs(outs[0][2]["actor/ppo_kl"] - outs[1][2]["actor/ppo_kl"]) < 1e-9
     with pytest.raises(ValueError, match="base_loss_mode"):
         gv.register("gbc_bad", base_loss_mode="ppo")
+
+
+# ----------------------------------------------------------------------------------------------
+# per-sample / per-token temperature, sum_p2
+# ----------------------------------------------------------------------------------------------
+
+
+def _temps(kind, B, T, g):
+    if kind == "per-sequence":
+        return torch.rand(B, generator=g) * 1.5 + 0.4
+    return torch.rand(B, T, generator=g) * 1.5 + 0.4
+
+
+@pytest.mark.parametrize("kind", ["per-sequence", "per-token"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_logprobs_temperature_tensor_and_sum_p2(backend, kind, dtype, small_chunks):
+    """fused_linear_logprobs with a [B] / [B, T] temperature against the float64 reference:
+    log-probs, entropy, sum_p2 and the gradients of a random upstream through both outputs;
+    token_stats' sum_p2 too. V = 37 (odd), several chunks."""
+    batch = make_batch(B=4, T=9, V=37, seed=21, dtype=dtype)
+    g = torch.Generator().manual_seed(21)
+    temp = _temps(kind, 4, 9, g)
+    y = batch["targets"].clamp(min=0)
+    up = torch.randn(2, 4, 9, generator=g)
+    res = {}
+    for lib, cast in ((gbc, lambda t: t), (ref, lambda t: t.double())):
+        h = cast(batch["hidden"]).clone().requires_grad_(True)
+        w = cast(batch["weight"]).clone().requires_grad_(True)
+        b = cast(batch["bias"]).clone().requires_grad_(True)
+        kw = {"backend": backend} if lib is gbc else {}
+        logp, ent, sp2 = lib.fused_linear_logprobs(h, w, y, bias=b, temperature=temp,
+                                                   return_entropy=True, return_sum_p2=True, **kw)
+        ((logp * up[0]).sum() + (ent * up[1]).sum()).backward()
+        st = lib.token_stats(h.detach(), w.detach(), y, b.detach(), temperature=temp, **kw)
+        res[lib] = (logp.detach(), ent.detach(), sp2, h.grad, w.grad, b.grad, st.sum_p2,
+                    st.logp)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for got, want in zip(res[gbc], res[ref]):
+        got, want = got.double(), want.double()
+        assert (got - want).abs().max() <= tol * max(1.0, want.abs().max()), \
+            (got - want).abs().max()
+    assert not torch.allclose(res[gbc][0].double(), gbc.fused_linear_logprobs(
+        batch["hidden"], batch["weight"], y, bias=batch["bias"])[0].double())
+
+
+@pytest.mark.parametrize("kind", ["per-sequence", "per-token"])
+@pytest.mark.parametrize("cfg", [dict(), dict(objective="gmpo", loss_agg="grpo", kl_coef=0.05),
+                                 dict(importance_sampling_level="sequence", entropy_coef=0.03,
+                                      top_entropy_quantile=0.6)],
+                         ids=["ppo", "gmpo-kl", "gspo-quantile-entropy"])
+def test_fused_loss_temperature_tensor(backend, kind, cfg, chunking):
+    """fused_linear_policy_loss(temperature=[B] or [B, T]) against the float64 reference: loss,
+    gradients and metrics (grad_share_low uses each token's temperature)."""
+    batch = make_batch(B=5, T=9, V=37, seed=31, old_spread=3.0)
+    g = torch.Generator().manual_seed(31)
+    temp = _temps(kind, 5, 9, g)
+    out = run(gbc, batch, cfg, None, 0.9, backend, {"temperature": temp})
+    truth = run(ref, as64(batch), cfg, None, 0.9, extra={"temperature": temp.double()})
+    check_against(out, truth, 1e-5, 1e-4)
+
+
+def test_temperature_tensor_refusals():
+    batch = make_batch(B=3, T=4, V=11, seed=2)
+    h, w, y, m, a = (batch[k] for k in ("hidden", "weight", "targets", "mask", "advantages"))
+    for bad, match in ((torch.ones(4), r"temperature: expected a float or a tensor of shape "
+                                       r"\[3x4\]"),
+                       (torch.ones(3, 5), r"temperature: expected .* got \[3x5\]"),
+                       (torch.full((3,), -1.0), "temperature: expected finite temperatures > 0"),
+                       (torch.tensor([float("nan"), 1.0, 1.0]), "temperature.*> 0"),
+                       (torch.ones(3, dtype=torch.long), "temperature"),
+                       (0.0, "temperature: expected a finite float > 0")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            gbc.fused_linear_policy_loss(h, w, y, m, a, temperature=bad)
+    with pytest.raises(ValueError, match="temperature"):
+        gbc.fused_linear_logprobs(h, w, y.clamp(min=0), temperature=torch.ones(4))
+    with pytest.raises(TypeError, match="return_sum_p2: expected a bool"):
+        gbc.fused_linear_logprobs(h, w, y.clamp(min=0), return_sum_p2="yes")

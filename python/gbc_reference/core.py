@@ -298,7 +298,11 @@ def entropy_quantile_mask(entropy, mask, quantile):
     """§10 top_entropy_quantile = q: tokens whose entropy is >= the (1 - q) quantile (linear
     interpolation, torch.quantile) of the masked tokens' entropies."""
     m = mask.bool()
-    values = entropy.detach()[m].float()
+    # in the entropies' own precision (float64 stays float64): a threshold rounded to float32
+    # can land above the float64 entropy it equals, and drop that token
+    values = entropy.detach()[m]
+    if values.dtype not in (torch.float32, torch.float64):
+        values = values.float()
     if values.numel() == 0:
         return torch.zeros_like(m)
     threshold = torch.quantile(values, 1.0 - quantile)
