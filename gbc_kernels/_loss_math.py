@@ -40,6 +40,7 @@ class TokenTerms:
     flag_low: Optional[torch.Tensor] = None      # dppo, gmpo: their own clip flags per token
     flag_high: Optional[torch.Tensor] = None
     cov_sel: Optional[torch.Tensor] = None       # Clip-Cov / KL-Cov: the selected tokens
+    log_ratio: Optional[torch.Tensor] = None     # logp - old_logp per token, before any clamp
 
 
 @dataclass
@@ -94,7 +95,8 @@ class TokenInputs:
                 and not cfg.needs_batch and self.is_ratio is None and cfg.kl_agg is None
                 and cfg.entropy_agg is None and cfg.log_ratio_clamp is None
                 and cfg.log_ratio_penalty == 0.0 and cfg.kl_estimator in NATIVE_KL
-                and cfg.kl_clamp is None and not cfg.kl_unbiased_gradient
+                and cfg.kl_clamp is None and cfg.kl_log_ratio_clamp is None
+                and not cfg.kl_unbiased_gradient
                 and self.itemp is None)
 
 
@@ -113,12 +115,17 @@ class LossTerms:
 NATIVE_KL = ("k1", "k2", "k3", "low_var_kl")
 
 
-def kl_value_and_grad(logp, ref_logp, estimator, clamp=None):
+def kl_value_and_grad(logp, ref_logp, estimator, clamp=None, input_clamp=None):
     """KL estimator k(logp, ref_logp) and dk/dlogp, delta = ref_logp - logp (docs/math.md §1,
-    §12). ``clamp``: the value clamped to ``[-clamp, clamp]`` (gradient inside only). A ``+``
-    suffix keeps the value and takes k2's gradient ``logp - ref_logp`` (straight-through)."""
+    §12). ``input_clamp``: delta clamped to ``[-c, c]`` first; ``clamp``: the value clamped to
+    ``[-clamp, clamp]`` (each passes the gradient inside only). A ``+`` suffix keeps the value
+    and takes k2's gradient ``logp - ref_logp`` (straight-through)."""
     base = estimator.rstrip("+")
     delta = ref_logp - logp
+    d_in = None
+    if input_clamp is not None:
+        d_in = (delta >= -input_clamp) & (delta <= input_clamp)
+        delta = delta.clamp(-input_clamp, input_clamp)
     if base == "k1":
         val, grad = -delta, torch.ones_like(delta)
     elif base == "k2":
@@ -137,11 +144,13 @@ def kl_value_and_grad(logp, ref_logp, estimator, clamp=None):
         val = raw.clamp(-10.0, 10.0)
         inside = (delta >= -20.0) & (delta <= 20.0) & (raw >= -10.0) & (raw <= 10.0)
         grad = torch.where(inside, 1.0 - e, torch.zeros_like(e))
+    if d_in is not None:
+        grad = torch.where(d_in, grad, torch.zeros_like(grad))
     if clamp is not None:
         inside = (val >= -clamp) & (val <= clamp)
         val, grad = val.clamp(-clamp, clamp), torch.where(inside, grad, torch.zeros_like(grad))
     if estimator.endswith("+"):
-        grad = -delta
+        grad = logp - ref_logp
     return val, grad
 
 
@@ -317,7 +326,7 @@ def loss_terms(logp, entropy, ti: TokenInputs, cfg: PolicyLossConfig,
     cnt = None
     if cfg.needs_sequence:
         cnt = _seg_sum(torch.ones_like(logp), seq, n_seq)
-    log_ratio = logp - old
+    log_ratio = raw_log_ratio = logp - old
     lr_in = None                          # the log-ratio clamp passes the gradient inside
     if cfg.log_ratio_clamp is not None:
         c = cfg.log_ratio_clamp
@@ -388,7 +397,8 @@ def loss_terms(logp, entropy, ti: TokenInputs, cfg: PolicyLossConfig,
         g_tok = gm if g_tok is None else g_tok + gm
     kl = None
     if cfg.kl_coef != 0.0:
-        kl, dk = kl_value_and_grad(logp, ti.ref, cfg.kl_estimator, cfg.kl_clamp)
+        kl, dk = kl_value_and_grad(logp, ti.ref, cfg.kl_estimator, cfg.kl_clamp,
+                                   cfg.kl_log_ratio_clamp)
         if cfg.kl_unbiased_gradient:      # OpenRLHF: w (logp - ref), w = min(r, 10) detached
             dk = torch.exp(logp - old).clamp(max=10.0) * (logp - ti.ref)
         kl_lw = None
@@ -427,7 +437,7 @@ def loss_terms(logp, entropy, ti: TokenInputs, cfg: PolicyLossConfig,
         clip_seq = tuple((_seg_sum(f.to(logp.dtype), seq, n_seq) > 0).sum().to(logp.dtype)
                          for f in clip_flags(a, ratio, cfg))
     terms = TokenTerms(ratio, a, ar, p_old, kl, ti.emask, dropped, extra.get("phi_seq_sum"),
-                       *clip_seq, *(flags or (None, None)), ti.cov_sel)
+                       *clip_seq, *(flags or (None, None)), ti.cov_sel, raw_log_ratio)
     return LossTerms(loss_sum, g, gH, terms)
 
 
@@ -524,7 +534,10 @@ def policy_metrics(terms: TokenTerms, cfg: PolicyLossConfig, entropy=None, grad_
     flag_low, flag_high = clip_flags(a, r, cfg, terms)
     low = terms.p_old < cfg.metric_eta
     # the per-token means: one stacked sum and one division (a launch or two, not two each)
+    # the native token kernels return the token ratio exp(logp - old) only
+    log_ratio = terms.log_ratio if terms.log_ratio is not None else torch.log(r)
     means = {"clip_frac_low": flag_low, "clip_frac_high": flag_high, "ratio_mean": r,
+             "log_ratio_mean": log_ratio,
              "ar_weight_mean": terms.ar, "low_frac": low}
     if terms.kl is not None:
         means["kl"] = terms.kl
@@ -587,7 +600,8 @@ def concat_terms(parts, rows=None):
 def empty_metrics(cfg: PolicyLossConfig, device, n_seq_total: int = 0) -> dict:
     """The metrics of a call without any masked token: zeros (phi_mean: 1 with sequences)."""
     z = torch.zeros((), device=device, dtype=torch.float32)
-    keys = ["clip_frac_low", "clip_frac_high", "ratio_mean", "ar_weight_mean", "low_frac",
+    keys = ["clip_frac_low", "clip_frac_high", "ratio_mean", "log_ratio_mean", "ar_weight_mean",
+            "low_frac",
             "grad_share_low", "grad_norm_sum"]
     if cfg.kl_coef != 0.0:
         keys.append("kl")

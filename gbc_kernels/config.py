@@ -129,7 +129,10 @@ class PolicyLossConfig:
         ``dro``, ROLL ``kimi15``, prime-rl's ``kl_tau``). 0 = off.
     kl_estimator also takes ``abs`` (``|logp - ref_logp|``) and a ``+`` suffix on any estimator
         (``k3+``: its value with the gradient of k2, verl's straight-through form).
-    kl_clamp: clamp the KL estimator's value to ``[-c, c]`` (OpenRLHF's 10); None = off.
+    kl_clamp: clamp the KL estimator's value to ``[-c, c]`` (OpenRLHF's 10, NeMo-RL's
+        ``kl_output_clamp_value``); None = off.
+    kl_log_ratio_clamp: clamp ``ref_logp - logp`` to ``[-c, c]`` before the estimator
+        (NeMo-RL's ``kl_input_clamp_value``); None = off.
     kl_unbiased_gradient: OpenRLHF's ``unbiased_gradient``: the estimator's value with the
         gradient ``w * (logp - ref_logp)``, ``w = min(exp(logp - old_logp), 10)`` detached.
     cov_mode: ``clip`` (Clip-Cov: the policy term dropped on ``max(1, int(cov_ratio * N))``
@@ -176,6 +179,7 @@ class PolicyLossConfig:
     log_ratio_clamp: Optional[float] = None
     log_ratio_penalty: float = 0.0
     kl_clamp: Optional[float] = None
+    kl_log_ratio_clamp: Optional[float] = None
     kl_unbiased_gradient: bool = False
     cov_mode: Optional[str] = None
     cov_ratio: float = 2e-4
@@ -295,6 +299,7 @@ class PolicyLossConfig:
         bool_field("normalise_all_terms")
         optional_positive("log_ratio_clamp")
         optional_positive("kl_clamp")
+        optional_positive("kl_log_ratio_clamp")
         if self.cispo_min is not None:
             if self.objective != "cispo":
                 raise ValueError(f"cispo_min: the lower bound of cispo's weight applies to "
@@ -320,10 +325,11 @@ class PolicyLossConfig:
         v = self.log_ratio_penalty
         if not (math.isfinite(v) and v >= 0):
             raise ValueError(f"log_ratio_penalty: expected a finite float >= 0, got {v!r}")
-        if self.kl_clamp is not None and self.kl_estimator.rstrip("+") == "low_var_kl":
-            raise ValueError(f"kl_clamp: kl_estimator={self.kl_estimator!r} clamps its value at "
-                             f"+-10 already; use kl_estimator='k3' with kl_clamp="
-                             f"{self.kl_clamp!r}")
+        for name in ("kl_clamp", "kl_log_ratio_clamp"):
+            if getattr(self, name) is not None and self.kl_estimator.rstrip("+") == "low_var_kl":
+                raise ValueError(f"{name}: kl_estimator={self.kl_estimator!r} clamps its input "
+                                 f"at +-20 and its value at +-10 already; use kl_estimator='k3' "
+                                 f"with {name}={getattr(self, name)!r}")
         if self.kl_unbiased_gradient and self.kl_estimator.endswith("+"):
             raise ValueError(f"kl_unbiased_gradient: kl_estimator={self.kl_estimator!r} already "
                              f"takes k2's gradient (with weight 1); use one of the two")
@@ -414,9 +420,10 @@ _FLOAT_FIELDS = ("epsilon_low", "epsilon_high", "clip_ratio_c", "temperature", "
                  "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                  "vespo_lambda_neg", "top_entropy_quantile", "off_policy_mask_threshold",
                  "logit_softcap", "max_len", "cispo_min", "log_ratio_clamp", "log_ratio_penalty",
-                 "kl_clamp", "cov_ratio", "cov_lb", "cov_ub", "cov_kl_coef")
+                 "kl_clamp", "kl_log_ratio_clamp", "cov_ratio", "cov_lb", "cov_ub", "cov_kl_coef")
 _OPTIONAL_FIELDS = ("clip_ratio_c", "lopti_eta", "delta", "off_policy_mask_threshold",
-                    "logit_softcap", "max_len", "cispo_min", "log_ratio_clamp", "kl_clamp")
+                    "logit_softcap", "max_len", "cispo_min", "log_ratio_clamp", "kl_clamp",
+                    "kl_log_ratio_clamp")
 
 
 def _is_number(v) -> bool:

@@ -55,6 +55,8 @@ NEW_CASES = [
     pytest.param(dict(kl_coef=0.1, kl_estimator="k1+", kl_clamp=0.5), None,
                  id="kl-k1-straight-clamp"),
     pytest.param(dict(kl_coef=0.1, kl_estimator="k2", kl_clamp=0.3), None, id="kl-k2-clamp"),
+    pytest.param(dict(kl_coef=0.1, kl_estimator="k3", kl_log_ratio_clamp=0.6, kl_clamp=0.5),
+                 None, id="kl-nemo-rl-clamps"),
     pytest.param(dict(kl_coef=0.1, kl_estimator="k3", kl_clamp=1.0, kl_unbiased_gradient=True),
                  None, id="kl-unbiased"),
     pytest.param(dict(cov_mode="clip", cov_ratio=0.2, cov_lb=0.0, cov_ub=4.0), None,
@@ -107,7 +109,12 @@ def test_fp32_matches_float64_reference(backend, cfg, phase, chunking):
     assert any(float(v.abs().max()) > 0 for v in out[2].values())
 
 
-@pytest.mark.parametrize("cfg,phase", [NEW_CASES[3], NEW_CASES[5], NEW_CASES[7], NEW_CASES[15]])
+def _case(name):
+    return next(c for c in NEW_CASES if c.id == name)
+
+
+@pytest.mark.parametrize("cfg,phase", [_case(n) for n in ("dppo-tv", "gmpo", "gspo-token",
+                                                          "clip-cov")])
 def test_bf16_odd_vocab(backend, cfg, phase, chunking):
     """bf16 storage, V = 131: within bf16's error of float64."""
     batch = make_batch(B=4, T=16, H=64, V=131, dtype=torch.bfloat16, seed=17, old_spread=4.0)
@@ -116,7 +123,8 @@ def test_bf16_odd_vocab(backend, cfg, phase, chunking):
     check_bf16(out, truth, 2e-2, 5e-2)
 
 
-@pytest.mark.parametrize("cfg", [NEW_CASES[i][0][0] for i in (0, 3, 5, 7, 9, 15, 16)],
+@pytest.mark.parametrize("cfg", [_case(n).values[0] for n in (
+    "cispo-two-sided", "dppo-tv", "gmpo", "gspo-token", "dro", "clip-cov", "kl-cov")],
                          ids=["cispo", "dppo", "gmpo", "gspo-token", "dro", "clip-cov",
                               "kl-cov"])
 def test_empty_rows(backend, cfg, chunking):
@@ -384,6 +392,8 @@ def test_openrlhf_kl(est, unbiased):
     (dict(objective="sapo", clip_ratio_c=3.0), "clip_ratio_c.*objective='sapo'"),
     (dict(kl_estimator="k4"), "kl_estimator"),
     (dict(kl_estimator="low_var_kl", kl_clamp=5.0), "kl_clamp.*low_var_kl"),
+    (dict(kl_estimator="low_var_kl+", kl_log_ratio_clamp=5.0), "kl_log_ratio_clamp.*low_var_kl"),
+    (dict(kl_log_ratio_clamp=-1.0), "kl_log_ratio_clamp"),
     (dict(kl_estimator="k3+", kl_unbiased_gradient=True), "kl_unbiased_gradient.*k3\\+"),
     (dict(kl_ratio_correction=True, kl_estimator="k1+"), "kl_ratio_correction.*k1\\+"),
     (dict(kl_unbiased_gradient="yes"), "kl_unbiased_gradient: expected a bool"),

@@ -55,6 +55,7 @@ class PolicyLossConfig:
     log_ratio_clamp: Optional[float] = None    # logp - old_logp clamped to +-c per token
     log_ratio_penalty: float = 0.0             # + beta/2 (logp - old_logp)^2 (verl dro)
     kl_clamp: Optional[float] = None           # the KL value clamped to +-c (OpenRLHF: 10)
+    kl_log_ratio_clamp: Optional[float] = None # ref_logp - logp clamped to +-c first (NeMo-RL)
     kl_unbiased_gradient: bool = False         # OpenRLHF's straight-through IS-weighted k2 grad
     cov_mode: Optional[str] = None             # "clip" (Clip-Cov) | "kl" (KL-Cov)
     cov_ratio: float = 2e-4
@@ -233,7 +234,11 @@ def kl_penalty(logp, ref_logp, cfg, old_logp=None):
     ``kl_clamp`` clamps the value; a ``+`` suffix (verl) keeps the value and takes the
     gradient of k2 = (logp - ref)^2 / 2; ``kl_unbiased_gradient`` (OpenRLHF) takes the gradient
     of w (logp - ref)^2 / 2, w = min(exp(logp - old_logp), 10) detached."""
-    val = kl_estimate(logp, ref_logp, cfg.kl_estimator.rstrip("+"))
+    lp = logp
+    if cfg.kl_log_ratio_clamp is not None:      # delta = ref - logp clamped: logp moved inside
+        c = cfg.kl_log_ratio_clamp
+        lp = ref_logp - (ref_logp - logp).clamp(-c, c)
+    val = kl_estimate(lp, ref_logp, cfg.kl_estimator.rstrip("+"))
     if cfg.kl_clamp is not None:
         val = val.clamp(-cfg.kl_clamp, cfg.kl_clamp)
     w = None
@@ -480,7 +485,7 @@ def _per_token_loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_s
         ent_term = torch.where(active & emask, entropy, zero)
     parts = dict(ratio=ratio, adv=adv, ar=ar, p_old=p_old, kl=kl, phi=phi, A=A,
                  emask=emask if cfg.top_entropy_quantile < 1.0 else None, dropped=dropped,
-                 flags=flags, cov_sel=cov_sel)
+                 flags=flags, cov_sel=cov_sel, log_ratio=torch.where(m, logp - old, zero))
     return policy, kl_term, ent_term, parts
 
 
@@ -553,6 +558,7 @@ def _metrics(parts, logp, entropy, mask, cfg, grad_share_low, grad_norm_sum=None
         "clip_frac_low": masked_mean(low.float()),
         "clip_frac_high": masked_mean(high.float()),
         "ratio_mean": masked_mean(ratio),
+        "log_ratio_mean": masked_mean(parts["log_ratio"]),   # logp - old_logp, no clamp
         "ar_weight_mean": masked_mean(parts["ar"]),
         "low_frac": masked_mean((parts["p_old"] < eta).float()),
     }

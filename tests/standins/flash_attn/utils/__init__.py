@@ -1,0 +1,1 @@
+"""Stand-in (see flash_attn/__init__.py)."""
