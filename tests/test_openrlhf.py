@@ -1,0 +1,381 @@
+"""The fused path inside OpenRLHF 0.11.2, against OpenRLHF's own code.
+
+OpenRLHF's ``Actor``, ``PolicyLoss``, ``aggregate_loss``, ``compute_approx_kl``,
+``compute_entropy`` and ``log_probs_from_logits`` (imported from the installed package) are the
+oracle: the training loss is composed from them exactly as ``ActorPPOTrainer.training_step``
+composes it (that class itself imports vLLM at import time, which has no CPU build), on a tiny
+Qwen2 built from a config, and compared with ``integrations.openrlhf.fused_actor_loss``: the
+loss, every parameter gradient and the logged metrics, for each option; then a few training
+steps through ``integrations.openrlhf.training_step`` with a plain-PyTorch stand-in for
+OpenRLHF's DeepSpeed strategy (backward, optimizer step: the loss and gradients stay
+OpenRLHF's and gbc's own) end in the same parameters; the no-grad log-prob pass equals
+``Actor.forward``'s. OpenRLHF's wheel imports flash-attn at import time (no CPU build): the
+stand-in package ``tests/standins/flash_attn`` raises if any of its functions is called, and is
+on ``sys.path`` only while OpenRLHF is imported.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _import_openrlhf():
+    pytest.importorskip("deepspeed")
+    sys.path.insert(0, os.path.join(HERE, "standins"))
+    try:
+        from openrlhf.models import Actor, PolicyLoss
+        from openrlhf.models.loss import aggregate_loss
+        from openrlhf.models.utils import compute_approx_kl, masked_mean
+        from openrlhf.trainer.ppo_utils.experience import Experience
+        from openrlhf.utils.loss_utils import get_loss_batch_info
+    except ImportError as exc:                  # pragma: no cover - the dev install has it
+        pytest.skip(f"openrlhf: {exc}")
+    finally:
+        sys.path.remove(os.path.join(HERE, "standins"))
+        for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+            del sys.modules[name]             # the stand-in leaves with its path
+    return SimpleNamespace(Actor=Actor, PolicyLoss=PolicyLoss, aggregate_loss=aggregate_loss,
+                           compute_approx_kl=compute_approx_kl, masked_mean=masked_mean,
+                           Experience=Experience, get_loss_batch_info=get_loss_batch_info)
+
+
+ORL = _import_openrlhf()
+
+import gbc_kernels as gbc  # noqa: E402
+from gbc_kernels.integrations import openrlhf as gorl  # noqa: E402
+
+V, H, B, P, T = 97, 32, 4, 5, 7          # vocab (odd), hidden, batch, prompt, response
+
+
+def tiny_model(seed=0, vocab=V):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=H, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(cfg).float()
+    model.config.use_cache = False
+    return model
+
+
+def make_actor(model, temperature=1.0):
+    """OpenRLHF's Actor around a model instance (its constructor sets ``packing_samples`` only
+    when it loads a checkpoint itself)."""
+    actor = ORL.Actor(model, temperature=temperature)
+    actor.packing_samples = False
+    return actor
+
+
+def make_args(policy_loss_type="ppo", loss_agg_mode="token-mean", eps=(0.2, 0.28),
+              dual_clip=None, kl=None, unbiased=False, entropy_coef=None,
+              is_level="off", is_mode="mask", is_gating="ratio", is_threshold=(0.5, 5.0)):
+    ns = SimpleNamespace
+    return ns(actor=ns(eps_clip_low_high=eps, dual_clip=dual_clip,
+                       policy_loss_type=policy_loss_type, loss_agg_mode=loss_agg_mode,
+                       entropy_coef=entropy_coef, aux_loss_coef=0.0),
+              algo=ns(kl=ns(use_loss=kl is not None, init_coef=0.05 if kl else 0.0,
+                            estimator=kl or "k1", unbiased_gradient=unbiased),
+                      advantage=ns(is_correction_level=is_level, is_correction_mode=is_mode,
+                                   is_correction_gating=is_gating,
+                                   is_correction_threshold=is_threshold)),
+              train=ns(dynamic_batch_enable=False))
+
+
+def make_experience(seed=1, vocab=V):
+    """Left-padded prompts, right-padded responses (OpenRLHF's layout), one empty response,
+    log-probs near the policy's."""
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(1, vocab, (B, P + T), generator=g)
+    am = torch.ones(B, P + T, dtype=torch.long)
+    am[1, :2] = 0                                  # left padding of a short prompt
+    seq[1, :2] = 0
+    lengths = torch.tensor([T, 4, 0, 6])
+    mask = torch.arange(T)[None] < lengths[:, None]
+    am[:, P:] = mask.long()
+    seq[:, P:][~mask] = 0
+    old = -torch.rand(B, T, generator=g) * 3.0 - 0.05
+    ref = (old + 0.4 * torch.randn(B, T, generator=g)).clamp(max=-1e-3)
+    rollout = (old + 0.3 * torch.randn(B, T, generator=g)).clamp(max=-1e-3)
+    adv = torch.randn(B, 1, generator=g).expand(B, T).contiguous()
+    return ORL.Experience(sequences=seq, attention_mask=am, action_mask=mask,
+                          action_log_probs=old * mask, base_action_log_probs=ref * mask,
+                          rollout_log_probs=rollout * mask, advantages=adv * mask, info={})
+
+
+def openrlhf_loss(actor, exp, args, kl_ctl, lbi):
+    """ActorPPOTrainer.training_step's loss, from OpenRLHF's own pieces (no vLLM import)."""
+    a = args.actor
+    loss_fn = ORL.PolicyLoss(clip_eps_low=a.eps_clip_low_high[0],
+                             clip_eps_high=a.eps_clip_low_high[1], dual_clip=a.dual_clip,
+                             token_level_loss=a.loss_agg_mode == "token-mean",
+                             policy_loss_type=a.policy_loss_type,
+                             is_correction_level=args.algo.advantage.is_correction_level,
+                             is_correction_mode=args.algo.advantage.is_correction_mode,
+                             is_correction_gating=args.algo.advantage.is_correction_gating,
+                             is_correction_threshold=args.algo.advantage.is_correction_threshold)
+    logp, output = actor(exp.sequences, exp.action_mask, attention_mask=exp.attention_mask,
+                         return_output=True, return_entropy=a.entropy_coef is not None)
+    actor_loss, clip_ratio, ppo_kl, vllm_kl, is_filter = loss_fn(
+        logp, exp.action_log_probs, exp.advantages, action_mask=exp.action_mask,
+        rollout_log_probs=exp.rollout_log_probs, **lbi)
+    metrics = {"ppo_clip_ratio": clip_ratio, "ppo_kl": ppo_kl, "policy_loss": actor_loss}
+    if vllm_kl is not None:
+        metrics.update(vllm_kl=vllm_kl, is_filter_ratio=is_filter)
+    loss = actor_loss
+    if args.algo.kl.use_loss and args.algo.kl.init_coef > 0:
+        kl = ORL.compute_approx_kl(logp, exp.base_action_log_probs,
+                                   log_probs_old=exp.action_log_probs,
+                                   kl_estimator=args.algo.kl.estimator,
+                                   unbiased_gradient=args.algo.kl.unbiased_gradient)
+        kl_loss = ORL.aggregate_loss(kl, exp.action_mask, **lbi)
+        loss = loss + kl_loss * kl_ctl
+        metrics["kl"] = kl_loss
+    if a.entropy_coef is not None:
+        ent = ORL.aggregate_loss(output.entropy[:, -T:], exp.action_mask, **lbi)
+        metrics["entropy_loss"] = ent
+        if a.entropy_coef != 0:
+            loss = loss - ent * a.entropy_coef
+    return loss, metrics
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _run_both(args, kl_ctl=0.05, lbi=None, temperature=1.0, seed=1):
+    exp = make_experience(seed)
+    lbi = lbi if lbi is not None else ORL.get_loss_batch_info(None, exp.action_mask)
+    out = {}
+    for which in ("openrlhf", "gbc"):
+        model = tiny_model()
+        actor = make_actor(model, temperature)
+        if which == "openrlhf":
+            loss, metrics = openrlhf_loss(actor, exp, args, kl_ctl, lbi)
+        else:
+            loss, metrics = gorl.fused_actor_loss(actor, exp, args, kl_ctl, lbi)
+        loss.backward()
+        out[which] = (float(loss.detach()), metrics, _grads(model))
+    return out
+
+
+CASES = [
+    pytest.param(dict(), id="ppo-token-mean"),
+    pytest.param(dict(loss_agg_mode="seq-mean-token-mean", dual_clip=3.0), id="ppo-seq-dual"),
+    pytest.param(dict(policy_loss_type="gspo", eps=(3e-4, 4e-4)), id="gspo"),
+    pytest.param(dict(kl="k1"), id="kl-k1"),
+    pytest.param(dict(kl="k2", unbiased=True), id="kl-k2-unbiased"),
+    pytest.param(dict(kl="k3", entropy_coef=0.01), id="kl-k3-entropy"),
+    pytest.param(dict(entropy_coef=0.0), id="entropy-logged-only"),
+    pytest.param(dict(is_level="token", is_mode="mask", is_threshold=(0.8, 1.3)),
+                 id="is-token-mask"),
+    pytest.param(dict(is_level="token", is_mode="clip", is_threshold=(0.8, 1.3)),
+                 id="is-token-clip"),
+    pytest.param(dict(is_level="seq", is_mode="mask", is_threshold=(0.7, 1.5)),
+                 id="is-seq-mask"),
+    pytest.param(dict(is_level="token", is_gating="binary_kl", is_threshold=(0.0, 0.05)),
+                 id="is-binary-kl"),
+    pytest.param(dict(is_level="seq", is_gating="tv", is_threshold=(0.0, 0.1)), id="is-seq-tv"),
+    pytest.param(dict(policy_loss_type="gspo", is_level="token", eps=(3e-4, 4e-4), kl="k3"),
+                 id="gspo-is-kl"),
+]
+
+
+def _check(out, loss_tol=2e-6, grad_tol=2e-5):
+    lo, mo, go = out["openrlhf"]
+    lg, mg, gg = out["gbc"]
+    assert abs(lo - lg) <= loss_tol * max(1.0, abs(lo)), (lo, lg)
+    assert set(go) == set(gg)
+    for n in go:
+        scale = go[n].abs().max().clamp(min=1e-6)
+        assert (go[n] - gg[n]).abs().max() <= grad_tol * scale, n
+    assert any(g.abs().max() > 0 for g in go.values())
+    for k, v in mo.items():
+        assert abs(float(v) - float(mg[k])) <= 1e-5 * max(1.0, abs(float(v))), (k, v, mg[k])
+
+
+@pytest.mark.parametrize("opts", CASES)
+def test_fused_loss_equals_openrlhf(opts):
+    """Loss, every parameter gradient and OpenRLHF's metrics, one process, the step's own
+    normalisers (get_loss_batch_info without a process group)."""
+    _check(_run_both(make_args(**opts)))
+
+
+@pytest.mark.parametrize("lbi", [dict(dp_size=2, batch_num_tokens=torch.tensor(30.0),
+                                      global_batch_size=torch.tensor(7.0)),
+                                 dict(dp_size=4, batch_num_tokens=torch.tensor(61.0),
+                                      global_batch_size=torch.tensor(13.0))],
+                         ids=["dp2", "dp4"])
+@pytest.mark.parametrize("opts", [dict(kl="k3", entropy_coef=0.02),
+                                  dict(loss_agg_mode="seq-mean-token-mean", kl="k2"),
+                                  dict(policy_loss_type="gspo", eps=(3e-4, 4e-4),
+                                       entropy_coef=0.01)],
+                         ids=["token", "seq", "gspo"])
+def test_global_loss_batch_info(opts, lbi):
+    """OpenRLHF's global normalisers (data-parallel size, global token and sample counts), its
+    temperature, KL and entropy terms."""
+    _check(_run_both(make_args(**opts), lbi=lbi, temperature=0.7))
+
+
+def test_log_prob_pass_equals_actor_forward():
+    """The no-grad pass (old policy, reference): ``Actor.forward(sequences, action_mask,
+    attention_mask)`` against the fused pass, directly and through ``enable``'s patch."""
+    exp = make_experience(3)
+    actor = make_actor(tiny_model(), 0.8)
+    with torch.no_grad():
+        want = actor(exp.sequences, exp.action_mask, exp.attention_mask)
+    got = gorl.fused_action_log_probs(actor, exp.sequences, exp.action_mask, exp.attention_mask)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    gorl.enable(actor_cls=ORL.Actor, trainer_cls=False)
+    try:
+        with torch.no_grad():
+            patched = actor(exp.sequences, exp.action_mask, exp.attention_mask)
+        assert torch.allclose(patched, want, rtol=1e-5, atol=1e-6)
+        lp, _ = actor(exp.sequences, exp.action_mask, attention_mask=exp.attention_mask,
+                      return_output=True)               # the training call: OpenRLHF's own
+        assert lp.requires_grad
+    finally:
+        gorl.disable(actor_cls=ORL.Actor)
+    assert ORL.Actor.forward.__module__.startswith("openrlhf")
+
+
+class ShapeWatcher(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every op output whose last dimension is the vocabulary."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab, self.seen = vocab, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[-1] == self.vocab:
+                self.seen.append(tuple(t.shape))
+        return out
+
+
+def test_no_full_logits_on_gbc_path(monkeypatch):
+    """No op on gbc's path (the training loss with its backward, and the log-prob pass)
+    produces a tensor holding the logits of every token: with a small chunk budget the widest
+    tensor over the vocabulary has fewer rows than the batch has tokens. OpenRLHF's own path
+    does form them (the watcher sees them), so the test can fail."""
+    vocab = 4099
+    monkeypatch.setenv("GBC_CHUNK_MB", "0.05")
+    exp = make_experience(5, vocab=vocab)
+    args = make_args(kl="k3", entropy_coef=0.01)
+    n_tokens = exp.sequences.numel()
+    model = tiny_model(vocab=vocab)
+    actor = make_actor(model)
+    lbi = ORL.get_loss_batch_info(None, exp.action_mask)
+    for fn in (lambda: gorl.fused_actor_loss(actor, exp, args, 0.05, lbi)[0].backward(),
+               lambda: gorl.fused_action_log_probs(actor, exp.sequences, exp.action_mask,
+                                                   exp.attention_mask)):
+        with ShapeWatcher(vocab) as w:
+            fn()
+        # [H, V] is the head's weight seen transposed (a parameter view, not logits)
+        rows = [torch.Size(s[:-1]).numel() for s in w.seen if len(s) >= 2 and s != (H, vocab)]
+        assert rows and max(rows) < int(exp.action_mask.sum()) < n_tokens, w.seen
+    with ShapeWatcher(vocab) as w:
+        openrlhf_loss(actor, exp, args, 0.05, lbi)
+    assert max(torch.Size(s[:-1]).numel() for s in w.seen) >= n_tokens
+
+
+class PlainStrategy:
+    """OpenRLHF's strategy interface as the training step uses it, in plain PyTorch (one
+    process): backward, optimizer step, grad norm. The loss and its gradients stay OpenRLHF's /
+    gbc's own."""
+
+    def backward(self, loss, model, optimizer):
+        loss.backward()
+
+    def optimizer_step(self, optimizer, model, scheduler, name="model"):
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+
+    def get_grad_norm(self, model):
+        return 0.0
+
+    def moving_average(self, *args, **kwargs):
+        raise AssertionError("no EMA model in this test")
+
+
+def _trainer(args, seed=0):
+    model = tiny_model(seed)
+    actor = make_actor(model, 0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    return SimpleNamespace(actor=actor, args=args, strategy=PlainStrategy(), replay_buffer=None,
+                           actor_optim=opt, actor_scheduler=sched, ema_model=None, ema_beta=0.99)
+
+
+def test_training_steps_end_in_the_same_parameters():
+    """Three steps of ``integrations.openrlhf.training_step`` (gbc's loss, AR off) and of the
+    same step with OpenRLHF's loss: the parameters agree after every step, and the status
+    carries OpenRLHF's keys."""
+    args = make_args(kl="k3", entropy_coef=0.01, loss_agg_mode="seq-mean-token-mean")
+    ours, theirs = _trainer(args), _trainer(args)
+    for step in range(3):
+        exp = make_experience(10 + step)
+        status = gorl.training_step(ours, copy.deepcopy(exp), 0.05, step)
+        lbi = ORL.get_loss_batch_info(None, exp.action_mask)
+        loss, _ = openrlhf_loss(theirs.actor, exp, args, 0.05, lbi)
+        loss.backward()
+        theirs.actor_optim.step()
+        theirs.actor_optim.zero_grad()
+        for (n, p), q in zip(ours.actor.named_parameters(), theirs.actor.parameters()):
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), (step, n)
+        assert {"policy_loss", "entropy_loss", "actor_lr", "ppo_clip_ratio", "ppo_kl",
+                "kl"} <= set(status["metrics"])
+        assert status["num_action_tokens"] == float(exp.action_mask.sum())
+    assert any(not torch.equal(p, q) for p, q in zip(ours.actor.parameters(),
+                                                      tiny_model(0).parameters()))
+
+
+def test_gbc_methods_on_top():
+    """AR and a Lopti phase through the OpenRLHF loss change it, and equal gbc's own loss on
+    the log-probs OpenRLHF computes (the same model, the same mapping)."""
+    args = make_args(kl="k3")
+    exp = make_experience(4)
+    lbi = ORL.get_loss_batch_info(None, exp.action_mask)
+    actor = make_actor(tiny_model())
+    plain, _ = gorl.fused_actor_loss(actor, exp, args, 0.05, lbi)
+    ar, m = gorl.fused_actor_loss(actor, exp, args, 0.05, lbi, ar_alpha=0.3, lopti_eta=0.5,
+                                  phase="low")
+    assert abs(float(ar) - float(plain)) > 1e-6
+    with torch.no_grad():
+        logp = actor(exp.sequences, exp.action_mask, exp.attention_mask)
+    cfg = gorl.policy_loss_config(args, 0.05, ar_alpha=0.3, lopti_eta=0.5)
+    want, _ = gbc.policy_loss(logp, exp.action_mask, exp.advantages, exp.action_log_probs,
+                              exp.base_action_log_probs, config=cfg, phase="low",
+                              **gorl.batch_normalisers(lbi))
+    assert abs(float(ar) - float(want)) <= 1e-5 * max(1.0, abs(float(want)))
+    assert float(m["gbc/ar_weight_mean"]) < 1.0
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(policy_loss_type="grpo"), "actor.policy_loss_type"),
+    (dict(loss_agg_mode="seq-mean-token-sum"), "actor.loss_agg_mode"),
+    (dict(kl="k4"), "algo.kl.estimator"),
+    (dict(policy_loss_type="gspo", is_level="token", kl="k3", unbiased=True),
+     "algo.kl.unbiased_gradient"),
+])
+def test_refusals(bad, match):
+    with pytest.raises(ValueError, match=match):
+        gorl.policy_loss_config(make_args(**bad), 0.05)
+
+
+def test_refuses_packed_samples():
+    exp = make_experience(2)
+    actor = make_actor(tiny_model())
+    actor.packing_samples = True
+    with pytest.raises(ValueError, match="packing_samples"):
+        gorl.fused_actor_loss(actor, exp, make_args(), 0.0, None)
