@@ -379,3 +379,57 @@ def test_refuses_packed_samples():
     actor.packing_samples = True
     with pytest.raises(ValueError, match="packing_samples"):
         gorl.fused_actor_loss(actor, exp, make_args(), 0.0, None)
+
+
+def _zero3_worker(rank, world, opts):
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    actor = make_actor(tiny_model(), 0.9)
+    engine, *_ = deepspeed.initialize(
+        model=actor, model_parameters=actor.parameters(),
+        config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+                "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+                "zero_allow_untested_optimizer": True})
+    outside = engine.module.model.lm_head.weight.numel()   # ZeRO-3: no data outside a forward
+    exp = make_experience(21)
+    rows = torch.arange(B).chunk(world)[rank]
+    mine = ORL.Experience(**{k: getattr(exp, k)[rows] if isinstance(getattr(exp, k),
+                                                                     torch.Tensor) else
+                             getattr(exp, k) for k in ("sequences", "attention_mask",
+                                                       "action_mask", "action_log_probs",
+                                                       "base_action_log_probs",
+                                                       "rollout_log_probs", "advantages",
+                                                       "info")})
+    # OpenRLHF's own normalisers over the group: global token and sample counts, dp_size
+    lbi = ORL.get_loss_batch_info(None, mine.action_mask)
+    loss, _ = gorl.fused_actor_loss(engine, mine, make_args(**opts), 0.05, lbi)
+    engine.backward(loss)
+    grads = {n: safe_get_full_grad(p) for n, p in engine.module.model.named_parameters()}
+    return outside, float(lbi["batch_num_tokens"]), grads
+
+
+@pytest.mark.parametrize("opts", [dict(kl="k3", entropy_coef=0.01),
+                                  dict(loss_agg_mode="seq-mean-token-mean", dual_clip=3.0)],
+                         ids=["token-kl-entropy", "seq-dual"])
+def test_deepspeed_zero3_two_ranks_equal_one_process(opts):
+    """DeepSpeed ZeRO-3 on 2 CPU processes, each with half the batch and OpenRLHF's global
+    normalisers: the gradient DeepSpeed averages over the ranks equals OpenRLHF's own loss on
+    the whole batch in one process (parameters exist only inside the forward under ZeRO-3: the
+    fused loss runs inside the lm_head's forward, where they are gathered)."""
+    pytest.importorskip("deepspeed")
+    from conftest import spawn_gloo
+
+    got = spawn_gloo(2, _zero3_worker, opts)
+    model = tiny_model()
+    exp = make_experience(21)
+    loss, _ = openrlhf_loss(make_actor(model, 0.9), exp, make_args(**opts), 0.05,
+                            ORL.get_loss_batch_info(None, exp.action_mask))
+    loss.backward()
+    want = _grads(model)
+    for outside, n_tokens, grads in got:
+        assert outside == 0 and n_tokens == float(exp.action_mask.sum())
+        for n, g in want.items():
+            err = float((grads[n] - g).abs().max() / g.abs().max().clamp(min=1e-12))
+            assert err <= 1e-5, (n, err)
