@@ -126,3 +126,19 @@ def test_verl_example_runs():
     import verl_loss
     loss, metrics = verl_loss.main()
     assert torch.isfinite(loss) and "actor/pg_clipfrac" in metrics
+
+
+def test_openrlhf_example_runs():
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("openrlhf")
+    standins = os.path.join(ROOT, "tests", "standins")
+    try:
+        import openrlhf_loss
+        loss, theirs, metrics = openrlhf_loss.main()
+    finally:                  # the example's import-only flash-attn stand-in leaves with it
+        while standins in sys.path:
+            sys.path.remove(standins)
+        for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+            del sys.modules[name]
+    assert abs(float(loss) - float(theirs)) <= 1e-5 * max(1.0, abs(float(theirs)))
+    assert {"policy_loss", "ppo_clip_ratio", "ppo_kl", "kl", "entropy_loss"} <= set(metrics)
