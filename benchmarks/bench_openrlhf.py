@@ -51,13 +51,10 @@ def _setup(a):
     exp = ns(sequences=seq, attention_mask=attn, action_mask=mask, action_log_probs=old,
              base_action_log_probs=old - 0.1, rollout_log_probs=None,
              advantages=torch.randn(B, 1, generator=g).expand(B, T).contiguous())
-    args = ns(actor=ns(eps_clip_low_high=(0.2, 0.28), dual_clip=None, policy_loss_type="ppo",
-                       loss_agg_mode="token-mean", entropy_coef=0.001, aux_loss_coef=0.0),
-              algo=ns(kl=ns(use_loss=True, init_coef=0.01, estimator="k3",
-                            unbiased_gradient=False),
-                      advantage=ns(is_correction_level="off")),
-              train=ns(dynamic_batch_enable=False))
-    return actor, exp, args
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from openrlhf_loss import demo_args        # the example's arguments: the same loss
+
+    return actor, exp, demo_args()
 
 
 def _step(provider, actor, exp, args):

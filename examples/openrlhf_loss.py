@@ -35,6 +35,18 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from gbc_kernels.integrations import openrlhf as gbc_openrlhf  # noqa: E402
 
 
+def demo_args():
+    """OpenRLHF's parsed arguments as its launcher builds them (the ones the loss reads): PPO
+    clip 0.2/0.28, token-mean, a k3 KL loss (0.01), entropy 0.001."""
+    ns = SimpleNamespace
+    return ns(actor=ns(eps_clip_low_high=(0.2, 0.28), dual_clip=None, policy_loss_type="ppo",
+                       loss_agg_mode="token-mean", entropy_coef=0.001, aux_loss_coef=0.0),
+              algo=ns(kl=ns(use_loss=True, init_coef=0.01, estimator="k3",
+                            unbiased_gradient=False),
+                      advantage=ns(is_correction_level="off")),
+              train=ns(dynamic_batch_enable=False))
+
+
 def main(vocab=151, seed=0):
     torch.manual_seed(seed)
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64,
@@ -43,12 +55,7 @@ def main(vocab=151, seed=0):
     actor = Actor(Qwen2ForCausalLM(cfg), temperature=1.0)
     actor.packing_samples = False
     ns = SimpleNamespace
-    args = ns(actor=ns(eps_clip_low_high=(0.2, 0.28), dual_clip=None, policy_loss_type="ppo",
-                       loss_agg_mode="token-mean", entropy_coef=0.001, aux_loss_coef=0.0),
-              algo=ns(kl=ns(use_loss=True, init_coef=0.01, estimator="k3",
-                            unbiased_gradient=False),
-                      advantage=ns(is_correction_level="off")),
-              train=ns(dynamic_batch_enable=False))
+    args = demo_args()
 
     B, P, T = 4, 6, 8
     seq = torch.randint(1, vocab, (B, P + T))

@@ -23,7 +23,7 @@ import torch
 import gbc_kernels as gbc
 import gbc_reference as ref
 from conftest import as64, make_batch
-from test_objectives import chunking, run  # noqa: F401  (the chunk-schedule fixture)
+from test_objectives import check_empty_rows, chunking, run  # noqa: F401  (chunking: a fixture)
 from test_policy_loss import check_against, check_bf16
 
 # ----------------------------------------------------------------------------------------------
@@ -130,18 +130,7 @@ def test_bf16_odd_vocab(backend, cfg, phase, chunking):
 def test_empty_rows(backend, cfg, chunking):
     """Empty rows among full ones (garbage there must not leak), and an all-zero mask: zero
     loss and gradients, metrics 0."""
-    batch = make_batch(B=5, T=9, V=37, seed=3, old_spread=4.0)
-    batch["mask"][3] = False
-    batch["old_logp"][3] = float("nan")
-    truth = _seeded(run, ref, as64(batch), cfg, None, 1.0)
-    out = _seeded(run, gbc, batch, cfg, None, 1.0, backend)
-    batch["old_logp"][3] = 0.0
-    check_against(out, truth, 1e-5, 1e-4)
-    batch["mask"][:] = False
-    loss, metrics, grads = run(gbc, batch, cfg, None, 1.0, backend)
-    assert float(loss) == 0.0
-    assert all(torch.equal(gr, torch.zeros_like(gr)) for gr in grads.values())
-    assert all(float(v) == 0.0 for v in metrics.values())
+    check_empty_rows(cfg, backend, _seeded)
 
 
 # ----------------------------------------------------------------------------------------------
