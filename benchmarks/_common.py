@@ -49,6 +49,18 @@ def trl_chunked_loss(c):
     return loss_from_logp(c, out[0].view_as(c["old"]))
 
 
+def torch_lce_loss(c):
+    """PyTorch 2.13's own chunked head: ``torch.nn.functional.linear_cross_entropy`` with
+    ``reduction="none"`` and ``LinearCrossEntropyOptions()`` (chunked, logits recomputed in
+    backward), its per-token cross-entropy negated into log-probs, then the loss."""
+    import torch.nn.functional as F
+
+    x = c["hidden"].reshape(-1, c["hidden"].shape[-1])
+    ce = F.linear_cross_entropy(x, c["weight"], c["targets"].reshape(-1), reduction="none",
+                                options=torch.nn.LinearCrossEntropyOptions())
+    return loss_from_logp(c, -ce.float().view_as(c["old"]))
+
+
 def loss_from_logp(c, logp):
     """Per-token PPO-clip + k3 KL, token-mean (TRL's bnpo)."""
     r = torch.exp(logp - c["old"])
@@ -128,6 +140,8 @@ def make_provider(name, c):
         return lambda: plain_torch_loss(c).backward()
     if name == "trl_chunked":
         return lambda: trl_chunked_loss(c).backward()
+    if name == "torch_lce":
+        return lambda: torch_lce_loss(c).backward()
     if name.startswith("liger"):
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
         mod = LigerFusedLinearGRPOLoss(beta=BETA, compiled=name == "liger_compiled",

@@ -7,6 +7,8 @@ memory: each provider in a fresh process (peak RSS beyond inputs and gradients).
   gbc_cpu      gbc_kernels, C++ backend            gbc_torch   gbc_kernels, chunked PyTorch path
   plain_torch  full logits + log_softmax + autograd (the textbook way)
   trl_chunked  TRL 1.16 GRPOTrainer's chunked log-prob kernel (logits recomputed in backward)
+  torch_lce    PyTorch 2.13's torch.nn.functional.linear_cross_entropy (reduction="none",
+               LinearCrossEntropyOptions(): chunked, logits recomputed in backward)
   liger        Liger-Kernel LigerFusedLinearGRPOLoss(compiled=False)  (liger_compiled: =True)
 
     python benchmarks/bench_cpu.py --quick            # N=2048, H=1024, V=32768 (the README table)
@@ -34,8 +36,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-PROVIDERS = ["floor", "gbc_cpu", "gbc_torch", "plain_torch", "trl_chunked", "liger",
-             "liger_compiled"]
+PROVIDERS = ["floor", "gbc_cpu", "gbc_torch", "plain_torch", "trl_chunked", "torch_lce",
+             "liger", "liger_compiled"]
 
 
 def _peak_kb():

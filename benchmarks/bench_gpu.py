@@ -7,6 +7,10 @@ Providers on the same inputs (bf16 by default):
   liger_triton    Liger's Triton grpo_loss given materialised logits (+ the lm_head matmul)
   plain_torch     full logits + log_softmax + autograd (the textbook way)
   trl_chunked     TRL 1.16 GRPOTrainer's chunked log-prob kernel (logits recomputed in backward)
+  torch_lce       PyTorch 2.13's linear_cross_entropy (reduction="none", chunked options)
+  verl_fused      verl 0.9.1's fused head (verl/utils/kernel/linear_cross_entropy.py)
+  quack_lce       quack's chunked linear cross-entropy, where it installs
+  (each baseline with the same loss on top of its per-token log-probs)
 Shapes: Qwen2.5-7B (H=3584, V=151936) and Llama-3-8B (H=4096, V=128256), N in {4096, 8192}.
 
     python benchmarks/bench_gpu.py [--N 4096,8192] [--dtype bfloat16]
@@ -59,6 +63,24 @@ def providers(c):
         loss = out[0] if isinstance(out, tuple) else out
         loss.backward()
     out["liger_triton"] = liger_triton
+    out["torch_lce"] = make_provider("torch_lce", c)
+
+    def verl_fused():
+        from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+        from _common import loss_from_logp
+        x = c["hidden"].reshape(-1, c["hidden"].shape[-1])
+        logp, _ = linear_cross_entropy(x, c["weight"], c["targets"].reshape(-1), 1.0, "none")
+        loss_from_logp(c, logp.float().view_as(c["old"])).backward()
+    out["verl_fused"] = verl_fused
+
+    def quack_lce():
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy   # optional
+        from _common import loss_from_logp
+        x = c["hidden"].reshape(-1, c["hidden"].shape[-1])
+        ce = chunked_linear_cross_entropy(x, c["weight"], c["targets"].reshape(-1),
+                                          reduction="none")
+        loss_from_logp(c, -ce.float().view_as(c["old"])).backward()
+    out["quack_lce"] = quack_lce
     return out
 
 

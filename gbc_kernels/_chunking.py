@@ -64,6 +64,43 @@ def rows_per_chunk(n_rows: int, vocab: int, bytes_per_logit: int,
     return max(1, min(rows, n_rows))
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def accumulate_fp32(dtype: torch.dtype) -> bool:
+    """Whether a ``dtype`` (bf16/fp16) weight gradient is summed over the chunks in float32 and
+    rounded once at the end: ``GBC_WEIGHT_GRAD_ACCUM`` is ``float32`` (the default) or
+    ``native`` (the weight's own dtype, rounded at every chunk: half the accumulator's memory,
+    for memory-bound runs)."""
+    env = os.environ.get("GBC_WEIGHT_GRAD_ACCUM", "float32").strip().lower()
+    if env not in ("float32", "native"):
+        raise ValueError(f"GBC_WEIGHT_GRAD_ACCUM: expected 'float32' or 'native', got {env!r}")
+    return env == "float32" and dtype in LOW_PRECISION
+
+
+# columns of a low-precision chunk converted to float32 at a time (CPU accumulation): bounds the
+# temporary at rows x 4096 x 4 bytes, whatever the vocabulary
+_FP32_COLS = 4096
+
+
+def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """``acc = (0 if first else acc) + a @ b`` with a float32 ``acc`` and low-precision ``a``,
+    ``b``, the product never rounded to their dtype: CUDA's ``out_dtype`` matmul (PyTorch >=
+    2.8); elsewhere float32 copies of ``a``'s rows in blocks of columns (``a`` is ``[V, rows]``,
+    the chunk's gradient transposed)."""
+    beta = 0.0 if first else 1.0
+    if acc.device.type == "cuda":
+        try:
+            torch.addmm(acc, a, b, beta=beta, out_dtype=torch.float32, out=acc)
+            return
+        except (TypeError, RuntimeError):
+            pass
+    b32 = b.float()
+    for v0 in range(0, a.shape[0], _FP32_COLS):
+        v1 = min(a.shape[0], v0 + _FP32_COLS)
+        torch.addmm(acc[v0:v1], a[v0:v1].float(), b32, beta=beta, out=acc[v0:v1])
+
+
 def project(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             out: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
     """out = h @ weight.T + bias, written into the preallocated chunk buffer; with ``softcap``

@@ -204,9 +204,11 @@ def _chunk_buffer(n: int, hidden2d, weight, backend: Backend, vp=None, grads=(Fa
     chunks. ``grads``: whether the call returns (grad_hidden, grad_weight), which count against
     the CUDA default budget (``_chunking.rows_per_chunk``)."""
     width = weight.shape[0] if vp is None else vp.width
-    # counted by the widest slice too: the same on every rank, so the chunks stay in step
+    # counted by the widest slice too: the same on every rank, so the chunks stay in step; a
+    # float32 accumulator of a bf16/fp16 weight gradient (_GradMatmuls) adds 4 bytes a weight
+    w_bytes = weight.element_size() + 4 * _chunking.accumulate_fp32(weight.dtype)
     grad_bytes = (grads[0] * hidden2d.numel() * hidden2d.element_size()
-                  + grads[1] * width * weight.shape[1] * weight.element_size())
+                  + grads[1] * width * weight.shape[1] * w_bytes)
     rows = _chunking.rows_per_chunk(n, width, backend.bytes_per_logit(hidden2d.dtype),
                                     hidden2d.device, grad_bytes)
     buf = torch.empty(rows, weight.shape[0], device=hidden2d.device,
@@ -233,17 +235,26 @@ def _rows_in(plan, device):
 class _GradMatmuls:
     """The two gradient matmuls (and the bias sum) of each chunk, shared by the fused loss and
     the log-probs backward: ``grad_h[rows] = G W``, ``grad_w += G^T h`` (the first chunk writes
-    with beta = 0, so no zero fill), ``grad_b += sum_rows G``.
+    with beta = 0, so no zero fill), ``grad_b += sum_rows G`` (float32).
 
-    ``idx``: the rows of ``hidden2d`` the chunks cover, in order (None: all rows, contiguous).
+    A bf16/fp16 ``grad_w`` summed over more than one chunk accumulates in float32 and is rounded
+    once at the end (``_chunking.accumulate_fp32``; TRL's and Liger's rule): rounding the running
+    sum at every chunk makes its error grow with the chunk count. One chunk: no accumulator.
+
+    ``idx``: the rows of ``hidden2d`` the chunks cover, in order (None: all rows, contiguous);
+    ``chunks``: how many chunks will add.
     """
 
-    def __init__(self, hidden2d, weight, bias, need_dh, need_dw, need_db, idx=None):
+    def __init__(self, hidden2d, weight, bias, need_dh, need_dw, need_db, idx=None, chunks=1):
         dense = idx is None
         self.weight, self.idx, self.bias = weight, idx, bias
         self.grad_h = ((torch.empty_like(hidden2d) if dense else torch.zeros_like(hidden2d))
                        if need_dh else None)
-        self.grad_w = torch.empty_like(weight) if need_dw else None
+        self.acc32 = need_dw and chunks > 1 and _chunking.accumulate_fp32(weight.dtype)
+        self.grad_w = None
+        if need_dw:
+            self.grad_w = (torch.empty(weight.shape, device=weight.device, dtype=torch.float32)
+                           if self.acc32 else torch.empty_like(weight))
         self.grad_b = torch.zeros(weight.shape[0], device=weight.device,
                                   dtype=torch.float32) if need_db else None
         self.first = True
@@ -255,7 +266,9 @@ class _GradMatmuls:
             else:
                 self.grad_h.index_copy_(0, self.idx[s:e], torch.mm(lg, self.weight))
         if self.grad_w is not None:
-            if self.first:
+            if self.acc32:
+                _chunking.addmm_fp32(self.grad_w, lg.t(), hc, self.first)
+            elif self.first:
                 torch.mm(lg.t(), hc, out=self.grad_w)
             else:
                 self.grad_w.addmm_(lg.t(), hc)
@@ -266,8 +279,11 @@ class _GradMatmuls:
     def result(self):
         if self.grad_w is not None and self.first:      # no rows at all
             self.grad_w.zero_()
+        gw = self.grad_w
+        if self.acc32:
+            gw = gw.to(self.weight.dtype)                # rounded once
         gb = None if self.grad_b is None else self.grad_b.to(self.bias.dtype)
-        return self.grad_h, self.grad_w, gb
+        return self.grad_h, gw, gb
 
 
 def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, need_dw: bool,
@@ -310,12 +326,11 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     if vp is not None:
         y = _vp.local_targets(y, vp)
     need_grad = need_dh or need_dw or need_db
-    grads = _GradMatmuls(hidden2d, weight, bias, need_dh, need_dw, need_db,
-                         None if dense else idx)
-
     if early is None:
         rows, buf = _chunk_buffer(n, hidden2d, weight, be, vp, (need_dh, need_dw))
     plan = chunk_plan(n, rows, cfg, ti.seq, ti.seq_lengths)
+    grads = _GradMatmuls(hidden2d, weight, bias, need_dh, need_dw, need_db,
+                         None if dense else idx, chunks=len(plan))
     ws = Workspace()
     f32 = dict(device=device, dtype=torch.float32)
     logp, g, sum_p2 = (torch.zeros(n, **f32) for _ in range(3))
@@ -537,7 +552,8 @@ def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperat
     if vp is not None:
         targets = _vp.local_targets(targets, vp)
     ws = Workspace()
-    grads = _GradMatmuls(hidden2d, weight, bias, need_dh, need_dw, need_db)
+    grads = _GradMatmuls(hidden2d, weight, bias, need_dh, need_dw, need_db,
+                         chunks=-(-N // rows))
     for s in range(0, N, rows):
         e = min(N, s + rows)
         hc, lg = hidden2d[s:e], buf[: e - s]
