@@ -315,7 +315,9 @@ std::vector<at::Tensor> policy_rows_(at::Tensor logits, at::Tensor targets, doub
         const float lse = m + log_s;
         const float H = log_s - sums[1] / sums[0];
         gbc::TokenIn in;
-        in.logp = static_cast<double>(x[y[r]] * it - m) - log_s;
+        // z_y - LSE rounded as row_stats' (target_z - lse in float32): the log-prob of the
+        // training pass is then bitwise the one fused_linear_logprobs / token_stats give
+        in.logp = static_cast<double>(x[y[r]] * it - lse);
         in.entropy = H;
         in.adv = ap[r];
         in.has_old = op != nullptr;

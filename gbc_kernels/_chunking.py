@@ -32,6 +32,41 @@ def budget_bytes(device: Optional[torch.device] = None) -> int:
     return DEFAULT_BUDGET_MB.get(kind, 256) * 2 ** 20
 
 
+# Batch invariance (docs/math.md, Numerics). A BLAS picks its kernels by shape: below some row
+# count (here 1 row: a GEMV) a row's logits differ in their last bits from the same row inside
+# a bigger matmul. Every logits matmul therefore has at least MIN_ROWS rows (a smaller chunk is
+# padded with zero rows). GBC_BATCH_INVARIANT=1 goes further: every logits matmul has the same
+# shape, FIXED_ROWS_MAX >= R >= MIN_ROWS rows fixed by the budget and V alone, the last chunk
+# padded, so a token's log-prob cannot depend on the rest of the batch whatever the BLAS does.
+MIN_ROWS = 16
+FIXED_ROWS_MAX = 8192
+
+
+def batch_invariant() -> bool:
+    """``GBC_BATCH_INVARIANT``: 1/true/yes/on (fixed-shape chunks) or 0/false/no/off (the
+    default)."""
+    env = os.environ.get("GBC_BATCH_INVARIANT")
+    if env is None:
+        return False
+    v = env.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"GBC_BATCH_INVARIANT: expected 1/true/yes/on or 0/false/no/off, got {env!r}")
+
+
+def fixed_rows(vocab: int, bytes_per_logit: int, device: Optional[torch.device] = None) -> int:
+    """The rows of every logits matmul in batch-invariant mode: the budget's rows for ``vocab``
+    (not lowered by the batch's size), a multiple of the tile, within
+    ``[MIN_ROWS, FIXED_ROWS_MAX]``."""
+    cap = budget_bytes(device) // max(1, vocab * bytes_per_logit)
+    tile = 16 if device is None or device.type == "cpu" else 128
+    if cap >= tile:
+        cap = cap // tile * tile
+    return int(min(FIXED_ROWS_MAX, max(MIN_ROWS, cap)))
+
+
 def rows_per_chunk(n_rows: int, vocab: int, bytes_per_logit: int,
                    device: Optional[torch.device] = None, grad_bytes: int = 0) -> int:
     """Rows per chunk: ``[rows, V]`` working arrays of ``bytes_per_logit`` bytes per logit in
@@ -49,6 +84,8 @@ def rows_per_chunk(n_rows: int, vocab: int, bytes_per_logit: int,
     speed."""
     if n_rows <= 0:
         return 1
+    if batch_invariant():
+        return fixed_rows(vocab, bytes_per_logit, device)
     budget = budget_bytes(device)
     gpu = device is not None and device.type == "cuda"
     if gpu and os.environ.get("GBC_CHUNK_MB") is None:
@@ -62,6 +99,7 @@ def rows_per_chunk(n_rows: int, vocab: int, bytes_per_logit: int,
     if cap >= tile:
         rows = -(-rows // tile) * tile
     return max(1, min(rows, n_rows))
+
 
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -99,6 +137,27 @@ def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool)
     for v0 in range(0, a.shape[0], _FP32_COLS):
         v1 = min(a.shape[0], v0 + _FP32_COLS)
         torch.addmm(acc[v0:v1], a[v0:v1].float(), b32, beta=beta, out=acc[v0:v1])
+
+
+def buffer_rows(rows: int) -> int:
+    """Rows of the chunk buffer for chunks of ``rows`` rows: at least ``MIN_ROWS``, so that a
+    small chunk's matmul can be padded."""
+    return max(rows, MIN_ROWS)
+
+
+def project_chunk(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  buf: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
+    """The chunk's logits ``[m, V]`` for its hidden rows ``h`` (``m`` rows), in ``buf[:m]``:
+    one matmul of ``max(m, MIN_ROWS)`` rows, or of all ``buf``'s rows in batch-invariant mode,
+    the extra rows zero (their logits are never read)."""
+    m = h.shape[0]
+    rows = buf.shape[0] if batch_invariant() else min(buf.shape[0], max(m, MIN_ROWS))
+    if m >= rows:
+        return project(h, weight, bias, buf[:m], softcap)
+    hp = h.new_zeros(rows, h.shape[1])
+    hp[:m] = h
+    project(hp, weight, bias, buf[:rows], softcap)
+    return buf[:m]
 
 
 def project(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

@@ -211,7 +211,8 @@ def _chunk_buffer(n: int, hidden2d, weight, backend: Backend, vp=None, grads=(Fa
                   + grads[1] * width * weight.shape[1] * w_bytes)
     rows = _chunking.rows_per_chunk(n, width, backend.bytes_per_logit(hidden2d.dtype),
                                     hidden2d.device, grad_bytes)
-    buf = torch.empty(rows, weight.shape[0], device=hidden2d.device,
+    # at least MIN_ROWS rows: a smaller chunk's matmul is padded to them (_chunking.project_chunk)
+    buf = torch.empty(_chunking.buffer_rows(rows), weight.shape[0], device=hidden2d.device,
                       dtype=hidden2d.dtype) if n else None
     return rows, buf
 
@@ -308,7 +309,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
         rows, buf = _chunk_buffer(N, hidden2d, weight, be, vp, (need_dh, need_dw))
         order = _first_rows(mflat, N)        # the masked-in rows first (0-padded)
         early = hidden2d.index_select(0, order[:rows])
-        _chunking.project(early, weight, bias, buf, cfg.logit_softcap)
+        _chunking.project_chunk(early, weight, bias, buf, cfg.logit_softcap)
     n, = pending.finish()
     idx = (torch.arange(n, device=device) if n == N
            else order[:n] if order is not None else _first_rows(mflat, n))
@@ -342,9 +343,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
         if s == 0 and early is not None:            # queued before the row count was known
             return early[:e], buf[:e]
         hc = hidden2d[s:e] if dense else hidden2d.index_select(0, idx[s:e])
-        lg = buf[: e - s]
-        _chunking.project(hc, weight, bias, lg, cfg.logit_softcap)
-        return hc, lg
+        return hc, _chunking.project_chunk(hc, weight, bias, buf, cfg.logit_softcap)
 
     if n == 0 and cfg.top_entropy_quantile < 1.0 and inp.threshold_fn is not None:
         inp.threshold_fn(torch.zeros(0, device=device), cfg.top_entropy_quantile)   # collective
@@ -523,8 +522,7 @@ def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature,
     with torch.no_grad():
         for s in range(0, N, rows):
             e = min(N, s + rows)
-            lg = buf[: e - s]
-            _chunking.project(hidden2d[s:e], weight, bias, lg, softcap)
+            lg = _chunking.project_chunk(hidden2d[s:e], weight, bias, buf, softcap)
             st = stats(lg, targets[s:e], _rows(inv_temp, s, e), want_entropy, want_sum_p2)
             logp[s:e] = st.target_z - st.lse
             lse[s:e] = st.lse
@@ -556,8 +554,8 @@ def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperat
                          chunks=-(-N // rows))
     for s in range(0, N, rows):
         e = min(N, s + rows)
-        hc, lg = hidden2d[s:e], buf[: e - s]
-        _chunking.project(hc, weight, bias, lg, softcap)
+        hc = hidden2d[s:e]
+        lg = _chunking.project_chunk(hc, weight, bias, buf, softcap)
         backend.logit_grad_(lg, targets[s:e], _rows(1.0 / temperature, s, e), lse[s:e],
                             None if entropy is None else entropy[s:e], g_logp[s:e],
                             None if g_entropy is None else g_entropy[s:e], ws, softcap)

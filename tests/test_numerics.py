@@ -141,3 +141,130 @@ def test_float32_weights_unchanged(monkeypatch):
         gbc.fused_linear_logprobs(h, ww, y, backend="torch")[0].sum().backward()
         grads.append(ww.grad)
     assert torch.equal(*grads)
+
+
+# ----------------------------------------------------------------------------------------------
+# batch-invariant log-probs
+# ----------------------------------------------------------------------------------------------
+
+
+def _blas_row_invariant(dtype, H, V):
+    """Whether this machine's matmul gives a row the same bits in a 16-row product as in a
+    513-row one (true of the BLAS seen here for fp32 and bf16; a GEMV, 1 row, differs)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(513, H, generator=g).to(dtype)
+    w = torch.randn(V, H, generator=g).to(dtype)
+    return torch.equal((x[:16] @ w.T), (x @ w.T)[:16])
+
+
+def _seq_batch(dtype, V=3001, H=48, seed=11):
+    """A sequence ``s`` (hidden states, targets) and three batches holding it: other sequences
+    around it, padded differently (left / right / none), in another order."""
+    g = torch.Generator().manual_seed(seed)
+    L = 23
+    s_h = torch.randn(L, H, generator=g).to(dtype)
+    s_y = torch.randint(0, V, (L,), generator=g)
+    w = (torch.randn(V, H, generator=g) / H ** 0.5).to(dtype)
+    batches = []
+    for B, T, pos, left in ((3, 30, 1, True), (6, 41, 4, False), (1, 23, 0, False)):
+        h = torch.randn(B, T, H, generator=g).to(dtype)
+        y = torch.randint(0, V, (B, T), generator=g)
+        m = torch.rand(B, T, generator=g) < 0.6
+        off = T - L if left else 0
+        h[pos, off:off + L], y[pos, off:off + L] = s_h, s_y
+        m[pos] = False
+        m[pos, off:off + L] = True
+        batches.append((h, y, m, pos, slice(off, off + L)))
+    return w, batches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_batch_invariant_logprobs(backend, dtype, monkeypatch):
+    """``GBC_BATCH_INVARIANT=1``: a sequence's log-probs and entropies are bitwise the same
+    inside different batches (other sequences, padding, order), through
+    ``fused_linear_logprobs``, ``token_stats`` and inside the fused loss (its on-policy ratio is
+    exactly 1: ``log_ratio_mean`` 0, no clipping at epsilon 1e-7); by construction, every logits
+    matmul having the same shape."""
+    if backend == "triton" and dtype == torch.bfloat16:
+        pytest.skip("the interpreter's bf16 tiles are slow; fp32 covers the Triton path")
+    monkeypatch.setenv("GBC_BATCH_INVARIANT", "1")
+    monkeypatch.setenv("GBC_CHUNK_MB", "0.3")            # several chunks, the last one padded
+    w, batches = _seq_batch(dtype)
+    seen = []
+    for h, y, m, pos, sl in batches:
+        lp, ent = gbc.fused_linear_logprobs(h, w, y, return_entropy=True, backend=backend)
+        st = gbc.token_stats(h, w, y, backend=backend)
+        seen.append((lp[pos, sl], ent[pos, sl], st.logp[pos, sl], st.entropy[pos, sl]))
+        old = torch.where(m, lp, torch.zeros_like(lp))
+        adv = torch.randn(m.shape[0])
+        cfg = gbc.PolicyLossConfig(epsilon_low=1e-7, epsilon_high=1e-7, return_entropy=True)
+        _, met = gbc.fused_linear_policy_loss(h, w, y, m, adv, old_logp=old, config=cfg,
+                                              backend=backend)
+        assert float(met["log_ratio_mean"]) == 0.0 and float(met["ratio_mean"]) == 1.0
+        assert float(met["clip_frac_low"]) == 0.0 and float(met["clip_frac_high"]) == 0.0
+    for other in seen[1:]:
+        for a, b in zip(seen[0], other):
+            assert torch.equal(a, b)
+    assert torch.equal(seen[0][0], seen[0][2]) and torch.equal(seen[0][1], seen[0][3])
+
+
+@pytest.mark.parametrize("invariant", ["0", "1"], ids=["default", "fixed-shape"])
+def test_logprobs_equal_inside_the_loss(backend, invariant, monkeypatch):
+    """The log-probs of the training pass are those of the no-grad pass: an on-policy loss has
+    ratio exactly 1 (the C++ token kernel rounds ``z_y - LSE`` as the row pass does). The
+    default chunking relies on the BLAS giving a row the same bits at any row count >= 16
+    (probed first); fixed-shape chunks do not."""
+    monkeypatch.setenv("GBC_BATCH_INVARIANT", invariant)
+    dtype = torch.float32
+    if invariant == "0" and not _blas_row_invariant(dtype, 48, 3001):
+        pytest.skip("this machine's BLAS gives a row other bits at another row count")
+    w, batches = _seq_batch(dtype, seed=5)
+    h, y, m, _, _ = batches[1]
+    lp, _ = gbc.fused_linear_logprobs(h, w, y, backend=backend)
+    old = torch.where(m, lp, torch.zeros_like(lp))
+    for cfg in (gbc.PolicyLossConfig(epsilon_low=1e-7, epsilon_high=1e-7),
+                gbc.PolicyLossConfig(epsilon_low=1e-7, epsilon_high=1e-7, kl_coef=0.1),
+                gbc.PolicyLossConfig(importance_sampling_level="sequence", epsilon_low=1e-7,
+                                     epsilon_high=1e-7)):
+        _, met = gbc.fused_linear_policy_loss(h, w, y, m, torch.randn(m.shape[0]),
+                                              old_logp=old, ref_logp=old, config=cfg,
+                                              backend=backend)
+        assert float(met["log_ratio_mean"]) == 0.0 and float(met["ratio_mean"]) == 1.0
+        assert float(met["clip_frac_low"]) + float(met["clip_frac_high"]) == 0.0
+
+
+def test_budget_change_keeps_logprobs(backend, monkeypatch):
+    """Another ``GBC_CHUNK_MB`` (other chunk shapes) gives the same bits where the BLAS is
+    row-invariant (probed; the fixed-shape mode cannot promise more: its shape is the
+    budget's)."""
+    if not _blas_row_invariant(torch.float32, 48, 3001):
+        pytest.skip("this machine's BLAS gives a row other bits at another row count")
+    w, batches = _seq_batch(torch.float32, seed=9)
+    h, y, _, _, _ = batches[1]
+    outs = []
+    for mb in ("64", "0.3", "0.05"):
+        monkeypatch.setenv("GBC_CHUNK_MB", mb)
+        outs.append(gbc.fused_linear_logprobs(h, w, y, backend=backend)[0])
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_batch_invariant_env_refuses_unknown(monkeypatch):
+    monkeypatch.setenv("GBC_BATCH_INVARIANT", "maybe")
+    with pytest.raises(ValueError, match="GBC_BATCH_INVARIANT: expected"):
+        gbc.fused_linear_logprobs(torch.randn(4, 8), torch.randn(11, 8),
+                                  torch.zeros(4, dtype=torch.long))
+
+
+def test_small_chunks_padded_to_min_rows(monkeypatch):
+    """A one-row chunk is computed as a 16-row matmul (a GEMV would give other bits): its
+    log-prob equals the same row's inside a bigger chunk on every machine whose BLAS is
+    row-invariant from 16 rows."""
+    from gbc_kernels import _chunking
+
+    calls = []
+    real = _chunking.project
+    monkeypatch.setattr(_chunking, "project", lambda h, *a, **k: calls.append(h.shape[0])
+                        or real(h, *a, **k))
+    gbc.fused_linear_logprobs(torch.randn(1, 8), torch.randn(11, 8),
+                              torch.zeros(1, dtype=torch.long), backend="torch")
+    assert calls == [_chunking.MIN_ROWS]
