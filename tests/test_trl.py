@@ -788,3 +788,17 @@ def test_vision_language_model_nthr_and_critical_kl(tiny_vlm, tmp_path, monkeypa
     torch.testing.assert_close(ours_lp[mask], trl_lp[mask], rtol=1e-5, atol=1e-5)
     assert (ours_lp[mask] - text_lp[mask]).abs().max() > 1e-4
     loss_and_grads(ours, out, 1)                   # the weights are accepted by the loss
+
+
+def test_on_policy_first_iteration_ratio_exactly_one(tiny, tmp_path, monkeypatch):
+    """num_iterations=2, on-policy generation: TRL's old-policy pass goes through gbc's row
+    passes (inside the model's forward), so the first iteration's loss reads bitwise the same
+    log-probs: at epsilon 1e-7 (below one float32 ulp of 1) nothing is clipped, the ratio is
+    exactly 1. Fixed-shape chunks make it independent of the BLAS (docs/math.md, Numerics)."""
+    monkeypatch.setenv("GBC_BATCH_INVARIANT", "1")
+    trainer = build(GBCGRPOTrainer, tiny, tmp_path, loss_type="dapo", max_steps=1,
+                    num_iterations=2, epsilon=1e-7, epsilon_high=1e-7, gbc_ar_alpha=0.0)
+    trainer.train()
+    row = next(r for r in trainer.state.log_history if "clip_ratio/region_mean" in r)
+    assert row["clip_ratio/region_mean"] == 0.0
+    assert row["gbc/ratio_mean"] == 1.0 and row["gbc/log_ratio_mean"] == 0.0

@@ -194,6 +194,54 @@ def policy_loss_through_forward(model, input_ids, attention_mask, completion_len
     return loss, captured["metrics"]
 
 
+@torch.no_grad()
+def logprobs_through_forward(model, input_ids, attention_mask, completion_len: int,
+                             temperature=1.0, return_entropy: bool = False, backend="auto",
+                             unwrapped=None, model_kwargs: Optional[dict] = None):
+    """No-grad log-probs (and entropies) of the last ``completion_len`` tokens of
+    ``input_ids``, computed **inside** ``model``'s forward as :func:`policy_loss_through_forward`
+    computes its loss (the lm_head's ``forward`` replaced for one call, so FSDP2 and ZeRO-3
+    gather the head as usual; no ``[B, T, V]`` logits): ``token_stats`` on the hidden states
+    the head receives. Returns ``(logp, entropy or None)``, ``[B, T]`` float32. The row passes
+    are those of the training loss, so an on-policy ratio is exactly 1."""
+    import gbc_kernels as gbc
+
+    inner = _unwrap(model) if unwrapped is None else unwrapped
+    head_mod = inner.get_output_embeddings()
+    if head_mod is None:
+        raise ValueError(f"model: {type(inner).__name__} has no output embedding (lm_head)")
+    T = int(completion_len)
+    targets = input_ids[:, -T:]
+    captured = {}
+
+    def head_forward(hidden, *args, **kwargs):
+        head = lm_head(inner)
+        h = hidden[:, -(T + 1):-1]
+        if h.dtype != head.weight.dtype:
+            h = h.to(head.weight.dtype)
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            st = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temperature,
+                                 backend=backend, logit_softcap=logit_softcap(inner))
+        captured["st"] = st
+        return hidden[:, -(T + 1):, :1] * 0
+
+    had_own = "forward" in head_mod.__dict__
+    own = head_mod.__dict__.get("forward")
+    head_mod.forward = head_forward
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1,
+              use_cache=False, **(model_kwargs or {}))
+    finally:
+        if had_own:
+            head_mod.forward = own
+        else:
+            del head_mod.forward
+    if "st" not in captured:
+        raise RuntimeError("model: its forward did not call its lm_head")
+    st = captured["st"]
+    return st.logp, (st.entropy if return_entropy else None)
+
+
 class OldPolicyPass(NamedTuple):
     old_logp: torch.Tensor                 # [B, T] float32
     token_scale: Optional[torch.Tensor]    # [B, T] NTHR scale (None when NTHR is off)

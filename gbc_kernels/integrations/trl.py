@@ -231,6 +231,27 @@ class GBCGRPOTrainer(GRPOTrainer):
             return_entropy=True,                     # TRL logs the entropy whatever the loss
             logit_softcap=self._gbc_softcap)
 
+    # ---------------------------------------------------------------- the no-grad passes
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
+                                           logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False,
+                                           **multimodal):
+        """TRL's old-policy and reference passes through gbc's row passes, inside the model's
+        forward (no logits): the training loss then reads bitwise the same log-probs, so on the
+        first iteration of an on-policy batch the ratio is exactly 1 and nothing is clipped.
+        With gradients, the MoE aux loss or multimodal inputs: TRL's own pass."""
+        if (torch.is_grad_enabled() or compute_aux_loss
+                or any(v is not None for v in multimodal.values())):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
+                **multimodal)
+        logp, entropy = hf.logprobs_through_forward(
+            model, input_ids, attention_mask, logits_to_keep, temperature=self._gbc_temperature,
+            return_entropy=compute_entropy, backend=self.gbc_args.gbc_backend,
+            unwrapped=self.accelerator.unwrap_model(model))
+        return logp, entropy, None
+
     # ---------------------------------------------------------------- rollout: NTHR, critical KL
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
@@ -477,7 +498,7 @@ class GBCGRPOTrainer(GRPOTrainer):
             if name in metrics:
                 named[name] = metrics[name]
         for name in ("grad_share_low", "low_frac", "ar_weight_mean", "entropy_mask_frac",
-                     "off_policy_frac"):
+                     "off_policy_frac", "ratio_mean", "log_ratio_mean"):
             if name in metrics:
                 named[f"gbc/{name}{suffix}"] = metrics[name]
         if self._gbc_phase is not None and "grad_norm_sum" in metrics:
