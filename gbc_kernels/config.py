@@ -197,6 +197,17 @@ class PolicyLossConfig:
                 if not _is_number(v):
                     want = "None or a float" if f.name in _OPTIONAL_FIELDS else "a float"
                     raise TypeError(f"{f.name}: expected {want}, got {type(v).__name__} {v!r}")
+            elif f.name in _BOOL_FIELDS:
+                v = getattr(self, f.name)
+                if not isinstance(v, bool):      # "no" or 0.5 would act on its truthiness
+                    raise TypeError(f"{f.name}: expected a bool, got {type(v).__name__} {v!r}")
+            elif f.name in _STR_FIELDS:
+                v = getattr(self, f.name)
+                optional = f.name in ("kl_agg", "entropy_agg", "cov_mode")
+                if not isinstance(v, str) and not (v is None and optional):
+                    opt = " or None" if optional else ""
+                    raise TypeError(f"{f.name}: expected a str{opt}, got {type(v).__name__} "
+                                    f"{v!r}")
         for name in ("loss_agg", "kl_agg", "entropy_agg"):
             value = getattr(self, name)
             if value is None and name != "loss_agg":
@@ -223,9 +234,13 @@ class PolicyLossConfig:
         if self.epsilon_low >= 1.0:
             raise ValueError(f"epsilon_low: expected < 1 (the lower clip bound is "
                              f"1 - epsilon_low > 0), got {self.epsilon_low!r}")
-        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
+        if self.clip_ratio_c is not None and not (self.clip_ratio_c > 1.0
+                                                  or self.objective == "dppo"):
             raise ValueError(f"clip_ratio_c: expected None or a float > 1, "
                              f"got {self.clip_ratio_c!r}")
+        if self.clip_ratio_c is not None and not math.isfinite(self.clip_ratio_c):
+            raise ValueError(f"clip_ratio_c: expected None or a finite float (None turns the "
+                             f"dual clip off), got {self.clip_ratio_c!r}")
         if not (self.temperature > 0.0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature: expected a finite float > 0, got {self.temperature!r}")
         for name in ("kl_coef", "entropy_coef"):
@@ -272,6 +287,12 @@ class PolicyLossConfig:
             v = getattr(self, name)
             if not (_is_number(v) and math.isfinite(v)):
                 raise ValueError(f"{name}: expected a finite float, got {v!r}")
+        for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
+            v = getattr(self, name)
+            if not v > 0:            # TRL clamps the rate at 1e-4: 0 and -1 would give the same
+                raise ValueError(f"{name}: expected a float > 0 (VESPO's gamma rate; TRL clamps "
+                                 f"it at 1e-4, so a value <= 0 has no meaning of its own), "
+                                 f"got {v!r}")
         q = self.top_entropy_quantile
         if not (_is_number(q) and 0.0 <= q <= 1.0):
             raise ValueError(f"top_entropy_quantile: expected a float in [0, 1], got {q!r}")
@@ -421,6 +442,10 @@ _FLOAT_FIELDS = ("epsilon_low", "epsilon_high", "clip_ratio_c", "temperature", "
                  "vespo_lambda_neg", "top_entropy_quantile", "off_policy_mask_threshold",
                  "logit_softcap", "max_len", "cispo_min", "log_ratio_clamp", "log_ratio_penalty",
                  "kl_clamp", "kl_log_ratio_clamp", "cov_ratio", "cov_lb", "cov_ub", "cov_kl_coef")
+_BOOL_FIELDS = ("kl_ratio_correction", "return_entropy", "kl_unbiased_gradient",
+                "normalise_all_terms")
+_STR_FIELDS = ("loss_agg", "kl_agg", "entropy_agg", "kl_estimator", "importance_sampling_level",
+               "objective", "dppo_divergence", "cov_mode")
 _OPTIONAL_FIELDS = ("clip_ratio_c", "lopti_eta", "delta", "off_policy_mask_threshold",
                     "logit_softcap", "max_len", "cispo_min", "log_ratio_clamp", "kl_clamp",
                     "kl_log_ratio_clamp")

@@ -48,24 +48,33 @@ def _norms(num_items_in_batch, num_seqs_in_batch):
 
 
 def _check_num_items(num_items_in_batch, name="num_items_in_batch"):
+    """None, a finite number > 0 (not a bool), or a 1-element tensor holding one (checked on
+    the device without a host sync off the CPU)."""
     if num_items_in_batch is None:
         return
     if isinstance(num_items_in_batch, torch.Tensor):
-        if num_items_in_batch.numel() != 1:
+        t = num_items_in_batch
+        if t.numel() != 1:
             raise ValueError(f"{name}: expected a number or a 1-element tensor, got "
-                             f"shape {list(num_items_in_batch.shape)}")
+                             f"shape {list(t.shape)}")
+        if t.device.type == "meta":
+            raise ValueError(f"{name}: expected a tensor with data, got one on the meta device")
+        if t.dtype == torch.bool or t.is_complex():
+            raise TypeError(f"{name}: expected a real count, got a {t.dtype} tensor")
         if not V.value_checks_enabled():
             return
-        if num_items_in_batch.device.type == "cpu":
-            if not float(num_items_in_batch) > 0:
-                raise ValueError(f"{name}: expected a count > 0, got "
-                                 f"{float(num_items_in_batch)}")
+        if t.device.type == "cpu":
+            v = float(t)
+            if not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{name}: expected a finite count > 0, got {v}")
         else:   # no host sync: a device-side assertion
-            torch._assert_async(num_items_in_batch.reshape(()) > 0,
-                                f"{name}: expected a count > 0")
+            x = t.reshape(()).float()
+            torch._assert_async((x > 0) & torch.isfinite(x),
+                                f"{name}: expected a finite count > 0")
         return
-    if not isinstance(num_items_in_batch, (int, float)) or not num_items_in_batch > 0:
-        raise ValueError(f"{name}: expected a number > 0, got {num_items_in_batch!r}")
+    if (isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, (int, float))
+            or not (num_items_in_batch > 0 and math.isfinite(num_items_in_batch))):
+        raise ValueError(f"{name}: expected a finite number > 0, got {num_items_in_batch!r}")
 
 
 def _check_per_token(B, T, device, mask, advantages, old_logp, ref_logp, token_scale, kl_weight,

@@ -7,6 +7,7 @@ Works for any causal LM that follows transformers' conventions: the decoder is f
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple, Optional
 
 import torch
@@ -112,6 +113,51 @@ def hidden_states_through_forward(model, input_ids, attention_mask=None, complet
     return h[:, -(completion_len + 1):-1] if completion_len else h[:, :-1]
 
 
+def check_forward_inputs(inner, input_ids, attention_mask, completion_len,
+                         name="completion_len") -> int:
+    """The inputs of a forward through ``inner`` (a transformers causal LM), checked before any
+    reaches the model: ``input_ids`` an integer ``[B, L]`` tensor with every id inside the
+    embedding, ``attention_mask`` None or ``[B, L]`` of 0/1, ``completion_len`` an int in
+    ``[1, L - 1]`` (a prompt token precedes the first predicted one). Returns ``T``."""
+    from .. import _validate as V
+
+    if not hasattr(inner, "get_output_embeddings") or not hasattr(inner, "get_input_embeddings"):
+        raise ValueError(f"model: expected a transformers causal LM (get_input_embeddings / "
+                         f"get_output_embeddings), got {type(inner).__name__}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 \
+            or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        got = (f"{type(input_ids).__name__}" if not isinstance(input_ids, torch.Tensor)
+               else f"{input_ids.dtype} tensor of shape {list(input_ids.shape)}")
+        raise ValueError(f"input_ids: expected an integer tensor [B, L], got {got}")
+    B, L = input_ids.shape
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (B, L):
+            got = (list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor)
+                   else type(attention_mask).__name__)
+            raise ValueError(f"attention_mask: expected shape [{B}, {L}] (the whole sequence, "
+                             f"as input_ids), got {got}")
+    try:
+        if isinstance(completion_len, bool):
+            raise TypeError
+        completion_len = operator.index(completion_len)      # ints, numpy ints; not 5.7 or "5"
+    except TypeError:
+        raise TypeError(f"{name}: expected an int (the completion's length), got "
+                        f"{type(completion_len).__name__} {completion_len!r}") from None
+    if not 0 < completion_len < L:
+        raise ValueError(f"{name}: expected 1 <= {name} <= L - 1 = {L - 1} (input_ids hold "
+                         f"{L} tokens, the first predicted one needs a token before it), got "
+                         f"{completion_len}")
+    emb = inner.get_input_embeddings()
+    vocab = getattr(emb, "num_embeddings", None)
+    if vocab is not None and V.value_checks_enabled():
+        bad = (input_ids < 0) | (input_ids >= vocab)
+        if bool(bad.any()):
+            b, t = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"input_ids: expected token ids in [0, {vocab}) (the model's "
+                             f"embedding), got {int(input_ids[b, t])} at index [{b}, {t}]")
+    return completion_len
+
+
 def _unwrap(model):
     """The transformers (or PEFT) model inside DDP / accelerate wrappers."""
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
@@ -146,12 +192,10 @@ def policy_loss_through_forward(model, input_ids, attention_mask, completion_len
     import gbc_kernels as gbc
 
     inner = _unwrap(model) if unwrapped is None else unwrapped
+    T = check_forward_inputs(inner, input_ids, attention_mask, completion_len)
     head_mod = inner.get_output_embeddings()
     if head_mod is None:
         raise ValueError(f"model: {type(inner).__name__} has no output embedding (lm_head)")
-    T = int(completion_len)
-    if T <= 0:
-        raise ValueError(f"completion_len: expected a positive int, got {completion_len!r}")
     cfg = config if isinstance(config, gbc.PolicyLossConfig) else (
         gbc.PolicyLossConfig() if config is None else gbc.PolicyLossConfig.from_dict(config))
     cap = logit_softcap(inner)
@@ -207,10 +251,10 @@ def logprobs_through_forward(model, input_ids, attention_mask, completion_len: i
     import gbc_kernels as gbc
 
     inner = _unwrap(model) if unwrapped is None else unwrapped
+    T = check_forward_inputs(inner, input_ids, attention_mask, completion_len)
     head_mod = inner.get_output_embeddings()
     if head_mod is None:
         raise ValueError(f"model: {type(inner).__name__} has no output embedding (lm_head)")
-    T = int(completion_len)
     targets = input_ids[:, -T:]
     captured = {}
 
