@@ -61,6 +61,18 @@ def torch_lce_loss(c):
     return loss_from_logp(c, -ce.float().view_as(c["old"]))
 
 
+def liger_scaled_ce_loss(c):
+    """Liger-Kernel 0.8.5's fused linear scaled cross-entropy (verl's default fused head): the
+    per-token NLL from hidden states and the head, negated into log-probs, then the loss (its
+    PyTorch fallback on CPU, its kernels on GPUs)."""
+    from liger_kernel.ops import LigerFusedLinearScaledCrossEntropyFunction
+
+    x = c["hidden"].reshape(-1, c["hidden"].shape[-1])
+    nll = LigerFusedLinearScaledCrossEntropyFunction.apply(x, c["weight"],
+                                                           c["targets"].reshape(-1), 1.0)
+    return loss_from_logp(c, -nll.float().view_as(c["old"]))
+
+
 def loss_from_logp(c, logp):
     """Per-token PPO-clip + k3 KL, token-mean (TRL's bnpo)."""
     r = torch.exp(logp - c["old"])
@@ -142,6 +154,8 @@ def make_provider(name, c):
         return lambda: trl_chunked_loss(c).backward()
     if name == "torch_lce":
         return lambda: torch_lce_loss(c).backward()
+    if name == "liger_scaled_ce":
+        return lambda: liger_scaled_ce_loss(c).backward()
     if name.startswith("liger"):
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
         mod = LigerFusedLinearGRPOLoss(beta=BETA, compiled=name == "liger_compiled",

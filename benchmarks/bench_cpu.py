@@ -10,6 +10,7 @@ memory: each provider in a fresh process (peak RSS beyond inputs and gradients).
   torch_lce    PyTorch 2.13's torch.nn.functional.linear_cross_entropy (reduction="none",
                LinearCrossEntropyOptions(): chunked, logits recomputed in backward)
   liger        Liger-Kernel LigerFusedLinearGRPOLoss(compiled=False)  (liger_compiled: =True)
+  liger_scaled_ce  Liger's fused linear scaled cross-entropy (verl's default fused head) + loss
 
     python benchmarks/bench_cpu.py --quick            # N=2048, H=1024, V=32768 (the README table)
     python benchmarks/bench_cpu.py                    # N in 1k..8k, V in 32768/128256/151936, H in 1024/2048
@@ -37,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 PROVIDERS = ["floor", "gbc_cpu", "gbc_torch", "plain_torch", "trl_chunked", "torch_lce",
-             "liger", "liger_compiled"]
+             "liger", "liger_compiled", "liger_scaled_ce"]
 
 
 def _peak_kb():

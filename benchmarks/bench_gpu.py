@@ -8,6 +8,7 @@ Providers on the same inputs (bf16 by default):
   plain_torch     full logits + log_softmax + autograd (the textbook way)
   trl_chunked     TRL 1.16 GRPOTrainer's chunked log-prob kernel (logits recomputed in backward)
   torch_lce       PyTorch 2.13's linear_cross_entropy (reduction="none", chunked options)
+  liger_scaled_ce Liger's fused linear scaled cross-entropy (verl's default fused head)
   verl_fused      verl 0.9.1's fused head (verl/utils/kernel/linear_cross_entropy.py)
   quack_lce       quack's chunked linear cross-entropy, where it installs
   (each baseline with the same loss on top of its per-token log-probs)
@@ -64,6 +65,7 @@ def providers(c):
         loss.backward()
     out["liger_triton"] = liger_triton
     out["torch_lce"] = make_provider("torch_lce", c)
+    out["liger_scaled_ce"] = make_provider("liger_scaled_ce", c)
 
     def verl_fused():
         from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
