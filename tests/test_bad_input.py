@@ -118,13 +118,6 @@ def model():
     return Qwen2ForCausalLM(cfg)
 
 
-def _call(model, input_ids, attention_mask, completion_len, T=3):
-    mask = torch.ones(input_ids.shape[0] if input_ids.dim() else 1, T, dtype=torch.bool)
-    adv = torch.ones(mask.shape[0])
-    return hf.policy_loss_through_forward(model, input_ids, attention_mask, completion_len, mask,
-                                          adv)
-
-
 @pytest.mark.parametrize("case,err,match", [
     ("mask-completion-shape", ValueError, r"attention_mask: expected shape \[2, 8\] \(the whole "
                                           r"sequence, as input_ids\), got \[2, 3\]"),

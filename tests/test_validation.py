@@ -152,7 +152,7 @@ def test_torch_backend_bf16_temperature_in_float32():
 def test_num_items_tensor_not_positive_refused():
     batch = make_batch(seed=1)
     for bad in (torch.tensor(0.0), torch.tensor(-3)):
-        with pytest.raises(ValueError, match="num_items_in_batch: expected a count > 0"):
+        with pytest.raises(ValueError, match="num_items_in_batch: expected a finite count > 0"):
             gbc.fused_linear_policy_loss(batch["hidden"], batch["weight"], batch["targets"],
                                          batch["mask"], batch["advantages"],
                                          num_items_in_batch=bad)

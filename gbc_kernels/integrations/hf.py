@@ -165,6 +165,23 @@ def _unwrap(model):
     return model
 
 
+def _forward_with_head(model, head_mod, head_forward, input_ids, attention_mask, T,
+                       model_kwargs):
+    """One ``model(...)`` call (``logits_to_keep = T + 1``) with ``head_mod.forward`` replaced
+    by ``head_forward``, restored afterwards whatever happens. Returns the model's outputs."""
+    had_own = "forward" in head_mod.__dict__
+    own = head_mod.__dict__.get("forward")
+    head_mod.forward = head_forward
+    try:
+        return model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1,
+                     use_cache=False, **(model_kwargs or {}))
+    finally:
+        if had_own:
+            head_mod.forward = own
+        else:
+            del head_mod.forward
+
+
 def policy_loss_through_forward(model, input_ids, attention_mask, completion_len: int, mask,
                                 advantages, old_logp=None, ref_logp=None, config=None,
                                 unwrapped=None, return_outputs: bool = False,
@@ -218,17 +235,8 @@ def policy_loss_through_forward(model, input_ids, attention_mask, completion_len
         # module's output run before the loss's backward
         return hidden[:, -(T + 1):, :1] * 0 + loss.to(hidden.dtype)
 
-    had_own = "forward" in head_mod.__dict__
-    own = head_mod.__dict__.get("forward")
-    head_mod.forward = head_forward
-    try:
-        outputs = model(input_ids=input_ids, attention_mask=attention_mask,
-                        logits_to_keep=T + 1, use_cache=False, **(model_kwargs or {}))
-    finally:
-        if had_own:
-            head_mod.forward = own
-        else:
-            del head_mod.forward
+    outputs = _forward_with_head(model, head_mod, head_forward, input_ids, attention_mask, T,
+                                 model_kwargs)
     if "loss" not in captured:
         raise RuntimeError("model: its forward did not call its lm_head")
     # the stand-in logits contribute 0 to the value and to every gradient
@@ -269,17 +277,7 @@ def logprobs_through_forward(model, input_ids, attention_mask, completion_len: i
         captured["st"] = st
         return hidden[:, -(T + 1):, :1] * 0
 
-    had_own = "forward" in head_mod.__dict__
-    own = head_mod.__dict__.get("forward")
-    head_mod.forward = head_forward
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1,
-              use_cache=False, **(model_kwargs or {}))
-    finally:
-        if had_own:
-            head_mod.forward = own
-        else:
-            del head_mod.forward
+    _forward_with_head(model, head_mod, head_forward, input_ids, attention_mask, T, model_kwargs)
     if "st" not in captured:
         raise RuntimeError("model: its forward did not call its lm_head")
     st = captured["st"]
