@@ -11,7 +11,7 @@ verl's actor computes the per-token log-probs itself and hands them, with ``old_
 * AR (``ar_alpha``) from verl's ``old_log_prob``, computed once after the rollout, as in the
   paper's official verl code.
 * Lopti: the phase is set around each of the two updates
-  (``with opts.phase("low"): actor.update_policy(batch)``, then ``"high"``).
+  (``with opts.phase("low"): actor_worker.update_actor(batch)``, then ``"high"``).
 
 verl adds its KL and entropy terms outside this function, from tensors the registry never
 passes, so two methods enter through the batch instead, before the actor update:
