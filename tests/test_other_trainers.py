@@ -528,3 +528,98 @@ def test_temperature_tensor_refusals():
         gbc.fused_linear_logprobs(h, w, y.clamp(min=0), temperature=torch.ones(4))
     with pytest.raises(TypeError, match="return_sum_p2: expected a bool"):
         gbc.fused_linear_logprobs(h, w, y.clamp(min=0), return_sum_p2="yes")
+
+
+# ----------------------------------------------------------------------------------------------
+# verl's packed (use_remove_padding) micro-batch: the loss from the hidden rows, no logits
+# ----------------------------------------------------------------------------------------------
+
+
+def _nested(parts, offsets=None):
+    """A jagged nested tensor; tensors of one layout share ``offsets`` (as verl's do: TensorDict
+    pads fields together only when their ragged dimension is the same)."""
+    if offsets is None:
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long),
+                             torch.tensor([len(p) for p in parts]).cumsum(0)])
+    lens = offsets.diff()           # the bounds padding pads to (as verl's nested data carry)
+    return torch.nested.nested_tensor_from_jagged(torch.cat(parts), offsets,
+                                                  max_seqlen=int(lens.max()),
+                                                  min_seqlen=int(lens.min()))
+
+
+@pytest.mark.parametrize("mode,agg", [("vanilla", "token-mean"), ("gspo", "seq-mean-token-mean"),
+                                      ("dppo_kl", "token-sum"), ("geo_mean", "token-mean"),
+                                      ("clip_cov", "seq-mean-token-sum-norm")])
+def test_verl_packed_micro_batch_equals_ppo_loss(mode, agg):
+    """``integrations.verl.fused_ppo_loss_packed`` on the packed hidden states of a
+    ``use_remove_padding`` micro-batch against verl's own path on the same rows: the logits
+    ``h W^T / temperature`` (per-token temperature), verl's ``logprobs_from_logits`` and
+    ``entropy_from_logits``, its ``no_padding_2_padding`` and its real ``ppo_loss`` (policy,
+    k3+ KL and entropy terms, global batch info): loss and the gradients of the hidden states
+    and the head."""
+    pytest.importorskip("verl.workers.utils.losses")
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from gbc_kernels.integrations import verl as gv
+
+    g = torch.Generator().manual_seed(zlib.crc32(mode.encode()) % 1000)
+    B, H, V = 4, 16, 53
+    plens, rlens = torch.tensor([3, 5, 2, 4]), torch.tensor([4, 2, 6, 1])
+    seqs = [torch.randint(0, V, (int(p + r),), generator=g) for p, r in zip(plens, rlens)]
+    nnz = int((plens + rlens).sum())
+    h0 = torch.randn(nnz, H, generator=g, dtype=torch.float64)
+    w0 = torch.randn(V, H, generator=g, dtype=torch.float64) / H ** 0.5
+    rolled = torch.roll(torch.cat(seqs), -1)
+    temp_seq = torch.rand(B, generator=g, dtype=torch.float64) + 0.6
+    temp_rmpad = torch.cat([t.expand(int(p + r)) for t, p, r in zip(temp_seq, plens, rlens)])
+    T = int(rlens.max())
+    idx, valid = gv.response_rows(plens, rlens, T)
+    old = torch.where(valid, -torch.rand(B, T, generator=g, dtype=torch.float64) * 3, 0.0)
+    ref = (old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=-1e-3)
+    adv = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, T) * valid
+    cfg_verl = verl_actor_config(mode, agg, "k3+", entropy_coeff=0.01, loss_scale_factor=9)
+    info = dict(dp_size=2, batch_num_tokens=2 * int(rlens.sum()) + 3, global_batch_size=9)
+
+    resp_offsets = torch.cat([torch.zeros(1, dtype=torch.long), rlens.cumsum(0)])
+
+    def per_response(x):
+        return _nested([x[b, :int(rlens[b])] for b in range(B)], resp_offsets)
+
+    out = {}
+    for which in ("verl", "gbc"):
+        h = h0.clone().requires_grad_(True)
+        w = w0.clone().requires_grad_(True)
+        if which == "verl":
+            logits = (h @ w.T) / temp_rmpad[:, None]
+            lp = logprobs_from_logits(logits, rolled)
+            ent = entropy_from_logits(logits)
+            cu = torch.cat([torch.zeros(1, dtype=torch.long), (plens + rlens).cumsum(0)])
+            data = TensorDict({"prompts": _nested([s[:p] for s, p in zip(seqs, plens)]),
+                               "responses": _nested([s[p:] for s, p in zip(seqs, plens)],
+                                                    resp_offsets),
+                               "input_ids": _nested(seqs),
+                               "response_mask": per_response(valid.long()),
+                               "old_log_probs": per_response(old),
+                               "advantages": per_response(adv),
+                               "ref_log_prob": per_response(ref)}, batch_size=[B])
+            tu.assign_non_tensor(data, **info)
+            model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(lp, cu),
+                            "entropy": torch.nested.nested_tensor_from_jagged(ent, cu)}
+            loss, _ = _seeded(ppo_loss, cfg_verl, model_output, data)
+        else:
+            loss, _ = _seeded(gv.fused_ppo_loss_packed, h, w, rolled, plens, rlens,
+                              valid.long(), old, adv, cfg_verl, global_batch_info=info,
+                              ref_log_prob=ref, temperature=temp_rmpad)
+        loss.backward()
+        out[which] = (float(loss.detach()), h.grad, w.grad)
+    # the fused path keeps its per-token statistics in float32 (docs/math.md §0), so float64
+    # inputs agree to float32's precision
+    (l0, gh0, gw0), (l1, gh1, gw1) = out["verl"], out["gbc"]
+    assert gh0.abs().max() > 0
+    assert abs(l0 - l1) <= 1e-6 * max(1.0, abs(l0)), (l0, l1)
+    for a, b in ((gh0, gh1), (gw0, gw1)):
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max(), (a - b).abs().max()

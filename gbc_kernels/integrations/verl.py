@@ -172,6 +172,56 @@ def batch_normalisers(actor_config, mask: torch.Tensor, global_batch_info=None) 
     return dict(num_items_in_batch=items, num_seqs_in_batch=seqs)
 
 
+def response_rows(prompt_lens: torch.Tensor, response_lens: torch.Tensor,
+                  max_response_len: Optional[int] = None):
+    """Where each response token's prediction sits in verl's packed layout (``use_remove_padding``:
+    the batch's sequences, prompt then response, concatenated into one row of ``nnz`` tokens):
+    ``(index [B, T], valid [B, T])``, ``index[b, t]`` the packed position whose output predicts
+    response token ``t`` of sequence ``b`` — verl's ``no_padding_2_padding`` rule, the model's
+    output shifted left by one. Padding positions (``t >= response_lens[b]``) point at 0."""
+    plens, rlens = prompt_lens.long(), response_lens.long()
+    if bool((plens <= 0).any()):
+        raise ValueError("prompt_lens: every sequence needs a prompt token (its first response "
+                         "token is predicted from the last prompt position)")
+    lens = plens + rlens
+    starts = lens.cumsum(0) - lens
+    T = int(rlens.max()) if max_response_len is None else int(max_response_len)
+    t = torch.arange(T, device=plens.device)
+    valid = t[None] < rlens[:, None]
+    index = starts[:, None] + plens[:, None] - 1 + t[None]
+    return torch.where(valid, index, torch.zeros_like(index)), valid
+
+
+def fused_ppo_loss_packed(hidden_packed, weight, input_ids_rolled, prompt_lens, response_lens,
+                          response_mask, old_log_probs, advantages, actor_config,
+                          global_batch_info=None, ref_log_prob=None, rollout_is_weights=None,
+                          bias=None, temperature=None, backend="auto", **gbc_options):
+    """verl's ``ppo_loss`` (policy, KL and entropy terms, ``global_batch_info``) on the packed
+    hidden states of a ``use_remove_padding`` micro-batch, without logits: the hidden rows that
+    predict the response tokens (:func:`response_rows`) go through
+    :func:`gbc_kernels.fused_linear_policy_loss` with :func:`policy_loss_config` and
+    :func:`batch_normalisers`. ``hidden_packed``: ``[nnz, H]`` or ``[1, nnz, H]``;
+    ``input_ids_rolled``: ``[nnz]`` (the packed ids shifted left by one, verl's
+    ``input_ids_rmpad_rolled``); the per-response tensors ``[B, T]``; ``temperature``: a float
+    or verl's per-token ``temperature_rmpad`` ``[nnz]``. Returns ``(loss, metrics)``."""
+    H = hidden_packed.shape[-1]
+    h2 = hidden_packed.reshape(-1, H)
+    T = response_mask.shape[1]
+    index, valid = response_rows(prompt_lens, response_lens, T)
+    h = h2[index]                                     # [B, T, H]: rows, not logits
+    targets = input_ids_rolled.reshape(-1)[index]
+    mask = response_mask.bool() & valid
+    temp = temperature
+    if isinstance(temperature, torch.Tensor) and temperature.numel() == h2.shape[0]:
+        temp = temperature.reshape(-1)[index]
+    cfg = policy_loss_config(actor_config, response_length=T, **gbc_options)
+    norms = batch_normalisers(actor_config, mask, global_batch_info)
+    return gbc.fused_linear_policy_loss(
+        h, weight, targets, mask, advantages, old_logp=old_log_probs,
+        ref_logp=ref_log_prob if cfg.kl_coef else None, bias=bias, config=cfg,
+        is_ratio=rollout_is_weights, temperature=temp, backend=backend, **norms)
+
+
 @dataclass
 class VerlGBCOptions:
     """The gbc options of a registered loss; ``current_phase`` is set by :meth:`phase`."""
