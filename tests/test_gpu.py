@@ -214,3 +214,52 @@ def test_vocab_parallel_one_rank_on_gpu(monkeypatch):
             assert torch.allclose(a, c, rtol=1e-5, atol=1e-6)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_batch_invariant_logprobs_on_gpu(dtype, monkeypatch):
+    """``GBC_BATCH_INVARIANT=1`` on CUDA (cuBLAS picks kernels, split-K included, by shape): a
+    sequence's log-probs and entropies are bitwise the same inside different batches, and the
+    on-policy ratio inside the fused loss is exactly 1 (tests/test_numerics.py on a GPU)."""
+    from test_numerics import _seq_batch
+
+    monkeypatch.setenv("GBC_BATCH_INVARIANT", "1")
+    monkeypatch.setenv("GBC_CHUNK_MB", "2")
+    w, batches = _seq_batch(dtype, V=32003, H=256)
+    w = w.cuda()
+    seen = []
+    for h, y, m, pos, sl in batches:
+        h, y, m = h.cuda(), y.cuda(), m.cuda()
+        lp, ent = gbc.fused_linear_logprobs(h, w, y, return_entropy=True, backend="triton")
+        seen.append((lp[pos, sl].cpu(), ent[pos, sl].cpu()))
+        old = torch.where(m, lp, torch.zeros_like(lp))
+        cfg = gbc.PolicyLossConfig(epsilon_low=1e-7, epsilon_high=1e-7)
+        _, met = gbc.fused_linear_policy_loss(h, w, y, m, torch.randn(m.shape[0], device="cuda"),
+                                              old_logp=old, config=cfg, backend="triton")
+        assert float(met["ratio_mean"]) == 1.0 and float(met["log_ratio_mean"]) == 0.0
+        assert float(met["clip_frac_low"]) + float(met["clip_frac_high"]) == 0.0
+    for other in seen[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(seen[0], other))
+
+
+def test_bf16_weight_grad_fp32_accumulation_on_gpu(monkeypatch):
+    """The float32 accumulator on CUDA (``addmm(..., out_dtype=float32)``): the bf16 weight
+    gradient's error against float64 does not grow with the chunk count."""
+    g = torch.Generator().manual_seed(0)
+    n, H, V = 2048, 128, 32003
+    h = torch.randn(n, H, generator=g).bfloat16().cuda()
+    w = (torch.randn(V, H, generator=g) / 11).bfloat16().cuda()
+    y = torch.randint(0, V, (n,), generator=g).cuda()
+    up = torch.randn(n, generator=g).cuda()
+    w64 = w.double().requires_grad_(True)
+    (torch.log_softmax(h.double() @ w64.T, -1).gather(1, y[:, None])[:, 0] * up.double()
+     ).sum().backward()
+    errs = {}
+    for mb in (None, "8"):
+        if mb:
+            monkeypatch.setenv("GBC_CHUNK_MB", mb)
+        ww = w.clone().requires_grad_(True)
+        lp, _ = gbc.fused_linear_logprobs(h, ww, y, backend="triton")
+        (lp * up).sum().backward()
+        errs[mb] = float((ww.grad.double() - w64.grad).norm() / w64.grad.norm())
+    assert errs["8"] <= 1.05 * errs[None], errs
