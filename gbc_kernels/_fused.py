@@ -15,8 +15,9 @@ import torch
 
 from . import _chunking
 from . import vocab_parallel as _vp
-from ._loss_math import (TokenInputs, aggregation_weights, concat_terms, empty_metrics, own_norms,
-                         logp_grad_norm, local_ids, loss_terms, policy_metrics, term_weights)
+from ._loss_math import (TokenInputs, aggregation_weights, clamped_log_ratio, concat_terms,
+                         empty_metrics, logp_grad_norm, local_ids, loss_terms, own_norms,
+                         policy_metrics, term_weights)
 from ._validate import Checks, no_double_backward as _no_double_backward
 from .backends import Backend, triton_usable
 from .backends.base import Workspace
@@ -127,10 +128,7 @@ def cov_selection(logp: torch.Tensor, ti: TokenInputs, cfg: PolicyLossConfig) ->
     k = max(int(cfg.cov_ratio * n), 1)
     if cfg.cov_mode == "kl":
         return sel.index_fill_(0, torch.topk(cov, min(k, n), largest=True).indices, True)
-    lr = logp - (logp if ti.old is None else ti.old)
-    if cfg.log_ratio_clamp is not None:
-        lr = lr.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
-    r = torch.exp(lr)
+    r = torch.exp(clamped_log_ratio(logp, logp if ti.old is None else ti.old, cfg)[0])
     clipped = -adv * r.clamp(1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high) > -adv * r
     cand = ((cov < cfg.cov_ub) & (cov > cfg.cov_lb) & ~clipped).nonzero().squeeze(1)
     if cand.numel():
@@ -148,7 +146,7 @@ def with_batch_masks(ti: TokenInputs, entropy, logp, cfg: PolicyLossConfig, mask
         return ti
     if cfg.cov_mode is not None:
         ti = replace(ti, cov_sel=cov_selection(logp, ti, cfg))
-    if cfg.top_entropy_quantile >= 1.0:
+    if not cfg.entropy_quantile_on:
         return ti
     thr = (threshold_fn or entropy_threshold)(entropy, cfg.top_entropy_quantile)
     emask = entropy >= thr.to(entropy.dtype)
@@ -233,6 +231,11 @@ def _rows_in(plan, device):
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
 
 
+def _rows(inv_temp, s, e):
+    """Rows ``[s, e)`` of a per-row inverse temperature; a float as it is."""
+    return inv_temp[s:e] if isinstance(inv_temp, torch.Tensor) else inv_temp
+
+
 class _GradMatmuls:
     """The two gradient matmuls (and the bias sum) of each chunk, shared by the fused loss and
     the log-probs backward: ``grad_h[rows] = G W``, ``grad_w += G^T h`` (the first chunk writes
@@ -293,7 +296,6 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     (loss, grad_hidden2d, grad_weight, grad_bias)."""
     cfg, be, vp = inp.config, inp.backend, inp.vp
     device = hidden2d.device
-    inv_temp = 1.0 / cfg.temperature        # per token (inp.inv_temp): ti.itemp, by chunk
     combine = _vp.combiner(vp)
     want_entropy = cfg.wants_entropy
     mflat = inp.mask.reshape(-1)
@@ -317,9 +319,8 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     ti = token_inputs(inp.mask, inp.advantages, inp.old_logp, inp.ref_logp, inp.token_scale,
                       inp.kl_weight, inp.is_ratio, inp.sampling_logp, cfg,
                       inp.num_items_in_batch, idx, ct, inp.inv_temp)
-
-    def it(s, e):                        # the chunk's inverse temperature(s)
-        return inv_temp if ti.itemp is None else ti.itemp[s:e]
+    # 1 / temperature: the config's, or per masked token (ti.itemp, sliced by chunk)
+    inv_temp = 1.0 / cfg.temperature if ti.itemp is None else ti.itemp
 
     # no [n, H] copies: each chunk gathers its rows and scatters its hidden gradient
     dense = n == hidden2d.shape[0]          # nothing masked out: chunks are plain views
@@ -345,7 +346,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
         hc = hidden2d[s:e] if dense else hidden2d.index_select(0, idx[s:e])
         return hc, _chunking.project_chunk(hc, weight, bias, buf, cfg.logit_softcap)
 
-    if n == 0 and cfg.top_entropy_quantile < 1.0 and inp.threshold_fn is not None:
+    if n == 0 and cfg.entropy_quantile_on and inp.threshold_fn is not None:
         inp.threshold_fn(torch.zeros(0, device=device), cfg.top_entropy_quantile)   # collective
 
     # Sweep 1 (two-sweep chunks only): row statistics; then the loss of those rows at once.
@@ -357,7 +358,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
             for s, e, _, two in plan:
                 if two:
                     _, lg = project(s, e)
-                    st = be.row_stats(lg, y[s:e], it(s, e), want_entropy, True, ws)
+                    st = be.row_stats(lg, y[s:e], _rows(inv_temp, s, e), want_entropy, True, ws)
                     if combine is not None:
                         st = combine(st)
                     logp[s:e], lse[s:e], sum_p2[s:e] = st.target_z - st.lse, st.lse, st.sum_p2
@@ -381,14 +382,14 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
         if two:
             if need_grad:
                 hc, lg = project(s, e)
-                be.logit_grad_(lg, y[s:e], it(s, e), lse[s:e],
+                be.logit_grad_(lg, y[s:e], _rows(inv_temp, s, e), lse[s:e],
                                None if gH_pre is None else entropy[s:e], g[s:e],
                                None if gH_pre is None else gH_pre[s:e], ws, cfg.logit_softcap)
                 grads.add(lg, hc, s, e)
             continue
         hc, lg = project(s, e)
-        res = be.policy_rows_(lg, y[s:e], it(s, e), ti.slice(s, e, n_seq), cfg, inp.phase,
-                              need_grad, ws, combine)
+        res = be.policy_rows_(lg, y[s:e], _rows(inv_temp, s, e), ti.slice(s, e, n_seq), cfg,
+                              inp.phase, need_grad, ws, combine)
         loss = loss + res.loss_sum
         logp[s:e], sum_p2[s:e], g[s:e] = res.logp, res.sum_p2, res.g
         if want_entropy:
@@ -402,7 +403,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     B = inp.mask.shape[0]
     if terms is not None:
         inp.metrics = policy_metrics(terms, cfg, entropy,
-                                     logp_grad_norm(g, logp, sum_p2, it(0, n)), B, ti.n_seq)
+                                     logp_grad_norm(g, logp, sum_p2, inv_temp), B, ti.n_seq)
     else:
         inp.metrics = empty_metrics(cfg, device, B)
     full_logp = torch.zeros(mflat.numel(), device=device, dtype=torch.float32)
@@ -485,11 +486,6 @@ def scale_stored_grads(ctx, grad_loss):
 # ----------------------------------------------------------------------------------------------
 
 
-def _rows(inv_temp, s, e):
-    """Rows ``[s, e)`` of a per-row inverse temperature; a float as it is."""
-    return inv_temp[s:e] if isinstance(inv_temp, torch.Tensor) else inv_temp
-
-
 def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature,
                 want_entropy: bool, extra_temperature: Optional[float] = None,
                 softcap: Optional[float] = None, vp=None, want_sum_p2: bool = False):
@@ -552,11 +548,12 @@ def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperat
     ws = Workspace()
     grads = _GradMatmuls(hidden2d, weight, bias, need_dh, need_dw, need_db,
                          chunks=-(-N // rows))
+    inv_temp = 1.0 / temperature               # a float, or per row once (not once per chunk)
     for s in range(0, N, rows):
         e = min(N, s + rows)
         hc = hidden2d[s:e]
         lg = _chunking.project_chunk(hc, weight, bias, buf, softcap)
-        backend.logit_grad_(lg, targets[s:e], _rows(1.0 / temperature, s, e), lse[s:e],
+        backend.logit_grad_(lg, targets[s:e], _rows(inv_temp, s, e), lse[s:e],
                             None if entropy is None else entropy[s:e], g_logp[s:e],
                             None if g_entropy is None else g_entropy[s:e], ws, softcap)
         grads.add(lg, hc, s, e)

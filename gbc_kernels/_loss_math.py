@@ -115,12 +115,16 @@ class LossTerms:
 NATIVE_KL = ("k1", "k2", "k3", "low_var_kl")
 
 
-def kl_value_and_grad(logp, ref_logp, estimator, clamp=None, input_clamp=None):
+def kl_value_and_grad(logp, ref_logp, estimator, clamp=None, input_clamp=None,
+                      straight_through=None):
     """KL estimator k(logp, ref_logp) and dk/dlogp, delta = ref_logp - logp (docs/math.md §1,
     §12). ``input_clamp``: delta clamped to ``[-c, c]`` first; ``clamp``: the value clamped to
-    ``[-clamp, clamp]`` (each passes the gradient inside only). A ``+`` suffix keeps the value
-    and takes k2's gradient ``logp - ref_logp`` (straight-through)."""
+    ``[-clamp, clamp]`` (each passes the gradient inside only; ``low_var_kl`` is ``k3`` with 20
+    and 10). ``straight_through = w`` (a ``+`` estimator: 1; OpenRLHF's unbiased gradient: the
+    clamped ratio): the value kept, the gradient ``w (logp - ref_logp)``, k2's, weighted."""
     base = estimator.rstrip("+")
+    if base == "low_var_kl":
+        base, input_clamp, clamp = "k3", 20.0, 10.0
     delta = ref_logp - logp
     d_in = None
     if input_clamp is not None:
@@ -133,25 +137,26 @@ def kl_value_and_grad(logp, ref_logp, estimator, clamp=None, input_clamp=None):
     elif base == "k3":
         e = torch.exp(delta)
         val, grad = e - delta - 1.0, 1.0 - e
-    elif base == "abs":                    # d|x|/dx = sign(x), 0 at 0 (autograd's)
+    else:                                  # abs: d|x|/dx = sign(x), 0 at 0 (autograd's)
         val, grad = delta.abs(), -torch.sign(delta)
-    else:
-        # low_var_kl (verl): delta clamped to +-20, the value to +-10; clamp passes gradient
-        # inside
-        d = delta.clamp(-20.0, 20.0)
-        e = torch.exp(d)
-        raw = e - d - 1.0
-        val = raw.clamp(-10.0, 10.0)
-        inside = (delta >= -20.0) & (delta <= 20.0) & (raw >= -10.0) & (raw <= 10.0)
-        grad = torch.where(inside, 1.0 - e, torch.zeros_like(e))
     if d_in is not None:
         grad = torch.where(d_in, grad, torch.zeros_like(grad))
     if clamp is not None:
         inside = (val >= -clamp) & (val <= clamp)
         val, grad = val.clamp(-clamp, clamp), torch.where(inside, grad, torch.zeros_like(grad))
-    if estimator.endswith("+"):
-        grad = logp - ref_logp
+    if straight_through is not None:
+        grad = straight_through * (logp - ref_logp)
     return val, grad
+
+
+def clamped_log_ratio(logp, old, cfg: PolicyLossConfig):
+    """``logp - old`` with ``cfg.log_ratio_clamp`` applied, and the clamp's gradient mask (None
+    without a clamp)."""
+    lr = logp - old
+    if cfg.log_ratio_clamp is None:
+        return lr, None
+    c = cfg.log_ratio_clamp
+    return lr.clamp(-c, c), ((lr >= -c) & (lr <= c)).to(logp.dtype)
 
 
 def local_ids(ids: torch.Tensor, with_lengths: bool = False):
@@ -326,12 +331,8 @@ def loss_terms(logp, entropy, ti: TokenInputs, cfg: PolicyLossConfig,
     cnt = None
     if cfg.needs_sequence:
         cnt = _seg_sum(torch.ones_like(logp), seq, n_seq)
-    log_ratio = raw_log_ratio = logp - old
-    lr_in = None                          # the log-ratio clamp passes the gradient inside
-    if cfg.log_ratio_clamp is not None:
-        c = cfg.log_ratio_clamp
-        lr_in = ((log_ratio >= -c) & (log_ratio <= c)).to(logp.dtype)
-        log_ratio = log_ratio.clamp(-c, c)
+    raw_log_ratio = logp - old
+    log_ratio, lr_in = clamped_log_ratio(logp, old, cfg)    # lr_in: the clamp's gradient mask
     level = cfg.importance_sampling_level
     st_in = None                          # sequence_token: log s clamped at 10 above (verl)
     if level == "token":
@@ -397,10 +398,11 @@ def loss_terms(logp, entropy, ti: TokenInputs, cfg: PolicyLossConfig,
         g_tok = gm if g_tok is None else g_tok + gm
     kl = None
     if cfg.kl_coef != 0.0:
+        st = 1.0 if cfg.kl_estimator.endswith("+") else None
+        if cfg.kl_unbiased_gradient:      # OpenRLHF: w = min(r, 10), detached
+            st = torch.exp(raw_log_ratio).clamp(max=10.0)
         kl, dk = kl_value_and_grad(logp, ti.ref, cfg.kl_estimator, cfg.kl_clamp,
-                                   cfg.kl_log_ratio_clamp)
-        if cfg.kl_unbiased_gradient:      # OpenRLHF: w (logp - ref), w = min(r, 10) detached
-            dk = torch.exp(logp - old).clamp(max=10.0) * (logp - ti.ref)
+                                   cfg.kl_log_ratio_clamp, st)
         kl_lw = None
         if cfg.kl_ratio_correction:       # r k: d/dlw = r k, d/dlogp directly = r dk
             kl, dk = ratio * kl, ratio * dk
@@ -473,14 +475,14 @@ def _count(value, dtype, device):
 def aggregation_weights(mask: torch.Tensor, agg: str, cfg: PolicyLossConfig, norms,
                         dtype=torch.float32) -> torch.Tensor:
     """w[b, t] such that the aggregated term is sum(w * l) (docs/math.md §1, loss_agg). ``norms``
-    (:class:`Norms`, a bare ``num_items_in_batch`` or None) replaces the token count of
+    (:class:`Norms` or None) replaces the token count of
     token-mean and the sequence count B of the sequence modes. No host sync."""
-    if not isinstance(norms, Norms):
-        norms = Norms(norms)
+    norms = norms or Norms()
     m = mask.to(dtype)
     if agg == "token-mean":
-        n = m.sum() if norms.items is None else _count(norms.items, dtype, mask.device)
-        return m / n.clamp(min=1.0) if norms.items is None else m / n
+        if norms.items is None:
+            return m / m.sum().clamp(min=1.0)
+        return m / _count(norms.items, dtype, mask.device)
     B = mask.shape[0] if norms.seqs is None else _count(norms.seqs, dtype, mask.device)
     if agg == "seq-mean-token-mean":
         return m / (m.sum(-1, keepdim=True).clamp(min=1.0) * B)
@@ -537,13 +539,12 @@ def policy_metrics(terms: TokenTerms, cfg: PolicyLossConfig, entropy=None, grad_
     # the native token kernels return the token ratio exp(logp - old) only
     log_ratio = terms.log_ratio if terms.log_ratio is not None else torch.log(r)
     means = {"clip_frac_low": flag_low, "clip_frac_high": flag_high, "ratio_mean": r,
-             "log_ratio_mean": log_ratio,
-             "ar_weight_mean": terms.ar, "low_frac": low}
+             "log_ratio_mean": log_ratio, "ar_weight_mean": terms.ar, "low_frac": low}
     if terms.kl is not None:
         means["kl"] = terms.kl
     if entropy is not None:
         means["entropy"] = entropy
-    if cfg.top_entropy_quantile < 1.0:
+    if cfg.entropy_quantile_on:
         means["entropy_mask_frac"] = terms.emask
     if cfg.off_policy_mask_threshold is not None and terms.dropped is not None:
         means["off_policy_frac"] = terms.dropped
@@ -560,7 +561,7 @@ def policy_metrics(terms: TokenTerms, cfg: PolicyLossConfig, entropy=None, grad_
         phi = terms.phi_seq_sum if terms.phi_seq_sum is not None else torch.zeros(())
         empty = n_seq_total - n_seq_nonempty
         out["phi_mean"] = (phi + empty) / max(n_seq_total, 1)
-    if cfg.top_entropy_quantile < 1.0:
+    if cfg.entropy_quantile_on:
         em = terms.emask
         out["entropy_top_mean"] = (masked_sum(torch.where(em, entropy, torch.zeros_like(entropy)))
                                    / masked_sum(em).clamp(min=1.0))
@@ -601,13 +602,12 @@ def empty_metrics(cfg: PolicyLossConfig, device, n_seq_total: int = 0) -> dict:
     """The metrics of a call without any masked token: zeros (phi_mean: 1 with sequences)."""
     z = torch.zeros((), device=device, dtype=torch.float32)
     keys = ["clip_frac_low", "clip_frac_high", "ratio_mean", "log_ratio_mean", "ar_weight_mean",
-            "low_frac",
-            "grad_share_low", "grad_norm_sum"]
+            "low_frac", "grad_share_low", "grad_norm_sum"]
     if cfg.kl_coef != 0.0:
         keys.append("kl")
     if cfg.wants_entropy:
         keys.append("entropy")
-    if cfg.top_entropy_quantile < 1.0:
+    if cfg.entropy_quantile_on:
         keys += ["entropy_mask_frac", "entropy_top_mean"]
     if cfg.importance_sampling_level != "token":
         keys += ["clip_frac_low_seq", "clip_frac_high_seq"]

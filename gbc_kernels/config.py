@@ -306,18 +306,11 @@ class PolicyLossConfig:
 
     def _check_other_trainers(self):
         """The options of docs/math.md §12, and the combinations that have no meaning."""
-        def bool_field(name):
-            v = getattr(self, name)
-            if not isinstance(v, bool):
-                raise TypeError(f"{name}: expected a bool, got {type(v).__name__} {v!r}")
-
         def optional_positive(name):
             v = getattr(self, name)
             if v is not None and not (_is_number(v) and v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name}: expected None or a finite float > 0, got {v!r}")
 
-        bool_field("kl_unbiased_gradient")
-        bool_field("normalise_all_terms")
         optional_positive("log_ratio_clamp")
         optional_positive("kl_clamp")
         optional_positive("kl_log_ratio_clamp")
@@ -413,13 +406,17 @@ class PolicyLossConfig:
     @property
     def needs_batch(self) -> bool:
         """A token's loss depends on the whole batch (the entropy quantile, Clip/KL-Cov)."""
-        return self.top_entropy_quantile < 1.0 or self.cov_mode is not None
+        return self.entropy_quantile_on or self.cov_mode is not None
+
+    @property
+    def entropy_quantile_on(self) -> bool:
+        """The policy term (and entropy bonus) acts on the batch's top-entropy tokens only."""
+        return self.top_entropy_quantile < 1.0
 
     @property
     def wants_entropy(self) -> bool:
         """The per-token entropy is computed (bonus, quantile mask, or asked for)."""
-        return (self.entropy_coef != 0.0 or self.top_entropy_quantile < 1.0
-                or self.return_entropy)
+        return self.entropy_coef != 0.0 or self.entropy_quantile_on or self.return_entropy
 
     @property
     def metric_eta(self) -> float:

@@ -216,7 +216,7 @@ def _check_softcap(softcap):
 
 
 def _threshold_fn(data_parallel_group, cfg):
-    if data_parallel_group is None or cfg.top_entropy_quantile >= 1.0:
+    if data_parallel_group is None or not cfg.entropy_quantile_on:
         return None
     return gathered_threshold(data_parallel_group)
 

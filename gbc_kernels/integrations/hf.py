@@ -165,10 +165,14 @@ def _unwrap(model):
     return model
 
 
-def _forward_with_head(model, head_mod, head_forward, input_ids, attention_mask, T,
+def _forward_with_head(model, inner, head_forward, input_ids, attention_mask, T,
                        model_kwargs):
-    """One ``model(...)`` call (``logits_to_keep = T + 1``) with ``head_mod.forward`` replaced
-    by ``head_forward``, restored afterwards whatever happens. Returns the model's outputs."""
+    """One ``model(...)`` call (``logits_to_keep = T + 1``) with the forward of ``inner``'s
+    lm_head replaced by ``head_forward``, restored afterwards whatever happens. Returns the
+    model's outputs."""
+    head_mod = inner.get_output_embeddings()
+    if head_mod is None:
+        raise ValueError(f"model: {type(inner).__name__} has no output embedding (lm_head)")
     had_own = "forward" in head_mod.__dict__
     own = head_mod.__dict__.get("forward")
     head_mod.forward = head_forward
@@ -210,9 +214,6 @@ def policy_loss_through_forward(model, input_ids, attention_mask, completion_len
 
     inner = _unwrap(model) if unwrapped is None else unwrapped
     T = check_forward_inputs(inner, input_ids, attention_mask, completion_len)
-    head_mod = inner.get_output_embeddings()
-    if head_mod is None:
-        raise ValueError(f"model: {type(inner).__name__} has no output embedding (lm_head)")
     cfg = config if isinstance(config, gbc.PolicyLossConfig) else (
         gbc.PolicyLossConfig() if config is None else gbc.PolicyLossConfig.from_dict(config))
     cap = logit_softcap(inner)
@@ -235,7 +236,7 @@ def policy_loss_through_forward(model, input_ids, attention_mask, completion_len
         # module's output run before the loss's backward
         return hidden[:, -(T + 1):, :1] * 0 + loss.to(hidden.dtype)
 
-    outputs = _forward_with_head(model, head_mod, head_forward, input_ids, attention_mask, T,
+    outputs = _forward_with_head(model, inner, head_forward, input_ids, attention_mask, T,
                                  model_kwargs)
     if "loss" not in captured:
         raise RuntimeError("model: its forward did not call its lm_head")
@@ -260,9 +261,6 @@ def logprobs_through_forward(model, input_ids, attention_mask, completion_len: i
 
     inner = _unwrap(model) if unwrapped is None else unwrapped
     T = check_forward_inputs(inner, input_ids, attention_mask, completion_len)
-    head_mod = inner.get_output_embeddings()
-    if head_mod is None:
-        raise ValueError(f"model: {type(inner).__name__} has no output embedding (lm_head)")
     targets = input_ids[:, -T:]
     captured = {}
 
@@ -277,7 +275,7 @@ def logprobs_through_forward(model, input_ids, attention_mask, completion_len: i
         captured["st"] = st
         return hidden[:, -(T + 1):, :1] * 0
 
-    _forward_with_head(model, head_mod, head_forward, input_ids, attention_mask, T, model_kwargs)
+    _forward_with_head(model, inner, head_forward, input_ids, attention_mask, T, model_kwargs)
     if "st" not in captured:
         raise RuntimeError("model: its forward did not call its lm_head")
     st = captured["st"]
