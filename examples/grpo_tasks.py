@@ -118,3 +118,101 @@ class KKTask:
                    for i, c in enumerate(completions)]
         r = torch.tensor(rewards)
         return r, r >= 1.0
+
+
+class ScratchpadTokenizer(CharTokenizer):
+    """The character tokenizer with the scratchpad's separator '|'."""
+
+    CHARS = "0123456789+=|"
+
+
+class ScratchpadAdditionTask:
+    """Scratchpad addition (the critical-token KL paper's setting).
+
+    Prompt ``BOS a+b=`` with unpadded operands; the response copies each operand's digits out,
+    least-significant first, then writes the sum least-significant first, then EOS::
+
+        BOS 123+45=  321|54|861 EOS          (123 + 45 = 168)
+
+    Operand lengths are drawn independently and uniformly from ``min_digits..max_digits`` (a
+    length-1 operand is 0..9, a longer one has no leading zero). A model pre-trained with
+    ``max_digits = N`` and asked for ``N + 1`` meets the critical token: after copying ``N``
+    digits of a longer operand, it is certain that ``|`` comes next, and wrong.
+    """
+
+    def __init__(self, max_digits: int, tokenizer: CharTokenizer, min_digits: int = 1,
+                 partial_credit: bool = False):
+        if not 1 <= min_digits <= max_digits:
+            raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, "
+                             f"{max_digits}")
+        if "|" not in tokenizer.CHARS:
+            raise ValueError("ScratchpadAdditionTask needs a tokenizer with '|' "
+                             "(ScratchpadTokenizer)")
+        self.digits = max_digits
+        self.min_digits, self.tok, self.partial_credit = min_digits, tokenizer, partial_credit
+
+    @property
+    def max_answer_tokens(self) -> int:
+        return 2 * self.digits + (self.digits + 1) + 3     # two copies, sum, two '|', EOS
+
+    @staticmethod
+    def _operand(n_digits: int, rng: random.Random) -> int:
+        return rng.randint(0, 9) if n_digits == 1 else \
+            rng.randint(10 ** (n_digits - 1), 10 ** n_digits - 1)
+
+    @staticmethod
+    def answer(a: int, b: int) -> str:
+        return f"{str(a)[::-1]}|{str(b)[::-1]}|{str(a + b)[::-1]}"
+
+    def pairs(self, n: int, rng: random.Random):
+        lo, hi = self.min_digits, self.digits
+        return [(self._operand(rng.randint(lo, hi), rng), self._operand(rng.randint(lo, hi), rng))
+                for _ in range(n)]
+
+    def _batch(self, pairs) -> Batch:
+        """Prompts left-padded to a common length (generation appends on the right)."""
+        ids = [[self.tok.BOS] + self.tok.encode(f"{a}+{b}=") for a, b in pairs]
+        L = max(map(len, ids))
+        prompts = torch.tensor([[self.tok.PAD] * (L - len(s)) + s for s in ids])
+        return Batch(prompts, [self.answer(a, b) for a, b in pairs], list(pairs))
+
+    def sample(self, n: int, rng: random.Random) -> Batch:
+        return self._batch(self.pairs(n, rng))
+
+    def sft_batch(self, n: int, rng: random.Random):
+        """Full sequences ``BOS a+b= scratchpad EOS`` (right-padded) and the response mask."""
+        seqs, starts = [], []
+        for a, b in self.pairs(n, rng):
+            p = [self.tok.BOS] + self.tok.encode(f"{a}+{b}=")
+            seqs.append(p + self.tok.encode(self.answer(a, b)) + [self.tok.EOS])
+            starts.append(len(p))
+        L = max(map(len, seqs))
+        ids = torch.full((n, L), self.tok.PAD)
+        mask = torch.zeros(n, L - 1, dtype=torch.bool)
+        for i, (s, lp) in enumerate(zip(seqs, starts)):
+            ids[i, :len(s)] = torch.tensor(s)
+            mask[i, lp - 1:len(s) - 1] = True      # positions predicting response + EOS
+        return ids, mask
+
+    def score(self, completions: List[str], batch: Batch, group: int):
+        """(reward, correct): 1 for the exact scratchpad and sum, else 0 (with
+        ``partial_credit``: half the share of the sum's digits right when both copies are)."""
+        rewards, correct = [], []
+        for i, c in enumerate(completions):
+            ans = batch.answers[i // group]
+            exact = c == ans
+            partial = 0.0
+            if self.partial_credit and not exact:
+                cs, As = c.split("|"), ans.split("|")
+                if len(cs) == 3 and cs[:2] == As[:2]:
+                    hits = sum(x == y for x, y in zip(cs[2], As[2]))
+                    partial = 0.5 * hits / max(len(cs[2]), len(As[2]), 1)
+            rewards.append(1.0 if exact else partial)
+            correct.append(exact)
+        return torch.tensor(rewards), torch.tensor(correct)
+
+    def longest(self, batch: Batch) -> torch.Tensor:
+        """Per prompt: True where an operand has ``max_digits`` digits (the new length when
+        ``max_digits`` is one more than the pre-training's)."""
+        return torch.tensor([max(len(str(a)), len(str(b))) == self.digits
+                             for a, b in batch.meta])

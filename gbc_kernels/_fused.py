@@ -48,6 +48,7 @@ class LossInputs:
     inv_temp: Optional[torch.Tensor] = None          # [B*T] float32 per-token 1/temperature
     metrics: dict = field(default_factory=dict)     # filled by the forward
     logp: Optional[torch.Tensor] = None              # [B, T] float32, filled by the forward
+    entropy: Optional[torch.Tensor] = None           # [B, T] float32 when computed (forward)
 
 
 def token_inputs(mask, advantages, old, ref, tscale, klw, is_ratio, sampling, cfg, num_items,
@@ -408,6 +409,9 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
         inp.metrics = empty_metrics(cfg, device, B)
     full_logp = torch.zeros(mflat.numel(), device=device, dtype=torch.float32)
     inp.logp = full_logp.index_copy_(0, idx, logp).view_as(inp.mask)
+    if entropy is not None:
+        full_ent = torch.zeros(mflat.numel(), device=device, dtype=torch.float32)
+        inp.entropy = full_ent.index_copy_(0, idx, entropy).view_as(inp.mask)
     gh, gw, gb = grads.result()
     if vp is not None:
         gh = _vp.reduce_hidden_grad(gh, vp)

@@ -124,7 +124,7 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
                              config=None, phase=None, num_items_in_batch=None, backend="auto",
                              vocab_parallel=None, is_ratio=None, sampling_logp=None,
                              data_parallel_group=None, num_seqs_in_batch=None,
-                             temperature=None):
+                             temperature=None, token_out=None):
     """GRPO policy loss (docs/math.md §1-§3, §6, §10, §12) from hidden states, without the
     logits.
 
@@ -154,7 +154,14 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
 
     ``vocab_parallel=VocabParallel(group, start, end)``: ``weight``/``bias`` are this rank's rows
     ``[start, end)`` of the lm_head, ``targets`` are global ids (docs/math.md §9).
+
+    ``token_out``: a dict that receives the forward's per-token values, detached float32
+    ``[B, T]`` with 0 outside ``mask``: ``"logp"`` always, ``"entropy"`` when the loss computed
+    it (an entropy term, the entropy quantile or ``return_entropy``). A trainer logs its own
+    metrics from them (e.g. verl's, through its own functions) without another pass.
     """
+    if token_out is not None and not isinstance(token_out, dict):
+        raise TypeError(f"token_out: expected None or a dict, got {type(token_out).__name__}")
     cfg = _config(config)
     V.check_backend(backend)
     _check_lm_head(hidden, weight, bias)
@@ -183,6 +190,10 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
                      get_backend(backend, device, hidden.dtype), is_ratio, sampling_logp,
                      threshold_fn, checks, sl, inv_temp)
     loss = FusedPolicyLossFunction.apply(hidden.reshape(B * T, H), weight, bias, inp)
+    if token_out is not None:
+        token_out["logp"] = inp.logp
+        if inp.entropy is not None:
+            token_out["entropy"] = inp.entropy
     return loss, inp.metrics
 
 

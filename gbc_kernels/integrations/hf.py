@@ -7,6 +7,7 @@ Works for any causal LM that follows transformers' conventions: the decoder is f
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import NamedTuple, Optional
 
@@ -165,11 +166,12 @@ def _unwrap(model):
     return model
 
 
-def _forward_with_head(model, inner, head_forward, input_ids, attention_mask, T,
-                       model_kwargs):
-    """One ``model(...)`` call (``logits_to_keep = T + 1``) with the forward of ``inner``'s
-    lm_head replaced by ``head_forward``, restored afterwards whatever happens. Returns the
-    model's outputs."""
+@contextlib.contextmanager
+def replaced_head_forward(inner, head_forward):
+    """Inside the block, the ``forward`` of ``inner``'s lm_head module is ``head_forward``
+    (called as the module would be: on the final hidden states); restored afterwards whatever
+    happens. The module itself stays in place, so a wrapper's hooks on it (FSDP2 and ZeRO-3
+    gather its weight for its forward) run as usual."""
     head_mod = inner.get_output_embeddings()
     if head_mod is None:
         raise ValueError(f"model: {type(inner).__name__} has no output embedding (lm_head)")
@@ -177,13 +179,21 @@ def _forward_with_head(model, inner, head_forward, input_ids, attention_mask, T,
     own = head_mod.__dict__.get("forward")
     head_mod.forward = head_forward
     try:
-        return model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1,
-                     use_cache=False, **(model_kwargs or {}))
+        yield head_mod
     finally:
         if had_own:
             head_mod.forward = own
         else:
             del head_mod.forward
+
+
+def _forward_with_head(model, inner, head_forward, input_ids, attention_mask, T,
+                       model_kwargs):
+    """One ``model(...)`` call (``logits_to_keep = T + 1``) with ``inner``'s lm_head forward
+    replaced by ``head_forward`` (:func:`replaced_head_forward`). Returns the model's outputs."""
+    with replaced_head_forward(inner, head_forward):
+        return model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1,
+                     use_cache=False, **(model_kwargs or {}))
 
 
 def policy_loss_through_forward(model, input_ids, attention_mask, completion_len: int, mask,

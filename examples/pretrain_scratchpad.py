@@ -1,0 +1,145 @@
+"""Pre-train the tiny Qwen2 of the demo on scratchpad addition (examples/grpo_tasks.py), and
+write the checkpoint that ``make demo`` and examples/experiments.py start RL from.
+
+    python examples/pretrain_scratchpad.py                      # the shipped checkpoint
+    python examples/pretrain_scratchpad.py --check              # score the shipped checkpoint
+
+The checkpoint is built once and shipped in the repository (examples/checkpoints/), because a
+from-scratch warm-up depends on the machine's floating-point path (AVX-512 vs AVX2, the number
+of threads): a demo that recomputed it would start RL from a different model on each machine.
+The command, seed and the accuracy reached are written next to the weights (``train.json``).
+
+Training: operands of 1..N digits (N = ``--digits``), next-token cross-entropy on the response
+(-logp from gbc_kernels.fused_linear_logprobs), AdamW with a linear warm-up and a linear decay,
+until ``--steps`` or until the greedy accuracy on held-out sums of every length 1..N reaches
+``--target``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import gbc_kernels as gbc                      # noqa: E402
+from gbc_kernels.integrations import hf       # noqa: E402
+from grpo_tasks import ScratchpadAdditionTask, ScratchpadTokenizer   # noqa: E402
+
+CHECKPOINT = os.path.join(HERE, "checkpoints", "scratchpad-add3")
+
+
+def tiny_qwen2(vocab_size: int, seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=384,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, tie_word_embeddings=False,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return Qwen2ForCausalLM(cfg)
+
+
+def load(path: str = CHECKPOINT):
+    """The shipped checkpoint: (model in float32, eval mode; tokenizer; its train.json)."""
+    from transformers import Qwen2ForCausalLM
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        raise FileNotFoundError(f"no checkpoint at {path}: run examples/pretrain_scratchpad.py")
+    model = Qwen2ForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    with open(os.path.join(path, "train.json")) as f:
+        meta = json.load(f)
+    return model, ScratchpadTokenizer(), meta
+
+
+@torch.no_grad()
+def accuracy_by_length(model, tok, digits: int, n: int, seed: int):
+    """Greedy exact-match accuracy on ``n`` held-out sums per length ``1..digits`` of the longer
+    operand (the shorter one uniform in 1..that length)."""
+    model.eval()
+    out = {}
+    for d in range(1, digits + 1):
+        rng = random.Random(seed * 1000 + d)
+        task = ScratchpadAdditionTask(d, tok)
+        pairs = []
+        while len(pairs) < n:
+            a, b = task.pairs(1, rng)[0]
+            if max(len(str(a)), len(str(b))) == d:
+                pairs.append((a, b))
+        batch = task._batch(pairs)
+        ids = batch.prompts
+        gen = model.generate(ids, attention_mask=(ids != tok.PAD).long(),
+                             max_new_tokens=task.max_answer_tokens, do_sample=False,
+                             eos_token_id=tok.EOS, pad_token_id=tok.PAD)
+        texts = [tok.decode(c) for c in gen[:, ids.shape[1]:]]
+        out[d] = float(task.score(texts, batch, 1)[1].float().mean())
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--digits", type=int, default=3, help="operand lengths 1..N")
+    ap.add_argument("--steps", type=int, default=6000, help="at most this many steps")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--target", type=float, default=0.995,
+                    help="stop once the greedy accuracy of every length reaches this")
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--eval-size", type=int, default=400)
+    ap.add_argument("--out", default=CHECKPOINT)
+    ap.add_argument("--check", action="store_true", help="only score the checkpoint at --out")
+    args = ap.parse_args(argv)
+    if args.check:
+        model, tok, meta = load(args.out)
+        print(json.dumps(dict(trained=meta["accuracy"],
+                              now=accuracy_by_length(model, tok, meta["digits"], args.eval_size,
+                                                     seed=7))))
+        return
+    random.seed(args.seed)
+    tok = ScratchpadTokenizer()
+    model = tiny_qwen2(tok.vocab_size, args.seed)
+    task = ScratchpadAdditionTask(args.digits, tok)
+    head = hf.lm_head(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    warm = 200
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * max(0.02, 1 - s / args.steps))
+    rng = random.Random(args.seed)
+    t0, acc, step = time.time(), {}, 0
+    for step in range(1, args.steps + 1):
+        model.train()
+        ids, mask = task.sft_batch(args.batch, rng)
+        h = hf.completion_hidden(model, ids)
+        logp, _ = gbc.fused_linear_logprobs(h[mask], head.weight, ids[:, 1:][mask], head.bias)
+        loss = -logp.mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % args.eval_every == 0 or step == args.steps:
+            acc = accuracy_by_length(model, tok, args.digits, args.eval_size, seed=1)
+            print(f"step {step}: nll {float(loss):.4f} accuracy {acc} "
+                  f"({time.time() - t0:.0f} s)", flush=True)
+            if min(acc.values()) >= args.target:
+                break
+    os.makedirs(args.out, exist_ok=True)
+    model.save_pretrained(args.out, safe_serialization=True)
+    meta = dict(command="python examples/pretrain_scratchpad.py " + " ".join(argv or sys.argv[1:]),
+                digits=args.digits, seed=args.seed, steps=step, batch=args.batch, lr=args.lr,
+                accuracy={str(k): v for k, v in acc.items()}, seconds=round(time.time() - t0),
+                torch=torch.__version__)
+    with open(os.path.join(args.out, "train.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+    print(json.dumps(meta))
+
+
+if __name__ == "__main__":
+    main()
