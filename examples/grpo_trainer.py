@@ -1,7 +1,9 @@
 """A minimal, readable GRPO trainer over any transformers causal LM, with the gbc_kernels loss.
 
-Default (CPU, a few minutes): a tiny Qwen2 learns N-digit addition by supervised warm-up, then
-GRPO on N+1 digits raises its accuracy there.
+Default (CPU, about two minutes): GRPO from the shipped checkpoint of a tiny Qwen2 that adds
+numbers of 1-3 digits with a scratchpad (examples/checkpoints/scratchpad-add3, built by
+examples/pretrain_scratchpad.py) on sums whose operands have 1-4 digits: it has never seen a
+4-digit operand, and GRPO teaches it to. Every machine starts from the same weights.
 
     python examples/grpo_trainer.py                       # the README's main job
     python examples/grpo_trainer.py --parity --steps 4    # fused loss vs gbc_reference each step
@@ -33,7 +35,8 @@ sys.path.insert(0, HERE)
 import gbc_kernels as gbc                         # noqa: E402
 import gbc_reference                              # noqa: E402
 from gbc_kernels.integrations import hf           # noqa: E402
-from grpo_tasks import AdditionTask, CharTokenizer, KKTask   # noqa: E402
+from grpo_tasks import (AdditionTask, CharTokenizer, KKTask,         # noqa: E402
+                        ScratchpadAdditionTask)
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -43,13 +46,19 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
 def build_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     task = ap.add_argument_group("task and model")
-    task.add_argument("--task", choices=["add", "kk"], default="add",
-                      help="add: N-digit addition (built in); kk: Knights-and-Knaves puzzles "
-                           "from reasoning-gym (needs --model)")
+    task.add_argument("--task", choices=["scratchpad", "add", "kk"], default="scratchpad",
+                      help="scratchpad: scratchpad addition from the shipped checkpoint (RL on "
+                           "operands one digit longer than it saw); add: zero-padded addition "
+                           "with a supervised warm-up from scratch; kk: Knights-and-Knaves "
+                           "puzzles from reasoning-gym (needs --model)")
+    task.add_argument("--checkpoint", default=None,
+                      help="scratchpad: the pre-trained model (None: the shipped one)")
     task.add_argument("--model", default=None,
                       help="path of a local Hugging Face causal LM (None: a tiny Qwen2 built "
                            "from a config, no download)")
-    task.add_argument("--digits", type=int, default=1, help="warm-up digits; RL uses digits + 1")
+    task.add_argument("--digits", type=int, default=1,
+                      help="add: warm-up digits; RL uses digits + 1 (scratchpad: the "
+                           "checkpoint's, 3)")
     task.add_argument("--sft-steps", type=int, default=None,
                       help="supervised warm-up steps (None: 1500, or 100 with --parity)")
     task.add_argument("--sft-mix", type=float, default=0.5,
@@ -156,12 +165,17 @@ def evaluate(model, task, tok, n, seed, temperature=1.0, k=4):
     """Accuracy on ``n`` held-out prompts: greedy, and sampled (the mean over ``k`` samples per
     prompt at the RL temperature: the pass@1 that GRPO optimises)."""
     batch = task.sample(n, random.Random(10_000 + seed))
+    new = task.longest(batch) if hasattr(task, "longest") else None
     out = {}
     for name, group, greedy in (("greedy", 1, True), ("sampled", k, False)):
         _, comp = sample(model, batch.prompts, group, task.max_answer_tokens, temperature,
                          tok.eos_token_id, tok.pad_token_id, greedy=greedy)
         texts = [tok.decode(c) for c in comp]
-        out[name] = float(task.score(texts, batch, group)[1].float().mean())
+        ok = task.score(texts, batch, group)[1].float().view(-1, group).mean(1)
+        out[name] = float(ok.mean())
+        if new is not None:      # scratchpad: the new operand length, and the lengths it knew
+            out[f"{name}_new"] = float(ok[new].mean()) if new.any() else float("nan")
+            out[f"{name}_known"] = float(ok[~new].mean()) if (~new).any() else float("nan")
     return out
 
 
@@ -312,6 +326,14 @@ def rl_step(model, opt, roll, args, parity_record=None):
 
 
 def setup(args):
+    if args.task == "scratchpad":
+        import pretrain_scratchpad as ps
+        model, tok, meta = ps.load(args.checkpoint or ps.CHECKPOINT)
+        model.train()
+        n = int(meta["digits"])
+        args.digits, args.sft_steps = n, 0
+        return (tok, model, ScratchpadAdditionTask(n, tok),
+                ScratchpadAdditionTask(n + 1, tok, partial_credit=args.partial_credit))
     if args.task == "add":
         tok = CharTokenizer()
         model = tiny_qwen2(tok.vocab_size, args.seed)
@@ -349,7 +371,7 @@ def train(args, log=print, model=None, tok=None, tasks=None, hooks=None):
     for p in ref_model.parameters():
         p.requires_grad_(False)
     acc0 = evaluate(model, rl_task, tok, args.eval_size, args.seed, args.temperature) \
-        if args.task == "add" else None
+        if args.task != "kk" else None
     if acc0 is not None:
         log(f"RL task ({rl_task.digits}-digit) accuracy before RL: greedy {acc0['greedy']:.3f}, "
             f"sampled {acc0['sampled']:.3f}")
@@ -378,13 +400,20 @@ def train(args, log=print, model=None, tok=None, tasks=None, hooks=None):
             f.flush()
             bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row['accuracy']:.2f}",
                             loss=f"{loss:+.4f}")
-    if args.task == "add":
+    if args.task != "kk":
         acc1 = evaluate(model, rl_task, tok, args.eval_size, args.seed, args.temperature)
         for kind in ("greedy", "sampled"):
             log(f"RL task {kind} accuracy: before {acc0[kind]:.3f} -> after {acc1[kind]:.3f}")
-        history.append(dict(eval_before=acc0["greedy"], eval_after=acc1["greedy"],
-                            eval_sampled_before=acc0["sampled"],
-                            eval_sampled_after=acc1["sampled"]))
+            if f"{kind}_new" in acc0:
+                log(f"  operands of {rl_task.digits} digits (new): {acc0[kind + '_new']:.3f} -> "
+                    f"{acc1[kind + '_new']:.3f}; shorter (pre-trained): "
+                    f"{acc0[kind + '_known']:.3f} -> {acc1[kind + '_known']:.3f}")
+        final = dict(eval_before=acc0["greedy"], eval_after=acc1["greedy"],
+                     eval_sampled_before=acc0["sampled"], eval_sampled_after=acc1["sampled"])
+        for key in acc0:
+            if key.endswith(("_new", "_known")):
+                final[f"eval_{key}_before"], final[f"eval_{key}_after"] = acc0[key], acc1[key]
+        history.append(final)
     plot_curves(history, os.path.join(args.out, "curves.png"))
     if parity is not None:
         parity["features"] = [k for k, on in (("ar", args.ar_alpha != 0.0),

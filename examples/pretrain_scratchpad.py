@@ -93,6 +93,11 @@ def main(argv=None):
                     help="stop once the greedy accuracy of every length reaches this")
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--eval-size", type=int, default=400)
+    ap.add_argument("--longer-share", type=float, default=0.0,
+                    help="share of training sums with an operand of N+1 digits (0: the "
+                         "paper's setting, N+1 never seen)")
+    ap.add_argument("--snapshots", default="",
+                    help="comma-separated steps at which to also save <out>-step<k>")
     ap.add_argument("--out", default=CHECKPOINT)
     ap.add_argument("--check", action="store_true", help="only score the checkpoint at --out")
     args = ap.parse_args(argv)
@@ -106,6 +111,9 @@ def main(argv=None):
     tok = ScratchpadTokenizer()
     model = tiny_qwen2(tok.vocab_size, args.seed)
     task = ScratchpadAdditionTask(args.digits, tok)
+    longer = ScratchpadAdditionTask(args.digits + 1, tok, min_digits=args.digits + 1)
+    snapshots = {int(x) for x in args.snapshots.split(",") if x.strip()}
+    eval_digits = args.digits + (1 if args.longer_share > 0 else 0)
     head = hf.lm_head(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     warm = 200
@@ -115,7 +123,10 @@ def main(argv=None):
     t0, acc, step = time.time(), {}, 0
     for step in range(1, args.steps + 1):
         model.train()
-        ids, mask = task.sft_batch(args.batch, rng)
+        n_long = sum(rng.random() < args.longer_share for _ in range(args.batch))
+        ids, mask = task.sft_batch(args.batch - n_long, rng)
+        if n_long:
+            ids, mask = _concat_batches((ids, mask), longer.sft_batch(n_long, rng))
         h = hf.completion_hidden(model, ids)
         logp, _ = gbc.fused_linear_logprobs(h[mask], head.weight, ids[:, 1:][mask], head.bias)
         loss = -logp.mean()
@@ -125,20 +136,36 @@ def main(argv=None):
         opt.step()
         sched.step()
         if step % args.eval_every == 0 or step == args.steps:
-            acc = accuracy_by_length(model, tok, args.digits, args.eval_size, seed=1)
+            acc = accuracy_by_length(model, tok, eval_digits, args.eval_size, seed=1)
             print(f"step {step}: nll {float(loss):.4f} accuracy {acc} "
                   f"({time.time() - t0:.0f} s)", flush=True)
-            if min(acc.values()) >= args.target:
+            if min(acc[d] for d in range(1, args.digits + 1)) >= args.target and \
+                    step >= max(snapshots, default=0):
                 break
-    os.makedirs(args.out, exist_ok=True)
-    model.save_pretrained(args.out, safe_serialization=True)
+        if step in snapshots:
+            _save(model, f"{args.out}-step{step}", args, argv, step, {}, t0)
+    print(json.dumps(_save(model, args.out, args, argv, step, acc, t0)))
+
+
+def _concat_batches(a, b):
+    """Two (ids, mask) SFT batches as one, right-padded to the longer."""
+    (i1, m1), (i2, m2) = a, b
+    L = max(i1.shape[1], i2.shape[1])
+    pad = lambda t, n, v: torch.nn.functional.pad(t, (0, n - t.shape[1]), value=v)
+    return (torch.cat([pad(i1, L, 0), pad(i2, L, 0)]),
+            torch.cat([pad(m1, L - 1, False), pad(m2, L - 1, False)]))
+
+
+def _save(model, out, args, argv, step, acc, t0):
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
     meta = dict(command="python examples/pretrain_scratchpad.py " + " ".join(argv or sys.argv[1:]),
-                digits=args.digits, seed=args.seed, steps=step, batch=args.batch, lr=args.lr,
-                accuracy={str(k): v for k, v in acc.items()}, seconds=round(time.time() - t0),
-                torch=torch.__version__)
-    with open(os.path.join(args.out, "train.json"), "w") as f:
+                digits=args.digits, longer_share=args.longer_share, seed=args.seed, steps=step,
+                batch=args.batch, lr=args.lr, accuracy={str(k): v for k, v in acc.items()},
+                seconds=round(time.time() - t0), torch=torch.__version__)
+    with open(os.path.join(out, "train.json"), "w") as f:
         json.dump(meta, f, indent=2)
-    print(json.dumps(meta))
+    return meta
 
 
 if __name__ == "__main__":

@@ -142,3 +142,14 @@ def test_openrlhf_example_runs():
             del sys.modules[name]
     assert abs(float(loss) - float(theirs)) <= 1e-5 * max(1.0, abs(float(theirs)))
     assert {"policy_loss", "ppo_clip_ratio", "ppo_kl", "kl", "entropy_loss"} <= set(metrics)
+
+
+@pytest.mark.slow
+def test_verl_engine_example_runs():
+    pytest.importorskip("verl.workers.engine.fsdp.transformer_impl")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "verl_engine.py")],
+                         capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, PORT="29577", OMP_NUM_THREADS="2"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "GBCFSDPEngineWithLMHead" in out.stdout
+    assert out.stdout.count("Lopti's second update") == 3

@@ -96,7 +96,7 @@ def build_engine(model_dir, gbc=True, rmpad=True, dtype="fp32", lr=1e-2, options
 
 
 def make_batch(seed, B, rmpad=True, temperature=0.8, micro=2, dynamic=False, with_is=True,
-               entropy=True, world=1, vocab=V, confident=0.0):
+               entropy=True, world=1, vocab=V, confident=0.0, lengths=(6, 7), full=False):
     """One rank's share of an actor update as verl's trainer sends it: left-padded prompts,
     right-padded responses, a masked response row and an empty one, old / ref log-probs near
     the policy's, group advantages, rollout IS weights; through ``left_right_2_no_padding``."""
@@ -105,10 +105,12 @@ def make_batch(seed, B, rmpad=True, temperature=0.8, micro=2, dynamic=False, wit
     from verl.workers.utils.padding import left_right_2_no_padding
 
     g = torch.Generator().manual_seed(seed)
-    Lp, Lr = 6, 7
+    Lp, Lr = lengths
     plens = torch.randint(1, Lp + 1, (B,), generator=g)
     rlens = torch.randint(1, Lr + 1, (B,), generator=g)
     rlens[0] = Lr
+    if full:                                           # every sequence at full length
+        plens[:], rlens[:] = Lp, Lr
     prompts = torch.zeros(B, Lp, dtype=torch.long)
     responses = torch.zeros(B, Lr, dtype=torch.long)
     attn = torch.zeros(B, Lp + Lr, dtype=torch.long)
