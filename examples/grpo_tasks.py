@@ -134,6 +134,10 @@ class ScratchpadAdditionTask:
 
         BOS 123+45=  321|54|861 EOS          (123 + 45 = 168)
 
+    The two operand lengths are drawn independently and uniformly from
+    ``min_digits..max_digits``; with ``longest_only`` one of them is set to ``max_digits``
+    when neither is (the RL task of the demo: every prompt has the new length).
+
     Operand lengths are drawn independently and uniformly from ``min_digits..max_digits`` (a
     length-1 operand is 0..9, a longer one has no leading zero). A model pre-trained with
     ``max_digits = N`` and asked for ``N + 1`` meets the critical token: after copying ``N``
@@ -141,14 +145,14 @@ class ScratchpadAdditionTask:
     """
 
     def __init__(self, max_digits: int, tokenizer: CharTokenizer, min_digits: int = 1,
-                 partial_credit: bool = False):
+                 partial_credit: bool = False, longest_only: bool = False):
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, "
                              f"{max_digits}")
         if "|" not in tokenizer.CHARS:
             raise ValueError("ScratchpadAdditionTask needs a tokenizer with '|' "
                              "(ScratchpadTokenizer)")
-        self.digits = max_digits
+        self.digits, self.longest_only = max_digits, longest_only
         self.min_digits, self.tok, self.partial_credit = min_digits, tokenizer, partial_credit
 
     @property
@@ -165,9 +169,19 @@ class ScratchpadAdditionTask:
         return f"{str(a)[::-1]}|{str(b)[::-1]}|{str(a + b)[::-1]}"
 
     def pairs(self, n: int, rng: random.Random):
+        """``n`` operand pairs; with ``longest_only`` one operand (either, evenly) has exactly
+        ``max_digits`` digits and the other ``min_digits..max_digits``."""
         lo, hi = self.min_digits, self.digits
-        return [(self._operand(rng.randint(lo, hi), rng), self._operand(rng.randint(lo, hi), rng))
-                for _ in range(n)]
+        out = []
+        for _ in range(n):
+            la, lb = rng.randint(lo, hi), rng.randint(lo, hi)
+            if self.longest_only and max(la, lb) < hi:
+                if rng.random() < 0.5:
+                    la = hi
+                else:
+                    lb = hi
+            out.append((self._operand(la, rng), self._operand(lb, rng)))
+        return out
 
     def _batch(self, pairs) -> Batch:
         """Prompts left-padded to a common length (generation appends on the right)."""

@@ -46,13 +46,18 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
 def build_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     task = ap.add_argument_group("task and model")
-    task.add_argument("--task", choices=["scratchpad", "add", "kk"], default="scratchpad",
-                      help="scratchpad: scratchpad addition from the shipped checkpoint (RL on "
+    task.add_argument("--task", choices=["scratchpad", "add", "kk"], default=None,
+                      help="None: scratchpad, or add with --parity. "
+                           "scratchpad: scratchpad addition from the shipped checkpoint (RL on "
                            "operands one digit longer than it saw); add: zero-padded addition "
                            "with a supervised warm-up from scratch; kk: Knights-and-Knaves "
                            "puzzles from reasoning-gym (needs --model)")
     task.add_argument("--checkpoint", default=None,
                       help="scratchpad: the pre-trained model (None: the shipped one)")
+    task.add_argument("--rl-digits", type=int, default=None,
+                      help="scratchpad: longest operand of the RL sums (None: the "
+                           "checkpoint's + 1, every prompt with an operand of that length; "
+                           "else operands of 1..rl-digits)")
     task.add_argument("--model", default=None,
                       help="path of a local Hugging Face causal LM (None: a tiny Qwen2 built "
                            "from a config, no download)")
@@ -120,6 +125,10 @@ def build_args(argv=None):
                      help="output folder: metrics.jsonl, curves.png (parity.json, compare.png)")
     run.add_argument("--quiet", action="store_true", help="no progress bars or log lines")
     args = ap.parse_args(argv)
+    if args.task is None:
+        # parity: a short warm-up from scratch (the shipped checkpoint is near-certain on most
+        # tokens, where fp32 gradients of tiny size compare by their rounding)
+        args.task = "add" if args.parity else "scratchpad"
     if args.sft_steps is None:
         args.sft_steps = 100 if args.parity else 1500
     if args.prompts is None:
@@ -332,8 +341,10 @@ def setup(args):
         model.train()
         n = int(meta["digits"])
         args.digits, args.sft_steps = n, 0
-        return (tok, model, ScratchpadAdditionTask(n, tok),
-                ScratchpadAdditionTask(n + 1, tok, partial_credit=args.partial_credit))
+        rl = ScratchpadAdditionTask(n + 1, tok, partial_credit=args.partial_credit,
+                                    longest_only=True) if args.rl_digits is None else \
+            ScratchpadAdditionTask(args.rl_digits, tok, partial_credit=args.partial_credit)
+        return tok, model, ScratchpadAdditionTask(n, tok), rl
     if args.task == "add":
         tok = CharTokenizer()
         model = tiny_qwen2(tok.vocab_size, args.seed)

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = os.path.join(ROOT, "examples", "grpo_trainer.py")
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-TINY = ["--digits", "1", "--sft-steps", "5", "--steps", "2", "--prompts", "2", "--group", "4",
+TINY = ["--task", "add", "--digits", "1", "--sft-steps", "5", "--steps", "2", "--prompts", "2", "--group", "4",
         "--eval-size", "4", "--quiet"]
 
 
