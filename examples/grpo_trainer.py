@@ -1,9 +1,10 @@
 """A minimal, readable GRPO trainer over any transformers causal LM, with the gbc_kernels loss.
 
-Default (CPU, about two minutes): GRPO from the shipped checkpoint of a tiny Qwen2 that adds
-numbers of 1-3 digits with a scratchpad (examples/checkpoints/scratchpad-add3, built by
-examples/pretrain_scratchpad.py) on sums whose operands have 1-4 digits: it has never seen a
-4-digit operand, and GRPO teaches it to. Every machine starts from the same weights.
+Default (CPU, a few minutes): a tiny Qwen2 learns N-digit addition by supervised warm-up, then
+GRPO on N+1 digits raises its accuracy there. ``--task scratchpad``: GRPO from the shipped
+checkpoint of a tiny Qwen2 that adds numbers of 1-3 digits with a scratchpad
+(examples/checkpoints/scratchpad-add3, built by examples/pretrain_scratchpad.py; the
+critical-token KL paper's setting), on sums with a 4-digit operand.
 
     python examples/grpo_trainer.py                       # the README's main job
     python examples/grpo_trainer.py --parity --steps 4    # fused loss vs gbc_reference each step
@@ -47,7 +48,7 @@ def build_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     task = ap.add_argument_group("task and model")
     task.add_argument("--task", choices=["scratchpad", "add", "kk"], default=None,
-                      help="None: scratchpad, or add with --parity. "
+                      help="None: add. "
                            "scratchpad: scratchpad addition from the shipped checkpoint (RL on "
                            "operands one digit longer than it saw); add: zero-padded addition "
                            "with a supervised warm-up from scratch; kk: Knights-and-Knaves "
@@ -126,9 +127,10 @@ def build_args(argv=None):
     run.add_argument("--quiet", action="store_true", help="no progress bars or log lines")
     args = ap.parse_args(argv)
     if args.task is None:
-        # parity: a short warm-up from scratch (the shipped checkpoint is near-certain on most
-        # tokens, where fp32 gradients of tiny size compare by their rounding)
-        args.task = "add" if args.parity else "scratchpad"
+        # add: the main job's default. (The scratchpad checkpoint does not learn 4-digit sums
+        # within the demo's budget yet, docs/experiments.md; and it is near-certain on most
+        # tokens, where --parity's fp32 gradients of tiny size compare by their rounding.)
+        args.task = "add"
     if args.sft_steps is None:
         args.sft_steps = 100 if args.parity else 1500
     if args.prompts is None:

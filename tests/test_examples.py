@@ -44,6 +44,7 @@ def run_trainer(tmp_path, *extra):
     pytest.param(["--kl-coef", "0.05", "--critical-kl-exponent", "2", "--critical-kl-certainty",
                   "entropy"], id="critical-kl"),
     pytest.param(["--entropy-coef", "0.01", "--loss-agg", "dr_grpo"], id="entropy-dr_grpo"),
+    pytest.param(["--task", "scratchpad"], id="scratchpad-checkpoint"),
 ])
 def test_trainer_smoke(tmp_path, extra):
     rows = run_trainer(tmp_path, *extra)
