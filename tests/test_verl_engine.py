@@ -188,7 +188,7 @@ def _forward_backward(engine, data, loss_fn, stock):
     return sum(out["loss"]), _metric_values(out["metrics"]), _grads(engine)
 
 
-def _parity_worker(rank, world, model_dir, cases, rmpad, dtype):
+def _parity_worker(rank, world, model_dir, cases, rmpad, dtype, dynamic=False):
     verl_on_cpu()
     from verl.workers.utils.losses import ppo_loss
 
@@ -198,7 +198,7 @@ def _parity_worker(rank, world, model_dir, cases, rmpad, dtype):
         cfg = verl_actor_config(mode, agg, kl, entropy_coeff=ent)
         loss_fn = functools.partial(ppo_loss, config=cfg)
         seed = zlib.crc32(f"{mode}{agg}{kl}{rank}".encode()) % 10_000
-        data = make_batch(seed, 6, rmpad=rmpad, temperature=temp, world=world)
+        data = make_batch(seed, 6, rmpad=rmpad, temperature=temp, world=world, dynamic=dynamic)
         results.append({which: _forward_backward(engine, data, loss_fn, which == "verl")
                         for which in ("verl", "gbc")})
     return results
@@ -265,6 +265,18 @@ def test_engine_kl_forms_temperatures_two_ranks(tmp_path):
     ranks = spawn_gloo(2, _parity_worker, model_dir, cases, True, "fp32")
     for results in ranks:
         _check_parity(results, cases, 2e-5)
+
+
+@pytest.mark.slow
+def test_engine_dynamic_batch_sizes(tmp_path):
+    """``use_dynamic_bsz``: verl packs the micro-batches by a token budget (24 tokens here, so
+    they are uneven and reordered); gbc's engine equals verl's on them."""
+    model_dir = make_model_dir(tmp_path / "m")
+    cases = [("vanilla", "token-mean", "low_var_kl", 0.01, 0.8),
+             ("gspo", "seq-mean-token-mean", "low_var_kl", 0.01, "per-sample"),
+             ("clip_cov", "seq-mean-token-sum-norm", "k3+", 0.0, 1.0)]
+    results = spawn_gloo(1, _parity_worker, model_dir, cases, True, "fp32", True)[0]
+    _check_parity(results, cases, 2e-5)
 
 
 def _steps_worker(rank, world, model_dir, gbc, rmpad, options):
