@@ -268,6 +268,18 @@ def test_engine_kl_forms_temperatures_two_ranks(tmp_path):
 
 
 @pytest.mark.slow
+def test_engine_bf16_mixed_precision(tmp_path):
+    """verl's default mixed precision (bf16 parameters in the forward, autocast): gbc's engine
+    takes the bf16 hidden states and the head as FSDP2 holds it, and agrees with verl's engine
+    to bf16's precision (both round the model's forward; the loss paths differ in where)."""
+    model_dir = make_model_dir(tmp_path / "m")
+    cases = [("vanilla", "token-mean", "low_var_kl", 0.01, 0.8),
+             ("cispo", "seq-mean-token-sum", "k2", 0.0, 1.0)]
+    results = spawn_gloo(1, _parity_worker, model_dir, cases, True, "bf16")[0]
+    _check_parity(results, cases, 3e-2)
+
+
+@pytest.mark.slow
 def test_engine_dynamic_batch_sizes(tmp_path):
     """``use_dynamic_bsz``: verl packs the micro-batches by a token budget (24 tokens here, so
     they are uneven and reordered); gbc's engine equals verl's on them."""
