@@ -145,7 +145,8 @@ class ScratchpadAdditionTask:
     """
 
     def __init__(self, max_digits: int, tokenizer: CharTokenizer, min_digits: int = 1,
-                 partial_credit: bool = False, longest_only: bool = False):
+                 partial_credit: bool = False, longest_only: bool = False,
+                 reversed_prompt: bool = False):
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, "
                              f"{max_digits}")
@@ -153,6 +154,7 @@ class ScratchpadAdditionTask:
             raise ValueError("ScratchpadAdditionTask needs a tokenizer with '|' "
                              "(ScratchpadTokenizer)")
         self.digits, self.longest_only = max_digits, longest_only
+        self.reversed_prompt = reversed_prompt
         self.min_digits, self.tok, self.partial_credit = min_digits, tokenizer, partial_credit
 
     @property
@@ -163,6 +165,13 @@ class ScratchpadAdditionTask:
     def _operand(n_digits: int, rng: random.Random) -> int:
         return rng.randint(0, 9) if n_digits == 1 else \
             rng.randint(10 ** (n_digits - 1), 10 ** n_digits - 1)
+
+    def prompt_text(self, a: int, b: int) -> str:
+        """``a+b=``; with ``reversed_prompt`` the operands are written least-significant digit
+        first too (the copy is then a forward copy)."""
+        if self.reversed_prompt:
+            return f"{str(a)[::-1]}+{str(b)[::-1]}="
+        return f"{a}+{b}="
 
     @staticmethod
     def answer(a: int, b: int) -> str:
@@ -185,7 +194,7 @@ class ScratchpadAdditionTask:
 
     def _batch(self, pairs) -> Batch:
         """Prompts left-padded to a common length (generation appends on the right)."""
-        ids = [[self.tok.BOS] + self.tok.encode(f"{a}+{b}=") for a, b in pairs]
+        ids = [[self.tok.BOS] + self.tok.encode(self.prompt_text(a, b)) for a, b in pairs]
         L = max(map(len, ids))
         prompts = torch.tensor([[self.tok.PAD] * (L - len(s)) + s for s in ids])
         return Batch(prompts, [self.answer(a, b) for a, b in pairs], list(pairs))
@@ -197,7 +206,7 @@ class ScratchpadAdditionTask:
         """Full sequences ``BOS a+b= scratchpad EOS`` (right-padded) and the response mask."""
         seqs, starts = [], []
         for a, b in self.pairs(n, rng):
-            p = [self.tok.BOS] + self.tok.encode(f"{a}+{b}=")
+            p = [self.tok.BOS] + self.tok.encode(self.prompt_text(a, b))
             seqs.append(p + self.tok.encode(self.answer(a, b)) + [self.tok.EOS])
             starts.append(len(p))
         L = max(map(len, seqs))

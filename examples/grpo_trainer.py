@@ -343,10 +343,13 @@ def setup(args):
         model.train()
         n = int(meta["digits"])
         args.digits, args.sft_steps = n, 0
+        rev = bool(meta.get("reversed_prompt", False))      # the checkpoint's prompt format
         rl = ScratchpadAdditionTask(n + 1, tok, partial_credit=args.partial_credit,
-                                    longest_only=True) if args.rl_digits is None else \
-            ScratchpadAdditionTask(args.rl_digits, tok, partial_credit=args.partial_credit)
-        return tok, model, ScratchpadAdditionTask(n, tok), rl
+                                    longest_only=True, reversed_prompt=rev) \
+            if args.rl_digits is None else \
+            ScratchpadAdditionTask(args.rl_digits, tok, partial_credit=args.partial_credit,
+                                   reversed_prompt=rev)
+        return tok, model, ScratchpadAdditionTask(n, tok, reversed_prompt=rev), rl
     if args.task == "add":
         tok = CharTokenizer()
         model = tiny_qwen2(tok.vocab_size, args.seed)

@@ -58,14 +58,14 @@ def load(path: str = CHECKPOINT):
 
 
 @torch.no_grad()
-def accuracy_by_length(model, tok, digits: int, n: int, seed: int):
+def accuracy_by_length(model, tok, digits: int, n: int, seed: int, reversed_prompt=False):
     """Greedy exact-match accuracy on ``n`` held-out sums per length ``1..digits`` of the longer
     operand (the shorter one uniform in 1..that length)."""
     model.eval()
     out = {}
     for d in range(1, digits + 1):
         rng = random.Random(seed * 1000 + d)
-        task = ScratchpadAdditionTask(d, tok)
+        task = ScratchpadAdditionTask(d, tok, reversed_prompt=reversed_prompt)
         pairs = []
         while len(pairs) < n:
             a, b = task.pairs(1, rng)[0]
@@ -96,6 +96,8 @@ def main(argv=None):
     ap.add_argument("--longer-share", type=float, default=0.0,
                     help="share of training sums with an operand of N+1 digits (0: the "
                          "paper's setting, N+1 never seen)")
+    ap.add_argument("--reversed-prompt", action="store_true",
+                    help="operands written least-significant digit first in the prompt")
     ap.add_argument("--snapshots", default="",
                     help="comma-separated steps at which to also save <out>-step<k>")
     ap.add_argument("--out", default=CHECKPOINT)
@@ -110,10 +112,11 @@ def main(argv=None):
     random.seed(args.seed)
     tok = ScratchpadTokenizer()
     model = tiny_qwen2(tok.vocab_size, args.seed)
-    task = ScratchpadAdditionTask(args.digits, tok)
-    longer = ScratchpadAdditionTask(args.digits + 1, tok, min_digits=args.digits + 1)
+    task = ScratchpadAdditionTask(args.digits, tok, reversed_prompt=args.reversed_prompt)
+    longer = ScratchpadAdditionTask(args.digits + 1, tok, min_digits=args.digits + 1,
+                                    reversed_prompt=args.reversed_prompt)
     snapshots = {int(x) for x in args.snapshots.split(",") if x.strip()}
-    eval_digits = args.digits + (1 if args.longer_share > 0 else 0)
+    eval_digits = args.digits + 1         # the pre-training's lengths, and one more
     head = hf.lm_head(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     warm = 200
@@ -136,7 +139,8 @@ def main(argv=None):
         opt.step()
         sched.step()
         if step % args.eval_every == 0 or step == args.steps:
-            acc = accuracy_by_length(model, tok, eval_digits, args.eval_size, seed=1)
+            acc = accuracy_by_length(model, tok, eval_digits, args.eval_size, seed=1,
+                                     reversed_prompt=args.reversed_prompt)
             print(f"step {step}: nll {float(loss):.4f} accuracy {acc} "
                   f"({time.time() - t0:.0f} s)", flush=True)
             if min(acc[d] for d in range(1, args.digits + 1)) >= args.target and \
@@ -160,7 +164,8 @@ def _save(model, out, args, argv, step, acc, t0):
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     meta = dict(command="python examples/pretrain_scratchpad.py " + " ".join(argv or sys.argv[1:]),
-                digits=args.digits, longer_share=args.longer_share, seed=args.seed, steps=step,
+                digits=args.digits, longer_share=args.longer_share,
+                reversed_prompt=args.reversed_prompt, seed=args.seed, steps=step,
                 batch=args.batch, lr=args.lr, accuracy={str(k): v for k, v in acc.items()},
                 seconds=round(time.time() - t0), torch=torch.__version__)
     with open(os.path.join(out, "train.json"), "w") as f:
