@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import csv
 import datetime
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -208,3 +211,27 @@ def append_rows(path, rows):
 
 def now():
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def rss_mb() -> float:
+    """This process's resident set size now (MiB), from /proc (0 where there is none)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def run_child(cmd, threads: int):
+    """Run a benchmark's child process ``cmd`` with ``threads`` OpenMP threads; relay its
+    progress lines (stderr lines starting with two spaces) and return the JSON of its last
+    stdout line. A failed child stops the benchmark with the tail of its stderr."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    sys.stderr.write("".join(l + "\n" for l in out.stderr.splitlines() if l.startswith("  ")))
+    if out.returncode != 0:
+        raise SystemExit(f"child failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -19,10 +19,11 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from types import SimpleNamespace
+
+from _common import rss_mb, run_child  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,18 +84,10 @@ def _step(provider, actor, exp, args):
     actor.zero_grad(set_to_none=True)
 
 
-def _rss_mb():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def child_memory(a):
     actor, exp, args = _setup(a)
     _step(a.provider, actor, exp, args)          # warm-up (compilation, allocator pools)
-    base = _rss_mb()
+    base = rss_mb()
     # ru_maxrss is the process's peak so far: take the step's peak beyond the warm-up's
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     _step(a.provider, actor, exp, args)
@@ -124,13 +117,7 @@ def _child(mode, a, extra=()):
     cmd = [sys.executable, __file__, f"--child-{mode}", "--B", str(a.B), "--P", str(a.P),
            "--T", str(a.T), "--H", str(a.H), "--V", str(a.V), "--threads", str(a.threads),
            "--reps", str(a.reps), *extra]
-    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    sys.stderr.write("".join(l + "\n" for l in out.stderr.splitlines()
-                             if l.startswith("  ")))
-    if out.returncode != 0:
-        raise SystemExit(f"child failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child(cmd, a.threads)
 
 
 def main():

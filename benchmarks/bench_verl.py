@@ -23,10 +23,11 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+from _common import rss_mb, run_child  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROVIDERS = {"verl": "verl 0.9.1 stock (logits)",
@@ -82,19 +83,11 @@ def _update(tve, provider, engine, a):
         engine.train_batch(data, functools.partial(ppo_loss, config=cfg))
 
 
-def _rss_mb():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def child_memory(a):
     tve = _setup(a)
     engine = _engine(tve, a.provider, a.model_dir)
     _update(tve, a.provider, engine, a)          # warm-up: optimizer state, allocator pools
-    base = _rss_mb()
+    base = rss_mb()
     _update(tve, a.provider, engine, a)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"peak_mb": peak - base}))
@@ -136,12 +129,7 @@ def _child(mode, a, port, extra=()):
            "--T", str(a.T), "--H", str(a.H), "--V", str(a.V), "--threads", str(a.threads),
            "--reps", str(a.reps), "--micro", str(a.micro), "--model-dir", a.model_dir,
            "--port", str(port), *extra]
-    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    sys.stderr.write("".join(l + "\n" for l in out.stderr.splitlines() if l.startswith("  ")))
-    if out.returncode != 0:
-        raise SystemExit(f"child failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child(cmd, a.threads)
 
 
 def main():

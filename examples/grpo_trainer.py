@@ -143,11 +143,12 @@ def build_args(argv=None):
 # ---------------------------------------------------------------------------------------------
 
 
-def tiny_qwen2(vocab_size: int, seed: int):
+def tiny_qwen2(vocab_size: int, seed: int, layers: int = 3):
+    """The examples' tiny Qwen2 (hidden 128, character vocabulary), initialised from ``seed``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(seed)
     cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=384,
-                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=64, tie_word_embeddings=False,
                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
     return Qwen2ForCausalLM(cfg)

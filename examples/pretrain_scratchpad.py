@@ -36,16 +36,6 @@ from grpo_tasks import ScratchpadAdditionTask, ScratchpadTokenizer   # noqa: E40
 CHECKPOINT = os.path.join(HERE, "checkpoints", "scratchpad-add3")
 
 
-def tiny_qwen2(vocab_size: int, seed: int):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=384,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=64, tie_word_embeddings=False,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return Qwen2ForCausalLM(cfg)
-
-
 def load(path: str = CHECKPOINT):
     """The shipped checkpoint: (model in float32, eval mode; tokenizer; its train.json)."""
     from transformers import Qwen2ForCausalLM
@@ -111,7 +101,8 @@ def main(argv=None):
         return
     random.seed(args.seed)
     tok = ScratchpadTokenizer()
-    model = tiny_qwen2(tok.vocab_size, args.seed)
+    from grpo_trainer import tiny_qwen2
+    model = tiny_qwen2(tok.vocab_size, args.seed, layers=4)
     task = ScratchpadAdditionTask(args.digits, tok, reversed_prompt=args.reversed_prompt)
     longer = ScratchpadAdditionTask(args.digits + 1, tok, min_digits=args.digits + 1,
                                     reversed_prompt=args.reversed_prompt)

@@ -8,6 +8,7 @@ import socket
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 # No GPU: the Triton kernels run under the interpreter on CPU tensors. Must be set before
 # triton compiles anything (gbc_kernels imports triton lazily, on first use; importing torch
@@ -139,6 +140,22 @@ def tiny_hf_model(path, tie_word_embeddings=True):
 
 
 # ---- multi-process runs (gloo, CPU) ------------------------------------------------------
+
+class VocabWatcher(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the shape of every op output whose last dimension is the vocabulary (the tests
+    that no ``[N, V]`` logits are formed)."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab, self.seen = vocab, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[-1] == self.vocab:
+                self.seen.append(tuple(t.shape))
+        return out
+
 
 def _free_port():
     with socket.socket() as s:

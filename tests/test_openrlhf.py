@@ -51,6 +51,7 @@ ORL = _import_openrlhf()
 
 import gbc_kernels as gbc  # noqa: E402
 from gbc_kernels.integrations import openrlhf as gorl  # noqa: E402
+from conftest import VocabWatcher  # noqa: E402
 
 V, H, B, P, T = 97, 32, 4, 5, 7          # vocab (odd), hidden, batch, prompt, response
 
@@ -247,21 +248,6 @@ def test_log_prob_pass_equals_actor_forward():
     assert ORL.Actor.forward.__module__.startswith("openrlhf")
 
 
-class ShapeWatcher(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records every op output whose last dimension is the vocabulary."""
-
-    def __init__(self, vocab):
-        super().__init__()
-        self.vocab, self.seen = vocab, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[-1] == self.vocab:
-                self.seen.append(tuple(t.shape))
-        return out
-
-
 def test_no_full_logits_on_gbc_path(monkeypatch):
     """No op on gbc's path (the training loss with its backward, and the log-prob pass)
     produces a tensor holding the logits of every token: with a small chunk budget the widest
@@ -278,12 +264,12 @@ def test_no_full_logits_on_gbc_path(monkeypatch):
     for fn in (lambda: gorl.fused_actor_loss(actor, exp, args, 0.05, lbi)[0].backward(),
                lambda: gorl.fused_action_log_probs(actor, exp.sequences, exp.action_mask,
                                                    exp.attention_mask)):
-        with ShapeWatcher(vocab) as w:
+        with VocabWatcher(vocab) as w:
             fn()
         # [H, V] is the head's weight seen transposed (a parameter view, not logits)
         rows = [torch.Size(s[:-1]).numel() for s in w.seen if len(s) >= 2 and s != (H, vocab)]
         assert rows and max(rows) < int(exp.action_mask.sum()) < n_tokens, w.seen
-    with ShapeWatcher(vocab) as w:
+    with VocabWatcher(vocab) as w:
         openrlhf_loss(actor, exp, args, 0.05, lbi)
     assert max(torch.Size(s[:-1]).numel() for s in w.seen) >= n_tokens
 

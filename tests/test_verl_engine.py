@@ -29,7 +29,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from conftest import spawn_gloo  # noqa: E402
+from conftest import VocabWatcher, spawn_gloo  # noqa: E402
 
 pytest.importorskip("verl.workers.engine.fsdp.transformer_impl")
 
@@ -494,21 +494,6 @@ def test_plugin_switches_the_registry(monkeypatch):
     from importlib.metadata import entry_points
     assert any(ep.value == "gbc_kernels.integrations.verl_plugin"
                for ep in entry_points(group="verl.plugins"))
-
-
-class VocabWatcher(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the shape of every op output whose last dimension is the vocabulary."""
-
-    def __init__(self, vocab):
-        super().__init__()
-        self.vocab, self.seen = vocab, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[-1] == self.vocab:
-                self.seen.append(tuple(t.shape))
-        return out
 
 
 def _watch_worker(rank, world, model_dir, vocab):

@@ -152,13 +152,13 @@ class _Rows:
         return torch.nested.nested_tensor_from_jagged(flat, self.offsets)
 
 
-def _temperature(micro_batch, B, T):
+def _temperature(micro_batch):
+    """verl's temperature as gbc takes it: a float, or the micro-batch's per-sample ``[B]``
+    tensor (a leading part of ``[B, T]``: gbc broadcasts it over the tokens)."""
     t = micro_batch["temperature"]
     if isinstance(t, torch.Tensor):
         t = t.float().reshape(-1)
-        if t.numel() == 1:
-            return float(t)
-        return t[:B, None].expand(B, T)
+        return float(t) if t.numel() == 1 else t
     return float(t)
 
 
@@ -249,8 +249,7 @@ class GBCEngineMixin:
                 k for k in ("rollout_is_weights", "ref_log_prob") if k in micro_batch]
             data = micro_batch.select(*fields).to_padded_tensor()
             mask = data["response_mask"].bool() & rows.valid
-            B, T = mask.shape
-            cfg = gv.policy_loss_config(actor_config, response_length=T,
+            cfg = gv.policy_loss_config(actor_config, response_length=mask.shape[1],
                                         ar_alpha=opts.ar_alpha, lopti_eta=opts.lopti_eta)
             if _flag(micro_batch, "calculate_entropy") and not cfg.wants_entropy:
                 cfg = dataclasses.replace(cfg, return_entropy=True)
@@ -264,27 +263,27 @@ class GBCEngineMixin:
                     ref_logp=data["ref_log_prob"] if cfg.kl_coef else None, bias=head.bias,
                     config=cfg, phase=self._gbc_phase,
                     is_ratio=data.get("rollout_is_weights", None),
-                    temperature=_temperature(micro_batch, B, T), backend=opts.backend,
+                    temperature=_temperature(micro_batch), backend=opts.backend,
                     token_out=token_out, **norms)
             return loss, metrics, cfg
 
         micro_batch, rows, (loss, gbc_metrics, cfg), zero = self._gbc_forward(micro_batch,
                                                                               head_fn)
         loss = loss + zero
-        metrics = self._verl_metrics(loss_function, micro_batch, rows, token_out, rng)
-        for name in ("ar_weight_mean", "low_frac", "cov_frac", "grad_share_low"):
-            if name in gbc_metrics:
-                metrics[f"actor/gbc_{name}"] = float(gbc_metrics[name])
-        return loss, {"model_output": {"log_probs": rows.nested(token_out["logp"])},
-                      "loss": loss.detach().item(), "metrics": metrics}
-
-    def _verl_metrics(self, loss_function, micro_batch, rows, token_out, rng):
-        """verl's own ``ppo_loss`` on gbc's detached per-token values: its metrics, exactly as
-        its step would log them. Its random draws (Clip-Cov's) start from ``rng``, the state
-        gbc's loss drew from, and do not advance the generator."""
         model_output = {"log_probs": rows.nested(token_out["logp"])}
         if "entropy" in token_out:
             model_output["entropy"] = rows.nested(token_out["entropy"])
+        metrics = self._verl_metrics(loss_function, micro_batch, model_output, rng)
+        for name in ("ar_weight_mean", "low_frac", "cov_frac", "grad_share_low"):
+            if name in gbc_metrics:
+                metrics[f"actor/gbc_{name}"] = float(gbc_metrics[name])
+        return loss, {"model_output": model_output, "loss": loss.detach().item(),
+                      "metrics": metrics}
+
+    def _verl_metrics(self, loss_function, micro_batch, model_output, rng):
+        """verl's own ``ppo_loss`` on gbc's detached per-token values: its metrics, exactly as
+        its step would log them. Its random draws (Clip-Cov's) start from ``rng``, the state
+        gbc's loss drew from, and do not advance the generator."""
         with torch.no_grad(), torch.random.fork_rng(devices=list(rng[1])):
             _set_rng_state(rng)
             _, metrics = loss_function(model_output=model_output, data=micro_batch,
@@ -298,12 +297,11 @@ class GBCEngineMixin:
 
         def head_fn(hidden2d, rows, inner):
             h, head = self._head_rows(hidden2d, rows, inner)
-            B, T = rows.valid.shape
             # padding positions read row 0 with target 0: computed, then dropped by nested()
             with torch.autocast(device_type=h.device.type, enabled=False):
                 out = gbc.fused_linear_logprobs(
                     h, head.weight, rows.targets, head.bias,
-                    temperature=_temperature(micro_batch, B, T), return_entropy=want_entropy,
+                    temperature=_temperature(micro_batch), return_entropy=want_entropy,
                     backend=self.gbc_options.backend, return_sum_p2=want_p2,
                     logit_softcap=hf.logit_softcap(inner))
             return (None,) + tuple(out)
