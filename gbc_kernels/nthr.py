@@ -94,10 +94,11 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
     ``logit_softcap``: final-logit soft-capping ``c`` (the restricted logits and the LSE are
     those of ``c tanh(x / c)``).
     ``data_parallel_group``: the process group the batch is split over (data parallelism;
-    ``"world"``: the default group).
-    NTHR compares the responses of a group with each other, so each group must sit on one
-    rank; given the group, the (global) ``group_ids`` of all ranks are gathered and a group
-    found on two ranks raises ``ValueError`` on every rank.
+    ``"world"``: the default group); ``group_ids`` are global. A group's responses may sit on
+    several ranks (verl's ``balance_batch`` splits groups): its counts and ``V*`` are merged,
+    ``M+`` is summed and the anchor is the least over every rank, so each rank gets the scale
+    of its own rows as one process would compute it on the whole batch. With
+    ``vocab_parallel`` too, each group must sit on one rank (else ``ValueError`` on every rank).
     """
     V.check_backend(backend)
     _check_lm_head(hidden, weight, bias)
@@ -117,9 +118,9 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
                                           and 0 < logit_softcap < float("inf")):
         raise ValueError(f"logit_softcap: expected None or a finite float > 0, "
                          f"got {logit_softcap!r}")
-    if data_parallel_group is not None:
-        check_whole_groups(group_ids, data_parallel_group)
     if vocab_parallel is not None:
+        if data_parallel_group is not None:
+            check_whole_groups(group_ids, data_parallel_group)
         from . import vocab_parallel as _vp
         sl = _vp.check(vocab_parallel, weight, bias, device)
         if logp is not None:
@@ -127,6 +128,7 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
         return _nthr_vocab_parallel(hidden, weight, bias, V.check_targets(targets, sl.vocab, m),
                                     m, group_ids, correct, temperature, beta, eta, backend, logp,
                                     sl, logit_softcap)
+    dp = _DataParallel.of(data_parallel_group)
     safe = V.check_targets(targets, weight.shape[0], m).reshape(-1)
     correct = correct.bool()
     if logp is not None:
@@ -141,74 +143,143 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
     idx = m.reshape(-1).nonzero().squeeze(1)            # masked tokens, row-major
     tok_row = idx // T
     gids = group_ids[tok_row]
-    # which groups are mixed (host side: NTHR runs once per RL step, off the hot path)
+    # which groups are mixed (host side: NTHR runs once per RL step, off the hot path); with
+    # data parallelism, counted over every rank (a group may be split over ranks)
     uniq, inv = torch.unique(group_ids, return_inverse=True)
     n_pos = torch.zeros(len(uniq), device=device).index_add_(0, inv, correct.float())
     n_all = torch.zeros(len(uniq), device=device).index_add_(0, inv, torch.ones(B, device=device))
-    mixed = ((n_pos > 0) & (n_pos < n_all)).tolist()
-    if not any(mixed) or idx.numel() == 0:
+    counts = {g: (float(p), float(a)) for g, p, a in zip(uniq.tolist(), n_pos.tolist(),
+                                                        n_all.tolist())}
+    if dp is not None:
+        counts = dp.sum_counts(counts)
+    order = sorted(g for g, (p, a) in counts.items() if 0 < p < a)
+    if not order:
         return NTHRResult(scale.view(B, T), selected.view(B, T), scores.view(B, T), thresholds)
+    tok_of = {g: idx[gids == g] for g in order}
+    # V* of each group: the distinct target ids of its masked tokens (on every rank)
+    vstars = {g: torch.unique(safe[tok_of[g]]) for g in order}
+    if dp is not None:
+        vstars = dp.union_ids(vstars, device)
 
     be = get_backend(backend, device, hidden.dtype)
     h_all = hidden.reshape(B * T, H)
     inv_temp = 1.0 / temperature
-    for gi, g in enumerate(uniq.tolist()):
-        if not mixed[gi]:
-            continue
-        tok = idx[gids == g]
-        if tok.numel() == 0:
-            continue
+    stage = []                      # (group, its tokens, their scores, correct mask)
+    anchors = torch.full((len(order),), float("inf"), device=device)
+    for gi, g in enumerate(order):
+        tok, vstar = tok_of[g], vstars[g]
         y = safe[tok]
-        if logp is not None:
-            # LSE = z[y] - logp from the old-policy pass: one dot product per token
-            zy = torch.zeros(tok.numel(), device=device, dtype=torch.float32)
-            for s in range(0, tok.numel(), 1024):
-                hs = h_all.index_select(0, tok[s:s + 1024]).float()
-                zy[s:s + 1024] = (hs * weight.index_select(0, y[s:s + 1024]).float()).sum(-1)
-            if bias is not None:
-                zy = zy + bias.index_select(0, y).float()
-            if logit_softcap is not None:
-                zy = zy.div(logit_softcap).tanh().mul(logit_softcap)
-            lse = zy / temperature - logp.reshape(-1)[tok].float()
-        else:
-            # full-vocabulary LSE of these tokens (streaming pass of the backend)
-            lse = stats_sweep(h_all.index_select(0, tok), weight, bias, y, be,
-                                       temperature, False, softcap=logit_softcap)[2]
-        vstar, col = torch.unique(y, return_inverse=True)
+        col = torch.searchsorted(vstar, y)
         w_v = weight.index_select(0, vstar).float()
         b_v = None if bias is None else bias.index_select(0, vstar).float()
+        lse = (_lse_from_logp(h_all, tok, y, weight, bias, logp, temperature, logit_softcap)
+               if logp is not None or tok.numel() == 0 else
+               stats_sweep(h_all.index_select(0, tok), weight, bias, y, be, temperature, False,
+                           softcap=logit_softcap)[2])
         # chunk: [rows, |V*|] logits/error and [rows, H] temporaries within a quarter budget
         rows = max(1, _chunking.budget_bytes(device) // (16 * (2 * vstar.numel() + 2 * H)))
         row_of = tok // T
         pos = correct[row_of]
-        # pass 1, correct tokens only: M+ = sum e (x) h
+        # pass 1, correct tokens only: M+ = sum e (x) h (summed over the ranks)
         m_plus = torch.zeros(vstar.numel(), H, device=device, dtype=torch.float32)
         pidx = pos.nonzero().squeeze(1)
         for s, e, hc, err in _error_chunks(h_all, tok[pidx], w_v, b_v, lse[pidx], col[pidx],
                                            inv_temp, rows, logit_softcap):
             m_plus.addmm_(err.t(), hc)
+        if dp is not None:
+            dp.all_reduce(m_plus)
         # pass 2, every token: s = e^T M+ h
         s_tok = torch.empty(tok.numel(), device=device, dtype=torch.float32)
         for s, e, hc, err in _error_chunks(h_all, tok, w_v, b_v, lse, col, inv_temp, rows,
                                            logit_softcap):
             s_tok[s:e] = (err @ m_plus).mul_(hc).sum(-1)
         scores[tok] = s_tok
-        # anchor: mean score per correct response, threshold beta * min over them
+        # anchor: mean score per correct response (a response sits on one rank), the least
         rid, rinv = torch.unique(row_of, return_inverse=True)
         ssum = torch.zeros(len(rid), device=device).index_add_(0, rinv, s_tok)
         cnt = torch.zeros(len(rid), device=device).index_add_(0, rinv, torch.ones_like(s_tok))
-        means = ssum / cnt
         pos_rows = correct[rid]
-        if not bool(pos_rows.any()):
+        if bool(pos_rows.any()):
+            anchors[gi] = (ssum / cnt)[pos_rows].min()
+        stage.append((g, tok, s_tok, pos))
+    if dp is not None:
+        dp.all_reduce(anchors, op="min")
+    for gi, (g, tok, s_tok, pos) in enumerate(stage):
+        if not torch.isfinite(anchors[gi]):       # no correct response with a masked token
             continue
-        tau = beta * means[pos_rows].min()
+        tau = beta * anchors[gi]
         thresholds[g] = float(tau)
-        p = float(n_pos[gi] / n_all[gi])
-        eta_g = 2.0 * abs(0.5 - p) if eta == "auto" else float(eta)
+        p, a = counts[g]
+        eta_g = 2.0 * abs(0.5 - p / a) if eta == "auto" else float(eta)
         sel = (~pos) & (s_tok > tau)
         selected[tok[sel]] = True
         scale[tok[sel]] = eta_g
     return NTHRResult(scale.view(B, T), selected.view(B, T), scores.view(B, T), thresholds)
+
+
+def _lse_from_logp(h_all, tok, y, weight, bias, logp, temperature, logit_softcap):
+    """The full-vocabulary LSE of the tokens ``tok`` as ``z[y] / temperature - logp`` (one dot
+    product per token) from the old-policy pass's log-probs."""
+    device = h_all.device
+    zy = torch.zeros(tok.numel(), device=device, dtype=torch.float32)
+    for s in range(0, tok.numel(), 1024):
+        hs = h_all.index_select(0, tok[s:s + 1024]).float()
+        zy[s:s + 1024] = (hs * weight.index_select(0, y[s:s + 1024]).float()).sum(-1)
+    if bias is not None:
+        zy = zy + bias.index_select(0, y).float()
+    if logit_softcap is not None:
+        zy = zy.div(logit_softcap).tanh().mul(logit_softcap)
+    if logp is None:                # no token here
+        return zy
+    return zy / temperature - logp.reshape(-1)[tok].float()
+
+
+class _DataParallel:
+    """The collectives of NTHR over data-parallel ranks, where a group's responses may sit on
+    several ranks: counts and V* are merged, ``M+`` summed, the anchor is the least over every
+    rank. Every rank walks the same (sorted) groups, so the collectives pair up."""
+
+    def __init__(self, group):
+        self.group = group
+
+    @classmethod
+    def of(cls, data_parallel_group):
+        if data_parallel_group is None:
+            return None
+        import torch.distributed as dist
+
+        group = resolve_group("data_parallel_group", None if data_parallel_group == "world"
+                              else data_parallel_group)
+        return cls(group) if dist.get_world_size(group) > 1 else None
+
+    def _gather(self, obj):
+        import torch.distributed as dist
+
+        every = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, obj, group=self.group)
+        return every
+
+    def sum_counts(self, counts):
+        total = {}
+        for part in self._gather(counts):
+            for g, (p, a) in part.items():
+                q, b = total.get(g, (0.0, 0.0))
+                total[g] = (q + p, b + a)
+        return total
+
+    def union_ids(self, vstars, device):
+        merged = {g: set() for g in vstars}
+        for part in self._gather({g: v.tolist() for g, v in vstars.items()}):
+            for g, ids in part.items():
+                merged[g].update(ids)
+        return {g: torch.tensor(sorted(ids), dtype=torch.long, device=device)
+                for g, ids in merged.items()}
+
+    def all_reduce(self, t, op="sum"):
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.SUM,
+                        group=self.group)
 
 
 def _nthr_vocab_parallel(hidden, weight, bias, safe_targets, mask, group_ids, correct, temperature,

@@ -100,35 +100,38 @@ def test_entropy_quantile_over_data_parallel_ranks():
         assert torch.allclose(gw, w.grad, rtol=1e-5, atol=1e-7)
 
 
-def _nthr_dp_worker(rank, world, batch, group_ids, correct, rows_of):
+def _nthr_dp_worker(rank, world, batch, group_ids, correct, rows_of, beta=0.0):
     rows = rows_of[rank]
     args = (batch["hidden"][rows], batch["weight"], batch["targets"][rows], batch["mask"][rows],
             group_ids[rows], correct[rows])
     try:
-        res = gbc.nthr_scale(*args, beta=0.0, data_parallel_group="world")
+        res = gbc.nthr_scale(*args, beta=beta, data_parallel_group="world")
         return res.scale, res.selected
     except ValueError as e:
         return str(e)
 
 
-def test_nthr_groups_across_data_parallel_ranks():
-    """Whole groups per rank: each rank's NTHR equals the single-process result on its rows. A
-    group split over two ranks: every rank raises (a silent partial group would be wrong)."""
-    batch = make_batch(B=6, T=5, H=8, V=19, seed=4, bias=False)
-    group_ids = torch.tensor([7, 7, 7, 3, 3, 3])        # global ids, non-contiguous values
-    correct = torch.tensor([True, False, False, False, True, False])
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_nthr_groups_across_data_parallel_ranks(beta):
+    """Each rank's NTHR equals the single-process result on its rows, whether the groups sit
+    whole on a rank or are split over ranks (one rank holding only incorrect responses of a
+    group, another none of a group's tokens but another group's)."""
+    batch = make_batch(B=8, T=5, H=8, V=19, seed=4, bias=False)
+    group_ids = torch.tensor([7, 7, 7, 3, 3, 3, 9, 9])    # global ids, non-contiguous values
+    correct = torch.tensor([True, False, False, False, True, False, False, True])
     truth = gbc.nthr_scale(batch["hidden"], batch["weight"], batch["targets"], batch["mask"],
-                           group_ids, correct, beta=0.0)
+                           group_ids, correct, beta=beta)
     assert truth.selected.any()
-    aligned = _spawn(2, _nthr_dp_worker, batch, group_ids, correct,
-                     [torch.arange(0, 3), torch.arange(3, 6)])
-    for rows, (scale, selected) in zip([slice(0, 3), slice(3, 6)], aligned):
-        assert torch.equal(selected, truth.selected[rows])
-        assert torch.allclose(scale, truth.scale[rows])
-    split = _spawn(2, _nthr_dp_worker, batch, group_ids, correct,
-                   [torch.arange(0, 4), torch.arange(4, 6)])
-    for msg in split:
-        assert isinstance(msg, str) and "group(s) [3]" in msg and "one rank" in msg
+    for rows_of in ([torch.arange(0, 3), torch.arange(3, 8)],                     # whole
+                    [torch.arange(0, 4), torch.arange(4, 8)],                     # 3 split
+                    [torch.tensor([1, 2, 4, 6]), torch.tensor([0, 3, 5, 7])],     # all split
+                    [torch.tensor([1, 2, 3]), torch.tensor([0, 4, 5, 6, 7])]):
+        got = _spawn(2, _nthr_dp_worker, batch, group_ids, correct, rows_of, beta)
+        for rows, res in zip(rows_of, got):
+            assert not isinstance(res, str), res
+            scale, selected = res
+            assert torch.equal(selected, truth.selected[rows])
+            assert torch.allclose(scale, truth.scale[rows])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -96,10 +96,14 @@ def build_engine(model_dir, gbc=True, rmpad=True, dtype="fp32", lr=1e-2, options
 
 
 def make_batch(seed, B, rmpad=True, temperature=0.8, micro=2, dynamic=False, with_is=True,
-               entropy=True, world=1, vocab=V, confident=0.0, lengths=(6, 7), full=False):
+               entropy=True, world=1, vocab=V, confident=0.0, lengths=(6, 7), full=False,
+               group=None, padded=False):
     """One rank's share of an actor update as verl's trainer sends it: left-padded prompts,
     right-padded responses, a masked response row and an empty one, old / ref log-probs near
-    the policy's, group advantages, rollout IS weights; through ``left_right_2_no_padding``."""
+    the policy's, group advantages, rollout IS weights; through ``left_right_2_no_padding``.
+    ``group=G``: consecutive groups of G responses with verl's ``uid`` field and GRPO
+    advantages of a binary reward (each group mixed). ``padded``: the trainer's padded tensors
+    (before ``left_right_2_no_padding``), as a dict."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
@@ -133,12 +137,25 @@ def make_batch(seed, B, rmpad=True, temperature=0.8, micro=2, dynamic=False, wit
     old = torch.where(sure, -0.36 + 0.05 * torch.randn(B, Lr, generator=g), old) * rmask
     ref = (base + 0.3 * torch.randn(B, Lr, generator=g)) * rmask
     adv = torch.randn(B, 1, generator=g).expand(B, Lr) * rmask
+    if group:
+        reward = (torch.rand(B, generator=g) < 0.5).float()
+        reward[0::group], reward[1::group] = 1.0, 0.0                # every group mixed
+        r = reward.view(-1, group)
+        a = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).reshape(B, 1)
+        adv = a.expand(B, Lr) * rmask
     fields = dict(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
                   prompts=prompts, responses=responses, response_mask=rmask,
                   old_log_probs=old, advantages=adv.contiguous(), ref_log_prob=ref)
     if with_is:
         fields["rollout_is_weights"] = (0.6 + torch.rand(B, Lr, generator=g)) * rmask
-    td = left_right_2_no_padding(TensorDict(fields, batch_size=[B]))
+    if padded:
+        return fields
+    td = TensorDict(fields, batch_size=[B])
+    if group:
+        from tensordict.tensorclass import NonTensorData, NonTensorStack
+        td["uid"] = NonTensorStack.from_list([NonTensorData(f"q{seed}-{b // group}")
+                                              for b in range(B)])
+    td = left_right_2_no_padding(td)
     if isinstance(temperature, str):    # per-sample temperatures: a field of the batch
         td["temperature"] = 0.6 + torch.rand(B, generator=g)
     else:
@@ -536,3 +553,237 @@ def test_no_full_logits_on_gbc_path(tmp_path):
 
     assert rows(seen["verl"]) >= n_tokens
     assert 0 < rows(seen["gbc"]) < n_tokens // 2, seen["gbc"]
+
+
+# ----------------------------------------------------------------------------------------------
+# NTHR and critical-token KL inside verl's step
+# ----------------------------------------------------------------------------------------------
+
+GROUP, NB = 4, 8          # 2 groups of 4 responses
+
+
+def _reference_rows(model_dir, seed, B, temperature=0.8):
+    """The lm_head's inputs at each response position, from the plain HF model in float64
+    (full sequences, no packing, no FSDP), the weight, targets and response mask."""
+    from transformers import Qwen2ForCausalLM
+
+    f = make_batch(seed, B, group=GROUP, padded=True)
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="eager").double()
+    Lp = f["prompts"].shape[1]
+    T = f["responses"].shape[1]
+    hidden = torch.zeros(B, T, model.config.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        for b in range(B):
+            keep = f["attention_mask"][b].bool()
+            out = model.model(input_ids=f["input_ids"][b][keep][None]).last_hidden_state[0]
+            p = int(keep[:Lp].sum())
+            r = int(keep[Lp:].sum())
+            hidden[b, :r] = out[p - 1:p - 1 + r]
+    return hidden, model.lm_head.weight.detach(), f
+
+
+def _nthr_worker(rank, world, model_dir, rows_of, beta):
+    verl_on_cpu()
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+
+    from gbc_kernels.integrations import verl_engine as ve
+
+    engine = build_engine(model_dir, options=ve.EngineOptions(nthr=True, nthr_beta=beta))
+    data = make_batch(11, NB, group=GROUP, world=world)
+    if rows_of is not None:        # this rank's share of the global batch
+        data = tu.index_select_tensor_dict(data, torch.as_tensor(rows_of[rank]))
+    with engine.eval_mode():
+        engine.gbc_nthr_pass(data)
+    scale = data[ve.SCALE_KEY].clone()
+    metrics = dict(engine._gbc_update_metrics)
+    if world > 1:
+        return scale, metrics
+    # the update with NTHR equals the plain update with the advantages scaled by hand
+    cfg = verl_actor_config("vanilla", "token-mean", "low_var_kl", entropy_coeff=0.01)
+    loss_fn = functools.partial(ppo_loss, config=cfg)
+    with_nthr = _forward_backward(engine, data, loss_fn, False)
+    by_hand = data.clone()
+    by_hand["advantages"] = data["advantages"] * scale
+    del by_hand[ve.SCALE_KEY]
+    type(engine).gbc_options = ve.EngineOptions()
+    plain = _forward_backward(engine, by_hand, loss_fn, False)
+    return scale, metrics, with_nthr, plain
+
+
+@pytest.mark.slow
+def test_engine_nthr_pass_equals_reference(tmp_path):
+    """NTHR inside verl's step: the old-policy pass over the rank's update batch (verl's
+    micro-batching, FSDP2, packed sequences) gives the token scales of gbc_reference's NTHR on
+    the plain model's float64 hidden states (groups from ``uid``, correct = advantage > 0); the
+    update then equals the plain update with ``advantages * scale``. β = 0: on a random tiny
+    model the self-pair scores of correct responses dwarf the others, so β > 0 selects none
+    (β itself is tested against the reference in tests/test_nthr.py)."""
+    import gbc_reference as ref
+
+    beta = 0.0
+    model_dir = make_model_dir(tmp_path / "m")
+    scale, metrics, with_nthr, plain = spawn_gloo(1, _nthr_worker, model_dir, None, beta)[0]
+    hidden, weight, f = _reference_rows(model_dir, 11, NB)
+    mask = f["response_mask"].bool()
+    adv = f["advantages"]
+    correct = (adv * mask).sum(1) > 0
+    gids = torch.arange(NB) // GROUP
+    want = ref.nthr_scale(hidden, weight.double(), f["responses"], mask, gids, correct,
+                          temperature=0.8, beta=beta)
+    assert want.selected.any() and not want.selected[mask & ~correct[:, None]].all()
+    assert torch.equal(scale != 1.0, want.selected), (scale, want.selected)
+    assert torch.allclose(scale, want.scale.float())
+    assert metrics["actor/gbc_nthr_selected_frac"] > 0
+    (l0, _, g0), (l1, _, g1) = with_nthr, plain
+    assert abs(l0 - l1) <= 1e-6 * max(1.0, abs(l0))
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], rtol=1e-5, atol=1e-7), n
+
+
+@pytest.mark.slow
+def test_engine_nthr_groups_split_over_two_ranks(tmp_path):
+    """verl's ``balance_batch`` scatters a group's responses over data-parallel ranks: each
+    rank's scales equal the one-rank pass over the whole batch, row for row."""
+    model_dir = make_model_dir(tmp_path / "m")
+    whole = spawn_gloo(1, _nthr_worker, model_dir, None, 0.0)[0][0]
+    assert (whole != 1).any()
+    rows_of = [[0, 2, 5, 7], [1, 3, 4, 6]]
+    ranks = spawn_gloo(2, _nthr_worker, model_dir, rows_of, 0.0)
+    for rows, (scale, _) in zip(rows_of, ranks):
+        assert torch.allclose(scale, whole[rows], atol=1e-6), (rows, scale, whole[rows])
+
+
+def test_nthr_hook_runs_before_verl_update(tmp_path):
+    """The wrapper gbc puts on verl's ``TrainingWorker.train_mini_batch``: with ``nthr`` on it
+    runs the engine's pass (in eval mode, with the worker's forward-only micro-batching) and
+    then verl's function; otherwise verl's function alone."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from verl.workers.utils.losses import ppo_loss
+
+    from gbc_kernels.integrations import verl_engine as ve
+
+    calls = []
+
+    class Engine(ve.GBCEngineMixin):
+        gbc_options = ve.EngineOptions(nthr=True)
+
+        def eval_mode(self, **kw):
+            calls.append("eval_mode")
+            return contextlib.nullcontext()
+
+        def gbc_nthr_pass(self, data, defaults):
+            calls.append(("pass", defaults["micro_batch_size_per_gpu"]))
+
+    ec = SimpleNamespace(use_dynamic_bsz=False, infer_max_token_len_per_gpu=64,
+                         infer_micro_batch_size_per_gpu=None, micro_batch_size_per_gpu=3,
+                         use_fused_kernels=False)
+    worker = SimpleNamespace(engine=Engine(), engine_config=ec, model_config={},
+                             loss_fn=functools.partial(ppo_loss, config=None))
+    hooked = ve._nthr_before_update(lambda self, data: calls.append("verl") or "out")
+    data = make_batch(1, 4)
+    assert hooked(worker, data) == "out"
+    assert calls == ["eval_mode", ("pass", 3), "verl"]
+    calls.clear()
+    Engine.gbc_options = ve.EngineOptions()
+    assert hooked(worker, data) == "out" and calls == ["verl"]
+
+
+def _certainty_worker(rank, world, model_dir, exponent):
+    verl_on_cpu()
+    from types import SimpleNamespace
+
+    from verl import DataProto
+    from verl.utils import tensordict_utils as tu
+
+    from gbc_kernels.integrations import verl_engine as ve
+
+    opts = ve.EngineOptions(critical_kl_exponent=exponent, critical_kl_temperature=0.25)
+    engine = build_engine(model_dir, options=opts)
+    ve._OPTIONS["current"] = opts
+    f = make_batch(11, NB, group=GROUP, padded=True)
+    batch = DataProto.from_dict(tensors=f, meta_info={"temperature": 0.8})
+
+    def ref_worker(td):            # the worker's infer_batch: its defaults, eval mode
+        tu.assign_non_tensor(td, use_remove_padding=True, use_dynamic_bsz=False,
+                             micro_batch_size_per_gpu=2, max_token_len_per_gpu=64,
+                             use_fused_kernels=False)
+        with engine.eval_mode():
+            return engine.infer_batch(td, loss_function=None)["model_output"]
+
+    cfg = SimpleNamespace(actor_rollout_ref=SimpleNamespace(actor={"use_kl_loss": True}))
+    trainer = SimpleNamespace(config=cfg, ref_in_actor=False,
+                              ref_policy_wg=SimpleNamespace(compute_ref_log_prob=ref_worker))
+    out = ve.compute_ref_log_prob(trainer, batch)
+    return out.batch["ref_log_prob"], out.batch[ve.KL_WEIGHT_KEY]
+
+
+@pytest.mark.slow
+def test_critical_kl_reference_pass_equals_reference(tmp_path):
+    """The trainer's reference pass as gbc wraps it: through the engine's forward-only step,
+    ``ref_log_prob`` and the weights ``(J_max_prob at T=0.25)^γ`` of every response token equal
+    gbc_reference's on the plain model's float64 logits."""
+    import gbc_reference as ref
+
+    model_dir = make_model_dir(tmp_path / "m")
+    logp, w = spawn_gloo(1, _certainty_worker, model_dir, 0.5)[0]
+    hidden, weight, f = _reference_rows(model_dir, 11, NB)
+    mask = f["response_mask"].bool()
+    st = ref.token_stats(hidden, weight.double(), f["responses"], temperature=0.8,
+                         certainty="max_prob", certainty_temperature=0.25)
+    want = ref.critical_kl_weight(st.certainty, 0.5) * mask
+    assert float(want[mask].std()) > 1e-3
+    assert torch.allclose(w, want.float(), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(logp[mask], st.logp[mask], rtol=1e-5, atol=1e-5)
+
+
+def _kl_weight_worker(rank, world, model_dir):
+    verl_on_cpu()
+    from verl.trainer.ppo.core_algos import kl_penalty
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from gbc_kernels.integrations import verl_engine as ve
+
+    engine = build_engine(model_dir, options=ve.EngineOptions(critical_kl_exponent=1.0))
+    cfg = verl_actor_config("vanilla", "token-mean", "low_var_kl", entropy_coeff=0.0)
+    loss_fn = functools.partial(ppo_loss, config=cfg)
+    data = make_batch(5, 6)
+    g = torch.Generator().manual_seed(3)
+    w = torch.rand(data["response_mask"].shape, generator=g) * data["response_mask"]
+    losses = {}
+    for name, weight in (("w", w), ("zero", torch.zeros_like(w))):
+        d = data.clone()
+        d[ve.KL_WEIGHT_KEY] = weight
+        losses[name] = _forward_backward(engine, d, loss_fn, False)[0]
+    # verl's own log-probs (stock forward) and KL estimator give the term the weights scale
+    engine.forward_step = functools.partial(FSDPEngineWithLMHead.forward_step, engine)
+    with engine.eval_mode():
+        o = engine.infer_batch(data.clone(), loss_function=None)
+    engine.__dict__.pop("forward_step")
+    logp = no_padding_2_padding(o["model_output"]["log_probs"], data)
+    kl = kl_penalty(logp, data["ref_log_prob"], "low_var_kl")
+    mask = data["response_mask"].bool()
+    refused = {}
+    d = data.clone()
+    try:
+        _forward_backward(engine, d, loss_fn, False)
+    except ValueError as e:
+        refused["missing"] = str(e)
+    return losses, float((w * kl)[mask].sum() / mask.sum()), cfg.kl_loss_coef, refused
+
+
+@pytest.mark.slow
+def test_critical_kl_weights_scale_verl_kl_term(tmp_path):
+    """The weights enter verl's KL loss term token by token: L(w) − L(0) = β · Σ w·k / N with
+    k verl's own ``kl_penalty`` of its stock log-probs (token-mean over the N masked tokens);
+    without the weights' field the update is refused with the field named."""
+    model_dir = make_model_dir(tmp_path / "m")
+    losses, weighted, beta, refused = spawn_gloo(1, _kl_weight_worker, model_dir)[0]
+    assert abs(weighted) > 1e-4
+    got = losses["w"] - losses["zero"]
+    assert abs(got - beta * weighted) <= 1e-5 * abs(beta * weighted), (got, beta * weighted)
+    assert "gbc_kl_weight" in refused["missing"]

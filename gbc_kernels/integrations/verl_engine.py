@@ -50,19 +50,49 @@ from gbc_kernels.integrations import verl as gv
 ENV_ON = "GBC_VERL_ENGINE"
 ENV_OPTIONS = "GBC_VERL_OPTIONS"
 
+def _bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes"):
+        return True
+    if t in ("0", "false", "no"):
+        return False
+    raise ValueError(text)
+
+
+def _auto_or_float(text: str):
+    return "auto" if text.strip().lower() == "auto" else float(text)
+
+
 # the gbc options the engine takes on top of verl's config (everything else is verl's)
-OPTION_TYPES = {"ar_alpha": float, "lopti_eta": float, "lopti_order": str, "backend": str}
+OPTION_TYPES = {"ar_alpha": float, "lopti_eta": float, "lopti_order": str, "backend": str,
+                "nthr": _bool, "nthr_beta": float, "nthr_eta": _auto_or_float,
+                "critical_kl_exponent": float, "critical_kl_intercept": float,
+                "critical_kl_certainty": str, "critical_kl_temperature": float}
 LOPTI_ORDERS = ("low-first", "high-first")
+_TYPE_NAMES = {_bool: "1/0/true/false", _auto_or_float: "'auto' or a float"}
 
 
 @dataclasses.dataclass
 class EngineOptions:
-    """gbc's options in verl's engine (read from ``GBC_VERL_OPTIONS`` by :func:`enable`)."""
+    """gbc's options in verl's engine (read from ``GBC_VERL_OPTIONS`` by :func:`enable`).
+
+    ``nthr``: NTHR's token scales (docs/math.md §4) from a no-grad old-policy pass over the
+    rank's whole update batch, before its first optimizer step; a response is *correct* when
+    its advantage is > 0 (binary rewards: reward 1 in a mixed group), its group is verl's
+    ``uid``. ``critical_kl_exponent`` (γ): critical-token KL weights (§5) from the reference
+    pass's certainty, multiplied into verl's KL loss term (``use_kl_loss``)."""
 
     ar_alpha: float = 0.0
     lopti_eta: Optional[float] = None
     lopti_order: str = "low-first"
     backend: str = "auto"
+    nthr: bool = False
+    nthr_beta: float = 1.0
+    nthr_eta: object = "auto"
+    critical_kl_exponent: Optional[float] = None
+    critical_kl_intercept: float = 0.0
+    critical_kl_certainty: str = "max_prob"
+    critical_kl_temperature: float = 1.0
 
     def __post_init__(self):
         gbc.PolicyLossConfig(ar_alpha=self.ar_alpha, lopti_eta=self.lopti_eta)   # validates
@@ -71,6 +101,21 @@ class EngineOptions:
                              f"{self.lopti_order!r}")
         from gbc_kernels import _validate
         _validate.check_backend(self.backend)
+        if not (self.nthr_eta == "auto" or (isinstance(self.nthr_eta, (int, float))
+                                            and self.nthr_eta >= 0)):
+            raise ValueError(f"nthr_eta: expected 'auto' or a float >= 0, got {self.nthr_eta!r}")
+        if self.critical_kl_exponent is not None and not self.critical_kl_exponent > 0:
+            raise ValueError(f"critical_kl_exponent: expected a float > 0, got "
+                             f"{self.critical_kl_exponent!r}")
+        if not 0.0 <= self.critical_kl_intercept <= 1.0:
+            raise ValueError(f"critical_kl_intercept: expected a float in [0, 1], got "
+                             f"{self.critical_kl_intercept!r}")
+        if self.critical_kl_certainty not in ("max_prob", "entropy"):
+            raise ValueError(f"critical_kl_certainty: expected 'max_prob' or 'entropy', got "
+                             f"{self.critical_kl_certainty!r}")
+        if not self.critical_kl_temperature > 0:
+            raise ValueError(f"critical_kl_temperature: expected a float > 0, got "
+                             f"{self.critical_kl_temperature!r}")
 
     @classmethod
     def parse(cls, text: Optional[str]) -> "EngineOptions":
@@ -87,12 +132,59 @@ class EngineOptions:
             if name not in OPTION_TYPES:
                 raise ValueError(f"{ENV_OPTIONS}: unknown option {name!r} (expected one of "
                                  f"{sorted(OPTION_TYPES)})")
+            kind = OPTION_TYPES[name]
             try:
-                kw[name] = OPTION_TYPES[name](value)
+                kw[name] = kind(value)
             except ValueError:
                 raise ValueError(f"{ENV_OPTIONS}: {name} expects a "
-                                 f"{OPTION_TYPES[name].__name__}, got {value!r}") from None
+                                 f"{_TYPE_NAMES.get(kind, kind.__name__)}, got {value!r}") from None
         return cls(**kw)
+
+
+# fields gbc adds to verl's batches (padded [B, T] like ``advantages``) and its pass flags
+SCALE_KEY = "gbc_token_scale"          # NTHR's per-token advantage scale
+KL_WEIGHT_KEY = "gbc_kl_weight"        # critical-token KL weights
+CERTAINTY_KEY = "gbc_certainty"        # reference pass: which certainty J to return
+CERTAINTY_TEMP_KEY = "gbc_certainty_temperature"
+
+
+def _stable_id(uid) -> int:
+    """A group id (verl's ``uid``, a string) as an int64 that every process agrees on."""
+    import hashlib
+
+    digest = hashlib.blake2b(str(uid).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 62) - 1)
+
+
+def _union_ids(responses, dp_group) -> torch.Tensor:
+    """The sorted token ids of every rank's responses (a superset of each group's ``V*``)."""
+    ids = torch.unique((responses.values() if responses.is_nested else responses).cpu())
+    if dp_group is not None:
+        import torch.distributed as dist
+
+        group = None if dp_group == "world" else dp_group
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, ids.tolist(), group=group)
+        ids = torch.tensor(sorted(set().union(*every)), dtype=torch.long)
+    return ids.long()
+
+
+def _check_method_fields(opts, cfg, micro_batch):
+    """NTHR and critical KL read fields their no-grad passes put in the batch: refused, with
+    what is missing, rather than run as plain GRPO."""
+    if opts.nthr and SCALE_KEY not in micro_batch:
+        raise ValueError(f"nthr: the update batch has no {SCALE_KEY!r} field; it comes from the "
+                         "old-policy pass gbc's worker hook runs before the update "
+                         "(GBCEngineMixin.gbc_nthr_pass, installed by enable())")
+    if opts.critical_kl_exponent is not None:
+        if not cfg.kl_coef:
+            raise ValueError("critical_kl_exponent: verl's actor has no KL loss term to weight "
+                             "(set actor.use_kl_loss=True and kl_loss_coef > 0)")
+        if KL_WEIGHT_KEY not in micro_batch:
+            raise ValueError(f"critical_kl_exponent: the update batch has no {KL_WEIGHT_KEY!r} "
+                             "field; it comes from the reference pass of verl's trainer as "
+                             "gbc patches it (GBC_VERL_ENGINE must be set in the trainer's "
+                             "process too: pass it through ray_kwargs.ray_init.runtime_env)")
 
 
 def _is_ppo_loss(loss_function) -> bool:
@@ -195,6 +287,7 @@ class GBCEngineMixin:
 
     gbc_options: EngineOptions = EngineOptions()
     _gbc_phase: Optional[str] = None
+    _gbc_update_metrics: dict = {}    # NTHR's, logged with the update's micro-batches
 
     # -- the one forward --------------------------------------------------------------------
     def _gbc_forward(self, micro_batch, head_fn):
@@ -246,11 +339,13 @@ class GBCEngineMixin:
         def head_fn(hidden2d, rows, inner):
             h, head = self._head_rows(hidden2d, rows, inner)
             fields = ["response_mask", "old_log_probs", "advantages"] + [
-                k for k in ("rollout_is_weights", "ref_log_prob") if k in micro_batch]
+                k for k in ("rollout_is_weights", "ref_log_prob", SCALE_KEY, KL_WEIGHT_KEY)
+                if k in micro_batch]
             data = micro_batch.select(*fields).to_padded_tensor()
             mask = data["response_mask"].bool() & rows.valid
             cfg = gv.policy_loss_config(actor_config, response_length=mask.shape[1],
                                         ar_alpha=opts.ar_alpha, lopti_eta=opts.lopti_eta)
+            _check_method_fields(opts, cfg, micro_batch)
             if _flag(micro_batch, "calculate_entropy") and not cfg.wants_entropy:
                 cfg = dataclasses.replace(cfg, return_entropy=True)
             info = {k: _flag(micro_batch, k, None) for k in
@@ -262,6 +357,9 @@ class GBCEngineMixin:
                     old_logp=data["old_log_probs"],
                     ref_logp=data["ref_log_prob"] if cfg.kl_coef else None, bias=head.bias,
                     config=cfg, phase=self._gbc_phase,
+                    token_scale=data.get(SCALE_KEY, None) if opts.nthr else None,
+                    kl_weight=(data.get(KL_WEIGHT_KEY, None)
+                               if opts.critical_kl_exponent is not None else None),
                     is_ratio=data.get("rollout_is_weights", None),
                     temperature=_temperature(micro_batch), backend=opts.backend,
                     token_out=token_out, **norms)
@@ -277,6 +375,7 @@ class GBCEngineMixin:
         for name in ("ar_weight_mean", "low_frac", "cov_frac", "grad_share_low"):
             if name in gbc_metrics:
                 metrics[f"actor/gbc_{name}"] = float(gbc_metrics[name])
+        metrics.update(self._gbc_update_metrics)
         return loss, {"model_output": model_output, "loss": loss.detach().item(),
                       "metrics": metrics}
 
@@ -294,11 +393,19 @@ class GBCEngineMixin:
     def _gbc_infer_step(self, micro_batch):
         want_entropy = bool(_flag(micro_batch, "calculate_entropy"))
         want_p2 = bool(_flag(micro_batch, "calculate_sum_pi_squared"))
+        certainty = _flag(micro_batch, CERTAINTY_KEY, None)
 
         def head_fn(hidden2d, rows, inner):
             h, head = self._head_rows(hidden2d, rows, inner)
             # padding positions read row 0 with target 0: computed, then dropped by nested()
             with torch.autocast(device_type=h.device.type, enabled=False):
+                if certainty is not None:      # the reference pass of critical-token KL
+                    st = gbc.token_stats(
+                        h, head.weight, rows.targets, head.bias,
+                        temperature=_temperature(micro_batch), certainty=certainty,
+                        certainty_temperature=float(_flag(micro_batch, CERTAINTY_TEMP_KEY, 1.0)),
+                        backend=self.gbc_options.backend, logit_softcap=hf.logit_softcap(inner))
+                    return None, st.logp, st.entropy, st.sum_p2, st.certainty
                 out = gbc.fused_linear_logprobs(
                     h, head.weight, rows.targets, head.bias,
                     temperature=_temperature(micro_batch), return_entropy=want_entropy,
@@ -312,7 +419,99 @@ class GBCEngineMixin:
             model_output["entropy"] = rows.nested(out[2])
         if want_p2:
             model_output["sum_pi_squared"] = rows.nested(out[3])
+        if certainty is not None:
+            model_output[CERTAINTY_KEY] = rows.nested(out[4])
         return torch.tensor(1.0), {"model_output": model_output, "loss": 1.0, "metrics": {}}
+
+    # -- NTHR: one no-grad old-policy pass over the rank's update batch ----------------------
+    @torch.no_grad()
+    def gbc_nthr_pass(self, data, defaults=None):
+        """NTHR's token scales (docs/math.md §4) of the rank's share of an actor update, from
+        the policy before the update's first optimizer step (the old policy), at the rollout
+        temperature: adds ``gbc_token_scale`` ([B, T], the layout of ``advantages``) to
+        ``data``. Groups are verl's ``uid``s; a group split over data-parallel ranks is scored
+        with every rank's responses (``nthr_scale(data_parallel_group=...)``). ``defaults``:
+        the micro-batching keys the worker injects for its forward-only passes. Call it in
+        ``eval_mode`` (the worker hook does)."""
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.engine.utils import prepare_micro_batches
+
+        opts = self.gbc_options
+        uids = tu.get(data, "uid")
+        if uids is None:
+            raise ValueError("nthr: the update batch has no 'uid' field (verl's group ids, "
+                             "which its trainer sets for GRPO-style advantages)")
+        adv, rmask = data["advantages"], data["response_mask"]
+        B, T = rmask.shape
+        view = data.copy()
+        for key, val in (defaults or {}).items():
+            if key not in view.keys() and val is not None:
+                tu.assign_non_tensor(view, **{key: val})
+        micro_batches, order = prepare_micro_batches(
+            data=view, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=True)
+        if order is None:
+            order, start = [], 0
+            for mb in micro_batches:
+                order.append(list(range(start, start + len(mb))))
+                start += len(mb)
+        dp_group = self._gbc_dp_group()
+        needed = _union_ids(data["responses"], dp_group)
+        keep = {}
+        hidden, targets, logp, valid = None, torch.zeros(B, T, dtype=torch.long), None, None
+        temps = set()
+        for mb, idx in zip(micro_batches, order):
+            temp = _temperature(mb)
+            temp_values = temp.unique().tolist() if isinstance(temp, torch.Tensor) else [temp]
+            temps.update(float(t) for t in temp_values)
+
+            def head_fn(hidden2d, rows, inner):
+                h, head = self._head_rows(hidden2d, rows, inner)
+                with torch.autocast(device_type=h.device.type, enabled=False):
+                    lp = gbc.fused_linear_logprobs(
+                        h, head.weight, rows.targets, head.bias, temperature=temp,
+                        backend=opts.backend, logit_softcap=hf.logit_softcap(inner))[0]
+                if "w" not in keep:   # the lm_head rows NTHR's restricted logits need
+                    ids = needed.to(head.weight.device)
+                    keep["w"] = head.weight.detach().index_select(0, ids).clone()
+                    keep["b"] = (None if head.bias is None else
+                                 head.bias.detach().index_select(0, ids).clone())
+                    keep["softcap"] = hf.logit_softcap(inner)
+                return None, h.detach(), rows, lp
+
+            _, rows, (_, h, rows, lp), _ = self._gbc_forward(mb, head_fn)
+            if hidden is None:
+                hidden = h.new_zeros(B, T, h.shape[-1])
+                logp = torch.zeros(B, T, dtype=torch.float32, device=h.device)
+                valid = torch.zeros(B, T, dtype=torch.bool, device=h.device)
+                targets = targets.to(h.device)
+            i = torch.as_tensor(idx, dtype=torch.long, device=h.device)
+            hidden[i], logp[i], valid[i] = h, lp.float(), rows.valid
+            targets[i] = rows.targets
+        if len(temps) > 1:
+            raise ValueError(f"nthr: the rollout temperatures of the batch differ "
+                             f"({sorted(temps)[:4]}); NTHR's scores use one temperature")
+        device = hidden.device
+        mask = rmask.to(device).bool() & valid
+        compact = torch.searchsorted(needed.to(device), targets)
+        compact = torch.where(mask, compact.clamp(max=needed.numel() - 1), 0)
+        correct = (adv.to(device).float() * mask).sum(1) > 0
+        gids = torch.tensor([_stable_id(u) for u in uids], dtype=torch.long, device=device)
+        res = gbc.nthr_scale(hidden, keep["w"], compact, mask, gids, correct, bias=keep["b"],
+                             temperature=temps.pop(), beta=opts.nthr_beta, eta=opts.nthr_eta,
+                             backend=opts.backend, logp=logp, data_parallel_group=dp_group,
+                             logit_softcap=keep["softcap"])
+        data[SCALE_KEY] = res.scale.to(adv.device)
+        m = res.metrics(correct, mask)
+        self._gbc_update_metrics = {f"actor/gbc_{k}": float(v) for k, v in m.items()}
+        return res
+
+    def _gbc_dp_group(self):
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = self.get_data_parallel_group()
+        return "world" if group is None else group
 
     # -- verl's entry points ----------------------------------------------------------------
     def forward_step(self, micro_batch, loss_function, forward_only):
@@ -351,23 +550,165 @@ class GBCEngineMixin:
         return first
 
 
+def _nthr_before_update(original):
+    """verl's ``TrainingWorker.train_mini_batch`` with gbc's NTHR pass first: the rank's whole
+    update batch (every mini-batch and epoch), before the first optimizer step."""
+
+    @functools.wraps(original)
+    def train_mini_batch(self, data):
+        engine = getattr(self, "engine", None)
+        if (isinstance(engine, GBCEngineMixin) and engine.gbc_options.nthr
+                and _is_ppo_loss(getattr(self, "loss_fn", None))):
+            from verl.utils import tensordict_utils as tu
+
+            ec = self.engine_config
+            defaults = dict(
+                use_remove_padding=self.model_config.get("use_remove_padding", False),
+                use_dynamic_bsz=ec.use_dynamic_bsz,
+                max_token_len_per_gpu=ec.infer_max_token_len_per_gpu,
+                micro_batch_size_per_gpu=(ec.infer_micro_batch_size_per_gpu
+                                          or ec.micro_batch_size_per_gpu),
+                use_fused_kernels=ec.use_fused_kernels)
+            offload = tu.get(data, key="disable_auto_offload", default=False)
+            with engine.eval_mode(disable_auto_offload=offload):
+                engine.gbc_nthr_pass(data, defaults)
+        return original(self, data)
+
+    train_mini_batch.gbc_original = original
+    return train_mini_batch
+
+
+def compute_ref_log_prob(trainer, batch):
+    """verl 0.9.1's ``RayPPOTrainer._compute_ref_log_prob`` (the reference pass of each RL
+    step), asking gbc's engine for the reference certainty too and returning, beside
+    ``ref_log_prob``, the critical-token KL weights ``gbc_kl_weight`` (docs/math.md §5) that
+    the update's KL term is multiplied by. Without ``critical_kl_exponent`` it is verl's."""
+    opts = _OPTIONS.get("current") or EngineOptions()
+    if opts.critical_kl_exponent is None:
+        return _PATCHED["ref"].gbc_original(trainer, batch)
+    from verl import DataProto
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+    actor = trainer.config.actor_rollout_ref.actor
+    if not actor.get("use_kl_loss", False):
+        raise ValueError("critical_kl_exponent: verl's actor has no KL loss term to weight "
+                         "(set actor_rollout_ref.actor.use_kl_loss=True)")
+    batch_td = left_right_2_no_padding(batch.to_tensordict())
+    metadata = {"calculate_entropy": False, "compute_loss": False,
+                CERTAINTY_KEY: opts.critical_kl_certainty,
+                CERTAINTY_TEMP_KEY: opts.critical_kl_temperature}
+    if trainer.ref_in_actor:
+        metadata["no_lora_adapter"] = True
+    tu.assign_non_tensor(batch_td, **metadata)
+    if trainer.ref_in_actor:
+        output = trainer.actor_rollout_wg.compute_log_prob(batch_td)
+    else:
+        output = trainer.ref_policy_wg.compute_ref_log_prob(batch_td)
+    certainty = tu.get(output, CERTAINTY_KEY)
+    if certainty is None:
+        raise ValueError("critical_kl_exponent: the reference pass returned no certainty; the "
+                         "reference worker must run gbc's engine (GBC_VERL_ENGINE in every "
+                         "worker, an FSDP reference)")
+    log_probs = no_padding_2_padding(tu.get(output, "log_probs"), batch_td)
+    certainty = no_padding_2_padding(certainty, batch_td).float()
+    weight = gbc.critical_kl_weight(certainty, opts.critical_kl_exponent,
+                                    opts.critical_kl_intercept)
+    return DataProto.from_tensordict(tu.get_tensordict(
+        {"ref_log_prob": log_probs.float(), KL_WEIGHT_KEY: weight * batch.batch["response_mask"]}))
+
+
 def engine_class(base):
     """gbc's engine on top of verl's engine class ``base`` (an ``FSDPEngineWithLMHead``)."""
     return type(f"GBC{base.__name__}", (GBCEngineMixin, base), {"__module__": __name__})
 
 
 _ENABLED = {}
+_OPTIONS = {}
+_PATCHED = {}           # "worker" / "ref": the patched function (its .gbc_original is verl's)
+
+# where verl 0.9.1 defines the two functions gbc wraps (imported by verl's own processes; on
+# import when they are not loaded yet)
+WORKER_MODULE = "verl.workers.engine_workers"
+TRAINER_MODULE = "verl.trainer.ppo.ray_trainer"
+
+
+def _patch_worker(module):
+    cls = module.TrainingWorker
+    if not hasattr(cls.train_mini_batch, "gbc_original"):
+        cls.train_mini_batch = _nthr_before_update(cls.train_mini_batch)
+    _PATCHED["worker"] = (cls, "train_mini_batch")
+
+
+def _patch_trainer(module):
+    cls = module.RayPPOTrainer
+    if not hasattr(cls._compute_ref_log_prob, "gbc_original"):
+        original = cls._compute_ref_log_prob
+
+        @functools.wraps(original)
+        def _compute_ref_log_prob(self, batch):
+            return compute_ref_log_prob(self, batch)
+
+        _compute_ref_log_prob.gbc_original = original
+        cls._compute_ref_log_prob = _compute_ref_log_prob
+    _PATCHED["ref"] = cls._compute_ref_log_prob
+    _PATCHED["trainer"] = (cls, "_compute_ref_log_prob")
+
+
+class _PatchOnImport:
+    """A ``sys.meta_path`` finder that runs ``patch(module)`` right after ``name`` is imported
+    (verl imports gbc's plugin before its worker and trainer modules)."""
+
+    def __init__(self, name, patch):
+        self.name, self.patch, self._busy = name, patch, False
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.name or self._busy:
+            return None
+        import importlib.util
+
+        self._busy = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._busy = False
+        if spec is None or spec.loader is None:
+            return None
+        loader, patch = spec.loader, self.patch
+
+        class _Loader:
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                loader.exec_module(module)
+                patch(module)
+
+        spec.loader = _Loader()
+        return spec
+
+
+def _on_import(name, patch):
+    import sys
+
+    if name in sys.modules:
+        patch(sys.modules[name])
+    elif not any(isinstance(f, _PatchOnImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport(name, patch))
 
 
 def enable(options: Optional[EngineOptions] = None):
     """Make verl's engine registry hand out gbc's engine for ``language_model`` on the FSDP
-    and FSDP2 backends (every device verl registered them for). Idempotent; returns the
-    options in force."""
+    and FSDP2 backends (every device verl registered them for), run NTHR's old-policy pass
+    before each actor update (``TrainingWorker.train_mini_batch``) and the critical-KL
+    certainty in the trainer's reference pass (``RayPPOTrainer._compute_ref_log_prob``) —
+    both only when their options are on. Idempotent; returns the options in force."""
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
     if options is None:
         options = EngineOptions.parse(os.environ.get(ENV_OPTIONS))
+    _OPTIONS["current"] = options
     table = EngineRegistry._engines.get("language_model", {})
     for backend in ("fsdp", "fsdp2"):
         for key, cls in list(table.get(backend, {}).items()):
@@ -380,11 +721,16 @@ def enable(options: Optional[EngineOptions] = None):
             sub.gbc_options = options
             _ENABLED[cls] = sub
             table[backend][key] = sub
+    _on_import(WORKER_MODULE, _patch_worker)
+    _on_import(TRAINER_MODULE, _patch_trainer)
     return options
 
 
 def disable():
-    """Put verl's own engine classes back in its registry."""
+    """Put verl's own engine classes back in its registry, and its worker's and trainer's
+    functions."""
+    import sys
+
     from verl.workers.engine.base import EngineRegistry
 
     table = EngineRegistry._engines.get("language_model", {})
@@ -393,3 +739,12 @@ def disable():
         for key, cls in list(table.get(backend, {}).items()):
             if cls in originals:
                 table[backend][key] = originals[cls]
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
+    for key in ("worker", "trainer"):
+        if key in _PATCHED:
+            cls, name = _PATCHED.pop(key)
+            fn = getattr(cls, name)
+            if hasattr(fn, "gbc_original"):
+                setattr(cls, name, fn.gbc_original)
+    _PATCHED.pop("ref", None)
+    _OPTIONS.pop("current", None)
