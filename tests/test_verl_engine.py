@@ -452,6 +452,19 @@ def test_options_parse_and_refusals():
         ve.EngineOptions(lopti_order="random")
     with pytest.raises(ValueError, match="ar_alpha"):
         ve.EngineOptions(ar_alpha=2.0)
+    o = ve.EngineOptions.parse("nthr=1,nthr_eta=0.25,critical_kl_exponent=150,"
+                               "critical_kl_certainty=entropy")
+    assert (o.nthr, o.nthr_eta, o.critical_kl_exponent, o.critical_kl_certainty) == \
+        (True, 0.25, 150.0, "entropy")
+    assert ve.EngineOptions.parse("nthr=yes,nthr_eta=auto").nthr_eta == "auto"
+    with pytest.raises(ValueError, match="nthr expects a 1/0/true/false"):
+        ve.EngineOptions.parse("nthr=maybe")
+    with pytest.raises(ValueError, match="critical_kl_exponent: expected a float > 0"):
+        ve.EngineOptions(critical_kl_exponent=0.0)
+    with pytest.raises(ValueError, match="critical_kl_certainty"):
+        ve.EngineOptions(critical_kl_certainty="margin")
+    with pytest.raises(ValueError, match="nthr_eta"):
+        ve.EngineOptions(nthr_eta=-1.0)
 
 
 def _refusal_worker(rank, world, model_dir, what):
@@ -462,8 +475,14 @@ def _refusal_worker(rank, world, model_dir, what):
     engine = build_engine(model_dir)
     cfg = verl_actor_config("vanilla", "token-mean")
     data = make_batch(3, 4)
+    from gbc_kernels.integrations import verl_engine as ve
+
     if what == "use_fused_kernels":
         tu.assign_non_tensor(data, use_fused_kernels=True)
+    elif what == "nthr":                       # no gbc_token_scale: its pass did not run
+        type(engine).gbc_options = ve.EngineOptions(nthr=True)
+    elif what == "critical_kl_exponent":       # no KL term in verl's config to weight
+        type(engine).gbc_options = ve.EngineOptions(critical_kl_exponent=2.0)
     else:
         engine.use_ulysses_sp = True
     try:
@@ -474,7 +493,8 @@ def _refusal_worker(rank, world, model_dir, what):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("what", ["use_fused_kernels", "ulysses_sequence_parallel_size"])
+@pytest.mark.parametrize("what", ["use_fused_kernels", "ulysses_sequence_parallel_size", "nthr",
+                                  "critical_kl_exponent"])
 def test_engine_refuses_what_it_cannot_honour(tmp_path, what):
     model_dir = make_model_dir(tmp_path / "m")
     msg = spawn_gloo(1, _refusal_worker, model_dir, what)[0]
@@ -787,3 +807,28 @@ def test_critical_kl_weights_scale_verl_kl_term(tmp_path):
     got = losses["w"] - losses["zero"]
     assert abs(got - beta * weighted) <= 1e-5 * abs(beta * weighted), (got, beta * weighted)
     assert "gbc_kl_weight" in refused["missing"]
+
+
+def test_patch_on_import(tmp_path, monkeypatch):
+    """verl imports gbc's plugin before its worker and trainer modules: ``enable()`` then
+    wraps their functions right after the modules are imported (a ``sys.meta_path`` hook),
+    once; a module already imported is wrapped at once."""
+    import importlib
+    import sys
+
+    from gbc_kernels.integrations import verl_engine as ve
+
+    (tmp_path / "gbc_fake_trainer_mod.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    try:
+        ve._on_import("gbc_fake_trainer_mod", lambda m: seen.append(m.VALUE))
+        ve._on_import("gbc_fake_trainer_mod", lambda m: seen.append("twice"))
+        assert seen == []
+        mod = importlib.import_module("gbc_fake_trainer_mod")
+        assert seen == [1] and mod.VALUE == 1
+        ve._on_import("gbc_fake_trainer_mod", lambda m: seen.append("loaded"))
+        assert seen == [1, "loaded"]
+    finally:
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, ve._PatchOnImport)]
+        sys.modules.pop("gbc_fake_trainer_mod", None)
