@@ -25,12 +25,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def main(steps: int = 3, vocab: int = 151936):
     os.environ["GBC_VERL_ENGINE"] = "strict"
-    os.environ.setdefault("GBC_VERL_OPTIONS", "ar_alpha=0.3,lopti_eta=0.5")
+    os.environ.setdefault("GBC_VERL_OPTIONS", "ar_alpha=0.3,lopti_eta=0.5,nthr=1,nthr_beta=0")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29561"),
                       RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     import verl                                   # noqa: F401  (loads gbc's plugin)
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import test_verl_engine as tve                # the tests' CPU set-up and batch builder
@@ -60,7 +61,19 @@ def main(steps: int = 3, vocab: int = 151936):
             out = None
             for step in range(steps):
                 data = tve.make_batch(step, 8, micro=4, vocab=vocab, confident=0.3,
-                                      lengths=(16, 48))
+                                      lengths=(16, 48), group=4)
+                # verl's compute_log_prob: the old policy's log-probs (gbc's forward-only pass).
+                # An untrained model puts ~1/V on every token: Lopti's high phase is empty and
+                # its second update's gradient norm is 0 here, not in a real run
+                with engine.eval_mode():
+                    o = engine.infer_batch(data.clone(), loss_function=None)
+                data["old_log_probs"] = no_padding_2_padding(o["model_output"]["log_probs"],
+                                                             data).float()
+                if engine.gbc_options.nthr:
+                    # what gbc's wrapper of verl's TrainingWorker.train_mini_batch runs first:
+                    # NTHR's old-policy pass over the update batch (no grad, no logits)
+                    with engine.eval_mode():
+                        engine.gbc_nthr_pass(data)
                 with engine.train_mode():
                     out = engine.train_batch(data, loss_fn)
                 m = out["metrics"]
@@ -69,7 +82,9 @@ def main(steps: int = 3, vocab: int = 151936):
                                   for v in (m[k] if isinstance(m[k], list) else [m[k]])]
                 print(f"update {step}: actor/pg_loss {pick('actor/pg_loss')} kl_loss "
                       f"{pick('kl_loss')} grad_norm {m['grad_norm']:.4f} (Lopti's second "
-                      f"update: {m['gbc_grad_norm_second_phase']:.4f})")
+                      f"update: {m['gbc_grad_norm_second_phase']:.4f})"
+                      + (f" NTHR selected {pick('actor/gbc_nthr_selected_frac')}"
+                         if engine.gbc_options.nthr else ""))
             return out
     finally:
         dist.destroy_process_group()

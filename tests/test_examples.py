@@ -154,3 +154,4 @@ def test_verl_engine_example_runs():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "GBCFSDPEngineWithLMHead" in out.stdout
     assert out.stdout.count("Lopti's second update") == 3
+    assert out.stdout.count("NTHR selected") == 3

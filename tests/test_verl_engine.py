@@ -619,7 +619,12 @@ def _nthr_worker(rank, world, model_dir, rows_of, beta):
     metrics = dict(engine._gbc_update_metrics)
     if world > 1:
         return scale, metrics
-    # the update with NTHR equals the plain update with the advantages scaled by hand
+    # the update with NTHR equals the plain update with the advantages scaled by hand, and
+    # differs from the plain update (old log-probs on-policy: no token is clipped away)
+    from verl.workers.utils.padding import no_padding_2_padding
+    with engine.eval_mode():
+        o = engine.infer_batch(data.clone(), loss_function=None)
+    data["old_log_probs"] = no_padding_2_padding(o["model_output"]["log_probs"], data).float()
     cfg = verl_actor_config("vanilla", "token-mean", "low_var_kl", entropy_coeff=0.01)
     loss_fn = functools.partial(ppo_loss, config=cfg)
     with_nthr = _forward_backward(engine, data, loss_fn, False)
@@ -628,7 +633,10 @@ def _nthr_worker(rank, world, model_dir, rows_of, beta):
     del by_hand[ve.SCALE_KEY]
     type(engine).gbc_options = ve.EngineOptions()
     plain = _forward_backward(engine, by_hand, loss_fn, False)
-    return scale, metrics, with_nthr, plain
+    unscaled = data.clone()
+    del unscaled[ve.SCALE_KEY]
+    no_nthr = _forward_backward(engine, unscaled, loss_fn, False)
+    return scale, metrics, with_nthr, plain, no_nthr
 
 
 @pytest.mark.slow
@@ -643,7 +651,8 @@ def test_engine_nthr_pass_equals_reference(tmp_path):
 
     beta = 0.0
     model_dir = make_model_dir(tmp_path / "m")
-    scale, metrics, with_nthr, plain = spawn_gloo(1, _nthr_worker, model_dir, None, beta)[0]
+    scale, metrics, with_nthr, plain, no_nthr = spawn_gloo(1, _nthr_worker, model_dir, None,
+                                                           beta)[0]
     hidden, weight, f = _reference_rows(model_dir, 11, NB)
     mask = f["response_mask"].bool()
     adv = f["advantages"]
@@ -659,6 +668,8 @@ def test_engine_nthr_pass_equals_reference(tmp_path):
     assert abs(l0 - l1) <= 1e-6 * max(1.0, abs(l0))
     for n in g0:
         assert torch.allclose(g0[n], g1[n], rtol=1e-5, atol=1e-7), n
+    g2 = no_nthr[2]
+    assert max(float((g0[n] - g2[n]).abs().max()) for n in g0) > 1e-4
 
 
 @pytest.mark.slow
