@@ -225,7 +225,8 @@ def verdict(diffs, claimed_sign):
 
 
 def base_args(quick, seed, out):
-    argv = ["--quiet", "--seed", str(seed), "--out", out, "--kl-estimator", "k2"]
+    argv = ["--task", "add", "--quiet", "--seed", str(seed), "--out", out,
+            "--kl-estimator", "k2"]
     if quick:
         argv += ["--sft-steps", "60", "--steps", "3", "--prompts", "4", "--group", "4",
                  "--eval-size", "20"]
