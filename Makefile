@@ -20,7 +20,7 @@ install-demo:
 	$(PYTHON) -m pip install --progress-bar on --no-build-isolation -e ".[demo]"
 
 demo: install-demo
-	@echo "== make demo: warm-up then GRPO (progress bars below; outputs in runs/demo)"
+	@echo "== make demo: GRPO from the shipped scratchpad checkpoint (progress bar below; outputs in runs/demo)"
 	$(PYTHON) examples/grpo_trainer.py --out runs/demo
 
 test: install

@@ -4,6 +4,7 @@ the TRL and verl drop-in examples, the quickstart."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -172,3 +173,66 @@ def test_demo_default_learns(tmp_path):
     assert final["eval_sampled_before"] < 0.3
     assert final["eval_sampled_after"] >= final["eval_sampled_before"] + 0.05, final
     assert final["eval_after"] >= 0.95, final
+
+
+def _built_group(correct_flags):
+    """One question of the scratchpad task with every answer the right one, labelled by
+    ``correct_flags``: the displacement measure's built case."""
+    import random as _random
+
+    import gbc_kernels as gbc
+    import grpo_trainer as gt
+    import pretrain_scratchpad as ps
+    from gbc_kernels.integrations import hf
+
+    model, tok, meta = ps.load(ps.CHECKPOINT)
+    task = gt.ScratchpadAdditionTask(int(meta["digits"]), tok)
+    batch = task.sample(1, _random.Random(3))
+    G = len(correct_flags)
+    comp = torch.tensor([tok.encode(batch.answers[0]) + [tok.eos_token_id]] * G)
+    prompt = batch.prompts.repeat(G, 1)
+    seq = torch.cat([prompt, comp], 1)
+    attn = (seq != tok.pad_token_id).long()
+    attn[:, prompt.shape[1]:] = 1
+    targets = seq[:, 1:]
+    mask = torch.zeros_like(targets, dtype=torch.bool)
+    mask[:, prompt.shape[1] - 1:] = gt.completion_mask(comp, tok.eos_token_id, tok.pad_token_id)
+    correct = torch.tensor(correct_flags)
+    adv = gbc.group_advantages(correct.float(), torch.zeros(G, dtype=torch.long))
+    old = hf.old_policy_pass(model, seq, attn, targets, mask, temperature=3.0)
+    roll = dict(seq=seq, attn=attn, targets=targets, mask=mask, adv=adv, correct=correct,
+                old_logp=old.old_logp)
+    return model, roll
+
+
+def test_displacement_measure_sign_on_a_built_case():
+    """Every answer is the right one; two are labelled correct, two wrong. One SGD step on the
+    correct ones alone makes the right answer more likely (> 0); on the "wrong" ones alone —
+    the same tokens pushed down — less likely (< 0): the measure's sign is the claim's."""
+    import argparse
+
+    import displacement as dsp
+
+    model, roll = _built_group([True, True, False, False])
+    args = argparse.Namespace(lr=0.1, temperature=3.0)
+    pos = roll["correct"][:, None].float().expand_as(roll["mask"])
+    up = dsp.one_step(model, roll, pos, args)
+    down = dsp.one_step(model, roll, 1.0 - pos, args)
+    assert up > 0 > down, (up, down)
+    assert dsp.one_step(model, roll, pos, args) == up        # the weights were restored
+
+
+def test_displacement_quick_writes_results(tmp_path):
+    import displacement as dsp
+
+    res = dsp.main(["--quick", "--out", str(tmp_path)])
+    saved = json.load(open(tmp_path / "displacement.json"))
+    assert saved["groups"] == 6 == len(saved["rows"])
+    for row in saved["rows"]:
+        assert 0 < row["n_correct"] < 8
+        for v in dsp.VARIANTS:
+            assert math.isfinite(row[v])
+    for claim in saved["claims"].values():
+        assert claim["wins"] + claim["losses"] <= claim["groups"]
+        assert 0.0 <= claim["p"] <= 1.0
+    assert res["claims"].keys() == saved["claims"].keys()
