@@ -28,6 +28,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 
 import torch
@@ -141,6 +142,7 @@ def run(groups, args, log=print):
         summary[f"{a} vs {b}"] = dict(
             groups=len(diffs), wins=w, losses=l, p=p,
             mean_diff=sum(diffs) / max(len(diffs), 1),
+            median_diff=statistics.median(diffs) if diffs else float("nan"),
             verdict=("reproduced" if p < 0.05 and w > l else
                      "not reproduced" if p < 0.05 and l > w else "inconclusive"))
     means = {v: sum(r[v] for r in rows) / len(rows) for v in VARIANTS}
@@ -176,8 +178,9 @@ def main(argv=None):
     for v, m in res["mean_displacement"].items():
         print(f"  {v:14s} {m:+.5f}")
     for k, c in res["claims"].items():
-        print(f"  {k}: {c['wins']} wins / {c['losses']} losses of {c['groups']}, "
-              f"sign test p = {c['p']:.3g}: {c['verdict']}")
+        print(f"  {k}: {c['wins']} wins / {c['losses']} losses of {c['groups']}, median "
+              f"difference {c['median_diff']:+.2e}, mean {c['mean_diff']:+.2e}, sign test "
+              f"p = {c['p']:.3g}: {c['verdict']}")
     return res
 
 
