@@ -236,3 +236,23 @@ def test_displacement_quick_writes_results(tmp_path):
         assert claim["wins"] + claim["losses"] <= claim["groups"]
         assert 0.0 <= claim["p"] <= 1.0
     assert res["claims"].keys() == saved["claims"].keys()
+
+
+def test_balance_quick_writes_results(tmp_path):
+    """examples/balance.py --quick: per batch the gradient norm of each p_old bucket (a bucket
+    with tokens has a positive norm, an empty one 0) and each variant's share of positive-
+    advantage high-probability tokens moving up, in [0, 1]."""
+    import balance
+
+    balance.main(["--quick", "--out", str(tmp_path)])
+    saved = json.load(open(tmp_path / "balance.json"))
+    assert saved["batches"] == 2 == len(saved["rows"])
+    for row in saved["rows"]:
+        assert len(row["buckets"]) == len(balance.EDGES) - 1
+        for norm, count in row["buckets"]:
+            assert (norm > 0) == (count > 0) and math.isfinite(norm)
+        for v in balance.VARIANTS:
+            share = row[v]["pos_high_up"]
+            assert share is None or 0.0 <= share <= 1.0
+    assert set(saved["summary"]["claims"]) == {
+        f"{v} - GRPO, share of positive high-p tokens moving up" for v in ("AR", "Lopti")}

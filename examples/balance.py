@@ -1,0 +1,223 @@
+"""AR / Lopti's gradient-balance measurements (arXiv 2505.12929, Fig. 1(c-f) and Fig. 3), with one
+SGD step, on the scratchpad task.
+
+    python examples/balance.py            # 40 batches, a few minutes on one core
+    python examples/balance.py --quick    # 2 batches (the test suite)
+
+From one fixed checkpoint (the shipped scratchpad-add3), each batch: 16 questions x 8 answers
+sampled at the demo's temperature (3; the loss and the probabilities use the same), group
+advantages, old log-probs on-policy. Then, from the same weights each time:
+
+- **Fig. 1(d)**: the norm of the *parameter* gradient of the GRPO loss when only the tokens of
+  one ``p_old`` bucket (edges 0 / 0.25 / 0.5 / 0.75 / 1) keep their advantage (the others get
+  0), the loss's normaliser unchanged — which bucket's tokens dominate the update;
+- **Fig. 1(c, e, f) and Fig. 3**: one SGD step with GRPO, with AR (alpha 0.3), and with Lopti
+  (eta 0.5: its low step then its high step, each an SGD step at the same learning rate), then
+  each token's probability again: the share of the **positive-advantage** tokens with
+  ``p_old > 0.75`` whose probability went up (the paper's Fig. 3 count), and the mean change of
+  probability per bucket and advantage sign.
+
+The claims: low-probability tokens carry most of the parameter-gradient norm per token; with GRPO
+a part of the positive-advantage high-probability tokens moves down; AR and Lopti raise the share
+that moves up. Paired over batches (mean, 95% interval, sign test). Results:
+``<out>/balance.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import gbc_kernels as gbc                         # noqa: E402
+import grpo_trainer as gt                         # noqa: E402
+from displacement import sign_test                # noqa: E402
+from experiments import mean_ci                   # noqa: E402
+from gbc_kernels.integrations import hf           # noqa: E402
+
+EDGES = (0.0, 0.25, 0.5, 0.75, 1.0001)
+HIGH = 0.75
+VARIANTS = ("GRPO", "AR", "Lopti")
+
+
+def _loss(model, roll, args, advantages, ar_alpha=0.0, lopti_eta=None, phase=None):
+    head = hf.lm_head(model)
+    h = hf.completion_hidden(model, roll["seq"], roll["attn"])
+    cfg = gbc.PolicyLossConfig(loss_agg="token-mean", temperature=args.temperature,
+                               ar_alpha=ar_alpha, lopti_eta=lopti_eta)
+    loss, _ = gbc.fused_linear_policy_loss(h, head.weight, roll["targets"], roll["mask"],
+                                           advantages, old_logp=roll["old_logp"],
+                                           bias=head.bias, config=cfg, phase=phase)
+    return loss
+
+
+@torch.no_grad()
+def _logp(model, roll, temperature):
+    head = hf.lm_head(model)
+    h = hf.completion_hidden(model, roll["seq"], roll["attn"])
+    return gbc.fused_linear_logprobs(h, head.weight, roll["targets"], head.bias,
+                                     temperature=temperature)[0]
+
+
+def _sgd(model, loss, lr):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-lr)
+
+
+def grad_norm_by_bucket(model, roll, args):
+    """Fig. 1(d): {bucket: (parameter-gradient norm, tokens in it)}."""
+    p_old = roll["old_logp"].exp()
+    adv = roll["adv"][:, None].expand_as(p_old)
+    out = []
+    for lo, hi in zip(EDGES[:-1], EDGES[1:]):
+        inside = roll["mask"] & (p_old >= lo) & (p_old < hi)
+        loss = _loss(model, roll, args, torch.where(inside, adv, torch.zeros_like(adv)))
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters()
+                             if p.grad is not None))
+        out.append((norm, int(inside.sum())))
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def step_and_measure(model, roll, args, variant):
+    """One update (Lopti: its two steps) from the current weights; the per-token change of
+    probability; the weights are restored."""
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    if variant == "GRPO":
+        _sgd(model, _loss(model, roll, args, roll["adv"]), args.lr)
+    elif variant == "AR":
+        _sgd(model, _loss(model, roll, args, roll["adv"], ar_alpha=args.ar_alpha), args.lr)
+    else:
+        for phase in ("low", "high"):
+            _sgd(model, _loss(model, roll, args, roll["adv"], lopti_eta=args.lopti_eta,
+                              phase=phase), args.lr)
+    dp = _logp(model, roll, args.temperature).exp() - roll["old_logp"].exp()
+    model.load_state_dict(saved)
+    return dp
+
+
+def measure_batch(model, roll, args):
+    p_old = roll["old_logp"].exp()
+    m = roll["mask"]
+    adv = roll["adv"][:, None].expand_as(p_old)
+    pos_high = m & (adv > 0) & (p_old > HIGH)
+    neg_high = m & (adv < 0) & (p_old > HIGH)
+    row = {"buckets": grad_norm_by_bucket(model, roll, args),
+           "pos_high_tokens": int(pos_high.sum()), "neg_high_tokens": int(neg_high.sum())}
+    for v in VARIANTS:
+        dp = step_and_measure(model, roll, args, v)
+        row[v] = {
+            "pos_high_up": float((dp[pos_high] > 0).float().mean()) if pos_high.any() else None,
+            "neg_high_down": float((dp[neg_high] < 0).float().mean()) if neg_high.any() else None,
+            "dp_by_bucket": [[float(dp[m & (p_old >= lo) & (p_old < hi) & sel].mean())
+                              if (m & (p_old >= lo) & (p_old < hi) & sel).any() else None
+                              for lo, hi in zip(EDGES[:-1], EDGES[1:])]
+                             for sel in (adv > 0, adv < 0)],
+        }
+    return row
+
+
+def summarise(rows):
+    nb = len(EDGES) - 1
+    norms = [[r["buckets"][k][0] for r in rows] for k in range(nb)]
+    counts = [[r["buckets"][k][1] for r in rows] for k in range(nb)]
+    per_token = [[n / c for n, c in zip(norms[k], counts[k]) if c > 0] for k in range(nb)]
+    out = {"grad_norm_by_bucket": [mean_ci(x) for x in norms],
+           "grad_norm_per_token_by_bucket": [mean_ci(x) for x in per_token],
+           "tokens_by_bucket": [statistics.mean(c) for c in counts]}
+    for v in VARIANTS:
+        out[f"{v} pos_high_up"] = mean_ci([r[v]["pos_high_up"] for r in rows
+                                           if r[v]["pos_high_up"] is not None])
+    claims = {}
+    for v in ("AR", "Lopti"):
+        diffs = [r[v]["pos_high_up"] - r["GRPO"]["pos_high_up"] for r in rows
+                 if r["GRPO"]["pos_high_up"] is not None]
+        w, l, p = sign_test(diffs)
+        m, h = mean_ci(diffs)
+        claims[f"{v} - GRPO, share of positive high-p tokens moving up"] = dict(
+            mean=m, ci95=h, wins=w, losses=l, p=p,
+            verdict=("reproduced" if p < 0.05 and w > l else
+                     "not reproduced" if p < 0.05 and l > w else "inconclusive"))
+    out["claims"] = claims
+    return out
+
+
+def run(batches, args, log=print):
+    import pretrain_scratchpad as ps
+
+    model, tok, meta = ps.load(args.checkpoint or ps.CHECKPOINT)
+    task = gt.ScratchpadAdditionTask(int(meta["digits"]), tok,
+                                     reversed_prompt=bool(meta.get("reversed_prompt", False)))
+    targs = gt.build_args(["--task", "scratchpad", "--prompts", str(args.prompts), "--group",
+                           str(args.group), "--temperature", str(args.temperature), "--quiet"])
+    targs.max_len = task.max_answer_tokens
+    rng = random.Random(args.seed)
+    torch.manual_seed(args.seed)
+    model.eval()
+    rows = []
+    for b in range(batches):
+        roll = gt.rollout(model, model, task, tok, targs, rng)
+        model.eval()
+        rows.append(measure_batch(model, roll, args))
+        if (b + 1) % 10 == 0:
+            log(f"{b + 1} batches")
+    return dict(batches=len(rows), summary=summarise(rows), rows=rows, settings=vars(args))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="2 batches (the test suite)")
+    ap.add_argument("--batches", type=int, default=40)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--temperature", type=float, default=3.0)
+    ap.add_argument("--lr", type=float, default=0.1, help="the SGD steps' learning rate")
+    ap.add_argument("--ar-alpha", type=float, default=0.3)
+    ap.add_argument("--lopti-eta", type=float, default=0.5)
+    ap.add_argument("--checkpoint", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None,
+                    help="None: docs/experiments (runs/experiments with --quick)")
+    args = ap.parse_args(argv)
+    batches = 2 if args.quick else args.batches
+    out = args.out or os.path.join(os.path.dirname(HERE), "runs/experiments" if args.quick
+                                   else "docs/experiments")
+    os.makedirs(out, exist_ok=True)
+    res = run(batches, args)
+    with open(os.path.join(out, "balance.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    s = res["summary"]
+    print(f"{res['batches']} batches; per p_old bucket {EDGES[:-1]}..: tokens "
+          f"{[round(x, 1) for x in s['tokens_by_bucket']]}")
+    print("  parameter-gradient norm:   " +
+          ", ".join(f"{m:.4f} ± {h:.4f}" for m, h in s["grad_norm_by_bucket"]))
+    print("  the same per token:        " +
+          ", ".join(f"{m:.2e} ± {h:.1e}" for m, h in s["grad_norm_per_token_by_bucket"]))
+    for v in VARIANTS:
+        m, h = s[f"{v} pos_high_up"]
+        print(f"  {v:6s} share of positive-advantage p_old > {HIGH} tokens moving up: "
+              f"{m:.3f} ± {h:.3f}")
+    for k, c in s["claims"].items():
+        print(f"  {k}: {c['mean']:+.3f} ± {c['ci95']:.3f}, {c['wins']} wins / {c['losses']} "
+              f"losses, sign test p = {c['p']:.3g}: {c['verdict']}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
