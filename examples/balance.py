@@ -3,6 +3,7 @@ SGD step, on the scratchpad task.
 
     python examples/balance.py            # 40 batches, a few minutes on one core
     python examples/balance.py --quick    # 2 batches (the test suite)
+    python examples/balance.py --accuracy 0,1,2,3,4,5,6,7,8,9   # training runs, paired seeds
 
 From one fixed checkpoint (the shipped scratchpad-add3), each batch: 16 questions x 8 answers
 sampled at the demo's temperature (3; the loss and the probabilities use the same), group
@@ -179,10 +180,62 @@ def run(batches, args, log=print):
     return dict(batches=len(rows), summary=summarise(rows), rows=rows, settings=vars(args))
 
 
+# the paper's loss settings (clip 0.2/0.24, dual clip 10, low-variance KL 0.001, alpha 0.3,
+# eta 0.5); the temperature is the demo's 3, not the paper's 0.7 (module docstring)
+PAPER_LOSS = ["--epsilon-low", "0.2", "--epsilon-high", "0.24", "--dual-clip", "10",
+              "--kl-coef", "0.001", "--kl-estimator", "low_var_kl"]
+ACCURACY_VARIANTS = {"GRPO": [], "AR": ["--ar-alpha", "0.3"], "Lopti": ["--lopti-eta", "0.5"]}
+
+
+def accuracy_runs(seeds, out, quick=False, log=print):
+    """GRPO / +AR / +Lopti training runs from the shipped checkpoint (the demo's task and
+    temperature, the paper's loss settings), one per seed and variant; returns and writes
+    ``<out>/balance_accuracy_<first seed>.json``."""
+    rows = []
+    for seed in seeds:
+        for name, extra in ACCURACY_VARIANTS.items():
+            argv = ["--seed", str(seed), "--quiet", "--out",
+                    os.path.join(out, "runs", f"{name}-{seed}")] + PAPER_LOSS + extra
+            if quick:
+                argv += ["--steps", "2", "--prompts", "2", "--group", "4", "--eval-size", "8"]
+            final = gt.train(gt.build_args(argv), log=lambda *a: None)[-1]
+            rows.append(dict(seed=seed, variant=name, sampled_before=final["eval_sampled_before"],
+                             sampled_after=final["eval_sampled_after"],
+                             greedy_after=final["eval_after"]))
+            log(f"seed {seed} {name}: sampled {final['eval_sampled_before']:.3f} -> "
+                f"{final['eval_sampled_after']:.3f}")
+    path = os.path.join(out, f"balance_accuracy_{seeds[0]}.json")
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+    return rows
+
+
+def accuracy_summary(rows):
+    """Paired over seeds: AR - GRPO and Lopti - GRPO of the sampled accuracy after RL."""
+    by = {(r["seed"], r["variant"]): r for r in rows}
+    seeds = sorted({r["seed"] for r in rows})
+    out = {"seeds": seeds}
+    for v in ACCURACY_VARIANTS:
+        out[v] = mean_ci([by[s, v]["sampled_after"] for s in seeds if (s, v) in by])
+    for v in ("AR", "Lopti"):
+        diffs = [by[s, v]["sampled_after"] - by[s, "GRPO"]["sampled_after"] for s in seeds
+                 if (s, v) in by and (s, "GRPO") in by]
+        m, h = mean_ci(diffs)
+        w, l, p = sign_test(diffs)
+        out[f"{v} - GRPO"] = dict(mean=m, ci95=h, wins=w, losses=l, p=p, seeds=len(diffs),
+                                 verdict=("reproduced" if m - h > 0 else
+                                          "not reproduced" if m + h < 0 else "inconclusive"))
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 batches (the test suite)")
+    ap.add_argument("--accuracy", default=None, metavar="SEEDS",
+                    help="instead: GRPO / +AR / +Lopti training runs for these comma-separated "
+                         "seeds (the paper's loss settings), then the paired summary over every "
+                         "balance_accuracy_*.json in the output folder")
     ap.add_argument("--batches", type=int, default=40)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=8)
@@ -199,6 +252,16 @@ def main(argv=None):
     out = args.out or os.path.join(os.path.dirname(HERE), "runs/experiments" if args.quick
                                    else "docs/experiments")
     os.makedirs(out, exist_ok=True)
+    if args.accuracy is not None:
+        import glob
+        seeds = [int(x) for x in args.accuracy.split(",") if x.strip()]
+        if seeds:            # none: only the summary of the runs already there
+            accuracy_runs(seeds, out, args.quick)
+        rows = [r for f in sorted(glob.glob(os.path.join(out, "balance_accuracy_*.json")))
+                for r in json.load(open(f))]
+        summary = accuracy_summary(rows)
+        print(json.dumps(summary, indent=1))
+        return summary
     res = run(batches, args)
     with open(os.path.join(out, "balance.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -100,6 +100,8 @@ def build_args(argv=None):
     rl.add_argument("--epsilon-low", type=float, default=0.2, help="PPO clip, lower side")
     rl.add_argument("--epsilon-high", type=float, default=0.28,
                     help="PPO clip, upper side (DAPO clip-higher)")
+    rl.add_argument("--dual-clip", type=float, default=None,
+                    help="dual-clip bound c > 1 on negative-advantage ratios (None: off)")
     rl.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty coefficient beta")
     rl.add_argument("--kl-estimator", default="k2", choices=list(gbc.config.KL_ESTIMATORS),
                     help="per-token KL estimator")
@@ -238,6 +240,7 @@ def sft(model, task, args, log, harder=None):
 
 def loss_config(args, lib):
     return lib.PolicyLossConfig(epsilon_low=args.epsilon_low, epsilon_high=args.epsilon_high,
+                                clip_ratio_c=args.dual_clip,
                                 loss_agg=args.loss_agg, temperature=args.temperature,
                                 kl_coef=args.kl_coef, kl_estimator=args.kl_estimator,
                                 entropy_coef=args.entropy_coef, ar_alpha=args.ar_alpha,

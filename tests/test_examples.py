@@ -256,3 +256,22 @@ def test_balance_quick_writes_results(tmp_path):
             assert share is None or 0.0 <= share <= 1.0
     assert set(saved["summary"]["claims"]) == {
         f"{v} - GRPO, share of positive high-p tokens moving up" for v in ("AR", "Lopti")}
+
+
+@pytest.mark.slow
+def test_balance_accuracy_quick_pairs_seeds(tmp_path):
+    """examples/balance.py --accuracy: GRPO / +AR / +Lopti training runs per seed with the
+    paper's loss settings, summarised as paired differences over the seeds."""
+    import balance
+
+    summary = balance.main(["--accuracy", "0,1", "--quick", "--out", str(tmp_path)])
+    assert summary["seeds"] == [0, 1]
+    for v in ("AR", "Lopti"):
+        d = summary[f"{v} - GRPO"]
+        assert d["seeds"] == 2 and d["wins"] + d["losses"] <= 2
+        assert d["verdict"] in ("reproduced", "not reproduced", "inconclusive")
+    rows = json.load(open(tmp_path / "balance_accuracy_0.json"))
+    assert {(r["seed"], r["variant"]) for r in rows} == {
+        (s, v) for s in (0, 1) for v in ("GRPO", "AR", "Lopti")}
+    for r in rows:
+        assert 0.0 <= r["sampled_after"] <= 1.0
