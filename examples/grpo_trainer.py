@@ -433,8 +433,9 @@ def train(args, log=print, model=None, tok=None, tasks=None, hooks=None):
         for kind in ("greedy", "sampled"):
             log(f"RL task {kind} accuracy: before {acc0[kind]:.3f} -> after {acc1[kind]:.3f}")
             if f"{kind}_new" in acc0:
-                log(f"  operands of {rl_task.digits} digits (new): {acc0[kind + '_new']:.3f} -> "
-                    f"{acc1[kind + '_new']:.3f}; shorter (pre-trained): "
+                new = " (new)" if rl_task.digits > args.digits else ""
+                log(f"  operands of {rl_task.digits} digits{new}: {acc0[kind + '_new']:.3f} -> "
+                    f"{acc1[kind + '_new']:.3f}; shorter: "
                     f"{acc0[kind + '_known']:.3f} -> {acc1[kind + '_known']:.3f}")
         final = dict(eval_before=acc0["greedy"], eval_after=acc1["greedy"],
                      eval_sampled_before=acc0["sampled"], eval_sampled_after=acc1["sampled"])
