@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import os
-import random
 import statistics
 import sys
 
@@ -41,7 +40,8 @@ sys.path.insert(0, HERE)
 
 import gbc_kernels as gbc                         # noqa: E402
 import grpo_trainer as gt                         # noqa: E402
-from displacement import sign_test                # noqa: E402
+from displacement import (fixed_setup, output_dir, restored,   # noqa: E402
+                          sign_test, sgd_step)
 from experiments import mean_ci                   # noqa: E402
 from gbc_kernels.integrations import hf           # noqa: E402
 
@@ -69,15 +69,6 @@ def _logp(model, roll, temperature):
                                      temperature=temperature)[0]
 
 
-def _sgd(model, loss, lr):
-    model.zero_grad(set_to_none=True)
-    loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p.add_(p.grad, alpha=-lr)
-
-
 def grad_norm_by_bucket(model, roll, args):
     """Fig. 1(d): {bucket: (parameter-gradient norm, tokens in it)}."""
     p_old = roll["old_logp"].exp()
@@ -98,18 +89,17 @@ def grad_norm_by_bucket(model, roll, args):
 def step_and_measure(model, roll, args, variant):
     """One update (Lopti: its two steps) from the current weights; the per-token change of
     probability; the weights are restored."""
-    saved = {k: v.clone() for k, v in model.state_dict().items()}
-    if variant == "GRPO":
-        _sgd(model, _loss(model, roll, args, roll["adv"]), args.lr)
-    elif variant == "AR":
-        _sgd(model, _loss(model, roll, args, roll["adv"], ar_alpha=args.ar_alpha), args.lr)
-    else:
-        for phase in ("low", "high"):
-            _sgd(model, _loss(model, roll, args, roll["adv"], lopti_eta=args.lopti_eta,
-                              phase=phase), args.lr)
-    dp = _logp(model, roll, args.temperature).exp() - roll["old_logp"].exp()
-    model.load_state_dict(saved)
-    return dp
+    with restored(model):
+        if variant == "GRPO":
+            sgd_step(model, _loss(model, roll, args, roll["adv"]), args.lr)
+        elif variant == "AR":
+            sgd_step(model, _loss(model, roll, args, roll["adv"], ar_alpha=args.ar_alpha),
+                     args.lr)
+        else:
+            for phase in ("low", "high"):
+                sgd_step(model, _loss(model, roll, args, roll["adv"],
+                                      lopti_eta=args.lopti_eta, phase=phase), args.lr)
+        return _logp(model, roll, args.temperature).exp() - roll["old_logp"].exp()
 
 
 def measure_batch(model, roll, args):
@@ -159,16 +149,7 @@ def summarise(rows):
 
 
 def run(batches, args, log=print):
-    import pretrain_scratchpad as ps
-
-    model, tok, meta = ps.load(args.checkpoint or ps.CHECKPOINT)
-    task = gt.ScratchpadAdditionTask(int(meta["digits"]), tok,
-                                     reversed_prompt=bool(meta.get("reversed_prompt", False)))
-    targs = gt.build_args(["--task", "scratchpad", "--prompts", str(args.prompts), "--group",
-                           str(args.group), "--temperature", str(args.temperature), "--quiet"])
-    targs.max_len = task.max_answer_tokens
-    rng = random.Random(args.seed)
-    torch.manual_seed(args.seed)
+    model, tok, task, targs, rng = fixed_setup(args, args.prompts)
     model.eval()
     rows = []
     for b in range(batches):
@@ -249,9 +230,7 @@ def main(argv=None):
                     help="None: docs/experiments (runs/experiments with --quick)")
     args = ap.parse_args(argv)
     batches = 2 if args.quick else args.batches
-    out = args.out or os.path.join(os.path.dirname(HERE), "runs/experiments" if args.quick
-                                   else "docs/experiments")
-    os.makedirs(out, exist_ok=True)
+    out = output_dir(args)
     if args.accuracy is not None:
         import glob
         seeds = [int(x) for x in args.accuracy.split(",") if x.strip()]

@@ -24,6 +24,7 @@ the random control (it is the choice of tokens, not their number). Results: ``<o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -45,6 +46,51 @@ VARIANTS = ("GRPO", "positive-only", "NTHR", "random")
 CLAIMS = (("positive-only", "GRPO", +1), ("NTHR", "GRPO", +1), ("NTHR", "random", +1))
 
 
+def fixed_setup(args, prompts, extra=()):
+    """The shipped checkpoint (or ``args.checkpoint``), its task, the trainer's arguments for
+    ``prompts`` questions of ``args.group`` answers at ``args.temperature``, and the seeded RNG:
+    what both of the papers' one-step protocols start from."""
+    import pretrain_scratchpad as ps
+
+    model, tok, meta = ps.load(args.checkpoint or ps.CHECKPOINT)
+    task = gt.ScratchpadAdditionTask(int(meta["digits"]), tok,
+                                     reversed_prompt=bool(meta.get("reversed_prompt", False)))
+    targs = gt.build_args(["--task", "scratchpad", "--prompts", str(prompts), "--group",
+                           str(args.group), "--temperature", str(args.temperature), "--quiet",
+                           *extra])
+    targs.max_len = task.max_answer_tokens
+    torch.manual_seed(args.seed)
+    return model, tok, task, targs, random.Random(args.seed)
+
+
+def sgd_step(model, loss, lr):
+    """One plain SGD step of ``loss``."""
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-lr)
+
+
+@contextlib.contextmanager
+def restored(model):
+    """Run the block, then put the model's weights back as they were."""
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        yield
+    finally:
+        model.load_state_dict(saved)
+
+
+def output_dir(args):
+    """``--out``, else docs/experiments (runs/experiments with ``--quick``); created."""
+    out = args.out or os.path.join(os.path.dirname(HERE), "runs/experiments" if args.quick
+                                   else "docs/experiments")
+    os.makedirs(out, exist_ok=True)
+    return out
+
+
 @torch.no_grad()
 def correct_loglik(model, roll):
     """Mean over the correct answers of their per-token mean log-prob (temperature 1)."""
@@ -59,22 +105,16 @@ def correct_loglik(model, roll):
 def one_step(model, roll, scale, args):
     """The change of the correct answers' likelihood after one SGD step on this group with
     ``token_scale = scale``; the weights are restored afterwards."""
-    saved = {k: v.clone() for k, v in model.state_dict().items()}
     before = correct_loglik(model, roll)
-    head = hf.lm_head(model)
-    h = hf.completion_hidden(model, roll["seq"], roll["attn"])
-    cfg = gbc.PolicyLossConfig(loss_agg="token-mean", temperature=args.temperature)
-    loss, _ = gbc.fused_linear_policy_loss(h, head.weight, roll["targets"], roll["mask"],
-                                           roll["adv"], old_logp=roll["old_logp"],
-                                           bias=head.bias, token_scale=scale, config=cfg)
-    model.zero_grad(set_to_none=True)
-    loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p.add_(p.grad, alpha=-args.lr)
-    after = correct_loglik(model, roll)
-    model.load_state_dict(saved)
+    with restored(model):
+        head = hf.lm_head(model)
+        h = hf.completion_hidden(model, roll["seq"], roll["attn"])
+        cfg = gbc.PolicyLossConfig(loss_agg="token-mean", temperature=args.temperature)
+        loss, _ = gbc.fused_linear_policy_loss(h, head.weight, roll["targets"], roll["mask"],
+                                               roll["adv"], old_logp=roll["old_logp"],
+                                               bias=head.bias, token_scale=scale, config=cfg)
+        sgd_step(model, loss, args.lr)
+        after = correct_loglik(model, roll)
     return after - before
 
 
@@ -106,16 +146,7 @@ def sign_test(diffs):
 
 
 def run(groups, args, log=print):
-    import pretrain_scratchpad as ps
-
-    model, tok, meta = ps.load(args.checkpoint or ps.CHECKPOINT)
-    task = gt.ScratchpadAdditionTask(int(meta["digits"]), tok,
-                                     reversed_prompt=bool(meta.get("reversed_prompt", False)))
-    targs = gt.build_args(["--task", "scratchpad", "--prompts", "1", "--group", str(args.group),
-                           "--temperature", str(args.temperature), "--nthr", "--quiet"])
-    targs.max_len = task.max_answer_tokens
-    rng = random.Random(args.seed)
-    torch.manual_seed(args.seed)
+    model, tok, task, targs, rng = fixed_setup(args, 1, ["--nthr"])
     rows, tried = [], 0
     while len(rows) < groups:
         tried += 1
@@ -167,9 +198,7 @@ def main(argv=None):
                     help="None: docs/experiments (runs/experiments with --quick)")
     args = ap.parse_args(argv)
     groups = 6 if args.quick else args.groups
-    out = args.out or os.path.join(os.path.dirname(HERE), "runs/experiments" if args.quick
-                                   else "docs/experiments")
-    os.makedirs(out, exist_ok=True)
+    out = output_dir(args)
     res = run(groups, args)
     with open(os.path.join(out, "displacement.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -172,10 +172,13 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
         col = torch.searchsorted(vstar, y)
         w_v = weight.index_select(0, vstar).float()
         b_v = None if bias is None else bias.index_select(0, vstar).float()
-        lse = (_lse_from_logp(h_all, tok, y, weight, bias, logp, temperature, logit_softcap)
-               if logp is not None or tok.numel() == 0 else
-               stats_sweep(h_all.index_select(0, tok), weight, bias, y, be, temperature, False,
-                           softcap=logit_softcap)[2])
+        if tok.numel() == 0:        # none of the group on this rank: it joins the collectives
+            lse = torch.zeros(0, device=device, dtype=torch.float32)
+        elif logp is not None:
+            lse = _lse_from_logp(h_all, tok, y, weight, bias, logp, temperature, logit_softcap)
+        else:
+            lse = stats_sweep(h_all.index_select(0, tok), weight, bias, y, be, temperature,
+                              False, softcap=logit_softcap)[2]
         # chunk: [rows, |V*|] logits/error and [rows, H] temporaries within a quarter budget
         rows = max(1, _chunking.budget_bytes(device) // (16 * (2 * vstar.numel() + 2 * H)))
         row_of = tok // T
@@ -229,8 +232,6 @@ def _lse_from_logp(h_all, tok, y, weight, bias, logp, temperature, logit_softcap
         zy = zy + bias.index_select(0, y).float()
     if logit_softcap is not None:
         zy = zy.div(logit_softcap).tanh().mul(logit_softcap)
-    if logp is None:                # no token here
-        return zy
     return zy / temperature - logp.reshape(-1)[tok].float()
 
 

@@ -466,16 +466,17 @@ class GBCEngineMixin:
 
             def head_fn(hidden2d, rows, inner):
                 h, head = self._head_rows(hidden2d, rows, inner)
+                cap = hf.logit_softcap(inner)
                 with torch.autocast(device_type=h.device.type, enabled=False):
                     lp = gbc.fused_linear_logprobs(
                         h, head.weight, rows.targets, head.bias, temperature=temp,
-                        backend=opts.backend, logit_softcap=hf.logit_softcap(inner))[0]
+                        backend=opts.backend, logit_softcap=cap)[0]
                 if "w" not in keep:   # the lm_head rows NTHR's restricted logits need
                     ids = needed.to(head.weight.device)
                     keep["w"] = head.weight.detach().index_select(0, ids).clone()
                     keep["b"] = (None if head.bias is None else
                                  head.bias.detach().index_select(0, ids).clone())
-                    keep["softcap"] = hf.logit_softcap(inner)
+                    keep["softcap"] = cap
                 return None, h.detach(), rows, lp
 
             _, rows, (_, h, rows, lp), _ = self._gbc_forward(mb, head_fn)
