@@ -209,6 +209,57 @@ def accuracy_summary(rows):
     return out
 
 
+def plot(res, accuracy_rows, path, control=None):
+    """Fig. 1(d): the parameter-gradient norm per p_old bucket; Fig. 3: the share of positive
+    high-probability tokens that move up after one SGD step, per variant (mean ± 95%
+    interval over batches); and, given the training runs, the sampled accuracy after RL per
+    seed (``control``: {seed: accuracy} of GRPO at twice the learning rate)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    s = res["summary"]
+    fig, axes = plt.subplots(1, 3 if accuracy_rows else 2, figsize=(16 if accuracy_rows else 11,
+                                                                   3.8))
+    labels = [f"[{lo:g}, {min(hi, 1):g})" for lo, hi in zip(EDGES[:-1], EDGES[1:])]
+    m, h = zip(*s["grad_norm_by_bucket"])
+    axes[0].bar(labels, m, yerr=h, color="C0", capsize=3)
+    axes[0].set_title("Fig. 1(d): parameter-gradient norm, one p_old bucket's tokens",
+                      fontsize=9)
+    for i, v in enumerate(VARIANTS):
+        mv, hv = s[f"{v} pos_high_up"]
+        axes[1].errorbar([i], [mv], yerr=[hv], fmt="o", color=f"C{i}", capsize=4)
+    axes[1].set_xticks(range(len(VARIANTS)))
+    axes[1].set_xticklabels(VARIANTS)
+    axes[1].set_title(f"Fig. 3: positive tokens with p_old > {HIGH} that move up", fontsize=9)
+    if accuracy_rows:
+        ax = axes[2]
+        seeds = sorted({r["seed"] for r in accuracy_rows})
+        series = {v: {r["seed"]: r["sampled_after"] for r in accuracy_rows if r["variant"] == v}
+                  for v in ACCURACY_VARIANTS}
+        if control:
+            series["GRPO, lr x2"] = {int(k): float(v) for k, v in control.items()}
+        for i, (v, by) in enumerate(series.items()):
+            ax.plot(seeds, [by.get(sd, float("nan")) for sd in seeds], "o-", color=f"C{i}",
+                    label=v, lw=0.8)
+        ax.set_xlabel("seed")
+        ax.set_title("sampled accuracy after 150 RL steps", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def replot(out):
+    """balance.png again from the JSON files in ``out``."""
+    import glob
+    res = json.load(open(os.path.join(out, "balance.json")))
+    rows = [r for f in sorted(glob.glob(os.path.join(out, "balance_accuracy_[0-9]*.json")))
+            for r in json.load(open(f))]
+    ctrl = os.path.join(out, "balance_accuracy_control_grpo_lr2x.json")
+    plot(res, rows, os.path.join(out, "balance.png"),
+         json.load(open(ctrl)) if os.path.exists(ctrl) else None)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -216,7 +267,7 @@ def main(argv=None):
     ap.add_argument("--accuracy", default=None, metavar="SEEDS",
                     help="instead: GRPO / +AR / +Lopti training runs for these comma-separated "
                          "seeds (the paper's loss settings), then the paired summary over every "
-                         "balance_accuracy_*.json in the output folder")
+                         "balance_accuracy_<seed>.json in the output folder")
     ap.add_argument("--batches", type=int, default=40)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=8)
@@ -236,7 +287,7 @@ def main(argv=None):
         seeds = [int(x) for x in args.accuracy.split(",") if x.strip()]
         if seeds:            # none: only the summary of the runs already there
             accuracy_runs(seeds, out, args.quick)
-        rows = [r for f in sorted(glob.glob(os.path.join(out, "balance_accuracy_*.json")))
+        rows = [r for f in sorted(glob.glob(os.path.join(out, "balance_accuracy_[0-9]*.json")))
                 for r in json.load(open(f))]
         summary = accuracy_summary(rows)
         print(json.dumps(summary, indent=1))
@@ -244,6 +295,7 @@ def main(argv=None):
     res = run(batches, args)
     with open(os.path.join(out, "balance.json"), "w") as f:
         json.dump(res, f, indent=1)
+    replot(out)
     s = res["summary"]
     print(f"{res['batches']} batches; per p_old bucket {EDGES[:-1]}..: tokens "
           f"{[round(x, 1) for x in s['tokens_by_bucket']]}")

@@ -181,6 +181,36 @@ def run(groups, args, log=print):
                 rows=rows, settings=vars(args))
 
 
+def plot(res, path):
+    """Left: each variant's per-group change of the correct answers' mean log-likelihood
+    (sorted; symmetric-log scale). Right: the paired comparisons' wins and losses."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 3.8))
+    for i, v in enumerate(res["mean_displacement"]):
+        a.plot(sorted(r[v] for r in res["rows"]), color=f"C{i}", label=v)
+    a.axhline(0, color="k", lw=0.5)
+    a.set_yscale("symlog", linthresh=1e-6)
+    a.set_xlabel("mixed group (sorted by its change)")
+    a.set_title("change of the correct answers' mean log-likelihood, one SGD step", fontsize=9)
+    a.legend(fontsize=7)
+    names = list(res["claims"])
+    wins = [res["claims"][k]["wins"] for k in names]
+    losses = [res["claims"][k]["losses"] for k in names]
+    x = range(len(names))
+    b.bar([i - 0.2 for i in x], wins, width=0.4, color="C2", label="first > second")
+    b.bar([i + 0.2 for i in x], losses, width=0.4, color="C3", label="first < second")
+    b.set_xticks(list(x))
+    b.set_xticklabels(names, fontsize=8)
+    b.set_title(f"paired over {res['groups']} groups (sign test p: " +
+                ", ".join(f"{res['claims'][k]['p']:.0e}" for k in names) + ")", fontsize=9)
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -202,6 +232,7 @@ def main(argv=None):
     res = run(groups, args)
     with open(os.path.join(out, "displacement.json"), "w") as f:
         json.dump(res, f, indent=1)
+    plot(res, os.path.join(out, "displacement.png"))
     print(f"{res['groups']} mixed groups of {res['sampled']} sampled; mean change of the "
           "correct answers' mean log-likelihood after one SGD step:")
     for v, m in res["mean_displacement"].items():

@@ -1,28 +1,27 @@
-"""The three papers' mechanisms, measured at small scale with the example trainer.
+"""The papers' experiments at small scale, in the papers' own protocols, from shipped checkpoints
+(every machine starts from the same weights). docs/experiments.md reports them.
 
-    python examples/experiments.py critical-kl   [--quick] [--seeds 0,1,2,3,4]
-    python examples/experiments.py critical-kl-strong   [--quick] [--seeds ...]
-    python examples/experiments.py nthr          [--quick] [--seeds ...]
-    python examples/experiments.py balance       [--quick] [--seeds ...]
-    python examples/experiments.py all           [--quick]
+    python examples/experiments.py critical-kl  [--quick] [--seeds 0,...,9]  # ~25 min, 2 cores
+    python examples/experiments.py calibrate    [--quick] [--seeds 0,1,2]    # the KL coefficient
+    python examples/experiments.py displacement [--quick]    # NTHR (examples/displacement.py)
+    python examples/experiments.py balance      [--quick]    # AR/Lopti (examples/balance.py)
+    python examples/experiments.py all          [--quick]
+    python examples/experiments.py report                    # tables and plots from the JSON
 
-Every run: a tiny Qwen2 learns 1-digit sums by a supervised warm-up (shared by the variants of a
-seed), then GRPO on 2-digit sums (examples/grpo_trainer.py, imported, with a measurement hook
-around each update). Per seed and variant the final metrics and the curves go to
-``<out>/results.json`` (one entry per experiment, variant and seed), plots to ``<out>/*.png``.
-The full mode writes to docs/experiments/ (docs/experiments.md reads them); ``--quick`` (a few
-minutes, for the test suite) to runs/experiments/.
+**critical-kl** (Vassoyan et al.'s prioritised KL). The checkpoint
+``examples/checkpoints/scratchpad-carry3`` is the demo's scratchpad model pre-trained on sums of
+1-3-digit operands of which only a few (0.X%) carry out of their last column (the sum one digit
+longer than both operands). RL samples only such sums: every answer holds one critical token,
+the carry-out digit, where the pre-trained model is unsure, and is otherwise right. GRPO, 150
+steps of 16 prompts x 8, sampling and loss at temperature 2, k2 KL; three variants per seed from
+the same checkpoint: no KL, uniform KL (coefficient calibrated by ``calibrate``: the smallest
+that costs >= 10 points of accuracy against no KL), critical-token KL (the same coefficient, each
+token's KL weighted by the reference's max-probability certainty at temperature 4 to the power
+gamma). Per run: sampled and greedy accuracy on the RL sums and on the checkpoint's own sums
+(what the KL protects), and every 10 steps the probability of the right token at the critical
+position of 64 fixed probe sums. Results: ``<out>/critical_kl.json``, ``critical-kl.png``.
 
-1. critical-kl (KL coefficient 0.1) and critical-kl-strong (1.0): no KL vs uniform KL vs
-   critical-token KL (certainty max_prob and entropy), the KL weight on the carry-or-EOS
-   decision token (the one a 1-digit model has never had to make) against the other answer
-   tokens.
-2. nthr: likelihood displacement measured directly: per step, the change of the summed
-   log-likelihood of the batch's correct responses caused by that step's update (same batch,
-   before vs after), for GRPO and GRPO + NTHR.
-3. balance: the logit-gradient norm of the loss by p_old bucket (the AR/Lopti paper's first
-   observation) and, per step, whether the high-probability tokens' probabilities move in the
-   direction of their advantage, for GRPO, +AR and +Lopti.
+``--quick`` (the test suite) runs 3 steps of 4 x 4 per variant and writes to runs/experiments.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import copy
 import json
 import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -42,140 +42,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import grpo_trainer as gt                          # noqa: E402
-import gbc_kernels as gbc                          # noqa: E402
-from gbc_kernels.integrations import hf            # noqa: E402
+import pretrain_scratchpad as ps                   # noqa: E402
+from grpo_tasks import ScratchpadAdditionTask      # noqa: E402
 
-# p_old buckets of the balance experiment
-BUCKETS = (0.0, 0.25, 0.5, 0.75, 1.0001)
-HIGH_P = 0.75
-
-def _kl_variants(coef: float) -> dict:
-    """No KL, uniform KL at ``coef``, critical-token KL at ``coef`` (gamma 150, both
-    certainty kinds); every run uses the k2 estimator (``base_args``)."""
-    critical = dict(kl_coef=coef, critical_kl_exponent=150.0)
-    return {"no KL": dict(kl_coef=0.0), "uniform KL": dict(kl_coef=coef),
-            "critical KL (max_prob)": dict(critical, critical_kl_certainty="max_prob"),
-            "critical KL (entropy)": dict(critical, critical_kl_certainty="entropy")}
+CHECKPOINT = os.path.join(HERE, "checkpoints", "scratchpad-carry3")
+# the calibrated coefficient (``calibrate``) and the certainty exponent (module docstring)
+KL_COEF = 1.0
+GAMMA = 10.0
+CALIBRATION_COEFS = (0.3, 1.0, 3.0, 10.0)
 
 
-# experiment -> {variant: the options it changes}
-EXPERIMENTS = {
-    "critical-kl": _kl_variants(0.1),
-    # the same with a KL penalty strong enough to hold RL back
-    "critical-kl-strong": _kl_variants(1.0),
-    "nthr": {"GRPO": dict(), "GRPO + NTHR": dict(nthr=True)},
-    "balance": {"GRPO": dict(), "+AR": dict(ar_alpha=0.3), "+Lopti": dict(lopti_eta=0.5)},
-}
-
-
-# ---------------------------------------------------------------------------------------------
-# measurement hooks (grpo_trainer.train calls before/after around every update)
-# ---------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def token_logp(model, roll, temperature):
-    """log p of every target token under ``model`` now, [B, T] (0 off the mask)."""
-    head = hf.lm_head(model)
-    h = hf.completion_hidden(model, roll["seq"], roll["attn"])
-    logp, _ = gbc.fused_linear_logprobs(h, head.weight, roll["targets"], head.bias,
-                                        temperature=temperature)
-    return torch.where(roll["mask"], logp, torch.zeros_like(logp))
-
-
-class CriticalKLHook:
-    """The KL weight on the carry-or-EOS decision token vs the other answer tokens."""
-
-    def __init__(self, digits):
-        self.decision = digits          # answer index of the carry digit / EOS decision
-        self.weights = {"decision": [], "other": []}
-
-    def before(self, model, roll, args):
-        return None
-
-    def after(self, model, roll, args, state, metrics):
-        w = roll["kl_weight"]
-        if w is None:
-            return {}
-        mask = roll["mask"]
-        start = int(mask.float().argmax(1).min())      # the first completion position
-        pos = torch.arange(mask.shape[1]) - start
-        dec = mask & (pos == self.decision)[None, :]
-        other = mask & ~dec
-        self.weights["decision"] += w[dec].tolist()
-        self.weights["other"] += w[other].tolist()
-        return {"klw_decision": float(w[dec].mean()) if dec.any() else float("nan"),
-                "klw_other": float(w[other].mean()) if other.any() else float("nan")}
-
-
-class DisplacementHook:
-    """Change of the summed log-likelihood of the batch's correct responses by one update."""
-
-    def before(self, model, roll, args):
-        return token_logp(model, roll, args.temperature)
-
-    def after(self, model, roll, args, state, metrics):
-        correct = roll["correct"]
-        if not correct.any():
-            return {"ll_correct_delta": float("nan"), "n_correct": 0}
-        now = token_logp(model, roll, args.temperature)
-        rows = correct.nonzero()[:, 0]
-        delta = float((now[rows] - state[rows]).sum())
-        return {"ll_correct_delta": delta, "n_correct": int(rows.numel())}
-
-
-class BalanceHook:
-    """Per step: the share of the loss's logit-gradient norm (and of the tokens) in each p_old
-    bucket, at the parameters before the update; after it, the share of high-probability
-    tokens whose probability moved in the direction of their advantage."""
-
-    def before(self, model, roll, args):
-        head = hf.lm_head(model)
-        with torch.no_grad():
-            h = hf.completion_hidden(model, roll["seq"], roll["attn"])
-            z0 = h @ head.weight.T + (0 if head.bias is None else head.bias)
-        z = z0.detach().requires_grad_(True)
-        logp = torch.log_softmax(z / args.temperature, -1).gather(
-            -1, roll["targets"].unsqueeze(-1)).squeeze(-1)
-        # the loss of this variant without Lopti's phase split: per token, Lopti's two phases
-        # together apply exactly this gradient (each token in one phase)
-        cfg = gt.loss_config(args, gbc)
-        cfg = gbc.PolicyLossConfig(**{**cfg.__dict__, "lopti_eta": None})
-        loss, _ = gbc.policy_loss(logp, roll["mask"], roll["adv"], roll["old_logp"],
-                                  roll["ref_logp"], token_scale=roll["token_scale"],
-                                  kl_weight=roll["kl_weight"], config=cfg)
-        (gz,) = torch.autograd.grad(loss, z)
-        norm = gz.norm(dim=-1)                                  # per token
-        return {"norm": norm, "logp": token_logp(model, roll, args.temperature)}
-
-    def after(self, model, roll, args, state, metrics):
-        mask = roll["mask"]
-        p_old = roll["old_logp"].exp()
-        norm = state["norm"]
-        out = {}
-        total = float(norm[mask].sum()) or 1.0
-        for lo, hi in zip(BUCKETS[:-1], BUCKETS[1:]):
-            sel = mask & (p_old >= lo) & (p_old < hi)
-            key = f"{lo:.2f}-{min(hi, 1.0):.2f}"
-            out[f"grad_share[{key}]"] = float(norm[sel].sum()) / total
-            out[f"token_share[{key}]"] = float(sel.sum()) / max(1, int(mask.sum()))
-        now = token_logp(model, roll, args.temperature)
-        dp = now.exp() - state["logp"].exp()
-        adv = roll["adv"][:, None].expand_as(dp)
-        high = mask & (p_old >= HIGH_P) & (adv != 0)
-        if high.any():
-            right = (torch.sign(dp[high]) == torch.sign(adv[high])).float().mean()
-            out["high_right_direction"] = float(right)
-            out["high_dp_signed"] = float((dp[high] * torch.sign(adv[high])).mean())
-        else:
-            out["high_right_direction"] = out["high_dp_signed"] = float("nan")
-        return out
-
-
-def make_hook(name, args):
-    if name.startswith("critical-kl"):
-        return CriticalKLHook(args.digits + 1)
-    return DisplacementHook() if name == "nthr" else BalanceHook()
+def variants(coef=KL_COEF, gamma=GAMMA, w_other=None) -> dict:
+    """No KL, uniform KL, critical-token KL at the same coefficient (the paper's comparison)
+    and, with ``w_other`` (the reference's mean weight on the answers' other tokens), critical
+    KL at ``coef / w_other``: the same KL as uniform on an average ordinary token, less on the
+    critical one."""
+    out = {"no KL": dict(kl_coef=0.0),
+           "uniform KL": dict(kl_coef=coef),
+           "critical KL": dict(kl_coef=coef, critical_kl_exponent=gamma)}
+    if w_other is not None:
+        out["critical KL, matched"] = dict(kl_coef=coef / w_other, critical_kl_exponent=gamma)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,8 +77,7 @@ _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 
 def t975(df: int) -> float:
     if df <= 0:
         return float("nan")
-    keys = sorted(_T975)
-    return _T975[max(k for k in keys if k <= df)] if df < 30 else 1.96 + 2.4 / df
+    return _T975[max(k for k in _T975 if k <= df)] if df < 30 else 1.96 + 2.4 / df
 
 
 def mean_ci(xs):
@@ -212,11 +98,88 @@ def verdict(diffs, claimed_sign):
     m, h = mean_ci(diffs)
     if not math.isfinite(h):
         return "inconclusive", m, h
-    if claimed_sign * (m - h) > 0 and claimed_sign * (m + h) > 0:
+    if claimed_sign * (m - h) > 0:
         return "reproduced", m, h
-    if claimed_sign * (m - h) < 0 and claimed_sign * (m + h) < 0:
+    if claimed_sign * (m + h) < 0:
         return "not reproduced", m, h
     return "inconclusive", m, h
+
+
+# ---------------------------------------------------------------------------------------------
+# the critical token
+# ---------------------------------------------------------------------------------------------
+
+
+def probe_set(tok, n=64, seed=4321, digits=3):
+    """``n`` fixed sums that carry out, teacher-forced: (ids [n, L], attention mask, the index
+    in ``ids`` of each row's first answer token, and of its critical token: the carry-out
+    digit, one before EOS)."""
+    task = ScratchpadAdditionTask(digits, tok, final_carry=True)
+    seqs, starts = [], []
+    for a, b in task.pairs(n, random.Random(seed)):
+        p = [tok.BOS] + tok.encode(task.prompt_text(a, b))
+        seqs.append(p + tok.encode(task.answer(a, b)) + [tok.EOS])
+        starts.append(len(p))
+    L = max(map(len, seqs))
+    ids = torch.full((n, L), tok.PAD)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+    return ids, (ids != tok.PAD).long(), torch.tensor(starts), \
+        torch.tensor([len(s) - 2 for s in seqs])
+
+
+def _positions(probe):
+    """Masks over the predicted tokens (index t - 1 predicts token t): the critical token, and
+    the other answer tokens (EOS included)."""
+    ids, _, starts, crit = probe
+    t = torch.arange(1, ids.shape[1])[None, :]
+    critical = t == crit[:, None]
+    answer = (t >= starts[:, None]) & (t <= crit[:, None] + 1)
+    return critical, answer & ~critical
+
+
+@torch.no_grad()
+def critical_probs(model, probe, temperature=1.0):
+    """Mean probability of the right token at the critical position, and at the other answer
+    positions, of the probe sums."""
+    ids, attn = probe[:2]
+    was = model.training
+    model.eval()
+    logits = model(ids, attention_mask=attn).logits[:, :-1].float() / temperature
+    model.train(was)
+    p = torch.softmax(logits, -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    critical, other = _positions(probe)
+    return float(p[critical].mean()), float(p[other].mean())
+
+
+@torch.no_grad()
+def kl_weights(model, probe, gamma, temperature=4.0):
+    """The critical-token KL weight J**gamma (J: max probability at ``temperature``) of the
+    reference at the critical position and at the other answer positions of the probe sums."""
+    ids, attn = probe[:2]
+    logits = model(ids, attention_mask=attn).logits[:, :-1].float()
+    w = torch.softmax(logits / temperature, -1).max(-1).values ** gamma
+    critical, other = _positions(probe)
+    return w[critical].tolist(), w[other].tolist()
+
+
+class CriticalTokenHook:
+    """Every ``every`` updates (and before the first), the probability of the right token at
+    the probe sums' critical positions and elsewhere in their answers."""
+
+    def __init__(self, probe, every=10):
+        self.probe, self.every, self.step = probe, every, 0
+        self.curve = []              # (step, p critical, p other)
+
+    def before(self, model, roll, args):
+        if self.step == 0:
+            self.curve.append((0, *critical_probs(model, self.probe)))
+
+    def after(self, model, roll, args, state, metrics):
+        self.step += 1
+        if self.step % self.every == 0:
+            self.curve.append((self.step, *critical_probs(model, self.probe)))
+        return {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,252 +187,256 @@ def verdict(diffs, claimed_sign):
 # ---------------------------------------------------------------------------------------------
 
 
-def base_args(quick, seed, out):
-    argv = ["--task", "add", "--quiet", "--seed", str(seed), "--out", out,
-            "--kl-estimator", "k2"]
-    if quick:
-        argv += ["--sft-steps", "60", "--steps", "3", "--prompts", "4", "--group", "4",
-                 "--eval-size", "20"]
-    else:
-        argv += ["--sft-steps", "1500", "--steps", "200", "--prompts", "16", "--group", "8",
-                 "--eval-size", "300"]
+def base_args(quick, seed, out, checkpoint=None):
+    argv = ["--checkpoint", checkpoint or CHECKPOINT, "--final-carry", "--temperature", "2",
+            "--kl-estimator", "k2", "--critical-kl-certainty", "max_prob",
+            "--critical-kl-temperature", "4", "--quiet", "--seed", str(seed), "--out", out]
+    argv += (["--steps", "3", "--prompts", "4", "--group", "4", "--eval-size", "20"] if quick
+             else ["--steps", "150", "--prompts", "16", "--group", "8", "--eval-size", "300"])
     return gt.build_args(argv)
 
 
-def summarise(name, hist, hook):
-    """The per-seed record: final metrics and curves."""
+def one_run(job):
+    """One (variant, seed) RL run from the checkpoint: its record."""
+    variant, over, seed, quick, checkpoint, runs = job
+    torch.set_num_threads(1)           # one core per run; runs go in parallel (``--jobs``)
+    t0 = time.time()
+    out = os.path.join(runs, f"critical-kl-{variant}-{seed}".replace(" ", "_").replace(",", ""))
+    a = base_args(quick, seed, out, checkpoint)
+    for k, v in over.items():
+        setattr(a, k, v)
+    tok, model, own, rl = gt.setup(a)
+    hook = CriticalTokenHook(probe_set(tok, n=16 if quick else 64), every=1 if quick else 10)
+    hist = gt.train(a, log=lambda *_: None, model=model, tok=tok, tasks=(own, rl), hooks=hook)
+    final = {k: v for k, v in hist[-1].items() if k.startswith("eval_")}
     steps = [h for h in hist if "step" in h]
-    ev = hist[-1]
-    curves = {k: [h.get(k) for h in steps] for k in steps[0] if k not in ("step", "seconds")}
-    final = {k: ev[k] for k in ("eval_before", "eval_after", "eval_sampled_before",
-                                "eval_sampled_after") if k in ev}
-    for k, xs in curves.items():
-        vals = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
-        if vals:
-            final[f"mean_{k}"] = statistics.fmean(vals)
-    if name == "nthr":
-        d = [x for x in curves.get("ll_correct_delta", []) if x is not None and math.isfinite(x)]
-        final["displaced_share"] = sum(x < 0 for x in d) / len(d) if d else float("nan")
-    if isinstance(hook, CriticalKLHook):
-        for part, ws in hook.weights.items():
-            if ws:
-                s = sorted(ws)
-                final[f"klw_{part}_median"] = s[len(s) // 2]
-                final[f"klw_{part}_below_0.5"] = sum(w < 0.5 for w in s) / len(s)
-                final[f"klw_{part}_hist"] = [sum(lo <= w < lo + 0.1 for w in s) / len(s)
-                                             for lo in [i / 10 for i in range(10)]]
-    return final, curves
+    return dict(variant=variant, seed=seed, options=over, final=final,
+                seconds=round(time.time() - t0),
+                curves=dict(accuracy=[h["accuracy"] for h in steps],
+                            kl=[h.get("kl", float("nan")) for h in steps],
+                            probe_step=[c[0] for c in hook.curve],
+                            p_critical=[c[1] for c in hook.curve],
+                            p_other=[c[2] for c in hook.curve]))
 
 
-def run_experiment(name, seeds, quick, out, log=print):
-    variants = EXPERIMENTS[name]
-    records = []
-    # each run's own metrics.jsonl / curves.png: beside a quick run's results, else under runs/
-    # (untracked), not in docs/
+def run(variant_options, seeds, quick, out, log=print, checkpoint=None, jobs=1):
+    """Every variant for every seed, from the same checkpoint, ``jobs`` runs at a time (each
+    on one thread: the results do not depend on ``jobs``): a list of records. Each run's own
+    metrics.jsonl and curves.png go to runs/experiment-runs/ (``<out>/runs`` with ``quick``)."""
     runs = os.path.join(out, "runs") if quick else os.path.join("runs", "experiment-runs")
-    for seed in seeds:
-        t0 = time.time()
-        a0 = base_args(quick, seed, os.path.join(runs, f"{name}-sft-{seed}"))
-        tok, model0, sft_task, rl_task = gt.setup(a0)
-        gt.sft(model0, sft_task, a0, lambda *_: None, harder=rl_task)
-        for variant, over in variants.items():
-            a = copy.copy(a0)
-            for k, v in over.items():
-                setattr(a, k, v)
-            a.out = os.path.join(runs, f"{name}-{variant}-{seed}".replace(" ", "_"))
-            hook = make_hook(name, a)
-            hist = gt.train(a, log=lambda *_: None, model=copy.deepcopy(model0), tok=tok,
-                            tasks=(sft_task, rl_task), hooks=hook)
-            final, curves = summarise(name, hist, hook)
-            records.append(dict(experiment=name, variant=variant, seed=seed, final=final,
-                                curves=curves))
-            log(f"[{name}] seed {seed} {variant}: greedy {final.get('eval_after', 0):.3f}, "
-                f"sampled {final.get('eval_sampled_after', 0):.3f} "
-                f"({time.time() - t0:.0f} s so far)")
+    todo = [(v, over, seed, quick, checkpoint, runs) for seed in seeds
+            for v, over in variant_options.items()]
+    if jobs > 1:
+        import multiprocessing as mp
+        pool = mp.get_context("spawn").Pool(jobs)
+        results = pool.imap(one_run, todo)
+    else:
+        pool, results = None, map(one_run, todo)
+    records = []
+    try:
+        for r in results:
+            f, c = r["final"], r["curves"]
+            log(f"[critical-kl] seed {r['seed']} {r['variant']}: RL sums sampled "
+                f"{f['eval_sampled_before']:.3f} -> {f['eval_sampled_after']:.3f}, own sums "
+                f"sampled {f['eval_own_sampled_before']:.3f} -> "
+                f"{f['eval_own_sampled_after']:.3f}, p(critical) {c['p_critical'][0]:.3f} -> "
+                f"{c['p_critical'][-1]:.3f} ({r['seconds']} s)")
+            records.append(r)
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
     return records
 
 
-# ---------------------------------------------------------------------------------------------
-# tables, verdicts and plots
-# ---------------------------------------------------------------------------------------------
-
-# (experiment, metric, baseline variant, variant, the paper's claimed sign of variant - baseline)
+# (metric, baseline, variant, the paper's claimed sign of variant - baseline)
 CLAIMS = [
-    ("critical-kl", "eval_sampled_after", "uniform KL", "critical KL (max_prob)", +1),
-    ("critical-kl", "eval_sampled_after", "uniform KL", "critical KL (entropy)", +1),
-    ("critical-kl-strong", "eval_sampled_after", "no KL", "uniform KL", -1),
-    ("critical-kl-strong", "eval_sampled_after", "uniform KL", "critical KL (max_prob)", +1),
-    ("critical-kl-strong", "eval_sampled_after", "uniform KL", "critical KL (entropy)", +1),
-    ("nthr", "displaced_share", "GRPO", "GRPO + NTHR", -1),
-    ("nthr", "mean_ll_correct_delta", "GRPO", "GRPO + NTHR", +1),
-    ("nthr", "eval_sampled_after", "GRPO", "GRPO + NTHR", +1),
-    ("balance", "mean_high_right_direction", "GRPO", "+Lopti", +1),
-    ("balance", "mean_high_right_direction", "GRPO", "+AR", +1),
-    ("balance", "eval_sampled_after", "GRPO", "+AR", +1),
-    ("balance", "eval_sampled_after", "GRPO", "+Lopti", +1),
+    ("eval_sampled_after", "no KL", "uniform KL", -1),          # the calibration's premise
+    ("eval_sampled_after", "uniform KL", "critical KL", +1),    # the paper's claim
+    ("eval_sampled_after", "uniform KL", "critical KL, matched", +1),
+    ("p_critical_after", "uniform KL", "critical KL, matched", +1),
+    ("eval_own_sampled_after", "no KL", "uniform KL", +1),      # what the KL protects
+    ("eval_own_sampled_after", "no KL", "critical KL", +1),
+    ("eval_own_sampled_after", "no KL", "critical KL, matched", +1),
 ]
+METRICS = ["eval_sampled_after", "eval_after", "eval_own_sampled_after", "eval_own_greedy_after",
+           "p_critical_after"]
 
 
-# (experiment, variant, metric a, metric b, claimed sign of a - b): within-run observations
-OBSERVATIONS = [
-    ("balance", "GRPO", "mean_grad_share[0.00-0.25]", "mean_token_share[0.00-0.25]", +1),
-]
+def finals(r):
+    f = dict(r["final"])
+    f["p_critical_after"] = r["curves"]["p_critical"][-1]
+    return f
 
 
-def tables(records):
-    """Markdown: per experiment, mean ± 95% interval over seeds of the final metrics, and the
-    paired verdicts of CLAIMS."""
-    lines = []
-    for name in EXPERIMENTS:
-        recs = [r for r in records if r["experiment"] == name]
-        if not recs:
+def tables(records, names):
+    """Markdown: mean ± 95% interval per variant, then the paired verdicts."""
+    lines = [f"| metric | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for k in METRICS + ["eval_sampled_before", "eval_own_sampled_before"]:
+        cells = []
+        for v in names:
+            m, h = mean_ci([finals(r).get(k) for r in records if r["variant"] == v])
+            cells.append(f"{m:.3f} ± {h:.3f}" if math.isfinite(h) else f"{m:.3f}")
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for metric, base, var, sign in CLAIMS:
+        if base not in names or var not in names:
             continue
-        keys = sorted({k for r in recs for k, v in r["final"].items()
-                       if isinstance(v, (int, float))})
-        lines.append(f"### {name} ({len({r['seed'] for r in recs})} seeds)\n")
-        lines.append("| metric | " + " | ".join(EXPERIMENTS[name]) + " |")
-        lines.append("|---|" + "---|" * len(EXPERIMENTS[name]))
-        for k in keys:
-            cells = []
-            for v in EXPERIMENTS[name]:
-                m, h = mean_ci([r["final"].get(k) for r in recs if r["variant"] == v])
-                cells.append(f"{m:.4g} ± {h:.2g}" if math.isfinite(h) else f"{m:.4g}")
-            lines.append(f"| {k} | " + " | ".join(cells) + " |")
-        lines.append("")
-        for exp, metric, base, var, sign in CLAIMS:
-            if exp != name:
-                continue
-            by_seed = {r["seed"]: r["final"].get(metric) for r in recs if r["variant"] == base}
-            diffs = [r["final"].get(metric) - by_seed[r["seed"]] for r in recs
-                     if r["variant"] == var and by_seed.get(r["seed"]) is not None
-                     and r["final"].get(metric) is not None]
-            v, m, h = verdict(diffs, sign)
-            lines.append(f"- `{metric}`, {var} − {base} (paper: {'+' if sign > 0 else '−'}): "
-                         f"{m:+.4g} ± {h:.2g} over {len(diffs)} seeds → **{v}**")
-        for exp, var, a, b, sign in OBSERVATIONS:
-            if exp != name:
-                continue
-            diffs = [r["final"][a] - r["final"][b] for r in recs if r["variant"] == var
-                     and r["final"].get(a) is not None and r["final"].get(b) is not None]
-            v, m, h = verdict(diffs, sign)
-            lines.append(f"- {var}: `{a}` − `{b}` (paper: {'+' if sign > 0 else '−'}): "
-                         f"{m:+.4g} ± {h:.2g} over {len(diffs)} seeds → **{v}**")
-        lines.append("")
-    return "\n".join(lines)
+        by_seed = {r["seed"]: finals(r)[metric] for r in records if r["variant"] == base}
+        diffs = [finals(r)[metric] - by_seed[r["seed"]] for r in records
+                 if r["variant"] == var and r["seed"] in by_seed]
+        wins = sum(d * sign > 0 for d in diffs)
+        v, m, h = verdict(diffs, sign)
+        lines.append(f"- `{metric}`, {var} − {base} (claimed: {'+' if sign > 0 else '−'}): "
+                     f"{m:+.3f} ± {h:.3f}, {wins}/{len(diffs)} seeds → **{v}**")
+    return "\n".join(lines) + "\n"
 
 
-def _smooth_finite(xs, k):
-    """Trailing mean over the last ``k`` steps, of the finite values only (a step without a
-    measurement, e.g. no high-probability token, is NaN)."""
-    out = []
-    for i in range(len(xs)):
-        w = [x for x in xs[max(0, i - k + 1):i + 1] if math.isfinite(x)]
-        out.append(statistics.fmean(w) if w else float("nan"))
-    return out
-
-
-def plot(records, out):
+def plot(records, names, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = {"critical-kl": ["accuracy", "kl"], "critical-kl-strong": ["accuracy", "kl"],
-              "nthr": ["accuracy", "ll_correct_delta"],
-              "balance": ["accuracy", "high_right_direction"]}
-    for name, keys in panels.items():
-        recs = [r for r in records if r["experiment"] == name]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    for i, v in enumerate(names):
+        recs = [r for r in records if r["variant"] == v]
         if not recs:
             continue
-        fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 3.8))
-        for ax, key in zip(axes, keys):
-            for i, v in enumerate(EXPERIMENTS[name]):
-                cs = [r["curves"].get(key) for r in recs if r["variant"] == v]
-                cs = [[x if x is not None and math.isfinite(x) else float("nan") for x in c]
-                      for c in cs if c]
-                if not cs:
-                    continue
-                T = min(map(len, cs))
-                sm = [_smooth_finite(c[:T], 10) for c in cs]
-                cols = [[s[t] for s in sm if math.isfinite(s[t])] for t in range(T)]
-                nan = float("nan")
-                mean = [statistics.fmean(c) if c else nan for c in cols]
-                lo = [min(c) if c else nan for c in cols]
-                hi = [max(c) if c else nan for c in cols]
-                ax.plot(mean, color=f"C{i}", label=v)
-                ax.fill_between(range(T), lo, hi, color=f"C{i}", alpha=0.15)
-            ax.set_xlabel("RL step")
-            ax.set_title(f"{key} (smoothed; band: min-max over seeds)", fontsize=9)
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, f"{name}.png"), dpi=100)
-        plt.close(fig)
-    recs = [r for r in records if r["experiment"] == "critical-kl" and
-            "klw_decision_hist" in r["final"]]          # the weights do not depend on the coefficient
-    if recs:
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-        for ax, v in zip(axes, ["critical KL (max_prob)", "critical KL (entropy)"]):
-            for part, c in (("decision", "C3"), ("other", "C0")):
-                hs = [r["final"][f"klw_{part}_hist"] for r in recs if r["variant"] == v
-                      and f"klw_{part}_hist" in r["final"]]
-                if hs:
-                    mean = [statistics.fmean(h[i] for h in hs) for i in range(10)]
-                    ax.bar([i / 10 + (0.05 if part == "other" else 0) for i in range(10)], mean,
-                           width=0.05, color=c, label=f"{part} tokens")
-            ax.set_title(f"{v}: KL weight distribution", fontsize=9)
-            ax.set_xlabel("w_kl = J^150")
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, "critical-kl-weights.png"), dpi=100)
-        plt.close(fig)
+        acc = [gt.smooth(r["curves"]["accuracy"], 10) for r in recs]
+        T = min(map(len, acc))
+        axes[0].plot([statistics.fmean(a[t] for a in acc) for t in range(T)], color=f"C{i}",
+                     label=v)
+        steps = recs[0]["curves"]["probe_step"]
+        for key, ax in (("p_critical", axes[1]), ("p_other", axes[2])):
+            cs = [r["curves"][key] for r in recs]
+            n = min(map(len, cs))
+            mean = [statistics.fmean(c[t] for c in cs) for t in range(n)]
+            ax.plot(steps[:n], mean, color=f"C{i}", marker=".", label=v)
+            ax.fill_between(steps[:n], [min(c[t] for c in cs) for t in range(n)],
+                            [max(c[t] for c in cs) for t in range(n)], color=f"C{i}", alpha=0.15)
+    axes[0].set_title("rollout accuracy (carry-out sums; mean over seeds)", fontsize=9)
+    axes[1].set_title("p(right token) at the critical position (probe sums)", fontsize=9)
+    axes[2].set_title("p(right token) at the other answer positions", fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("RL step")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def rounded(x, digits=5):
-    """``x`` with every float rounded to ``digits`` significant digits (a compact results.json)."""
+    """``x`` with every float rounded to ``digits`` significant digits (a compact JSON)."""
     if isinstance(x, float):
         return float(f"{x:.{digits}g}") if math.isfinite(x) else None
     if isinstance(x, dict):
         return {k: rounded(v, digits) for k, v in x.items()}
-    if isinstance(x, list):
+    if isinstance(x, (list, tuple)):
         return [rounded(v, digits) for v in x]
     return x
+
+
+def _save(out, name, payload):
+    with open(os.path.join(out, name), "w") as f:
+        json.dump(rounded(payload), f, indent=1)
+
+
+def reference_weights(gamma=GAMMA):
+    """The critical-token KL weights of the checkpoint on the probe sums: (critical, other)."""
+    ref, tok, _ = ps.load(CHECKPOINT)
+    return kl_weights(ref, probe_set(tok), gamma)
+
+
+def critical_kl(seeds, quick, out, log=print, jobs=1):
+    t0 = time.time()
+    wc, wo = reference_weights()
+    w_other = statistics.fmean(wo)
+    records = run(variants(w_other=w_other), seeds, quick, out, log, jobs=jobs)
+    payload = dict(setting=dict(checkpoint=os.path.relpath(CHECKPOINT, os.path.dirname(HERE)),
+                                kl_coef=KL_COEF, matched_kl_coef=KL_COEF / w_other,
+                                gamma=GAMMA, certainty="max_prob",
+                                certainty_temperature=4.0, temperature=2.0, estimator="k2",
+                                seeds=seeds, quick=quick, seconds=round(time.time() - t0)),
+                   kl_weight_reference=dict(critical_mean=statistics.fmean(wc),
+                                            other_mean=statistics.fmean(wo),
+                                            other_below_0p5=sum(w < 0.5 for w in wo) / len(wo)),
+                   records=records)
+    _save(out, "critical_kl.json", payload)
+    return report_critical(out)
+
+
+def report_critical(out):
+    payload = json.load(open(os.path.join(out, "critical_kl.json")))
+    names = list(variants(w_other=1.0))
+    plot(payload["records"], names, os.path.join(out, "critical-kl.png"))
+    w = payload["kl_weight_reference"]
+    md = (tables(payload["records"], names) +
+          f"\nKL weight J^gamma of the reference on the probe sums: critical position "
+          f"{w['critical_mean']:.3f}, other answer positions {w['other_mean']:.3f} "
+          f"({100 * w['other_below_0p5']:.0f}% of them below 0.5)\n")
+    print(md)
+    return md
+
+
+def calibrate(seeds, quick, out, log=print, jobs=1):
+    """Uniform KL at each of ``CALIBRATION_COEFS`` against no KL: the accuracy it costs."""
+    opts = {"no KL": dict(kl_coef=0.0)}
+    opts.update({f"uniform KL {c:g}": dict(kl_coef=c) for c in CALIBRATION_COEFS})
+    records = run(opts, seeds, quick, out, log, jobs=jobs)
+    base = {r["seed"]: r["final"]["eval_sampled_after"] for r in records
+            if r["variant"] == "no KL"}
+    lines = []
+    for name in opts:
+        if name == "no KL":
+            continue
+        diffs = [r["final"]["eval_sampled_after"] - base[r["seed"]] for r in records
+                 if r["variant"] == name]
+        m, h = mean_ci(diffs)
+        lines.append(f"- {name}: sampled accuracy − no KL = {m:+.3f} ± {h:.3f} "
+                     f"({len(diffs)} seeds)")
+    _save(out, "critical_kl_calibration.json", dict(seeds=seeds, quick=quick, records=records))
+    md = "\n".join(lines) + "\n"
+    print(md)
+    return md
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("experiment", choices=list(EXPERIMENTS) + ["all", "report"],
-                    help="which experiment (all: the three; report: only the plots and tables "
-                         "from the results.json in --out)")
+    ap.add_argument("experiment",
+                    choices=["critical-kl", "calibrate", "displacement", "balance", "all",
+                             "report"])
     ap.add_argument("--quick", action="store_true",
                     help="a few steps per run (minutes): checks the pipeline, not the claims")
     ap.add_argument("--seeds", default=None,
-                    help="comma-separated seeds (default: 0-4, or 0 with --quick)")
+                    help="comma-separated seeds (default 0-9; 0-2 for calibrate; 0 with --quick)")
     ap.add_argument("--out", default=None,
                     help="output folder (default: docs/experiments, runs/experiments with "
                          "--quick)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="RL runs at a time, one thread each (2 on a 2-core machine)")
     args = ap.parse_args(argv)
     out = args.out or ("runs/experiments" if args.quick else "docs/experiments")
-    seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1,2,3,4")).split(",")]
     os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, "results.json")
-    names = {"all": list(EXPERIMENTS), "report": []}.get(args.experiment, [args.experiment])
-    records = json.load(open(path)) if os.path.exists(path) else []
-    for name in names:
-        t0 = time.time()
-        new = run_experiment(name, seeds, args.quick, out)
-        records = [r for r in records if not (r["experiment"] == name and r["seed"] in seeds)]
-        records += new
-        seconds = time.time() - t0
-        for r in new:
-            r["experiment_seconds"] = round(seconds)
-        print(f"[{name}] {len(seeds)} seed(s) in {seconds:.0f} s", flush=True)
-        with open(path, "w") as f:
-            json.dump(rounded(records), f)
-    plot(records, out)
-    md = tables(records)
-    with open(os.path.join(out, "tables.md"), "w") as f:
-        f.write(md)
-    print(md)
-    return records
+    default = "0" if args.quick else ("0,1,2" if args.experiment == "calibrate"
+                                      else ",".join(map(str, range(10))))
+    seeds = [int(s) for s in (args.seeds or default).split(",")]
+    extra = ["--quick"] if args.quick else []
+    if args.out:
+        extra += ["--out", args.out]
+    if args.experiment == "report":
+        return report_critical(out)
+    if args.experiment == "calibrate":
+        return calibrate(seeds, args.quick, out, jobs=args.jobs)
+    md = None
+    if args.experiment in ("critical-kl", "all"):
+        md = critical_kl(seeds, args.quick, out, jobs=args.jobs)
+    if args.experiment in ("displacement", "all"):
+        import displacement
+        displacement.main(extra)
+    if args.experiment in ("balance", "all"):
+        import balance
+        balance.main(extra)
+    return md
 
 
 if __name__ == "__main__":

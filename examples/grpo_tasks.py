@@ -146,14 +146,16 @@ class ScratchpadAdditionTask:
 
     def __init__(self, max_digits: int, tokenizer: CharTokenizer, min_digits: int = 1,
                  partial_credit: bool = False, longest_only: bool = False,
-                 reversed_prompt: bool = False):
+                 reversed_prompt: bool = False, paper_mix: bool = False,
+                 final_carry: Optional[bool] = None):
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, "
                              f"{max_digits}")
         if "|" not in tokenizer.CHARS:
             raise ValueError("ScratchpadAdditionTask needs a tokenizer with '|' "
                              "(ScratchpadTokenizer)")
-        self.digits, self.longest_only = max_digits, longest_only
+        self.digits, self.longest_only, self.paper_mix = max_digits, longest_only, paper_mix
+        self.final_carry = final_carry
         self.reversed_prompt = reversed_prompt
         self.min_digits, self.tok, self.partial_credit = min_digits, tokenizer, partial_credit
 
@@ -178,11 +180,36 @@ class ScratchpadAdditionTask:
         return f"{str(a)[::-1]}|{str(b)[::-1]}|{str(a + b)[::-1]}"
 
     def pairs(self, n: int, rng: random.Random):
+        """``n`` operand pairs (``_pairs``); with ``final_carry`` True / False only sums whose
+        last column carries out (the sum is one digit longer than the longer operand) / only
+        sums where it does not, by rejection."""
+        if self.final_carry is None:
+            return self._pairs(n, rng)
+        out = []
+        while len(out) < n:
+            out += [(a, b) for a, b in self._pairs(n - len(out), rng)
+                    if self.carries_out(a, b) == self.final_carry]
+        return out
+
+    @staticmethod
+    def carries_out(a: int, b: int) -> bool:
+        """True when ``a + b`` has more digits than the longer operand."""
+        return len(str(a + b)) > max(len(str(a)), len(str(b)))
+
+    def _pairs(self, n: int, rng: random.Random):
         """``n`` operand pairs; with ``longest_only`` one operand (either, evenly) has exactly
-        ``max_digits`` digits and the other ``min_digits..max_digits``."""
+        ``max_digits`` digits and the other ``min_digits..max_digits``. With ``paper_mix`` (the
+        critical-token paper's RL mix for ``max_digits = N + 1``): one operand (either, evenly)
+        has ``N + 1`` digits, the other has ``N + 1`` too half of the time, else
+        ``min_digits..N``."""
         lo, hi = self.min_digits, self.digits
         out = []
         for _ in range(n):
+            if self.paper_mix:
+                other = hi if rng.random() < 0.5 else rng.randint(lo, max(lo, hi - 1))
+                la, lb = (hi, other) if rng.random() < 0.5 else (other, hi)
+                out.append((self._operand(la, rng), self._operand(lb, rng)))
+                continue
             la, lb = rng.randint(lo, hi), rng.randint(lo, hi)
             if self.longest_only and max(la, lb) < hi:
                 if rng.random() < 0.5:

@@ -64,6 +64,13 @@ def build_args(argv=None):
                            "1..rl-digits (None: the checkpoint's)")
     task.add_argument("--longest-only", action="store_true",
                       help="scratchpad: every RL sum has an operand of --rl-digits digits")
+    task.add_argument("--paper-mix", action="store_true",
+                      help="scratchpad: the critical-token paper's RL operands: one of "
+                           "--rl-digits digits, the other of --rl-digits half of the time, "
+                           "else shorter")
+    task.add_argument("--final-carry", action="store_true",
+                      help="scratchpad: every RL sum carries out of its last column (the "
+                           "critical token of a checkpoint pre-trained without such sums)")
     task.add_argument("--model", default=None,
                       help="path of a local Hugging Face causal LM (None: a tiny Qwen2 built "
                            "from a config, no download)")
@@ -360,8 +367,14 @@ def setup(args):
         args.digits, args.sft_steps = n, 0
         rev = bool(meta.get("reversed_prompt", False))      # the checkpoint's prompt format
         rl = ScratchpadAdditionTask(args.rl_digits or n, tok, partial_credit=args.partial_credit,
-                                    longest_only=args.longest_only, reversed_prompt=rev)
-        return tok, model, ScratchpadAdditionTask(n, tok, reversed_prompt=rev), rl
+                                    longest_only=args.longest_only, reversed_prompt=rev,
+                                    paper_mix=args.paper_mix,
+                                    final_carry=True if args.final_carry else None)
+        # the checkpoint's own distribution (what a KL penalty protects)
+        known = ScratchpadAdditionTask(
+            n, tok, reversed_prompt=rev,
+            final_carry=None if meta.get("final_carry", True) else False)
+        return tok, model, known, rl
     if args.task == "add":
         tok = CharTokenizer()
         model = tiny_qwen2(tok.vocab_size, args.seed)
@@ -400,6 +413,15 @@ def train(args, log=print, model=None, tok=None, tasks=None, hooks=None):
         p.requires_grad_(False)
     acc0 = evaluate(model, rl_task, tok, args.eval_size, args.seed, args.temperature) \
         if args.task != "kk" else None
+    # scratchpad with an RL task other than the checkpoint's own: the pre-training's
+    # distribution too (what the KL penalty protects)
+    own = sft_task if args.task == "scratchpad" and (
+        args.final_carry or args.paper_mix or args.longest_only
+        or rl_task.digits != sft_task.digits) else None
+    if own is not None:
+        acc0.update({f"own_{k}": v for k, v in
+                     evaluate(model, own, tok, args.eval_size, args.seed, args.temperature).items()
+                     if k in ("greedy", "sampled")})
     if acc0 is not None:
         log(f"RL task ({rl_task.digits}-digit) accuracy before RL: greedy {acc0['greedy']:.3f}, "
             f"sampled {acc0['sampled']:.3f}")
@@ -430,6 +452,10 @@ def train(args, log=print, model=None, tok=None, tasks=None, hooks=None):
                             loss=f"{loss:+.4f}")
     if args.task != "kk":
         acc1 = evaluate(model, rl_task, tok, args.eval_size, args.seed, args.temperature)
+        if own is not None:
+            acc1.update({f"own_{k}": v for k, v in
+                         evaluate(model, own, tok, args.eval_size, args.seed,
+                                  args.temperature).items() if k in ("greedy", "sampled")})
         for kind in ("greedy", "sampled"):
             log(f"RL task {kind} accuracy: before {acc0[kind]:.3f} -> after {acc1[kind]:.3f}")
             if f"{kind}_new" in acc0:
@@ -437,10 +463,13 @@ def train(args, log=print, model=None, tok=None, tasks=None, hooks=None):
                 log(f"  operands of {rl_task.digits} digits{new}: {acc0[kind + '_new']:.3f} -> "
                     f"{acc1[kind + '_new']:.3f}; shorter: "
                     f"{acc0[kind + '_known']:.3f} -> {acc1[kind + '_known']:.3f}")
+            if f"own_{kind}" in acc0:
+                log(f"  the checkpoint's own sums: {acc0['own_' + kind]:.3f} -> "
+                    f"{acc1['own_' + kind]:.3f}")
         final = dict(eval_before=acc0["greedy"], eval_after=acc1["greedy"],
                      eval_sampled_before=acc0["sampled"], eval_sampled_after=acc1["sampled"])
         for key in acc0:
-            if key.endswith(("_new", "_known")):
+            if key.endswith(("_new", "_known")) or key.startswith("own_"):
                 final[f"eval_{key}_before"], final[f"eval_{key}_after"] = acc0[key], acc1[key]
         history.append(final)
     plot_curves(history, os.path.join(args.out, "curves.png"))

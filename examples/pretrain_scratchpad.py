@@ -9,6 +9,9 @@ from-scratch warm-up depends on the machine's floating-point path (AVX-512 vs AV
 of threads): a demo that recomputed it would start RL from a different model on each machine.
 The command, seed and the accuracy reached are written next to the weights (``train.json``).
 
+    python examples/pretrain_scratchpad.py --no-final-carry --carry-share 0.001 --steps 3000 \
+        --out examples/checkpoints/scratchpad-carry3   # the critical-token KL experiment's model
+
 Training: operands of 1..N digits (N = ``--digits``), next-token cross-entropy on the response
 (-logp from gbc_kernels.fused_linear_logprobs), AdamW with a linear warm-up and a linear decay,
 until ``--steps`` or until the greedy accuracy on held-out sums of every length 1..N reaches
@@ -48,14 +51,16 @@ def load(path: str = CHECKPOINT):
 
 
 @torch.no_grad()
-def accuracy_by_length(model, tok, digits: int, n: int, seed: int, reversed_prompt=False):
+def accuracy_by_length(model, tok, digits: int, n: int, seed: int, reversed_prompt=False,
+                       final_carry=None):
     """Greedy exact-match accuracy on ``n`` held-out sums per length ``1..digits`` of the longer
     operand (the shorter one uniform in 1..that length)."""
     model.eval()
     out = {}
     for d in range(1, digits + 1):
         rng = random.Random(seed * 1000 + d)
-        task = ScratchpadAdditionTask(d, tok, reversed_prompt=reversed_prompt)
+        task = ScratchpadAdditionTask(d, tok, reversed_prompt=reversed_prompt,
+                                      final_carry=final_carry)
         pairs = []
         while len(pairs) < n:
             a, b = task.pairs(1, rng)[0]
@@ -86,6 +91,19 @@ def main(argv=None):
     ap.add_argument("--longer-share", type=float, default=0.0,
                     help="share of training sums with an operand of N+1 digits (0: the "
                          "paper's setting, N+1 never seen)")
+    ap.add_argument("--aux-share", type=float, default=0.0,
+                    help="share of training documents that are the scratchpad's parts out of "
+                         "the addition format (a bare copy 'a=' -> reversed digits, and a sum of "
+                         "digit lists 'x|y|' -> reversed sum), with operands up to --aux-digits")
+    ap.add_argument("--aux-digits", type=int, default=None,
+                    help="longest operand of the auxiliary documents (default N+1)")
+    ap.add_argument("--no-final-carry", action="store_true",
+                    help="no training sum whose last column carries out (the sum never has "
+                         "more digits than the longer operand): the carry-out digit is then the "
+                         "critical token of examples/experiments.py's critical-kl")
+    ap.add_argument("--carry-share", type=float, default=0.0,
+                    help="with --no-final-carry: this share of the training sums does carry out "
+                         "(a model that has seen a few: unsure at the carry-out decision)")
     ap.add_argument("--reversed-prompt", action="store_true",
                     help="operands written least-significant digit first in the prompt")
     ap.add_argument("--snapshots", default="",
@@ -96,16 +114,21 @@ def main(argv=None):
     if args.check:
         model, tok, meta = load(args.out)
         print(json.dumps(dict(trained=meta["accuracy"],
-                              now=accuracy_by_length(model, tok, meta["digits"], args.eval_size,
-                                                     seed=7))))
+                              now=accuracy_by_length(
+                                  model, tok, meta["digits"], args.eval_size, seed=7,
+                                  final_carry=None if meta.get("final_carry", True) else False))))
         return
     random.seed(args.seed)
     tok = ScratchpadTokenizer()
     from grpo_trainer import tiny_qwen2
     model = tiny_qwen2(tok.vocab_size, args.seed, layers=4)
-    task = ScratchpadAdditionTask(args.digits, tok, reversed_prompt=args.reversed_prompt)
+    task = ScratchpadAdditionTask(args.digits, tok, reversed_prompt=args.reversed_prompt,
+                                  final_carry=False if args.no_final_carry else None)
     longer = ScratchpadAdditionTask(args.digits + 1, tok, min_digits=args.digits + 1,
                                     reversed_prompt=args.reversed_prompt)
+    aux_digits = args.aux_digits or args.digits + 1
+    carry = ScratchpadAdditionTask(args.digits, tok, reversed_prompt=args.reversed_prompt,
+                                   final_carry=True)
     snapshots = {int(x) for x in args.snapshots.split(",") if x.strip()}
     eval_digits = args.digits + 1         # the pre-training's lengths, and one more
     head = hf.lm_head(model)
@@ -117,10 +140,17 @@ def main(argv=None):
     t0, acc, step = time.time(), {}, 0
     for step in range(1, args.steps + 1):
         model.train()
-        n_long = sum(rng.random() < args.longer_share for _ in range(args.batch))
-        ids, mask = task.sft_batch(args.batch - n_long, rng)
+        n_aux = sum(rng.random() < args.aux_share for _ in range(args.batch))
+        n_long = sum(rng.random() < args.longer_share for _ in range(args.batch - n_aux))
+        n_carry = sum(rng.random() < args.carry_share
+                      for _ in range(args.batch - n_aux - n_long))
+        ids, mask = task.sft_batch(args.batch - n_aux - n_long - n_carry, rng)
+        if n_carry:
+            ids, mask = _concat_batches((ids, mask), carry.sft_batch(n_carry, rng))
         if n_long:
             ids, mask = _concat_batches((ids, mask), longer.sft_batch(n_long, rng))
+        if n_aux:
+            ids, mask = _concat_batches((ids, mask), aux_batch(tok, n_aux, aux_digits, rng))
         h = hf.completion_hidden(model, ids)
         logp, _ = gbc.fused_linear_logprobs(h[mask], head.weight, ids[:, 1:][mask], head.bias)
         loss = -logp.mean()
@@ -131,7 +161,8 @@ def main(argv=None):
         sched.step()
         if step % args.eval_every == 0 or step == args.steps:
             acc = accuracy_by_length(model, tok, eval_digits, args.eval_size, seed=1,
-                                     reversed_prompt=args.reversed_prompt)
+                                     reversed_prompt=args.reversed_prompt,
+                                     final_carry=task.final_carry)
             print(f"step {step}: nll {float(loss):.4f} accuracy {acc} "
                   f"({time.time() - t0:.0f} s)", flush=True)
             if min(acc[d] for d in range(1, args.digits + 1)) >= args.target and \
@@ -140,6 +171,36 @@ def main(argv=None):
         if step in snapshots:
             _save(model, f"{args.out}-step{step}", args, argv, step, {}, t0)
     print(json.dumps(_save(model, args.out, args, argv, step, acc, t0)))
+
+
+def aux_batch(tok, n: int, digits: int, rng: random.Random):
+    """``n`` auxiliary documents, half of each kind, operands of 1..``digits`` digits:
+
+    * a bare copy ``BOS 1234= 4321 EOS`` (no ``+``: not an addition prompt);
+    * a sum of digit lists ``BOS 4321|65| 6631 EOS`` (the scratchpad's tail, no prompt).
+
+    The loss is on the part after the space only. Every piece of the scratchpad is seen at
+    length ``digits``; the addition format itself is not.
+    """
+    op = ScratchpadAdditionTask._operand
+    seqs, starts = [], []
+    for i in range(n):
+        a = op(rng.randint(1, digits), rng)
+        if i % 2 == 0:
+            p, r = f"{a}=", str(a)[::-1]
+        else:
+            b = op(rng.randint(1, digits), rng)
+            p, r = f"{str(a)[::-1]}|{str(b)[::-1]}|", str(a + b)[::-1]
+        p = [tok.BOS] + tok.encode(p)
+        seqs.append(p + tok.encode(r) + [tok.EOS])
+        starts.append(len(p))
+    L = max(map(len, seqs))
+    ids = torch.full((n, L), tok.PAD)
+    mask = torch.zeros(n, L - 1, dtype=torch.bool)
+    for i, (s, lp) in enumerate(zip(seqs, starts)):
+        ids[i, :len(s)] = torch.tensor(s)
+        mask[i, lp - 1:len(s) - 1] = True
+    return ids, mask
 
 
 def _concat_batches(a, b):
@@ -156,6 +217,8 @@ def _save(model, out, args, argv, step, acc, t0):
     model.save_pretrained(out, safe_serialization=True)
     meta = dict(command="python examples/pretrain_scratchpad.py " + " ".join(argv or sys.argv[1:]),
                 digits=args.digits, longer_share=args.longer_share,
+                aux_share=args.aux_share, aux_digits=args.aux_digits,
+                final_carry=not args.no_final_carry, carry_share=args.carry_share,
                 reversed_prompt=args.reversed_prompt, seed=args.seed, steps=step,
                 batch=args.batch, lr=args.lr, accuracy={str(k): v for k, v in acc.items()},
                 seconds=round(time.time() - t0), torch=torch.__version__)

@@ -236,6 +236,7 @@ def test_displacement_quick_writes_results(tmp_path):
         assert claim["wins"] + claim["losses"] <= claim["groups"]
         assert 0.0 <= claim["p"] <= 1.0
     assert res["claims"].keys() == saved["claims"].keys()
+    assert (tmp_path / "displacement.png").stat().st_size > 0
 
 
 def test_balance_quick_writes_results(tmp_path):
@@ -256,6 +257,7 @@ def test_balance_quick_writes_results(tmp_path):
             assert share is None or 0.0 <= share <= 1.0
     assert set(saved["summary"]["claims"]) == {
         f"{v} - GRPO, share of positive high-p tokens moving up" for v in ("AR", "Lopti")}
+    assert (tmp_path / "balance.png").stat().st_size > 0
 
 
 @pytest.mark.slow
@@ -275,3 +277,43 @@ def test_balance_accuracy_quick_pairs_seeds(tmp_path):
         (s, v) for s in (0, 1) for v in ("GRPO", "AR", "Lopti")}
     for r in rows:
         assert 0.0 <= r["sampled_after"] <= 1.0
+
+
+def test_scratchpad_operand_mixes():
+    """The RL operand mixes: ``final_carry`` True / False gives only sums that carry out of
+    their last column / none; ``paper_mix`` (the critical-token paper's, for N + 1 = 4) always
+    has a 4-digit operand, the other one 4 digits about half of the time, else 1-3."""
+    import random
+    from grpo_tasks import ScratchpadAdditionTask, ScratchpadTokenizer
+    tok = ScratchpadTokenizer()
+    rng = random.Random(0)
+    carry = ScratchpadAdditionTask(3, tok, final_carry=True).pairs(400, rng)
+    assert all(len(str(a + b)) == max(len(str(a)), len(str(b))) + 1 for a, b in carry)
+    none = ScratchpadAdditionTask(3, tok, final_carry=False).pairs(400, rng)
+    assert all(len(str(a + b)) == max(len(str(a)), len(str(b))) for a, b in none)
+    assert max(max(a, b) for a, b in carry + none) >= 100          # every length drawn
+    pairs = ScratchpadAdditionTask(4, tok, paper_mix=True).pairs(2000, rng)
+    lens = [sorted((len(str(a)), len(str(b)))) for a, b in pairs]
+    assert all(hi == 4 for _, hi in lens)
+    both = sum(lo == 4 for lo, _ in lens) / len(lens)
+    assert 0.45 < both < 0.55, both
+    assert {lo for lo, _ in lens} == {1, 2, 3, 4}
+    first_long = sum(len(str(a)) == 4 for a, _ in pairs) / len(pairs)
+    assert 0.7 < first_long < 0.8          # either side evenly, both sides half the time
+
+
+@pytest.mark.slow
+def test_shipped_carry_checkpoint_has_an_unsure_critical_token():
+    """examples/checkpoints/scratchpad-carry3 (the critical-token KL experiment's model): >= 99%
+    greedy on held-out sums of every length 1-3 that do not carry out (its training
+    distribution); on sums that do, the carry-out digit is the one token it is unsure of: the
+    right digit's mean probability there is below 0.5, while the other answer tokens' is above
+    0.95 (teacher-forced, fixed probe sums)."""
+    import experiments as ex
+    import pretrain_scratchpad as ps
+    model, tok, meta = ps.load(ex.CHECKPOINT)
+    assert meta["digits"] == 3 and meta["final_carry"] is False
+    acc = ps.accuracy_by_length(model, tok, 3, n=150, seed=12345, final_carry=False)
+    assert min(acc.values()) >= 0.99, acc
+    p_crit, p_other = ex.critical_probs(model, ex.probe_set(tok, n=64, seed=99))
+    assert p_crit < 0.5 and p_other > 0.95, (p_crit, p_other)
