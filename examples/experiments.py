@@ -43,7 +43,8 @@ sys.path.insert(0, HERE)
 
 import grpo_trainer as gt                          # noqa: E402
 import pretrain_scratchpad as ps                   # noqa: E402
-from grpo_tasks import ScratchpadAdditionTask      # noqa: E402
+from gbc_kernels.integrations import hf            # noqa: E402
+from grpo_tasks import ScratchpadAdditionTask, ScratchpadTokenizer   # noqa: E402
 
 CHECKPOINT = os.path.join(HERE, "checkpoints", "scratchpad-carry3")
 # the calibrated coefficient (``calibrate``) and the certainty exponent (module docstring)
@@ -56,12 +57,15 @@ def variants(coef=KL_COEF, gamma=GAMMA, w_other=None) -> dict:
     """No KL, uniform KL, critical-token KL at the same coefficient (the paper's comparison)
     and, with ``w_other`` (the reference's mean weight on the answers' other tokens), critical
     KL at ``coef / w_other``: the same KL as uniform on an average ordinary token, less on the
-    critical one."""
+    critical one; and the oracle: uniform KL with the weight 0 on the carry-out decision of each
+    sampled answer (``carry_positions``), 1 elsewhere — the paper's mechanism with a perfect
+    certainty signal."""
     out = {"no KL": dict(kl_coef=0.0),
            "uniform KL": dict(kl_coef=coef),
            "critical KL": dict(kl_coef=coef, critical_kl_exponent=gamma)}
     if w_other is not None:
         out["critical KL, matched"] = dict(kl_coef=coef / w_other, critical_kl_exponent=gamma)
+    out["uniform KL, carry token free"] = dict(kl_coef=coef, free_carry=True)
     return out
 
 
@@ -154,26 +158,71 @@ def critical_probs(model, probe, temperature=1.0):
 
 @torch.no_grad()
 def kl_weights(model, probe, gamma, temperature=4.0):
-    """The critical-token KL weight J**gamma (J: max probability at ``temperature``) of the
-    reference at the critical position and at the other answer positions of the probe sums."""
+    """The critical-token KL weights ``J**gamma`` of the reference at the critical position
+    and at the other answer positions of the probe sums, computed the way the trainer's
+    reference pass computes them (``hf.reference_pass``: ``J_max_prob`` at ``temperature``)."""
     ids, attn = probe[:2]
-    logits = model(ids, attention_mask=attn).logits[:, :-1].float()
-    w = torch.softmax(logits / temperature, -1).max(-1).values ** gamma
+    ref = hf.reference_pass(model, ids, attn, ids[:, 1:], critical_kl_exponent=gamma,
+                            certainty="max_prob", certainty_temperature=temperature)
     critical, other = _positions(probe)
-    return w[critical].tolist(), w[other].tolist()
+    return ref.kl_weight[critical].tolist(), ref.kl_weight[other].tolist()
+
+
+def carry_positions(roll, tok):
+    """Per row of a rollout, the index in ``roll["targets"]`` of the token that decides the
+    carry-out in the sampled answer: ``max(len(a), len(b))`` tokens after the answer's second
+    ``|`` (the sum's first digit beyond the operands' length, or EOS); -1 where the answer has
+    no second ``|`` or ends before it."""
+    mask, seq = roll["mask"], roll["seq"]
+    if not mask.any():
+        return [-1] * seq.shape[0]
+    # the prompts are left-padded to one width: the first answer token of every row is at seq
+    # index lp (a row whose answer starts with PAD has an empty mask there, so take any row's)
+    lp = int(mask.any(0).float().argmax()) + 1
+    bar = tok.encode("|")[0]
+    out = []
+    for i in range(seq.shape[0]):
+        a, b = tok.decode(seq[i, :lp]).rstrip("=").split("+")
+        comp = seq[i, lp:].tolist()
+        bars = [k for k, t in enumerate(comp) if t == bar]
+        t = -1
+        if len(bars) >= 2:
+            k = bars[1] + 1 + max(len(a), len(b))
+            if lp - 1 + k < mask.shape[1] and mask[i, lp - 1 + k]:
+                t = lp - 1 + k
+        out.append(t)
+    return out
 
 
 class CriticalTokenHook:
     """Every ``every`` updates (and before the first), the probability of the right token at
     the probe sums' critical positions and elsewhere in their answers."""
 
-    def __init__(self, probe, every=10):
+    def __init__(self, probe, every=10, free_carry_tok=None):
         self.probe, self.every, self.step = probe, every, 0
         self.curve = []              # (step, p critical, p other)
+        self.free_carry_tok = free_carry_tok
+        self.tok = ScratchpadTokenizer()
+        self.klw = []                # per update: mean KL weight at the carry decision, elsewhere
 
     def before(self, model, roll, args):
         if self.step == 0:
             self.curve.append((0, *critical_probs(model, self.probe)))
+        if self.free_carry_tok is not None:        # the oracle variant: no KL at the decision
+            w = torch.ones(roll["targets"].shape)
+            for i, t in enumerate(carry_positions(roll, self.free_carry_tok)):
+                if t >= 0:
+                    w[i, t] = 0.0
+            roll["kl_weight"] = w
+        w = roll.get("kl_weight")
+        if w is not None:              # the weights the update uses, at the sampled answers
+            at = torch.zeros_like(roll["mask"])
+            for i, t in enumerate(carry_positions(roll, self.tok)):
+                if t >= 0:
+                    at[i, t] = True
+            rest = roll["mask"] & ~at
+            self.klw.append((float(w[at].mean()) if at.any() else float("nan"),
+                             float(w[rest].mean()) if rest.any() else float("nan")))
 
     def after(self, model, roll, args, state, metrics):
         self.step += 1
@@ -204,9 +253,11 @@ def one_run(job):
     out = os.path.join(runs, f"critical-kl-{variant}-{seed}".replace(" ", "_").replace(",", ""))
     a = base_args(quick, seed, out, checkpoint)
     for k, v in over.items():
-        setattr(a, k, v)
+        if k != "free_carry":
+            setattr(a, k, v)
     tok, model, own, rl = gt.setup(a)
-    hook = CriticalTokenHook(probe_set(tok, n=16 if quick else 64), every=1 if quick else 10)
+    hook = CriticalTokenHook(probe_set(tok, n=16 if quick else 64), every=1 if quick else 10,
+                             free_carry_tok=tok if over.get("free_carry") else None)
     hist = gt.train(a, log=lambda *_: None, model=model, tok=tok, tasks=(own, rl), hooks=hook)
     final = {k: v for k, v in hist[-1].items() if k.startswith("eval_")}
     steps = [h for h in hist if "step" in h]
@@ -216,7 +267,9 @@ def one_run(job):
                             kl=[h.get("kl", float("nan")) for h in steps],
                             probe_step=[c[0] for c in hook.curve],
                             p_critical=[c[1] for c in hook.curve],
-                            p_other=[c[2] for c in hook.curve]))
+                            p_other=[c[2] for c in hook.curve],
+                            klw_decision=[k[0] for k in hook.klw],
+                            klw_other=[k[1] for k in hook.klw]))
 
 
 def run(variant_options, seeds, quick, out, log=print, checkpoint=None, jobs=1):
@@ -346,16 +399,25 @@ def reference_weights(gamma=GAMMA):
     return kl_weights(ref, probe_set(tok), gamma)
 
 
-def critical_kl(seeds, quick, out, log=print, jobs=1):
+def critical_kl(seeds, quick, out, log=print, jobs=1, only=None):
+    """Run the variants (``only``: those named) for ``seeds``; the records join those already
+    in ``<out>/critical_kl.json`` (a rerun (variant, seed) replaces its old record)."""
     t0 = time.time()
     wc, wo = reference_weights()
     w_other = statistics.fmean(wo)
-    records = run(variants(w_other=w_other), seeds, quick, out, log, jobs=jobs)
+    opts = {k: v for k, v in variants(w_other=w_other).items() if not only or k in only}
+    records = run(opts, seeds, quick, out, log, jobs=jobs)
+    path = os.path.join(out, "critical_kl.json")
+    if os.path.exists(path):
+        new = {(r["variant"], r["seed"]) for r in records}
+        records = [r for r in json.load(open(path))["records"]
+                   if (r["variant"], r["seed"]) not in new] + records
     payload = dict(setting=dict(checkpoint=os.path.relpath(CHECKPOINT, os.path.dirname(HERE)),
                                 kl_coef=KL_COEF, matched_kl_coef=KL_COEF / w_other,
                                 gamma=GAMMA, certainty="max_prob",
                                 certainty_temperature=4.0, temperature=2.0, estimator="k2",
-                                seeds=seeds, quick=quick, seconds=round(time.time() - t0)),
+                                seeds=sorted({r["seed"] for r in records}), quick=quick,
+                                seconds=round(time.time() - t0)),
                    kl_weight_reference=dict(critical_mean=statistics.fmean(wc),
                                             other_mean=statistics.fmean(wo),
                                             other_below_0p5=sum(w < 0.5 for w in wo) / len(wo)),
@@ -412,6 +474,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None,
                     help="output folder (default: docs/experiments, runs/experiments with "
                          "--quick)")
+    ap.add_argument("--variants", default=None,
+                    help="critical-kl: only these variants, separated by ';' (default: all)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="RL runs at a time, one thread each (2 on a 2-core machine)")
     args = ap.parse_args(argv)
@@ -429,7 +493,8 @@ def main(argv=None):
         return calibrate(seeds, args.quick, out, jobs=args.jobs)
     md = None
     if args.experiment in ("critical-kl", "all"):
-        md = critical_kl(seeds, args.quick, out, jobs=args.jobs)
+        md = critical_kl(seeds, args.quick, out, jobs=args.jobs,
+                         only=args.variants.split(";") if args.variants else None)
     if args.experiment in ("displacement", "all"):
         import displacement
         displacement.main(extra)

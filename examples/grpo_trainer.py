@@ -5,8 +5,11 @@ tiny Qwen2 that adds numbers of 1-3 digits with a scratchpad (examples/checkpoin
 built once by examples/pretrain_scratchpad.py, so every machine starts from the same weights),
 sampling at temperature 3: the checkpoint is right on every held-out sum greedily but on only
 ~20% of its temperature-3 samples, and GRPO makes the policy sure of what it knows (sampled
-accuracy ~0.2 -> ~0.5 in 150 steps). ``--rl-digits 4 --longest-only``: the critical-token KL
+accuracy ~0.2 -> ~0.5 in 150 steps). ``--rl-digits 4 --paper-mix``: the critical-token KL
 paper's setting (RL on sums with an operand one digit longer than pre-training saw).
+``--checkpoint examples/checkpoints/scratchpad-carry3 --final-carry``: the critical-token KL
+experiment's (examples/experiments.py: every RL sum carries out of its last column, which
+that checkpoint hardly saw).
 ``--task add``: zero-padded addition learnt by a supervised warm-up from scratch, then GRPO on
 N+1 digits (the warm-up's outcome depends on the CPU's floating-point path).
 
