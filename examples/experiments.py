@@ -307,9 +307,14 @@ CLAIMS = [
     ("eval_sampled_after", "no KL", "uniform KL", -1),          # the calibration's premise
     ("eval_sampled_after", "uniform KL", "critical KL", +1),    # the paper's claim
     ("eval_sampled_after", "uniform KL", "critical KL, matched", +1),
+    ("eval_sampled_after", "uniform KL", "uniform KL, carry token free", +1),
     ("p_critical_after", "uniform KL", "critical KL, matched", +1),
-    ("eval_own_sampled_after", "no KL", "uniform KL", +1),      # what the KL protects
-    ("eval_own_sampled_after", "no KL", "critical KL", +1),
+    # what the KL protects: the checkpoint's own sums (greedy, then sampled)
+    ("eval_own_greedy_after", "no KL", "uniform KL", +1),
+    ("eval_own_greedy_after", "no KL", "critical KL", +1),
+    ("eval_own_greedy_after", "no KL", "critical KL, matched", +1),
+    ("eval_own_greedy_after", "no KL", "uniform KL, carry token free", +1),
+    ("eval_own_sampled_after", "no KL", "uniform KL", +1),
     ("eval_own_sampled_after", "no KL", "critical KL, matched", +1),
 ]
 METRICS = ["eval_sampled_after", "eval_after", "eval_own_sampled_after", "eval_own_greedy_after",
