@@ -1,25 +1,27 @@
 """The papers' experiments at small scale, in the papers' own protocols, from shipped checkpoints
 (every machine starts from the same weights). docs/experiments.md reports them.
 
-    python examples/experiments.py critical-kl  [--quick] [--seeds 0,...,9]  # ~25 min, 2 cores
-    python examples/experiments.py calibrate    [--quick] [--seeds 0,1,2]    # the KL coefficient
+    python examples/experiments.py critical-kl  [--quick] [--seeds 0,...,9] [--jobs 2]  # ~35 min
+    python examples/experiments.py calibrate    [--quick] [--seeds 0,1,2] [--jobs 2]    # ~8 min
     python examples/experiments.py displacement [--quick]    # NTHR (examples/displacement.py)
     python examples/experiments.py balance      [--quick]    # AR/Lopti (examples/balance.py)
     python examples/experiments.py all          [--quick]
-    python examples/experiments.py report                    # tables and plots from the JSON
+    python examples/experiments.py report                    # critical-kl's table and plot again
 
 **critical-kl** (Vassoyan et al.'s prioritised KL). The checkpoint
 ``examples/checkpoints/scratchpad-carry3`` is the demo's scratchpad model pre-trained on sums of
-1-3-digit operands of which only a few (0.X%) carry out of their last column (the sum one digit
-longer than both operands). RL samples only such sums: every answer holds one critical token,
-the carry-out digit, where the pre-trained model is unsure, and is otherwise right. GRPO, 150
-steps of 16 prompts x 8, sampling and loss at temperature 2, k2 KL; three variants per seed from
-the same checkpoint: no KL, uniform KL (coefficient calibrated by ``calibrate``: the smallest
-that costs >= 10 points of accuracy against no KL), critical-token KL (the same coefficient, each
-token's KL weighted by the reference's max-probability certainty at temperature 4 to the power
-gamma). Per run: sampled and greedy accuracy on the RL sums and on the checkpoint's own sums
-(what the KL protects), and every 10 steps the probability of the right token at the critical
-position of 64 fixed probe sums. Results: ``<out>/critical_kl.json``, ``critical-kl.png``.
+1-3-digit operands of which only 0.1% carry out of their last column (the sum one digit longer
+than both operands). RL samples only such sums: every answer holds one critical token, the
+carry-out digit, where the pre-trained model is unsure, and is otherwise right. GRPO, 150 steps
+of 16 prompts x 8, sampling and loss at temperature 2, k2 KL; per seed, from the same checkpoint:
+no KL; uniform KL (coefficient ``KL_COEF``, calibrated by ``calibrate``: the smallest of
+``CALIBRATION_COEFS`` that costs >= 10 points of accuracy against no KL); critical-token KL at
+the same coefficient (each token's KL weighted by ``J**GAMMA``, J the reference's max-prob
+certainty at temperature 4); critical-token KL at the matched coefficient (``variants``); and an
+oracle control. Per run: sampled and greedy accuracy on the RL sums and on the checkpoint's own
+sums (what the KL protects), the KL weights the updates applied at the decision token, and every
+10 steps the probability of the right token at the critical position of 64 fixed probe sums.
+Results: ``<out>/critical_kl.json``, ``critical-kl.png``.
 
 ``--quick`` (the test suite) runs 3 steps of 4 x 4 per variant and writes to runs/experiments.
 """
@@ -27,7 +29,6 @@ position of 64 fixed probe sums. Results: ``<out>/critical_kl.json``, ``critical
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os

@@ -317,3 +317,32 @@ def test_shipped_carry_checkpoint_has_an_unsure_critical_token():
     assert min(acc.values()) >= 0.99, acc
     p_crit, p_other = ex.critical_probs(model, ex.probe_set(tok, n=64, seed=99))
     assert p_crit < 0.5 and p_other > 0.95, (p_crit, p_other)
+
+
+def test_pretraining_auxiliary_documents():
+    """pretrain_scratchpad.aux_batch (docs/experiments.md §4's length-generalisation attempt):
+    bare copies 'a=' -> reversed digits and digit-list sums 'x|y|' -> reversed sum, the loss
+    mask on the part after the prompt and the EOS only."""
+    import random
+    import pretrain_scratchpad as ps
+    from grpo_tasks import ScratchpadTokenizer
+    tok = ScratchpadTokenizer()
+    ids, mask = ps.aux_batch(tok, 40, 5, random.Random(0))
+    assert mask.shape == (40, ids.shape[1] - 1)
+    longest = 0
+    for i in range(40):
+        row = ids[i].tolist()
+        end = row.index(tok.EOS)
+        text = tok.decode(row[1:end])
+        target = [t for t, m in zip(row[1:], mask[i].tolist()) if m]
+        assert target[-1] == tok.EOS
+        answer = tok.decode(target[:-1])
+        prompt = text[:len(text) - len(answer)]
+        if i % 2 == 0:                                   # a bare copy
+            assert prompt.endswith("=") and "+" not in prompt
+            assert answer == prompt[:-1][::-1]
+        else:                                            # a sum of digit lists
+            x, y, rest = prompt.split("|")
+            assert rest == "" and answer == str(int(x[::-1]) + int(y[::-1]))[::-1]
+        longest = max(longest, max(len(p) for p in prompt.rstrip("=|").split("|")))
+    assert longest == 5                                  # operands up to --aux-digits
