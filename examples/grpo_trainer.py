@@ -150,6 +150,13 @@ def build_args(argv=None):
         # checkpoint is near-certain on most tokens, where --parity's fp32 gradients of tiny
         # size compare by their rounding, and --compare's docs are measured on add.
         args.task = "add" if (args.parity or args.compare) else "scratchpad"
+    if args.paper_mix and args.longest_only:
+        ap.error("--paper-mix and --longest-only are two operand mixes: give one")
+    if args.task != "scratchpad":
+        for flag in ("paper_mix", "longest_only", "final_carry"):
+            if getattr(args, flag):
+                ap.error(f"--{flag.replace('_', '-')} needs --task scratchpad, got --task "
+                         f"{args.task}")
     if args.steps is None:
         args.steps = 150 if args.task == "scratchpad" else 500
     if args.temperature is None:
@@ -212,6 +219,12 @@ def evaluate(model, task, tok, n, seed, temperature=1.0, k=4):
             out[f"{name}_new"] = float(ok[new].mean()) if new.any() else float("nan")
             out[f"{name}_known"] = float(ok[~new].mean()) if (~new).any() else float("nan")
     return out
+
+
+def own_accuracy(model, task, tok, args):
+    """``own_greedy`` and ``own_sampled``: :func:`evaluate` on the checkpoint's own sums."""
+    acc = evaluate(model, task, tok, args.eval_size, args.seed, args.temperature)
+    return {f"own_{k}": acc[k] for k in ("greedy", "sampled")}
 
 
 def sft(model, task, args, log, harder=None):
@@ -422,9 +435,7 @@ def train(args, log=print, model=None, tok=None, tasks=None, hooks=None):
         args.final_carry or args.paper_mix or args.longest_only
         or rl_task.digits != sft_task.digits) else None
     if own is not None:
-        acc0.update({f"own_{k}": v for k, v in
-                     evaluate(model, own, tok, args.eval_size, args.seed, args.temperature).items()
-                     if k in ("greedy", "sampled")})
+        acc0.update(own_accuracy(model, own, tok, args))
     if acc0 is not None:
         log(f"RL task ({rl_task.digits}-digit) accuracy before RL: greedy {acc0['greedy']:.3f}, "
             f"sampled {acc0['sampled']:.3f}")
@@ -456,9 +467,7 @@ def train(args, log=print, model=None, tok=None, tasks=None, hooks=None):
     if args.task != "kk":
         acc1 = evaluate(model, rl_task, tok, args.eval_size, args.seed, args.temperature)
         if own is not None:
-            acc1.update({f"own_{k}": v for k, v in
-                         evaluate(model, own, tok, args.eval_size, args.seed,
-                                  args.temperature).items() if k in ("greedy", "sampled")})
+            acc1.update(own_accuracy(model, own, tok, args))
         for kind in ("greedy", "sampled"):
             log(f"RL task {kind} accuracy: before {acc0[kind]:.3f} -> after {acc1[kind]:.3f}")
             if f"{kind}_new" in acc0:

@@ -346,3 +346,16 @@ def test_pretraining_auxiliary_documents():
             assert rest == "" and answer == str(int(x[::-1]) + int(y[::-1]))[::-1]
         longest = max(longest, max(len(p) for p in prompt.rstrip("=|").split("|")))
     assert longest == 5                                  # operands up to --aux-digits
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--paper-mix", "--longest-only"], "--paper-mix and --longest-only"),
+    (["--task", "add", "--final-carry"], "--final-carry needs --task scratchpad"),
+    (["--parity", "--paper-mix"], "--paper-mix needs --task scratchpad"),
+])
+def test_trainer_refuses_conflicting_task_options(argv, named, capsys):
+    """The scratchpad operand options are refused, by name, where they would be ignored."""
+    import grpo_trainer as gt
+    with pytest.raises(SystemExit):
+        gt.build_args(argv)
+    assert named in capsys.readouterr().err
