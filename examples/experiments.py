@@ -2,7 +2,7 @@
 (every machine starts from the same weights). docs/experiments.md reports them.
 
     python examples/experiments.py critical-kl  [--quick] [--seeds 0,...,9] [--jobs 2]  # ~35 min
-    python examples/experiments.py calibrate    [--quick] [--seeds 0,1,2] [--jobs 2]    # ~8 min
+    python examples/experiments.py calibrate    [--quick] [--seeds 0,1,2] [--jobs 2]    # ~11 min
     python examples/experiments.py displacement [--quick]    # NTHR (examples/displacement.py)
     python examples/experiments.py balance      [--quick]    # AR/Lopti (examples/balance.py)
     python examples/experiments.py all          [--quick]
