@@ -40,9 +40,9 @@ sys.path.insert(0, HERE)
 
 import gbc_kernels as gbc                         # noqa: E402
 import grpo_trainer as gt                         # noqa: E402
-from displacement import (fixed_setup, output_dir, restored,   # noqa: E402
-                          sign_test, sgd_step)
-from experiments import mean_ci                   # noqa: E402
+from displacement import (fixed_options, fixed_setup, output_dir,   # noqa: E402
+                          restored, sgd_step)
+from experiments import mean_ci, sign_test, sign_verdict, verdict     # noqa: E402
 from gbc_kernels.integrations import hf           # noqa: E402
 
 EDGES = (0.0, 0.25, 0.5, 0.75, 1.0001)
@@ -142,8 +142,7 @@ def summarise(rows):
         m, h = mean_ci(diffs)
         claims[f"{v} - GRPO, share of positive high-p tokens moving up"] = dict(
             mean=m, ci95=h, wins=w, losses=l, p=p,
-            verdict=("reproduced" if p < 0.05 and w > l else
-                     "not reproduced" if p < 0.05 and l > w else "inconclusive"))
+            verdict=sign_verdict(w, l, p))
     out["claims"] = claims
     return out
 
@@ -201,11 +200,10 @@ def accuracy_summary(rows):
     for v in ("AR", "Lopti"):
         diffs = [by[s, v]["sampled_after"] - by[s, "GRPO"]["sampled_after"] for s in seeds
                  if (s, v) in by and (s, "GRPO") in by]
-        m, h = mean_ci(diffs)
+        call, m, h = verdict(diffs, +1)
         w, l, p = sign_test(diffs)
         out[f"{v} - GRPO"] = dict(mean=m, ci95=h, wins=w, losses=l, p=p, seeds=len(diffs),
-                                 verdict=("reproduced" if m - h > 0 else
-                                          "not reproduced" if m + h < 0 else "inconclusive"))
+                                  verdict=call)
     return out
 
 
@@ -270,15 +268,9 @@ def main(argv=None):
                          "balance_accuracy_<seed>.json in the output folder")
     ap.add_argument("--batches", type=int, default=40)
     ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--temperature", type=float, default=3.0)
-    ap.add_argument("--lr", type=float, default=0.1, help="the SGD steps' learning rate")
     ap.add_argument("--ar-alpha", type=float, default=0.3)
     ap.add_argument("--lopti-eta", type=float, default=0.5)
-    ap.add_argument("--checkpoint", default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None,
-                    help="None: docs/experiments (runs/experiments with --quick)")
+    fixed_options(ap)
     args = ap.parse_args(argv)
     batches = 2 if args.quick else args.batches
     out = output_dir(args)

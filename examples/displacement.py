@@ -39,11 +39,25 @@ sys.path.insert(0, HERE)
 
 import gbc_kernels as gbc                         # noqa: E402
 import grpo_trainer as gt                         # noqa: E402
+from experiments import sign_test, sign_verdict   # noqa: E402
 from gbc_kernels.integrations import hf           # noqa: E402
 
 VARIANTS = ("GRPO", "positive-only", "NTHR", "random")
 # (variant a, variant b, the sign of a - b the claim predicts)
 CLAIMS = (("positive-only", "GRPO", +1), ("NTHR", "GRPO", +1), ("NTHR", "random", +1))
+
+
+def fixed_options(ap):
+    """The options of both one-step protocols (this script and balance.py)."""
+    ap.add_argument("--group", type=int, default=8, help="answers per question (G)")
+    ap.add_argument("--temperature", type=float, default=3.0,
+                    help="sampling and loss temperature (the demo's)")
+    ap.add_argument("--lr", type=float, default=0.1,
+                    help="the SGD step's learning rate (small: the first-order regime)")
+    ap.add_argument("--checkpoint", default=None, help="None: the shipped scratchpad-add3")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None,
+                    help="None: docs/experiments (runs/experiments with --quick)")
 
 
 def fixed_setup(args, prompts, extra=()):
@@ -133,18 +147,6 @@ def scales(roll, rng):
     return {"GRPO": None, "positive-only": pos_only, "NTHR": nthr, "random": rand}
 
 
-def sign_test(diffs):
-    """(wins, losses, two-sided p) of a paired sign test (ties dropped)."""
-    w = sum(d > 0 for d in diffs)
-    l = sum(d < 0 for d in diffs)
-    n = w + l
-    if n == 0:
-        return w, l, 1.0
-    k = min(w, l)
-    p = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
-    return w, l, min(1.0, 2 * p)
-
-
 def run(groups, args, log=print):
     model, tok, task, targs, rng = fixed_setup(args, 1, ["--nthr"])
     rows, tried = [], 0
@@ -174,8 +176,7 @@ def run(groups, args, log=print):
             groups=len(diffs), wins=w, losses=l, p=p,
             mean_diff=sum(diffs) / max(len(diffs), 1),
             median_diff=statistics.median(diffs) if diffs else float("nan"),
-            verdict=("reproduced" if p < 0.05 and w > l else
-                     "not reproduced" if p < 0.05 and l > w else "inconclusive"))
+            verdict=sign_verdict(w, l, p))
     means = {v: sum(r[v] for r in rows) / len(rows) for v in VARIANTS}
     return dict(groups=len(rows), sampled=tried, mean_displacement=means, claims=summary,
                 rows=rows, settings=vars(args))
@@ -216,16 +217,8 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="6 groups (the test suite)")
     ap.add_argument("--groups", type=int, default=200, help="mixed groups to measure")
-    ap.add_argument("--group", type=int, default=8, help="answers per question (G)")
-    ap.add_argument("--temperature", type=float, default=3.0,
-                    help="sampling and loss temperature (the demo's)")
-    ap.add_argument("--lr", type=float, default=0.1,
-                    help="the one SGD step's learning rate (small: the first-order regime)")
     ap.add_argument("--beta", type=float, default=1.0, help="NTHR's threshold factor")
-    ap.add_argument("--checkpoint", default=None, help="None: the shipped scratchpad-add3")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None,
-                    help="None: docs/experiments (runs/experiments with --quick)")
+    fixed_options(ap)
     args = ap.parse_args(argv)
     groups = 6 if args.quick else args.groups
     out = output_dir(args)

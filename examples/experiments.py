@@ -42,6 +42,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import gbc_kernels as gbc                          # noqa: E402
 import grpo_trainer as gt                          # noqa: E402
 import pretrain_scratchpad as ps                   # noqa: E402
 from gbc_kernels.integrations import hf            # noqa: E402
@@ -110,6 +111,26 @@ def verdict(diffs, claimed_sign):
     return "inconclusive", m, h
 
 
+def sign_test(diffs):
+    """(wins, losses, two-sided p) of a paired sign test (ties dropped)."""
+    w = sum(d > 0 for d in diffs)
+    l = sum(d < 0 for d in diffs)
+    n = w + l
+    if n == 0:
+        return w, l, 1.0
+    k = min(w, l)
+    p = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return w, l, min(1.0, 2 * p)
+
+
+def sign_verdict(wins, losses, p):
+    """A sign test's verdict on a claim that the wins win: reproduced / not reproduced at
+    p < 0.05, inconclusive otherwise."""
+    if p < 0.05 and wins != losses:
+        return "reproduced" if wins > losses else "not reproduced"
+    return "inconclusive"
+
+
 # ---------------------------------------------------------------------------------------------
 # the critical token
 # ---------------------------------------------------------------------------------------------
@@ -120,17 +141,11 @@ def probe_set(tok, n=64, seed=4321, digits=3):
     in ``ids`` of each row's first answer token, and of its critical token: the carry-out
     digit, one before EOS)."""
     task = ScratchpadAdditionTask(digits, tok, final_carry=True)
-    seqs, starts = [], []
-    for a, b in task.pairs(n, random.Random(seed)):
-        p = [tok.BOS] + tok.encode(task.prompt_text(a, b))
-        seqs.append(p + tok.encode(task.answer(a, b)) + [tok.EOS])
-        starts.append(len(p))
-    L = max(map(len, seqs))
-    ids = torch.full((n, L), tok.PAD)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s)
-    return ids, (ids != tok.PAD).long(), torch.tensor(starts), \
-        torch.tensor([len(s) - 2 for s in seqs])
+    ids, mask = task.sft_batch(n, random.Random(seed))    # mask: the positions predicting the
+    pos = torch.arange(mask.shape[1])                      # answer and its EOS
+    starts = mask.float().argmax(1) + 1
+    critical = torch.where(mask, pos, -1).max(1).values    # the last one predicts EOS
+    return ids, (ids != tok.PAD).long(), starts, critical
 
 
 def _positions(probe):
@@ -146,13 +161,15 @@ def _positions(probe):
 @torch.no_grad()
 def critical_probs(model, probe, temperature=1.0):
     """Mean probability of the right token at the critical position, and at the other answer
-    positions, of the probe sums."""
+    positions, of the probe sums (from the fused log-probs: no full logits)."""
     ids, attn = probe[:2]
     was = model.training
     model.eval()
-    logits = model(ids, attention_mask=attn).logits[:, :-1].float() / temperature
+    head = hf.lm_head(model)
+    logp, _ = gbc.fused_linear_logprobs(hf.completion_hidden(model, ids, attn), head.weight,
+                                        ids[:, 1:], head.bias, temperature=temperature)
     model.train(was)
-    p = torch.softmax(logits, -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    p = logp.exp()
     critical, other = _positions(probe)
     return float(p[critical].mean()), float(p[other].mean())
 
@@ -197,33 +214,31 @@ def carry_positions(roll, tok):
 
 class CriticalTokenHook:
     """Every ``every`` updates (and before the first), the probability of the right token at
-    the probe sums' critical positions and elsewhere in their answers."""
+    the probe sums' critical positions and elsewhere in their answers; per update, the mean KL
+    weight the update applies at the sampled answers' carry decision and elsewhere. With
+    ``free_carry`` (the oracle variant) it sets those weights first: 0 at the decision, 1
+    elsewhere."""
 
-    def __init__(self, probe, every=10, free_carry_tok=None):
-        self.probe, self.every, self.step = probe, every, 0
-        self.curve = []              # (step, p critical, p other)
-        self.free_carry_tok = free_carry_tok
+    def __init__(self, probe, every=10, free_carry=False):
+        self.probe, self.every, self.step, self.free_carry = probe, every, 0, free_carry
         self.tok = ScratchpadTokenizer()
-        self.klw = []                # per update: mean KL weight at the carry decision, elsewhere
+        self.curve = []              # (step, p critical, p other)
+        self.klw = []                # per update: (mean KL weight at the decision, elsewhere)
 
     def before(self, model, roll, args):
         if self.step == 0:
             self.curve.append((0, *critical_probs(model, self.probe)))
-        if self.free_carry_tok is not None:        # the oracle variant: no KL at the decision
-            w = torch.ones(roll["targets"].shape)
-            for i, t in enumerate(carry_positions(roll, self.free_carry_tok)):
-                if t >= 0:
-                    w[i, t] = 0.0
-            roll["kl_weight"] = w
-        w = roll.get("kl_weight")
-        if w is not None:              # the weights the update uses, at the sampled answers
-            at = torch.zeros_like(roll["mask"])
-            for i, t in enumerate(carry_positions(roll, self.tok)):
-                if t >= 0:
-                    at[i, t] = True
-            rest = roll["mask"] & ~at
-            self.klw.append((float(w[at].mean()) if at.any() else float("nan"),
-                             float(w[rest].mean()) if rest.any() else float("nan")))
+        if not self.free_carry and roll["kl_weight"] is None:
+            return
+        at = torch.zeros_like(roll["mask"])
+        for i, t in enumerate(carry_positions(roll, self.tok)):
+            if t >= 0:
+                at[i, t] = True
+        if self.free_carry:
+            roll["kl_weight"] = (~at).float()
+        w, rest = roll["kl_weight"], roll["mask"] & ~at
+        self.klw.append((float(w[at].mean()) if at.any() else float("nan"),
+                         float(w[rest].mean()) if rest.any() else float("nan")))
 
     def after(self, model, roll, args, state, metrics):
         self.step += 1
@@ -258,7 +273,7 @@ def one_run(job):
             setattr(a, k, v)
     tok, model, own, rl = gt.setup(a)
     hook = CriticalTokenHook(probe_set(tok, n=16 if quick else 64), every=1 if quick else 10,
-                             free_carry_tok=tok if over.get("free_carry") else None)
+                             free_carry=bool(over.get("free_carry")))
     hist = gt.train(a, log=lambda *_: None, model=model, tok=tok, tasks=(own, rl), hooks=hook)
     final = {k: v for k, v in hist[-1].items() if k.startswith("eval_")}
     steps = [h for h in hist if "step" in h]

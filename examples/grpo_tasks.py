@@ -43,6 +43,18 @@ class CharTokenizer:
         return "".join(out)
 
 
+def pack_sequences(seqs, starts, pad):
+    """Token lists right-padded into ``ids [n, L]``, and the mask ``[n, L - 1]`` of the
+    positions that predict each row's tokens from ``starts[i]`` on (its answer and EOS)."""
+    L = max(map(len, seqs))
+    ids = torch.full((len(seqs), L), pad)
+    mask = torch.zeros(len(seqs), L - 1, dtype=torch.bool)
+    for i, (s, lp) in enumerate(zip(seqs, starts)):
+        ids[i, :len(s)] = torch.tensor(s)
+        mask[i, lp - 1:len(s) - 1] = True
+    return ids, mask
+
+
 @dataclass
 class Batch:
     prompts: torch.Tensor           # [P, Lp] token ids
@@ -74,14 +86,7 @@ class AdditionTask:
         b = self.sample(n, rng)
         seqs = [p.tolist() + self.tok.encode(ans) + [self.tok.EOS]
                 for p, ans in zip(b.prompts, b.answers)]
-        L = max(map(len, seqs))
-        ids = torch.full((n, L), self.tok.PAD)
-        mask = torch.zeros(n, L - 1, dtype=torch.bool)
-        lp = b.prompts.shape[1]
-        for i, s in enumerate(seqs):
-            ids[i, :len(s)] = torch.tensor(s)
-            mask[i, lp - 1:len(s) - 1] = True     # positions predicting answer + EOS
-        return ids, mask
+        return pack_sequences(seqs, [b.prompts.shape[1]] * n, self.tok.PAD)
 
     def score(self, completions: List[str], batch: Batch, group: int):
         """(reward, correct) per completion: 1 for an exact answer, else 0 (or, with
@@ -236,13 +241,7 @@ class ScratchpadAdditionTask:
             p = [self.tok.BOS] + self.tok.encode(self.prompt_text(a, b))
             seqs.append(p + self.tok.encode(self.answer(a, b)) + [self.tok.EOS])
             starts.append(len(p))
-        L = max(map(len, seqs))
-        ids = torch.full((n, L), self.tok.PAD)
-        mask = torch.zeros(n, L - 1, dtype=torch.bool)
-        for i, (s, lp) in enumerate(zip(seqs, starts)):
-            ids[i, :len(s)] = torch.tensor(s)
-            mask[i, lp - 1:len(s) - 1] = True      # positions predicting response + EOS
-        return ids, mask
+        return pack_sequences(seqs, starts, self.tok.PAD)
 
     def score(self, completions: List[str], batch: Batch, group: int):
         """(reward, correct): 1 for the exact scratchpad and sum, else 0 (with

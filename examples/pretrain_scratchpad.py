@@ -34,7 +34,8 @@ sys.path.insert(0, HERE)
 
 import gbc_kernels as gbc                      # noqa: E402
 from gbc_kernels.integrations import hf       # noqa: E402
-from grpo_tasks import ScratchpadAdditionTask, ScratchpadTokenizer   # noqa: E402
+from grpo_tasks import (ScratchpadAdditionTask, ScratchpadTokenizer,   # noqa: E402
+                        pack_sequences)
 
 CHECKPOINT = os.path.join(HERE, "checkpoints", "scratchpad-add3")
 
@@ -194,13 +195,7 @@ def aux_batch(tok, n: int, digits: int, rng: random.Random):
         p = [tok.BOS] + tok.encode(p)
         seqs.append(p + tok.encode(r) + [tok.EOS])
         starts.append(len(p))
-    L = max(map(len, seqs))
-    ids = torch.full((n, L), tok.PAD)
-    mask = torch.zeros(n, L - 1, dtype=torch.bool)
-    for i, (s, lp) in enumerate(zip(seqs, starts)):
-        ids[i, :len(s)] = torch.tensor(s)
-        mask[i, lp - 1:len(s) - 1] = True
-    return ids, mask
+    return pack_sequences(seqs, starts, tok.PAD)
 
 
 def _concat_batches(a, b):
