@@ -11,6 +11,8 @@ from .transforms import advantage_reweight, critical_kl_weight, group_advantages
 from .nthr import NTHRResult, nthr_scale
 from .lopti import lopti_grad_share_low, lopti_phases
 from .module import FusedLinearPolicyLoss
+from . import methods
+from .methods import MethodOptions
 from .vocab_parallel import VocabParallel
 
 __version__ = "0.1.0"
@@ -20,6 +22,6 @@ __all__ = [
     "TokenStats", "fused_linear_logprobs", "fused_linear_policy_loss", "policy_loss",
     "token_stats", "advantage_reweight", "critical_kl_weight", "group_advantages",
     "lopti_split", "NTHRResult", "nthr_scale", "lopti_phases", "lopti_grad_share_low",
-    "FusedLinearPolicyLoss",
+    "FusedLinearPolicyLoss", "methods", "MethodOptions",
     "VocabParallel",
 ]

@@ -330,15 +330,19 @@ def _pass_hidden(model, input_ids, attention_mask, completion_len, model_kwargs)
 def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=None,
                     correct=None, temperature=1.0, nthr=False, nthr_beta=1.0, nthr_eta="auto",
                     backend="auto", completion_len: int = 0,
-                    old_logp=None, model_kwargs: Optional[dict] = None) -> OldPolicyPass:
+                    old_logp=None, model_kwargs: Optional[dict] = None,
+                    advantages=None) -> OldPolicyPass:
     """The rollout policy's pass of an RL step: ``old_logp`` of ``targets = input_ids[:, 1:]``
     (or of the last ``completion_len`` tokens) and, with ``nthr=True``, NTHR's token scale from
-    the same hidden states (docs/math.md §4). ``old_logp`` already computed by the trainer (at
-    the same temperature) is used as is, saving the streaming pass over the vocabulary. The
-    model's final-logit soft-capping, if any, is applied in the passes. ``model_kwargs``: more
-    inputs of the model's forward (a vision-language model's images: ``pixel_values``,
-    ``image_grid_thw``, ...)."""
+    the same hidden states (docs/math.md §4). NTHR's correct responses: ``correct`` ([B] bool),
+    or from ``advantages`` by the method layer's rule (sequence advantage > 0,
+    :func:`gbc_kernels.methods.correct_from_advantages`). ``old_logp`` already computed by the
+    trainer (at the same temperature) is used as is, saving the streaming pass over the
+    vocabulary. The model's final-logit soft-capping, if any, is applied in the passes.
+    ``model_kwargs``: more inputs of the model's forward (a vision-language model's images:
+    ``pixel_values``, ``image_grid_thw``, ...)."""
     import gbc_kernels as gbc
+    from gbc_kernels import methods
 
     head = lm_head(model)
     cap = logit_softcap(model)
@@ -348,8 +352,11 @@ def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=N
                                    backend=backend, logit_softcap=cap).logp
     res = None
     if nthr:
+        if correct is None and advantages is not None:
+            correct = methods.correct_from_advantages(advantages, mask)
         if group_ids is None or correct is None:
-            raise ValueError("group_ids, correct: required when nthr=True")
+            raise ValueError("group_ids, correct: required when nthr=True (correct: or "
+                             "advantages)")
         res = gbc.nthr_scale(h, head.weight, targets, mask, group_ids, correct, bias=head.bias,
                              temperature=temperature, beta=nthr_beta, eta=nthr_eta,
                              backend=backend, logp=old_logp, logit_softcap=cap)
@@ -363,16 +370,17 @@ def reference_pass(ref_model, input_ids, attention_mask, targets, temperature=1.
                    model_kwargs: Optional[dict] = None) -> ReferencePass:
     """The frozen reference model's pass: ``ref_logp`` and, with ``critical_kl_exponent`` set,
     the critical-token KL weights ``(1 - c) J**gamma + c`` from its certainty (docs/math.md
-    §5). The model's final-logit soft-capping, if any, is applied. ``model_kwargs`` as in
-    :func:`old_policy_pass`."""
-    import gbc_kernels as gbc
+    §5; :func:`gbc_kernels.methods.reference_stats`). The model's final-logit soft-capping, if
+    any, is applied. ``model_kwargs`` as in :func:`old_policy_pass`."""
+    from gbc_kernels import methods
 
+    opts = methods.MethodOptions(critical_kl_exponent=critical_kl_exponent,
+                                 critical_kl_intercept=intercept,
+                                 critical_kl_certainty=certainty,
+                                 critical_kl_temperature=certainty_temperature)
     head = lm_head(ref_model)
     h = _pass_hidden(ref_model, input_ids, attention_mask, completion_len, model_kwargs)
-    crit = critical_kl_exponent is not None
-    st = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temperature,
-                         certainty=certainty if crit else None,
-                         certainty_temperature=certainty_temperature, backend=backend,
-                         logit_softcap=logit_softcap(ref_model))
-    w = gbc.critical_kl_weight(st.certainty, critical_kl_exponent, intercept) if crit else None
-    return ReferencePass(st.logp, w, st.certainty)
+    st = methods.reference_stats(h, head.weight, targets, opts, head.bias,
+                                 temperature=temperature, logit_softcap=logit_softcap(ref_model),
+                                 backend=backend)
+    return ReferencePass(*st)

@@ -1,0 +1,255 @@
+"""The four methods, once: AR, Lopti, NTHR and critical-token KL (docs/methods.md).
+
+Every adapter — TRL, verl's engines, OpenRLHF, the example trainer — takes its method options as
+one :class:`MethodOptions` and calls the functions here; none keeps a copy of any rule. The
+rules (docs/math.md §2-§5, §13):
+
+* **AR** multiplies the advantage by ``alpha p_old + 1 - alpha`` inside the loss
+  (``PolicyLossConfig.ar_alpha``).
+* **Lopti**: two optimizer steps per batch, low tokens (``p_old < eta``) first by default
+  (``lopti_order``); the split and ``old_logp`` come from the rollout policy, taken once before
+  the first update, and stay fixed for both (:func:`run_lopti`). A loss call with ``lopti_eta``
+  and no ``phase`` is refused.
+* **NTHR**: a response is *correct* when its sequence advantage is > 0 (token-level
+  advantages: their masked mean) (:func:`correct_from_advantages`); the token scales come from
+  the old policy's hidden states, where whole groups are together (:func:`nthr_token_scale`).
+* **Critical-token KL**: the weights ``(1 - c) J^gamma + c`` come from the reference pass that
+  gives ``ref_logp`` (:func:`reference_stats`), and weight the KL term (``kl_weight``); they
+  need a KL term.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, NamedTuple, Optional, Union
+
+import torch
+
+from .config import PolicyLossConfig
+from .nthr import NTHRResult, nthr_scale
+from .ops import token_stats
+from .transforms import critical_kl_weight
+
+LOPTI_ORDERS = {"low-first": ("low", "high"), "high-first": ("high", "low")}
+CERTAINTIES = ("max_prob", "entropy")
+
+
+def _finite(name, value, lo=None, hi=None, lo_open=False, kind="a float"):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and lo is not None:
+        ok = value > lo if lo_open else value >= lo
+    if ok and hi is not None:
+        ok = value <= hi
+    if not ok:
+        rng = ""
+        if lo is not None:
+            rng = f" {'>' if lo_open else '>='} {lo}" + ("" if hi is None else f" and <= {hi}")
+        raise ValueError(f"{name}: expected {kind}{rng}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodOptions:
+    """The method options of every adapter (verl's engine option names).
+
+    ar_alpha: AR's alpha in [0, 1] (0: off).
+    lopti_eta: Lopti's threshold in (0, 1] (None: off); lopti_order: ``"low-first"`` (the
+        paper's) or ``"high-first"`` (its failing ablation).
+    nthr: NTHR on; nthr_beta: the anchor's factor (finite); nthr_eta: ``"auto"`` (2|0.5 - p|) or
+        a float >= 0.
+    critical_kl_exponent: gamma > 0 (None: off); critical_kl_intercept: c in [0, 1];
+        critical_kl_certainty: ``"max_prob"`` (the official code's J) or ``"entropy"``;
+        critical_kl_temperature: the reference's temperature for J, > 0.
+    """
+
+    ar_alpha: float = 0.0
+    lopti_eta: Optional[float] = None
+    lopti_order: str = "low-first"
+    nthr: bool = False
+    nthr_beta: float = 1.0
+    nthr_eta: Union[str, float] = "auto"
+    critical_kl_exponent: Optional[float] = None
+    critical_kl_intercept: float = 0.0
+    critical_kl_certainty: str = "max_prob"
+    critical_kl_temperature: float = 1.0
+
+    def __post_init__(self):
+        _finite("ar_alpha", self.ar_alpha, 0.0, 1.0)
+        if self.lopti_eta is not None:
+            _finite("lopti_eta", self.lopti_eta, 0.0, 1.0, lo_open=True)
+        if self.lopti_order not in LOPTI_ORDERS:
+            raise ValueError(f"lopti_order: expected one of {tuple(LOPTI_ORDERS)}, got "
+                             f"{self.lopti_order!r}")
+        if not isinstance(self.nthr, bool):
+            raise ValueError(f"nthr: expected True or False, got {self.nthr!r}")
+        _finite("nthr_beta", self.nthr_beta)
+        if self.nthr_eta != "auto":
+            _finite("nthr_eta", self.nthr_eta, 0.0, kind="'auto' or a float")
+        if self.critical_kl_exponent is not None:
+            _finite("critical_kl_exponent", self.critical_kl_exponent, 0.0, lo_open=True)
+        _finite("critical_kl_intercept", self.critical_kl_intercept, 0.0, 1.0)
+        if self.critical_kl_certainty not in CERTAINTIES:
+            raise ValueError(f"critical_kl_certainty: expected one of {CERTAINTIES}, got "
+                             f"{self.critical_kl_certainty!r}")
+        _finite("critical_kl_temperature", self.critical_kl_temperature, 0.0, lo_open=True)
+
+    @classmethod
+    def from_kwargs(cls, names: Optional[dict] = None, **kw) -> "MethodOptions":
+        """Options from a trainer's spelling: ``names`` maps this class's field to the
+        trainer's option name (e.g. ``{"ar_alpha": "gbc_ar_alpha"}``), so that an error names
+        the option the user set. Unknown keys are refused."""
+        names = names or {}
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kw) - fields)
+        if unknown:
+            raise ValueError(f"{names.get(unknown[0], unknown[0])}: not a method option "
+                             f"(expected one of {sorted(names.get(f, f) for f in fields)})")
+        try:
+            return cls(**kw)
+        except ValueError as exc:
+            field, _, rest = str(exc).partition(":")
+            spelled = names.get(field)
+            if spelled is None or spelled == field:
+                raise
+            raise ValueError(f"{spelled}:{rest} (gbc's {field})") from None
+
+    @property
+    def phases(self) -> tuple:
+        """The loss phases of one batch: ``("low", "high")`` (or reversed) under Lopti, else
+        ``(None,)``."""
+        return LOPTI_ORDERS[self.lopti_order] if self.lopti_eta is not None else (None,)
+
+    @property
+    def needs_old_pass(self) -> bool:
+        """Whether the old policy's log-probs must be fixed before the first update even
+        on-policy (Lopti's split and its second phase's ratio; NTHR's scales)."""
+        return self.lopti_eta is not None or self.nthr
+
+    def loss_options(self) -> dict:
+        """The :class:`PolicyLossConfig` fields these options set."""
+        return {"ar_alpha": self.ar_alpha, "lopti_eta": self.lopti_eta}
+
+    def check_config(self, cfg: PolicyLossConfig, kl_option: str = "kl_coef") -> None:
+        """Refuse a combination the loss cannot honour: critical-token KL without a KL term
+        (``kl_option`` names the trainer's KL coefficient)."""
+        if self.critical_kl_exponent is not None and cfg.kl_coef == 0.0:
+            raise ValueError(f"critical_kl_exponent: the loss has no KL term to weight (set "
+                             f"{kl_option} != 0)")
+
+
+# ------------------------------------------------------------------------------------ NTHR
+def correct_from_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """NTHR's *correct* responses (§13): sequence advantage > 0; ``[B, T]`` token-level
+    advantages: their mean over the masked tokens > 0 (an empty response: not correct)."""
+    if advantages.dim() == 1:
+        return advantages > 0
+    m = mask.to(advantages.dtype)
+    return (advantages * m).sum(-1) > 0
+
+
+def nthr_token_scale(hidden, weight, targets, mask, group_ids, advantages,
+                     options: MethodOptions, bias=None, temperature=1.0, logp=None,
+                     logit_softcap=None, backend="auto", **parallel) -> NTHRResult:
+    """NTHR's token scales (docs/math.md §4) from the old policy's hidden states, with the
+    correct responses taken from the advantages. ``parallel``: ``vocab_parallel=`` /
+    ``data_parallel_group=`` of :func:`gbc_kernels.nthr_scale`."""
+    return nthr_scale(hidden, weight, targets, mask, group_ids,
+                      correct_from_advantages(advantages, mask), bias=bias,
+                      temperature=temperature, beta=options.nthr_beta, eta=options.nthr_eta,
+                      backend=backend, logp=logp, logit_softcap=logit_softcap, **parallel)
+
+
+def nthr_metrics(result: NTHRResult, advantages, mask) -> dict:
+    """``nthr_selected_frac``: the share of the incorrect responses' masked tokens that NTHR
+    selected; ``nthr_eta_mean``: the mean scale over the selected tokens (1 when none)."""
+    return result.metrics(correct_from_advantages(advantages, mask), mask)
+
+
+def union_ids(ids: torch.Tensor, group=None) -> torch.Tensor:
+    """The sorted distinct token ids of ``ids`` over the ranks of ``group`` (``"world"``: the
+    default group; None: this process only) — a superset of every NTHR group's ``V*``."""
+    ids = torch.unique(ids.detach().reshape(-1).cpu())
+    if group is not None:
+        import torch.distributed as dist
+
+        pg = None if group == "world" else group
+        every = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(every, ids.tolist(), group=pg)
+        ids = torch.tensor(sorted(set().union(*every)), dtype=torch.long)
+    return ids.long()
+
+
+# ------------------------------------------------------------------------ critical-token KL
+class ReferenceStats(NamedTuple):
+    ref_logp: torch.Tensor                 # [.., T] float32
+    kl_weight: Optional[torch.Tensor]      # critical-token KL weights (None when off)
+    certainty: Optional[torch.Tensor]
+
+
+@torch.no_grad()
+def reference_stats(hidden, weight, targets, options: MethodOptions, bias=None,
+                    temperature=1.0, logit_softcap=None, backend="auto",
+                    **parallel) -> ReferenceStats:
+    """The reference pass over the reference model's hidden states: ``ref_logp`` and, with
+    critical-token KL on, its weights ``(1 - c) J^gamma + c`` (docs/math.md §5), from one
+    streaming pass over the vocabulary."""
+    crit = options.critical_kl_exponent is not None
+    st = token_stats(hidden, weight, targets, bias, temperature=temperature,
+                     certainty=options.critical_kl_certainty if crit else None,
+                     certainty_temperature=options.critical_kl_temperature, backend=backend,
+                     logit_softcap=logit_softcap, **parallel)
+    w = (critical_kl_weight(st.certainty, options.critical_kl_exponent,
+                            options.critical_kl_intercept) if crit else None)
+    return ReferenceStats(st.logp, w, st.certainty)
+
+
+def kl_weights(certainty: torch.Tensor, options: MethodOptions) -> torch.Tensor:
+    """The critical-token KL weights of a certainty ``J`` already computed."""
+    return critical_kl_weight(certainty, options.critical_kl_exponent,
+                              options.critical_kl_intercept)
+
+
+# ----------------------------------------------------------------------------------- Lopti
+def run_lopti(compute_loss: Callable, optimizer, order: str = "low-first",
+              before_step: Optional[Callable] = None) -> list:
+    """Lopti's two updates over one batch: for each phase of ``order``,
+    ``optimizer.zero_grad()``, ``compute_loss(phase).backward()``, ``before_step()`` (e.g.
+    gradient clipping), ``optimizer.step()``.
+
+    ``compute_loss(phase)`` returns the loss or ``(loss, metrics)``; it recomputes the policy's
+    forward, so the second phase sees the parameters after the first, and passes the SAME
+    ``old_logp`` to both phases (taken from the rollout policy before the first update: the
+    split stays fixed, the second phase's ratio carries the first's drift and the clip acts on
+    it). Returns what ``compute_loss`` returned, one per phase."""
+    if order not in LOPTI_ORDERS:
+        raise ValueError(f"order: expected one of {tuple(LOPTI_ORDERS)}, got {order!r}")
+    results = []
+    for phase in LOPTI_ORDERS[order]:
+        optimizer.zero_grad(set_to_none=True)
+        out = compute_loss(phase)
+        (out[0] if isinstance(out, tuple) else out).backward()
+        if before_step is not None:
+            before_step()
+        optimizer.step()
+        results.append(out)
+    return results
+
+
+def lopti_grad_share_low(results, order: str = "low-first") -> Optional[float]:
+    """``grad_share_low`` of a Lopti step (docs/math.md §6, one meaning everywhere): the share
+    of the logit-gradient norm (summed over tokens) on the low tokens; over the two updates it
+    is the low phase's ``grad_norm_sum`` over both phases'. None when the metrics carry no
+    ``grad_norm_sum``. Reads two device values."""
+    norms = {}
+    for phase, out in zip(LOPTI_ORDERS[order], results):
+        metrics = out[1] if isinstance(out, tuple) else {}
+        if "grad_norm_sum" not in metrics:
+            return None
+        norms[phase] = float(metrics["grad_norm_sum"])
+    return share_low(norms["low"], norms["high"])
+
+
+def share_low(low: float, high: float) -> float:
+    """The low share of two summed gradient norms (0 when both are 0)."""
+    total = low + high
+    return low / total if total > 0 else 0.0
