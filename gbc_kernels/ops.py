@@ -32,12 +32,21 @@ def _config(config) -> PolicyLossConfig:
                     f"got {type(config).__name__}")
 
 
+# docs/math.md §3, §13: a loss with Lopti on and no phase would be a plain update
+LOPTI_NEEDS_PHASE = ("phase: config.lopti_eta={eta} asks for Lopti's two updates, and a loss "
+                     "without a phase would be a plain one; pass phase='low' then 'high' with an "
+                     "optimizer step after each (gbc.methods.run_lopti runs them), or set "
+                     "lopti_eta=None")
+
+
 def _check_phase(phase, cfg):
     if phase not in PHASES:
         raise ValueError(f"phase: expected None, 'low' or 'high', got {phase!r}")
     if phase is not None and cfg.lopti_eta is None:
         raise ValueError(f"phase: phase={phase!r} needs config.lopti_eta (Lopti's probability "
                          "threshold), got lopti_eta=None")
+    if phase is None and cfg.lopti_eta is not None:
+        raise ValueError(LOPTI_NEEDS_PHASE.format(eta=cfg.lopti_eta))
 
 
 def _norms(num_items_in_batch, num_seqs_in_batch):

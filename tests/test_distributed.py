@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,6 +21,11 @@ from conftest import make_batch, spawn_gloo as _spawn
 
 
 PHASES = (None, "low", "high")
+
+
+def _phase_config(cfg, phase):
+    """Lopti off for the phase-less call (with lopti_eta set, it is refused)."""
+    return cfg if phase is not None else dataclasses.replace(cfg, lopti_eta=None)
 
 
 def _ddp_worker(rank, world, batch, cfg):
@@ -32,7 +39,8 @@ def _ddp_worker(rank, world, batch, cfg):
         w = batch["weight"].clone().requires_grad_(True)
         loss, _ = gbc.fused_linear_policy_loss(
             h, w, batch["targets"][rows], batch["mask"][rows], batch["advantages"][rows],
-            batch["old_logp"][rows], batch["ref_logp"][rows], config=cfg, phase=phase,
+            batch["old_logp"][rows], batch["ref_logp"][rows], config=_phase_config(cfg, phase),
+            phase=phase,
             num_items_in_batch=n_global, backend="auto")
         loss.backward()
         gw = w.grad.clone()
@@ -59,7 +67,8 @@ def test_ddp_token_mean_equals_single_process(world):
         w = batch["weight"].clone().requires_grad_(True)
         loss, _ = gbc.fused_linear_policy_loss(h, w, batch["targets"], batch["mask"],
                                                batch["advantages"], batch["old_logp"],
-                                               batch["ref_logp"], config=cfg, phase=phase)
+                                               batch["ref_logp"], config=_phase_config(cfg, phase),
+                                               phase=phase)
         loss.backward()
         assert abs(total - loss.item()) < 1e-6, phase
         assert torch.allclose(gw, w.grad, rtol=1e-5, atol=1e-7), phase

@@ -131,7 +131,11 @@ def test_lopti_phases_partition_the_loss(lib):
     cfg = lib.PolicyLossConfig(lopti_eta=0.05, kl_coef=0.1, entropy_coef=0.0)
     args = (b["hidden"], b["weight"], b["targets"], b["mask"], b["advantages"], b["old_logp"],
             b["ref_logp"], b["bias"])
-    full, _ = lib.fused_linear_policy_loss(*args, config=cfg)
+    # the full loss: Lopti off (with lopti_eta set, a call without a phase is refused)
+    full, _ = lib.fused_linear_policy_loss(*args, config=lib.PolicyLossConfig(kl_coef=0.1,
+                                                                              entropy_coef=0.0))
+    with pytest.raises(ValueError, match="phase"):
+        lib.fused_linear_policy_loss(*args, config=cfg)
     low, m = lib.fused_linear_policy_loss(*args, config=cfg, phase="low")
     high, _ = lib.fused_linear_policy_loss(*args, config=cfg, phase="high")
     assert 0.0 < float(m["low_frac"]) < 1.0

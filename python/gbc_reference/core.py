@@ -595,6 +595,10 @@ def _metrics(parts, logp, entropy, mask, cfg, grad_share_low, grad_norm_sum=None
 def _loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_scale, kl_weight, cfg,
           phase, num_items_in_batch, is_ratio, sampling_logp, num_seqs_in_batch=None,
           cov_sel=None):
+    if phase is None and cfg.lopti_eta is not None:
+        raise ValueError(f"phase: config.lopti_eta={cfg.lopti_eta} asks for Lopti's two "
+                         "updates (phase='low', then 'high'); a loss without a phase would be a "
+                         "plain update")
     policy, kl, ent, parts = _per_token_loss(logp, entropy, mask, advantages, old_logp,
                                              ref_logp, token_scale, kl_weight, cfg, phase,
                                              is_ratio, sampling_logp, cov_sel)
