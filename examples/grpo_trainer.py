@@ -42,6 +42,7 @@ sys.path.insert(0, HERE)
 
 import gbc_kernels as gbc                         # noqa: E402
 import gbc_reference                              # noqa: E402
+from gbc_kernels import methods                  # noqa: E402
 from gbc_kernels.integrations import hf           # noqa: E402
 from grpo_tasks import (AdditionTask, CharTokenizer, KKTask,         # noqa: E402
                         ScratchpadAdditionTask)
@@ -261,6 +262,23 @@ def sft(model, task, args, log, harder=None):
 # ---------------------------------------------------------------------------------------------
 
 
+# the method layer's options under this trainer's flags (errors name the flag)
+METHOD_FLAGS = {"ar_alpha": "--ar-alpha", "lopti_eta": "--lopti-eta",
+                "lopti_order": "--lopti-order", "nthr": "--nthr", "nthr_beta": "--nthr-beta",
+                "critical_kl_exponent": "--critical-kl-exponent",
+                "critical_kl_certainty": "--critical-kl-certainty",
+                "critical_kl_temperature": "--critical-kl-temperature"}
+
+
+def method_options(args) -> methods.MethodOptions:
+    """The run's :class:`gbc_kernels.methods.MethodOptions`, checked against its loss (critical
+    KL needs --kl-coef)."""
+    opts = methods.MethodOptions.from_kwargs(
+        METHOD_FLAGS, **{f: getattr(args, f) for f in METHOD_FLAGS})
+    opts.check_loss(args.kl_coef, kl_option="--kl-coef", names=METHOD_FLAGS)
+    return opts
+
+
 def loss_config(args, lib):
     return lib.PolicyLossConfig(epsilon_low=args.epsilon_low, epsilon_high=args.epsilon_high,
                                 clip_ratio_c=args.dual_clip,
@@ -289,17 +307,19 @@ def rollout(model, ref_model, task, tok, args, rng):
     mask = torch.zeros_like(targets, dtype=torch.bool)
     mask[:, Lp - 1:] = completion_mask(comp, tok.eos_token_id, tok.pad_token_id)
     model.eval()
-    old = hf.old_policy_pass(model, seq, attn, targets, mask, group_ids, correct,
-                             temperature=args.temperature, nthr=args.nthr,
-                             nthr_beta=args.nthr_beta, backend=args.backend)
+    opts = method_options(args)
+    old = hf.old_policy_pass(model, seq, attn, targets, mask, group_ids, advantages=adv,
+                             temperature=args.temperature, nthr=opts.nthr,
+                             nthr_beta=opts.nthr_beta, nthr_eta=opts.nthr_eta,
+                             backend=args.backend)
     extra = {} if old.nthr is None else \
-        {k: float(v) for k, v in old.nthr.metrics(correct, mask).items()}
+        {k: float(v) for k, v in methods.nthr_metrics(old.nthr, adv, mask).items()}
     ref_logp = kl_weight = None
     if args.kl_coef != 0.0:
         ref = hf.reference_pass(ref_model, seq, attn, targets, temperature=args.temperature,
-                                critical_kl_exponent=args.critical_kl_exponent,
-                                certainty=args.critical_kl_certainty,
-                                certainty_temperature=args.critical_kl_temperature,
+                                critical_kl_exponent=opts.critical_kl_exponent,
+                                certainty=opts.critical_kl_certainty,
+                                certainty_temperature=opts.critical_kl_temperature,
                                 backend=args.backend)
         ref_logp, kl_weight = ref.ref_logp, ref.kl_weight
         if kl_weight is not None:
@@ -350,20 +370,20 @@ def rl_step(model, opt, roll, args, parity_record=None):
             parity_check(model, roll, args, phase, parity_record)
         return policy_loss(model, roll, args, phase, lib)
 
+    clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     if args.lopti_eta is None:
         opt.zero_grad(set_to_none=True)
         loss, metrics = compute(None)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        clip()
         opt.step()
         results.append((loss, metrics))
-    else:
-        clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        results = gbc.lopti_phases(compute, opt, order=args.lopti_order, before_step=clip)
+    else:     # old_logp, and so the split, fixed at the rollout for both updates
+        results = methods.run_lopti(compute, opt, order=args.lopti_order, before_step=clip)
     loss = sum(float(l.detach()) for l, _ in results)
     metrics = {k: float(v) for k, v in results[0][1].items()}   # phase-independent metrics
     if len(results) == 2:       # Lopti: the step's share over both updates
-        share = gbc.lopti_grad_share_low(results, args.lopti_order)
+        share = methods.lopti_grad_share_low(results, args.lopti_order)
         if share is not None:
             metrics["grad_share_low"] = share
     return loss, metrics
@@ -594,6 +614,10 @@ def main(argv=None):
         args.kl_coef = args.kl_coef or 0.05
         args.critical_kl_exponent = args.critical_kl_exponent or 2.0
         torch.set_default_dtype(torch.float32)
+    try:
+        method_options(args)
+    except ValueError as exc:
+        sys.exit(f"grpo_trainer.py: error: {exc}")
     if args.compare:
         return compare(args)
     train(args)

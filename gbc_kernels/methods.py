@@ -26,7 +26,6 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-from .config import PolicyLossConfig
 from .nthr import NTHRResult, nthr_scale
 from .ops import token_stats
 from .transforms import critical_kl_weight
@@ -129,12 +128,14 @@ class MethodOptions:
         """The :class:`PolicyLossConfig` fields these options set."""
         return {"ar_alpha": self.ar_alpha, "lopti_eta": self.lopti_eta}
 
-    def check_config(self, cfg: PolicyLossConfig, kl_option: str = "kl_coef") -> None:
+    def check_loss(self, kl_coef: float, kl_option: str = "kl_coef",
+                   names: Optional[dict] = None) -> None:
         """Refuse a combination the loss cannot honour: critical-token KL without a KL term
-        (``kl_option`` names the trainer's KL coefficient)."""
-        if self.critical_kl_exponent is not None and cfg.kl_coef == 0.0:
-            raise ValueError(f"critical_kl_exponent: the loss has no KL term to weight (set "
-                             f"{kl_option} != 0)")
+        (``kl_coef``: the loss's KL coefficient, ``kl_option`` the trainer's name for it,
+        ``names`` its method options as in :meth:`from_kwargs`)."""
+        if self.critical_kl_exponent is not None and not kl_coef:
+            name = (names or {}).get("critical_kl_exponent", "critical_kl_exponent")
+            raise ValueError(f"{name}: the loss has no KL term to weight (set {kl_option} != 0)")
 
 
 # ------------------------------------------------------------------------------------ NTHR

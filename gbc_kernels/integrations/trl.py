@@ -41,6 +41,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 import gbc_kernels as gbc
+from gbc_kernels import methods
 from . import hf
 
 SUPPORTED_LOSS_TYPES = tuple(gbc.config.TRL_LOSS_TYPES)
@@ -99,6 +100,21 @@ class _Options:
         return getattr(self._args, name)
 
 
+# the method layer's options under TRL's names (errors name the option the user set)
+METHOD_NAMES = {f: f"gbc_{f}" for f in ("ar_alpha", "lopti_eta", "lopti_order", "nthr",
+                                        "nthr_beta", "nthr_eta", "critical_kl_exponent",
+                                        "critical_kl_intercept", "critical_kl_certainty",
+                                        "critical_kl_temperature")}
+
+
+def method_options(args) -> methods.MethodOptions:
+    """The :class:`gbc_kernels.methods.MethodOptions` of a (GBC)GRPOConfig."""
+    args = _Options(args)
+    kw = {f: getattr(args, name) for f, name in METHOD_NAMES.items()}
+    kw["nthr_eta"] = "auto" if kw["nthr_eta"] is None else kw["nthr_eta"]
+    return methods.MethodOptions.from_kwargs(METHOD_NAMES, **kw)
+
+
 def _unsupported(args) -> list[str]:
     """TRL options whose objective the fused loss does not reproduce, as error lines."""
     args = _Options(args)
@@ -108,33 +124,19 @@ def _unsupported(args) -> list[str]:
     if args.importance_sampling_level not in ("token", "sequence"):
         bad.append(f"importance_sampling_level={args.importance_sampling_level!r}: expected "
                    "'token' or 'sequence'")
-    if args.gbc_lopti_order not in ("low-first", "high-first"):
-        bad.append(f"gbc_lopti_order={args.gbc_lopti_order!r}: expected 'low-first' or "
-                   "'high-first'")
     if args.gbc_critical_kl_exponent is not None and args.beta == 0.0:
         bad.append("gbc_critical_kl_exponent with beta=0.0: there is no KL term to weight; "
                    "expected beta > 0")
-    if args.gbc_critical_kl_certainty not in ("max_prob", "entropy"):
-        bad.append(f"gbc_critical_kl_certainty={args.gbc_critical_kl_certainty!r}: expected "
-                   "'max_prob' or 'entropy'")
     if args.gbc_nthr:
         local = args.per_device_train_batch_size * args.steps_per_generation
         if args.num_generations and local % args.num_generations:
             bad.append(f"gbc_nthr with per_device_train_batch_size * steps_per_generation = "
                        f"{local}, not a multiple of num_generations={args.num_generations}: "
                        "NTHR needs every group's completions on the same process")
-    if not 0.0 <= args.gbc_ar_alpha <= 1.0:
-        bad.append(f"gbc_ar_alpha={args.gbc_ar_alpha!r}: expected a float in [0, 1]")
-    if args.gbc_lopti_eta is not None and not 0.0 < args.gbc_lopti_eta <= 1.0:
-        bad.append(f"gbc_lopti_eta={args.gbc_lopti_eta!r}: expected None or a float in (0, 1]")
-    if args.gbc_nthr_eta is not None and not args.gbc_nthr_eta >= 0.0:
-        bad.append(f"gbc_nthr_eta={args.gbc_nthr_eta!r}: expected None ('auto') or a float >= 0")
-    if args.gbc_critical_kl_exponent is not None and not args.gbc_critical_kl_exponent > 0.0:
-        bad.append(f"gbc_critical_kl_exponent={args.gbc_critical_kl_exponent!r}: expected None "
-                   "or a float > 0")
-    if not args.gbc_critical_kl_temperature > 0.0:
-        bad.append(f"gbc_critical_kl_temperature={args.gbc_critical_kl_temperature!r}: "
-                   "expected a float > 0")
+    try:
+        method_options(args)
+    except ValueError as exc:
+        bad.append(str(exc))
     if args.gbc_backend not in ("auto", "triton", "cpu", "torch"):
         bad.append(f"gbc_backend={args.gbc_backend!r}: expected 'auto', 'triton', 'cpu' or 'torch'")
     return bad
@@ -163,6 +165,10 @@ def _logit_scale(model) -> float:
     return scale
 
 
+# Lopti on-policy: the old policy's log-probs, fixed at the rollout for both updates
+OLD_LOGP_KEY = "gbc_old_logp"
+
+
 class GBCGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` whose loss is :func:`gbc_kernels.fused_linear_policy_loss`.
 
@@ -177,6 +183,7 @@ class GBCGRPOTrainer(GRPOTrainer):
         if args is None:                 # TRL built its default GRPOConfig
             self._gbc_check_args(self.args)
         self.gbc_args = _Options(self.args)
+        self.gbc_methods = method_options(self.args)
         self._gbc_check_model()
         self._gbc_phase = None
         self._gbc_reuse_inputs = None
@@ -210,8 +217,9 @@ class GBCGRPOTrainer(GRPOTrainer):
                 raise ValueError("gbc_lopti_eta: not supported under DeepSpeed (its engine steps "
                                  "the optimizer inside backward)")
 
-    def _gbc_config(self, entropy_coef: float) -> gbc.PolicyLossConfig:
-        """TRL's loss_type as gbc's preset, with TRL's options on the other axes."""
+    def _gbc_config(self, entropy_coef: float, lopti: bool = True) -> gbc.PolicyLossConfig:
+        """TRL's loss_type as gbc's preset, with TRL's options on the other axes. ``lopti=False``:
+        Lopti's threshold off (an evaluation loss: both phases' terms, no update)."""
         args = self.gbc_args
         lt = args.loss_type
         return gbc.PolicyLossConfig.preset(
@@ -219,7 +227,7 @@ class GBCGRPOTrainer(GRPOTrainer):
             max_len=args.max_completion_length if lt == "dr_grpo" else None,
             temperature=self._gbc_temperature, kl_coef=self.beta, kl_estimator="k3",
             kl_ratio_correction=bool(args.use_bias_correction_kl), entropy_coef=entropy_coef,
-            ar_alpha=args.gbc_ar_alpha, lopti_eta=args.gbc_lopti_eta,
+            ar_alpha=args.gbc_ar_alpha, lopti_eta=args.gbc_lopti_eta if lopti else None,
             importance_sampling_level=args.importance_sampling_level,
             delta=args.delta if lt in PPO_LOSS_TYPES else None,      # TRL ignores it elsewhere
             sapo_temperature_pos=args.sapo_temperature_pos,
@@ -254,10 +262,13 @@ class GBCGRPOTrainer(GRPOTrainer):
 
     # ---------------------------------------------------------------- rollout: NTHR, critical KL
     def _generate_and_score_completions(self, inputs):
+        """TRL's rollout, then gbc's no-grad passes over the whole generation batch (whole
+        groups together): the old policy's (Lopti's fixed ``old_logp`` when TRL has none, NTHR's
+        scales) and the reference's (critical-token KL weights)."""
         out = super()._generate_and_score_completions(inputs)
-        args = self.gbc_args
-        crit = args.gbc_critical_kl_exponent is not None
-        if not self.model.training or not (args.gbc_nthr or crit):
+        opts, args = self.gbc_methods, self.gbc_args
+        crit = opts.critical_kl_exponent is not None
+        if not self.model.training or not (opts.needs_old_pass or crit):
             return out
         model_kwargs = _model_inputs(out)
         completion_ids = out["completion_ids"]
@@ -266,29 +277,32 @@ class GBCGRPOTrainer(GRPOTrainer):
         attention_mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
         mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out \
             else out["completion_mask"]
-        if args.gbc_nthr:
-            B, G = completion_ids.size(0), self.num_generations
-            if B % G:
-                raise ValueError(f"gbc_nthr: this process holds {B} completions, not a multiple "
-                                 f"of num_generations={G}; NTHR needs whole groups")
-            adv = out["advantages"]
-            adv = adv if adv.dim() == 1 else adv[:, 0]
-            group_ids = torch.arange(B, device=completion_ids.device) // G
+        if opts.needs_old_pass:
+            nthr = {}
+            if opts.nthr:
+                B, G = completion_ids.size(0), self.num_generations
+                if B % G:
+                    raise ValueError(f"gbc_nthr: this process holds {B} completions, not a "
+                                     f"multiple of num_generations={G}; NTHR needs whole groups")
+                nthr = dict(group_ids=torch.arange(B, device=completion_ids.device) // G,
+                            advantages=out["advantages"], nthr=True, nthr_beta=opts.nthr_beta,
+                            nthr_eta=opts.nthr_eta)
+            # TRL's own old-policy log-probs when it computed them (num_iterations > 1, vLLM);
+            # on-policy, this pass fixes them before Lopti's first update
+            trl_old = out.get("old_per_token_logps")
             with torch.no_grad():
                 res = hf.old_policy_pass(
                     self.accelerator.unwrap_model(self.model), input_ids, attention_mask,
-                    completion_ids, mask, group_ids=group_ids, correct=adv > 0,
-                    temperature=self._gbc_temperature, nthr=True, nthr_beta=args.gbc_nthr_beta,
-                    nthr_eta="auto" if args.gbc_nthr_eta is None else args.gbc_nthr_eta,
-                    backend=args.gbc_backend, completion_len=T,
-                    # TRL's own old-policy log-probs when it computed them (num_iterations > 1,
-                    # vLLM): NTHR then needs no pass over the vocabulary of its own
-                    old_logp=out.get("old_per_token_logps"), model_kwargs=model_kwargs)
-            out["gbc_token_scale"] = res.token_scale
-            m = mask.float()
-            selected = (res.nthr.selected.float() * m).sum() / m.sum().clamp(min=1.0)
-            self._metrics["train"]["gbc/nthr_selected"].append(
-                self.accelerator.gather(selected).mean().item())
+                    completion_ids, mask, temperature=self._gbc_temperature,
+                    backend=args.gbc_backend, completion_len=T, old_logp=trl_old,
+                    model_kwargs=model_kwargs, **nthr)
+            if trl_old is None and opts.lopti_eta is not None:
+                out[OLD_LOGP_KEY] = res.old_logp
+            if opts.nthr:
+                out["gbc_token_scale"] = res.token_scale
+                frac = methods.nthr_metrics(res.nthr, out["advantages"], mask)
+                self._metrics["train"]["gbc/nthr_selected"].append(
+                    self.accelerator.gather(frac["nthr_selected_frac"]).mean().item())
         if crit:
             ref_model, ctx = self.ref_model, contextlib.nullcontext()
             if ref_model is None:       # PEFT: the base model, adapter disabled (as TRL does)
@@ -298,10 +312,10 @@ class GBCGRPOTrainer(GRPOTrainer):
                 ref = hf.reference_pass(
                     ref_model, input_ids, attention_mask, completion_ids,
                     temperature=self._gbc_temperature,
-                    critical_kl_exponent=args.gbc_critical_kl_exponent,
-                    certainty=args.gbc_critical_kl_certainty,
-                    certainty_temperature=args.gbc_critical_kl_temperature,
-                    intercept=args.gbc_critical_kl_intercept, backend=args.gbc_backend,
+                    critical_kl_exponent=opts.critical_kl_exponent,
+                    certainty=opts.critical_kl_certainty,
+                    certainty_temperature=opts.critical_kl_temperature,
+                    intercept=opts.critical_kl_intercept, backend=args.gbc_backend,
                     completion_len=T, model_kwargs=model_kwargs)
             out["gbc_kl_weight"] = ref.kl_weight
         return out
@@ -319,10 +333,9 @@ class GBCGRPOTrainer(GRPOTrainer):
         accumulate), an optimizer step at the window's end, then the second phase over the same
         micro-batches; the Trainer's own optimizer step follows. Without gradient accumulation
         this is phase, step, phase, step on one micro-batch."""
-        if self.gbc_args.gbc_lopti_eta is None:
+        if self.gbc_methods.lopti_eta is None:
             return super().training_step(model, inputs, num_items_in_batch)
-        first, second = (("low", "high") if self.gbc_args.gbc_lopti_order == "low-first"
-                         else ("high", "low"))
+        first, second = self.gbc_methods.phases
         try:
             self._gbc_phase = first
             loss = super().training_step(model, inputs, num_items_in_batch)
@@ -349,8 +362,7 @@ class GBCGRPOTrainer(GRPOTrainer):
                     loss = loss + super().training_step(model, None, n_items)
             low, high = self._gbc_norms.get("low"), self._gbc_norms.get("high")
             if low is not None and high is not None:    # the step's share over both updates
-                self._metrics["train"]["gbc/grad_share_low"].append(
-                    low / (low + high) if low + high > 0 else 0.0)
+                self._metrics["train"]["gbc/grad_share_low"].append(methods.share_low(low, high))
             self._gbc_norms = {}
         except BaseException:
             self._gbc_window = []
@@ -369,7 +381,7 @@ class GBCGRPOTrainer(GRPOTrainer):
         if first is None or second_norm is None:
             return second_norm
         second = float(second_norm)
-        phase = "high" if self.gbc_args.gbc_lopti_order == "low-first" else "low"
+        phase = self.gbc_methods.phases[1]
         self._metrics["train"][f"gbc/grad_norm_{phase}"].append(second)
         return (first * first + second * second) ** 0.5
 
@@ -393,6 +405,13 @@ class GBCGRPOTrainer(GRPOTrainer):
             else completion_mask * inputs["tool_mask"]
 
         token_scale = inputs.get("gbc_token_scale")
+        old_logp = inputs.get("old_per_token_logps")
+        if old_logp is None:
+            old_logp = inputs.get(OLD_LOGP_KEY)
+        if mode == "train" and self.gbc_methods.lopti_eta is not None and (
+                self._gbc_phase is None or old_logp is None):
+            raise RuntimeError("gbc_lopti_eta: a training loss outside Lopti's two updates or "
+                               "without the rollout's old log-probs")
         is_ratio = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             is_ratio = inputs["importance_sampling_ratio"].float()   # [B, T] or [B, 1]
@@ -425,9 +444,9 @@ class GBCGRPOTrainer(GRPOTrainer):
         with self.accelerator.autocast():
             loss, metrics, outputs = hf.policy_loss_through_forward(
                 model, input_ids, attention_mask, T, mask, inputs["advantages"],
-                old_logp=inputs.get("old_per_token_logps"),
+                old_logp=old_logp,
                 ref_logp=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
-                config=self._gbc_config(coef_in_loss),
+                config=self._gbc_config(coef_in_loss, lopti=self._gbc_phase is not None),
                 unwrapped=self.accelerator.unwrap_model(model), return_outputs=True,
                 model_kwargs=extra, token_scale=token_scale,
                 kl_weight=inputs.get("gbc_kl_weight"), phase=self._gbc_phase,

@@ -1,0 +1,57 @@
+"""The one reference of the method tests: a plain PyTorch RL update on a Hugging Face model
+(full logits, ``gbc_reference``'s loss, autograd, SGD) that every adapter's update is held to.
+
+Lopti (docs/math.md §3, §13): ``old_logp`` from the rollout policy, computed once before the
+first update; the low phase, an SGD step, the high phase on the updated model with the SAME
+``old_logp`` (its ratio carries the first step's drift), an SGD step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import gbc_reference as ref
+
+
+def completion_logp(model, input_ids, attention_mask, completion_len, temperature=1.0):
+    """Full-logits log-probs of the last ``completion_len`` tokens (float32)."""
+    T = completion_len
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -T - 1:-1]
+    lsm = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return lsm.gather(-1, input_ids[:, -T:, None])[..., 0]
+
+
+def rl_update(model0, input_ids, attention_mask, completion_len, mask, advantages, cfg_kw,
+              lr, phases=(None,), old_logp=None, ref_logp=None, token_scale=None,
+              kl_weight=None, resplit=False, temperature=1.0):
+    """A copy of ``model0`` after one RL step of SGD(lr) per phase. ``old_logp`` None: taken
+    from ``model0`` (on-policy) before the first update. ``resplit=True``: the defect SPEC §13
+    forbids — each phase takes ``old_logp`` from the model as it is then."""
+    model = copy.deepcopy(model0)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    args = (input_ids, attention_mask, completion_len)
+    if old_logp is None:
+        with torch.no_grad():
+            old_logp = completion_logp(model, *args, temperature=temperature)
+    for phase in phases:
+        opt.zero_grad(set_to_none=True)
+        logp = completion_logp(model, *args, temperature=temperature)
+        old = logp.detach() if resplit else old_logp
+        cfg = ref.PolicyLossConfig(**cfg_kw)
+        loss, _ = ref.policy_loss(logp, mask, advantages, old, ref_logp, config=cfg,
+                                  phase=phase, token_scale=token_scale, kl_weight=kl_weight)
+        loss.backward()
+        opt.step()
+    return model
+
+
+def max_rel_diff(model_a, model_b, start):
+    """The largest parameter difference between two updated models, relative to the largest
+    update of ``model_b`` from ``start``."""
+    pb = dict(model_b.named_parameters())
+    ps = dict(start.named_parameters())
+    diff = max(float((p - pb[n]).abs().max()) for n, p in model_a.named_parameters())
+    update = max(float((pb[n] - ps[n]).abs().max()) for n in pb)
+    return diff / max(update, 1e-30)

@@ -1,0 +1,133 @@
+"""Lopti through every adapter against one reference (method_reference.rl_update): two SGD
+steps per batch, low then high (or the order asked for), the split and ``old_logp`` taken from
+the rollout policy once, before the first update (docs/math.md §3, §13)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import gbc_kernels as gbc
+from gbc_kernels import methods
+from conftest import tiny_hf_model
+from method_reference import completion_logp, max_rel_diff, rl_update
+
+
+def test_plain_api_refuses_a_phaseless_lopti_loss():
+    h, w = torch.randn(2, 3, 8), torch.randn(11, 8)
+    y, m, a = torch.randint(0, 11, (2, 3)), torch.ones(2, 3), torch.tensor([1.0, -1.0])
+    with pytest.raises(ValueError, match="phase"):
+        gbc.fused_linear_policy_loss(h, w, y, m, a, config=gbc.PolicyLossConfig(lopti_eta=0.5))
+    with pytest.raises(ValueError, match="phase"):
+        gbc.policy_loss(torch.randn(2, 3), m, a, config=gbc.PolicyLossConfig(lopti_eta=0.5))
+
+
+@pytest.mark.parametrize("order", ["low-first", "high-first"])
+def test_plain_api_run_lopti_equals_reference(order):
+    """methods.run_lopti with the fused loss on an lm_head == the reference's two SGD steps."""
+    torch.manual_seed(0)
+    B, T, H, V = 4, 7, 16, 29
+    head = torch.nn.Linear(H, V, bias=False).double()
+    h = torch.randn(B, T, H, dtype=torch.float64)
+    y = torch.randint(0, V, (B, T))
+    mask = torch.rand(B, T) > 0.2
+    mask[1] = False                                     # an empty response
+    adv = torch.randn(B, dtype=torch.float64)
+    with torch.no_grad():
+        old = gbc.fused_linear_logprobs(h, head.weight, y)[0].double()
+    eta = float(old[mask].exp().median())               # a mixed split
+    cfg = gbc.PolicyLossConfig(lopti_eta=eta, ar_alpha=0.3, epsilon_low=0.05,
+                               epsilon_high=0.05)
+    start = copy.deepcopy(head)
+    opt = torch.optim.SGD(head.parameters(), lr=2.0)
+    methods.run_lopti(lambda phase: gbc.fused_linear_policy_loss(
+        h, head.weight, y, mask, adv, old, config=cfg, phase=phase), opt, order=order)
+
+    def reference(resplit):
+        w = start.weight.detach().clone().requires_grad_(True)
+        for phase in methods.LOPTI_ORDERS[order]:
+            logp = torch.log_softmax(h @ w.T, -1).gather(-1, y[..., None])[..., 0]
+            import gbc_reference as ref
+            loss, _ = ref.policy_loss(logp, mask, adv, logp.detach() if resplit else old,
+                                      config=ref.PolicyLossConfig(lopti_eta=eta, ar_alpha=0.3,
+                                                                  epsilon_low=0.05,
+                                                                  epsilon_high=0.05),
+                                      phase=phase)
+            g, = torch.autograd.grad(loss, w)
+            w = (w - 2.0 * g).detach().requires_grad_(True)
+        return w.detach()
+
+    want, wrong = reference(False), reference(True)
+    assert torch.allclose(head.weight, want, rtol=1e-10, atol=1e-12)
+    assert float((want - wrong).abs().max()) > 1e-3 * float((want - start.weight.detach()).abs().max())
+
+
+# ---------------------------------------------------------------------------------- TRL
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2_lopti")
+    tiny_hf_model(str(path), tie_word_embeddings=False)
+    return str(path)
+
+
+def _trl_trainer(tiny, tmp_path, **options):
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from gbc_kernels.integrations.trl import GBCGRPOConfig, GBCGRPOTrainer
+
+    args = GBCGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                         num_generations=4, max_completion_length=6, report_to=[],
+                         use_cpu=True, bf16=False, logging_steps=1, save_strategy="no", seed=0,
+                         optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
+                         weight_decay=0.0, loss_type="bnpo", beta=0.0, max_steps=1, **options)
+    dataset = Dataset.from_dict({"prompt": ["you meet knights and knaves"] * 4})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return GBCGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny),
+                              reward_funcs=lambda completions, **kw: [
+                                  float("knight" in c) + 0.1 * len(c) for c in completions],
+                              args=args, train_dataset=dataset,
+                              processing_class=AutoTokenizer.from_pretrained(tiny))
+
+
+@pytest.mark.parametrize("order", ["low-first", "high-first"])
+def test_trl_on_policy_lopti_equals_reference(tiny, tmp_path, order):
+    """TRL on-policy (no old_per_token_logps): both updates use the rollout's old log-probs;
+    the result differs from re-splitting on the updated model (today's defect)."""
+    from transformers import AutoModelForCausalLM
+
+    eta = 1.0 / 40                        # ~1/V of the tiny model: a mixed split
+    lr = 5.0
+    trainer = _trl_trainer(tiny, tmp_path, learning_rate=lr, gbc_lopti_eta=eta,
+                           gbc_lopti_order=order, gbc_ar_alpha=0.3)
+    seen = []
+    compute = trainer._compute_loss
+
+    def spy(model, inputs):
+        seen.append({k: v for k, v in inputs.items() if torch.is_tensor(v)})
+        return compute(model, inputs)
+
+    trainer._compute_loss = spy
+    trainer.train()
+    assert len(seen) == 2 and seen[0].get("old_per_token_logps") is None
+    x = seen[0]
+    ids = torch.cat([x["prompt_ids"], x["completion_ids"]], 1)
+    attn = torch.cat([x["prompt_mask"], x["completion_mask"]], 1)
+    T = x["completion_ids"].shape[1]
+    mask = x["completion_mask"]
+    start = AutoModelForCausalLM.from_pretrained(tiny)
+    with torch.no_grad():
+        p_old = completion_logp(start, ids, attn, T).exp()
+    low = float((p_old < eta)[mask.bool()].float().mean())
+    assert 0.1 < low < 0.9, low                          # both phases have tokens
+    kw = dict(cfg_kw=dict(lopti_eta=eta, ar_alpha=0.3), lr=lr,
+              phases=methods.LOPTI_ORDERS[order])
+    want = rl_update(start, ids, attn, T, mask, x["advantages"], **kw)
+    wrong = rl_update(start, ids, attn, T, mask, x["advantages"], resplit=True, **kw)
+    got = trainer.model
+    assert max_rel_diff(got, want, start) < 1e-4
+    assert max_rel_diff(wrong, want, start) > 1e-2      # the test can tell the two apart
