@@ -236,6 +236,13 @@ def run_lopti(compute_loss: Callable, optimizer, order: str = "low-first",
     return results
 
 
+def each_phase(options, update: Callable) -> list:
+    """``[update(phase) for phase in options.phases]``: an engine's own updates (its zero-grad,
+    forward-backward and optimizer step in ``update``) once per Lopti phase, in the order asked
+    for; with Lopti off, one update with ``phase=None``."""
+    return [update(phase) for phase in options.phases]
+
+
 def lopti_grad_share_low(results, order: str = "low-first") -> Optional[float]:
     """``grad_share_low`` of a Lopti step (docs/math.md §6, one meaning everywhere): the share
     of the logit-gradient norm (summed over tokens) on the low tokens; over the two updates it

@@ -42,7 +42,9 @@ def test_same_result_at_1_and_2_threads(tmp_path):
     outs = []
     for n in (1, 2):
         path = tmp_path / f"t{n}.pt"
-        env = dict(os.environ, GBC_CHUNK_MB="1")
+        # MKL's strict mode: its matmuls do not split a reduction by the thread count
+        # (docs/kernels.md, thread-count determinism); the row passes are gbc's own
+        env = dict(os.environ, GBC_CHUNK_MB="1", MKL_CBWR="AUTO,STRICT")
         r = subprocess.run([sys.executable, "-c", RUN_AT_THREADS, str(n), str(path)], env=env,
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr

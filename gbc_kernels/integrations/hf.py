@@ -159,7 +159,7 @@ def check_forward_inputs(inner, input_ids, attention_mask, completion_len,
     return completion_len
 
 
-def _unwrap(model):
+def unwrap(model):
     """The transformers (or PEFT) model inside DDP / accelerate wrappers."""
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
         model = model.module
@@ -222,7 +222,7 @@ def policy_loss_through_forward(model, input_ids, attention_mask, completion_len
 
     import gbc_kernels as gbc
 
-    inner = _unwrap(model) if unwrapped is None else unwrapped
+    inner = unwrap(model) if unwrapped is None else unwrapped
     T = check_forward_inputs(inner, input_ids, attention_mask, completion_len)
     cfg = config if isinstance(config, gbc.PolicyLossConfig) else (
         gbc.PolicyLossConfig() if config is None else gbc.PolicyLossConfig.from_dict(config))
@@ -269,7 +269,7 @@ def logprobs_through_forward(model, input_ids, attention_mask, completion_len: i
     are those of the training loss, so an on-policy ratio is exactly 1."""
     import gbc_kernels as gbc
 
-    inner = _unwrap(model) if unwrapped is None else unwrapped
+    inner = unwrap(model) if unwrapped is None else unwrapped
     T = check_forward_inputs(inner, input_ids, attention_mask, completion_len)
     targets = input_ids[:, -T:]
     captured = {}

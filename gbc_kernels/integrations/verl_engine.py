@@ -44,11 +44,13 @@ from typing import Optional
 import torch
 
 import gbc_kernels as gbc
+from gbc_kernels import methods
 from gbc_kernels.integrations import hf
 from gbc_kernels.integrations import verl as gv
 
 ENV_ON = "GBC_VERL_ENGINE"
 ENV_OPTIONS = "GBC_VERL_OPTIONS"
+BACKENDS = ("auto", "triton", "cpu", "torch")
 
 def _bool(text: str) -> bool:
     t = text.strip().lower()
@@ -68,58 +70,31 @@ OPTION_TYPES = {"ar_alpha": float, "lopti_eta": float, "lopti_order": str, "back
                 "nthr": _bool, "nthr_beta": float, "nthr_eta": _auto_or_float,
                 "critical_kl_exponent": float, "critical_kl_intercept": float,
                 "critical_kl_certainty": str, "critical_kl_temperature": float}
-LOPTI_ORDERS = ("low-first", "high-first")
 _TYPE_NAMES = {_bool: "1/0/true/false", _auto_or_float: "'auto' or a float"}
 
 
-@dataclasses.dataclass
-class EngineOptions:
-    """gbc's options in verl's engine (read from ``GBC_VERL_OPTIONS`` by :func:`enable`).
+@dataclasses.dataclass(frozen=True)
+class EngineOptions(methods.MethodOptions):
+    """gbc's options in verl's engine (read from ``GBC_VERL_OPTIONS`` by :func:`enable`): the
+    method layer's (:class:`gbc_kernels.methods.MethodOptions`, checked there) and the
+    ``backend``.
 
     ``nthr``: NTHR's token scales (docs/math.md §4) from a no-grad old-policy pass over the
-    rank's whole update batch, before its first optimizer step; a response is *correct* when
-    its advantage is > 0 (binary rewards: reward 1 in a mixed group), its group is verl's
-    ``uid``. ``critical_kl_exponent`` (γ): critical-token KL weights (§5) from the reference
-    pass's certainty, multiplied into verl's KL loss term (``use_kl_loss``)."""
+    rank's whole update batch, before its first optimizer step; its groups are verl's ``uid``.
+    ``critical_kl_exponent`` (γ): critical-token KL weights (§5) from the reference pass,
+    multiplied into verl's KL loss term (``use_kl_loss``)."""
 
-    ar_alpha: float = 0.0
-    lopti_eta: Optional[float] = None
-    lopti_order: str = "low-first"
     backend: str = "auto"
-    nthr: bool = False
-    nthr_beta: float = 1.0
-    nthr_eta: object = "auto"
-    critical_kl_exponent: Optional[float] = None
-    critical_kl_intercept: float = 0.0
-    critical_kl_certainty: str = "max_prob"
-    critical_kl_temperature: float = 1.0
 
     def __post_init__(self):
-        gbc.PolicyLossConfig(ar_alpha=self.ar_alpha, lopti_eta=self.lopti_eta)   # validates
-        if self.lopti_order not in LOPTI_ORDERS:
-            raise ValueError(f"lopti_order: expected one of {LOPTI_ORDERS}, got "
-                             f"{self.lopti_order!r}")
-        from gbc_kernels import _validate
-        _validate.check_backend(self.backend)
-        if not (self.nthr_eta == "auto" or (isinstance(self.nthr_eta, (int, float))
-                                            and self.nthr_eta >= 0)):
-            raise ValueError(f"nthr_eta: expected 'auto' or a float >= 0, got {self.nthr_eta!r}")
-        if self.critical_kl_exponent is not None and not self.critical_kl_exponent > 0:
-            raise ValueError(f"critical_kl_exponent: expected a float > 0, got "
-                             f"{self.critical_kl_exponent!r}")
-        if not 0.0 <= self.critical_kl_intercept <= 1.0:
-            raise ValueError(f"critical_kl_intercept: expected a float in [0, 1], got "
-                             f"{self.critical_kl_intercept!r}")
-        if self.critical_kl_certainty not in ("max_prob", "entropy"):
-            raise ValueError(f"critical_kl_certainty: expected 'max_prob' or 'entropy', got "
-                             f"{self.critical_kl_certainty!r}")
-        if not self.critical_kl_temperature > 0:
-            raise ValueError(f"critical_kl_temperature: expected a float > 0, got "
-                             f"{self.critical_kl_temperature!r}")
+        super().__post_init__()
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
 
     @classmethod
     def parse(cls, text: Optional[str]) -> "EngineOptions":
-        """``"ar_alpha=0.3,lopti_eta=0.5"`` (the form a Ray env var carries) -> options."""
+        """``"ar_alpha=0.3,lopti_eta=0.5"`` (the form a Ray env var carries) -> options. An
+        unknown, repeated or ill-typed option is refused by name."""
         kw = {}
         for item in (text or "").split(","):
             item = item.strip()
@@ -132,20 +107,26 @@ class EngineOptions:
             if name not in OPTION_TYPES:
                 raise ValueError(f"{ENV_OPTIONS}: unknown option {name!r} (expected one of "
                                  f"{sorted(OPTION_TYPES)})")
+            if name in kw:
+                raise ValueError(f"{ENV_OPTIONS}: {name} is given twice")
             kind = OPTION_TYPES[name]
             try:
                 kw[name] = kind(value)
             except ValueError:
                 raise ValueError(f"{ENV_OPTIONS}: {name} expects a "
                                  f"{_TYPE_NAMES.get(kind, kind.__name__)}, got {value!r}") from None
-        return cls(**kw)
+        try:
+            return cls(**kw)
+        except ValueError as exc:
+            raise ValueError(f"{ENV_OPTIONS}: {exc}") from None
 
 
 # fields gbc adds to verl's batches (padded [B, T] like ``advantages``) and its pass flags
 SCALE_KEY = "gbc_token_scale"          # NTHR's per-token advantage scale
 KL_WEIGHT_KEY = "gbc_kl_weight"        # critical-token KL weights
-CERTAINTY_KEY = "gbc_certainty"        # reference pass: which certainty J to return
-CERTAINTY_TEMP_KEY = "gbc_certainty_temperature"
+CERTAINTY_KEY = "gbc_critical_kl"      # reference pass: the critical-KL options (a dict)
+CRITICAL_KL_FIELDS = ("critical_kl_exponent", "critical_kl_intercept", "critical_kl_certainty",
+                      "critical_kl_temperature")
 
 
 def _stable_id(uid) -> int:
@@ -154,19 +135,6 @@ def _stable_id(uid) -> int:
 
     digest = hashlib.blake2b(str(uid).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 62) - 1)
-
-
-def _union_ids(responses, dp_group) -> torch.Tensor:
-    """The sorted token ids of every rank's responses (a superset of each group's ``V*``)."""
-    ids = torch.unique((responses.values() if responses.is_nested else responses).cpu())
-    if dp_group is not None:
-        import torch.distributed as dist
-
-        group = None if dp_group == "world" else dp_group
-        every = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, ids.tolist(), group=group)
-        ids = torch.tensor(sorted(set().union(*every)), dtype=torch.long)
-    return ids.long()
 
 
 def _check_method_fields(opts, cfg, micro_batch):
@@ -301,7 +269,7 @@ class GBCEngineMixin:
         use_rmpad = _flag(micro_batch, "use_remove_padding", True)
         model_inputs, _ = self.prepare_model_inputs(micro_batch=micro_batch)
         rows = _Rows(micro_batch, use_rmpad)
-        inner = hf._unwrap(self.module)
+        inner = hf.unwrap(self.module)
         captured = {}
 
         def head_forward(hidden, *args, **kwargs):
@@ -400,12 +368,11 @@ class GBCEngineMixin:
             # padding positions read row 0 with target 0: computed, then dropped by nested()
             with torch.autocast(device_type=h.device.type, enabled=False):
                 if certainty is not None:      # the reference pass of critical-token KL
-                    st = gbc.token_stats(
-                        h, head.weight, rows.targets, head.bias,
-                        temperature=_temperature(micro_batch), certainty=certainty,
-                        certainty_temperature=float(_flag(micro_batch, CERTAINTY_TEMP_KEY, 1.0)),
+                    st = methods.reference_stats(
+                        h, head.weight, rows.targets, methods.MethodOptions(**certainty),
+                        head.bias, temperature=_temperature(micro_batch),
                         backend=self.gbc_options.backend, logit_softcap=hf.logit_softcap(inner))
-                    return None, st.logp, st.entropy, st.sum_p2, st.certainty
+                    return None, st.ref_logp, None, None, st.kl_weight
                 out = gbc.fused_linear_logprobs(
                     h, head.weight, rows.targets, head.bias,
                     temperature=_temperature(micro_batch), return_entropy=want_entropy,
@@ -420,7 +387,7 @@ class GBCEngineMixin:
         if want_p2:
             model_output["sum_pi_squared"] = rows.nested(out[3])
         if certainty is not None:
-            model_output[CERTAINTY_KEY] = rows.nested(out[4])
+            model_output[KL_WEIGHT_KEY] = rows.nested(out[4])
         return torch.tensor(1.0), {"model_output": model_output, "loss": 1.0, "metrics": {}}
 
     # -- NTHR: one no-grad old-policy pass over the rank's update batch ----------------------
@@ -455,7 +422,9 @@ class GBCEngineMixin:
                 order.append(list(range(start, start + len(mb))))
                 start += len(mb)
         dp_group = self._gbc_dp_group()
-        needed = _union_ids(data["responses"], dp_group)
+        responses = data["responses"]
+        needed = methods.union_ids(responses.values() if responses.is_nested else responses,
+                                   dp_group)
         keep = {}
         hidden, targets, logp, valid = None, torch.zeros(B, T, dtype=torch.long), None, None
         temps = set()
@@ -495,14 +464,14 @@ class GBCEngineMixin:
         mask = rmask.to(device).bool() & valid
         compact = torch.searchsorted(needed.to(device), targets)
         compact = torch.where(mask, compact.clamp(max=needed.numel() - 1), 0)
-        correct = (adv.to(device).float() * mask).sum(1) > 0
+        adv = adv.to(device).float()
         gids = torch.tensor([_stable_id(u) for u in uids], dtype=torch.long, device=device)
-        res = gbc.nthr_scale(hidden, keep["w"], compact, mask, gids, correct, bias=keep["b"],
-                             temperature=temps.pop(), beta=opts.nthr_beta, eta=opts.nthr_eta,
-                             backend=opts.backend, logp=logp, data_parallel_group=dp_group,
-                             logit_softcap=keep["softcap"])
-        data[SCALE_KEY] = res.scale.to(adv.device)
-        m = res.metrics(correct, mask)
+        res = methods.nthr_token_scale(hidden, keep["w"], compact, mask, gids, adv, opts,
+                                       bias=keep["b"], temperature=temps.pop(), logp=logp,
+                                       logit_softcap=keep["softcap"], backend=opts.backend,
+                                       data_parallel_group=dp_group)
+        data[SCALE_KEY] = res.scale.to(data["advantages"].device)
+        m = methods.nthr_metrics(res, adv, mask)
         self._gbc_update_metrics = {f"actor/gbc_{k}": float(v) for k, v in m.items()}
         return res
 
@@ -534,14 +503,14 @@ class GBCEngineMixin:
         # Lopti: two updates of the mini-batch, low-probability tokens first (by default)
         from verl.workers.engine import base as verl_base
         verl_base.maybe_fix_3d_position_ids(data)
-        phases = ("low", "high") if opts.lopti_order == "low-first" else ("high", "low")
-        outputs = []
+        def update(phase):     # old_log_probs: the rollout's, fixed for both updates
+            self._gbc_phase = phase
+            self.optimizer_zero_grad()
+            out = self.forward_backward_batch(data, loss_function, forward_only=False)
+            return out, self.optimizer_step()
+
         try:
-            for phase in phases:
-                self._gbc_phase = phase
-                self.optimizer_zero_grad()
-                out = self.forward_backward_batch(data, loss_function, forward_only=False)
-                outputs.append((out, self.optimizer_step()))
+            outputs = methods.each_phase(opts, update)
         finally:
             self._gbc_phase = None
         (first, gn1), (_, gn2) = outputs
@@ -597,8 +566,7 @@ def compute_ref_log_prob(trainer, batch):
                          "(set actor_rollout_ref.actor.use_kl_loss=True)")
     batch_td = left_right_2_no_padding(batch.to_tensordict())
     metadata = {"calculate_entropy": False, "compute_loss": False,
-                CERTAINTY_KEY: opts.critical_kl_certainty,
-                CERTAINTY_TEMP_KEY: opts.critical_kl_temperature}
+                CERTAINTY_KEY: {k: getattr(opts, k) for k in CRITICAL_KL_FIELDS}}
     if trainer.ref_in_actor:
         metadata["no_lora_adapter"] = True
     tu.assign_non_tensor(batch_td, **metadata)
@@ -606,15 +574,13 @@ def compute_ref_log_prob(trainer, batch):
         output = trainer.actor_rollout_wg.compute_log_prob(batch_td)
     else:
         output = trainer.ref_policy_wg.compute_ref_log_prob(batch_td)
-    certainty = tu.get(output, CERTAINTY_KEY)
-    if certainty is None:
-        raise ValueError("critical_kl_exponent: the reference pass returned no certainty; the "
+    weight = tu.get(output, KL_WEIGHT_KEY)
+    if weight is None:
+        raise ValueError("critical_kl_exponent: the reference pass returned no KL weights; the "
                          "reference worker must run gbc's engine (GBC_VERL_ENGINE in every "
                          "worker, an FSDP reference)")
     log_probs = no_padding_2_padding(tu.get(output, "log_probs"), batch_td)
-    certainty = no_padding_2_padding(certainty, batch_td).float()
-    weight = gbc.critical_kl_weight(certainty, opts.critical_kl_exponent,
-                                    opts.critical_kl_intercept)
+    weight = no_padding_2_padding(weight, batch_td).float()
     return DataProto.from_tensordict(tu.get_tensordict(
         {"ref_log_prob": log_probs.float(), KL_WEIGHT_KEY: weight * batch.batch["response_mask"]}))
 
