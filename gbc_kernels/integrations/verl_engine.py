@@ -1,36 +1,16 @@
-"""gbc inside verl's FSDP actor engine (verl 0.9.1): the loss and the log-prob passes from the
-hidden states, without the ``[N, V]`` logits (docs/math.md §12, "verl's engine").
+"""gbc inside verl 0.9.1's FSDP actor engine: the loss and the log-prob passes from the hidden
+states, without the ``[N, V]`` logits (docs/verl.md; docs/math.md §12).
 
-verl's engine workers run every actor and reference pass through
-``FSDPEngineWithLMHead.forward_step``: the model's forward builds the logits of every packed
-token, then verl's ``ppo_loss`` reads log-probs (and entropy) from them. The engine here keeps
-everything of verl's step — its inputs (``prepare_model_inputs``: packed sequences or padding,
-per-sample temperature), FSDP / FSDP2 and its hooks, autocast, gradient accumulation over
-micro-batches, ``global_batch_info`` — and replaces only what the lm_head does during that one
-forward:
-
-* training micro-batch (``loss_function`` is verl's ``ppo_loss``): the hidden rows that predict
-  response tokens go through :func:`gbc_kernels.fused_linear_policy_loss`, with the actor config
-  mapped by :func:`gbc_kernels.integrations.verl.policy_loss_config` (every verl loss mode, KL
-  and entropy terms) and the gbc options on top; three matmuls per chunk, no logits. verl's
-  metrics come from verl's own ``ppo_loss`` run on gbc's per-token log-probs and entropy
-  (detached), so they are verl's by construction.
-* forward-only passes (``compute_log_prob`` for the old policy, the reference): log-probs (and
-  entropy, ``sum_pi_squared`` when asked) of the response tokens from
-  :func:`gbc_kernels.fused_linear_logprobs`; prompt positions hold 0 (verl reads the response
-  part only, through ``no_padding_2_padding``).
-* Lopti: ``train_batch`` runs its two updates (two forward/backward sweeps, two optimizer
-  steps) on each mini-batch.
-
-Anything else (SFT or distillation losses, the value model) runs verl's own step.
-
-Switch it on in every Ray worker with one line of the launch command::
-
-    +ray_kwargs.ray_init.runtime_env.env_vars.GBC_VERL_ENGINE=1
-
-(installing gbc registers :mod:`gbc_kernels.integrations.verl_plugin` as a ``verl.plugins`` entry
-point, which verl imports in every process; with the variable set it calls :func:`enable`).
-gbc options come in the same way, ``GBC_VERL_OPTIONS=ar_alpha=0.3,lopti_eta=0.5``.
+The engine keeps everything of verl's step (its inputs, FSDP and its hooks, autocast, gradient
+accumulation, ``global_batch_info``) and replaces only what the lm_head does in that forward:
+the training micro-batch's loss (:func:`gbc_kernels.fused_linear_policy_loss` with the config of
+:func:`gbc_kernels.integrations.verl.policy_loss_config`; verl's metrics from verl's own
+``ppo_loss`` on gbc's detached per-token values), the forward-only passes' log-probs, entropy
+and ``sum_pi_squared``, and the methods of :mod:`gbc_kernels.methods` (Lopti's two updates per
+mini-batch, NTHR's pass before the update, critical-token KL weights from the reference pass).
+Switch it on in every Ray worker with
+``+ray_kwargs.ray_init.runtime_env.env_vars.GBC_VERL_ENGINE=1`` (the ``verl.plugins`` entry
+point calls :func:`enable`); gbc options: ``GBC_VERL_OPTIONS=ar_alpha=0.3,lopti_eta=0.5``.
 """
 
 from __future__ import annotations
@@ -145,9 +125,7 @@ def _check_method_fields(opts, cfg, micro_batch):
                          "old-policy pass gbc's worker hook runs before the update "
                          "(GBCEngineMixin.gbc_nthr_pass, installed by enable())")
     if opts.critical_kl_exponent is not None:
-        if not cfg.kl_coef:
-            raise ValueError("critical_kl_exponent: verl's actor has no KL loss term to weight "
-                             "(set actor.use_kl_loss=True and kl_loss_coef > 0)")
+        opts.check_loss(cfg.kl_coef, "actor.use_kl_loss=True and kl_loss_coef")
         if KL_WEIGHT_KEY not in micro_batch:
             raise ValueError(f"critical_kl_exponent: the update batch has no {KL_WEIGHT_KEY!r} "
                              "field; it comes from the reference pass of verl's trainer as "
