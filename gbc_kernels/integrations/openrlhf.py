@@ -475,7 +475,8 @@ def check_trainer(trainer) -> None:
 def nthr_pass(trainer) -> dict:
     """NTHR's token scales (docs/math.md §4) for the rank's whole replay buffer, before the
     update's first optimizer step (OpenRLHF shuffles its samples afterwards): the old policy's
-    hidden states (the actor before the update, the policy that gave ``action_log_probs``),
+    hidden states and log-sum-exp (the actor before the update: in OpenRLHF's loop the policy
+    that gave ``action_log_probs``),
     groups ``Experience.index // rollout.n_samples_per_prompt`` (a group split over
     data-parallel ranks is merged), correct responses by
     :func:`gbc_kernels.methods.correct_from_advantages`. Each sample's scale goes into its
@@ -504,8 +505,7 @@ def nthr_pass(trainer) -> dict:
             T = mask.shape[1]
             h = hf.hidden_states_through_forward(model, seq, am, T,
                                                  position_ids=_position_ids(am))
-            parts.append((h, seq[:, -T:], mask, exp.action_log_probs.to(device).float(),
-                          exp.advantages.to(device).float()))
+            parts.append((h, seq[:, -T:], mask, exp.advantages.to(device).float()))
     finally:
         actor.train(was_training)
     Tm = max(p[2].shape[1] for p in parts)
@@ -518,7 +518,7 @@ def nthr_pass(trainer) -> dict:
             out.append(x)
         return torch.cat(out)
 
-    hidden, targets, mask, old, adv = (cat(k) for k in range(5))
+    hidden, targets, mask, adv = (cat(k) for k in range(4))
     gids = torch.stack([torch.as_tensor(it.info[INDEX_KEY]).reshape(()) for it in items]) // n
     head = hf.lm_head(model)
     params = [p for p in (head.weight, head.bias) if p is not None and hasattr(p, "ds_id")]
@@ -531,7 +531,7 @@ def nthr_pass(trainer) -> dict:
         head = hf.lm_head(model)
         res = methods.nthr_token_scale(
             hidden, head.weight, targets, mask, gids.to(device), adv, _STATE.methods,
-            bias=head.bias, temperature=getattr(actor, "temperature", 1.0), logp=old,
+            bias=head.bias, temperature=getattr(actor, "temperature", 1.0),
             logit_softcap=hf.logit_softcap(model),
             data_parallel_group=_dp_group(trainer.strategy))
     for k, it in enumerate(items):
