@@ -648,3 +648,119 @@ def test_critical_kl_through_the_reference_pass(certainty, cert_temp, methods_of
     plain = tiny_model(0)
     _ref_step(plain, ref_batch, args, 0.05, lbi)
     assert _differs(_params(plain), _params(t.actor.model))
+
+
+def _pipeline(**options):
+    """The whole path of one update with ``options``: reference pass, replay buffer,
+    nthr_pass, one training_step. Returns the parameters after it."""
+    args = _margs(kl="k3")
+    exp = _nthr_experience(42)
+    if options.get("lopti_eta") == "median":    # on-policy p_old ~ 1/V: split at its median
+        p_old = exp.action_log_probs.exp()[exp.action_mask]
+        options["lopti_eta"] = float(p_old.median())
+    gorl.disable()
+    _enable(**options)
+    if options.get("critical_kl_exponent") is not None:
+        with torch.no_grad():
+            exp.base_action_log_probs = _reference_actor()(exp.sequences, exp.action_mask,
+                                                           exp.attention_mask)
+    t = _trainer(args)
+    t.replay_buffer = _buffer(exp)
+    if options.get("nthr"):
+        gorl.nthr_pass(t)
+    batch = make_experience_batch(t.replay_buffer.items)
+    gorl.training_step(t, batch, 0.05, 0, ORL.get_loss_batch_info(None, batch.action_mask))
+    return _params(t.actor.model)
+
+
+# every method option of enable(): (its value, the options it is compared against)
+OPTION_CASES = {
+    "ar_alpha": (0.5, {}),
+    "lopti_eta": ("median", {}),
+    "lopti_order": ("high-first", {"lopti_eta": "median"}),
+    "nthr": (True, {"nthr_beta": 0.0}),
+    "nthr_beta": (1.0, {"nthr": True, "nthr_beta": 0.0}),
+    "nthr_eta": (0.3, {"nthr": True, "nthr_beta": 0.0}),
+    "critical_kl_exponent": (2.0, {}),
+    "critical_kl_intercept": (0.5, {"critical_kl_exponent": 2.0}),
+    "critical_kl_certainty": ("entropy", {"critical_kl_exponent": 2.0}),
+    "critical_kl_temperature": (3.0, {"critical_kl_exponent": 2.0}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTION_CASES))
+def test_every_method_option_changes_the_update(name, methods_off):
+    """Each method option of enable() (the list is MethodOptions' own) changes OpenRLHF's
+    update against the same options without it: none is accepted and ignored."""
+    assert set(OPTION_CASES) == set(gorl.METHOD_OPTIONS)
+    value, base = OPTION_CASES[name]
+    assert _differs(_pipeline(**base), _pipeline(**dict(base, **{name: value})))
+
+
+@pytest.mark.parametrize("options,setting,match", [
+    (dict(lopti_eta=0.5), dict(gas=2), "lopti_eta: .*train.micro_batch_size"),
+    (dict(lopti_eta=0.5), dict(dynamic=True), "lopti_eta: train.dynamic_batch_enable"),
+    (dict(nthr=True), dict(dynamic=True), "nthr: train.dynamic_batch_enable"),
+    (dict(nthr=True), dict(tp=2), "nthr: ds.ring_attn_size"),
+    (dict(critical_kl_exponent=2.0), dict(kl=None), "critical_kl_exponent: .*algo.kl.use_loss"),
+])
+def test_methods_refuse_settings_by_name(options, setting, match, methods_off):
+    """A setting a method cannot run with is refused before the first step, naming both."""
+    args = _margs(kl=setting.get("kl", "k3"))
+    args.train.dynamic_batch_enable = setting.get("dynamic", False)
+    args.ds = SimpleNamespace(ring_attn_size=1, tensor_parallel_size=setting.get("tp", 1))
+    t = _trainer(args)
+    t.strategy.accumulated_gradient = setting.get("gas", 1)
+    _enable(**options)
+    with pytest.raises(ValueError, match=match):
+        gorl.check_trainer(t)
+    with pytest.raises(ValueError, match=match.split(":")[0]):
+        gorl.training_step(t, make_experience(3), 0.05, 0)
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(bogus=1.0), "bogus"),
+    (dict(nthr_beta=float("nan")), "nthr_beta"),
+    (dict(critical_kl_exponent=float("inf")), "critical_kl_exponent"),
+    (dict(lopti_eta=1.5), "lopti_eta"),
+    (dict(lopti_order="low"), "lopti_order"),
+    (dict(critical_kl_certainty="argmax"), "critical_kl_certainty"),
+])
+def test_enable_refuses_bad_options_by_name(options, match, methods_off):
+    with pytest.raises(ValueError, match=match):
+        _enable(**options)
+
+
+def test_options_from_the_environment(monkeypatch, methods_off):
+    """Ray workers get the options through GBC_OPENRLHF_OPTIONS; a repeated one is refused."""
+    monkeypatch.setenv(gorl.ENV_OPTIONS, "lopti_eta=0.4,nthr=true,nthr_eta=auto")
+    _enable()
+    assert gorl._STATE.methods.lopti_eta == 0.4 and gorl._STATE.methods.nthr
+    monkeypatch.setenv(gorl.ENV_OPTIONS, "lopti_eta=0.4,lopti_eta=0.3")
+    with pytest.raises(ValueError, match="lopti_eta"):
+        _enable()
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(eps=(-0.1, 0.2)), "actor.eps_clip_low_high"),
+    (dict(eps=(0.2,)), "actor.eps_clip_low_high"),
+    (dict(eps=(0.2, float("nan"))), "actor.eps_clip_low_high"),
+    (dict(dual_clip=0.5), "actor.dual_clip"),
+    (dict(entropy_coef=float("inf")), "actor.entropy_coef"),
+])
+def test_errors_name_openrlhf_options(bad, match):
+    """A bad value in OpenRLHF's arguments is refused naming OpenRLHF's option."""
+    with pytest.raises(ValueError, match=match):
+        gorl.policy_loss_config(make_args(**bad), 0.05)
+    args = make_args(kl="k3")
+    args.algo.kl.init_coef = float("nan")
+    with pytest.raises(ValueError, match="algo.kl.init_coef"):
+        gorl.policy_loss_config(args)
+
+
+def test_openrlhf_presets_equal_the_mapping():
+    """preset('openrlhf:<policy_loss_type>') is the policy term policy_loss_config maps to."""
+    for plt in ("ppo", "gspo"):
+        args = make_args(policy_loss_type=plt, eps=(0.2, 0.28))
+        assert gorl.policy_loss_config(args) == gbc.PolicyLossConfig.preset(
+            f"openrlhf:{plt}", epsilon_low=0.2, epsilon_high=0.28)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 from types import SimpleNamespace
 from typing import Optional
@@ -60,9 +61,12 @@ OPTION_NAMES = {"epsilon_low": "actor.eps_clip_low_high", "epsilon_high": "actor
                 "entropy_coef": "actor.entropy_coef", "temperature": "temperature"}
 
 
-def _number(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
+def _number(name, value, nonneg=False):
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) \
+        and math.isfinite(value) and (value >= 0 or not nonneg)
+    if not ok:
+        want = "a finite float" + (" >= 0" if nonneg else "")
+        raise ValueError(f"{name}: expected {want}, got {type(value).__name__} {value!r}")
     return float(value)
 
 
@@ -103,8 +107,8 @@ def policy_loss_config(args, kl_coef: Optional[float] = None, temperature: float
                 temperature=_number("temperature", temperature))
     if plt == "ppo":
         opts["loss_agg"] = "token-mean" if agg_mode == "token-mean" else "seq-mean-token-mean"
-    init = _number("algo.kl.init_coef", _get(args, "algo.kl.init_coef", 0.0))
-    coef = init if kl_coef is None else _number("kl_ctl", kl_coef)
+    init = _number("algo.kl.init_coef", _get(args, "algo.kl.init_coef", 0.0), nonneg=True)
+    coef = init if kl_coef is None else _number("kl_ctl", float(kl_coef), nonneg=True)
     if bool(_get(args, "algo.kl.use_loss", False)) and init > 0 and coef:
         est = _get(args, "algo.kl.estimator", "k1")
         if est not in KL_ESTIMATORS:
