@@ -11,17 +11,19 @@ both uses:
   modes and gates), the KL loss (``compute_approx_kl``: k1/k2/k3 with OpenRLHF's ±10 clamp and
   ``unbiased_gradient``), the entropy loss, and the aggregation with ``loss_batch_info`` — as one
   fused loss through the model's lm_head (:func:`gbc_kernels.integrations.hf.
-  policy_loss_through_forward`, so DeepSpeed ZeRO-3 gathers the head as usual), with AR, Lopti,
-  NTHR and critical-token KL on top;
+  policy_loss_through_forward`, so DeepSpeed ZeRO-3 gathers the head as usual), with AR, Lopti
+  (two optimizer steps per ``training_step``), NTHR (scales from one pass over the replay
+  buffer before the update) and critical-token KL (weights from the reference pass) on top,
+  the rules from :mod:`gbc_kernels.methods` (docs/openrlhf.md);
 * **two stages** (the no-grad passes): :func:`fused_action_log_probs` gives
   ``Actor.forward(sequences, action_mask, attention_mask)``'s action log-probs from the hidden
   states and the head (``fused_linear_logprobs``), no logits.
 
 :func:`policy_loss_config` is the one mapping from OpenRLHF's arguments to
 :class:`gbc_kernels.PolicyLossConfig`; an option gbc cannot honour is refused naming it.
-:func:`enable` switches both on in a process (``ActorPPOTrainer.training_step`` and
-``Actor.forward``); with Ray, give it to every worker as
-``runtime_env={"worker_process_setup_hook": "gbc_kernels.integrations.openrlhf.enable"}``.
+:func:`enable` switches both on in a process; with Ray, every worker runs it through
+``runtime_env={"worker_process_setup_hook": "gbc_kernels.integrations.openrlhf.enable"}``
+and reads its options from ``GBC_OPENRLHF_OPTIONS``.
 """
 
 from __future__ import annotations
