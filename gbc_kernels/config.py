@@ -58,6 +58,12 @@ TRAINER_PRESETS = {
     "verl:geo_mean": dict(objective="gmpo", loss_agg="seq-mean-token-mean"),
     "verl:dro": dict(objective="reinforce"),          # + log_ratio_penalty = dro_beta (required)
     "verl:cispo": dict(objective="cispo", epsilon_high=1.2, cispo_min=0.8, **_VERL_CLAMP),
+    # OpenRLHF 0.11.2's PolicyLoss (policy_loss_type): ppo clamps the log-ratio to +-20, gspo
+    # takes the sequence ratio and aggregates per sequence; its KL and entropy terms are token
+    # means over the batch normalisers (gbc_kernels.integrations.openrlhf.policy_loss_config).
+    "openrlhf:ppo": dict(objective="ppo_clip", normalise_all_terms=True, **_VERL_CLAMP),
+    "openrlhf:gspo": dict(objective="ppo_clip", importance_sampling_level="sequence",
+                          loss_agg="seq-mean-token-mean", normalise_all_terms=True),
 }
 
 

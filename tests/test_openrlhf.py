@@ -419,3 +419,348 @@ def test_deepspeed_zero3_two_ranks_equal_one_process(opts):
         for n, g in want.items():
             err = float((grads[n] - g).abs().max() / g.abs().max().clamp(min=1e-12))
             assert err <= 1e-5, (n, err)
+
+
+# ---------------------------------------------------------------- the methods through OpenRLHF
+# Lopti, NTHR and critical-token KL through enable()'s options, OpenRLHF's replay buffer
+# (its own split / merge of samples) and training_step, against plain autograd on OpenRLHF's
+# own loss pieces (full logits) with each method written out independently.
+
+from openrlhf.trainer.ppo_utils.experience import (  # noqa: E402
+    make_experience_batch, remove_padding_in_sequences, split_experience_batch)
+from openrlhf.trainer.ppo_utils.replay_buffer import NaiveReplayBuffer  # noqa: E402
+
+LR, TEMP, N_PER_PROMPT = 0.5, 0.9, 2
+
+
+def _margs(**kw):
+    args = make_args(**kw)
+    args.rollout = SimpleNamespace(n_samples_per_prompt=N_PER_PROMPT)
+    return args
+
+
+def _full_stats(model, exp, temperature=TEMP):
+    """Log-probs of the actions, max-probability and entropy from full logits (float64)."""
+    am = exp.attention_mask
+    pos = (am.long().cumsum(-1) - 1).masked_fill(am == 0, 1)
+    T = exp.action_mask.shape[1]
+    with torch.no_grad():
+        logits = model(exp.sequences, attention_mask=am, position_ids=pos).logits
+    z = logits[:, -T - 1:-1].double() / temperature
+    lsm = z.log_softmax(-1)
+    logp = lsm.gather(-1, exp.sequences[:, -T:, None])[..., 0]
+    return logp, lsm.exp().amax(-1), -(lsm.exp() * lsm).sum(-1)
+
+
+def _ref_step(model, exp, args, kl_ctl, lbi, adv_scale=None, active=None, kl_w=None):
+    """One SGD step on OpenRLHF's loss (Actor.forward's full logits, PolicyLoss,
+    compute_approx_kl, aggregate_loss) with the methods spelled out: advantages times
+    ``adv_scale`` and zeroed outside ``active`` (Lopti's phase: KL and entropy too, the
+    normalisers over the full mask), the KL term times ``kl_w``."""
+    a = args.actor
+    actor = make_actor(model, TEMP)
+    mask = exp.action_mask
+    act = torch.ones_like(mask, dtype=torch.float32) if active is None else active.float()
+    adv = exp.advantages * act * (1.0 if adv_scale is None else adv_scale)
+    loss_fn = ORL.PolicyLoss(clip_eps_low=a.eps_clip_low_high[0],
+                             clip_eps_high=a.eps_clip_low_high[1], dual_clip=a.dual_clip,
+                             token_level_loss=a.loss_agg_mode == "token-mean",
+                             policy_loss_type=a.policy_loss_type)
+    logp, output = actor(exp.sequences, mask, attention_mask=exp.attention_mask,
+                         return_output=True, return_entropy=a.entropy_coef is not None)
+    loss = loss_fn(logp, exp.action_log_probs, adv, action_mask=mask, **lbi)[0]
+    if args.algo.kl.use_loss and args.algo.kl.init_coef > 0:
+        kl = ORL.compute_approx_kl(logp, exp.base_action_log_probs,
+                                   log_probs_old=exp.action_log_probs,
+                                   kl_estimator=args.algo.kl.estimator)
+        kl = kl * act * (1.0 if kl_w is None else kl_w)
+        loss = loss + ORL.aggregate_loss(kl, mask, **lbi) * kl_ctl
+    if a.entropy_coef:
+        ent = output.entropy[:, -mask.shape[1]:] * act
+        loss = loss - ORL.aggregate_loss(ent, mask, **lbi) * a.entropy_coef
+    model.zero_grad()
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= LR * p.grad
+
+
+def _sched_trainer(args):
+    t = _trainer(args)
+    t.actor_scheduler = torch.optim.lr_scheduler.LambdaLR(t.actor_optim, lambda s: 0.5 ** s)
+    return t
+
+
+def _close(model_a, model_b, tol=2e-5):
+    for (n, p), q in zip(model_a.named_parameters(), model_b.parameters()):
+        scale = (p - tiny_model(0).get_parameter(n)).abs().max().clamp(min=1e-6)
+        assert (p - q).abs().max() <= tol * scale + 1e-6, n
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _differs(a, b):
+    return any(not torch.allclose(x, y, rtol=1e-6, atol=1e-7) for x, y in zip(a, b))
+
+
+@pytest.fixture
+def methods_off():
+    yield
+    gorl.disable()
+
+
+def _enable(**options):
+    gorl.enable(actor_cls=ORL.Actor, trainer_cls=False, buffer_cls=NaiveReplayBuffer, **options)
+
+
+@pytest.mark.parametrize("order", ["low-first", "high-first"])
+def test_lopti_two_steps_equal_reference(order, methods_off):
+    """enable(lopti_eta=.5): one training_step = two SGD steps, the phases in ``order``, the
+    split and old log-probs from the experience's action_log_probs (fixed for both), the
+    scheduler stepped once; different from the plain update."""
+    args = _margs(kl="k3", entropy_coef=0.01)
+    exp = make_experience(31)
+    lbi = ORL.get_loss_batch_info(None, exp.action_mask)
+    _enable(lopti_eta=0.5, lopti_order=order)
+    t = _sched_trainer(args)
+    gorl.training_step(t, copy.deepcopy(exp), 0.05, 0, lbi)
+    assert t.actor_scheduler.last_epoch == 1 and t.actor_optim.param_groups[0]["lr"] == LR / 2
+    ref = tiny_model(0)
+    low = exp.action_log_probs.double().exp() < 0.5
+    assert low[exp.action_mask].any() and (~low)[exp.action_mask].any()
+    for phase in ((low, ~low) if order == "low-first" else (~low, low)):
+        _ref_step(ref, exp, args, 0.05, lbi, active=phase & exp.action_mask)
+    _close(t.actor.model, ref)
+    gorl.disable()
+    plain = _sched_trainer(args)
+    gorl.training_step(plain, copy.deepcopy(exp), 0.05, 0, lbi)
+    assert _differs(_params(plain.actor.model), _params(t.actor.model))
+
+
+def _buffer(exp, batch=2):
+    """OpenRLHF's replay buffer (no CUDA: its attributes set by hand) after ``append``."""
+    buf = NaiveReplayBuffer.__new__(NaiveReplayBuffer)
+    buf.sample_batch_size, buf.limit, buf.cpu_offload, buf.items = batch, 0, False, []
+    buf.append(exp)
+    return buf
+
+
+def _nthr_experience(seed=41):
+    exp = make_experience(seed)
+    exp.index = [0, 1, 2, 3]                  # groups 0, 0, 1, 1 (N_PER_PROMPT = 2)
+    adv = torch.tensor([1.0, -1.0, -0.7, 0.5])[:, None].expand_as(exp.action_mask)
+    exp.advantages = adv * exp.action_mask
+    logp = _full_stats(tiny_model(0), exp)[0].float()      # on-policy: the ratio is 1
+    exp.action_log_probs = logp * exp.action_mask
+    return exp
+
+
+def test_nthr_scales_and_update_equal_reference(methods_off):
+    """enable(nthr=True): the scales nthr_pass leaves on the replay buffer's samples equal
+    gbc.nthr_scale on full-batch hidden states, groups Experience.index // n_samples, correct
+    = advantage > 0; the step on OpenRLHF's merged batch equals the reference step with the
+    advantages times that scale, and differs from the plain step."""
+    args = _margs(kl="k3")
+    exp = _nthr_experience()
+    _enable(nthr=True, nthr_beta=0.0)        # beta 0: the tiny model's scores select tokens
+    t = _trainer(args)
+    t.actor.temperature = TEMP
+    t.replay_buffer = _buffer(copy.deepcopy(exp))
+    metrics = gorl.nthr_pass(t)
+    assert "gbc/nthr_selected_frac" in metrics
+    model = tiny_model(0)
+    am = exp.attention_mask
+    pos = (am.long().cumsum(-1) - 1).masked_fill(am == 0, 1)
+    T = exp.action_mask.shape[1]
+    with torch.no_grad():
+        h = model(exp.sequences, attention_mask=am, position_ids=pos,
+                  output_hidden_states=True).hidden_states[-1][:, -T - 1:-1]
+    gids = torch.tensor(exp.index) // N_PER_PROMPT
+    correct = torch.tensor([True, False, False, True])
+    want = gbc.nthr_scale(h, model.lm_head.weight.detach(), exp.sequences[:, -T:],
+                          exp.action_mask, gids, correct, temperature=TEMP, beta=0.0).scale
+    for i, item in enumerate(t.replay_buffer.items):
+        n = item.action_mask.shape[0]
+        assert torch.allclose(item.info[gorl.SCALE_KEY], want[i, :n].float(), atol=1e-5), i
+    assert (want[exp.action_mask] != 1).any()
+    batch = make_experience_batch(t.replay_buffer.items)
+    lbi = ORL.get_loss_batch_info(None, batch.action_mask)
+    gorl.training_step(t, batch, 0.05, 0, lbi)
+    ref = tiny_model(0)
+    plain_batch = make_experience_batch(remove_padding_in_sequences(
+        split_experience_batch(copy.deepcopy(exp))))
+    Tb = plain_batch.action_mask.shape[1]
+    _ref_step(ref, plain_batch, args, 0.05, lbi, adv_scale=want[:, :Tb].float())
+    _close(t.actor.model, ref)
+    plain = _trainer(args)
+    plain.actor.temperature = TEMP
+    gorl.disable()
+    gorl.training_step(plain, copy.deepcopy(plain_batch), 0.05, 0, lbi)
+    assert _differs(_params(plain.actor.model), _params(t.actor.model))
+
+
+def _reference_actor(seed=3):
+    ref = make_actor(tiny_model(seed), TEMP)
+    ref.gbc_reference = True
+    return ref
+
+
+@pytest.mark.parametrize("certainty,cert_temp", [("max_prob", 1.0), ("entropy", 2.0)])
+def test_critical_kl_through_the_reference_pass(certainty, cert_temp, methods_off):
+    """enable(critical_kl_exponent=...): the reference model's no-grad pass returns its
+    log-probs with the weights (1 - c) J^gamma + c (J of docs/math.md §5 from full logits at
+    the certainty temperature), the replay buffer keeps them, and training_step weights
+    OpenRLHF's KL term by them."""
+    gamma, c = 2.0, 0.1
+    args = _margs(kl="k3")
+    exp = make_experience(51)
+    ref_actor = _reference_actor()
+    _enable(critical_kl_exponent=gamma, critical_kl_intercept=c, critical_kl_certainty=certainty,
+            critical_kl_temperature=cert_temp)
+    with torch.no_grad():
+        packed = ref_actor(exp.sequences, exp.action_mask, exp.attention_mask)
+    logp = _full_stats(ref_actor.model, exp)[0]
+    _, maxp, ent = _full_stats(ref_actor.model, exp, cert_temp)
+    logV = torch.log(torch.tensor(float(V), dtype=torch.float64))
+    J = 1 + maxp.log() / logV if certainty == "max_prob" else 1 - ent / logV
+    w = ((1 - c) * J ** gamma + c) * exp.action_mask
+    m = exp.action_mask
+    assert packed.shape == (*m.shape, 2)
+    assert torch.allclose(packed[..., 0], (logp * m).float(), atol=2e-5)
+    assert torch.allclose(packed[..., 1], w.float(), atol=2e-5)
+    exp.base_action_log_probs = packed
+    t = _trainer(args)
+    t.replay_buffer = _buffer(copy.deepcopy(exp))
+    batch = make_experience_batch(t.replay_buffer.items)
+    lbi = ORL.get_loss_batch_info(None, batch.action_mask)
+    gorl.training_step(t, batch, 0.05, 0, lbi)
+    ref_exp = copy.deepcopy(exp)
+    ref_exp.base_action_log_probs = packed[..., 0].contiguous()
+    ref_batch = make_experience_batch(remove_padding_in_sequences(
+        split_experience_batch(ref_exp)))
+    Tb = ref_batch.action_mask.shape[1]
+    model = tiny_model(0)
+    _ref_step(model, ref_batch, args, 0.05, lbi, kl_w=w[:, :Tb].float())
+    _close(t.actor.model, model)
+    plain = tiny_model(0)
+    _ref_step(plain, ref_batch, args, 0.05, lbi)
+    assert _differs(_params(plain), _params(t.actor.model))
+
+
+def _pipeline(**options):
+    """The whole path of one update with ``options``: reference pass, replay buffer,
+    nthr_pass, one training_step. Returns the parameters after it."""
+    args = _margs(kl="k3")
+    exp = _nthr_experience(42)
+    if options.get("lopti_eta") == "median":    # on-policy p_old ~ 1/V: split at its median
+        p_old = exp.action_log_probs.exp()[exp.action_mask]
+        options["lopti_eta"] = float(p_old.median())
+    gorl.disable()
+    _enable(**options)
+    if options.get("critical_kl_exponent") is not None:
+        with torch.no_grad():
+            exp.base_action_log_probs = _reference_actor()(exp.sequences, exp.action_mask,
+                                                           exp.attention_mask)
+    t = _trainer(args)
+    t.replay_buffer = _buffer(exp)
+    if options.get("nthr"):
+        gorl.nthr_pass(t)
+    batch = make_experience_batch(t.replay_buffer.items)
+    gorl.training_step(t, batch, 0.05, 0, ORL.get_loss_batch_info(None, batch.action_mask))
+    return _params(t.actor.model)
+
+
+# every method option of enable(): (its value, the options it is compared against)
+OPTION_CASES = {
+    "ar_alpha": (0.5, {}),
+    "lopti_eta": ("median", {}),
+    "lopti_order": ("high-first", {"lopti_eta": "median"}),
+    "nthr": (True, {"nthr_beta": 0.0}),
+    "nthr_beta": (1.0, {"nthr": True, "nthr_beta": 0.0}),
+    "nthr_eta": (0.3, {"nthr": True, "nthr_beta": 0.0}),
+    "critical_kl_exponent": (2.0, {}),
+    "critical_kl_intercept": (0.5, {"critical_kl_exponent": 2.0}),
+    "critical_kl_certainty": ("entropy", {"critical_kl_exponent": 2.0}),
+    "critical_kl_temperature": (3.0, {"critical_kl_exponent": 2.0}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTION_CASES))
+def test_every_method_option_changes_the_update(name, methods_off):
+    """Each method option of enable() (the list is MethodOptions' own) changes OpenRLHF's
+    update against the same options without it: none is accepted and ignored."""
+    assert set(OPTION_CASES) == set(gorl.METHOD_OPTIONS)
+    value, base = OPTION_CASES[name]
+    assert _differs(_pipeline(**base), _pipeline(**dict(base, **{name: value})))
+
+
+@pytest.mark.parametrize("options,setting,match", [
+    (dict(lopti_eta=0.5), dict(gas=2), "lopti_eta: .*train.micro_batch_size"),
+    (dict(lopti_eta=0.5), dict(dynamic=True), "lopti_eta: train.dynamic_batch_enable"),
+    (dict(nthr=True), dict(dynamic=True), "nthr: train.dynamic_batch_enable"),
+    (dict(nthr=True), dict(tp=2), "nthr: ds.ring_attn_size"),
+    (dict(critical_kl_exponent=2.0), dict(kl=None), "critical_kl_exponent: .*algo.kl.use_loss"),
+])
+def test_methods_refuse_settings_by_name(options, setting, match, methods_off):
+    """A setting a method cannot run with is refused before the first step, naming both."""
+    args = _margs(kl=setting.get("kl", "k3"))
+    args.train.dynamic_batch_enable = setting.get("dynamic", False)
+    args.ds = SimpleNamespace(ring_attn_size=1, tensor_parallel_size=setting.get("tp", 1))
+    t = _trainer(args)
+    t.strategy.accumulated_gradient = setting.get("gas", 1)
+    _enable(**options)
+    with pytest.raises(ValueError, match=match):
+        gorl.check_trainer(t)
+    with pytest.raises(ValueError, match=match.split(":")[0]):
+        gorl.training_step(t, make_experience(3), 0.05, 0)
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(bogus=1.0), "bogus"),
+    (dict(nthr_beta=float("nan")), "nthr_beta"),
+    (dict(critical_kl_exponent=float("inf")), "critical_kl_exponent"),
+    (dict(lopti_eta=1.5), "lopti_eta"),
+    (dict(lopti_order="low"), "lopti_order"),
+    (dict(critical_kl_certainty="argmax"), "critical_kl_certainty"),
+])
+def test_enable_refuses_bad_options_by_name(options, match, methods_off):
+    with pytest.raises(ValueError, match=match):
+        _enable(**options)
+
+
+def test_options_from_the_environment(monkeypatch, methods_off):
+    """Ray workers get the options through GBC_OPENRLHF_OPTIONS; a repeated one is refused."""
+    monkeypatch.setenv(gorl.ENV_OPTIONS, "lopti_eta=0.4,nthr=true,nthr_eta=auto")
+    _enable()
+    assert gorl._STATE.methods.lopti_eta == 0.4 and gorl._STATE.methods.nthr
+    monkeypatch.setenv(gorl.ENV_OPTIONS, "lopti_eta=0.4,lopti_eta=0.3")
+    with pytest.raises(ValueError, match="lopti_eta"):
+        _enable()
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(eps=(-0.1, 0.2)), "actor.eps_clip_low_high"),
+    (dict(eps=(0.2,)), "actor.eps_clip_low_high"),
+    (dict(eps=(0.2, float("nan"))), "actor.eps_clip_low_high"),
+    (dict(dual_clip=0.5), "actor.dual_clip"),
+    (dict(entropy_coef=float("inf")), "actor.entropy_coef"),
+])
+def test_errors_name_openrlhf_options(bad, match):
+    """A bad value in OpenRLHF's arguments is refused naming OpenRLHF's option."""
+    with pytest.raises(ValueError, match=match):
+        gorl.policy_loss_config(make_args(**bad), 0.05)
+    args = make_args(kl="k3")
+    args.algo.kl.init_coef = float("nan")
+    with pytest.raises(ValueError, match="algo.kl.init_coef"):
+        gorl.policy_loss_config(args)
+
+
+def test_openrlhf_presets_equal_the_mapping():
+    """preset('openrlhf:<policy_loss_type>') is the policy term policy_loss_config maps to."""
+    for plt in ("ppo", "gspo"):
+        args = make_args(policy_loss_type=plt, eps=(0.2, 0.28))
+        assert gorl.policy_loss_config(args) == gbc.PolicyLossConfig.preset(
+            f"openrlhf:{plt}", epsilon_low=0.2, epsilon_high=0.28)
