@@ -1,0 +1,141 @@
+"""Every method option on every adapter is honoured or refused by name at start-up, never
+accepted and ignored (docs/methods.md). Each test enumerates the method layer's fields
+(:class:`gbc_kernels.methods.MethodOptions`), so a new option without its wiring fails here.
+(OpenRLHF's enumeration: tests/test_openrlhf.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from gbc_kernels import methods
+from conftest import tiny_hf_model
+
+FIELDS = {f.name for f in dataclasses.fields(methods.MethodOptions)}
+
+# per option: (the options of run A, of run B): the two runs differ only in that option, with
+# whatever else it needs switched on in both
+PAIRS = {
+    "ar_alpha": ({}, dict(ar_alpha=1.0)),
+    "lopti_eta": ({}, dict(lopti_eta=1 / 40)),
+    "lopti_order": (dict(lopti_eta=1 / 40), dict(lopti_eta=1 / 40, lopti_order="high-first")),
+    "nthr": (dict(nthr_beta=0.0), dict(nthr=True, nthr_beta=0.0)),
+    "nthr_beta": (dict(nthr=True, nthr_beta=0.0, nthr_eta=0.0),
+                  dict(nthr=True, nthr_beta=-1e9, nthr_eta=0.0)),
+    "nthr_eta": (dict(nthr=True, nthr_beta=0.0), dict(nthr=True, nthr_beta=0.0, nthr_eta=0.0)),
+    "critical_kl_exponent": ({}, dict(critical_kl_exponent=2.0)),
+    "critical_kl_intercept": (dict(critical_kl_exponent=2.0),
+                              dict(critical_kl_exponent=2.0, critical_kl_intercept=0.5)),
+    "critical_kl_certainty": (dict(critical_kl_exponent=2.0),
+                              dict(critical_kl_exponent=2.0, critical_kl_certainty="entropy")),
+    "critical_kl_temperature": (dict(critical_kl_exponent=2.0),
+                                dict(critical_kl_exponent=2.0, critical_kl_temperature=0.3)),
+}
+
+
+def test_every_field_has_a_case():
+    assert set(PAIRS) == FIELDS
+
+
+@pytest.mark.parametrize("name,value", [
+    ("ar_alpha", float("nan")), ("lopti_eta", float("inf")), ("lopti_order", "sideways"),
+    ("nthr", "yes"), ("nthr_beta", float("nan")), ("nthr_eta", -1.0),
+    ("critical_kl_exponent", float("inf")), ("critical_kl_intercept", 2.0),
+    ("critical_kl_certainty", "vibes"), ("critical_kl_temperature", 0.0)])
+def test_bad_values_are_refused_by_the_trainers_name(name, value):
+    assert name in FIELDS
+    with pytest.raises(ValueError, match=f"^--{name}: .*gbc's {name}"):
+        methods.MethodOptions.from_kwargs({name: f"--{name}"}, **{name: value})
+    with pytest.raises(ValueError, match="not a method option"):
+        methods.MethodOptions.from_kwargs(unknown=1)
+
+
+# ---------------------------------------------------------------------------------- TRL
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2_options")
+    tiny_hf_model(str(path), tie_word_embeddings=False)
+    return str(path)
+
+
+def _trl_run(tiny, tmp_path, options):
+    """The parameters after two TRL steps (fixed seed: the same first rollout in every run;
+    the second step's KL term is not 0, so the KL weights act)."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from gbc_kernels.integrations.trl import GBCGRPOConfig, GBCGRPOTrainer
+
+    args = GBCGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                         num_generations=4, max_completion_length=6, report_to=[],
+                         use_cpu=True, bf16=False, logging_steps=1, save_strategy="no", seed=0,
+                         optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
+                         learning_rate=5.0, loss_type="bnpo", beta=0.5, max_steps=2,
+                         **{f"gbc_{k}": v for k, v in options.items()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = GBCGRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(tiny),
+            reward_funcs=lambda completions, **kw: [float(len(c) % 3 == 0) for c in completions],
+            args=args, train_dataset=Dataset.from_dict({"prompt": ["you meet knights and knaves"] * 4}),
+            processing_class=AutoTokenizer.from_pretrained(tiny))
+        trainer.train()
+    return torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
+
+
+def _initial(tiny):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_trl_honours_every_option(tiny, tmp_path, name):
+    a, b = PAIRS[name]
+    pa = _trl_run(tiny, tmp_path / "a", a)
+    pb = _trl_run(tiny, tmp_path / "b", b)
+    # more than rounding: a share of the parameters' total change over the two steps
+    start = _initial(tiny)
+    assert float((pa - pb).abs().max()) > 1e-3 * float((pa - start).abs().max()), name
+
+
+def test_trl_names_every_option():
+    from gbc_kernels.integrations.trl import GBCGRPOConfig, METHOD_NAMES
+
+    assert set(METHOD_NAMES) == FIELDS
+    assert all(n in GBCGRPOConfig.__dataclass_fields__ for n in METHOD_NAMES.values())
+
+
+# ------------------------------------------------------------------------ example trainer
+def test_example_trainer_names_every_option():
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    gt = importlib.import_module("grpo_trainer")
+    args = gt.build_args([])
+    # every method option has a flag, or is refused at start-up naming it
+    missing = FIELDS - set(gt.METHOD_FLAGS)
+    assert missing == {"nthr_eta", "critical_kl_intercept"}, missing
+    for name, flag in gt.METHOD_FLAGS.items():
+        assert hasattr(args, name) and flag.startswith("--")
+
+
+# ------------------------------------------------------------------------------- verl
+def test_verl_engine_options_are_the_method_options():
+    pytest.importorskip("verl")
+    from gbc_kernels.integrations import verl_engine as ve
+
+    assert issubclass(ve.EngineOptions, methods.MethodOptions)
+    assert set(ve.OPTION_TYPES) == FIELDS | {"backend"}
+    with pytest.raises(ValueError, match="ar_alpha is given twice"):
+        ve.EngineOptions.parse("ar_alpha=0.1,ar_alpha=0.2")
+    for text in ("nthr_beta=nan", "critical_kl_exponent=inf", "lopti_eta=nan"):
+        with pytest.raises(ValueError, match=text.split("=")[0]):
+            ve.EngineOptions.parse(text)
