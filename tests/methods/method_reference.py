@@ -55,3 +55,62 @@ def max_rel_diff(model_a, model_b, start):
     diff = max(float((p - pb[n]).abs().max()) for n, p in model_a.named_parameters())
     update = max(float((pb[n] - ps[n]).abs().max()) for n in pb)
     return diff / max(update, 1e-30)
+
+
+# ------------------------------------------------------------------------ adapters' runs
+def trl_trainer(tiny, tmp_path, reward=None, **options):
+    """A GBCGRPOTrainer on the tiny model: 4 completions of one prompt per step, SGD at a
+    constant rate, no gradient clipping, TRL's bnpo loss; ``options``: GBCGRPOConfig's."""
+    import warnings
+
+    import pytest
+
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from gbc_kernels.integrations.trl import GBCGRPOConfig, GBCGRPOTrainer
+
+    kw = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+              max_completion_length=6, report_to=[], use_cpu=True, bf16=False, logging_steps=1,
+              save_strategy="no", seed=0, optim="sgd", lr_scheduler_type="constant",
+              max_grad_norm=0.0, weight_decay=0.0, loss_type="bnpo", beta=0.0, max_steps=1)
+    kw.update(options)
+    reward = reward or (lambda completions, **k: [float(len(c) % 3 == 0) for c in completions])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return GBCGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny),
+                              reward_funcs=reward, args=GBCGRPOConfig(**kw),
+                              train_dataset=Dataset.from_dict(
+                                  {"prompt": ["you meet knights and knaves"] * 4}),
+                              processing_class=AutoTokenizer.from_pretrained(tiny))
+
+
+def spy_losses(trainer):
+    """Record every ``_compute_loss`` call's tensor inputs and loss, in order."""
+    seen = []
+    compute = trainer._compute_loss
+
+    def spy(model, inputs):
+        loss = compute(model, inputs)
+        seen.append(({k: v for k, v in inputs.items() if torch.is_tensor(v)},
+                     float(loss.detach())))
+        return loss
+
+    trainer._compute_loss = spy
+    return seen
+
+
+def sequences(x):
+    """(input_ids, attention_mask, completion length, completion mask) of a TRL batch."""
+    ids = torch.cat([x["prompt_ids"], x["completion_ids"]], 1)
+    attn = torch.cat([x["prompt_mask"], x["completion_mask"]], 1)
+    return ids, attn, x["completion_ids"].shape[1], x["completion_mask"]
+
+
+def completion_hidden_and_head(model, ids, attn, T):
+    """The final hidden states predicting the last ``T`` tokens and the lm_head weight,
+    float64 (the reference's inputs)."""
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=attn, output_hidden_states=True)
+    h = out.hidden_states[-1][:, -T - 1:-1].double()
+    return h, model.get_output_embeddings().weight.detach().double()

@@ -5,7 +5,6 @@ the rollout policy once, before the first update (docs/math.md §3, §13)."""
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -13,7 +12,8 @@ import torch
 import gbc_kernels as gbc
 from gbc_kernels import methods
 from conftest import tiny_hf_model
-from method_reference import completion_logp, max_rel_diff, rl_update
+from method_reference import (completion_logp, max_rel_diff, rl_update, sequences, spy_losses,
+                              trl_trainer)
 
 
 def test_plain_api_refuses_a_phaseless_lopti_loss():
@@ -73,27 +73,6 @@ def tiny(tmp_path_factory):
     return str(path)
 
 
-def _trl_trainer(tiny, tmp_path, **options):
-    pytest.importorskip("trl")
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from gbc_kernels.integrations.trl import GBCGRPOConfig, GBCGRPOTrainer
-
-    args = GBCGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4,
-                         num_generations=4, max_completion_length=6, report_to=[],
-                         use_cpu=True, bf16=False, logging_steps=1, save_strategy="no", seed=0,
-                         optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
-                         weight_decay=0.0, loss_type="bnpo", beta=0.0, max_steps=1, **options)
-    dataset = Dataset.from_dict({"prompt": ["you meet knights and knaves"] * 4})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return GBCGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny),
-                              reward_funcs=lambda completions, **kw: [
-                                  float("knight" in c) + 0.1 * len(c) for c in completions],
-                              args=args, train_dataset=dataset,
-                              processing_class=AutoTokenizer.from_pretrained(tiny))
-
-
 @pytest.mark.parametrize("order", ["low-first", "high-first"])
 def test_trl_on_policy_lopti_equals_reference(tiny, tmp_path, order):
     """TRL on-policy (no old_per_token_logps): both updates use the rollout's old log-probs;
@@ -102,23 +81,14 @@ def test_trl_on_policy_lopti_equals_reference(tiny, tmp_path, order):
 
     eta = 1.0 / 40                        # ~1/V of the tiny model: a mixed split
     lr = 5.0
-    trainer = _trl_trainer(tiny, tmp_path, learning_rate=lr, gbc_lopti_eta=eta,
-                           gbc_lopti_order=order, gbc_ar_alpha=0.3)
-    seen = []
-    compute = trainer._compute_loss
-
-    def spy(model, inputs):
-        seen.append({k: v for k, v in inputs.items() if torch.is_tensor(v)})
-        return compute(model, inputs)
-
-    trainer._compute_loss = spy
+    trainer = trl_trainer(tiny, tmp_path, reward=lambda completions, **k: [
+        float("knight" in c) + 0.1 * len(c) for c in completions], learning_rate=lr,
+        gbc_lopti_eta=eta, gbc_lopti_order=order, gbc_ar_alpha=0.3)
+    seen = spy_losses(trainer)
     trainer.train()
-    assert len(seen) == 2 and seen[0].get("old_per_token_logps") is None
-    x = seen[0]
-    ids = torch.cat([x["prompt_ids"], x["completion_ids"]], 1)
-    attn = torch.cat([x["prompt_mask"], x["completion_mask"]], 1)
-    T = x["completion_ids"].shape[1]
-    mask = x["completion_mask"]
+    assert len(seen) == 2 and seen[0][0].get("old_per_token_logps") is None
+    x = seen[0][0]
+    ids, attn, T, mask = sequences(x)
     start = AutoModelForCausalLM.from_pretrained(tiny)
     with torch.no_grad():
         p_old = completion_logp(start, ids, attn, T).exp()

@@ -1,0 +1,96 @@
+"""NTHR through every adapter against one reference (gbc_reference.nthr_scale on float64
+hidden states, docs/math.md §4) with the method layer's correct rule: a response is correct when
+its sequence advantage is > 0 (token-level advantages: their masked mean) (docs/methods.md).
+verl's engine and OpenRLHF: tests/test_verl_engine.py, tests/test_openrlhf.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import gbc_reference as ref
+from gbc_kernels import methods
+from conftest import tiny_hf_model
+from method_reference import completion_hidden_and_head, sequences, spy_losses, trl_trainer
+
+
+def test_correct_rule():
+    adv = torch.tensor([0.5, -0.1, 0.0, 2.0], dtype=torch.float64)
+    mask = torch.ones(4, 3)
+    assert methods.correct_from_advantages(adv, mask).tolist() == [True, False, False, True]
+    tok = torch.tensor([[1.0, -3.0, 5.0], [1.0, 1.0, -3.0], [2.0, 0.0, 0.0], [-1.0, 4.0, 4.0]],
+                       dtype=torch.float64)
+    m = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0], [1, 0, 0]])
+    want = [(tok[b] * m[b]).sum() / max(int(m[b].sum()), 1) > 0 for b in range(4)]
+    assert methods.correct_from_advantages(tok, m).tolist() == [bool(w) for w in want]
+    assert want == [False, False, False, False]          # masked-out values never count
+
+
+def test_plain_api_equals_reference():
+    g = torch.Generator().manual_seed(3)
+    B, T, H, V = 6, 5, 8, 23
+    h = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    y = torch.randint(0, V, (B, T), generator=g)
+    m = torch.rand(B, T, generator=g) > 0.2
+    m[4] = False
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    gids = torch.tensor([0, 0, 0, 1, 1, 1])
+    opts = methods.MethodOptions(nthr=True, nthr_beta=0.0)
+    got = methods.nthr_token_scale(h, w, y, m, gids, adv, opts)
+    want = ref.nthr_scale(h, w, y, m, gids, methods.correct_from_advantages(adv, m), beta=0.0)
+    assert torch.equal(got.selected, want.selected) and got.selected.any()
+    assert torch.allclose(got.scale.double(), want.scale.double())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2_nthr")
+    tiny_hf_model(str(path), tie_word_embeddings=False)
+    return str(path)
+
+
+def test_trl_scales_equal_reference(tiny, tmp_path):
+    """TRL: the scales of the rollout's whole batch (groups of num_generations) equal the
+    reference's on the rollout policy's hidden states."""
+    from transformers import AutoModelForCausalLM
+
+    trainer = trl_trainer(tiny, tmp_path, gbc_nthr=True, gbc_nthr_beta=0.0)
+    seen = spy_losses(trainer)
+    trainer.train()
+    x = seen[0][0]
+    ids, attn, T, mask = sequences(x)
+    h, w = completion_hidden_and_head(AutoModelForCausalLM.from_pretrained(tiny), ids, attn, T)
+    adv = x["advantages"]
+    assert methods.correct_from_advantages(adv, mask).unique().numel() == 2   # a mixed group
+    want = ref.nthr_scale(h, w, x["completion_ids"], mask, torch.zeros(4, dtype=torch.long),
+                          adv > 0, beta=0.0)
+    assert want.selected.any()
+    assert torch.equal(x["gbc_token_scale"] != 1, want.selected)
+    assert torch.allclose(x["gbc_token_scale"].double(), want.scale.double(), atol=1e-6)
+
+
+def test_example_trainer_scales_equal_reference():
+    """The example trainer's rollout: groups of --group, correct from the advantages."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import random
+
+    import grpo_trainer as gt
+    from gbc_kernels.integrations import hf
+
+    args = gt.build_args(["--nthr", "--nthr-beta", "0", "--prompts", "4", "--group", "8"])
+    tok, model, _, task = gt.setup(args)
+    torch.manual_seed(0)
+    roll = gt.rollout(model, model, task, tok, args, random.Random(0))
+    model.eval()
+    h = hf.completion_hidden(model, roll["seq"], roll["attn"]).double()
+    w = hf.lm_head(model).weight.detach().double()
+    gids = torch.arange(args.prompts).repeat_interleave(args.group)
+    want = ref.nthr_scale(h, w, roll["targets"], roll["mask"], gids, roll["adv"] > 0,
+                          beta=0.0, temperature=args.temperature)
+    assert want.selected.any()
+    assert torch.equal(roll["token_scale"] != 1, want.selected)
+    assert torch.allclose(roll["token_scale"].double(), want.scale.double(), atol=1e-6)
