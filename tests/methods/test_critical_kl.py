@@ -1,0 +1,97 @@
+"""Critical-token KL through every adapter against one reference: the weights
+``(1 - c) J^gamma + c`` with ``J`` from the reference model's float64 logits (docs/math.md §5),
+given by the reference pass together with ``ref_logp``. verl's engine and OpenRLHF:
+tests/test_verl_engine.py, tests/test_openrlhf.py."""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gbc_kernels import methods
+from conftest import tiny_hf_model
+from method_reference import completion_hidden_and_head, sequences, spy_losses, trl_trainer
+
+
+def reference_weights(h, w, y, opts, temperature=1.0):
+    """float64 (ref_logp, w_kl) from full logits."""
+    z = h.double() @ w.double().T
+    logp = torch.log_softmax(z / temperature, -1).gather(-1, y[..., None])[..., 0]
+    lsm = torch.log_softmax(z / opts.critical_kl_temperature, -1)
+    log_v = math.log(z.shape[-1])
+    if opts.critical_kl_certainty == "max_prob":
+        J = 1 + lsm.max(-1).values / log_v
+    else:
+        J = 1 + (lsm.exp() * lsm).sum(-1) / log_v
+    c = opts.critical_kl_intercept
+    return logp, (1 - c) * J.clamp(min=0) ** opts.critical_kl_exponent + c
+
+
+@pytest.mark.parametrize("certainty", ["max_prob", "entropy"])
+def test_plain_api_reference_stats(certainty):
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(3, 7, 16, generator=g)
+    w = torch.randn(37, 16, generator=g)
+    y = torch.randint(0, 37, (3, 7), generator=g)
+    opts = methods.MethodOptions(critical_kl_exponent=3.0, critical_kl_intercept=0.2,
+                                 critical_kl_certainty=certainty, critical_kl_temperature=0.5)
+    st = methods.reference_stats(h, w, y, opts, temperature=0.8)
+    logp, want = reference_weights(h, w, y, opts, temperature=0.8)
+    assert torch.allclose(st.ref_logp.double(), logp, atol=1e-5)
+    assert torch.allclose(st.kl_weight.double(), want, rtol=1e-4, atol=1e-6)
+    assert st.kl_weight.dtype == torch.float32
+    assert methods.reference_stats(h, w, y, methods.MethodOptions()).kl_weight is None
+
+
+def test_refused_without_a_kl_term():
+    opts = methods.MethodOptions(critical_kl_exponent=2.0)
+    with pytest.raises(ValueError, match="^gbc_critical_kl_exponent: .*beta"):
+        opts.check_loss(0.0, "beta", {"critical_kl_exponent": "gbc_critical_kl_exponent"})
+    opts.check_loss(0.1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2_ckl")
+    tiny_hf_model(str(path), tie_word_embeddings=False)
+    return str(path)
+
+
+def test_trl_weights_equal_reference(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trainer = trl_trainer(tiny, tmp_path, beta=0.1, gbc_critical_kl_exponent=2.0,
+                          gbc_critical_kl_intercept=0.1, gbc_critical_kl_temperature=0.7)
+    seen = spy_losses(trainer)
+    trainer.train()
+    x = seen[0][0]
+    ids, attn, T, mask = sequences(x)
+    h, w = completion_hidden_and_head(AutoModelForCausalLM.from_pretrained(tiny), ids, attn, T)
+    _, want = reference_weights(h, w, x["completion_ids"], trainer.gbc_methods)
+    m = mask.bool()
+    assert torch.allclose(x["gbc_kl_weight"].double()[m], want[m], rtol=1e-4, atol=1e-6)
+
+
+def test_example_trainer_weights_equal_reference():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import grpo_trainer as gt
+    from gbc_kernels.integrations import hf
+
+    args = gt.build_args(["--kl-coef", "0.1", "--critical-kl-exponent", "4",
+                          "--critical-kl-temperature", "2", "--prompts", "2", "--group", "4"])
+    tok, model, _, task = gt.setup(args)
+    torch.manual_seed(0)
+    roll = gt.rollout(model, model, task, tok, args, random.Random(0))
+    model.eval()
+    h = hf.completion_hidden(model, roll["seq"], roll["attn"]).double()
+    w = hf.lm_head(model).weight.detach().double()
+    logp, want = reference_weights(h, w, roll["targets"], gt.method_options(args),
+                                   temperature=args.temperature)
+    m = roll["mask"]
+    assert torch.allclose(roll["ref_logp"].double()[m], logp[m], atol=1e-5)
+    assert torch.allclose(roll["kl_weight"].double()[m], want[m], rtol=1e-4, atol=1e-6)
