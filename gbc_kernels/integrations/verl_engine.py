@@ -95,6 +95,12 @@ class EngineOptions:
     critical_kl_temperature: float = 1.0
 
     def __post_init__(self):
+        import math
+
+        for f in dataclasses.fields(self):     # every number finite (nan/inf pass "> 0")
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"{f.name}: expected a finite float, got {v!r}")
         gbc.PolicyLossConfig(ar_alpha=self.ar_alpha, lopti_eta=self.lopti_eta)   # validates
         if self.lopti_order not in LOPTI_ORDERS:
             raise ValueError(f"lopti_order: expected one of {LOPTI_ORDERS}, got "
@@ -120,7 +126,7 @@ class EngineOptions:
     @classmethod
     def parse(cls, text: Optional[str]) -> "EngineOptions":
         """``"ar_alpha=0.3,lopti_eta=0.5"`` (the form a Ray env var carries) -> options."""
-        kw = {}
+        kw, given = {}, {}
         for item in (text or "").split(","):
             item = item.strip()
             if not item:
@@ -132,13 +138,20 @@ class EngineOptions:
             if name not in OPTION_TYPES:
                 raise ValueError(f"{ENV_OPTIONS}: unknown option {name!r} (expected one of "
                                  f"{sorted(OPTION_TYPES)})")
+            if name in given:
+                raise ValueError(f"{ENV_OPTIONS}: {name} given twice ({name}={given[name]} and "
+                                 f"{name}={value}); give it once")
+            given[name] = value
             kind = OPTION_TYPES[name]
             try:
                 kw[name] = kind(value)
             except ValueError:
                 raise ValueError(f"{ENV_OPTIONS}: {name} expects a "
                                  f"{_TYPE_NAMES.get(kind, kind.__name__)}, got {value!r}") from None
-        return cls(**kw)
+        try:
+            return cls(**kw)
+        except ValueError as err:
+            raise ValueError(f"{ENV_OPTIONS}: {err}") from None
 
 
 # fields gbc adds to verl's batches (padded [B, T] like ``advantages``) and its pass flags
