@@ -99,18 +99,26 @@ def packed_batch(seed, B=6, H=12, V=41):
 
 
 def verl_run(cfg, b, info):
-    """verl's ppo_loss on the packed micro-batch; ``info``: its global batch info."""
-    from tensordict import TensorDict
-    from verl.utils import tensordict_utils as tu
+    """verl's ppo_loss on the packed micro-batch from the head; ``info``: its global batch
+    info. Returns the loss and the gradients of the hidden states and the head."""
     from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
-    from verl.workers.utils.losses import ppo_loss
 
-    B, plens, rlens, seqs = b["B"], b["plens"], b["rlens"], b["seqs"]
     h = b["h"].clone().requires_grad_(True)
     w = b["w"].clone().requires_grad_(True)
     logits = h @ w.T
-    lp = logprobs_from_logits(logits, b["rolled"])
-    ent = entropy_from_logits(logits)
+    loss = verl_ppo_loss(cfg, b, info, logprobs_from_logits(logits, b["rolled"]),
+                         entropy_from_logits(logits))
+    loss.backward()
+    return float(loss.detach()), h.grad, w.grad
+
+
+def verl_ppo_loss(cfg, b, info, lp, ent):
+    """verl's real ppo_loss on packed per-token log-probs ``lp`` and entropies ``ent`` [nnz]."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+
+    B, plens, rlens, seqs = b["B"], b["plens"], b["rlens"], b["seqs"]
     cu = torch.cat([torch.zeros(1, dtype=torch.long), (plens + rlens).cumsum(0)])
     ro = torch.cat([torch.zeros(1, dtype=torch.long), rlens.cumsum(0)])
 
@@ -129,16 +137,14 @@ def verl_run(cfg, b, info):
                          global_batch_size=info.get("global_batch_size"))
     out = {"log_probs": torch.nested.nested_tensor_from_jagged(lp, cu),
            "entropy": torch.nested.nested_tensor_from_jagged(ent, cu)}
-    loss, _ = _seeded(ppo_loss, cfg, out, data)
-    loss.backward()
-    return float(loss.detach()), h.grad, w.grad
+    return _seeded(ppo_loss, cfg, out, data)[0]
 
 
-def gbc_run(cfg_verl, b, normalisers=None, backend="auto"):
+def gbc_run(cfg_verl, b, normalisers=None, backend="auto", dtype=torch.float64):
     """``fused_linear_policy_loss`` with ``policy_loss_config(cfg_verl)``; ``normalisers``: None
     (the config alone) or the global batch info handed to :func:`gv.batch_normalisers`."""
-    h = b["h"].clone().requires_grad_(True)
-    w = b["w"].clone().requires_grad_(True)
+    h = b["h"].to(dtype, copy=True).requires_grad_(True)
+    w = b["w"].to(dtype, copy=True).requires_grad_(True)
     cfg = gv.policy_loss_config(cfg_verl, response_length=b["T"])
     norms = {} if normalisers is None else gv.batch_normalisers(cfg_verl, b["mask"], normalisers)
     loss, _ = _seeded(gbc.fused_linear_policy_loss, h[b["idx"]], w,
@@ -146,18 +152,55 @@ def gbc_run(cfg_verl, b, normalisers=None, backend="auto"):
                       ref_logp=b["ref"] if cfg.kl_coef else None, config=cfg, backend=backend,
                       **norms)
     loss.backward()
-    return float(loss.detach()), h.grad, w.grad
+    return float(loss.detach()), h.grad.double(), w.grad.double()
 
 
-def assert_same(want, got):
+def logp_runs(cfg_verl, b, normalisers=None):
+    """float64 per-token log-probs and entropies: verl's ppo_loss on them against
+    :func:`gbc.policy_loss` with the config (and, when given, :func:`gv.batch_normalisers`).
+    Returns both runs' loss and gradients in the packed log-probs and entropies."""
+    g = torch.Generator().manual_seed(int(b["h"][0, 0].abs() * 1e6) % 10_000)
+    nnz = b["h"].shape[0]
+    lp0 = -torch.rand(nnz, generator=g, dtype=torch.float64) * 3 - 1e-3
+    ent0 = torch.rand(nnz, generator=g, dtype=torch.float64) * 2
+    out = []
+    for which in ("verl", "gbc"):
+        lp, ent = lp0.clone().requires_grad_(True), ent0.clone().requires_grad_(True)
+        if which == "verl":
+            loss = verl_ppo_loss(cfg_verl, b, normalisers or {}, lp, ent)
+        else:
+            cfg = gv.policy_loss_config(cfg_verl, response_length=b["T"])
+            norms = ({} if normalisers is None
+                     else gv.batch_normalisers(cfg_verl, b["mask"], normalisers))
+            idx, valid = b["idx"], b["valid"]
+            loss = _seeded(gbc.policy_loss, torch.where(valid, lp[idx], 0.0), b["mask"],
+                           b["adv"], old_logp=b["old"], ref_logp=b["ref"] if cfg.kl_coef else None,
+                           entropy=torch.where(valid, ent[idx], 0.0) if cfg.wants_entropy else None,
+                           config=cfg, **norms)[0]
+        (loss * 0.7).backward()
+        out.append((float(loss.detach()), lp.grad,
+                    torch.zeros_like(ent) if ent.grad is None else ent.grad))
+    return out
+
+
+def assert_same_float64(want, got):
+    """float64 throughout: agreement to float64's precision."""
+    (l0, gl0, ge0), (l1, gl1, ge1) = want, got
+    assert gl0.abs().max() > 0 and math.isfinite(l0)
+    assert abs(l0 - l1) <= 1e-12 * max(1.0, abs(l0)), (l0, l1)
+    for a, c in ((gl0, gl1), (ge0, ge1)):
+        assert (a - c).abs().max() <= 1e-12 * max(a.abs().max(), 1e-12), (a - c).abs().max()
+
+
+def assert_same(want, got, tol=2e-6):
     """float64 inputs; the fused path keeps its per-token statistics in float32 (docs/math.md
     §0): agreement to float32's precision."""
     (l0, gh0, gw0), (l1, gh1, gw1) = want, got
     assert gh0.abs().max() > 0 and gw0.abs().max() > 0
     assert math.isfinite(l0)
-    assert abs(l0 - l1) <= 2e-6 * max(1.0, abs(l0)), (l0, l1)
+    assert abs(l0 - l1) <= tol * max(1.0, abs(l0)), (l0, l1)
     for a, c in ((gh0, gh1), (gw0, gw1)):
-        assert (a - c).abs().max() <= 2e-5 * a.abs().max(), (a - c).abs().max() / a.abs().max()
+        assert (a - c).abs().max() <= 10 * tol * a.abs().max(), (a - c).abs().max() / a.abs().max()
 
 
 def _case_config(mode, agg):
@@ -176,6 +219,19 @@ def test_config_alone_equals_verl_defaults(mode, agg):
     assert_same(want, gbc_run(cfg, b))
     # the second call, with nothing global to add, changes nothing
     assert_same(want, gbc_run(cfg, b, normalisers={}))
+    assert_same_float64(*logp_runs(cfg, b))
+
+
+@pytest.mark.parametrize("mode,agg", [("vanilla", "token-sum"), ("gspo", "seq-mean-token-mean"),
+                                      ("sapo", "token-sum"), ("dro", "seq-mean-token-sum-norm"),
+                                      ("kl_cov", "seq-mean-token-sum")])
+def test_config_alone_every_backend(backend, mode, agg):
+    """The aggregation rules (token sum, non-empty sequence count) in every backend (float32
+    hidden states and head against verl in float64)."""
+    b = packed_batch(zlib.crc32(f"backend/{mode}/{agg}".encode()) % 10_000)
+    cfg = _case_config(mode, agg)
+    assert_same(verl_run(cfg, b, {}), gbc_run(cfg, b, backend=backend, dtype=torch.float32),
+                tol=2e-5)
 
 
 @pytest.mark.parametrize("kl_type", KL_TYPES)
@@ -186,6 +242,7 @@ def test_config_alone_every_kl_type(kl_type):
     b = packed_batch(zlib.crc32(f"kl/{kl_type}".encode()) % 10_000)
     cfg = actor_config("vanilla", agg, kl_type, entropy_coeff=0.02)
     assert_same(verl_run(cfg, b, {}), gbc_run(cfg, b))
+    assert_same_float64(*logp_runs(cfg, b))
 
 
 GLOBAL = dict(dp_size=2, batch_num_tokens=67, global_batch_size=11)
@@ -199,6 +256,7 @@ def test_batch_normalisers_global_batch(mode, agg):
     b = packed_batch(zlib.crc32(f"global/{mode}/{agg}".encode()) % 10_000)
     cfg = _case_config(mode, agg)
     assert_same(verl_run(cfg, b, GLOBAL), gbc_run(cfg, b, normalisers=GLOBAL))
+    assert_same_float64(*logp_runs(cfg, b, normalisers=GLOBAL))
 
 
 def test_geo_mean_sequence_modes_with_kl_refused():
