@@ -108,7 +108,7 @@ def verl_run(cfg, b, info):
     logits = h @ w.T
     loss = verl_ppo_loss(cfg, b, info, logprobs_from_logits(logits, b["rolled"]),
                          entropy_from_logits(logits))
-    loss.backward()
+    (loss * 1.3).backward()
     return float(loss.detach()), h.grad, w.grad
 
 
@@ -151,7 +151,7 @@ def gbc_run(cfg_verl, b, normalisers=None, backend="auto", dtype=torch.float64):
                       b["rolled"][b["idx"]], b["mask"], b["adv"], old_logp=b["old"],
                       ref_logp=b["ref"] if cfg.kl_coef else None, config=cfg, backend=backend,
                       **norms)
-    loss.backward()
+    (loss * 1.3).backward()
     return float(loss.detach()), h.grad.double(), w.grad.double()
 
 
@@ -349,3 +349,25 @@ def test_gbc_option_keeps_gbc_name():
     """An option given as a gbc field (not through verl's config) keeps gbc's name."""
     with pytest.raises(ValueError, match="^ar_alpha"):
         gv.policy_loss_config({"loss_agg_mode": "token-mean"}, ar_alpha=3.0)
+
+
+@pytest.mark.parametrize("info,name", [
+    (dict(dp_size=0, batch_num_tokens=10), "global_batch_info.dp_size"),
+    (dict(dp_size=1.5, batch_num_tokens=10), "global_batch_info.dp_size"),
+    (dict(dp_size=True), "global_batch_info.dp_size"),
+    (dict(dp_size=2, batch_num_tokens=-4, global_batch_size=3),
+     "global_batch_info.batch_num_tokens"),
+    (dict(batch_num_tokens=float("nan")), "global_batch_info.batch_num_tokens"),
+    (dict(dp_size=2, batch_num_tokens=8, global_batch_size=0),
+     "global_batch_info.global_batch_size"),
+    (dict(dp_size=2), "global_batch_info: batch_num_tokens is required"),
+])
+def test_bad_global_batch_info_names_it(info, name):
+    """A bad value in verl's global_batch_info is refused naming the entry."""
+    with pytest.raises(ValueError, match=f"^{name}"):
+        gv.batch_normalisers(actor_config("vanilla", "token-mean"), torch.ones(2, 3, dtype=bool),
+                             info)
+    if "global_batch_size" in name:          # refused whatever the mode reads
+        with pytest.raises(ValueError, match=f"^{name}"):
+            gv.batch_normalisers(actor_config("gspo", "seq-mean-token-mean"),
+                                 torch.ones(2, 3, dtype=bool), info)
