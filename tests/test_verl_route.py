@@ -371,3 +371,20 @@ def test_bad_global_batch_info_names_it(info, name):
         with pytest.raises(ValueError, match=f"^{name}"):
             gv.batch_normalisers(actor_config("gspo", "seq-mean-token-mean"),
                                  torch.ones(2, 3, dtype=bool), info)
+
+
+def test_aggregation_count_fields_checked():
+    """The config's own counts (token_count, seq_count) refuse bad values, naming them."""
+    for bad in (0.0, -1.0, float("inf"), float("nan"), "1", True):
+        with pytest.raises((ValueError, TypeError), match="token_count"):
+            gbc.PolicyLossConfig(token_count=bad)
+    for bad in ("all", None, "nonempty "):
+        with pytest.raises(ValueError, match="seq_count"):
+            gbc.PolicyLossConfig(seq_count=bad)
+    # the sequence count of a batch whose responses are all empty: 1 (loss 0), never NaN
+    cfg = gbc.PolicyLossConfig(loss_agg="seq-mean-token-mean", seq_count="nonempty")
+    logp = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    loss = gbc.policy_loss(logp, torch.zeros(3, 4, dtype=torch.bool), torch.ones(3),
+                           config=cfg)[0]
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(logp.grad, torch.zeros_like(logp))
