@@ -475,15 +475,23 @@ def _count(value, dtype, device):
 def aggregation_weights(mask: torch.Tensor, agg: str, cfg: PolicyLossConfig, norms,
                         dtype=torch.float32) -> torch.Tensor:
     """w[b, t] such that the aggregated term is sum(w * l) (docs/math.md §1, loss_agg). ``norms``
-    (:class:`Norms` or None) replaces the token count of
-    token-mean and the sequence count B of the sequence modes. No host sync."""
+    (:class:`Norms` or None) replaces the token count of token-mean (default: ``cfg.token_count``,
+    else the mask's tokens) and the sequence count B of the sequence modes (default by
+    ``cfg.seq_count``: every row, or the rows with a masked-in token). No host sync."""
     norms = norms or Norms()
     m = mask.to(dtype)
     if agg == "token-mean":
-        if norms.items is None:
-            return m / m.sum().clamp(min=1.0)
-        return m / _count(norms.items, dtype, mask.device)
-    B = mask.shape[0] if norms.seqs is None else _count(norms.seqs, dtype, mask.device)
+        if norms.items is not None:
+            return m / _count(norms.items, dtype, mask.device)
+        if cfg.token_count is not None:
+            return m / cfg.token_count
+        return m / m.sum().clamp(min=1.0)
+    if norms.seqs is not None:
+        B = _count(norms.seqs, dtype, mask.device)
+    elif cfg.seq_count == "nonempty":
+        B = mask.any(-1).sum().to(dtype).clamp(min=1.0)
+    else:
+        B = mask.shape[0]
     if agg == "seq-mean-token-mean":
         return m / (m.sum(-1, keepdim=True).clamp(min=1.0) * B)
     if agg == "seq-mean-token-sum":

@@ -15,6 +15,8 @@ LOSS_AGG_ALIASES = {
     "grpo": "seq-mean-token-mean",
     "dr_grpo": "seq-mean-token-sum-norm",
 }
+# the sequence count B of the sequence modes when a call passes no num_seqs_in_batch
+SEQ_COUNTS = ("rows", "nonempty")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
 # "k3+" and the like (verl): the value of the estimator, the gradient of k2 (straight-through)
 KL_STRAIGHT_THROUGH = tuple(k + "+" for k in KL_ESTIMATORS)
@@ -77,6 +79,10 @@ class PolicyLossConfig:
     loss_agg: one of ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``,
         ``seq-mean-token-sum-norm`` or TRL's aliases ``bnpo``, ``dapo``, ``grpo``, ``dr_grpo``.
     max_len: the constant of ``seq-mean-token-sum-norm`` (TRL's ``max_completion_length``).
+    token_count: token-mean's count ``N_tok`` when the call passes no ``num_items_in_batch``
+        (None: the call's masked-in tokens; 1.0: a token sum, verl's ``token-sum``).
+    seq_count: the sequence modes' count ``B`` when the call passes no ``num_seqs_in_batch``:
+        ``rows`` (every row, TRL's) or ``nonempty`` (rows with a masked-in token, verl's).
     temperature: logits are divided by it before the softmax.
     kl_coef, kl_estimator: KL penalty weight and estimator (``k1``, ``k2``, ``k3``,
         ``low_var_kl``); the KL term is skipped when ``kl_coef == 0``.
@@ -157,6 +163,8 @@ class PolicyLossConfig:
     clip_ratio_c: Optional[float] = None
     loss_agg: str = "token-mean"
     max_len: Optional[int] = None
+    token_count: Optional[float] = None
+    seq_count: str = "rows"
     temperature: float = 1.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
@@ -228,6 +236,11 @@ class PolicyLossConfig:
             if agg == "seq-mean-token-sum-norm" and (self.max_len is None or self.max_len <= 0):
                 raise ValueError(f"max_len: {name}='seq-mean-token-sum-norm' (dr_grpo) needs a "
                                  f"positive max_len, got {self.max_len!r}")
+        if self.seq_count not in SEQ_COUNTS:
+            raise ValueError(f"seq_count: expected one of {SEQ_COUNTS}, got {self.seq_count!r}")
+        c = self.token_count
+        if c is not None and not (_is_number(c) and c > 0 and math.isfinite(c)):
+            raise ValueError(f"token_count: expected None or a finite float > 0, got {c!r}")
         self._check_objective_axes()
         if self.kl_estimator not in KL_ESTIMATORS + KL_STRAIGHT_THROUGH:
             raise ValueError(f"kl_estimator: expected one of "

@@ -35,7 +35,9 @@ CERTAINTIES = ("max_prob", "entropy")
 
 
 def _finite(name, value, lo=None, hi=None, lo_open=False, kind="a float"):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok and not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite float, got {value!r}")
     if ok and lo is not None:
         ok = value > lo if lo_open else value >= lo
     if ok and hi is not None:

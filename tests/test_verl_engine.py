@@ -843,3 +843,34 @@ def test_patch_on_import(tmp_path, monkeypatch):
     finally:
         sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, ve._PatchOnImport)]
         sys.modules.pop("gbc_fake_trainer_mod", None)
+
+
+@pytest.mark.parametrize("item", ["nthr_beta=nan", "critical_kl_exponent=inf", "ar_alpha=nan",
+                                  "lopti_eta=nan", "nthr_eta=inf", "nthr_eta=-inf",
+                                  "critical_kl_intercept=nan", "critical_kl_temperature=inf",
+                                  "nthr_beta=-inf"])
+def test_options_non_finite_refused(item):
+    """GBC_VERL_OPTIONS: a float option that is nan or +-inf is refused, naming it (nan and inf
+    would pass a "> 0" check or poison the scales)."""
+    from gbc_kernels.integrations import verl_engine as ve
+
+    name = item.split("=")[0]
+    with pytest.raises(ValueError, match=f"^GBC_VERL_OPTIONS: {name}: expected a finite"):
+        ve.EngineOptions.parse(f"backend=torch,{item}")
+    value = float(item.split("=")[1])
+    with pytest.raises(ValueError, match=f"^{name}: expected a finite float"):
+        ve.EngineOptions(**{name: value})
+    assert ve.EngineOptions.parse(f"{name}=0.5").__dict__[name] == 0.5
+
+
+def test_options_repeated_name_refused():
+    """GBC_VERL_OPTIONS: an option given twice is refused, naming it and both values (never
+    the last one kept silently)."""
+    from gbc_kernels.integrations import verl_engine as ve
+
+    with pytest.raises(ValueError, match=r"^GBC_VERL_OPTIONS: ar_alpha given twice "
+                                         r"\(ar_alpha=0\.1 and ar_alpha=0\.2\)"):
+        ve.EngineOptions.parse("ar_alpha=0.1,ar_alpha=0.2")
+    with pytest.raises(ValueError, match="GBC_VERL_OPTIONS: nthr given twice"):
+        ve.EngineOptions.parse("nthr=1, lopti_eta=0.5, nthr=1")
+    assert ve.EngineOptions.parse("ar_alpha=0.1,lopti_eta=0.2").ar_alpha == 0.1

@@ -26,6 +26,7 @@ passes, so two methods enter through the batch instead, before the actor update:
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -47,6 +48,16 @@ VERL_KL_TYPES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2",
                  "low_var_kl+": "low_var_kl+", "k3+": "low_var_kl+"}
 
 
+# verl's actor options the mapping reads (a bad value in any of them is refused naming it)
+VERL_OPTION_NAMES = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
+                     "tau_pos", "tau_neg", "use_kl_loss", "kl_loss_type", "kl_loss_coef",
+                     "entropy_coeff", "loss_agg_mode", "loss_scale_factor",
+                     "policy_loss.loss_mode", "policy_loss.clip_cov_ratio",
+                     "policy_loss.clip_cov_lb", "policy_loss.clip_cov_ub",
+                     "policy_loss.kl_cov_ratio", "policy_loss.ppo_kl_coef",
+                     "policy_loss.dro_beta")
+
+
 def policy_loss_config(actor_config, response_length: Optional[int] = None,
                        **gbc_options) -> "gbc.PolicyLossConfig":
     """The :class:`gbc_kernels.PolicyLossConfig` that reproduces verl 0.9.1's ``ppo_loss``
@@ -57,11 +68,26 @@ def policy_loss_config(actor_config, response_length: Optional[int] = None,
     ``kl_loss_coef`` and ``entropy_coeff``. ``gbc_options`` add the gbc methods (``ar_alpha``,
     ``lopti_eta``, ...) or override a field.
 
+    Alone, the config is verl's loss with verl's default ``global_batch_info`` (one process,
+    no global counts): ``token-sum`` sums the tokens, the sequence modes count the sequences
+    that have a masked-in token. A global batch (``dp_size > 1``, global token or sequence
+    counts) enters through :func:`batch_normalisers`.
+
     ``response_length``: the padded response length T of the call, needed only for
-    ``seq-mean-token-sum-norm`` without ``loss_scale_factor`` (verl then divides by T). The
-    call's batch normalisers (verl's ``global_batch_info``) come from :func:`batch_normalisers`.
-    An option gbc cannot honour raises a ValueError naming it.
+    ``seq-mean-token-sum-norm`` without ``loss_scale_factor`` (verl then divides by T).
+    An option gbc cannot honour, or a bad value, raises a ValueError naming verl's option.
     """
+    source = {}                       # gbc field -> [(verl's option, its value), ...]
+
+    def num(name, value, field=None, optional=False):
+        """A number read from verl's option ``name`` (``field``: the gbc field it becomes)."""
+        if not ((value is None and optional) or (_is_real(value) and math.isfinite(value))):
+            raise ValueError(f"{name}: expected {'None or ' if optional else ''}a finite number, "
+                             f"got {type(value).__name__} {value!r}")
+        if field is not None:
+            source[field] = [(name, value)]
+        return value
+
     policy_loss = _cfg_get(actor_config, "policy_loss", None)
     mode = _cfg_get(policy_loss, "loss_mode", "vanilla")
     if mode not in VERL_LOSS_MODES:
@@ -69,91 +95,151 @@ def policy_loss_config(actor_config, response_length: Optional[int] = None,
                          f"{mode!r}" + (" (verl's rollout-correction dispatcher: set "
                                         "rollout_is_weights and a loss mode instead)"
                                         if mode == "bypass_mode" else ""))
-    clip = _cfg_get(actor_config, "clip_ratio", 0.2)
-    low = _cfg_get(actor_config, "clip_ratio_low")
-    high = _cfg_get(actor_config, "clip_ratio_high")
+    clip = num("clip_ratio", _cfg_get(actor_config, "clip_ratio", 0.2))
+    low = num("clip_ratio_low", _cfg_get(actor_config, "clip_ratio_low"), optional=True)
+    high = num("clip_ratio_high", _cfg_get(actor_config, "clip_ratio_high"), optional=True)
+    low_name = "clip_ratio" if low is None else "clip_ratio_low"
+    high_name = "clip_ratio" if high is None else "clip_ratio_high"
     low = clip if low is None else low
     high = clip if high is None else high
     opts = {}
     if mode in ("vanilla", "dppo_tv", "dppo_kl", "gspo", "clip_cov", "geo_mean"):
-        opts.update(epsilon_low=low, epsilon_high=high)
+        opts.update(epsilon_low=num(low_name, low, "epsilon_low"),
+                    epsilon_high=num(high_name, high, "epsilon_high"))
     if mode in ("vanilla", "dppo_tv", "dppo_kl"):
-        opts["clip_ratio_c"] = _cfg_get(actor_config, "clip_ratio_c",
-                                        3.0 if mode == "vanilla" else 20.0)
+        opts["clip_ratio_c"] = num("clip_ratio_c", _cfg_get(actor_config, "clip_ratio_c",
+                                                            3.0 if mode == "vanilla" else 20.0),
+                                   "clip_ratio_c")
     if mode == "sapo":
-        opts.update(sapo_temperature_pos=_cfg_get(actor_config, "tau_pos", 1.0),
-                    sapo_temperature_neg=_cfg_get(actor_config, "tau_neg", 1.05))
+        opts.update(sapo_temperature_pos=num("tau_pos", _cfg_get(actor_config, "tau_pos", 1.0),
+                                             "sapo_temperature_pos"),
+                    sapo_temperature_neg=num("tau_neg", _cfg_get(actor_config, "tau_neg", 1.05),
+                                             "sapo_temperature_neg"))
     if mode == "cispo":
         opts.update(epsilon_high=1.0 + high, cispo_min=1.0 - low)
-    def pl(name, default):          # verl: "x if x is not None else default"
-        v = _cfg_get(policy_loss, name, None)
-        return default if v is None else v
+        source.update(epsilon_high=[(high_name, high)],
+                      cispo_min=[(low_name, low), (high_name, high)])
+
+    def pl(name, default, field):          # verl: "x if x is not None else default"
+        v = num(f"policy_loss.{name}", _cfg_get(policy_loss, name, None), optional=True)
+        v = default if v is None else v
+        source[field] = [(f"policy_loss.{name}", v)]
+        return v
 
     if mode == "clip_cov":
-        opts.update(cov_ratio=pl("clip_cov_ratio", 0.0002), cov_lb=pl("clip_cov_lb", 1.0),
-                    cov_ub=pl("clip_cov_ub", 5.0))
+        opts.update(cov_ratio=pl("clip_cov_ratio", 0.0002, "cov_ratio"),
+                    cov_lb=pl("clip_cov_lb", 1.0, "cov_lb"),
+                    cov_ub=pl("clip_cov_ub", 5.0, "cov_ub"))
     if mode == "kl_cov":
-        opts.update(cov_ratio=pl("kl_cov_ratio", 0.0002), cov_kl_coef=pl("ppo_kl_coef", 1.0))
+        opts.update(cov_ratio=pl("kl_cov_ratio", 0.0002, "cov_ratio"),
+                    cov_kl_coef=pl("ppo_kl_coef", 1.0, "cov_kl_coef"))
     if mode == "dro":
-        beta = _cfg_get(policy_loss, "dro_beta", None)
+        beta = num("policy_loss.dro_beta", _cfg_get(policy_loss, "dro_beta", None),
+                   "log_ratio_penalty", optional=True)
         if beta is None or not beta > 0:
             raise ValueError(f"policy_loss.dro_beta: verl's dro needs a positive dro_beta, got "
                              f"{beta!r}")
-        opts["log_ratio_penalty"] = float(beta)
+        opts["log_ratio_penalty"] = beta
 
     agg_mode = _cfg_get(actor_config, "loss_agg_mode", "token-mean")
     if agg_mode not in VERL_AGG_MODES:
         raise ValueError(f"loss_agg_mode: expected one of {VERL_AGG_MODES}, got {agg_mode!r}")
-    agg = "token-mean" if agg_mode == "token-sum" else agg_mode   # token-sum: num_items = 1/dp
+    agg = "token-mean" if agg_mode == "token-sum" else agg_mode
+    if agg_mode == "token-sum":
+        opts["token_count"] = 1.0         # a token-mean over one "token": the sum
+    # verl's agg_loss counts the sequences with a masked-in token; its geo_mean takes the
+    # plain mean over every row of the call
+    opts["seq_count"] = "rows" if mode == "geo_mean" else "nonempty"
     max_len = None
     if agg_mode == "seq-mean-token-sum-norm":
         # verl's ppo_loss copies loss_scale_factor into global_batch_info; agg_loss reads it there
         info = _cfg_get(actor_config, "global_batch_info", None) or {}
-        max_len = (_cfg_get(info, "loss_scale_factor", None)
-                   or _cfg_get(actor_config, "loss_scale_factor", None) or response_length)
+        max_len = _cfg_get(info, "loss_scale_factor", None)
+        name = "global_batch_info.loss_scale_factor"
+        if max_len is None:
+            max_len, name = _cfg_get(actor_config, "loss_scale_factor", None), "loss_scale_factor"
+        if max_len is None:
+            max_len, name = response_length, "response_length"
         if max_len is None:
             raise ValueError("response_length: loss_agg_mode='seq-mean-token-sum-norm' without "
                              "loss_scale_factor divides by the response length T; pass it")
-    kl_on = bool(_cfg_get(actor_config, "use_kl_loss", False))
-    ent = float(_cfg_get(actor_config, "entropy_coeff", 0.0) or 0.0)
+        num(name, max_len, "max_len")
+    kl_on = _cfg_get(actor_config, "use_kl_loss", False)
+    if not isinstance(kl_on, bool):
+        raise ValueError(f"use_kl_loss: expected a bool, got {type(kl_on).__name__} {kl_on!r}")
+    ent = num("entropy_coeff", _cfg_get(actor_config, "entropy_coeff", 0.0), "entropy_coef")
     if kl_on:
         kl_type = _cfg_get(actor_config, "kl_loss_type", "low_var_kl")
-        if kl_type not in VERL_KL_TYPES:
+        if not isinstance(kl_type, str) or kl_type not in VERL_KL_TYPES:
             raise ValueError(f"kl_loss_type: gbc reproduces verl's {tuple(VERL_KL_TYPES)}, got "
                              f"{kl_type!r}")
-        opts.update(kl_coef=float(_cfg_get(actor_config, "kl_loss_coef", 0.001)),
+        opts.update(kl_coef=num("kl_loss_coef", _cfg_get(actor_config, "kl_loss_coef", 0.001),
+                                "kl_coef"),
                     kl_estimator=VERL_KL_TYPES[kl_type])
     opts["entropy_coef"] = ent
     if mode in ("sapo", "geo_mean"):
         # the policy term has its own aggregation there (seq-mean-token-mean; geo_mean: the
         # plain mean over the call's sequences); the KL and entropy terms keep loss_agg_mode
         if mode == "geo_mean" and agg != "token-mean" and (kl_on or ent):
-            raise ValueError(f"loss_agg_mode: verl's geo_mean averages its policy term over the "
-                             f"micro-batch's sequences while its KL/entropy terms take "
-                             f"loss_agg_mode={agg_mode!r} over the global batch; gbc has one "
-                             f"sequence count per call: use loss_agg_mode='token-mean' or "
-                             f"'token-sum' with geo_mean and a KL or entropy term")
+            raise ValueError(f"loss_agg_mode: verl's geo_mean averages its policy term over "
+                             f"every row of the micro-batch while its KL/entropy terms take "
+                             f"loss_agg_mode={agg_mode!r} over the sequences with a masked-in "
+                             f"token (or the global batch); gbc has one sequence count per "
+                             f"call: use loss_agg_mode='token-mean' or 'token-sum' with "
+                             f"geo_mean and a KL or entropy term")
         opts.update(kl_agg=agg if kl_on else None, entropy_agg=agg if ent else None,
                     normalise_all_terms=True)
     else:
         opts["loss_agg"] = agg
     opts["max_len"] = max_len
     opts.update(gbc_options)
-    return gbc.PolicyLossConfig.preset(f"verl:{mode}", **opts)
+    for field in gbc_options:         # a gbc option keeps gbc's name in errors
+        source.pop(field, None)
+    try:
+        return gbc.PolicyLossConfig.preset(f"verl:{mode}", **opts)
+    except (ValueError, TypeError) as err:
+        raise _in_verl_words(err, source) from None
+
+
+def _in_verl_words(err: Exception, source: dict) -> Exception:
+    """gbc's config error ``"field[, field]: reason"`` with verl's option names in front."""
+    msg = str(err)
+    head = msg.split(":", 1)[0]
+    names = [n.strip() for n in head.split(",") if n.strip() in source]
+    if not names:
+        return err
+    said = ", ".join(dict.fromkeys(f"{o}={v!r}" for n in names for o, v in source[n]))
+    gbc_names = ", ".join(dict.fromkeys(names))
+    return type(err)(f"{said}: refused as gbc's {gbc_names} ({msg})")
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def batch_normalisers(actor_config, mask: torch.Tensor, global_batch_info=None) -> dict:
     """``num_items_in_batch`` and ``num_seqs_in_batch`` for one call, as verl's ``agg_loss``
     normalises with ``global_batch_info`` (``dp_size``, ``batch_num_tokens``,
     ``global_batch_size``; default: ``actor_config.global_batch_info``): token-mean divides by
-    ``batch_num_tokens / dp_size`` (else this call's tokens), token-sum by ``1 / dp_size``, the
-    sequence modes by ``global_batch_size / dp_size`` (else this call's non-empty sequences:
-    verl excludes fully masked ones; at least 1, where verl would return NaN). verl's
-    geo_mean takes the plain mean over the call's sequences: no sequence count. No host sync.
+    ``batch_num_tokens / dp_size``, token-sum by ``1 / dp_size``, the sequence modes by
+    ``global_batch_size / dp_size``. What the global batch does not give is this call's own
+    count by :func:`policy_loss_config`'s rule (the call's tokens; its sequences with a
+    masked-in token, at least 1, where verl would return NaN), so the loss is the same with
+    these or without them. verl's geo_mean takes the plain mean over the call's rows: no
+    sequence count. No host sync.
     """
     info = dict(global_batch_info if global_batch_info is not None
                 else (_cfg_get(actor_config, "global_batch_info", None) or {}))
-    dp = info.get("dp_size") or 1
+    dp = info.get("dp_size")
+    dp = 1 if dp is None else dp
+    if not (_is_real(dp) and dp >= 1 and float(dp).is_integer()):
+        raise ValueError(f"global_batch_info.dp_size: expected an int >= 1, got {dp!r}")
+    for name in ("batch_num_tokens", "global_batch_size"):
+        v = info.get(name)
+        if v is not None and not isinstance(v, torch.Tensor) and not (
+                _is_real(v) and v > 0 and math.isfinite(v)):
+            raise ValueError(f"global_batch_info.{name}: expected None or a number > 0, "
+                             f"got {v!r}")
     agg_mode = _cfg_get(actor_config, "loss_agg_mode", "token-mean")
     mode = _cfg_get(_cfg_get(actor_config, "policy_loss", None), "loss_mode", "vanilla")
     items = seqs = None

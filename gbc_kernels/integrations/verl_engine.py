@@ -75,7 +75,7 @@ class EngineOptions(methods.MethodOptions):
     def parse(cls, text: Optional[str]) -> "EngineOptions":
         """``"ar_alpha=0.3,lopti_eta=0.5"`` (the form a Ray env var carries) -> options. An
         unknown, repeated or ill-typed option is refused by name."""
-        kw = {}
+        kw, given = {}, {}
         for item in (text or "").split(","):
             item = item.strip()
             if not item:
@@ -87,8 +87,10 @@ class EngineOptions(methods.MethodOptions):
             if name not in OPTION_TYPES:
                 raise ValueError(f"{ENV_OPTIONS}: unknown option {name!r} (expected one of "
                                  f"{sorted(OPTION_TYPES)})")
-            if name in kw:
-                raise ValueError(f"{ENV_OPTIONS}: {name} is given twice")
+            if name in given:
+                raise ValueError(f"{ENV_OPTIONS}: {name} given twice ({name}={given[name]} and "
+                                 f"{name}={value}); give it once")
+            given[name] = value
             kind = OPTION_TYPES[name]
             try:
                 kw[name] = kind(value)

@@ -134,7 +134,7 @@ def test_verl_engine_options_are_the_method_options():
 
     assert issubclass(ve.EngineOptions, methods.MethodOptions)
     assert set(ve.OPTION_TYPES) == FIELDS | {"backend"}
-    with pytest.raises(ValueError, match="ar_alpha is given twice"):
+    with pytest.raises(ValueError, match="ar_alpha given twice"):
         ve.EngineOptions.parse("ar_alpha=0.1,ar_alpha=0.2")
     for text in ("nthr_beta=nan", "critical_kl_exponent=inf", "lopti_eta=nan"):
         with pytest.raises(ValueError, match=text.split("=")[0]):
