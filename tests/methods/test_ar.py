@@ -10,7 +10,7 @@ import torch
 import gbc_kernels as gbc
 import gbc_reference as ref
 from conftest import tiny_hf_model
-from method_reference import completion_logp, sequences, spy_losses, trl_trainer
+from .method_reference import completion_logp, sequences, spy_losses, trl_trainer
 
 
 def test_plain_api_equals_reweighted_advantages():

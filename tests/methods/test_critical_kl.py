@@ -15,7 +15,7 @@ import torch
 
 from gbc_kernels import methods
 from conftest import tiny_hf_model
-from method_reference import completion_hidden_and_head, sequences, spy_losses, trl_trainer
+from .method_reference import completion_hidden_and_head, sequences, spy_losses, trl_trainer
 
 
 def reference_weights(h, w, y, opts, temperature=1.0):

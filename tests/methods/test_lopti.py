@@ -12,7 +12,7 @@ import torch
 import gbc_kernels as gbc
 from gbc_kernels import methods
 from conftest import tiny_hf_model
-from method_reference import (completion_logp, max_rel_diff, rl_update, sequences, spy_losses,
+from .method_reference import (completion_logp, max_rel_diff, rl_update, sequences, spy_losses,
                               trl_trainer)
 
 

@@ -14,7 +14,7 @@ import torch
 import gbc_reference as ref
 from gbc_kernels import methods
 from conftest import tiny_hf_model
-from method_reference import completion_hidden_and_head, sequences, spy_losses, trl_trainer
+from .method_reference import completion_hidden_and_head, sequences, spy_losses, trl_trainer
 
 
 def test_correct_rule():

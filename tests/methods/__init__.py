@@ -1,0 +1,1 @@
+"""Tests by method: each method through every adapter against one shared reference."""
