@@ -136,7 +136,7 @@ def per_token_is_ratio(is_ratio, mask, cfg: PolicyLossConfig):
 
 
 def _where(cond, t):
-    return None if t is None else torch.where(cond, t, torch.zeros_like(t))
+    return None if t is None else torch.where(cond, t, 0.0)
 
 
 def _times(t, w):
@@ -158,7 +158,7 @@ def _ratio_level(logp, ti: TokenInputs, cfg: PolicyLossConfig, phase):
     if phase is not None:
         low = p_old < cfg.lopti_eta
         active = low if phase == "low" else ~low
-        a = torch.where(active, a, torch.zeros_like(logp))
+        a = torch.where(active, a, 0.0)
     cnt = _seg_sum(torch.ones_like(logp), ti.seq, ti.n_seq) if cfg.needs_sequence else None
     log_ratio, lr_in = clamped_log_ratio(logp, old, cfg)
     lw, back = RATIO_LEVELS[cfg.importance_sampling_level].fn(log_ratio, ti.seq, ti.n_seq, cnt)
@@ -193,7 +193,7 @@ def _kl(logp, x: Tokens, ti: TokenInputs, cfg: PolicyLossConfig, active):
         kl_lw = None if kl_lw is None else kl_lw * ti.klw
     wk = ti.w_kl * cfg.kl_coef
     if active is not None:
-        wk = torch.where(active, wk, torch.zeros_like(wk))
+        wk = torch.where(active, wk, 0.0)
     return kl, wk, wk * dk, None if kl_lw is None else wk * kl_lw
 
 
@@ -206,7 +206,7 @@ def _entropy(ti: TokenInputs, cfg: PolicyLossConfig, active):
     if ti.emask is not None:
         on = ti.emask if on is None else on & ti.emask
     gH = -cfg.entropy_coef * ti.w_ent
-    return gH if on is None else torch.where(on, gH, torch.zeros_like(gH))
+    return gH if on is None else torch.where(on, gH, 0.0)
 
 
 def _metric_inputs(x: Tokens, out, ar, p_old, kl, ti, dropped, cfg) -> TokenTerms:
