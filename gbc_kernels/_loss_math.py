@@ -1,15 +1,13 @@
-"""The per-token GRPO policy-loss math (docs/math.md §1-§3) in PyTorch, with its analytic
-derivative.
+"""The per-token GRPO policy-loss math (docs/math.md §1-§3, §10, §12) in PyTorch, with its
+analytic derivative: :func:`loss_terms` composes the entries of :mod:`gbc_kernels.objectives`
+(ratio level, objective, token terms, masks, KL form) and the aggregation weights.
 
 Every backend calls this once per chunk of tokens (the Triton and C++ backends carry their own
-copies of the same formulas, each tested against ``gbc_reference``). Inputs are 1-d over tokens;
-``valid`` marks the tokens with ``m = 1`` (None: all of them, as after row compaction).
-
-For each token the function returns the loss term ``l`` and ``dl/dlogp`` (``dl/dH`` is the
-constant ``-entropy_coef`` on active tokens). Ties follow PyTorch's autograd conventions, so the
-result equals autograd on the reference formulas:
-* ``clamp`` passes the gradient on the closed interval ``[lo, hi]``;
-* ``max(unclipped, clipped)``: when both are equal, both derivatives are equal too (or ``A = 0``).
+copies of the token-local PPO formulas, each tested against ``gbc_reference``). Inputs are 1-d
+over the masked tokens. For each token the result holds the loss term ``l`` and
+``dl/dlogp`` (``dl/dH`` is the constant ``-entropy_coef`` on active tokens); ties follow
+PyTorch's autograd conventions, so the result equals autograd on the reference formulas
+(``tests/objectives/`` holds each entry and the composition to that).
 """
 
 from __future__ import annotations

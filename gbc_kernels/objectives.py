@@ -11,6 +11,11 @@ its ``gbc_reference`` formula and its case in ``tests/objectives/``)::
         pg = ...                    # the policy term per token
         return Out(pg, d_lw=..., d_direct=...)
 
+Other trainers' names (presets in ``config.TRAINER_PRESETS``): GSPO is the ``sequence`` /
+``sequence_token`` ratio level, verl's ``gpg`` is ``reinforce``, ``geo_mean`` is ``gmpo``,
+``dro`` is ``reinforce`` with the ``log_ratio_penalty`` token term, ``clip_cov`` / ``kl_cov``
+are :data:`COV_MODES`.
+
 Derivatives follow PyTorch's autograd conventions, so that a hand derivative equals autograd on
 the value (``tests/objectives/`` holds every entry to that): ``clamp`` passes the gradient on
 the closed interval; ``max(x1, x2)`` splits a tie in half; detached factors are ``.detach()``-ed
