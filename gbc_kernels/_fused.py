@@ -14,8 +14,9 @@ from typing import Optional
 import torch
 
 from . import _chunking
+from . import objectives as _objectives
 from . import vocab_parallel as _vp
-from ._loss_math import (TokenInputs, aggregation_weights, clamped_log_ratio, concat_terms,
+from ._loss_math import (TokenInputs, aggregation_weights, concat_terms,
                          empty_metrics, logp_grad_norm, local_ids, loss_terms, own_norms,
                          policy_metrics, term_weights)
 from ._validate import Checks, no_double_backward as _no_double_backward
@@ -114,27 +115,8 @@ def gathered_threshold(process_group):
 
 
 def cov_selection(logp: torch.Tensor, ti: TokenInputs, cfg: PolicyLossConfig) -> torch.Tensor:
-    """Clip-Cov / KL-Cov's tokens (docs/math.md §12; verl 0.9.1 ``clip_cov``/``kl_cov``) among
-    the call's masked tokens, by the covariance ``(A - mean A)(logp - mean logp)`` of the raw
-    advantage and the current log-prob. ``clip``: ``max(1, int(cov_ratio N))`` tokens drawn at
-    random (``torch.randperm`` on the default CPU generator, as verl) among those with
-    ``cov_lb < cov < cov_ub`` that PPO's clip has not already clipped; ``kl``: the top
-    ``max(1, int(cov_ratio N))`` by covariance."""
-    n = logp.numel()
-    sel = torch.zeros(n, dtype=torch.bool, device=logp.device)
-    if n == 0:
-        return sel
-    adv = ti.adv
-    cov = (adv - adv.mean()) * (logp - logp.mean())
-    k = max(int(cfg.cov_ratio * n), 1)
-    if cfg.cov_mode == "kl":
-        return sel.index_fill_(0, torch.topk(cov, min(k, n), largest=True).indices, True)
-    r = torch.exp(clamped_log_ratio(logp, logp if ti.old is None else ti.old, cfg)[0])
-    clipped = -adv * r.clamp(1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high) > -adv * r
-    cand = ((cov < cfg.cov_ub) & (cov > cfg.cov_lb) & ~clipped).nonzero().squeeze(1)
-    if cand.numel():
-        cand = cand[torch.randperm(cand.numel())[:min(k, cand.numel())].to(cand.device)]
-    return sel.index_fill_(0, cand, True)
+    """Clip-Cov / KL-Cov's tokens among the call's masked tokens (``objectives.COV_MODES``)."""
+    return _objectives.cov_selection(logp, ti.adv, ti.old, cfg)
 
 
 def with_batch_masks(ti: TokenInputs, entropy, logp, cfg: PolicyLossConfig, mask, idx, ct,

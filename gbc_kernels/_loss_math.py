@@ -1,15 +1,13 @@
-"""The per-token GRPO policy-loss math (docs/math.md §1-§3) in PyTorch, with its analytic
-derivative.
+"""The per-token GRPO policy-loss math (docs/math.md §1-§3, §10, §12) in PyTorch, with its
+analytic derivative: :func:`loss_terms` composes the entries of :mod:`gbc_kernels.objectives`
+(ratio level, objective, token terms, masks, KL form) and the aggregation weights.
 
 Every backend calls this once per chunk of tokens (the Triton and C++ backends carry their own
-copies of the same formulas, each tested against ``gbc_reference``). Inputs are 1-d over tokens;
-``valid`` marks the tokens with ``m = 1`` (None: all of them, as after row compaction).
-
-For each token the function returns the loss term ``l`` and ``dl/dlogp`` (``dl/dH`` is the
-constant ``-entropy_coef`` on active tokens). Ties follow PyTorch's autograd conventions, so the
-result equals autograd on the reference formulas:
-* ``clamp`` passes the gradient on the closed interval ``[lo, hi]``;
-* ``max(unclipped, clipped)``: when both are equal, both derivatives are equal too (or ``A = 0``).
+copies of the token-local PPO formulas, each tested against ``gbc_reference``). Inputs are 1-d
+over the masked tokens. For each token the result holds the loss term ``l`` and
+``dl/dlogp`` (``dl/dH`` is the constant ``-entropy_coef`` on active tokens); ties follow
+PyTorch's autograd conventions, so the result equals autograd on the reference formulas
+(``tests/objectives/`` holds each entry and the composition to that).
 """
 
 from __future__ import annotations
@@ -21,6 +19,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from .config import PolicyLossConfig
+from .objectives import (COV_MODES, OBJECTIVES, RATIO_LEVELS, Tokens, _seg_mean, _seg_sum,
+                         clamped_log_ratio, kl_term, native_ok, token_terms)
 
 
 @dataclass
@@ -91,13 +91,9 @@ class TokenInputs:
     def native_ok(self, cfg: PolicyLossConfig) -> bool:
         """The one-pass C++ / Triton token kernels cover this call: the token-local PPO loss
         of §1-§3 with one aggregation for every term."""
-        return (cfg.objective == "ppo_clip" and cfg.delta is None and not cfg.needs_sequence
-                and not cfg.needs_batch and self.is_ratio is None and cfg.kl_agg is None
-                and cfg.entropy_agg is None and cfg.log_ratio_clamp is None
-                and cfg.log_ratio_penalty == 0.0 and cfg.kl_estimator in NATIVE_KL
-                and cfg.kl_clamp is None and cfg.kl_log_ratio_clamp is None
-                and not cfg.kl_unbiased_gradient
-                and self.itemp is None)
+        return (native_ok(cfg) and not cfg.needs_sequence and not cfg.needs_batch
+                and self.is_ratio is None and cfg.kl_agg is None and cfg.entropy_agg is None
+                and cfg.log_ratio_clamp is None and self.itemp is None)
 
 
 @dataclass
@@ -111,54 +107,6 @@ class LossTerms:
     terms: TokenTerms
 
 
-# the estimators the one-pass C++ / Triton token kernels know (by their index in this tuple)
-NATIVE_KL = ("k1", "k2", "k3", "low_var_kl")
-
-
-def kl_value_and_grad(logp, ref_logp, estimator, clamp=None, input_clamp=None,
-                      straight_through=None):
-    """KL estimator k(logp, ref_logp) and dk/dlogp, delta = ref_logp - logp (docs/math.md §1,
-    §12). ``input_clamp``: delta clamped to ``[-c, c]`` first; ``clamp``: the value clamped to
-    ``[-clamp, clamp]`` (each passes the gradient inside only; ``low_var_kl`` is ``k3`` with 20
-    and 10). ``straight_through = w`` (a ``+`` estimator: 1; OpenRLHF's unbiased gradient: the
-    clamped ratio): the value kept, the gradient ``w (logp - ref_logp)``, k2's, weighted."""
-    base = estimator.rstrip("+")
-    if base == "low_var_kl":
-        base, input_clamp, clamp = "k3", 20.0, 10.0
-    delta = ref_logp - logp
-    d_in = None
-    if input_clamp is not None:
-        d_in = (delta >= -input_clamp) & (delta <= input_clamp)
-        delta = delta.clamp(-input_clamp, input_clamp)
-    if base == "k1":
-        val, grad = -delta, torch.ones_like(delta)
-    elif base == "k2":
-        val, grad = 0.5 * delta * delta, -delta
-    elif base == "k3":
-        e = torch.exp(delta)
-        val, grad = e - delta - 1.0, 1.0 - e
-    else:                                  # abs: d|x|/dx = sign(x), 0 at 0 (autograd's)
-        val, grad = delta.abs(), -torch.sign(delta)
-    if d_in is not None:
-        grad = torch.where(d_in, grad, torch.zeros_like(grad))
-    if clamp is not None:
-        inside = (val >= -clamp) & (val <= clamp)
-        val, grad = val.clamp(-clamp, clamp), torch.where(inside, grad, torch.zeros_like(grad))
-    if straight_through is not None:
-        grad = straight_through * (logp - ref_logp)
-    return val, grad
-
-
-def clamped_log_ratio(logp, old, cfg: PolicyLossConfig):
-    """``logp - old`` with ``cfg.log_ratio_clamp`` applied, and the clamp's gradient mask (None
-    without a clamp)."""
-    lr = logp - old
-    if cfg.log_ratio_clamp is None:
-        return lr, None
-    c = cfg.log_ratio_clamp
-    return lr.clamp(-c, c), ((lr >= -c) & (lr <= c)).to(logp.dtype)
-
-
 def local_ids(ids: torch.Tensor, with_lengths: bool = False):
     """Non-decreasing ids -> (the ids renumbered 0 .. n - 1, n), and with ``with_lengths`` the
     count of each id as a list. One host sync (the counts)."""
@@ -169,295 +117,170 @@ def local_ids(ids: torch.Tensor, with_lengths: bool = False):
     return (inverse, len(lengths), lengths) if with_lengths else (inverse, len(lengths))
 
 
-def _seg_sum(x, seq, n):
-    return torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, seq, x)
-
-
-def _choose(cond, a: float, b: float, like: torch.Tensor) -> torch.Tensor:
-    """``where(cond, a, b)`` in ``like``'s dtype (two Python floats would give float32)."""
-    return torch.where(cond, like.new_tensor(a), like.new_tensor(b))
-
-
-def _pick(pg1, pg2, d1, d2):
-    """-min(x1, x2) = max(pg1, pg2) and its derivative, ties split in half (autograd's rule
-    for torch.minimum)."""
-    pg = torch.maximum(pg1, pg2)
-    d = torch.where(pg1 > pg2, d1, torch.where(pg1 < pg2, d2, 0.5 * (d1 + d2)))
-    return pg, d
-
-
 def per_token_is_ratio(is_ratio, mask, cfg: PolicyLossConfig):
     """The importance ratio as the loss takes it, ``[B, T]``: a per-token one as it is; a
     per-sequence ``[B, 1]`` one multiplies each token of its sequence (broadcast), except under
-    vespo, whose sequence weight adds ``Σ_t log r_t`` over the masked tokens: there the ratio
-    goes whole on the sequence's first masked-in token and 1 (``log 1 = 0``) on the others, so
-    that it enters the weight once (TRL's ``sequence_*`` modes)."""
+    an objective that takes it once per sequence (``is_ratio_once``: vespo, whose sequence
+    weight adds ``Σ_t log r_t`` over the masked tokens): there the ratio goes whole on the
+    sequence's first masked-in token and 1 (``log 1 = 0``) on the others (TRL's
+    ``sequence_*`` modes)."""
     if is_ratio is None or is_ratio.shape[-1] == mask.shape[-1]:
         return is_ratio
-    if cfg.objective != "vespo":
+    if not OBJECTIVES[cfg.objective].is_ratio_once:
         return is_ratio.expand(mask.shape)
     first = mask.int().argmax(dim=-1, keepdim=True)        # 0 for an empty row: masked out
     return torch.ones(mask.shape, dtype=is_ratio.dtype, device=is_ratio.device).scatter_(
         1, first, is_ratio)
 
 
-def gamma_log_weight(log_ratio, is_ratio, seq, n_seq):
-    """VESPO's clamped sequence log-weight per sequence (docs/math.md)."""
-    lower = math.log(1e-8)
-    s = _seg_sum(log_ratio.clamp(-20.0, 20.0), seq, n_seq)
-    if is_ratio is not None:
-        s = s + _seg_sum(torch.log(is_ratio).clamp(lower, 20.0), seq, n_seq)
-    return s.clamp(lower, 20.0)
+def _where(cond, t):
+    return None if t is None else torch.where(cond, t, 0.0)
 
 
-def _seg_mean(x, seq, n_seq, cnt):
-    return (_seg_sum(x, seq, n_seq) / cnt.clamp(min=1.0))[seq]
+def _times(t, w):
+    return None if t is None else t * w
 
 
-def _objective(obj, cfg, a, adv_raw, logp, old, log_ratio, ratio, ti, seq, n_seq, cnt):
-    """The policy term ``pg`` per token and its derivative in two parts, ``d_lw`` (through the
-    log importance weight) and ``d_direct`` (through ``logp`` itself, None when 0), with what
-    the objective adds to the metrics. docs/math.md §1, §10, §12."""
-    zeros = torch.zeros_like(logp)
-    d_direct = None
-    extra = {}
-    if obj == "ppo_clip":
-        lo, hi = 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high
-        if cfg.delta is None:
-            r1, dr1 = ratio, ratio
-        else:                             # clamp(max=delta) passes the gradient at delta
-            r1, dr1 = ratio.clamp(max=cfg.delta), torch.where(ratio <= cfg.delta, ratio, zeros)
-        r2 = ratio.clamp(lo, hi)
-        dr2 = torch.where((ratio >= lo) & (ratio <= hi), ratio, zeros)
-        pg, d_lw = _pick(-a * r1, -a * r2, -a * dr1, -a * dr2)
-        if cfg.clip_ratio_c is not None:
-            pg_dual = -a * cfg.clip_ratio_c
-            dual = (a < 0) & (pg_dual < pg)
-            pg = torch.where(dual, pg_dual, pg)
-            d_lw = torch.where(dual, zeros, d_lw)
-    elif obj == "cispo":                  # detached weight, two-sided with cispo_min
-        c = ratio.clamp(min=cfg.cispo_min, max=cfg.epsilon_high)
-        pg, d_lw, d_direct = -c * a * logp, zeros, -c * a
-    elif obj == "sapo":
-        kappa = _choose(adv_raw > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg, logp)
-        sg = torch.sigmoid(kappa * (ratio - 1.0))
-        pg = -sg * (4.0 / kappa) * a
-        d_lw = -4.0 * a * sg * (1.0 - sg) * ratio      # d/dlw of -4/k sigma(k (e^lw - 1)) a
-    elif obj == "reinforce":
-        pg, d_lw, d_direct = -a * logp, zeros, -a
-    elif obj == "unclipped":
-        pg = -a * ratio
-        d_lw = pg
-    elif obj == "dppo":
-        c = ratio if cfg.clip_ratio_c is None else ratio.clamp(max=cfg.clip_ratio_c)
-        valid = dppo_valid(logp, old, adv_raw, cfg)
-        w = torch.where(valid, -c * a, zeros)
-        pg, d_lw, d_direct = w * logp, zeros, w
-        extra["flags"] = ((adv_raw <= 0) & ~valid, (adv_raw > 0) & ~valid)
-    elif obj == "gmpo":
-        sgn = torch.sign(adv_raw)
-        clamped = log_ratio.clamp(-cfg.epsilon_low, cfg.epsilon_high)
-        inside = (log_ratio >= -cfg.epsilon_low) & (log_ratio <= cfg.epsilon_high)
-        x1, x2 = sgn * log_ratio, sgn * clamped
-        # sgn * min(sgn lr, sgn clamp(lr)), its derivative in lr: ties split (torch.minimum)
-        c = sgn * torch.minimum(x1, x2)
-        one = torch.ones_like(logp)
-        dc = torch.where(x1 < x2, one, torch.where(x1 > x2, inside.to(logp.dtype),
-                                                   0.5 * (one + inside.to(logp.dtype))))
-        dc = torch.where(sgn == 0, zeros, dc)
-        R = torch.exp(_seg_mean(c, seq, n_seq, cnt))
-        if ti.is_ratio is not None:       # verl: the sequence's geometric mean of is_ratio
-            R = R * torch.exp(_seg_mean(torch.log(ti.is_ratio + 1e-10), seq, n_seq, cnt))
-        pg, d_lw = -a * R, zeros
-        extra["gmpo_dc"] = dc
-        extra["flags"] = ((adv_raw < 0) & ~inside, (adv_raw > 0) & ~inside)
-    else:   # vespo
-        log_w = gamma_log_weight(log_ratio, ti.is_ratio, seq, n_seq)[seq]
-        pos = adv_raw >= 0
-        k = _choose(pos, cfg.vespo_k_pos, cfg.vespo_k_neg, logp)
-        lam = _choose(pos, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg, logp).clamp(min=1e-4)
-        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
-        phi = phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-        pg, d_lw, d_direct = -phi * a * logp, zeros, -phi * a
-        extra["phi_seq_sum"] = (_seg_sum(phi, seq, n_seq) / cnt.clamp(min=1.0)).sum()
-    return pg, d_lw, d_direct, extra
-
-
-def dppo_valid(logp, old, adv_raw, cfg):
-    """DPPO's binary trust region (verl 0.9.1 ``dppo_tv`` / ``dppo_kl``): the tokens whose
-    sampled-token probability ``p`` stayed within the divergence bound of ``p_old``, one-sided
-    by the sign of the advantage (A > 0: bounded above by epsilon_high; A <= 0: by
-    epsilon_low)."""
-    p, p_old = torch.exp(logp), torch.exp(old)
-    if cfg.dppo_divergence == "tv":
-        pos = (p - p_old) <= cfg.epsilon_high
-        neg = (p - p_old) >= -cfg.epsilon_low
-    else:
-        bkl = p_old * (old - logp) + (1.0 - p_old) * torch.log((1.0 - p_old + 1e-8)
-                                                               / (1.0 - p + 1e-8))
-        pos = (bkl <= cfg.epsilon_high) | (p <= p_old)
-        neg = (bkl <= cfg.epsilon_low) | (p >= p_old)
-    return torch.where(adv_raw > 0, pos, neg)
-
-
-def loss_terms(logp, entropy, ti: TokenInputs, cfg: PolicyLossConfig,
-               phase: Optional[str]) -> LossTerms:
-    """The loss of docs/math.md §1-§3, §10 and §12 over masked tokens (1-d), its derivative in
-    ``logp`` and in the entropy, with the aggregation weights applied.
-
-    The policy term is a function of the log importance weight ``lw`` (the token's
-    ``logp - old`` or its sequence's mean) and, for cispo, vespo, reinforce and dppo, of
-    ``logp`` directly; its derivative is kept in those two parts, ``d_lw`` and ``d_direct``.
-    At sequence level ``dL/dlogp_s = d_direct_s + (1 / n_b) sum_{t in b} d_lw_t`` (the mean's
-    derivative), which is why a sequence-level loss needs its whole sequence before any
-    gradient; verl's ``sequence_token`` form takes each token's own ``d_lw`` instead.
-    """
-    zeros = torch.zeros_like(logp)
-    adv_raw = ti.adv
+def _ratio_level(logp, ti: TokenInputs, cfg: PolicyLossConfig, phase):
+    """A-hat (AR, token_scale, the Lopti phase's mask ``active``), the log-ratios and the
+    importance weight of the ratio level: the objective's :class:`Tokens`, and ``back`` (dL/dlw
+    -> dL/dlog_ratio) and ``lr_in`` (log_ratio_clamp's gradient mask)."""
     old = logp if ti.old is None else ti.old
     p_old = torch.exp(old)
     ar = cfg.ar_alpha * p_old + (1.0 - cfg.ar_alpha) if cfg.ar_alpha != 0.0 \
         else torch.ones_like(p_old)
-    a = adv_raw * ar
+    a = ti.adv * ar
     if ti.tscale is not None:
         a = a * ti.tscale
     active = None
     if phase is not None:
         low = p_old < cfg.lopti_eta
         active = low if phase == "low" else ~low
-        a = torch.where(active, a, zeros)
+        a = torch.where(active, a, 0.0)
+    cnt = _seg_sum(torch.ones_like(logp), ti.seq, ti.n_seq) if cfg.needs_sequence else None
+    log_ratio, lr_in = clamped_log_ratio(logp, old, cfg)
+    lw, back = RATIO_LEVELS[cfg.importance_sampling_level].fn(log_ratio, ti.seq, ti.n_seq, cnt)
+    x = Tokens(a, ti.adv, logp, old, log_ratio, torch.exp(lw), ti.is_ratio, ti.seq, ti.n_seq,
+               cnt)
+    return x, ar, p_old, active, back, lr_in
 
-    seq, n_seq = ti.seq, ti.n_seq
-    cnt = None
-    if cfg.needs_sequence:
-        cnt = _seg_sum(torch.ones_like(logp), seq, n_seq)
-    raw_log_ratio = logp - old
-    log_ratio, lr_in = clamped_log_ratio(logp, old, cfg)    # lr_in: the clamp's gradient mask
-    level = cfg.importance_sampling_level
-    st_in = None                          # sequence_token: log s clamped at 10 above (verl)
-    if level == "token":
-        lw = log_ratio
-    else:
-        lw = _seg_mean(log_ratio, seq, n_seq, cnt)
-        if level == "sequence_token":
-            st_in = (lw <= 10.0).to(logp.dtype)
-            lw = lw.clamp(max=10.0)
-    ratio = torch.exp(lw)
 
-    obj = cfg.objective
-    pg, d_lw, d_direct, extra = _objective(obj, cfg, a, adv_raw, logp, old, log_ratio, ratio,
-                                           ti, seq, n_seq, cnt)
-    # per-token terms of the policy term beside the objective: verl dro's squared log-ratio,
-    # KL-Cov's |log-ratio| on its selected tokens (derivatives in the log-ratio)
-    pen, d_pen = None, None
-    if cfg.log_ratio_penalty != 0.0:
-        pen = 0.5 * cfg.log_ratio_penalty * log_ratio * log_ratio
-        d_pen = cfg.log_ratio_penalty * log_ratio
-    if cfg.cov_mode == "kl":
-        sel = ti.cov_sel
-        kc = torch.where(sel, cfg.cov_kl_coef * log_ratio.abs(), zeros)
-        dkc = torch.where(sel, cfg.cov_kl_coef * torch.sign(log_ratio), zeros)
-        pen, d_pen = (kc, dkc) if pen is None else (pen + kc, d_pen + dkc)
-    if pen is not None and active is not None:
-        pen, d_pen = torch.where(active, pen, zeros), torch.where(active, d_pen, zeros)
-    if ti.is_ratio is not None and obj not in ("vespo", "gmpo"):
-        pg, d_lw = pg * ti.is_ratio, d_lw * ti.is_ratio
-        d_direct = None if d_direct is None else d_direct * ti.is_ratio
-        if pen is not None:
-            pen, d_pen = pen * ti.is_ratio, d_pen * ti.is_ratio
-
-    # the policy term's masks (§10, §12)
-    keep = None
-    dropped = None
+def _policy_mask(x: Tokens, ti: TokenInputs, cfg: PolicyLossConfig):
+    """The tokens the policy term keeps (None: all), §10 §12: the off-policy sequence mask, the
+    entropy quantile, Clip-Cov's dropped tokens; and those the off-policy mask dropped."""
+    keep = dropped = None
     if cfg.off_policy_mask_threshold is not None:
-        sampling = old if ti.sampling is None else ti.sampling
-        drift = torch.nan_to_num(sampling - logp, nan=0.0)
-        mean = _seg_mean(drift, seq, n_seq, cnt)
-        keep = (adv_raw >= 0) | (mean <= cfg.off_policy_mask_threshold)
+        sampling = x.old if ti.sampling is None else ti.sampling
+        drift = torch.nan_to_num(sampling - x.logp, nan=0.0)
+        mean = _seg_mean(drift, x.seq, x.n_seq, x.cnt)
+        keep = (x.adv >= 0) | (mean <= cfg.off_policy_mask_threshold)
         dropped = ~keep
     if ti.emask is not None:
         keep = ti.emask if keep is None else keep & ti.emask
-    if cfg.cov_mode == "clip":
+    if cfg.cov_mode is not None and COV_MODES[cfg.cov_mode].drops:
         keep = ~ti.cov_sel if keep is None else keep & ~ti.cov_sel
+    return keep, dropped
+
+
+def _kl(logp, x: Tokens, ti: TokenInputs, cfg: PolicyLossConfig, active):
+    """The KL term's value per token and its weighted derivatives: (kl, wk, wk dk, wk dk/dlw
+    or None), ``wk`` the KL's aggregation weight times ``kl_coef`` and ``kl_weight``."""
+    kl, dk, kl_lw = kl_term(logp, ti.ref, x.old, x.ratio, cfg)
+    if ti.klw is not None:
+        kl, dk = kl * ti.klw, dk * ti.klw
+        kl_lw = None if kl_lw is None else kl_lw * ti.klw
+    wk = ti.w_kl * cfg.kl_coef
+    if active is not None:
+        wk = torch.where(active, wk, 0.0)
+    return kl, wk, wk * dk, None if kl_lw is None else wk * kl_lw
+
+
+def _entropy(ti: TokenInputs, cfg: PolicyLossConfig, active):
+    """dL/dH per token (None without entropy bonus): on the phase's and the quantile's
+    tokens."""
+    if cfg.entropy_coef == 0.0:
+        return None
+    on = active
+    if ti.emask is not None:
+        on = ti.emask if on is None else on & ti.emask
+    gH = -cfg.entropy_coef * ti.w_ent
+    return gH if on is None else torch.where(on, gH, 0.0)
+
+
+def _metric_inputs(x: Tokens, out, ar, p_old, kl, ti, dropped, cfg) -> TokenTerms:
+    clip_seq = (None, None)
+    if RATIO_LEVELS[cfg.importance_sampling_level].needs_sequence:   # TRL counts sequences
+        dt = x.logp.dtype
+        clip_seq = tuple((_seg_sum(f.to(dt), x.seq, x.n_seq) > 0).sum().to(dt)
+                         for f in clip_flags(x.a, x.ratio, cfg))
+    return TokenTerms(x.ratio, x.a, ar, p_old, kl, ti.emask, dropped, out.phi_seq_sum,
+                      *clip_seq, *(out.flags or (None, None)), ti.cov_sel, x.logp - x.old)
+
+
+def loss_terms(logp, entropy, ti: TokenInputs, cfg: PolicyLossConfig,
+               phase: Optional[str]) -> LossTerms:
+    """The loss of docs/math.md §1-§3, §10 and §12 over masked tokens (1-d), its derivative in
+    ``logp`` and in the entropy, with the aggregation weights applied: ratio level ->
+    objective (:data:`OBJECTIVES`) and token terms -> masks -> terms -> aggregation.
+
+    The policy term is a function of the log importance weight ``lw`` (the token's
+    ``logp - old`` or its sequence's mean) and of ``logp`` directly; its derivative is kept in
+    those two parts (``d_lw``, ``d_direct``) and taken back to ``logp`` by the level's
+    ``back``: at sequence level ``dL/dlogp_s = d_direct_s + (1 / n_b) sum_{t in b} d_lw_t``,
+    which is why a sequence-level loss needs its whole sequence before any gradient.
+    """
+    x, ar, p_old, active, back, lr_in = _ratio_level(logp, ti, cfg, phase)
+    obj = OBJECTIVES[cfg.objective]
+    out = obj.fn(cfg, x)
+    pg, d_lw, d_direct = out.pg, out.d_lw, out.d_direct
+    pen, d_pen = token_terms(x.log_ratio, cfg, ti.cov_sel)   # derivatives in the log-ratio
+    if pen is not None and active is not None:
+        pen, d_pen = _where(active, pen), _where(active, d_pen)
+    if ti.is_ratio is not None and obj.weights_is_ratio:
+        pg, d_lw, d_direct, pen, d_pen = (_times(t, ti.is_ratio)
+                                          for t in (pg, d_lw, d_direct, pen, d_pen))
+    keep, dropped = _policy_mask(x, ti, cfg)
     if keep is not None:
-        pg, d_lw = torch.where(keep, pg, zeros), torch.where(keep, d_lw, zeros)
-        d_direct = None if d_direct is None else torch.where(keep, d_direct, zeros)
-        if pen is not None:
-            pen, d_pen = torch.where(keep, pen, zeros), torch.where(keep, d_pen, zeros)
+        pg, d_lw, d_direct, pen, d_pen = (_where(keep, t) for t in (pg, d_lw, d_direct, pen, d_pen))
 
     wpg = ti.w_pg * pg
     loss_sum = wpg.sum()
     g_lw = ti.w_pg * d_lw
-    g = zeros if d_direct is None else ti.w_pg * d_direct
+    g = torch.zeros_like(logp) if d_direct is None else ti.w_pg * d_direct
     g_tok = None                          # through each token's own (clamped) log-ratio
     if pen is not None:
         loss_sum = loss_sum + (ti.w_pg * pen).sum()
         g_tok = ti.w_pg * d_pen
-    if obj == "gmpo":                     # d/dlr_s of sum_t w_t pg_t = (that sum) * c'_s / n_b
-        gm = _seg_mean(wpg, seq, n_seq, cnt) * extra["gmpo_dc"]
+    if out.d_seq is not None:             # d/dlr_s sum_t w_t pg_t = mean_b(w pg) * d_seq_s
+        gm = _seg_mean(wpg, x.seq, x.n_seq, x.cnt) * out.d_seq
         g_tok = gm if g_tok is None else g_tok + gm
     kl = None
     if cfg.kl_coef != 0.0:
-        st = 1.0 if cfg.kl_estimator.endswith("+") else None
-        if cfg.kl_unbiased_gradient:      # OpenRLHF: w = min(r, 10), detached
-            st = torch.exp(raw_log_ratio).clamp(max=10.0)
-        kl, dk = kl_value_and_grad(logp, ti.ref, cfg.kl_estimator, cfg.kl_clamp,
-                                   cfg.kl_log_ratio_clamp, st)
-        kl_lw = None
-        if cfg.kl_ratio_correction:       # r k: d/dlw = r k, d/dlogp directly = r dk
-            kl, dk = ratio * kl, ratio * dk
-            kl_lw = kl
-        if ti.klw is not None:
-            kl, dk = kl * ti.klw, dk * ti.klw
-            kl_lw = None if kl_lw is None else kl_lw * ti.klw
-        wk = ti.w_kl * cfg.kl_coef
-        if active is not None:
-            wk = torch.where(active, wk, zeros)
+        kl, wk, g_kl, g_kl_lw = _kl(logp, x, ti, cfg, active)
         loss_sum = loss_sum + (wk * kl).sum()
-        g = g + wk * dk
-        if kl_lw is not None:
-            g_lw = g_lw + wk * kl_lw
-    if level == "sequence":
-        g_lw = _seg_mean(g_lw, seq, n_seq, cnt)
-    elif st_in is not None:
-        g_lw = g_lw * st_in
+        g = g + g_kl
+        if g_kl_lw is not None:
+            g_lw = g_lw + g_kl_lw
+    g_lw = back(g_lw)
     if g_tok is not None:
         g_lw = g_lw + g_tok
     g = g + (g_lw if lr_in is None else g_lw * lr_in)
-    gH = None
-    if cfg.entropy_coef != 0.0:
-        on = active
-        if ti.emask is not None:
-            on = ti.emask if on is None else on & ti.emask
-        gH = -cfg.entropy_coef * ti.w_ent
-        if on is not None:
-            gH = torch.where(on, gH, zeros)
+    gH = _entropy(ti, cfg, active)
+    if gH is not None:
         loss_sum = loss_sum + (gH * entropy).sum()
-    flags = extra.get("flags")
-    clip_seq = (None, None)
-    if level != "token":                # TRL's clip fractions count sequences at this level
-        clip_seq = tuple((_seg_sum(f.to(logp.dtype), seq, n_seq) > 0).sum().to(logp.dtype)
-                         for f in clip_flags(a, ratio, cfg))
-    terms = TokenTerms(ratio, a, ar, p_old, kl, ti.emask, dropped, extra.get("phi_seq_sum"),
-                       *clip_seq, *(flags or (None, None)), ti.cov_sel, raw_log_ratio)
+    terms = _metric_inputs(x, out, ar, p_old, kl, ti, dropped, cfg)
     return LossTerms(loss_sum, g, gH, terms)
 
 
 def clip_flags(a, r, cfg: PolicyLossConfig, terms: Optional[TokenTerms] = None):
-    """Tokens outside the objective's hard clip range, (low, high): ppo_clip's
-    ``[1 - epsilon_low, 1 + epsilon_high]`` (on ``min(r, delta)``, as TRL), cispo's cap
-    ``epsilon_high`` (A > 0) and ``cispo_min`` (A < 0); dppo's trust region and gmpo's log-ratio
-    clip come with ``terms`` (``flag_low``/``flag_high``); the others have none."""
+    """Tokens outside the objective's hard clip range, (low, high): the objective's
+    ``clip_flags`` (ppo_clip's ``[1 - epsilon_low, 1 + epsilon_high]`` on ``min(r, delta)``, as
+    TRL; cispo's cap ``epsilon_high`` (A > 0) and ``cispo_min`` (A < 0)); dppo's trust region and
+    gmpo's log-ratio clip come with ``terms`` (``flag_low``/``flag_high``); the others have
+    none."""
     if terms is not None and terms.flag_low is not None:
         return terms.flag_low, terms.flag_high
-    if cfg.objective == "ppo_clip":
-        rc = r if cfg.delta is None else r.clamp(max=cfg.delta)
-        return (a < 0) & (rc < 1.0 - cfg.epsilon_low), (a > 0) & (rc > 1.0 + cfg.epsilon_high)
-    none = torch.zeros_like(r, dtype=torch.bool)
-    if cfg.objective == "cispo":
-        low = none if cfg.cispo_min is None else (a < 0) & (r < cfg.cispo_min)
-        return low, (a > 0) & (r > cfg.epsilon_high)
-    return none, none
+    return OBJECTIVES[cfg.objective].clip_flags(a, r, cfg)
 
 
 class Norms(NamedTuple):
@@ -565,7 +388,7 @@ def policy_metrics(terms: TokenTerms, cfg: PolicyLossConfig, entropy=None, grad_
         for name, count in (("clip_frac_low_seq", terms.clip_seq_low),
                             ("clip_frac_high_seq", terms.clip_seq_high)):
             out[name] = (zero if count is None else count) / max(n_seq_total, 1)
-    if cfg.objective == "vespo":
+    if OBJECTIVES[cfg.objective].reports_phi_mean:
         phi = terms.phi_seq_sum if terms.phi_seq_sum is not None else torch.zeros(())
         empty = n_seq_total - n_seq_nonempty
         out["phi_mean"] = (phi + empty) / max(n_seq_total, 1)
@@ -624,7 +447,7 @@ def empty_metrics(cfg: PolicyLossConfig, device, n_seq_total: int = 0) -> dict:
     if cfg.cov_mode is not None:
         keys.append("cov_frac")
     out = {k: z.clone() for k in keys}
-    if cfg.objective == "vespo":
+    if OBJECTIVES[cfg.objective].reports_phi_mean:
         out["phi_mean"] = z + (1.0 if n_seq_total else 0.0)
     return out
 

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from . import objectives as _table
+
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                   "seq-mean-token-sum-norm")
 # TRL's loss_type names for the same normalisations (TRL's formulas, not its code).
@@ -17,14 +19,16 @@ LOSS_AGG_ALIASES = {
 }
 # the sequence count B of the sequence modes when a call passes no num_seqs_in_batch
 SEQ_COUNTS = ("rows", "nonempty")
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
+# The names below come from the table of objectives and KL forms (gbc_kernels.objectives).
+# KL_ESTIMATORS' order is the native kernels' estimator index.
+KL_ESTIMATORS = _table.KL_BASE_NAMES
 # "k3+" and the like (verl): the value of the estimator, the gradient of k2 (straight-through)
-KL_STRAIGHT_THROUGH = tuple(k + "+" for k in KL_ESTIMATORS)
+KL_STRAIGHT_THROUGH = tuple(k for k, form in _table.KL_FORMS.items() if form.straight_through)
 PHASES = (None, "low", "high")
-IS_LEVELS = ("token", "sequence", "sequence_token")
-OBJECTIVES = ("ppo_clip", "cispo", "sapo", "vespo", "reinforce", "unclipped", "dppo", "gmpo")
-DPPO_DIVERGENCES = ("tv", "binary_kl")
-COV_MODES = (None, "clip", "kl")
+IS_LEVELS = tuple(_table.RATIO_LEVELS)
+OBJECTIVES = tuple(_table.OBJECTIVES)
+DPPO_DIVERGENCES = _table.DPPO_DIVERGENCES
+COV_MODES = (None,) + tuple(_table.COV_MODES)
 # TRL 1.16 GRPOTrainer's loss_type names as presets over the axes (PolicyLossConfig.preset).
 # TRL averages the entropy bonus over the tokens it acts on whatever the loss type: its own
 # normaliser, entropy_agg="token-mean". luspo is PPO clip summed over each sequence's tokens.
@@ -241,11 +245,7 @@ class PolicyLossConfig:
         c = self.token_count
         if c is not None and not (_is_number(c) and c > 0 and math.isfinite(c)):
             raise ValueError(f"token_count: expected None or a finite float > 0, got {c!r}")
-        self._check_objective_axes()
-        if self.kl_estimator not in KL_ESTIMATORS + KL_STRAIGHT_THROUGH:
-            raise ValueError(f"kl_estimator: expected one of "
-                             f"{KL_ESTIMATORS + KL_STRAIGHT_THROUGH}, got {self.kl_estimator!r}")
-        self._check_other_trainers()
+        self._check_names()
         for name in ("epsilon_low", "epsilon_high"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0.0 <= v and math.isfinite(v)):
@@ -253,13 +253,9 @@ class PolicyLossConfig:
         if self.epsilon_low >= 1.0:
             raise ValueError(f"epsilon_low: expected < 1 (the lower clip bound is "
                              f"1 - epsilon_low > 0), got {self.epsilon_low!r}")
-        if self.clip_ratio_c is not None and not (self.clip_ratio_c > 1.0
-                                                  or self.objective == "dppo"):
-            raise ValueError(f"clip_ratio_c: expected None or a float > 1, "
-                             f"got {self.clip_ratio_c!r}")
-        if self.clip_ratio_c is not None and not math.isfinite(self.clip_ratio_c):
-            raise ValueError(f"clip_ratio_c: expected None or a finite float (None turns the "
-                             f"dual clip off), got {self.clip_ratio_c!r}")
+        _table.check_values(self)         # each entry's parameters (objectives.py)
+        _table.check_choice(self)         # the chosen entries' combinations
+        self._check_shared()
         if not (self.temperature > 0.0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature: expected a finite float > 0, got {self.temperature!r}")
         for name in ("kl_coef", "entropy_coef"):
@@ -272,7 +268,8 @@ class PolicyLossConfig:
             raise ValueError(f"lopti_eta: expected None or a float in (0, 1], "
                              f"got {self.lopti_eta!r}")
 
-    def _check_objective_axes(self):
+    def _check_names(self):
+        """The names of the table's entries (gbc_kernels.objectives)."""
         if self.importance_sampling_level not in IS_LEVELS:
             raise ValueError(f"importance_sampling_level: expected one of {IS_LEVELS}, "
                              f"got {self.importance_sampling_level!r}")
@@ -281,117 +278,25 @@ class PolicyLossConfig:
                     f"{self.objective!r}))" if self.objective in TRL_LOSS_TYPES else "")
             raise ValueError(f"objective: expected one of {OBJECTIVES}, got "
                              f"{self.objective!r}{hint}")
-        if self.delta is not None:
-            if not (_is_number(self.delta) and self.delta > 0 and math.isfinite(self.delta)):
-                raise ValueError(f"delta: expected None or a finite float > 0, got {self.delta!r}")
-            if self.objective != "ppo_clip":
-                raise ValueError(f"delta: the two-sided clip applies to objective='ppo_clip' "
-                                 f"only, got delta={self.delta!r} with objective="
-                                 f"{self.objective!r}")
-        if self.clip_ratio_c is not None and self.objective not in ("ppo_clip", "dppo"):
-            raise ValueError(f"clip_ratio_c: the dual clip (objective='ppo_clip') or dppo's "
-                             f"truncation (objective='dppo') only, got clip_ratio_c="
-                             f"{self.clip_ratio_c!r} with objective={self.objective!r}")
-        own_ratio = self.objective in ("reinforce", "dppo", "gmpo") or (
-            self.objective == "vespo" and self.importance_sampling_level == "sequence_token")
-        if own_ratio and self.importance_sampling_level != "token":
-            raise ValueError(f"importance_sampling_level: objective={self.objective!r} defines "
-                             f"its own ratio (or none); expected 'token', got "
-                             f"importance_sampling_level={self.importance_sampling_level!r}")
-        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            v = getattr(self, name)
-            if not (_is_number(v) and v > 0 and math.isfinite(v)):
-                raise ValueError(f"{name}: expected a finite float > 0, got {v!r}")
-        for name in ("vespo_k_pos", "vespo_k_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
-            v = getattr(self, name)
-            if not (_is_number(v) and math.isfinite(v)):
-                raise ValueError(f"{name}: expected a finite float, got {v!r}")
-        for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
-            v = getattr(self, name)
-            if not v > 0:            # TRL clamps the rate at 1e-4: 0 and -1 would give the same
-                raise ValueError(f"{name}: expected a float > 0 (VESPO's gamma rate; TRL clamps "
-                                 f"it at 1e-4, so a value <= 0 has no meaning of its own), "
-                                 f"got {v!r}")
+        if self.kl_estimator not in KL_ESTIMATORS + KL_STRAIGHT_THROUGH:
+            raise ValueError(f"kl_estimator: expected one of "
+                             f"{KL_ESTIMATORS + KL_STRAIGHT_THROUGH}, got {self.kl_estimator!r}")
+        if self.cov_mode not in COV_MODES:
+            raise ValueError(f"cov_mode: expected one of {COV_MODES}, got {self.cov_mode!r}")
+
+    def _check_shared(self):
+        """The options of no single entry of the table."""
         q = self.top_entropy_quantile
         if not (_is_number(q) and 0.0 <= q <= 1.0):
             raise ValueError(f"top_entropy_quantile: expected a float in [0, 1], got {q!r}")
-        c = self.logit_softcap
-        if c is not None and not (_is_number(c) and c > 0 and math.isfinite(c)):
-            raise ValueError(f"logit_softcap: expected None or a finite float > 0, got {c!r}")
+        for name in ("logit_softcap", "log_ratio_clamp"):
+            c = getattr(self, name)
+            if c is not None and not (_is_number(c) and c > 0 and math.isfinite(c)):
+                raise ValueError(f"{name}: expected None or a finite float > 0, got {c!r}")
         t = self.off_policy_mask_threshold
         if t is not None and not (_is_number(t) and math.isfinite(t)):
             raise ValueError(f"off_policy_mask_threshold: expected None or a finite float, "
                              f"got {t!r}")
-
-    def _check_other_trainers(self):
-        """The options of docs/math.md §12, and the combinations that have no meaning."""
-        def optional_positive(name):
-            v = getattr(self, name)
-            if v is not None and not (_is_number(v) and v > 0 and math.isfinite(v)):
-                raise ValueError(f"{name}: expected None or a finite float > 0, got {v!r}")
-
-        optional_positive("log_ratio_clamp")
-        optional_positive("kl_clamp")
-        optional_positive("kl_log_ratio_clamp")
-        if self.cispo_min is not None:
-            if self.objective != "cispo":
-                raise ValueError(f"cispo_min: the lower bound of cispo's weight applies to "
-                                 f"objective='cispo' only, got cispo_min={self.cispo_min!r} with "
-                                 f"objective={self.objective!r}")
-            if not (_is_number(self.cispo_min) and 0.0 <= self.cispo_min <= self.epsilon_high):
-                raise ValueError(f"cispo_min: expected None or a float in [0, epsilon_high="
-                                 f"{self.epsilon_high}], got {self.cispo_min!r}")
-        if self.dppo_divergence not in DPPO_DIVERGENCES:
-            raise ValueError(f"dppo_divergence: expected one of {DPPO_DIVERGENCES}, got "
-                             f"{self.dppo_divergence!r}")
-        if self.dppo_divergence != "tv" and self.objective != "dppo":
-            raise ValueError(f"dppo_divergence: applies to objective='dppo' only, got "
-                             f"dppo_divergence={self.dppo_divergence!r} with objective="
-                             f"{self.objective!r}")
-        if self.objective == "dppo" and self.clip_ratio_c is not None \
-                and not self.clip_ratio_c > 0:
-            raise ValueError(f"clip_ratio_c: dppo's truncation expects a float > 0, got "
-                             f"{self.clip_ratio_c!r}")
-        if self.objective == "gmpo" and self.delta is not None:
-            raise ValueError("delta: gmpo clips each log-ratio itself; expected delta=None with "
-                             "objective='gmpo'")
-        v = self.log_ratio_penalty
-        if not (math.isfinite(v) and v >= 0):
-            raise ValueError(f"log_ratio_penalty: expected a finite float >= 0, got {v!r}")
-        for name in ("kl_clamp", "kl_log_ratio_clamp"):
-            if getattr(self, name) is not None and self.kl_estimator.rstrip("+") == "low_var_kl":
-                raise ValueError(f"{name}: kl_estimator={self.kl_estimator!r} clamps its input "
-                                 f"at +-20 and its value at +-10 already; use kl_estimator='k3' "
-                                 f"with {name}={getattr(self, name)!r}")
-        if self.kl_unbiased_gradient and self.kl_estimator.endswith("+"):
-            raise ValueError(f"kl_unbiased_gradient: kl_estimator={self.kl_estimator!r} already "
-                             f"takes k2's gradient (with weight 1); use one of the two")
-        if self.kl_ratio_correction and (self.kl_unbiased_gradient
-                                         or self.kl_estimator.endswith("+")):
-            raise ValueError(f"kl_ratio_correction: the ratio-corrected KL and the "
-                             f"straight-through gradient (kl_estimator={self.kl_estimator!r}, "
-                             f"kl_unbiased_gradient={self.kl_unbiased_gradient}) each define "
-                             f"the KL's gradient; use one")
-        if self.cov_mode not in COV_MODES:
-            raise ValueError(f"cov_mode: expected one of {COV_MODES}, got {self.cov_mode!r}")
-        if not (_is_number(self.cov_ratio) and 0.0 < self.cov_ratio <= 1.0):
-            raise ValueError(f"cov_ratio: expected a float in (0, 1], got {self.cov_ratio!r}")
-        if not (math.isfinite(self.cov_lb) and math.isfinite(self.cov_ub)
-                and self.cov_lb < self.cov_ub):
-            raise ValueError(f"cov_lb, cov_ub: expected finite floats with cov_lb < cov_ub, got "
-                             f"cov_lb={self.cov_lb!r}, cov_ub={self.cov_ub!r}")
-        if not math.isfinite(self.cov_kl_coef):
-            raise ValueError(f"cov_kl_coef: expected a finite float, got {self.cov_kl_coef!r}")
-        if self.cov_mode is not None:
-            if self.importance_sampling_level != "token":
-                raise ValueError(f"cov_mode: Clip-Cov and KL-Cov select tokens; expected "
-                                 f"importance_sampling_level='token', got "
-                                 f"{self.importance_sampling_level!r} with cov_mode="
-                                 f"{self.cov_mode!r}")
-            if self.cov_mode == "clip" and self.objective != "ppo_clip":
-                raise ValueError(f"cov_mode: 'clip' drops tokens that PPO's clip left in; "
-                                 f"expected objective='ppo_clip', got objective="
-                                 f"{self.objective!r}")
 
     @classmethod
     def preset(cls, loss_type: str, **options) -> "PolicyLossConfig":
@@ -418,8 +323,8 @@ class PolicyLossConfig:
     @property
     def needs_sequence(self) -> bool:
         """A token's loss depends on the other tokens of its sequence."""
-        return (self.importance_sampling_level != "token"
-                or self.objective in ("vespo", "gmpo")
+        return (_table.RATIO_LEVELS[self.importance_sampling_level].needs_sequence
+                or _table.OBJECTIVES[self.objective].needs_sequence
                 or self.off_policy_mask_threshold is not None)
 
     @property
