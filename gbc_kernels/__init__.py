@@ -5,6 +5,7 @@ The math is defined by ``gbc_reference`` (python/gbc_reference) and ``docs/math.
 """
 
 from .config import PolicyLossConfig, LOSS_AGG_ALIASES, LOSS_AGG_MODES, KL_ESTIMATORS
+from ._validate import value_checks_enabled
 from .ops import (TokenStats, fused_linear_logprobs, fused_linear_policy_loss, policy_loss,
                   token_stats)
 from .transforms import advantage_reweight, critical_kl_weight, group_advantages, lopti_split
@@ -22,6 +23,6 @@ __all__ = [
     "TokenStats", "fused_linear_logprobs", "fused_linear_policy_loss", "policy_loss",
     "token_stats", "advantage_reweight", "critical_kl_weight", "group_advantages",
     "lopti_split", "NTHRResult", "nthr_scale", "lopti_phases", "lopti_grad_share_low",
-    "FusedLinearPolicyLoss", "methods", "MethodOptions",
+    "FusedLinearPolicyLoss", "methods", "MethodOptions", "value_checks_enabled",
     "VocabParallel",
 ]

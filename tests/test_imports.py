@@ -95,3 +95,12 @@ def test_no_import_cycle():
 def test_the_walker_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_integrations_import_no_private_module():
+    """The drop-ins use the library's public API only (gbc_kernels' modules and names without
+    a leading underscore)."""
+    bad = {(m, d) for m, deps in import_graph().items()
+           if m.startswith("gbc_kernels.integrations") for d in deps
+           if any(part.startswith("_") for part in d.split(".")[1:])}
+    assert not bad, sorted(bad)

@@ -120,7 +120,7 @@ def check_forward_inputs(inner, input_ids, attention_mask, completion_len,
     reaches the model: ``input_ids`` an integer ``[B, L]`` tensor with every id inside the
     embedding, ``attention_mask`` None or ``[B, L]`` of 0/1, ``completion_len`` an int in
     ``[1, L - 1]`` (a prompt token precedes the first predicted one). Returns ``T``."""
-    from .. import _validate as V
+    import gbc_kernels as gbc
 
     if not hasattr(inner, "get_output_embeddings") or not hasattr(inner, "get_input_embeddings"):
         raise ValueError(f"model: expected a transformers causal LM (get_input_embeddings / "
@@ -150,7 +150,7 @@ def check_forward_inputs(inner, input_ids, attention_mask, completion_len,
                          f"{completion_len}")
     emb = inner.get_input_embeddings()
     vocab = getattr(emb, "num_embeddings", None)
-    if vocab is not None and V.value_checks_enabled():
+    if vocab is not None and gbc.value_checks_enabled():
         bad = (input_ids < 0) | (input_ids >= vocab)
         if bool(bad.any()):
             b, t = (int(x) for x in bad.nonzero()[0])
