@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import queue
 import socket
 
 import pytest
@@ -174,7 +175,20 @@ def spawn_gloo(world, target, *args):
              for r in range(world)]
     for p in procs:
         p.start()
-    got = dict(q.get(timeout=600) for _ in range(world))
+    got = {}
+    for _ in range(600):            # up to 10 minutes; a rank that died fails the test at once
+        try:
+            got.update([q.get(timeout=1)])
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"spawn_gloo: a rank exited with code {dead[0]} before "
+                                   "returning (its traceback is above)")
+        if len(got) == world:
+            break
+    assert len(got) == world, f"spawn_gloo: {world - len(got)} rank(s) returned nothing in 600 s"
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
