@@ -28,26 +28,11 @@ from omegaconf import OmegaConf  # noqa: E402
 import gbc_kernels as gbc  # noqa: E402
 from gbc_kernels.integrations import verl as gv  # noqa: E402
 
+from test_other_trainers import verl_actor_config as actor_config  # noqa: E402
+
 MODES = gv.VERL_LOSS_MODES
 AGGS = gv.VERL_AGG_MODES
 KL_TYPES = tuple(gv.VERL_KL_TYPES)
-
-
-def actor_config(mode, agg, kl_type=None, entropy_coeff=0.0, **over):
-    """verl's own ActorConfig, ``global_batch_info`` left at its default (empty)."""
-    from verl.workers.config.actor import ActorConfig, PolicyLossConfig as VerlPLC
-
-    pl = dict(loss_mode=mode, clip_cov_ratio=0.2, clip_cov_lb=0.0, clip_cov_ub=4.0,
-              kl_cov_ratio=0.15, ppo_kl_coef=0.5, dro_beta=0.3 if mode == "dro" else None)
-    kw = dict(strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2,
-              policy_loss=VerlPLC(**pl), loss_agg_mode=agg, clip_ratio=0.2,
-              clip_ratio_low=0.15 if mode.startswith("dppo") else 0.2,
-              clip_ratio_high=0.3 if mode.startswith("dppo") else 0.25,
-              clip_ratio_c=2.5, tau_pos=0.9, tau_neg=1.2, entropy_coeff=entropy_coeff,
-              use_kl_loss=kl_type is not None, kl_loss_type=kl_type or "low_var_kl",
-              kl_loss_coef=0.07)
-    kw.update(over)
-    return ActorConfig(**kw)
 
 
 def _seeded(fn, *args, **kwargs):

@@ -286,6 +286,16 @@ def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_in
     return loss, om
 
 
+def _pass_inputs(actor, sequences, action_mask, attention_mask, temperature):
+    """(model, the hidden states predicting the actions, lm_head, temperature) of a no-grad
+    pass of ``actor``."""
+    model = _inner_model(actor)
+    h = hf.hidden_states_through_forward(model, sequences, attention_mask, action_mask.shape[1],
+                                         position_ids=_position_ids(attention_mask))
+    temp = getattr(actor, "temperature", 1.0) if temperature is None else temperature
+    return model, h, hf.lm_head(model), temp
+
+
 @torch.no_grad()
 def fused_action_log_probs(actor, sequences, action_mask, attention_mask,
                            temperature: Optional[float] = None, backend: str = "auto"):
@@ -293,12 +303,9 @@ def fused_action_log_probs(actor, sequences, action_mask, attention_mask,
     old-policy and reference passes) from the decoder's hidden states and the lm_head: ``[B, T]``
     float32, zero where ``action_mask`` is 0, as OpenRLHF returns them. No ``[B, L, V]``
     logits."""
-    model = _inner_model(actor)
+    model, h, head, temp = _pass_inputs(actor, sequences, action_mask, attention_mask,
+                                        temperature)
     T = action_mask.shape[1]
-    h = hf.hidden_states_through_forward(model, sequences, attention_mask, T,
-                                         position_ids=_position_ids(attention_mask))
-    head = hf.lm_head(model)
-    temp = getattr(actor, "temperature", 1.0) if temperature is None else temperature
     logp = gbc.token_stats(h, head.weight, sequences[:, -T:], head.bias, temperature=temp,
                            backend=backend, logit_softcap=hf.logit_softcap(model)).logp
     return logp * action_mask.to(logp.dtype)
@@ -310,12 +317,9 @@ def fused_reference_pass(actor, sequences, action_mask, attention_mask, options,
     """The reference model's pass with critical-token KL (docs/math.md §5): ``(ref_logp,
     kl_weight)``, both ``[B, T]`` float32 and zero where ``action_mask`` is 0, from one
     streaming pass over the vocabulary (:func:`gbc_kernels.methods.reference_stats`)."""
-    model = _inner_model(actor)
+    model, h, head, temp = _pass_inputs(actor, sequences, action_mask, attention_mask,
+                                        temperature)
     T = action_mask.shape[1]
-    h = hf.hidden_states_through_forward(model, sequences, attention_mask, T,
-                                         position_ids=_position_ids(attention_mask))
-    head = hf.lm_head(model)
-    temp = getattr(actor, "temperature", 1.0) if temperature is None else temperature
     st = methods.reference_stats(h, head.weight, sequences[:, -T:], options, bias=head.bias,
                                  temperature=temp, backend=backend,
                                  logit_softcap=hf.logit_softcap(model))

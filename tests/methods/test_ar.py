@@ -9,7 +9,6 @@ import torch
 
 import gbc_kernels as gbc
 import gbc_reference as ref
-from conftest import tiny_hf_model
 from .method_reference import completion_logp, sequences, spy_losses, trl_trainer
 
 
@@ -30,13 +29,6 @@ def test_plain_api_equals_reweighted_advantages():
     assert abs(float(got) - float(want)) < 1e-12
     wmean = (0.4 * old.exp() + 0.6)[m].mean()
     assert abs(float(metrics["ar_weight_mean"]) - float(wmean)) < 1e-6
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_qwen2_ar")
-    tiny_hf_model(str(path), tie_word_embeddings=False)
-    return str(path)
 
 
 def test_trl_loss_equals_reference(tiny, tmp_path):

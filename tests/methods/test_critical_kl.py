@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from gbc_kernels import methods
-from conftest import tiny_hf_model
 from .method_reference import completion_hidden_and_head, sequences, spy_losses, trl_trainer
 
 
@@ -53,13 +52,6 @@ def test_refused_without_a_kl_term():
     with pytest.raises(ValueError, match="^gbc_critical_kl_exponent: .*beta"):
         opts.check_loss(0.0, "beta", {"critical_kl_exponent": "gbc_critical_kl_exponent"})
     opts.check_loss(0.1)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_qwen2_ckl")
-    tiny_hf_model(str(path), tie_word_embeddings=False)
-    return str(path)
 
 
 def test_trl_weights_equal_reference(tiny, tmp_path):

@@ -11,7 +11,6 @@ import torch
 
 import gbc_kernels as gbc
 from gbc_kernels import methods
-from conftest import tiny_hf_model
 from .method_reference import (completion_logp, max_rel_diff, rl_update, sequences, spy_losses,
                               trl_trainer)
 
@@ -66,13 +65,6 @@ def test_plain_api_run_lopti_equals_reference(order):
 
 
 # ---------------------------------------------------------------------------------- TRL
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_qwen2_lopti")
-    tiny_hf_model(str(path), tie_word_embeddings=False)
-    return str(path)
-
-
 @pytest.mark.parametrize("order", ["low-first", "high-first"])
 def test_trl_on_policy_lopti_equals_reference(tiny, tmp_path, order):
     """TRL on-policy (no old_per_token_logps): both updates use the rollout's old log-probs;

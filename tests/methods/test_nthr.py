@@ -13,7 +13,6 @@ import torch
 
 import gbc_reference as ref
 from gbc_kernels import methods
-from conftest import tiny_hf_model
 from .method_reference import completion_hidden_and_head, sequences, spy_losses, trl_trainer
 
 
@@ -44,13 +43,6 @@ def test_plain_api_equals_reference():
     want = ref.nthr_scale(h, w, y, m, gids, methods.correct_from_advantages(adv, m), beta=0.0)
     assert torch.equal(got.selected, want.selected) and got.selected.any()
     assert torch.allclose(got.scale.double(), want.scale.double())
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_qwen2_nthr")
-    tiny_hf_model(str(path), tie_word_embeddings=False)
-    return str(path)
 
 
 def test_trl_scales_equal_reference(tiny, tmp_path):

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from gbc_kernels import methods
-from conftest import tiny_hf_model
 
 FIELDS = {f.name for f in dataclasses.fields(methods.MethodOptions)}
 
@@ -54,13 +53,6 @@ def test_bad_values_are_refused_by_the_trainers_name(name, value):
 
 
 # ---------------------------------------------------------------------------------- TRL
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_qwen2_options")
-    tiny_hf_model(str(path), tie_word_embeddings=False)
-    return str(path)
-
-
 def _trl_run(tiny, tmp_path, options):
     """The parameters after two TRL steps (fixed seed: the same first rollout in every run;
     the second step's KL term is not 0, so the KL weights act)."""
