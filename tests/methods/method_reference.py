@@ -114,3 +114,24 @@ def completion_hidden_and_head(model, ids, attn, T):
         out = model(input_ids=ids, attention_mask=attn, output_hidden_states=True)
     h = out.hidden_states[-1][:, -T - 1:-1].double()
     return h, model.get_output_embeddings().weight.detach().double()
+
+
+def example_rollout(flags):
+    """One rollout of the example trainer (``examples/grpo_trainer.py`` with ``flags``, the
+    shipped checkpoint) and the float64 hidden states and head of its completion:
+    ``(args, roll, h, w, grpo_trainer module)``."""
+    import random
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import grpo_trainer as gt
+    from gbc_kernels.integrations import hf
+
+    args = gt.build_args(flags)
+    tok, model, _, task = gt.setup(args)
+    torch.manual_seed(0)
+    roll = gt.rollout(model, model, task, tok, args, random.Random(0))
+    model.eval()
+    h = hf.completion_hidden(model, roll["seq"], roll["attn"]).double()
+    return args, roll, h, hf.lm_head(model).weight.detach().double(), gt

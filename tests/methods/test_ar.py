@@ -4,7 +4,6 @@ tests/test_verl.py, tests/test_verl_engine.py, tests/test_openrlhf.py."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import gbc_kernels as gbc

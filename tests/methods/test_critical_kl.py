@@ -6,15 +6,12 @@ tests/test_verl_engine.py, tests/test_openrlhf.py."""
 from __future__ import annotations
 
 import math
-import random
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from gbc_kernels import methods
-from .method_reference import completion_hidden_and_head, sequences, spy_losses, trl_trainer
+from .method_reference import (completion_hidden_and_head, example_rollout, sequences,
+                               spy_losses, trl_trainer)
 
 
 def reference_weights(h, w, y, opts, temperature=1.0):
@@ -70,18 +67,9 @@ def test_trl_weights_equal_reference(tiny, tmp_path):
 
 
 def test_example_trainer_weights_equal_reference():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-    import grpo_trainer as gt
-    from gbc_kernels.integrations import hf
-
-    args = gt.build_args(["--kl-coef", "0.1", "--critical-kl-exponent", "4",
-                          "--critical-kl-temperature", "2", "--prompts", "2", "--group", "4"])
-    tok, model, _, task = gt.setup(args)
-    torch.manual_seed(0)
-    roll = gt.rollout(model, model, task, tok, args, random.Random(0))
-    model.eval()
-    h = hf.completion_hidden(model, roll["seq"], roll["attn"]).double()
-    w = hf.lm_head(model).weight.detach().double()
+    args, roll, h, w, gt = example_rollout(
+        ["--kl-coef", "0.1", "--critical-kl-exponent", "4", "--critical-kl-temperature", "2",
+         "--prompts", "2", "--group", "4"])
     logp, want = reference_weights(h, w, roll["targets"], gt.method_options(args),
                                    temperature=args.temperature)
     m = roll["mask"]

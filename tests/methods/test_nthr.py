@@ -5,15 +5,12 @@ verl's engine and OpenRLHF: tests/test_verl_engine.py, tests/test_openrlhf.py.""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-import pytest
 import torch
 
 import gbc_reference as ref
 from gbc_kernels import methods
-from .method_reference import completion_hidden_and_head, sequences, spy_losses, trl_trainer
+from .method_reference import (completion_hidden_and_head, example_rollout, sequences,
+                               spy_losses, trl_trainer)
 
 
 def test_correct_rule():
@@ -67,19 +64,8 @@ def test_trl_scales_equal_reference(tiny, tmp_path):
 
 def test_example_trainer_scales_equal_reference():
     """The example trainer's rollout: groups of --group, correct from the advantages."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-    import random
-
-    import grpo_trainer as gt
-    from gbc_kernels.integrations import hf
-
-    args = gt.build_args(["--nthr", "--nthr-beta", "0", "--prompts", "4", "--group", "8"])
-    tok, model, _, task = gt.setup(args)
-    torch.manual_seed(0)
-    roll = gt.rollout(model, model, task, tok, args, random.Random(0))
-    model.eval()
-    h = hf.completion_hidden(model, roll["seq"], roll["attn"]).double()
-    w = hf.lm_head(model).weight.detach().double()
+    args, roll, h, w, _ = example_rollout(["--nthr", "--nthr-beta", "0", "--prompts", "4",
+                                           "--group", "8"])
     gids = torch.arange(args.prompts).repeat_interleave(args.group)
     want = ref.nthr_scale(h, w, roll["targets"], roll["mask"], gids, roll["adv"] > 0,
                           beta=0.0, temperature=args.temperature)
