@@ -302,3 +302,16 @@ def test_bad_input():
         M.logprobs(torch.randn(S, B, H), torch.randn(8, H + 1), None, tp_group=object())
     with pytest.raises(ValueError, match="vocab_parallel"):
         M.policy_loss(torch.randn(S, B, H), w, None, None, None, vocab_parallel=None)
+
+
+def test_context_parallel_refused(monkeypatch):
+    """Under context parallelism each rank holds part of every sequence: the loss refuses it by
+    name; the per-token log-prob pass does not need whole sequences."""
+    from megatron.core import parallel_state
+
+    from gbc_kernels.integrations import megatron as M
+
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
+    with pytest.raises(ValueError, match="context_parallel_size"):
+        M.policy_loss(torch.randn(S, B, H), torch.randn(8, H), None, None, None)

@@ -87,6 +87,20 @@ def _head(hidden_states, output_weight, output_bias, labels, tp_group, sequence_
     return hidden_states, gbc.VocabParallel(group, rank * rows, (rank + 1) * rows)
 
 
+def _refuse_context_parallel():
+    """The loss's sequence terms need whole sequences; under context parallelism each rank
+    holds part of every sequence."""
+    import sys
+
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
+        cp = ps.get_context_parallel_world_size()
+        if cp > 1:
+            raise ValueError(f"context_parallel_size: expected 1 for gbc's megatron policy_loss "
+                             f"(each rank would hold part of every sequence), got {cp}; "
+                             f"logprobs() runs under context parallelism")
+
+
 def _shape(x):
     return list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
 
@@ -120,7 +134,8 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
 
     The loss, metrics, ``logp`` and ``entropy`` come from one sweep (the entropy costs no
     matmul); ``return_sum_p2=True`` adds a no-grad statistics sweep over the response rows.
-    Gradients flow to ``hidden_states``, ``output_weight`` and ``output_bias``.
+    Gradients flow to ``hidden_states``, ``output_weight`` and ``output_bias``. Context
+    parallelism is refused (naming ``context_parallel_size``).
     """
     for name in ("vocab_parallel", "token_out", "bias"):
         if name in loss_kwargs:
@@ -129,6 +144,7 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
     for name, flag in (("return_entropy", return_entropy), ("return_sum_p2", return_sum_p2)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {flag!r}")
+    _refuse_context_parallel()
     cfg = _config(config)
     if return_entropy and not cfg.wants_entropy:
         cfg = dataclasses.replace(cfg, return_entropy=True)
