@@ -1,0 +1,232 @@
+"""gbc on megatron-core's tensor-parallel output layer (docs/megatron.md; SPEC §9, §13).
+
+One processor for the last pipeline stage: megatron's final hidden states ``[S, B, H]``
+(sequence-first) and this rank's ``[V/tp, H]`` shard of the output layer (its
+``ColumnParallelLinear`` weight, or the shared embedding of a tied model) in; gbc's fused policy
+loss, the per-token log-probs, entropy and ``sum_p2 = sum_v p_v^2`` out, over gbc's
+vocab-parallel path on the tensor-parallel group. No ``[tokens, V/tp]`` logits are formed, and
+only response rows (``mask``) are projected.
+
+* **Vocabulary**: rank ``r`` holds rows ``[r V/tp, (r+1) V/tp)`` of megatron's padded vocabulary
+  (``make_vocab_size_divisible_by x tp``). The padded rows are real logits, as in megatron-core's
+  ``vocab_parallel_cross_entropy``: they enter the softmax, the entropy and ``sum_p2``.
+* **Sequence parallelism** (``sequence_parallel=True``): ``hidden_states`` is this rank's
+  ``[S/tp, B, H]`` part; it is gathered along the sequence with megatron's own
+  ``gather_from_sequence_parallel_region``. gbc's vocab-parallel path completes ``d hidden`` on
+  every rank (one all_reduce of the slices' parts), so the gather's backward is megatron's
+  split (``tensor_parallel_output_grad=False``): each rank keeps its own rows of the complete
+  gradient, the value megatron's reduce-scatter of the per-rank partial sums gives.
+* **Layout**: the per-token inputs (``labels``, ``mask``, advantages, ``old_logp`` ...) and
+  outputs are batch-first ``[B, S]``, megatron's label layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+import gbc_kernels as gbc
+from gbc_kernels.config import PolicyLossConfig
+
+
+class HeadOutput(NamedTuple):
+    """What the processor returns. ``loss``: 0-d float32 (None for :func:`logprobs`);
+    ``metrics``: gbc's detached metrics (empty for :func:`logprobs`); ``logp``, ``entropy``,
+    ``sum_p2``: float32 ``[B, S]``, 0 outside ``mask`` (``entropy``/``sum_p2`` None unless
+    asked)."""
+
+    loss: Optional[torch.Tensor]
+    metrics: dict
+    logp: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    sum_p2: Optional[torch.Tensor]
+
+
+def _tp_group(tp_group):
+    if tp_group is not None:
+        return tp_group
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise ValueError("tp_group: expected the tensor-parallel process group, got None and "
+                         "megatron's model parallelism is not initialised")
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _head(hidden_states, output_weight, output_bias, labels, tp_group, sequence_parallel):
+    """``(hidden [S, B, H] on every rank, VocabParallel or None)`` after the checks."""
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+        raise ValueError("hidden_states: expected megatron's sequence-first [S, B, H] tensor, "
+                         f"got {_shape(hidden_states)}")
+    if not isinstance(output_weight, torch.Tensor) or output_weight.dim() != 2:
+        raise ValueError("output_weight: expected this rank's [V/tp, H] output-layer shard, "
+                         f"got {_shape(output_weight)}")
+    if output_weight.shape[1] != hidden_states.shape[2]:
+        raise ValueError(f"output_weight: expected [V/tp, {hidden_states.shape[2]}] (H of "
+                         f"hidden_states), got {list(output_weight.shape)}")
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel: expected a bool, got {sequence_parallel!r}")
+    group = _tp_group(tp_group)
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if sequence_parallel and tp > 1:
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        hidden_states = gather_from_sequence_parallel_region(
+            hidden_states, tensor_parallel_output_grad=False, group=group)
+    S, B = hidden_states.shape[:2]
+    if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (B, S):
+        what = " (S gathered over the tensor-parallel group)" if sequence_parallel else ""
+        raise ValueError(f"labels: expected [B, S] = [{B}, {S}] (batch-first, as hidden_states "
+                         f"[S, B, H]{what}), got {_shape(labels)}")
+    if tp == 1:
+        return hidden_states, None
+    rows = output_weight.shape[0]
+    return hidden_states, gbc.VocabParallel(group, rank * rows, (rank + 1) * rows)
+
+
+def _refuse_context_parallel():
+    """The loss's sequence terms need whole sequences; under context parallelism each rank
+    holds part of every sequence."""
+    import sys
+
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
+        cp = ps.get_context_parallel_world_size()
+        if cp > 1:
+            raise ValueError(f"context_parallel_size: expected 1 for gbc's megatron policy_loss "
+                             f"(each rank would hold part of every sequence), got {cp}; "
+                             f"logprobs() runs under context parallelism")
+
+
+def _shape(x):
+    return list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _config(config) -> PolicyLossConfig:
+    if config is None:
+        return PolicyLossConfig()
+    if isinstance(config, PolicyLossConfig):
+        return config
+    if isinstance(config, dict):
+        return PolicyLossConfig.from_dict(config)
+    raise TypeError(f"config: expected a gbc_kernels.PolicyLossConfig or a dict, got "
+                    f"{type(config).__name__}")
+
+
+def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp=None,
+                ref_logp=None, token_scale=None, kl_weight=None, config=None, phase=None, *,
+                output_bias=None, tp_group=None, sequence_parallel: bool = False,
+                return_entropy: bool = True, return_sum_p2: bool = False, backend="auto",
+                **loss_kwargs) -> HeadOutput:
+    """gbc's fused policy loss on megatron-core's output layer (SPEC §13).
+
+    hidden_states: ``[S, B, H]`` of the last pipeline stage (under sequence parallelism this
+    rank's ``[S/tp, B, H]``); output_weight: this rank's ``[V/tp, H]`` shard; output_bias: its
+    ``[V/tp]`` bias or None. labels, mask: ``[B, S]``, global (padded-vocabulary) ids and the
+    response mask; advantages ``[B]`` or ``[B, S]``; old_logp, ref_logp, token_scale (AR/NTHR),
+    kl_weight (critical-token KL): ``[B, S]`` or None; config: a
+    :class:`gbc_kernels.PolicyLossConfig`; phase: the Lopti phase. tp_group: the
+    tensor-parallel group (None: megatron's). ``loss_kwargs`` go to
+    :func:`gbc_kernels.fused_linear_policy_loss` (``num_items_in_batch``, ``is_ratio`` ...).
+
+    The loss, metrics, ``logp`` and ``entropy`` come from one sweep (the entropy costs no
+    matmul); ``return_sum_p2=True`` adds a no-grad statistics sweep over the response rows.
+    Gradients flow to ``hidden_states``, ``output_weight`` and ``output_bias``. Context
+    parallelism is refused (naming ``context_parallel_size``).
+    """
+    for name in ("vocab_parallel", "token_out", "bias"):
+        if name in loss_kwargs:
+            raise ValueError(f"{name}: set by the megatron processor (from output_weight, "
+                             f"output_bias and tp_group), got it as a loss argument")
+    for name, flag in (("return_entropy", return_entropy), ("return_sum_p2", return_sum_p2)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {flag!r}")
+    _refuse_context_parallel()
+    cfg = _config(config)
+    if return_entropy and not cfg.wants_entropy:
+        cfg = dataclasses.replace(cfg, return_entropy=True)
+    hidden, vp = _head(hidden_states, output_weight, output_bias, labels, tp_group,
+                       sequence_parallel)
+    tok = {}
+    loss, metrics = gbc.fused_linear_policy_loss(
+        hidden.transpose(0, 1), output_weight, labels, mask, advantages, old_logp, ref_logp,
+        bias=output_bias, token_scale=token_scale, kl_weight=kl_weight, config=cfg, phase=phase,
+        backend=backend, vocab_parallel=vp, token_out=tok, **loss_kwargs)
+    sum_p2 = None
+    if return_sum_p2:
+        with torch.no_grad():
+            sum_p2 = _rows_stats(hidden.detach(), output_weight.detach(),
+                                 None if output_bias is None else output_bias.detach(), labels,
+                                 torch.as_tensor(mask, device=labels.device).bool(),
+                                 loss_kwargs.get("temperature", cfg.temperature), vp, False,
+                                 True, backend)[2]
+    return HeadOutput(loss, metrics, tok["logp"], tok.get("entropy") if return_entropy else None,
+                      sum_p2)
+
+
+def logprobs(hidden_states, output_weight, labels, mask=None, *, temperature=1.0,
+             output_bias=None, tp_group=None, sequence_parallel: bool = False,
+             return_entropy: bool = True, return_sum_p2: bool = False,
+             backend="auto") -> HeadOutput:
+    """Per-token log-probs (and entropy, ``sum_p2``) on megatron-core's output layer, for the
+    log-prob passes (old policy, reference) and verl's ``compute_log_prob``.
+
+    Same inputs as :func:`policy_loss`; ``mask`` ``[B, S]`` (None: every position): only those
+    rows are projected. temperature: a float, or a tensor ``[B]`` (per sequence) or ``[B, S]``.
+    Differentiable through ``logp`` and ``entropy`` when autograd is on (the backward recomputes
+    the logits of those rows); ``sum_p2`` has no gradient. Returns :class:`HeadOutput` with
+    ``loss=None``.
+    """
+    for name, flag in (("return_entropy", return_entropy), ("return_sum_p2", return_sum_p2)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {flag!r}")
+    hidden, vp = _head(hidden_states, output_weight, output_bias, labels, tp_group,
+                       sequence_parallel)
+    S, B = hidden.shape[:2]
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (B, S):
+            raise ValueError(f"mask: expected None or [B, S] = [{B}, {S}], got {_shape(mask)}")
+        mask = mask.to(labels.device).bool()
+    logp, entropy, sum_p2 = _rows_stats(hidden, output_weight, output_bias, labels, mask,
+                                        temperature, vp, return_entropy, return_sum_p2, backend)
+    return HeadOutput(None, {}, logp, entropy, sum_p2)
+
+
+def _rows_stats(hidden, weight, bias, labels, mask, temperature, vp, want_entropy, want_sum_p2,
+                backend):
+    """``(logp, entropy, sum_p2)`` ``[B, S]`` of the rows in ``mask`` (every row when None),
+    selected in megatron's ``[S, B]`` order (no copy of the whole hidden states)."""
+    S, B, H = hidden.shape
+    flat = hidden.reshape(S * B, H)
+    y = labels.t().reshape(S * B)
+    temp = temperature
+    if isinstance(temperature, torch.Tensor):
+        t = temperature.to(labels.device)
+        if t.dim() == 1 and t.shape[0] == B:
+            t = t[:, None].expand(B, S)
+        if tuple(t.shape) != (B, S):
+            raise ValueError(f"temperature: expected a float, [B] = [{B}] or [B, S] = "
+                             f"[{B}, {S}], got {list(temperature.shape)}")
+        temp = t.t().reshape(S * B)
+    idx = None
+    if mask is not None:
+        idx = mask.t().reshape(S * B).nonzero().squeeze(1)
+        flat, y = flat.index_select(0, idx), y.index_select(0, idx)
+        if isinstance(temp, torch.Tensor):
+            temp = temp.index_select(0, idx)
+    out = gbc.fused_linear_logprobs(flat, weight, y, bias=bias, temperature=temp,
+                                    return_entropy=want_entropy, backend=backend,
+                                    vocab_parallel=vp, return_sum_p2=want_sum_p2)
+
+    def back(v):
+        if v is None:
+            return None
+        if idx is not None:
+            v = torch.zeros(S * B, dtype=v.dtype, device=v.device).index_copy(0, idx, v)
+        return v.view(S, B).t().contiguous()
+
+    logp, entropy = out[0], out[1]
+    return back(logp), back(entropy), back(out[2]) if want_sum_p2 else None

@@ -1,0 +1,105 @@
+"""megatron-core 0.16.1 on CPU, gloo ranks: the test-only shims and a tiny ``GPTModel``.
+
+megatron-core assumes CUDA in a few places that a CPU run reaches; these shims (installed in a
+test's child process only, never by the library) let its own code run there:
+
+* ``torch.cuda.current_device`` returns the CPU device (megatron allocates on it in its
+  tensor-parallel mappings, attention buffers and RoPE);
+* the RNG tracker's ``fork`` is a null context (``model_parallel_cuda_manual_seed`` needs CUDA;
+  every dropout is 0, so no random stream is used);
+* sequence parallelism with torch's norms: ``WrappedTorchNorm`` without its assert against
+  sequence parallelism; a sequence-parallel norm's parameters see only this rank's tokens, so
+  :func:`allreduce_sp_norm_grads` sums their gradients over the tensor-parallel group (what
+  megatron's ``finalize_model_grads`` does for parameters marked ``sequence_parallel``).
+
+The causal mask is passed explicitly (:func:`causal_mask`): megatron's default one is built
+with ``device="cuda"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.distributed as dist
+
+
+def install_shims():
+    """Make megatron-core's CUDA assumptions point at the CPU (this process only)."""
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    from megatron.core.transformer import torch_norm
+
+    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+            zero_centered_gamma=False, normalization="LayerNorm"):
+        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[
+            config.normalization]
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        if config.sequence_parallel:
+            for p in norm.parameters():
+                p.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = new
+
+
+def init_parallel(tp: int, seed: int = 0):
+    """megatron's process groups over the running gloo world: tensor parallel ``tp``, the rest
+    data parallel."""
+    from megatron.core import parallel_state
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    torch.manual_seed(seed)
+
+
+def tiny_gpt(vocab, hidden=32, layers=2, heads=4, seq=16, tp=1, sp=False, seed=0,
+             position="learned_absolute", dtype=torch.float32, tied=False):
+    """A tiny ``GPTModel`` from megatron's local layer spec, initialised on the CPU from
+    ``seed``: the same full weights for every tensor-parallel size (megatron initialises the
+    master weight and splits it)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+        ffn_hidden_size=2 * hidden, use_cpu_initialization=True, perform_initialization=True,
+        params_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, sequence_parallel=sp, bf16=False, fp16=False,
+        gradient_accumulation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, apply_rope_fusion=False, init_method_std=0.05)
+    torch.manual_seed(seed)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=vocab,
+                     max_sequence_length=seq, position_embedding_type=position,
+                     share_embeddings_and_output_weights=tied, parallel_output=True)
+    return model.to(dtype)
+
+
+def causal_mask(seq: int) -> torch.Tensor:
+    """megatron's causal attention mask (True = masked out), ``[1, 1, S, S]`` on the CPU."""
+    return torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+
+
+def allreduce_sp_norm_grads(model, group):
+    """Sum the gradients of sequence-parallel parameters over the tensor-parallel group."""
+    for p in model.parameters():
+        if getattr(p, "sequence_parallel", False) and p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+
+
+@contextlib.contextmanager
+def capture_head_input(model):
+    """Record the hidden states the model's output layer receives (``[S, B, H]``, or this
+    rank's ``[S/tp, B, H]`` under sequence parallelism) without changing the forward."""
+    seen = []
+    handle = model.output_layer.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append(args[0]), with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        handle.remove()

@@ -1,0 +1,317 @@
+"""gbc on megatron-core 0.16.1's tensor-parallel output layer (gbc_kernels.integrations.megatron,
+docs/megatron.md), on CPU: gloo ranks, a tiny float64 ``GPTModel`` from megatron's local layer
+spec (tests/standins/megatron_cpu.py holds the CPU shims).
+
+Oracle: megatron's and verl's own functions on the stock head's ``[B, S, V/tp]`` logits — the
+model's output layer, megatron's ``vocab_parallel_cross_entropy``, verl's
+``vocab_parallel_log_probs_from_logits``, ``vocab_parallel_entropy``,
+``vocab_parallel_sum_pi_squared`` and its ``ppo_loss`` composition (the method inputs, which
+verl has not, against ``gbc_reference.policy_loss`` on the same log-probs). Checked on each
+rank: loss, log-probs, entropy, sum p^2, d hidden at the head and every parameter's gradient of
+the whole model (the decoder's included) after a backward through it; tensor parallel 2 with
+and without sequence parallelism, a tied head, a padded vocabulary; tensor parallel 2 equal to
+tensor parallel 1; and a dispatch watcher: no ``[N, V/tp]`` logits on gbc's path.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import megatron.core  # noqa: F401  (requirements-dev.txt: megatron-core==0.16.1)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "standins"))
+
+from conftest import VocabWatcher, spawn_gloo  # noqa: E402
+
+S, B, H = 16, 3, 24           # H differs from every V/tp below (the watcher keys on the last dim)
+VP = 64                       # the model's (padded) vocabulary
+CASES = {
+    # name: (vocabulary the labels use, tied head, sequence parallel, loss)
+    "plain": (VP, False, False, "verl"),
+    "tied_sp": (VP, True, True, "verl"),
+    "padded_methods": (50, False, False, "methods"),   # rows 50..63 are megatron's padding
+    "padded_sp_methods": (50, False, True, "methods"),
+}
+
+
+def _inputs(vocab_real, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_real, (B, S), generator=g)
+    labels = torch.roll(ids, -1, 1)
+    t = torch.arange(S)
+    prompt, end = torch.tensor([5, 8, 3]), torch.tensor([S - 1, 12, S - 1])
+    mask = (t >= prompt[:, None] - 1) & (t < end[:, None])
+    adv = torch.randn(B, generator=g, dtype=torch.float64) * torch.tensor([1.0, -1.0, 1.0])
+    adv = adv[:, None].expand(B, S).contiguous()      # verl's advantages are per token
+    noise = torch.randn(2, B, S, generator=g, dtype=torch.float64)
+    token_scale = torch.rand(B, S, generator=g, dtype=torch.float64) + 0.5
+    kl_weight = torch.rand(B, S, generator=g, dtype=torch.float64)
+    return dict(ids=ids, labels=labels, mask=mask, adv=adv, noise=noise,
+                token_scale=token_scale, kl_weight=kl_weight)
+
+
+def _losses(kind):
+    """``(oracle(logp, entropy, old, ref, x) -> loss, gbc config, gbc loss kwargs(x))``."""
+    import gbc_reference as ref
+    from gbc_kernels import PolicyLossConfig
+    from gbc_kernels.integrations import verl as gv
+    from test_other_trainers import verl_actor_config, verl_ppo_loss
+
+    if kind == "verl":
+        actor = verl_actor_config("vanilla", "token-mean", "low_var_kl", entropy_coeff=0.01)
+        cfg = gv.policy_loss_config(actor, response_length=S)
+
+        def oracle(lp, en, old, refl, x):
+            return verl_ppo_loss(actor, lp, en, old, x["adv"], x["mask"], refl, None, {})
+
+        return oracle, cfg, lambda x: dict(gv.batch_normalisers(actor, x["mask"], {}))
+    cfg = PolicyLossConfig(loss_agg="seq-mean-token-mean", kl_coef=0.05, kl_estimator="k3",
+                           entropy_coef=0.01, ar_alpha=0.3, lopti_eta=0.5, clip_ratio_c=3.0)
+    rcfg = ref.PolicyLossConfig(**{k: getattr(cfg, k) for k in
+                                   ref.PolicyLossConfig.__dataclass_fields__})
+
+    def oracle(lp, en, old, refl, x):
+        return ref.policy_loss(lp, x["mask"], x["adv"], old, refl, entropy=en,
+                               token_scale=x["token_scale"], kl_weight=x["kl_weight"],
+                               config=rcfg, phase="low")[0]
+
+    return oracle, cfg, lambda x: dict(token_scale=x["token_scale"], kl_weight=x["kl_weight"],
+                                       phase="low")
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()
+            if p.grad is not None}
+
+
+def _case(name, tp, group):
+    """One model, the stock head and gbc's processor through the whole model's backward."""
+    import megatron_cpu as mc
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from verl.utils.megatron.tensor_parallel import (vocab_parallel_entropy,
+                                                     vocab_parallel_log_probs_from_logits,
+                                                     vocab_parallel_sum_pi_squared)
+
+    from gbc_kernels.integrations import megatron as M
+
+    vocab_real, tied, sp, kind = CASES[name]
+    sp = sp and tp > 1
+    model = mc.tiny_gpt(VP, hidden=H, seq=S, tp=tp, sp=sp, tied=tied, dtype=torch.float64)
+    x = _inputs(vocab_real)
+    pos = torch.arange(S)[None].expand(B, S)
+    oracle, cfg, loss_kw = _losses(kind)
+    weight = model.shared_embedding_or_output_weight() if tied else model.output_layer.weight
+    out = {}
+
+    # the stock head: megatron's output layer, then verl's / megatron's functions on its logits
+    with mc.capture_head_input(model) as seen:
+        logits = model(x["ids"], pos, mc.causal_mask(S))              # [B, S, V/tp]
+    seen[0].retain_grad()
+    lp = vocab_parallel_log_probs_from_logits(logits.clone(), x["labels"])
+    en = vocab_parallel_entropy(logits.clone())
+    nll = vocab_parallel_cross_entropy(logits.detach().clone(), x["labels"])
+    sp2 = vocab_parallel_sum_pi_squared(logits.detach())
+    old = (lp.detach() + 0.3 * x["noise"][0]).clamp(max=0)
+    refl = (lp.detach() + 0.3 * x["noise"][1]).clamp(max=0)
+    loss = oracle(lp, en, old, refl, x)
+    loss.backward()
+    mc.allreduce_sp_norm_grads(model, group)
+    m = x["mask"]
+    out["stock"] = dict(loss=loss.detach(), logp=torch.where(m, lp.detach(), 0.0),
+                        mcore_logp=torch.where(m, -nll, 0.0),
+                        entropy=torch.where(m, en.detach(), 0.0),
+                        sum_p2=torch.where(m, sp2, 0.0), dhidden=seen[0].grad.clone(),
+                        grads=_grads(model), logits_shape=tuple(logits.shape))
+    model.zero_grad(set_to_none=True)
+
+    # gbc: the same forward to the head's input, then the processor (the model's logits unused)
+    with mc.capture_head_input(model) as seen:
+        model(x["ids"], pos, mc.causal_mask(S))
+    h = seen[0]
+    h.retain_grad()
+    res = M.policy_loss(h, weight, x["labels"], m, x["adv"], old, refl, config=cfg,
+                        sequence_parallel=sp, return_sum_p2=True, **loss_kw(x))
+    res.loss.backward()
+    mc.allreduce_sp_norm_grads(model, group)
+    lpo = M.logprobs(h.detach(), weight.detach(), x["labels"], m, sequence_parallel=sp,
+                     return_sum_p2=True)
+    out["gbc"] = dict(loss=res.loss.detach(), logp=res.logp, entropy=res.entropy,
+                      sum_p2=res.sum_p2, dhidden=h.grad.clone(), grads=_grads(model),
+                      logprobs=(lpo.logp, lpo.entropy, lpo.sum_p2))
+    model.zero_grad(set_to_none=True)
+
+    # the differentiable log-prob variant against verl's functions on the output layer's logits
+    hl = h.detach().clone().requires_grad_(True)
+    wl = weight.detach().clone().requires_grad_(True)
+    c1, c2 = x["token_scale"], x["kl_weight"]
+    lg = model.output_layer(hl, weight=wl)[0].transpose(0, 1).contiguous()
+    ((vocab_parallel_log_probs_from_logits(lg.clone(), x["labels"]) * c1
+      + vocab_parallel_entropy(lg.clone()) * c2) * m).sum().backward()
+    want = (hl.grad.clone(), wl.grad.clone())
+    hl.grad = wl.grad = None
+    got = M.logprobs(hl, wl, x["labels"], m, sequence_parallel=sp)
+    ((got.logp * c1 + got.entropy * c2) * m).sum().backward()
+    out["logprobs_grad"] = (want, (hl.grad, wl.grad))
+    return out
+
+
+def _watch(tp):
+    """The dispatch watcher over gbc's loss (forward and backward) and log-prob pass, and over
+    the stock head's output layer."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    import megatron_cpu as mc
+    from gbc_kernels import PolicyLossConfig
+    from gbc_kernels.integrations import megatron as M
+
+    model = mc.tiny_gpt(VP, hidden=H, seq=S, tp=tp, dtype=torch.float64)
+    g = torch.Generator().manual_seed(5)
+    bw = 8                                      # more rows than gbc's smallest chunk (16)
+    labels = torch.randint(0, VP, (bw, S), generator=g)
+    mask = torch.rand(bw, S, generator=g) < 0.7
+    adv = torch.randn(bw, generator=g, dtype=torch.float64)
+    h = torch.randn(S, bw, H, generator=g, dtype=torch.float64, requires_grad=True)
+    vs = VP // tp
+    seen = {"n_tokens": int(mask.sum()), "rows": S * bw}
+    with VocabWatcher(vs) as w:
+        res = M.policy_loss(h, model.output_layer.weight, labels, mask, adv,
+                            config=PolicyLossConfig(entropy_coef=0.01))
+        res.loss.backward()
+        M.logprobs(h.detach(), model.output_layer.weight, labels, mask)
+    seen["gbc"] = [s for s in w.seen if s not in ((vs, H), (H, vs))]
+    with VocabWatcher(vs) as w:
+        logits = model.output_layer(h)[0]
+        vocab_parallel_cross_entropy(logits, labels.t().contiguous()).sum().backward()
+    seen["stock"] = [s for s in w.seen if s not in ((vs, H), (H, vs))]
+    return seen
+
+
+def _worker(rank, world, names, watch):
+    os.environ["GBC_CHUNK_MB"] = "0.001"     # several chunks, a ragged last one
+    import megatron_cpu as mc
+
+    mc.install_shims()
+    mc.init_parallel(world)
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    out = {name: _case(name, world, group) for name in names}
+    if watch:
+        out["watch"] = _watch(world)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    return spawn_gloo(2, _worker, list(CASES), True)
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    return spawn_gloo(1, _worker, ["plain", "padded_methods"], False)[0]
+
+
+def _close(a, b, what, tol=2e-6):
+    a, b = a.double(), b.double()
+    err = float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+    assert err < tol, f"{what}: relative error {err:.3g}"
+
+
+def _check_case(got, stock, name):
+    _close(got["loss"], stock["loss"], f"{name} loss")
+    _close(got["logp"], stock["logp"], f"{name} logp (verl)")
+    _close(got["logp"], stock["mcore_logp"], f"{name} logp (megatron's cross entropy)")
+    _close(got["entropy"], stock["entropy"], f"{name} entropy")
+    _close(got["sum_p2"], stock["sum_p2"], f"{name} sum_p2")
+    _close(got["dhidden"], stock["dhidden"], f"{name} d hidden at the head")
+    assert got["grads"].keys() == stock["grads"].keys()
+    for k in stock["grads"]:
+        _close(got["grads"][k], stock["grads"][k], f"{name} grad {k}")
+    for v, key in zip(got["logprobs"], ("logp", "entropy", "sum_p2")):
+        _close(v, stock[key], f"{name} logprobs() {key}")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tp2_equals_megatron_and_verl(tp2, name):
+    """Each rank: the processor's loss, per-token values, d hidden and every parameter's
+    gradient equal the stock head's through megatron's and verl's own functions."""
+    for rank in range(2):
+        r = tp2[rank][name]
+        assert r["stock"]["logits_shape"] == (B, S, VP // 2)
+        _check_case(r["gbc"], r["stock"], f"{name} rank {rank}")
+        (wh, ww), (gh, gw) = r["logprobs_grad"]
+        _close(gh, wh, f"{name} rank {rank} logprobs() d hidden")
+        _close(gw, ww, f"{name} rank {rank} logprobs() d weight")
+    # the loss and per-token values are the same on both ranks; the weight shards differ
+    for key in ("loss", "logp", "entropy", "sum_p2"):
+        assert torch.equal(tp2[0][name]["gbc"][key], tp2[1][name]["gbc"][key]), key
+    if CASES[name][2]:      # sequence parallel: each rank's d hidden is its own [S/2, B, H]
+        assert tp2[0][name]["gbc"]["dhidden"].shape == (S // 2, B, H)
+
+
+@pytest.mark.parametrize("name", ["plain", "padded_methods"])
+def test_tp2_equals_tp1(tp2, tp1, name):
+    """Tensor parallel 2 gives tensor parallel 1's values and gradients (the same seed, the
+    same full weights: megatron initialises the master weight on the CPU and splits it)."""
+    one = tp1[name]["gbc"]
+    _check_case(one, tp1[name]["stock"], f"{name} tp1")
+    for rank in range(2):
+        two = tp2[rank][name]["gbc"]
+        for key in ("loss", "logp", "entropy", "sum_p2", "dhidden"):
+            _close(two[key], one[key], f"{name} rank {rank} {key}")
+    w = "output_layer.weight"
+    full = torch.cat([tp2[0][name]["gbc"]["grads"][w], tp2[1][name]["gbc"]["grads"][w]])
+    _close(full, one["grads"][w], f"{name} d output weight")
+
+
+def test_padded_rows_are_logits(tp2):
+    """The padded vocabulary rows (50..63, in rank 1's shard) are real logits, as in megatron's
+    cross entropy: the entropy over the 50 real rows alone would differ."""
+    r = tp2[1]["padded_methods"]
+    assert r["stock"]["logits_shape"][-1] == 32 and CASES["padded_methods"][0] < VP
+    assert r["gbc"]["grads"]["output_layer.weight"][50 - 32:].abs().max() > 0
+
+
+def test_no_logits_on_gbc_path(tp2):
+    """No tensor over this rank's vocabulary shard has as many rows as the batch has response
+    tokens on gbc's path (the chunk budget is small); the stock head forms [S, B, V/tp]."""
+    for rank in range(2):
+        seen = tp2[rank]["watch"]
+        n = seen["n_tokens"]
+
+        def rows(shapes):
+            return max(torch.Size(s[:-1]).numel() for s in shapes) if shapes else 0
+
+        assert rows(seen["stock"]) >= seen["rows"]
+        assert 0 < rows(seen["gbc"]) < n // 2, seen["gbc"]
+
+
+def test_bad_input():
+    """Wrong layouts are refused naming the argument (no process group needed to get there)."""
+    from gbc_kernels.integrations import megatron as M
+
+    w = torch.randn(8, H)
+    with pytest.raises(ValueError, match="hidden_states"):
+        M.policy_loss(torch.randn(B, H), w, None, None, None, tp_group=object())
+    with pytest.raises(ValueError, match="output_weight"):
+        M.logprobs(torch.randn(S, B, H), torch.randn(8, H + 1), None, tp_group=object())
+    with pytest.raises(ValueError, match="vocab_parallel"):
+        M.policy_loss(torch.randn(S, B, H), w, None, None, None, vocab_parallel=None)
+
+
+def test_context_parallel_refused(monkeypatch):
+    """Under context parallelism each rank holds part of every sequence: the loss refuses it by
+    name; the per-token log-prob pass does not need whole sequences."""
+    from megatron.core import parallel_state
+
+    from gbc_kernels.integrations import megatron as M
+
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
+    with pytest.raises(ValueError, match="context_parallel_size"):
+        M.policy_loss(torch.randn(S, B, H), torch.randn(8, H), None, None, None)
