@@ -50,6 +50,8 @@ class LossInputs:
     metrics: dict = field(default_factory=dict)     # filled by the forward
     logp: Optional[torch.Tensor] = None              # [B, T] float32, filled by the forward
     entropy: Optional[torch.Tensor] = None           # [B, T] float32 when computed (forward)
+    want_sum_p2: bool = False                        # keep sum_v p_v^2 per token (token_out)
+    sum_p2: Optional[torch.Tensor] = None            # [B, T] float32 when asked (forward)
 
 
 def token_inputs(mask, advantages, old, ref, tscale, klw, is_ratio, sampling, cfg, num_items,
@@ -394,6 +396,9 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     if entropy is not None:
         full_ent = torch.zeros(mflat.numel(), device=device, dtype=torch.float32)
         inp.entropy = full_ent.index_copy_(0, idx, entropy).view_as(inp.mask)
+    if inp.want_sum_p2:         # computed by every row pass already (grad_share_low's norm)
+        full_p2 = torch.zeros(mflat.numel(), device=device, dtype=torch.float32)
+        inp.sum_p2 = full_p2.index_copy_(0, idx, sum_p2).view_as(inp.mask)
     gh, gw, gb = grads.result()
     if vp is not None:
         gh = _vp.reduce_hidden_grad(gh, vp)

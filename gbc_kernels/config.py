@@ -348,6 +348,19 @@ class PolicyLossConfig:
         return 0.5 if self.lopti_eta is None else self.lopti_eta
 
     @classmethod
+    def coerce(cls, config) -> "PolicyLossConfig":
+        """The ``config`` argument of the loss functions as a config: None (the defaults), a
+        :class:`PolicyLossConfig`, or a dict of its fields."""
+        if config is None:
+            return cls()
+        if isinstance(config, cls):
+            return config
+        if isinstance(config, dict):
+            return cls.from_dict(config)
+        raise TypeError(f"config: expected a gbc_kernels.PolicyLossConfig or a dict, got "
+                        f"{type(config).__name__}")
+
+    @classmethod
     def from_dict(cls, d: dict) -> "PolicyLossConfig":
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - names)

@@ -21,17 +21,6 @@ from .backends import get_backend
 from .config import PHASES, PolicyLossConfig
 
 
-def _config(config) -> PolicyLossConfig:
-    if config is None:
-        return PolicyLossConfig()
-    if isinstance(config, PolicyLossConfig):
-        return config
-    if isinstance(config, dict):
-        return PolicyLossConfig.from_dict(config)
-    raise TypeError(f"config: expected a gbc_kernels.PolicyLossConfig or a dict, "
-                    f"got {type(config).__name__}")
-
-
 # docs/math.md §3, §13: a loss with Lopti on and no phase would be a plain update
 LOPTI_NEEDS_PHASE = ("phase: config.lopti_eta={eta} asks for Lopti's two updates, and a loss "
                      "without a phase would be a plain one; pass phase='low' then 'high' with an "
@@ -165,13 +154,14 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     ``[start, end)`` of the lm_head, ``targets`` are global ids (docs/math.md §9).
 
     ``token_out``: a dict that receives the forward's per-token values, detached float32
-    ``[B, T]`` with 0 outside ``mask``: ``"logp"`` always, ``"entropy"`` when the loss computed
-    it (an entropy term, the entropy quantile or ``return_entropy``). A trainer logs its own
+    ``[B, T]`` with 0 outside ``mask``: ``"logp"`` and ``"sum_p2"`` (``Σ_v p_v²``, which the
+    row passes compute for ``grad_share_low``) always, ``"entropy"`` when the loss computed it
+    (an entropy term, the entropy quantile or ``return_entropy``). A trainer logs its own
     metrics from them (e.g. verl's, through its own functions) without another pass.
     """
     if token_out is not None and not isinstance(token_out, dict):
         raise TypeError(f"token_out: expected None or a dict, got {type(token_out).__name__}")
-    cfg = _config(config)
+    cfg = PolicyLossConfig.coerce(config)
     V.check_backend(backend)
     _check_lm_head(hidden, weight, bias)
     V.check_tensor("hidden", hidden, dims=(3,))
@@ -197,12 +187,13 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     inp = LossInputs(safe_targets.reshape(-1), m, adv, old_logp, ref_logp, token_scale,
                      kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase, norms,
                      get_backend(backend, device, hidden.dtype), is_ratio, sampling_logp,
-                     threshold_fn, checks, sl, inv_temp)
+                     threshold_fn, checks, sl, inv_temp, want_sum_p2=token_out is not None)
     loss = FusedPolicyLossFunction.apply(hidden.reshape(B * T, H), weight, bias, inp)
     if token_out is not None:
         token_out["logp"] = inp.logp
         if inp.entropy is not None:
             token_out["entropy"] = inp.entropy
+        token_out["sum_p2"] = inp.sum_p2
     return loss, inp.metrics
 
 
@@ -382,7 +373,7 @@ def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=No
     ``config.top_entropy_quantile < 1`` (its gradient flows back to it). Metrics as the fused
     loss, except ``grad_share_low``, which needs the full distribution.
     """
-    cfg = _config(config)
+    cfg = PolicyLossConfig.coerce(config)
     V.check_tensor("logp", logp, floating=True, dims=(2,))
     B, T = logp.shape
     device = logp.device

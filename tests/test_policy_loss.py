@@ -255,3 +255,22 @@ def test_module_wrapper_equals_function():
                                         batch["ref_logp"], bias=batch["bias"], config=cfg,
                                         backend="torch")
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(importance_sampling_level="sequence",
+                                              entropy_coef=0.01)], ids=["token", "sequence"])
+def test_token_out_sum_p2_is_the_row_passes(backend, cfg):
+    """token_out["sum_p2"]: Σ_v p_v² of each masked token from the loss's own row passes
+    (one- and two-sweep chunks), 0 elsewhere, against float64 full logits."""
+    batch = make_batch(seed=17)
+    batch["mask"][1] = False                                       # an empty row
+    tok = {}
+    gbc.fused_linear_policy_loss(batch["hidden"], batch["weight"], batch["targets"],
+                                 batch["mask"], batch["advantages"], batch["old_logp"],
+                                 bias=batch["bias"], config=gbc.PolicyLossConfig(**cfg),
+                                 backend=backend, token_out=tok)
+    b = as64(batch)
+    p = torch.softmax(b["hidden"] @ b["weight"].T + b["bias"], -1)
+    want = torch.where(b["mask"].bool(), (p * p).sum(-1), 0.0)
+    assert tok["sum_p2"].dtype == torch.float32
+    assert torch.allclose(tok["sum_p2"].double(), want, rtol=1e-5, atol=1e-7)

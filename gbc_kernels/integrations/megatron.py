@@ -105,17 +105,6 @@ def _shape(x):
     return list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
-def _config(config) -> PolicyLossConfig:
-    if config is None:
-        return PolicyLossConfig()
-    if isinstance(config, PolicyLossConfig):
-        return config
-    if isinstance(config, dict):
-        return PolicyLossConfig.from_dict(config)
-    raise TypeError(f"config: expected a gbc_kernels.PolicyLossConfig or a dict, got "
-                    f"{type(config).__name__}")
-
-
 def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp=None,
                 ref_logp=None, token_scale=None, kl_weight=None, config=None, phase=None, *,
                 output_bias=None, tp_group=None, sequence_parallel: bool = False,
@@ -132,8 +121,8 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
     tensor-parallel group (None: megatron's). ``loss_kwargs`` go to
     :func:`gbc_kernels.fused_linear_policy_loss` (``num_items_in_batch``, ``is_ratio`` ...).
 
-    The loss, metrics, ``logp`` and ``entropy`` come from one sweep (the entropy costs no
-    matmul); ``return_sum_p2=True`` adds a no-grad statistics sweep over the response rows.
+    The loss, metrics, ``logp``, ``entropy`` and ``sum_p2`` come from one sweep (neither the
+    entropy nor ``sum_p2`` costs a matmul).
     Gradients flow to ``hidden_states``, ``output_weight`` and ``output_bias``. Context
     parallelism is refused (naming ``context_parallel_size``).
     """
@@ -145,7 +134,7 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {flag!r}")
     _refuse_context_parallel()
-    cfg = _config(config)
+    cfg = PolicyLossConfig.coerce(config)
     if return_entropy and not cfg.wants_entropy:
         cfg = dataclasses.replace(cfg, return_entropy=True)
     hidden, vp = _head(hidden_states, output_weight, output_bias, labels, tp_group,
@@ -155,16 +144,8 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
         hidden.transpose(0, 1), output_weight, labels, mask, advantages, old_logp, ref_logp,
         bias=output_bias, token_scale=token_scale, kl_weight=kl_weight, config=cfg, phase=phase,
         backend=backend, vocab_parallel=vp, token_out=tok, **loss_kwargs)
-    sum_p2 = None
-    if return_sum_p2:
-        with torch.no_grad():
-            sum_p2 = _rows_stats(hidden.detach(), output_weight.detach(),
-                                 None if output_bias is None else output_bias.detach(), labels,
-                                 torch.as_tensor(mask, device=labels.device).bool(),
-                                 loss_kwargs.get("temperature", cfg.temperature), vp, False,
-                                 True, backend)[2]
     return HeadOutput(loss, metrics, tok["logp"], tok.get("entropy") if return_entropy else None,
-                      sum_p2)
+                      tok["sum_p2"] if return_sum_p2 else None)
 
 
 def logprobs(hidden_states, output_weight, labels, mask=None, *, temperature=1.0,
