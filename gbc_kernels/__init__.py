@@ -4,7 +4,8 @@ gradient-balance fixes AR, Lopti, NTHR and critical-token KL, without materialis
 The math is defined by ``gbc_reference`` (python/gbc_reference) and ``docs/math.md``.
 """
 
-from .config import PolicyLossConfig, LOSS_AGG_ALIASES, LOSS_AGG_MODES, KL_ESTIMATORS
+from .config import (BACKENDS, PolicyLossConfig, LOSS_AGG_ALIASES, LOSS_AGG_MODES,
+                     KL_ESTIMATORS)
 from ._validate import value_checks_enabled
 from .ops import (TokenStats, fused_linear_logprobs, fused_linear_policy_loss, policy_loss,
                   token_stats)
@@ -19,7 +20,7 @@ from .vocab_parallel import VocabParallel
 __version__ = "0.1.0"
 
 __all__ = [
-    "PolicyLossConfig", "LOSS_AGG_ALIASES", "LOSS_AGG_MODES", "KL_ESTIMATORS",
+    "BACKENDS", "PolicyLossConfig", "LOSS_AGG_ALIASES", "LOSS_AGG_MODES", "KL_ESTIMATORS",
     "TokenStats", "fused_linear_logprobs", "fused_linear_policy_loss", "policy_loss",
     "token_stats", "advantage_reweight", "critical_kl_weight", "group_advantages",
     "lopti_split", "NTHRResult", "nthr_scale", "lopti_phases", "lopti_grad_share_low",

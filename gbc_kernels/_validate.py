@@ -304,7 +304,8 @@ def no_double_backward():
                            "the fused losses and log-probs return first-order gradients only")
 
 
-def check_backend(backend: str):
-    allowed = ("auto", "torch", "cpu", "triton")
-    if backend not in allowed:
-        raise ValueError(f"backend: expected one of {allowed}, got {backend!r}")
+def check_backend(backend: str, name: str = "backend"):
+    from .config import BACKENDS
+
+    if backend not in BACKENDS:
+        raise ValueError(f"{name}: expected one of {BACKENDS}, got {backend!r}")

@@ -25,6 +25,8 @@ KL_ESTIMATORS = _table.KL_BASE_NAMES
 # "k3+" and the like (verl): the value of the estimator, the gradient of k2 (straight-through)
 KL_STRAIGHT_THROUGH = tuple(k for k, form in _table.KL_FORMS.items() if form.straight_through)
 PHASES = (None, "low", "high")
+# the kernels' backends (`backend=`): auto picks Triton on CUDA, C++ on CPU, else torch
+BACKENDS = ("auto", "torch", "cpu", "triton")
 IS_LEVELS = tuple(_table.RATIO_LEVELS)
 OBJECTIVES = tuple(_table.OBJECTIVES)
 DPPO_DIVERGENCES = _table.DPPO_DIVERGENCES

@@ -124,9 +124,6 @@ def _unsupported(args) -> list[str]:
     if args.importance_sampling_level not in ("token", "sequence"):
         bad.append(f"importance_sampling_level={args.importance_sampling_level!r}: expected "
                    "'token' or 'sequence'")
-    if args.gbc_critical_kl_exponent is not None and args.beta == 0.0:
-        bad.append("gbc_critical_kl_exponent with beta=0.0: there is no KL term to weight; "
-                   "expected beta > 0")
     if args.gbc_nthr:
         local = args.per_device_train_batch_size * args.steps_per_generation
         if args.num_generations and local % args.num_generations:
@@ -134,11 +131,11 @@ def _unsupported(args) -> list[str]:
                        f"{local}, not a multiple of num_generations={args.num_generations}: "
                        "NTHR needs every group's completions on the same process")
     try:
-        method_options(args)
+        method_options(args).check_loss(args.beta, "beta", METHOD_NAMES)
     except ValueError as exc:
         bad.append(str(exc))
-    if args.gbc_backend not in ("auto", "triton", "cpu", "torch"):
-        bad.append(f"gbc_backend={args.gbc_backend!r}: expected 'auto', 'triton', 'cpu' or 'torch'")
+    if args.gbc_backend not in gbc.BACKENDS:
+        bad.append(f"gbc_backend={args.gbc_backend!r}: expected one of {gbc.BACKENDS}")
     return bad
 
 

@@ -30,7 +30,6 @@ from gbc_kernels.integrations import verl as gv
 
 ENV_ON = "GBC_VERL_ENGINE"
 ENV_OPTIONS = "GBC_VERL_OPTIONS"
-BACKENDS = ("auto", "triton", "cpu", "torch")
 
 def _bool(text: str) -> bool:
     t = text.strip().lower()
@@ -68,8 +67,8 @@ class EngineOptions(methods.MethodOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
+        if self.backend not in gbc.BACKENDS:
+            raise ValueError(f"backend: expected one of {gbc.BACKENDS}, got {self.backend!r}")
 
     @classmethod
     def parse(cls, text: Optional[str]) -> "EngineOptions":
