@@ -140,6 +140,26 @@ class MethodOptions:
             raise ValueError(f"{name}: the loss has no KL term to weight (set {kl_option} != 0)")
 
 
+def parse_items(text: Optional[str], source: str) -> dict:
+    """``"ar_alpha=0.3, lopti_eta=0.5"`` (the form a Ray environment variable carries) ->
+    ``{name: raw value string}``; a malformed item or a repeated name is refused, the error
+    starting with ``source`` (the variable's name). Each adapter types the values."""
+    out = {}
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, eq, value = (x.strip() for x in item.partition("="))
+        if not eq or not name:
+            raise ValueError(f"{source}: expected name=value items separated by ',', got "
+                             f"{item!r}")
+        if name in out:
+            raise ValueError(f"{source}: {name} given twice ({name}={out[name]} and "
+                             f"{name}={value}); give it once")
+        out[name] = value
+    return out
+
+
 # ------------------------------------------------------------------------------------ NTHR
 def correct_from_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """NTHR's *correct* responses (§13): sequence advantage > 0; ``[B, T]`` token-level
@@ -204,12 +224,6 @@ def reference_stats(hidden, weight, targets, options: MethodOptions, bias=None,
     w = (critical_kl_weight(st.certainty, options.critical_kl_exponent,
                             options.critical_kl_intercept) if crit else None)
     return ReferenceStats(st.logp, w, st.certainty)
-
-
-def kl_weights(certainty: torch.Tensor, options: MethodOptions) -> torch.Tensor:
-    """The critical-token KL weights of a certainty ``J`` already computed."""
-    return critical_kl_weight(certainty, options.critical_kl_exponent,
-                              options.critical_kl_intercept)
 
 
 # ----------------------------------------------------------------------------------- Lopti

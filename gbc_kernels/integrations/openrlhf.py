@@ -341,16 +341,7 @@ def parse_options(text: Optional[str]) -> dict:
     keyword options (numbers, ``true``/``false``, ``none``, else strings). A repeated option is
     refused."""
     out = {}
-    for item in (text or "").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        name, eq, value = (x.strip() for x in item.partition("="))
-        if not eq or not name:
-            raise ValueError(f"{ENV_OPTIONS}: expected name=value items separated by ',', got "
-                             f"{item!r}")
-        if name in out:
-            raise ValueError(f"{ENV_OPTIONS}: option {name!r} given twice")
+    for name, value in methods.parse_items(text, ENV_OPTIONS).items():
         low = value.lower()
         if low in ("none", "null"):
             out[name] = None

@@ -74,22 +74,11 @@ class EngineOptions(methods.MethodOptions):
     def parse(cls, text: Optional[str]) -> "EngineOptions":
         """``"ar_alpha=0.3,lopti_eta=0.5"`` (the form a Ray env var carries) -> options. An
         unknown, repeated or ill-typed option is refused by name."""
-        kw, given = {}, {}
-        for item in (text or "").split(","):
-            item = item.strip()
-            if not item:
-                continue
-            if "=" not in item:
-                raise ValueError(f"{ENV_OPTIONS}: expected name=value items separated by ',', "
-                                 f"got {item!r}")
-            name, value = (x.strip() for x in item.split("=", 1))
+        kw = {}
+        for name, value in methods.parse_items(text, ENV_OPTIONS).items():
             if name not in OPTION_TYPES:
                 raise ValueError(f"{ENV_OPTIONS}: unknown option {name!r} (expected one of "
                                  f"{sorted(OPTION_TYPES)})")
-            if name in given:
-                raise ValueError(f"{ENV_OPTIONS}: {name} given twice ({name}={given[name]} and "
-                                 f"{name}={value}); give it once")
-            given[name] = value
             kind = OPTION_TYPES[name]
             try:
                 kw[name] = kind(value)
