@@ -28,21 +28,11 @@ from omegaconf import OmegaConf  # noqa: E402
 import gbc_kernels as gbc  # noqa: E402
 from gbc_kernels.integrations import verl as gv  # noqa: E402
 
-from test_other_trainers import verl_actor_config as actor_config  # noqa: E402
+from test_other_trainers import _seeded, verl_actor_config as actor_config  # noqa: E402
 
 MODES = gv.VERL_LOSS_MODES
 AGGS = gv.VERL_AGG_MODES
 KL_TYPES = tuple(gv.VERL_KL_TYPES)
-
-
-def _seeded(fn, *args, **kwargs):
-    """Clip-Cov draws its tokens with torch.randperm, as verl does: both runs from one state."""
-    state = torch.get_rng_state()
-    torch.manual_seed(1234)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        torch.set_rng_state(state)
 
 
 def _nested(parts, offsets=None):

@@ -8,19 +8,14 @@ import torch
 
 import gbc_kernels as gbc
 import gbc_reference as ref
+from conftest import as64, make_batch
 from .method_reference import completion_logp, sequences, spy_losses, trl_trainer
 
 
 def test_plain_api_equals_reweighted_advantages():
-    g = torch.Generator().manual_seed(9)
-    B, T, H, V = 4, 6, 8, 29
-    h = torch.randn(B, T, H, generator=g, dtype=torch.float64)
-    w = torch.randn(V, H, generator=g, dtype=torch.float64)
-    y = torch.randint(0, V, (B, T), generator=g)
-    m = torch.rand(B, T, generator=g) > 0.3
-    m[2] = False
-    adv = torch.randn(B, generator=g, dtype=torch.float64)
-    old = torch.randn(B, T, generator=g, dtype=torch.float64) - 2.0
+    b = as64(make_batch(seed=9))                       # an empty row, both advantage signs
+    h, w, y, m, adv, old = (b[k] for k in ("hidden", "weight", "targets", "mask", "advantages",
+                                           "old_logp"))
     got, metrics = gbc.fused_linear_policy_loss(h, w, y, m, adv, old,
                                                 config=gbc.PolicyLossConfig(ar_alpha=0.4))
     a = ref.advantage_reweight(adv, old, 0.4)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 import gbc_reference as ref
+from conftest import as64, make_batch
 from gbc_kernels import methods
 from .method_reference import (completion_hidden_and_head, example_rollout, sequences,
                                spy_losses, trl_trainer)
@@ -26,14 +27,9 @@ def test_correct_rule():
 
 
 def test_plain_api_equals_reference():
-    g = torch.Generator().manual_seed(3)
-    B, T, H, V = 6, 5, 8, 23
-    h = torch.randn(B, T, H, generator=g, dtype=torch.float64)
-    w = torch.randn(V, H, generator=g, dtype=torch.float64)
-    y = torch.randint(0, V, (B, T), generator=g)
-    m = torch.rand(B, T, generator=g) > 0.2
-    m[4] = False
-    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    b = as64(make_batch(B=6, T=5, H=8, V=23, seed=8, bias=False, adv_shape="BT",
+                           logit_scale=8 ** 0.5))
+    h, w, y, m, adv = (b[k] for k in ("hidden", "weight", "targets", "mask", "advantages"))
     gids = torch.tensor([0, 0, 0, 1, 1, 1])
     opts = methods.MethodOptions(nthr=True, nthr_beta=0.0)
     got = methods.nthr_token_scale(h, w, y, m, gids, adv, opts)
