@@ -131,3 +131,47 @@ def test_verl_engine_options_are_the_method_options():
     for text in ("nthr_beta=nan", "critical_kl_exponent=inf", "lopti_eta=nan"):
         with pytest.raises(ValueError, match=text.split("=")[0]):
             ve.EngineOptions.parse(text)
+
+
+def _example_run(options):
+    """The example trainer's parameters after two RL steps (its rollout, its rl_step; SGD; a
+    fixed seed: the same first rollout in every run; the second step's KL term is not 0);
+    options None: the starting parameters."""
+    import copy
+    import random
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import grpo_trainer as gt
+
+    flags = ["--kl-coef", "0.5", "--prompts", "2", "--group", "8"]
+    for name, value in (options or {}).items():
+        flag = gt.METHOD_FLAGS[name]
+        flags += [flag] if value is True else [flag, str(value)]
+    args = gt.build_args(flags)
+    gt.method_options(args)
+    tok, model, _, task = gt.setup(args)
+    args.max_len = task.max_answer_tokens
+    ref_model = copy.deepcopy(model).eval()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    for _ in range(0 if options is None else 2):     # None: the starting parameters
+        gt.rl_step(model, opt, gt.rollout(model, ref_model, task, tok, args, rng), args)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(set(PAIRS) - {"nthr_eta", "critical_kl_intercept"}))
+def test_example_trainer_honours_every_flag(name):
+    """Each method flag of the example trainer changes its update (two steps, against the same
+    run without it; nthr_eta and critical_kl_intercept have no flag: see above)."""
+    a, b = PAIRS[name]
+    skip = {"nthr_eta", "critical_kl_intercept"}
+    a, b = ({k: v for k, v in d.items() if k not in skip} for d in (a, b))
+    if name == "nthr_beta":           # the example's NTHR runs with eta 'auto'
+        a, b = dict(nthr=True, nthr_beta=0.0), dict(nthr=True, nthr_beta=-1e9)
+    pa, pb, start = _example_run(a), _example_run(b), _example_run(None)
+    # more than rounding: a share of the parameters' total change over the two steps
+    assert float((pa - pb).abs().max()) > 1e-3 * float((pa - start).abs().max()), name
