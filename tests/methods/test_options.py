@@ -125,6 +125,8 @@ def test_verl_engine_options_are_the_method_options():
     from gbc_kernels.integrations import verl_engine as ve
 
     assert issubclass(ve.EngineOptions, methods.MethodOptions)
+    # the trainer's reference pass hands the worker every critical-KL option
+    assert set(ve.CRITICAL_KL_FIELDS) == {f for f in FIELDS if f.startswith("critical_kl")}
     assert set(ve.OPTION_TYPES) == FIELDS | {"backend"}
     with pytest.raises(ValueError, match="ar_alpha given twice"):
         ve.EngineOptions.parse("ar_alpha=0.1,ar_alpha=0.2")
