@@ -36,11 +36,15 @@ class VocabParallel:
 
     ``group``: the ``torch.distributed`` process group over which the vocabulary is split
     (None: the default group). The ranks' slices must tile ``[0, V)``.
+    ``reduce_hidden_grad``: True (default): ``hidden.grad`` is the full gradient on every rank
+    (one all-reduce); False: this slice's part ``G_r W_r`` only, for a caller whose own
+    collective sums the parts (megatron's sequence-parallel reduce-scatter).
     """
 
     group: object
     start: int
     end: int
+    reduce_hidden_grad: bool = True
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class _Slice:
     end: int
     vocab: int          # V of the full vocabulary
     width: int          # rows of the widest slice (every rank sizes its chunks by it)
+    reduce: bool = True     # all-reduce the hidden gradient (VocabParallel.reduce_hidden_grad)
 
 
 def check(vp, weight, bias, device) -> _Slice:
@@ -84,7 +89,11 @@ def check(vp, weight, bias, device) -> _Slice:
             raise ValueError(f"vocab_parallel: the ranks' slices {slices} do not tile [0, V) "
                              f"(gap or overlap at {min(s, covered)})")
         covered = e
-    return _Slice(group, vp.start, vp.end, covered, max(e - s for s, e in slices))
+    if not isinstance(vp.reduce_hidden_grad, bool):
+        raise TypeError(f"vocab_parallel.reduce_hidden_grad: expected a bool, got "
+                        f"{vp.reduce_hidden_grad!r}")
+    return _Slice(group, vp.start, vp.end, covered, max(e - s for s, e in slices),
+                  vp.reduce_hidden_grad)
 
 
 def _local_in_slice(y, sl: _Slice):
@@ -138,8 +147,9 @@ def resolve(vp, weight, bias, device):
 
 
 def reduce_hidden_grad(grad_hidden: Optional[torch.Tensor], sl: _Slice):
-    """Sum the slices' parts of the hidden gradient (once per call)."""
-    if grad_hidden is not None:
+    """Sum the slices' parts of the hidden gradient (once per call), unless the caller sums
+    them itself (``reduce_hidden_grad=False``)."""
+    if grad_hidden is not None and sl.reduce:
         dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=sl.group)
     return grad_hidden
 

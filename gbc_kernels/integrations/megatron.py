@@ -12,10 +12,9 @@ only response rows (``mask``) are projected.
   ``vocab_parallel_cross_entropy``: they enter the softmax, the entropy and ``sum_p2``.
 * **Sequence parallelism** (``sequence_parallel=True``): ``hidden_states`` is this rank's
   ``[S/tp, B, H]`` part; it is gathered along the sequence with megatron's own
-  ``gather_from_sequence_parallel_region``. gbc's vocab-parallel path completes ``d hidden`` on
-  every rank (one all_reduce of the slices' parts), so the gather's backward is megatron's
-  split (``tensor_parallel_output_grad=False``): each rank keeps its own rows of the complete
-  gradient, the value megatron's reduce-scatter of the per-rank partial sums gives.
+  ``gather_from_sequence_parallel_region``, as the output layer gathers them; gbc's
+  vocab-parallel path leaves ``d hidden`` partial (``VocabParallel(reduce_hidden_grad=False)``:
+  this shard's part) and the gather's backward reduce-scatters the parts, as megatron's head.
 * **Layout**: the per-token inputs (``labels``, ``mask``, advantages, ``old_logp`` ...) and
   outputs are batch-first ``[B, S]``, megatron's label layout.
 """
@@ -71,11 +70,12 @@ def _head(hidden_states, output_weight, output_bias, labels, tp_group, sequence_
         raise TypeError(f"sequence_parallel: expected a bool, got {sequence_parallel!r}")
     group = _tp_group(tp_group)
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    if sequence_parallel and tp > 1:
+    sp = sequence_parallel and tp > 1
+    if sp:      # megatron's gather: its backward reduce-scatters gbc's partial d hidden
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
         hidden_states = gather_from_sequence_parallel_region(
-            hidden_states, tensor_parallel_output_grad=False, group=group)
+            hidden_states, tensor_parallel_output_grad=True, group=group)
     S, B = hidden_states.shape[:2]
     if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (B, S):
         what = " (S gathered over the tensor-parallel group)" if sequence_parallel else ""
@@ -84,7 +84,8 @@ def _head(hidden_states, output_weight, output_bias, labels, tp_group, sequence_
     if tp == 1:
         return hidden_states, None
     rows = output_weight.shape[0]
-    return hidden_states, gbc.VocabParallel(group, rank * rows, (rank + 1) * rows)
+    return hidden_states, gbc.VocabParallel(group, rank * rows, (rank + 1) * rows,
+                                            reduce_hidden_grad=not sp)
 
 
 def _refuse_context_parallel():
