@@ -25,7 +25,7 @@ import torch
 
 import gbc_kernels as gbc
 from gbc_kernels import methods
-from gbc_kernels.integrations import hf
+from gbc_kernels.integrations import hf, patching
 from gbc_kernels.integrations import verl as gv
 
 ENV_ON = "GBC_VERL_ENGINE"
@@ -218,12 +218,98 @@ def _check_supported(engine, micro_batch):
                          f"{ENV_ON} for distillation runs")
 
 
-class GBCEngineMixin:
-    """The gbc forward step on top of one of verl's FSDP engines with an lm_head."""
+class EngineMethods:
+    """What gbc adds to any of verl's engines with an lm_head (FSDP: :class:`GBCEngineMixin`;
+    Megatron: :mod:`gbc_kernels.integrations.verl_megatron`): its options, the fused loss's
+    inputs from a training micro-batch, verl's metrics, and Lopti's two updates."""
 
     gbc_options: EngineOptions = EngineOptions()
     _gbc_phase: Optional[str] = None
     _gbc_update_metrics: dict = {}    # NTHR's, logged with the update's micro-batches
+
+    def _gbc_loss_inputs(self, micro_batch, loss_function, valid) -> dict:
+        """The fused loss's keyword arguments for a training ``micro_batch``, beside the hidden
+        states, the weight and the targets: ``mask`` (verl's response mask and ``valid``), the
+        per-token fields (``[B, T]``, the layout of verl's ``advantages``), the config of verl's
+        actor config, the method inputs, the global batch's normalisers and the temperature."""
+        actor_config = loss_function.keywords["config"]
+        opts = self.gbc_options
+        fields = ["response_mask", "old_log_probs", "advantages"] + [
+            k for k in ("rollout_is_weights", "ref_log_prob", SCALE_KEY, KL_WEIGHT_KEY)
+            if k in micro_batch]
+        data = micro_batch.select(*fields).to_padded_tensor()
+        mask = data["response_mask"].bool() & valid
+        cfg = gv.policy_loss_config(actor_config, response_length=mask.shape[1],
+                                    ar_alpha=opts.ar_alpha, lopti_eta=opts.lopti_eta)
+        _check_method_fields(opts, cfg, micro_batch)
+        if _flag(micro_batch, "calculate_entropy") and not cfg.wants_entropy:
+            cfg = dataclasses.replace(cfg, return_entropy=True)
+        info = {k: _flag(micro_batch, k, None) for k in
+                ("dp_size", "batch_num_tokens", "global_batch_size")}
+        return dict(
+            mask=mask, advantages=data["advantages"], old_logp=data["old_log_probs"],
+            ref_logp=data["ref_log_prob"] if cfg.kl_coef else None, config=cfg,
+            phase=self._gbc_phase, token_scale=data.get(SCALE_KEY, None) if opts.nthr else None,
+            kl_weight=(data.get(KL_WEIGHT_KEY, None)
+                       if opts.critical_kl_exponent is not None else None),
+            is_ratio=data.get("rollout_is_weights", None), temperature=_temperature(micro_batch),
+            backend=opts.backend, **gv.batch_normalisers(actor_config, mask, info))
+
+    def _gbc_metrics(self, loss_function, micro_batch, model_output, rng, gbc_metrics) -> dict:
+        """verl's metrics of a training micro-batch (:meth:`_verl_metrics`), gbc's method
+        metrics and NTHR's."""
+        metrics = self._verl_metrics(loss_function, micro_batch, model_output, rng)
+        for name in ("ar_weight_mean", "low_frac", "cov_frac", "grad_share_low"):
+            if name in gbc_metrics:
+                metrics[f"actor/gbc_{name}"] = float(gbc_metrics[name])
+        metrics.update(self._gbc_update_metrics)
+        return metrics
+
+    def _verl_metrics(self, loss_function, micro_batch, model_output, rng):
+        """verl's own ``ppo_loss`` on gbc's detached per-token values: its metrics, exactly as
+        its step would log them. Its random draws (Clip-Cov's) start from ``rng``, the state
+        gbc's loss drew from, and do not advance the generator."""
+        with torch.no_grad(), torch.random.fork_rng(devices=list(rng[1])):
+            _set_rng_state(rng)
+            _, metrics = loss_function(model_output=model_output, data=micro_batch,
+                                       dp_group=self.get_data_parallel_group())
+        return metrics
+
+
+    def _gbc_dp_group(self):
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = self.get_data_parallel_group()
+        return "world" if group is None else group
+
+    def train_batch(self, data, loss_function):
+        opts = self.gbc_options
+        if opts.lopti_eta is None or not _is_ppo_loss(loss_function):
+            return super().train_batch(data, loss_function)
+        # Lopti: two updates of the mini-batch, low-probability tokens first (by default)
+        from verl.workers.engine import base as verl_base
+        verl_base.maybe_fix_3d_position_ids(data)
+        def update(phase):     # old_log_probs: the rollout's, fixed for both updates
+            self._gbc_phase = phase
+            self.optimizer_zero_grad()
+            out = self.forward_backward_batch(data, loss_function, forward_only=False)
+            return out, self.optimizer_step()
+
+        try:
+            outputs = methods.each_phase(opts, update)
+        finally:
+            self._gbc_phase = None
+        (first, gn1), (_, gn2) = outputs
+        if self.is_mp_src_rank_with_outputs():
+            first["metrics"]["grad_norm"] = gn1
+            first["metrics"]["gbc_grad_norm_second_phase"] = gn2
+        return first
+
+
+class GBCEngineMixin(EngineMethods):
+    """The gbc forward step on top of one of verl's FSDP engines with an lm_head."""
 
     # -- the one forward --------------------------------------------------------------------
     def _gbc_forward(self, micro_batch, head_fn):
@@ -265,65 +351,27 @@ class GBCEngineMixin:
             h = h.to(head.weight.dtype)
         return h, head
 
+
     # -- training: the loss -----------------------------------------------------------------
     def _gbc_train_step(self, micro_batch, loss_function):
-        actor_config = loss_function.keywords["config"]
-        opts = self.gbc_options
         token_out = {}
         rng = _rng_state()          # verl's metrics draw (Clip-Cov) from the loss's state
 
         def head_fn(hidden2d, rows, inner):
             h, head = self._head_rows(hidden2d, rows, inner)
-            fields = ["response_mask", "old_log_probs", "advantages"] + [
-                k for k in ("rollout_is_weights", "ref_log_prob", SCALE_KEY, KL_WEIGHT_KEY)
-                if k in micro_batch]
-            data = micro_batch.select(*fields).to_padded_tensor()
-            mask = data["response_mask"].bool() & rows.valid
-            cfg = gv.policy_loss_config(actor_config, response_length=mask.shape[1],
-                                        ar_alpha=opts.ar_alpha, lopti_eta=opts.lopti_eta)
-            _check_method_fields(opts, cfg, micro_batch)
-            if _flag(micro_batch, "calculate_entropy") and not cfg.wants_entropy:
-                cfg = dataclasses.replace(cfg, return_entropy=True)
-            info = {k: _flag(micro_batch, k, None) for k in
-                    ("dp_size", "batch_num_tokens", "global_batch_size")}
-            norms = gv.batch_normalisers(actor_config, mask, info)
+            kw = self._gbc_loss_inputs(micro_batch, loss_function, rows.valid)
             with torch.autocast(device_type=h.device.type, enabled=False):
-                loss, metrics = gbc.fused_linear_policy_loss(
-                    h, head.weight, rows.targets, mask, data["advantages"],
-                    old_logp=data["old_log_probs"],
-                    ref_logp=data["ref_log_prob"] if cfg.kl_coef else None, bias=head.bias,
-                    config=cfg, phase=self._gbc_phase,
-                    token_scale=data.get(SCALE_KEY, None) if opts.nthr else None,
-                    kl_weight=(data.get(KL_WEIGHT_KEY, None)
-                               if opts.critical_kl_exponent is not None else None),
-                    is_ratio=data.get("rollout_is_weights", None),
-                    temperature=_temperature(micro_batch), backend=opts.backend,
-                    token_out=token_out, **norms)
-            return loss, metrics, cfg
+                return gbc.fused_linear_policy_loss(h, head.weight, rows.targets, bias=head.bias,
+                                                    token_out=token_out, **kw)
 
-        micro_batch, rows, (loss, gbc_metrics, cfg), zero = self._gbc_forward(micro_batch,
-                                                                              head_fn)
+        micro_batch, rows, (loss, gbc_metrics), zero = self._gbc_forward(micro_batch, head_fn)
         loss = loss + zero
         model_output = {"log_probs": rows.nested(token_out["logp"])}
         if "entropy" in token_out:
             model_output["entropy"] = rows.nested(token_out["entropy"])
-        metrics = self._verl_metrics(loss_function, micro_batch, model_output, rng)
-        for name in ("ar_weight_mean", "low_frac", "cov_frac", "grad_share_low"):
-            if name in gbc_metrics:
-                metrics[f"actor/gbc_{name}"] = float(gbc_metrics[name])
-        metrics.update(self._gbc_update_metrics)
+        metrics = self._gbc_metrics(loss_function, micro_batch, model_output, rng, gbc_metrics)
         return loss, {"model_output": model_output, "loss": loss.detach().item(),
                       "metrics": metrics}
-
-    def _verl_metrics(self, loss_function, micro_batch, model_output, rng):
-        """verl's own ``ppo_loss`` on gbc's detached per-token values: its metrics, exactly as
-        its step would log them. Its random draws (Clip-Cov's) start from ``rng``, the state
-        gbc's loss drew from, and do not advance the generator."""
-        with torch.no_grad(), torch.random.fork_rng(devices=list(rng[1])):
-            _set_rng_state(rng)
-            _, metrics = loss_function(model_output=model_output, data=micro_batch,
-                                       dp_group=self.get_data_parallel_group())
-        return metrics
 
     # -- forward only: log-probs, entropy, sum of squared probabilities ---------------------
     def _gbc_infer_step(self, micro_batch):
@@ -443,13 +491,6 @@ class GBCEngineMixin:
         self._gbc_update_metrics = {f"actor/gbc_{k}": float(v) for k, v in m.items()}
         return res
 
-    def _gbc_dp_group(self):
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        group = self.get_data_parallel_group()
-        return "world" if group is None else group
 
     # -- verl's entry points ----------------------------------------------------------------
     def forward_step(self, micro_batch, loss_function, forward_only):
@@ -464,28 +505,7 @@ class GBCEngineMixin:
                 return self._gbc_train_step(micro_batch, loss_function)
         return self._gbc_train_step(micro_batch, loss_function)
 
-    def train_batch(self, data, loss_function):
-        opts = self.gbc_options
-        if opts.lopti_eta is None or not _is_ppo_loss(loss_function):
-            return super().train_batch(data, loss_function)
-        # Lopti: two updates of the mini-batch, low-probability tokens first (by default)
-        from verl.workers.engine import base as verl_base
-        verl_base.maybe_fix_3d_position_ids(data)
-        def update(phase):     # old_log_probs: the rollout's, fixed for both updates
-            self._gbc_phase = phase
-            self.optimizer_zero_grad()
-            out = self.forward_backward_batch(data, loss_function, forward_only=False)
-            return out, self.optimizer_step()
 
-        try:
-            outputs = methods.each_phase(opts, update)
-        finally:
-            self._gbc_phase = None
-        (first, gn1), (_, gn2) = outputs
-        if self.is_mp_src_rank_with_outputs():
-            first["metrics"]["grad_norm"] = gn1
-            first["metrics"]["gbc_grad_norm_second_phase"] = gn2
-        return first
 
 
 def _nthr_before_update(original):
@@ -495,7 +515,7 @@ def _nthr_before_update(original):
     @functools.wraps(original)
     def train_mini_batch(self, data):
         engine = getattr(self, "engine", None)
-        if (isinstance(engine, GBCEngineMixin) and engine.gbc_options.nthr
+        if (isinstance(engine, EngineMethods) and engine.gbc_options.nthr
                 and _is_ppo_loss(getattr(self, "loss_fn", None))):
             from verl.utils import tensordict_utils as tu
 
@@ -523,7 +543,7 @@ def compute_ref_log_prob(trainer, batch):
     the update's KL term is multiplied by. Without ``critical_kl_exponent`` it is verl's."""
     opts = _OPTIONS.get("current") or EngineOptions()
     if opts.critical_kl_exponent is None:
-        return _PATCHED["ref"].gbc_original(trainer, batch)
+        return _PATCHES.original(type(trainer), "_compute_ref_log_prob")(trainer, batch)
     from verl import DataProto
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
@@ -553,14 +573,25 @@ def compute_ref_log_prob(trainer, batch):
         {"ref_log_prob": log_probs.float(), KL_WEIGHT_KEY: weight * batch.batch["response_mask"]}))
 
 
-def engine_class(base):
-    """gbc's engine on top of verl's engine class ``base`` (an ``FSDPEngineWithLMHead``)."""
-    return type(f"GBC{base.__name__}", (GBCEngineMixin, base), {"__module__": __name__})
+
+def engine_class(base, mixin=None):
+    """gbc's engine on top of verl's engine class ``base``: ``mixin`` (default
+    :class:`GBCEngineMixin`, for an ``FSDPEngineWithLMHead``) first."""
+    return type(f"GBC{base.__name__}", (mixin or GBCEngineMixin, base),
+                {"__module__": (mixin or GBCEngineMixin).__module__})
 
 
-_ENABLED = {}
+# verl's engines gbc replaces: (its registry's backends, "module:class" of verl's engine,
+# "module:class" of gbc's mixin for it)
+ENGINES = [
+    (("fsdp", "fsdp2"), "verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead",
+     f"{__name__}:GBCEngineMixin"),
+]
+_ENABLED = {}           # verl's engine class -> gbc's
 _OPTIONS = {}
-_PATCHED = {}           # "worker" / "ref": the patched function (its .gbc_original is verl's)
+_PATCHES = patching.Patches()
+_on_import = _PATCHES.on_import
+_PatchOnImport = patching._PatchOnImport
 
 # where verl 0.9.1 defines the two functions gbc wraps (imported by verl's own processes; on
 # import when they are not loaded yet)
@@ -570,92 +601,54 @@ TRAINER_MODULE = "verl.trainer.ppo.ray_trainer"
 
 def _patch_worker(module):
     cls = module.TrainingWorker
-    if not hasattr(cls.train_mini_batch, "gbc_original"):
-        cls.train_mini_batch = _nthr_before_update(cls.train_mini_batch)
-    _PATCHED["worker"] = (cls, "train_mini_batch")
+    _PATCHES.set(cls, "train_mini_batch", _nthr_before_update(cls.train_mini_batch))
 
 
 def _patch_trainer(module):
+    def _compute_ref_log_prob(self, batch):
+        return compute_ref_log_prob(self, batch)
+
     cls = module.RayPPOTrainer
-    if not hasattr(cls._compute_ref_log_prob, "gbc_original"):
-        original = cls._compute_ref_log_prob
-
-        @functools.wraps(original)
-        def _compute_ref_log_prob(self, batch):
-            return compute_ref_log_prob(self, batch)
-
-        _compute_ref_log_prob.gbc_original = original
-        cls._compute_ref_log_prob = _compute_ref_log_prob
-    _PATCHED["ref"] = cls._compute_ref_log_prob
-    _PATCHED["trainer"] = (cls, "_compute_ref_log_prob")
+    _PATCHES.set(cls, "_compute_ref_log_prob",
+                 functools.wraps(cls._compute_ref_log_prob)(_compute_ref_log_prob))
 
 
-class _PatchOnImport:
-    """A ``sys.meta_path`` finder that runs ``patch(module)`` right after ``name`` is imported
-    (verl imports gbc's plugin before its worker and trainer modules)."""
+def _load(path):
+    import importlib
 
-    def __init__(self, name, patch):
-        self.name, self.patch, self._busy = name, patch, False
-
-    def find_spec(self, name, path=None, target=None):
-        if name != self.name or self._busy:
-            return None
-        import importlib.util
-
-        self._busy = True
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            self._busy = False
-        if spec is None or spec.loader is None:
-            return None
-        loader, patch = spec.loader, self.patch
-
-        class _Loader:
-            def create_module(self, spec):
-                return loader.create_module(spec)
-
-            def exec_module(self, module):
-                loader.exec_module(module)
-                patch(module)
-
-        spec.loader = _Loader()
-        return spec
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
-def _on_import(name, patch):
-    import sys
+def _registry_tables():
+    """(backend table of verl's ``language_model`` registry, verl's engine class, gbc's mixin)
+    for each engine of :data:`ENGINES`."""
+    from verl.workers.engine.base import EngineRegistry
 
-    if name in sys.modules:
-        patch(sys.modules[name])
-    elif not any(isinstance(f, _PatchOnImport) and f.name == name for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport(name, patch))
+    table = EngineRegistry._engines.get("language_model", {})
+    for backends, base, mixin in ENGINES:
+        for backend in backends:
+            if backend in table:
+                yield table[backend], _load(base), _load(mixin)
 
 
 def enable(options: Optional[EngineOptions] = None):
-    """Make verl's engine registry hand out gbc's engine for ``language_model`` on the FSDP
-    and FSDP2 backends (every device verl registered them for), run NTHR's old-policy pass
-    before each actor update (``TrainingWorker.train_mini_batch``) and the critical-KL
-    certainty in the trainer's reference pass (``RayPPOTrainer._compute_ref_log_prob``) —
-    both only when their options are on. Idempotent; returns the options in force."""
-    from verl.workers.engine.base import EngineRegistry
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-
+    """Make verl's engine registry hand out gbc's engine for ``language_model`` on the FSDP,
+    FSDP2 and Megatron backends (every device verl registered them for), run NTHR's
+    old-policy pass before each actor update (``TrainingWorker.train_mini_batch``) and the
+    critical-KL certainty in the trainer's reference pass (``RayPPOTrainer._compute_ref_log_prob``)
+    — both only when their options are on. Idempotent; returns the options in force."""
     if options is None:
         options = EngineOptions.parse(os.environ.get(ENV_OPTIONS))
     _OPTIONS["current"] = options
-    table = EngineRegistry._engines.get("language_model", {})
-    for backend in ("fsdp", "fsdp2"):
-        for key, cls in list(table.get(backend, {}).items()):
-            if issubclass(cls, GBCEngineMixin):
+    for table, base, mixin in _registry_tables():
+        for key, cls in list(table.items()):
+            if issubclass(cls, mixin):
                 cls.gbc_options = options
-                continue
-            if not issubclass(cls, FSDPEngineWithLMHead):
-                continue
-            sub = _ENABLED.get(cls) or engine_class(cls)
-            sub.gbc_options = options
-            _ENABLED[cls] = sub
-            table[backend][key] = sub
+            elif issubclass(cls, base):
+                sub = _ENABLED.get(cls) or engine_class(cls, mixin)
+                sub.gbc_options = options
+                _ENABLED[cls] = table[key] = sub
     _on_import(WORKER_MODULE, _patch_worker)
     _on_import(TRAINER_MODULE, _patch_trainer)
     return options
@@ -664,22 +657,9 @@ def enable(options: Optional[EngineOptions] = None):
 def disable():
     """Put verl's own engine classes back in its registry, and its worker's and trainer's
     functions."""
-    import sys
-
-    from verl.workers.engine.base import EngineRegistry
-
-    table = EngineRegistry._engines.get("language_model", {})
     originals = {sub: base for base, sub in _ENABLED.items()}
-    for backend in ("fsdp", "fsdp2"):
-        for key, cls in list(table.get(backend, {}).items()):
-            if cls in originals:
-                table[backend][key] = originals[cls]
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
-    for key in ("worker", "trainer"):
-        if key in _PATCHED:
-            cls, name = _PATCHED.pop(key)
-            fn = getattr(cls, name)
-            if hasattr(fn, "gbc_original"):
-                setattr(cls, name, fn.gbc_original)
-    _PATCHED.pop("ref", None)
+    for table, _, _ in _registry_tables():
+        for key, cls in list(table.items()):
+            table[key] = originals.get(cls, cls)
+    _PATCHES.undo()
     _OPTIONS.pop("current", None)
