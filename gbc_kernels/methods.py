@@ -114,6 +114,27 @@ class MethodOptions:
                 raise
             raise ValueError(f"{spelled}:{rest} (gbc's {field})") from None
 
+    @classmethod
+    def parse(cls, text: Optional[str], source: str, **kw) -> "MethodOptions":
+        """``"ar_alpha=0.3,nthr=true"`` (the form a Ray environment variable ``source``
+        carries) -> options, each value typed by its field (:data:`OPTION_KINDS`); an unknown,
+        repeated, malformed or ill-typed option is refused naming ``source`` and the option.
+        ``kw``: fields set beside the text."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        for name, value in parse_items(text, source).items():
+            if name not in fields:
+                raise ValueError(f"{source}: unknown option {name!r} (expected one of "
+                                 f"{sorted(fields)})")
+            kind, what = OPTION_KINDS.get(name, (str, "a string"))
+            try:
+                kw[name] = kind(value)
+            except ValueError:
+                raise ValueError(f"{source}: {name} expects {what}, got {value!r}") from None
+        try:
+            return cls(**kw)
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+
     @property
     def phases(self) -> tuple:
         """The loss phases of one batch: ``("low", "high")`` (or reversed) under Lopti, else
@@ -138,6 +159,27 @@ class MethodOptions:
         if self.critical_kl_exponent is not None and not kl_coef:
             name = (names or {}).get("critical_kl_exponent", "critical_kl_exponent")
             raise ValueError(f"{name}: the loss has no KL term to weight (set {kl_option} != 0)")
+
+
+def _flag(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes"):
+        return True
+    if t in ("0", "false", "no"):
+        return False
+    raise ValueError(text)
+
+
+def _auto_or_float(text: str):
+    return "auto" if text.strip().lower() == "auto" else float(text)
+
+
+# how :meth:`MethodOptions.parse` types a field's text (strings otherwise): (parser, name)
+OPTION_KINDS = {
+    **{n: (float, "a float") for n in ("ar_alpha", "lopti_eta", "nthr_beta",
+                                       "critical_kl_exponent", "critical_kl_intercept",
+                                       "critical_kl_temperature")},
+    "nthr": (_flag, "a 1/0/true/false"), "nthr_eta": (_auto_or_float, "'auto' or a float")}
 
 
 def parse_items(text: Optional[str], source: str) -> dict:

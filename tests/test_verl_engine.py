@@ -511,6 +511,7 @@ def test_plugin_switches_the_registry(monkeypatch):
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
     from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations import verl_fsdp
 
     monkeypatch.setenv("GBC_VERL_ENGINE", "strict")
     monkeypatch.setenv("GBC_VERL_OPTIONS", "ar_alpha=0.25")
@@ -520,7 +521,7 @@ def test_plugin_switches_the_registry(monkeypatch):
         table = EngineRegistry._engines["language_model"]
         for backend in ("fsdp", "fsdp2"):
             for cls in table[backend].values():
-                assert issubclass(cls, ve.GBCEngineMixin)
+                assert issubclass(cls, verl_fsdp.GBCEngineMixin)
                 assert issubclass(cls, FSDPEngineWithLMHead)
                 assert cls.gbc_options.ar_alpha == 0.25
     finally:
@@ -695,10 +696,11 @@ def test_nthr_hook_runs_before_verl_update(tmp_path):
     from verl.workers.utils.losses import ppo_loss
 
     from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations import verl_fsdp
 
     calls = []
 
-    class Engine(ve.GBCEngineMixin):
+    class Engine(verl_fsdp.GBCEngineMixin):
         gbc_options = ve.EngineOptions(nthr=True)
 
         def eval_mode(self, **kw):

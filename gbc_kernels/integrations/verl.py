@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+import dataclasses
 from typing import Optional
 
 import torch
 
 import gbc_kernels as gbc
+from gbc_kernels import methods
 
 VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                   "seq-mean-token-sum-norm")
@@ -308,18 +309,25 @@ def fused_ppo_loss_packed(hidden_packed, weight, input_ids_rolled, prompt_lens, 
         is_ratio=rollout_is_weights, temperature=temp, backend=backend, **norms)
 
 
-@dataclass
+@dataclasses.dataclass
 class VerlGBCOptions:
-    """The gbc options of a registered loss; ``current_phase`` is set by :meth:`phase`."""
+    """A registered loss's options: the method options (:class:`gbc_kernels.methods.
+    MethodOptions`; ``ar_alpha``, ``lopti_eta``, ``lopti_order`` read through), the verl loss
+    it reproduces, and ``current_phase``, set by :meth:`phase`."""
 
-    ar_alpha: float = 0.0
-    lopti_eta: Optional[float] = None
-    current_phase: Optional[str] = None
+    method_options: methods.MethodOptions = dataclasses.field(
+        default_factory=methods.MethodOptions)
     base_loss_mode: str = "vanilla"
+    current_phase: Optional[str] = None
+
+    ar_alpha = property(lambda self: self.method_options.ar_alpha)
+    lopti_eta = property(lambda self: self.method_options.lopti_eta)
+    phases = property(lambda self: self.method_options.phases, doc="Lopti's phases, in order.")
 
     @contextlib.contextmanager
     def phase(self, which: str):
-        """Run one Lopti update inside: ``which`` is ``"low"`` or ``"high"``."""
+        """Run one Lopti update inside: ``which`` is ``"low"`` or ``"high"`` (run them in the
+        order of :attr:`phases`)."""
         if which not in ("low", "high"):
             raise ValueError(f"phase: expected 'low' or 'high', got {which!r}")
         if self.lopti_eta is None:
@@ -376,7 +384,7 @@ def make_policy_loss(options: VerlGBCOptions):
         mask = response_mask.bool()
         view = _PolicyTermOnly(config, options.base_loss_mode, loss_agg_mode)
         cfg = policy_loss_config(view, response_length=mask.shape[1],
-                                 ar_alpha=options.ar_alpha, lopti_eta=options.lopti_eta)
+                                 **options.method_options.loss_options())
         loss, m = gbc.policy_loss(log_prob, mask, advantages, old_logp=old_log_prob,
                                   config=cfg, phase=options.current_phase,
                                   is_ratio=rollout_is_weights,
@@ -406,24 +414,39 @@ def make_policy_loss(options: VerlGBCOptions):
     return gbc_policy_loss
 
 
-def register(name: str = "gbc", ar_alpha: float = 0.0, lopti_eta: Optional[float] = None,
-             base_loss_mode: str = "vanilla") -> VerlGBCOptions:
+# what the registry route cannot run, and what to use instead
+REGISTRY_REFUSED = {
+    "nthr": "NTHR's scores need the old policy's hidden states, which verl's registered loss "
+            "never sees: use gbc's engine (GBC_VERL_ENGINE=1), or compute the scales and pass "
+            "them in through scale_advantages()",
+    "critical_kl_exponent": "verl adds its KL term outside the registered loss: use gbc's "
+                            "engine (GBC_VERL_ENGINE=1), or weight verl's KL with "
+                            "weighted_kl_penalty()"}
+
+
+def register(name: str = "gbc", base_loss_mode: str = "vanilla",
+             **method_options) -> VerlGBCOptions:
     """Register the gbc policy loss with verl under ``name`` and return its options.
 
     ``base_loss_mode``: the verl loss the registered one reproduces (any of
-    :data:`VERL_LOSS_MODES`, with the actor config's parameters for it), AR and Lopti on top.
-    Select it with ``actor_rollout_ref.actor.policy_loss.loss_mode=<name>``. verl's workers run
-    in their own processes: call this where they import their code (e.g. the module that
-    defines your reward function).
+    :data:`VERL_LOSS_MODES`, with the actor config's parameters for it). ``method_options``:
+    :class:`gbc_kernels.methods.MethodOptions` — AR (``ar_alpha``) and Lopti (``lopti_eta``,
+    ``lopti_order``: run the updates in :attr:`VerlGBCOptions.phases` order) run here; NTHR and
+    critical-token KL are refused (:data:`REGISTRY_REFUSED` says why and what to use).
+    Select the loss with ``actor_rollout_ref.actor.policy_loss.loss_mode=<name>``. verl's
+    workers run in their own processes: call this where they import their code (e.g. the
+    module that defines your reward function).
     """
     from verl.trainer.ppo.core_algos import register_policy_loss
 
     if base_loss_mode not in VERL_LOSS_MODES:
         raise ValueError(f"base_loss_mode: expected one of {VERL_LOSS_MODES}, got "
                          f"{base_loss_mode!r}")
-    options = VerlGBCOptions(ar_alpha=ar_alpha, lopti_eta=lopti_eta,
-                             base_loss_mode=base_loss_mode)
-    gbc.PolicyLossConfig(ar_alpha=ar_alpha, lopti_eta=lopti_eta)    # validates both
+    opts = methods.MethodOptions.from_kwargs(**method_options)
+    for option, why in REGISTRY_REFUSED.items():
+        if getattr(opts, option) not in (False, None):
+            raise ValueError(f"{option}: not run by the registry route: {why}")
+    options = VerlGBCOptions(opts, base_loss_mode)
     register_policy_loss(name)(make_policy_loss(options))
     return options
 

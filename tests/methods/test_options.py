@@ -127,12 +127,67 @@ def test_verl_engine_options_are_the_method_options():
     assert issubclass(ve.EngineOptions, methods.MethodOptions)
     # the trainer's reference pass hands the worker every critical-KL option
     assert set(ve.CRITICAL_KL_FIELDS) == {f for f in FIELDS if f.startswith("critical_kl")}
-    assert set(ve.OPTION_TYPES) == FIELDS | {"backend"}
+    assert set(ve.OPTION_NAMES) == FIELDS | {"backend"}
     with pytest.raises(ValueError, match="ar_alpha given twice"):
         ve.EngineOptions.parse("ar_alpha=0.1,ar_alpha=0.2")
     for text in ("nthr_beta=nan", "critical_kl_exponent=inf", "lopti_eta=nan"):
         with pytest.raises(ValueError, match=text.split("=")[0]):
             ve.EngineOptions.parse(text)
+
+
+def test_verl_registry_route_honours_or_refuses_every_option():
+    """``integrations.verl.register(**options)``: AR and Lopti change the registered loss (its
+    value and gradient against the same call without the option; ``lopti_order`` the order of
+    the phases); NTHR and critical-token KL, which the registered loss cannot see, are refused
+    at registration naming the option; nonsense is refused by name."""
+    pytest.importorskip("verl")
+    from verl.trainer.ppo import core_algos
+
+    from gbc_kernels.integrations import verl as gv
+
+    g = torch.Generator().manual_seed(7)
+    B, T = 3, 6
+    old = -torch.rand(B, T, generator=g) * 3
+    logp0 = old + 0.1 * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, T, generator=g)
+    mask = torch.ones(B, T)
+    cfg = {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2,
+           "clip_ratio_c": 3.0, "global_batch_info": {}}
+
+    def run(name, **options):
+        reg = gv.register(name, **options)
+        fn = core_algos.get_policy_loss_fn(name)
+        out = []
+        for phase in reg.phases:
+            logp = logp0.clone().requires_grad_(True)
+            if phase is None:
+                loss = fn(old, logp, adv, mask, "token-mean", cfg)[0]
+            else:
+                with reg.phase(phase):
+                    loss = fn(old, logp, adv, mask, "token-mean", cfg)[0]
+            out.append((phase, loss.detach(), torch.autograd.grad(loss, logp)[0]))
+        return out
+
+    honoured = {"ar_alpha": ({}, dict(ar_alpha=1.0)), "lopti_eta": ({}, dict(lopti_eta=0.5)),
+                "lopti_order": (dict(lopti_eta=0.5), dict(lopti_eta=0.5,
+                                                          lopti_order="high-first"))}
+    for name in sorted(FIELDS):
+        if name in honoured:
+            a, b = honoured[name]
+            ra, rb = run(f"gbc_opt_a_{name}", **a), run(f"gbc_opt_b_{name}", **b)
+            if name == "lopti_order":
+                assert [p for p, *_ in ra] == ["low", "high"]
+                assert [p for p, *_ in rb] == ["high", "low"]
+                continue
+            for _, _, grad in rb:       # AR's loss, and each Lopti phase's, is not the plain one
+                assert (grad - ra[0][2]).abs().max() > 1e-4, name
+        else:
+            switch = "nthr" if name.startswith("nthr") else "critical_kl_exponent"
+            assert switch in PAIRS[name][1]
+            with pytest.raises(ValueError, match=f"^{switch}: not run by the registry route"):
+                gv.register(f"gbc_opt_{name}", **PAIRS[name][1])
+    with pytest.raises(ValueError, match="not a method option"):
+        gv.register("gbc_opt_bad", alpha=0.1)
 
 
 def _example_run(options):
