@@ -586,6 +586,8 @@ def engine_class(base, mixin=None):
 ENGINES = [
     (("fsdp", "fsdp2"), "verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead",
      f"{__name__}:GBCEngineMixin"),
+    (("megatron",), "verl.workers.engine.megatron.transformer_impl:MegatronEngineWithLMHead",
+     "gbc_kernels.integrations.verl_megatron:GBCMegatronMixin"),
 ]
 _ENABLED = {}           # verl's engine class -> gbc's
 _OPTIONS = {}
