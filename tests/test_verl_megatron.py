@@ -141,9 +141,11 @@ def _responses(out, key, data):
     ``no_padding_2_padding``), 0 off the response mask."""
     from verl.workers.utils.padding import no_padding_2_padding
 
-    v = no_padding_2_padding(out["model_output"][key], data)
-    return v * data["response_mask"].to_padded_tensor(0) if data["response_mask"].is_nested \
-        else v * data["response_mask"]
+    return no_padding_2_padding(out["model_output"][key], data) * _padded(data["response_mask"])
+
+
+def _padded(x):
+    return x.to_padded_tensor(0) if x.is_nested else x
 
 
 def _train_worker(rank, world, tp, sp, cases):
@@ -193,3 +195,163 @@ CASES = {"vanilla_token_mean_kl": ("vanilla", "token-mean", True),
 @pytest.mark.parametrize("sp", [False, True])
 def test_training_step_equals_verl_stock_engine(sp):
     _check(spawn_gloo(2, _train_worker, 2, sp, CASES))
+
+
+class _SGD:
+    """SGD behind megatron's optimizer interface (``step() -> (ok, grad_norm, zeros)``)."""
+
+    def __init__(self, model, lr):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.SGD(self.params, lr=lr)
+
+    def zero_grad(self, set_to_none=True):
+        self.opt.zero_grad(set_to_none=True)
+
+    def step(self):
+        norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in self.params
+                              if p.grad is not None))
+        self.opt.step()
+        return True, float(norm), None
+
+
+def _trainable(model, lr=0.5):
+    model.zero_grad_buffer = lambda: None       # megatron's DDP buffer (none here)
+    return _SGD(model, lr)
+
+
+def _infer(engine, data, **flags):
+    from verl.utils import tensordict_utils as tu
+
+    tu.assign_non_tensor(data, calculate_sum_pi_squared=True, **flags)
+    return engine.infer_batch(data, loss_function=None)
+
+
+def _methods_worker(rank, world, tp, sp):
+    """Forward-only passes (stock and gbc), critical-KL weights with the reference rows, a
+    dispatch watcher, Lopti's two updates (train_batch and by hand), gbc's training loss."""
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    from gbc_kernels.integrations import verl_engine as ve
+
+    out = {}
+    for gbc in (False, True):
+        model = _setup(tp, sp)
+        data = _batch(seed=7)
+        res = _infer(_engine(model, gbc=gbc), data)
+        out[f"infer{int(gbc)}"] = {k: _responses(res, k, data)
+                                   for k in ("log_probs", "entropy", "sum_pi_squared")}
+    # critical-token KL's reference pass, and the rows gbc_reference needs
+    model = _setup(tp, sp)
+    opts = ve.EngineOptions(critical_kl_exponent=0.5, critical_kl_temperature=0.25)
+    data = _batch(seed=8, micro=4)        # one micro-batch: one captured head input
+    from verl.utils import tensordict_utils as tu
+    tu.assign_non_tensor(data, **{ve.CERTAINTY_KEY: {k: getattr(opts, k)
+                                                     for k in ve.CRITICAL_KL_FIELDS}})
+    with _mc().capture_head_input(model) as seen:
+        res = _infer(_engine(model, options=opts), data)
+    assert len(seen) == 1
+    hidden = seen[0]
+    if sp and tp > 1:
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+        hidden = gather_from_sequence_parallel_region(hidden)
+    from gbc_kernels.integrations.verl_megatron import response_rows
+    rows, valid = response_rows(data, "bshd", hidden.transpose(0, 1).shape)
+    weight = gather_from_tensor_model_parallel_region(model.output_layer.weight.detach().t()).t()
+    out["critical"] = dict(logp=_responses(res, "log_probs", data),
+                           w=_responses(res, ve.KL_WEIGHT_KEY, data),
+                           hidden=hidden.transpose(0, 1).reshape(-1, H)[rows].detach(),
+                           weight=weight.detach(), responses=_padded(data["responses"]),
+                           mask=_padded(data["response_mask"]).bool() & valid)
+    # no [N, V/tp] logits on gbc's path (a training step and a forward-only pass)
+    os.environ["GBC_CHUNK_MB"] = "0.001"     # several chunks
+    model = _setup(tp, sp)
+    data = _batch(seed=9, B=12, micro=12)
+    watched = {}
+    for gbc in (True, False):
+        engine = _engine(model, gbc=gbc)
+        with VocabWatcher(VP // tp) as w:
+            engine.forward_backward_batch(data.clone(), _loss_fn(), forward_only=False)
+            _infer(engine, data.clone())
+        watched[gbc] = [s for s in w.seen if s not in ((VP // tp, H), (H, VP // tp))]
+    del os.environ["GBC_CHUNK_MB"]
+    out["watch"] = dict(gbc=watched[True], stock=watched[False],
+                        n_tokens=int(_padded(data["response_mask"]).sum()))
+    # Lopti: train_batch's two updates against the phases run by hand
+    params = []
+    for by_hand in (False, True):
+        model = _setup(tp, sp)
+        engine = _engine(model, options=ve.EngineOptions(lopti_eta=0.5))
+        engine.optimizer = _trainable(model)
+        for step in range(2):
+            data = _batch(seed=20 + step, confident=0.4)
+            if by_hand:
+                for phase in ("low", "high"):
+                    engine._gbc_phase = phase
+                    engine.optimizer_zero_grad()
+                    engine.forward_backward_batch(data.clone(), _loss_fn(), forward_only=False)
+                    engine.optimizer_step()
+                engine._gbc_phase = None
+            else:
+                got = engine.train_batch(data, _loss_fn())
+                out["lopti_metrics"] = sorted(got["metrics"])
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    out["lopti"] = params
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp2_sp():
+    return spawn_gloo(2, _methods_worker, 2, True)
+
+
+@pytest.mark.slow
+def test_forward_only_equals_verl_stock_engine(tp2_sp):
+    """log_probs, entropy and sum_pi_squared of verl's forward-only pass (temperature 0.8),
+    TP=2 with sequence parallelism: gbc's equal the stock engine's on every response token."""
+    for r, out in enumerate(tp2_sp):
+        for k in ("log_probs", "entropy", "sum_pi_squared"):
+            a, b = out["infer0"][k], out["infer1"][k]
+            assert float(a.abs().sum()) > 0
+            _close(a, b, 1e-6, f"rank {r} {k}")
+
+
+@pytest.mark.slow
+def test_critical_kl_reference_pass_equals_reference(tp2_sp):
+    """The reference pass with CERTAINTY_KEY returns gbc_reference's ``ref_logp`` and weights
+    ``(J_max_prob at T=0.25)^0.5`` over megatron's padded vocabulary (its padded rows are real
+    logits), from the same hidden rows and the gathered output-layer weight."""
+    import gbc_reference as ref
+
+    for out in tp2_sp:
+        c = out["critical"]
+        st = ref.token_stats(c["hidden"], c["weight"], c["responses"], temperature=0.8,
+                             certainty="max_prob", certainty_temperature=0.25)
+        m = c["mask"]
+        want = ref.critical_kl_weight(st.certainty, 0.5) * m
+        assert float(want[m].std()) > 1e-3
+        _close(c["w"], want.to(c["w"].dtype), 1e-6, "kl weight")
+        _close(c["logp"][m], st.logp[m].to(c["logp"].dtype), 1e-5, "ref logp")
+
+
+@pytest.mark.slow
+def test_no_full_logits_on_gbc_path(tp2_sp):
+    """No tensor over this rank's vocabulary shard has as many rows as the micro-batch has
+    response tokens (gbc's chunks only), in a training step and a forward-only pass."""
+    def rows(shapes):
+        return max(torch.Size(s[:-1]).numel() for s in shapes) if shapes else 0
+
+    for out in tp2_sp:
+        n = out["watch"]["n_tokens"]
+        assert rows(out["watch"]["stock"]) > n            # the watcher sees verl's logits
+        assert 0 < rows(out["watch"]["gbc"]) < n // 2, out["watch"]["gbc"]
+
+
+@pytest.mark.slow
+def test_lopti_train_batch_is_two_updates(tp2_sp):
+    """``train_batch`` with ``lopti_eta`` (EngineMethods on the Megatron engine's optimizer
+    interface): the parameters after two mini-batches equal the two phases run by hand."""
+    for out in tp2_sp:
+        a, b = out["lopti"]
+        for k in a:
+            _close(a[k], b[k], 1e-9, k)
+    assert {"grad_norm", "gbc_grad_norm_second_phase"} <= set(tp2_sp[0]["lopti_metrics"])

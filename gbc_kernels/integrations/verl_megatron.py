@@ -73,6 +73,22 @@ def _lengths(batch):
     return plens.long(), rlens.long(), T
 
 
+def response_rows(batch, data_format, shape, cu_seqlens_padded=None):
+    """``(rows [B, T], valid [B, T])``: the row of verl's packed model output (``shape``:
+    ``[1, nnz, ...]`` for ``thd``, sequence ``b`` from ``cu_seqlens_padded[b]``; ``[B, S, ...]``
+    for ``bshd``) that predicts response token ``t`` of sequence ``b``, flattened; padding
+    positions point at row 0."""
+    plens, rlens, T = _lengths(batch)
+    device = plens.device
+    if data_format == "thd":
+        starts = cu_seqlens_padded[:-1].to(device).long()
+    else:
+        starts = torch.arange(shape[0], device=device) * shape[1]
+    t = torch.arange(T, device=device)
+    valid = t[None] < rlens[:, None]
+    return torch.where(valid, (starts + plens - 1)[:, None] + t[None], 0), valid
+
+
 class GBCMegatronMixin(EngineMethods):
     """gbc's forward step on top of verl's ``MegatronEngineWithLMHead``."""
 
@@ -158,15 +174,8 @@ class GBCMegatronMixin(EngineMethods):
                 distillation_only=distillation_only, logits_processor_func=logits_processor_func,
                 batch=batch, data_format=data_format)
         hidden = logits                  # [1, nnz, H] (thd) or [B, S, H] (bshd)
-        plens, rlens, T = _lengths(batch)
         device = hidden.device
-        if data_format == "thd":
-            starts = state["cu"][:-1].to(device).long()
-        else:
-            starts = torch.arange(hidden.shape[0], device=device) * hidden.shape[1]
-        t = torch.arange(T, device=device)
-        valid = t[None] < rlens.to(device)[:, None]
-        rows = torch.where(valid, (starts + plens.to(device) - 1)[:, None] + t[None], 0)
+        rows, valid = response_rows(batch, data_format, hidden.shape, state["cu"])
         weight = state["weight"]
         h = hidden.reshape(-1, hidden.shape[-1])[rows].transpose(0, 1)     # [T, B, H]
         h = h.to(weight.dtype) if h.dtype != weight.dtype else h
