@@ -148,12 +148,13 @@ def _padded(x):
     return x.to_padded_tensor(0) if x.is_nested else x
 
 
-def _train_worker(rank, world, tp, sp, cases):
-    """Per case: stock and gbc forward_backward_batch on fresh copies of one model."""
+def _train_worker(rank, world, tp, cases):
+    """Per case (loss mode, aggregation, KL term, sequence parallel): stock and gbc
+    ``forward_backward_batch`` on fresh copies of one model."""
     results = {}
-    for name, (mode, agg, kl) in cases.items():
+    for name, (mode, agg, kl, sp) in cases.items():
         res = {}
-        for gbc in (False, True):
+        for gbc in (False, True) if tp > 1 else (True,):
             model = _setup(tp, sp)
             engine = _engine(model, gbc=gbc)
             torch.manual_seed(1234)
@@ -161,10 +162,16 @@ def _train_worker(rank, world, tp, sp, cases):
             out = engine.forward_backward_batch(data, _loss_fn(mode, agg, kl),
                                                 forward_only=False)
             res[gbc] = dict(loss=sum(out["loss"]), logp=_responses(out, "log_probs", data),
-                            entropy=_responses(out, "entropy", data), metrics=out["metrics"],
-                            grads=_grads(model))
+                            entropy=_responses(out, "entropy", data),
+                            metrics=_metric_values(out["metrics"]), grads=_grads(model))
         results[name] = res
     return results
+
+
+def _metric_values(metrics):
+    from test_verl_engine import _metric_values as values
+
+    return values(metrics)
 
 
 def _close(a, b, tol, what):
@@ -178,24 +185,44 @@ def _check(results, tol=1e-6):
             stock, ours = res[False], res[True]
             what = f"rank {r} {name}"
             assert abs(float(stock["loss"]) - float(ours["loss"])) < tol * 0.1, what
-            _close(stock["logp"], ours["logp"], 1e-6, what + " log_probs")
-            _close(stock["entropy"], ours["entropy"], 1e-6, what + " entropy")
+            _close(stock["logp"], ours["logp"], tol, what + " log_probs")
+            _close(stock["entropy"], ours["entropy"], tol, what + " entropy")
             assert stock["grads"].keys() == ours["grads"].keys()
+            assert float(sum(g.abs().sum() for g in ours["grads"].values())) > 0
             for k in stock["grads"]:
                 _close(stock["grads"][k], ours["grads"][k], tol, f"{what} grad {k}")
-            for k, v in stock["metrics"].items():
-                assert k in ours["metrics"], (what, k)
+            for k, v in stock["metrics"].items():       # verl's own metrics, gbc's values
+                _close(torch.tensor(v), torch.tensor(ours["metrics"][k]), 1e-5, f"{what} {k}")
 
 
-CASES = {"vanilla_token_mean_kl": ("vanilla", "token-mean", True),
-         "gspo_seq_mean": ("gspo", "seq-mean-token-mean", False)}
+CASES = {"vanilla_token_mean_kl": ("vanilla", "token-mean", True, False),
+         "gspo_seq_mean_sp": ("gspo", "seq-mean-token-mean", False, True)}
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return spawn_gloo(2, _train_worker, 2, CASES)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sp", [False, True])
-def test_training_step_equals_verl_stock_engine(sp):
-    _check(spawn_gloo(2, _train_worker, 2, sp, CASES))
+def test_training_step_equals_verl_stock_engine(trained):
+    """verl's forward_backward_batch with its ppo_loss, through the stock engine and gbc's, TP=2
+    with and without sequence parallelism, a padded vocabulary (ids < 50 of 64 rows): the
+    loss, log_probs, entropy, verl's metrics and every parameter's gradient equal (float64
+    model, float32 batch fields)."""
+    _check(trained)
 
+
+@pytest.mark.slow
+def test_tensor_parallel_2_equals_1(trained):
+    """gbc's engine at TP=1 (one process) gives TP=2's loss, log_probs and entropy."""
+    name = "vanilla_token_mean_kl"
+    one = spawn_gloo(1, _train_worker, 1, {name: CASES[name]})[0][name][True]
+    for per_rank in trained:
+        two = per_rank[name][True]
+        assert abs(float(one["loss"]) - float(two["loss"])) < 1e-7
+        _close(one["logp"], two["logp"], 1e-6, "log_probs")
+        _close(one["entropy"], two["entropy"], 1e-6, "entropy")
 
 class _SGD:
     """SGD behind megatron's optimizer interface (``step() -> (ok, grad_norm, zeros)``)."""
@@ -276,6 +303,16 @@ def _methods_worker(rank, world, tp, sp):
     del os.environ["GBC_CHUNK_MB"]
     out["watch"] = dict(gbc=watched[True], stock=watched[False],
                         n_tokens=int(_padded(data["response_mask"]).sum()))
+    # gbc's thd rows against verl's own packing (preprocess_thd_engine, TP=2 alignment)
+    from verl.models.mcore.util import preprocess_thd_engine
+    from test_verl_engine import make_batch
+    packed = make_batch(10, 5, rmpad=True, vocab=VOCAB)
+    labels, psp, _ = preprocess_thd_engine(packed["input_ids"], pre_process=True, need_roll=True)
+    rows, valid = response_rows(packed, "thd", labels.shape, psp.cu_seqlens_q_padded)
+    out["thd"] = dict(got=torch.where(valid, labels.reshape(-1)[rows], -1),
+                      want=torch.where(valid, _padded(packed["responses"]), -1),
+                      padded=bool((psp.cu_seqlens_q_padded != psp.cu_seqlens_q).any())
+                      if psp.cu_seqlens_q is not psp.cu_seqlens_q_padded else True)
     # Lopti: train_batch's two updates against the phases run by hand
     params = []
     for by_hand in (False, True):
@@ -355,3 +392,89 @@ def test_lopti_train_batch_is_two_updates(tp2_sp):
         for k in a:
             _close(a[k], b[k], 1e-9, k)
     assert {"grad_norm", "gbc_grad_norm_second_phase"} <= set(tp2_sp[0]["lopti_metrics"])
+
+
+@pytest.mark.slow
+def test_thd_rows_follow_verls_packing(tp2_sp):
+    """``use_remove_padding`` (thd): the rows gbc projects are those whose rolled label, as
+    verl's ``preprocess_thd_engine`` packs it for TP=2 (sequences padded to even lengths), is
+    the response token; the engine's thd forward itself needs megatron's fused attention."""
+    for out in tp2_sp:
+        t = out["thd"]
+        assert torch.equal(t["got"], t["want"])
+        assert (t["want"] >= 0).sum() > 10
+
+
+def _bare_engine(options=None, mtp=False, modules=1, **config):
+    from verl.workers.config import McoreEngineConfig
+
+    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations import verl_megatron as vm
+
+    engine = object.__new__(vm.GBCMegatronEngineWithLMHead)
+    engine.engine_config = McoreEngineConfig(**config)
+    engine.model_config = types.SimpleNamespace(mtp=types.SimpleNamespace(enable=mtp))
+    engine.module = [None] * modules
+    engine.gbc_options = options or ve.EngineOptions()
+    return engine
+
+
+REFUSALS = {
+    "use_fused_kernels": dict(use_fused_kernels=True),
+    "context_parallel_size": dict(context_parallel_size=2),
+    "dynamic_context_parallel": dict(dynamic_context_parallel=True,
+                                     max_seqlen_per_dp_cp_rank=64),
+    "virtual_pipeline_model_parallel_size": dict(modules=2),
+    "mtp.enable": dict(mtp=True),
+    "nthr": dict(options="nthr"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(REFUSALS))
+def test_refuses_what_it_cannot_honour(what):
+    """Each Megatron option gbc cannot honour is refused by name, at ``initialize`` (before
+    verl builds anything) and at each ``forward_backward_batch``."""
+    from gbc_kernels.integrations import verl_engine as ve
+
+    kw = dict(REFUSALS[what])
+    if kw.get("options") == "nthr":
+        kw["options"] = ve.EngineOptions(nthr=True)
+    engine = _bare_engine(**kw)
+    with pytest.raises(ValueError, match=what.replace(".", r"\.")):
+        engine.initialize()
+    with pytest.raises(ValueError, match=what.replace(".", r"\.")):
+        engine.forward_backward_batch(None, None)
+
+
+def test_refuses_distillation_batches():
+    """A training micro-batch with verl's top-k distillation under ppo_loss is refused."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    batch = TensorDict({"responses": torch.zeros(1, 2, dtype=torch.long)}, batch_size=[1])
+    tu.assign_non_tensor(batch, distillation_use_topk=True)
+    with pytest.raises(ValueError, match="distillation"):
+        _bare_engine().forward_step(iter([batch]), None, _loss_fn(), None)
+
+
+def test_enable_registers_the_megatron_engine():
+    """enable() hands out gbc's engine for verl's ``megatron`` backend (every device it is
+    registered for), with the options in force; disable() puts verl's back."""
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations import verl_megatron as vm
+
+    table = EngineRegistry._engines["language_model"]["megatron"]
+    before = dict(table)
+    assert MegatronEngineWithLMHead in before.values()
+    try:
+        ve.enable(ve.EngineOptions(ar_alpha=0.25))
+        for cls in table.values():
+            assert issubclass(cls, vm.GBCMegatronMixin)
+            assert issubclass(cls, MegatronEngineWithLMHead)
+            assert cls.gbc_options.ar_alpha == 0.25
+    finally:
+        ve.disable()
+    assert table == before
