@@ -55,7 +55,8 @@ def _tp_group(tp_group):
     return parallel_state.get_tensor_model_parallel_group()
 
 
-def _head(hidden_states, output_weight, output_bias, labels, tp_group, sequence_parallel):
+def _head(hidden_states, output_weight, output_bias, labels, tp_group, sequence_parallel,
+          hidden_gathered=False):
     """``(hidden [S, B, H] on every rank, VocabParallel or None)`` after the checks."""
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
         raise ValueError("hidden_states: expected megatron's sequence-first [S, B, H] tensor, "
@@ -66,8 +67,13 @@ def _head(hidden_states, output_weight, output_bias, labels, tp_group, sequence_
     if output_weight.shape[1] != hidden_states.shape[2]:
         raise ValueError(f"output_weight: expected [V/tp, {hidden_states.shape[2]}] (H of "
                          f"hidden_states), got {list(output_weight.shape)}")
-    if not isinstance(sequence_parallel, bool):
-        raise TypeError(f"sequence_parallel: expected a bool, got {sequence_parallel!r}")
+    for name, flag in (("sequence_parallel", sequence_parallel),
+                       ("hidden_gathered", hidden_gathered)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {flag!r}")
+    if sequence_parallel and hidden_gathered:
+        raise ValueError("hidden_gathered: expected False with sequence_parallel=True (the "
+                         "processor gathers this rank's part itself), got True")
     group = _tp_group(tp_group)
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     sp = sequence_parallel and tp > 1
@@ -85,7 +91,7 @@ def _head(hidden_states, output_weight, output_bias, labels, tp_group, sequence_
         return hidden_states, None
     rows = output_weight.shape[0]
     return hidden_states, gbc.VocabParallel(group, rank * rows, (rank + 1) * rows,
-                                            reduce_hidden_grad=not sp)
+                                            reduce_hidden_grad=not (sp or hidden_gathered))
 
 
 def _refuse_context_parallel():
@@ -109,8 +115,8 @@ def _shape(x):
 def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp=None,
                 ref_logp=None, token_scale=None, kl_weight=None, config=None, phase=None, *,
                 output_bias=None, tp_group=None, sequence_parallel: bool = False,
-                return_entropy: bool = True, return_sum_p2: bool = False, backend="auto",
-                **loss_kwargs) -> HeadOutput:
+                hidden_gathered: bool = False, return_entropy: bool = True,
+                return_sum_p2: bool = False, backend="auto", **loss_kwargs) -> HeadOutput:
     """gbc's fused policy loss on megatron-core's output layer (SPEC §13).
 
     hidden_states: ``[S, B, H]`` of the last pipeline stage (under sequence parallelism this
@@ -119,7 +125,10 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
     response mask; advantages ``[B]`` or ``[B, S]``; old_logp, ref_logp, token_scale (AR/NTHR),
     kl_weight (critical-token KL): ``[B, S]`` or None; config: a
     :class:`gbc_kernels.PolicyLossConfig`; phase: the Lopti phase. tp_group: the
-    tensor-parallel group (None: megatron's). ``loss_kwargs`` go to
+    tensor-parallel group (None: megatron's). hidden_gathered: ``hidden_states`` were gathered
+    along the sequence by the caller with megatron's ``gather_from_sequence_parallel_region``
+    (as the sequence-parallel output layer gathers them): ``d hidden`` stays this shard's part,
+    for that gather's reduce-scatter. ``loss_kwargs`` go to
     :func:`gbc_kernels.fused_linear_policy_loss` (``num_items_in_batch``, ``is_ratio`` ...).
 
     The loss, metrics, ``logp``, ``entropy`` and ``sum_p2`` come from one sweep (neither the
@@ -139,7 +148,7 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
     if return_entropy and not cfg.wants_entropy:
         cfg = dataclasses.replace(cfg, return_entropy=True)
     hidden, vp = _head(hidden_states, output_weight, output_bias, labels, tp_group,
-                       sequence_parallel)
+                       sequence_parallel, hidden_gathered)
     tok = {}
     loss, metrics = gbc.fused_linear_policy_loss(
         hidden.transpose(0, 1), output_weight, labels, mask, advantages, old_logp, ref_logp,
@@ -151,8 +160,8 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
 
 def logprobs(hidden_states, output_weight, labels, mask=None, *, temperature=1.0,
              output_bias=None, tp_group=None, sequence_parallel: bool = False,
-             return_entropy: bool = True, return_sum_p2: bool = False,
-             backend="auto") -> HeadOutput:
+             hidden_gathered: bool = False, return_entropy: bool = True,
+             return_sum_p2: bool = False, backend="auto") -> HeadOutput:
     """Per-token log-probs (and entropy, ``sum_p2``) on megatron-core's output layer, for the
     log-prob passes (old policy, reference) and verl's ``compute_log_prob``.
 
@@ -166,21 +175,60 @@ def logprobs(hidden_states, output_weight, labels, mask=None, *, temperature=1.0
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {flag!r}")
     hidden, vp = _head(hidden_states, output_weight, output_bias, labels, tp_group,
-                       sequence_parallel)
-    S, B = hidden.shape[:2]
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (B, S):
-            raise ValueError(f"mask: expected None or [B, S] = [{B}, {S}], got {_shape(mask)}")
-        mask = mask.to(labels.device).bool()
+                       sequence_parallel, hidden_gathered)
+    mask = _check_mask(mask, hidden, labels)
     logp, entropy, sum_p2 = _rows_stats(hidden, output_weight, output_bias, labels, mask,
                                         temperature, vp, return_entropy, return_sum_p2, backend)
     return HeadOutput(None, {}, logp, entropy, sum_p2)
 
 
+def reference_stats(hidden_states, output_weight, labels, options, mask=None, *,
+                    temperature=1.0, output_bias=None, tp_group=None,
+                    sequence_parallel: bool = False, hidden_gathered: bool = False,
+                    backend="auto"):
+    """The reference pass of critical-token KL (docs/math.md §5) on megatron-core's output
+    layer: :func:`gbc_kernels.methods.reference_stats` over the vocab-parallel path, no grad.
+    Same inputs as :func:`logprobs`; ``options``: a :class:`gbc_kernels.methods.MethodOptions`
+    (its ``critical_kl_*``). Returns ``methods.ReferenceStats`` with ``ref_logp``,
+    ``kl_weight`` and ``certainty`` ``[B, S]`` (0 outside ``mask``; the last two None when
+    ``critical_kl_exponent`` is None). The certainty's ``log V`` is over megatron's padded
+    vocabulary (its padded rows are real logits)."""
+    from gbc_kernels import methods
+
+    hidden, vp = _head(hidden_states, output_weight, output_bias, labels, tp_group,
+                       sequence_parallel, hidden_gathered)
+    mask = _check_mask(mask, hidden, labels)
+    st = _select(hidden, labels, mask, temperature, lambda flat, y, temp: methods.reference_stats(
+        flat.detach(), output_weight, y, options, output_bias, temperature=temp,
+        backend=backend, vocab_parallel=vp))
+    return methods.ReferenceStats(*st)
+
+
+def _check_mask(mask, hidden, labels):
+    S, B = hidden.shape[:2]
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (B, S):
+        raise ValueError(f"mask: expected None or [B, S] = [{B}, {S}], got {_shape(mask)}")
+    return mask.to(labels.device).bool()
+
+
 def _rows_stats(hidden, weight, bias, labels, mask, temperature, vp, want_entropy, want_sum_p2,
                 backend):
-    """``(logp, entropy, sum_p2)`` ``[B, S]`` of the rows in ``mask`` (every row when None),
-    selected in megatron's ``[S, B]`` order (no copy of the whole hidden states)."""
+    """``(logp, entropy, sum_p2)`` ``[B, S]`` of the rows in ``mask`` (every row when None)."""
+    def stats(flat, y, temp):
+        out = gbc.fused_linear_logprobs(flat, weight, y, bias=bias, temperature=temp,
+                                        return_entropy=want_entropy, backend=backend,
+                                        vocab_parallel=vp, return_sum_p2=want_sum_p2)
+        return out[0], out[1], out[2] if want_sum_p2 else None
+
+    return _select(hidden, labels, mask, temperature, stats)
+
+
+def _select(hidden, labels, mask, temperature, stats):
+    """``stats(rows [N, H], labels [N], temperature)`` on the rows in ``mask`` (every row when
+    None), selected in megatron's ``[S, B]`` order (no copy of the whole hidden states); its
+    per-row outputs back as ``[B, S]`` (0 outside ``mask``; None stays None)."""
     S, B, H = hidden.shape
     flat = hidden.reshape(S * B, H)
     y = labels.t().reshape(S * B)
@@ -199,9 +247,6 @@ def _rows_stats(hidden, weight, bias, labels, mask, temperature, vp, want_entrop
         flat, y = flat.index_select(0, idx), y.index_select(0, idx)
         if isinstance(temp, torch.Tensor):
             temp = temp.index_select(0, idx)
-    out = gbc.fused_linear_logprobs(flat, weight, y, bias=bias, temperature=temp,
-                                    return_entropy=want_entropy, backend=backend,
-                                    vocab_parallel=vp, return_sum_p2=want_sum_p2)
 
     def back(v):
         if v is None:
@@ -210,5 +255,4 @@ def _rows_stats(hidden, weight, bias, labels, mask, temperature, vp, want_entrop
             v = torch.zeros(S * B, dtype=v.dtype, device=v.device).index_copy(0, idx, v)
         return v.view(S, B).t().contiguous()
 
-    logp, entropy = out[0], out[1]
-    return back(logp), back(entropy), back(out[2]) if want_sum_p2 else None
+    return tuple(back(v) for v in stats(flat, y, temp))

@@ -321,7 +321,7 @@ def compute_ref_log_prob(trainer, batch):
     if weight is None:
         raise ValueError("critical_kl_exponent: the reference pass returned no KL weights; the "
                          "reference worker must run gbc's engine (GBC_VERL_ENGINE in every "
-                         "worker, an FSDP reference)")
+                         "worker, on an FSDP or Megatron reference)")
     log_probs = no_padding_2_padding(tu.get(output, "log_probs"), batch_td)
     weight = no_padding_2_padding(weight, batch_td).float()
     return DataProto.from_tensordict(tu.get_tensordict(
@@ -342,6 +342,8 @@ def engine_class(base, mixin=None):
 ENGINES = [
     (("fsdp", "fsdp2"), "verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead",
      "gbc_kernels.integrations.verl_fsdp:GBCEngineMixin"),
+    (("megatron",), "verl.workers.engine.megatron.transformer_impl:MegatronEngineWithLMHead",
+     "gbc_kernels.integrations.verl_megatron:GBCMegatronMixin"),
 ]
 _ENABLED = {}           # verl's engine class -> gbc's
 _OPTIONS = {}

@@ -1,0 +1,253 @@
+"""gbc inside verl 0.9.1's Megatron engine (``MegatronEngineWithLMHead``): the loss and the
+log-prob passes from the last pipeline stage's hidden states and the output layer's
+``[V/tp, H]`` shard, over gbc's vocab-parallel path (:mod:`gbc_kernels.integrations.megatron`),
+without the ``[tokens, V/tp]`` logits (docs/megatron.md).
+
+verl's step stays verl's: its micro-batching, megatron's pipeline schedule, the packing and
+unpacking of ``model_forward`` (``thd`` or ``bshd``), the ``num_micro_batch`` scaling and the
+``calculate_per_token_loss`` branch of its ``postprocess_micro_batch_func``. During gbc's forward
+step the model's output layer (``GPTModel.output_layer``) hands back its input — gathered along
+the sequence under sequence parallelism, as megatron's layer gathers it — in place of the
+logits; verl packs those hidden states like logits, and gbc's ``_lm_head_logits_processor``
+projects only the response rows. The training loss replaces ``ppo_loss``'s value in
+``postprocess_micro_batch_func``; verl's metrics come from its own ``ppo_loss`` on gbc's detached
+per-token values. Switched on with the FSDP engine (``GBC_VERL_ENGINE=1``, :func:`enable`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from gbc_kernels import methods
+from gbc_kernels.integrations import megatron as M
+from gbc_kernels.integrations.verl_engine import (CERTAINTY_KEY, KL_WEIGHT_KEY, EngineMethods,
+                                                  _flag, _is_ppo_loss, _rng_state, _temperature,
+                                                  engine_class)
+
+
+def _check_config(engine):
+    """verl's Megatron options gbc cannot honour: refused by name (engine start-up and each
+    ``forward_backward_batch``)."""
+    ec, mc = engine.engine_config, engine.model_config
+    if ec.use_fused_kernels:
+        raise ValueError("use_fused_kernels: gbc's engine replaces verl's fused kernel; set "
+                         "actor_rollout_ref.model.use_fused_kernels=False")
+    if getattr(ec, "dynamic_context_parallel", False):
+        raise ValueError("dynamic_context_parallel: gbc's engine needs every response row of a "
+                         "micro-batch on one rank; set it to False")
+    if (ec.context_parallel_size or 1) > 1:
+        raise ValueError(f"context_parallel_size: expected 1 for gbc's engine (the loss's "
+                         f"sequence terms need whole sequences), got {ec.context_parallel_size}")
+    vpp = getattr(ec, "virtual_pipeline_model_parallel_size", None)
+    if (vpp or 1) > 1 or len(getattr(engine, "module", None) or [None]) > 1:
+        raise ValueError(f"virtual_pipeline_model_parallel_size: gbc's engine is untested with "
+                         f"virtual pipeline stages; expected None or 1, got {vpp}")
+    if getattr(getattr(mc, "mtp", None), "enable", False):
+        raise ValueError("mtp.enable: gbc's engine computes the next-token head only; set "
+                         "actor_rollout_ref.model.mtp.enable=False")
+    qat = getattr(ec, "qat", None)
+    if qat is not None and getattr(qat, "enable", False):
+        raise ValueError("qat.enable: gbc reads the output layer's weight directly, past its "
+                         "quantiser; set it to False")
+    if engine.gbc_options.nthr:
+        raise ValueError("nthr: NTHR's old-policy pass is not implemented on verl's Megatron "
+                         "engine (its lm_head rows are sharded over tensor parallelism); unset "
+                         "nthr in GBC_VERL_OPTIONS or use the FSDP engine")
+
+
+def _lengths(batch):
+    """(prompt lengths, response lengths, T) of a micro-batch, as verl's
+    ``no_padding_2_padding`` reads them."""
+    prompts, responses = batch["prompts"], batch["responses"]
+    if prompts.is_nested:
+        plens, rlens = prompts.offsets().diff(), responses.offsets().diff()
+        T = _flag(batch, "max_response_len", -1)
+        T = int(rlens.max()) if T is None or T < 0 else int(T)
+    else:
+        am = batch["attention_mask"]
+        plens, rlens = am[:, :prompts.shape[1]].sum(1), am[:, prompts.shape[1]:].sum(1)
+        T = responses.shape[1]
+    return plens.long(), rlens.long(), T
+
+
+def response_rows(batch, data_format, shape, cu_seqlens_padded=None):
+    """``(rows [B, T], valid [B, T])``: the row of verl's packed model output (``shape``:
+    ``[1, nnz, ...]`` for ``thd``, sequence ``b`` from ``cu_seqlens_padded[b]``; ``[B, S, ...]``
+    for ``bshd``) that predicts response token ``t`` of sequence ``b``, flattened; padding
+    positions point at row 0."""
+    plens, rlens, T = _lengths(batch)
+    device = plens.device
+    if data_format == "thd":
+        starts = cu_seqlens_padded[:-1].to(device).long()
+    else:
+        starts = torch.arange(shape[0], device=device) * shape[1]
+    t = torch.arange(T, device=device)
+    valid = t[None] < rlens[:, None]
+    return torch.where(valid, (starts + plens - 1)[:, None] + t[None], 0), valid
+
+
+class GBCMegatronMixin(EngineMethods):
+    """gbc's forward step on top of verl's ``MegatronEngineWithLMHead``."""
+
+    _gbc_state: Optional[dict] = None     # the head of the forward in progress
+
+    # -- start-up and entry points ----------------------------------------------------------
+    def initialize(self):
+        _check_config(self)
+        return super().initialize()
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        _check_config(self)
+        self._gbc_pending = {}
+        return super().forward_backward_batch(data, loss_function, forward_only)
+
+    def gbc_nthr_pass(self, data, defaults=None):
+        _check_config(self)         # refuses nthr
+
+    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
+        batch = next(batch_iter)
+        again = iter([batch])
+        if logits_processor_func is None:      # forward only: log-probs (verl's for distillation)
+            ours = "responses" in batch and not _flag(batch, "distillation_use_topk")
+        else:                                  # training: ppo_loss (SFT, distillation: verl's)
+            ours = _is_ppo_loss(logits_processor_func)
+        if not ours:
+            return super().forward_step(again, model, logits_processor_func,
+                                        postprocess_micro_batch_func)
+        if _flag(batch, "distillation_use_topk"):
+            raise ValueError("distillation: gbc's engine computes the policy loss only; unset "
+                             "GBC_VERL_ENGINE for distillation runs")
+        with self._gbc_head(model):
+            return super().forward_step(again, model, logits_processor_func,
+                                        postprocess_micro_batch_func)
+
+    @contextlib.contextmanager
+    def _gbc_head(self, model):
+        """The last stage's output layer returns its (sequence-gathered) input in place of the
+        logits; records its weight shard and the packing (``cu_seqlens_q_padded``)."""
+        from verl.utils.megatron_utils import unwrap_model
+
+        inner = unwrap_model(model)
+        if not getattr(inner, "post_process", False):    # not the last pipeline stage
+            yield
+            return
+        layer = inner.output_layer
+        state = {"tp_group": layer.tp_group, "cu": None,
+                 "gathered": bool(getattr(layer, "sequence_parallel", False))}
+
+        def head(hidden, weight=None, runtime_gather_output=None):
+            if state["gathered"]:       # megatron's gather: its backward reduce-scatters
+                from megatron.core.tensor_parallel.mappings import (
+                    gather_from_sequence_parallel_region)
+                hidden = gather_from_sequence_parallel_region(
+                    hidden, tensor_parallel_output_grad=True, group=layer.tp_group)
+            state["weight"] = layer.weight if weight is None else weight
+            state["bias"] = None if layer.skip_bias_add else layer.bias
+            return hidden, None
+
+        def packing(module, args, kwargs):
+            psp = kwargs.get("packed_seq_params")
+            state["cu"] = None if psp is None else psp.cu_seqlens_q_padded
+
+        hook = inner.register_forward_pre_hook(packing, with_kwargs=True)
+        layer.forward = head
+        self._gbc_state = state
+        try:
+            yield
+        finally:
+            del layer.forward
+            hook.remove()
+            self._gbc_state = None
+
+    # -- the head: verl's logits processor, on hidden states --------------------------------
+    def _lm_head_logits_processor(self, logits, label, temperature, *, calculate_sum_pi_squared,
+                                  calculate_entropy, distillation_use_topk, distillation_only,
+                                  logits_processor_func, batch, data_format):
+        state = self._gbc_state
+        if state is None:
+            return super()._lm_head_logits_processor(
+                logits, label, temperature, calculate_sum_pi_squared=calculate_sum_pi_squared,
+                calculate_entropy=calculate_entropy, distillation_use_topk=distillation_use_topk,
+                distillation_only=distillation_only, logits_processor_func=logits_processor_func,
+                batch=batch, data_format=data_format)
+        hidden = logits                  # [1, nnz, H] (thd) or [B, S, H] (bshd)
+        device = hidden.device
+        rows, valid = response_rows(batch, data_format, hidden.shape, state["cu"])
+        weight = state["weight"]
+        h = hidden.reshape(-1, hidden.shape[-1])[rows].transpose(0, 1)     # [T, B, H]
+        h = h.to(weight.dtype) if h.dtype != weight.dtype else h
+        y = label.reshape(-1)[rows]                                         # [B, T]
+        common = dict(output_bias=state["bias"], tp_group=state["tp_group"],
+                      hidden_gathered=state["gathered"])
+
+        def packed(v):       # [B, T] -> verl's layout of the logits' rows, 0 off the responses
+            out = torch.zeros(label.numel(), dtype=torch.float32, device=device)
+            out[rows[valid]] = v.detach().float()[valid]
+            return out.view(label.shape)
+
+        if logits_processor_func is not None:       # training: the fused loss
+            kw = self._gbc_loss_inputs(batch, logits_processor_func, valid)
+            rng = _rng_state()
+            res = M.policy_loss(h, weight, y, return_entropy=kw["config"].wants_entropy,
+                                **common, **kw)
+            self._gbc_pending[id(batch)] = (res.loss, res.metrics, rng)
+            ret = {"log_probs": packed(res.logp)}
+            if calculate_entropy:
+                ret["entropy"] = packed(res.entropy)
+            return ret
+        temp = _temperature(batch)
+        backend = self.gbc_options.backend
+        certainty = _flag(batch, CERTAINTY_KEY, None)
+        with torch.no_grad():
+            if certainty is not None:      # the reference pass of critical-token KL
+                st = M.reference_stats(h, weight, y, methods.MethodOptions(**certainty), valid,
+                                       temperature=temp, backend=backend, **common)
+                ret = {"log_probs": packed(st.ref_logp)}
+                if st.kl_weight is not None:
+                    ret[KL_WEIGHT_KEY] = packed(st.kl_weight)
+                return ret
+            res = M.logprobs(h, weight, y, valid, temperature=temp, backend=backend,
+                             return_entropy=bool(calculate_entropy),
+                             return_sum_p2=bool(calculate_sum_pi_squared), **common)
+        ret = {"log_probs": packed(res.logp)}
+        if calculate_entropy:
+            ret["entropy"] = packed(res.entropy)
+        if calculate_sum_pi_squared:
+            ret["sum_pi_squared"] = packed(res.sum_p2)
+        return ret
+
+    # -- the loss into megatron's schedule --------------------------------------------------
+    def postprocess_micro_batch_func(self, output, data, forward_only, loss_function,
+                                     local_cp_size=None):
+        """verl's, with gbc's loss in place of ``ppo_loss``'s value (its ``num_micro_batch``
+        scaling and ``calculate_per_token_loss`` branch unchanged) and verl's metrics from its
+        own ``ppo_loss`` on gbc's detached values."""
+        pending = getattr(self, "_gbc_pending", {}).pop(id(data), None)
+        if pending is None:
+            return super().postprocess_micro_batch_func(output, data, forward_only,
+                                                        loss_function, local_cp_size)
+        loss, gbc_metrics, rng = pending
+
+        def gbc_loss(model_output, data, dp_group=None):
+            return loss, self._gbc_metrics(loss_function, data, model_output, rng, gbc_metrics)
+
+        return super().postprocess_micro_batch_func(output, data, forward_only, gbc_loss,
+                                                    local_cp_size)
+
+
+def _megatron_engine():
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+    return MegatronEngineWithLMHead
+
+
+def __getattr__(name):
+    """``GBCMegatronEngineWithLMHead``: gbc's engine class on verl's (built on first use:
+    importing verl's Megatron engine needs megatron-core)."""
+    if name == "GBCMegatronEngineWithLMHead":
+        cls = engine_class(_megatron_engine(), GBCMegatronMixin)
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)

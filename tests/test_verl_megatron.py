@@ -1,0 +1,480 @@
+"""gbc inside verl 0.9.1's Megatron engine (integrations/verl_megatron.py), against verl's stock
+``MegatronEngineWithLMHead`` on the same tiny megatron-core ``GPTModel`` and micro-batches, on
+CPU: two gloo ranks, tensor parallel 2 (tests/standins/megatron_cpu.py holds the CPU shims).
+
+What runs is verl's: its ``forward_backward_batch`` (micro-batching, global-batch normalisers),
+its ``forward_step`` and ``model_forward`` (``bshd`` packing and unpacking), its
+``postprocess_micro_batch_func``, megatron's no-pipelining schedule and backward, verl's
+``ppo_loss``. Bypassed on CPU (said here):
+- ``MegatronEngine.__init__``/``initialize`` (mbridge from a HF checkpoint, DDP, the distributed
+  optimizer): the engine is ``object.__new__`` plus what the step reads (verl's own
+  ``McoreEngineConfig``; a model config with the architecture, pad id and ``mtp``; the model's
+  ``TransformerConfig``; ``module = [GPTModel]`` unwrapped); the optimizer (Lopti) is SGD behind
+  megatron's ``step() -> (ok, grad_norm, zeros)``;
+- the ``thd`` packing (``use_remove_padding=True``): megatron's local attention has no packed
+  sequences; the tests run ``bshd`` with the causal mask in place of verl's ``[B, S]`` padding
+  mask (exact for the valid rows of right-padded causal sequences, for both engines alike);
+  gbc's ``thd`` row mapping is checked against verl's ``preprocess_thd_engine`` instead;
+- megatron's schedule allocates its token counter with ``device="cuda"`` (made CPU here), and
+  its ``finalize_model_grads`` is the sequence-parallel norms' gradient all-reduce only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("verl.workers.engine.megatron.transformer_impl")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from conftest import VocabWatcher, spawn_gloo  # noqa: E402
+
+VP, VOCAB, H = 64, 50, 24        # the model's padded vocabulary, the ids used, hidden size
+
+
+class _CpuTorch:
+    """``torch`` for megatron's schedules module, with its ``device="cuda"`` counter on CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+def _mc():
+    """tests/standins/megatron_cpu.py, by path: the standins folder also holds a flash-attn
+    stand-in that verl's padding helpers must not find."""
+    import importlib.util
+
+    if "megatron_cpu" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "megatron_cpu", os.path.join(HERE, "standins", "megatron_cpu.py"))
+        sys.modules["megatron_cpu"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["megatron_cpu"])
+    return sys.modules["megatron_cpu"]
+
+
+def _setup(tp, sp, seed=0, dtype=torch.float64):
+    """megatron's groups, the shims, a tiny GPTModel (its sequence-parallel norms' gradients
+    summed by the schedule's ``finalize_model_grads``)."""
+    mc = _mc()
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import schedules
+
+    mc.install_shims()
+    schedules.torch = _CpuTorch()
+    mc.init_parallel(tp)
+    model = mc.tiny_gpt(VP, hidden=H, seq=32, tp=tp, sp=sp and tp > 1, seed=seed, dtype=dtype)
+    group = parallel_state.get_tensor_model_parallel_group()
+    model.config.finalize_model_grads_func = (
+        lambda models, *a, **k: mc.allreduce_sp_norm_grads(models[0], group))
+
+    def causal(module, args, kwargs):     # verl's [B, S] padding mask -> the causal mask
+        m = kwargs.get("attention_mask")
+        if m is not None and m.dim() == 2:
+            kwargs["attention_mask"] = mc.causal_mask(m.shape[1])
+        return args, kwargs
+
+    model.register_forward_pre_hook(causal, with_kwargs=True)
+    return model
+
+
+def _engine(model, gbc=True, options=None, **config):
+    """verl's Megatron engine (or gbc's) on ``model`` without ``initialize`` (docstring)."""
+    from verl.workers.config import McoreEngineConfig
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations import verl_megatron as vm
+
+    cls = vm.GBCMegatronEngineWithLMHead if gbc else MegatronEngineWithLMHead
+    engine = object.__new__(cls)
+    cfg = dict(tensor_model_parallel_size=model.config.tensor_model_parallel_size,
+               sequence_parallel=model.config.sequence_parallel, use_remove_padding=False)
+    cfg.update(config)
+    engine.engine_config = McoreEngineConfig(**cfg)
+    engine.model_config = types.SimpleNamespace(
+        hf_config=types.SimpleNamespace(architectures=["Qwen2ForCausalLM"]),
+        tokenizer=types.SimpleNamespace(pad_token_id=0),
+        mtp=types.SimpleNamespace(enable=False, enable_train=False))
+    engine.tf_config = model.config
+    engine.module = [model]
+    engine.enable_routing_replay = False
+    if gbc:
+        engine.gbc_options = options or ve.EngineOptions()
+    return engine
+
+
+def _batch(seed=5, B=4, **kw):
+    from test_verl_engine import make_batch
+
+    return make_batch(seed, B, rmpad=False, vocab=VOCAB, **kw)
+
+
+def _loss_fn(mode="vanilla", agg="token-mean", kl=True, entropy_coeff=0.01, **extra):
+    import functools
+
+    from test_other_trainers import verl_actor_config
+    from verl.workers.utils.losses import ppo_loss
+
+    cfg = verl_actor_config(mode, agg, "low_var_kl" if kl else None,
+                            entropy_coeff=entropy_coeff, **extra)
+    return functools.partial(ppo_loss, config=cfg)
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()
+            if p.grad is not None}
+
+
+def _responses(out, key, data):
+    """A per-token output of verl's engine in the response layout ``[B, T]`` (verl's
+    ``no_padding_2_padding``), 0 off the response mask."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    return no_padding_2_padding(out["model_output"][key], data) * _padded(data["response_mask"])
+
+
+def _padded(x):
+    return x.to_padded_tensor(0) if x.is_nested else x
+
+
+def _train_worker(rank, world, tp, cases):
+    """Per case (loss mode, aggregation, KL term, sequence parallel): stock and gbc
+    ``forward_backward_batch`` on fresh copies of one model."""
+    results = {}
+    for name, (mode, agg, kl, sp) in cases.items():
+        res = {}
+        for gbc in (False, True) if tp > 1 else (True,):
+            model = _setup(tp, sp)
+            engine = _engine(model, gbc=gbc)
+            torch.manual_seed(1234)
+            data = _batch()
+            out = engine.forward_backward_batch(data, _loss_fn(mode, agg, kl),
+                                                forward_only=False)
+            res[gbc] = dict(loss=sum(out["loss"]), logp=_responses(out, "log_probs", data),
+                            entropy=_responses(out, "entropy", data),
+                            metrics=_metric_values(out["metrics"]), grads=_grads(model))
+        results[name] = res
+    return results
+
+
+def _metric_values(metrics):
+    from test_verl_engine import _metric_values as values
+
+    return values(metrics)
+
+
+def _close(a, b, tol, what):
+    assert a.shape == b.shape, what
+    torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol, msg=what)
+
+
+def _check(results, tol=1e-6):
+    for r, per_rank in enumerate(results):
+        for name, res in per_rank.items():
+            stock, ours = res[False], res[True]
+            what = f"rank {r} {name}"
+            assert abs(float(stock["loss"]) - float(ours["loss"])) < tol * 0.1, what
+            _close(stock["logp"], ours["logp"], tol, what + " log_probs")
+            _close(stock["entropy"], ours["entropy"], tol, what + " entropy")
+            assert stock["grads"].keys() == ours["grads"].keys()
+            assert float(sum(g.abs().sum() for g in ours["grads"].values())) > 0
+            for k in stock["grads"]:
+                _close(stock["grads"][k], ours["grads"][k], tol, f"{what} grad {k}")
+            for k, v in stock["metrics"].items():       # verl's own metrics, gbc's values
+                _close(torch.tensor(v), torch.tensor(ours["metrics"][k]), 1e-5, f"{what} {k}")
+
+
+CASES = {"vanilla_token_mean_kl": ("vanilla", "token-mean", True, False),
+         "gspo_seq_mean_sp": ("gspo", "seq-mean-token-mean", False, True)}
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return spawn_gloo(2, _train_worker, 2, CASES)
+
+
+@pytest.mark.slow
+def test_training_step_equals_verl_stock_engine(trained):
+    """verl's forward_backward_batch with its ppo_loss, through the stock engine and gbc's, TP=2
+    with and without sequence parallelism, a padded vocabulary (ids < 50 of 64 rows): the
+    loss, log_probs, entropy, verl's metrics and every parameter's gradient equal (float64
+    model, float32 batch fields)."""
+    _check(trained)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_equals_1(trained):
+    """gbc's engine at TP=1 (one process) gives TP=2's loss, log_probs and entropy."""
+    name = "vanilla_token_mean_kl"
+    one = spawn_gloo(1, _train_worker, 1, {name: CASES[name]})[0][name][True]
+    for per_rank in trained:
+        two = per_rank[name][True]
+        assert abs(float(one["loss"]) - float(two["loss"])) < 1e-7
+        _close(one["logp"], two["logp"], 1e-6, "log_probs")
+        _close(one["entropy"], two["entropy"], 1e-6, "entropy")
+
+class _SGD:
+    """SGD behind megatron's optimizer interface (``step() -> (ok, grad_norm, zeros)``)."""
+
+    def __init__(self, model, lr):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.SGD(self.params, lr=lr)
+
+    def zero_grad(self, set_to_none=True):
+        self.opt.zero_grad(set_to_none=True)
+
+    def step(self):
+        norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in self.params
+                              if p.grad is not None))
+        self.opt.step()
+        return True, float(norm), None
+
+
+def _trainable(model, lr=0.5):
+    model.zero_grad_buffer = lambda: None       # megatron's DDP buffer (none here)
+    return _SGD(model, lr)
+
+
+def _infer(engine, data, **flags):
+    from verl.utils import tensordict_utils as tu
+
+    tu.assign_non_tensor(data, calculate_sum_pi_squared=True, **flags)
+    return engine.infer_batch(data, loss_function=None)
+
+
+def _methods_worker(rank, world, tp, sp):
+    """Forward-only passes (stock and gbc), critical-KL weights with the reference rows, a
+    dispatch watcher, Lopti's two updates (train_batch and by hand), gbc's training loss."""
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    from gbc_kernels.integrations import verl_engine as ve
+
+    out = {}
+    for gbc in (False, True):
+        model = _setup(tp, sp)
+        data = _batch(seed=7)
+        res = _infer(_engine(model, gbc=gbc), data)
+        out[f"infer{int(gbc)}"] = {k: _responses(res, k, data)
+                                   for k in ("log_probs", "entropy", "sum_pi_squared")}
+    # critical-token KL's reference pass, and the rows gbc_reference needs
+    model = _setup(tp, sp)
+    opts = ve.EngineOptions(critical_kl_exponent=0.5, critical_kl_temperature=0.25)
+    data = _batch(seed=8, micro=4)        # one micro-batch: one captured head input
+    from verl.utils import tensordict_utils as tu
+    tu.assign_non_tensor(data, **{ve.CERTAINTY_KEY: {k: getattr(opts, k)
+                                                     for k in ve.CRITICAL_KL_FIELDS}})
+    with _mc().capture_head_input(model) as seen:
+        res = _infer(_engine(model, options=opts), data)
+    assert len(seen) == 1
+    hidden = seen[0]
+    if sp and tp > 1:
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+        hidden = gather_from_sequence_parallel_region(hidden)
+    from gbc_kernels.integrations.verl_megatron import response_rows
+    rows, valid = response_rows(data, "bshd", hidden.transpose(0, 1).shape)
+    weight = gather_from_tensor_model_parallel_region(model.output_layer.weight.detach().t()).t()
+    out["critical"] = dict(logp=_responses(res, "log_probs", data),
+                           w=_responses(res, ve.KL_WEIGHT_KEY, data),
+                           hidden=hidden.transpose(0, 1).reshape(-1, H)[rows].detach(),
+                           weight=weight.detach(), responses=_padded(data["responses"]),
+                           mask=_padded(data["response_mask"]).bool() & valid)
+    # no [N, V/tp] logits on gbc's path (a training step and a forward-only pass)
+    os.environ["GBC_CHUNK_MB"] = "0.001"     # several chunks
+    model = _setup(tp, sp)
+    data = _batch(seed=9, B=12, micro=12)
+    watched = {}
+    for gbc in (True, False):
+        engine = _engine(model, gbc=gbc)
+        with VocabWatcher(VP // tp) as w:
+            engine.forward_backward_batch(data.clone(), _loss_fn(), forward_only=False)
+            _infer(engine, data.clone())
+        watched[gbc] = [s for s in w.seen if s not in ((VP // tp, H), (H, VP // tp))]
+    del os.environ["GBC_CHUNK_MB"]
+    out["watch"] = dict(gbc=watched[True], stock=watched[False],
+                        n_tokens=int(_padded(data["response_mask"]).sum()))
+    # gbc's thd rows against verl's own packing (preprocess_thd_engine, TP=2 alignment)
+    from verl.models.mcore.util import preprocess_thd_engine
+    from test_verl_engine import make_batch
+    packed = make_batch(10, 5, rmpad=True, vocab=VOCAB)
+    labels, psp, _ = preprocess_thd_engine(packed["input_ids"], pre_process=True, need_roll=True)
+    rows, valid = response_rows(packed, "thd", labels.shape, psp.cu_seqlens_q_padded)
+    out["thd"] = dict(got=torch.where(valid, labels.reshape(-1)[rows], -1),
+                      want=torch.where(valid, _padded(packed["responses"]), -1),
+                      padded=bool((psp.cu_seqlens_q_padded != psp.cu_seqlens_q).any())
+                      if psp.cu_seqlens_q is not psp.cu_seqlens_q_padded else True)
+    # Lopti: train_batch's two updates against the phases run by hand
+    params = []
+    for by_hand in (False, True):
+        model = _setup(tp, sp)
+        engine = _engine(model, options=ve.EngineOptions(lopti_eta=0.5))
+        engine.optimizer = _trainable(model)
+        for step in range(2):
+            data = _batch(seed=20 + step, confident=0.4)
+            if by_hand:
+                for phase in ("low", "high"):
+                    engine._gbc_phase = phase
+                    engine.optimizer_zero_grad()
+                    engine.forward_backward_batch(data.clone(), _loss_fn(), forward_only=False)
+                    engine.optimizer_step()
+                engine._gbc_phase = None
+            else:
+                got = engine.train_batch(data, _loss_fn())
+                out["lopti_metrics"] = sorted(got["metrics"])
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    out["lopti"] = params
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp2_sp():
+    return spawn_gloo(2, _methods_worker, 2, True)
+
+
+@pytest.mark.slow
+def test_forward_only_equals_verl_stock_engine(tp2_sp):
+    """log_probs, entropy and sum_pi_squared of verl's forward-only pass (temperature 0.8),
+    TP=2 with sequence parallelism: gbc's equal the stock engine's on every response token."""
+    for r, out in enumerate(tp2_sp):
+        for k in ("log_probs", "entropy", "sum_pi_squared"):
+            a, b = out["infer0"][k], out["infer1"][k]
+            assert float(a.abs().sum()) > 0
+            _close(a, b, 1e-6, f"rank {r} {k}")
+
+
+@pytest.mark.slow
+def test_critical_kl_reference_pass_equals_reference(tp2_sp):
+    """The reference pass with CERTAINTY_KEY returns gbc_reference's ``ref_logp`` and weights
+    ``(J_max_prob at T=0.25)^0.5`` over megatron's padded vocabulary (its padded rows are real
+    logits), from the same hidden rows and the gathered output-layer weight."""
+    import gbc_reference as ref
+
+    for out in tp2_sp:
+        c = out["critical"]
+        st = ref.token_stats(c["hidden"], c["weight"], c["responses"], temperature=0.8,
+                             certainty="max_prob", certainty_temperature=0.25)
+        m = c["mask"]
+        want = ref.critical_kl_weight(st.certainty, 0.5) * m
+        assert float(want[m].std()) > 1e-3
+        _close(c["w"], want.to(c["w"].dtype), 1e-6, "kl weight")
+        _close(c["logp"][m], st.logp[m].to(c["logp"].dtype), 1e-5, "ref logp")
+
+
+@pytest.mark.slow
+def test_no_full_logits_on_gbc_path(tp2_sp):
+    """No tensor over this rank's vocabulary shard has as many rows as the micro-batch has
+    response tokens (gbc's chunks only), in a training step and a forward-only pass."""
+    def rows(shapes):
+        return max(torch.Size(s[:-1]).numel() for s in shapes) if shapes else 0
+
+    for out in tp2_sp:
+        n = out["watch"]["n_tokens"]
+        assert rows(out["watch"]["stock"]) > n            # the watcher sees verl's logits
+        assert 0 < rows(out["watch"]["gbc"]) < n // 2, out["watch"]["gbc"]
+
+
+@pytest.mark.slow
+def test_lopti_train_batch_is_two_updates(tp2_sp):
+    """``train_batch`` with ``lopti_eta`` (EngineMethods on the Megatron engine's optimizer
+    interface): the parameters after two mini-batches equal the two phases run by hand."""
+    for out in tp2_sp:
+        a, b = out["lopti"]
+        for k in a:
+            _close(a[k], b[k], 1e-9, k)
+    assert {"grad_norm", "gbc_grad_norm_second_phase"} <= set(tp2_sp[0]["lopti_metrics"])
+
+
+@pytest.mark.slow
+def test_thd_rows_follow_verls_packing(tp2_sp):
+    """``use_remove_padding`` (thd): the rows gbc projects are those whose rolled label, as
+    verl's ``preprocess_thd_engine`` packs it for TP=2 (sequences padded to even lengths), is
+    the response token; the engine's thd forward itself needs megatron's fused attention."""
+    for out in tp2_sp:
+        t = out["thd"]
+        assert torch.equal(t["got"], t["want"])
+        assert (t["want"] >= 0).sum() > 10
+
+
+def _bare_engine(options=None, mtp=False, modules=1, **config):
+    from verl.workers.config import McoreEngineConfig
+
+    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations import verl_megatron as vm
+
+    engine = object.__new__(vm.GBCMegatronEngineWithLMHead)
+    engine.engine_config = McoreEngineConfig(**config)
+    engine.model_config = types.SimpleNamespace(mtp=types.SimpleNamespace(enable=mtp))
+    engine.module = [None] * modules
+    engine.gbc_options = options or ve.EngineOptions()
+    return engine
+
+
+REFUSALS = {
+    "use_fused_kernels": dict(use_fused_kernels=True),
+    "context_parallel_size": dict(context_parallel_size=2),
+    "dynamic_context_parallel": dict(dynamic_context_parallel=True,
+                                     max_seqlen_per_dp_cp_rank=64),
+    "virtual_pipeline_model_parallel_size": dict(modules=2),
+    "mtp.enable": dict(mtp=True),
+    "nthr": dict(options="nthr"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(REFUSALS))
+def test_refuses_what_it_cannot_honour(what):
+    """Each Megatron option gbc cannot honour is refused by name, at ``initialize`` (before
+    verl builds anything) and at each ``forward_backward_batch``."""
+    from gbc_kernels.integrations import verl_engine as ve
+
+    kw = dict(REFUSALS[what])
+    if kw.get("options") == "nthr":
+        kw["options"] = ve.EngineOptions(nthr=True)
+    engine = _bare_engine(**kw)
+    with pytest.raises(ValueError, match=what.replace(".", r"\.")):
+        engine.initialize()
+    with pytest.raises(ValueError, match=what.replace(".", r"\.")):
+        engine.forward_backward_batch(None, None)
+
+
+def test_refuses_distillation_batches():
+    """A training micro-batch with verl's top-k distillation under ppo_loss is refused."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    batch = TensorDict({"responses": torch.zeros(1, 2, dtype=torch.long)}, batch_size=[1])
+    tu.assign_non_tensor(batch, distillation_use_topk=True)
+    with pytest.raises(ValueError, match="distillation"):
+        _bare_engine().forward_step(iter([batch]), None, _loss_fn(), None)
+
+
+def test_enable_registers_the_megatron_engine():
+    """enable() hands out gbc's engine for verl's ``megatron`` backend (every device it is
+    registered for), with the options in force; disable() puts verl's back."""
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations import verl_megatron as vm
+
+    table = EngineRegistry._engines["language_model"]["megatron"]
+    before = dict(table)
+    assert MegatronEngineWithLMHead in before.values()
+    try:
+        ve.enable(ve.EngineOptions(ar_alpha=0.25))
+        for cls in table.values():
+            assert issubclass(cls, vm.GBCMegatronMixin)
+            assert issubclass(cls, MegatronEngineWithLMHead)
+            assert cls.gbc_options.ar_alpha == 0.25
+    finally:
+        ve.disable()
+    assert table == before
