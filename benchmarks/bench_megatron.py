@@ -27,7 +27,7 @@ imports). Memory: the peak resident set (VmHWM, reset once the inputs, hidden [S
 the [V/2, H] shard, are built and a short warm-up has run) beyond those inputs, rank 0 and the
 max over the ranks. The gradients d hidden and d weight count: they appear during the step,
 gbc's in its forward sweep, the stock head's at the end of its backward, after its peak (the
-CSV gives their size and the forward's peak). Time: rank 0's median of --reps steps after a warm-up step at the full shape (the ranks
+CSV gives their size and the first forward's peak). Time: rank 0's median of --reps steps after a warm-up step at the full shape (the ranks
 start each step together). The losses of the providers are printed side by side (same inputs).
 
     python benchmarks/bench_megatron.py --quick     # smoke: S=256, B=2, H=256, V=8192 (seconds)
@@ -256,7 +256,8 @@ def _rank(rank, port, name, args, queue):
             dist.barrier()
             t0 = time.perf_counter()
             loss = forward(c)
-            fwd_mb = max(fwd_mb, (_peak_kb() - base) / 1024)  # no gradient exists yet
+            if i == 0:                          # later steps' peaks include a backward
+                fwd_mb = (_peak_kb() - base) / 1024
             loss.backward()
             times.append(time.perf_counter() - t0)
             losses.append(loss.item())
