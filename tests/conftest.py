@@ -206,3 +206,19 @@ def _init_and_run(rank, world, port, target, args, q):
         q.put((rank, buf.getvalue()))
     finally:
         dist.destroy_process_group()
+
+
+def megatron_cpu():
+    """tests/standins/megatron_cpu.py (megatron-core's CPU shims), loaded by path: the standins
+    folder also holds a flash-attn stand-in that verl's padding helpers must not find, so it
+    never goes on ``sys.path``."""
+    import importlib.util
+    import sys
+
+    if "megatron_cpu" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "megatron_cpu", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                         "standins", "megatron_cpu.py"))
+        sys.modules["megatron_cpu"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["megatron_cpu"])
+    return sys.modules["megatron_cpu"]

@@ -16,7 +16,6 @@ tensor parallel 1; and a dispatch watcher: no ``[N, V/tp]`` logits on gbc's path
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -24,9 +23,7 @@ import torch
 import megatron.core  # noqa: F401  (requirements-dev.txt: megatron-core==0.16.1)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "standins"))
-
-from conftest import VocabWatcher, spawn_gloo  # noqa: E402
+from conftest import VocabWatcher, megatron_cpu, spawn_gloo  # noqa: E402
 
 S, B, H = 16, 3, 24           # H differs from every V/tp below (the watcher keys on the last dim)
 VP = 64                       # the model's (padded) vocabulary
@@ -91,7 +88,7 @@ def _grads(model):
 
 def _case(name, tp, group):
     """One model, the stock head and gbc's processor through the whole model's backward."""
-    import megatron_cpu as mc
+    mc = megatron_cpu()
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
     from verl.utils.megatron.tensor_parallel import (vocab_parallel_entropy,
                                                      vocab_parallel_log_probs_from_logits,
@@ -165,7 +162,7 @@ def _watch(tp):
     the stock head's output layer."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    import megatron_cpu as mc
+    mc = megatron_cpu()
     from gbc_kernels import PolicyLossConfig
     from gbc_kernels.integrations import megatron as M
 
@@ -193,7 +190,7 @@ def _watch(tp):
 
 def _worker(rank, world, names, watch):
     os.environ["GBC_CHUNK_MB"] = "0.001"     # several chunks, a ragged last one
-    import megatron_cpu as mc
+    mc = megatron_cpu()
 
     mc.install_shims()
     mc.init_parallel(world)

@@ -34,7 +34,7 @@ pytest.importorskip("verl.workers.engine.megatron.transformer_impl")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from conftest import VocabWatcher, spawn_gloo  # noqa: E402
+from conftest import VocabWatcher, megatron_cpu, spawn_gloo  # noqa: E402
 
 VP, VOCAB, H = 64, 50, 24        # the model's padded vocabulary, the ids used, hidden size
 
@@ -50,17 +50,7 @@ class _CpuTorch:
         return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
-def _mc():
-    """tests/standins/megatron_cpu.py, by path: the standins folder also holds a flash-attn
-    stand-in that verl's padding helpers must not find."""
-    import importlib.util
-
-    if "megatron_cpu" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "megatron_cpu", os.path.join(HERE, "standins", "megatron_cpu.py"))
-        sys.modules["megatron_cpu"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["megatron_cpu"])
-    return sys.modules["megatron_cpu"]
+_mc = megatron_cpu
 
 
 def _setup(tp, sp, seed=0, dtype=torch.float64):

@@ -24,8 +24,8 @@ import torch
 from gbc_kernels import methods
 from gbc_kernels.integrations import megatron as M
 from gbc_kernels.integrations.verl_engine import (CERTAINTY_KEY, KL_WEIGHT_KEY, EngineMethods,
-                                                  _flag, _is_ppo_loss, _rng_state, _temperature,
-                                                  engine_class)
+                                                  _flag, _is_ppo_loss, _lengths, _rng_state,
+                                                  _temperature, engine_class)
 
 
 def _check_config(engine):
@@ -56,21 +56,6 @@ def _check_config(engine):
         raise ValueError("nthr: NTHR's old-policy pass is not implemented on verl's Megatron "
                          "engine (its lm_head rows are sharded over tensor parallelism); unset "
                          "nthr in GBC_VERL_OPTIONS or use the FSDP engine")
-
-
-def _lengths(batch):
-    """(prompt lengths, response lengths, T) of a micro-batch, as verl's
-    ``no_padding_2_padding`` reads them."""
-    prompts, responses = batch["prompts"], batch["responses"]
-    if prompts.is_nested:
-        plens, rlens = prompts.offsets().diff(), responses.offsets().diff()
-        T = _flag(batch, "max_response_len", -1)
-        T = int(rlens.max()) if T is None or T < 0 else int(T)
-    else:
-        am = batch["attention_mask"]
-        plens, rlens = am[:, :prompts.shape[1]].sum(1), am[:, prompts.shape[1]:].sum(1)
-        T = responses.shape[1]
-    return plens.long(), rlens.long(), T
 
 
 def response_rows(batch, data_format, shape, cu_seqlens_padded=None):
