@@ -338,17 +338,18 @@ def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=N
 def reference_pass(ref_model, input_ids, attention_mask, targets, temperature=1.0,
                    critical_kl_exponent=None, certainty="max_prob", certainty_temperature=1.0,
                    intercept=0.0, backend="auto", completion_len: int = 0,
-                   model_kwargs: Optional[dict] = None) -> ReferencePass:
+                   model_kwargs: Optional[dict] = None, options=None) -> ReferencePass:
     """The frozen reference model's pass: ``ref_logp`` and, with ``critical_kl_exponent`` set,
     the critical-token KL weights ``(1 - c) J**gamma + c`` from its certainty (docs/math.md
     §5; :func:`gbc_kernels.methods.reference_stats`). The model's final-logit soft-capping, if
-    any, is applied. ``model_kwargs`` as in :func:`old_policy_pass`."""
+    any, is applied. ``model_kwargs`` as in :func:`old_policy_pass`. ``options``: a
+    :class:`gbc_kernels.methods.MethodOptions` in place of the four critical-KL keywords."""
     from gbc_kernels import methods
 
-    opts = methods.MethodOptions(critical_kl_exponent=critical_kl_exponent,
-                                 critical_kl_intercept=intercept,
-                                 critical_kl_certainty=certainty,
-                                 critical_kl_temperature=certainty_temperature)
+    opts = options or methods.MethodOptions(critical_kl_exponent=critical_kl_exponent,
+                                            critical_kl_intercept=intercept,
+                                            critical_kl_certainty=certainty,
+                                            critical_kl_temperature=certainty_temperature)
     head = lm_head(ref_model)
     h = _pass_hidden(ref_model, input_ids, attention_mask, completion_len, model_kwargs)
     st = methods.reference_stats(h, head.weight, targets, opts, head.bias,

@@ -1,13 +1,7 @@
-"""OpenRLHF 0.11.2 without ``[N, V]`` logits: the actor's loss, its no-grad log-prob passes,
-and AR, Lopti, NTHR and critical-token KL inside OpenRLHF's own loop (docs/openrlhf.md).
-
-* :func:`fused_actor_loss`: the loss ``ActorPPOTrainer.training_step`` builds (``PolicyLoss``,
-  the KL and entropy terms, ``loss_batch_info``'s aggregation), fused through the lm_head;
-* :func:`fused_action_log_probs`: ``Actor.forward``'s no-grad action log-probs (and the
-  reference pass's critical-token KL weights);
-* :func:`policy_loss_config`: OpenRLHF's arguments as a :class:`gbc_kernels.PolicyLossConfig`;
-* :func:`enable`: patches OpenRLHF in a process (Ray workers: ``worker_process_setup_hook``,
-  options from ``GBC_OPENRLHF_OPTIONS``), the method rules from :mod:`gbc_kernels.methods`.
+"""OpenRLHF 0.11.2 without ``[N, V]`` logits: the actor's loss (:func:`fused_actor_loss`), its
+no-grad log-prob passes (:func:`fused_action_log_probs`), OpenRLHF's arguments as a
+``PolicyLossConfig`` (:func:`policy_loss_config`), and AR, Lopti, NTHR and critical-token KL
+inside OpenRLHF's own loop, patched in by :func:`enable` (docs/openrlhf.md).
 """
 
 from __future__ import annotations
@@ -34,12 +28,11 @@ IS_LEVELS = ("off", "token", "seq")
 
 def _get(ns, path, default=None):
     """``args.actor.dual_clip`` as ``_get(args, "actor.dual_clip")`` (namespaces or dicts)."""
-    cur = ns
     for part in path.split("."):
-        if cur is None:
+        ns = ns.get(part) if isinstance(ns, dict) else getattr(ns, part, None)
+        if ns is None:
             return default
-        cur = cur.get(part, None) if isinstance(cur, dict) else getattr(cur, part, None)
-    return default if cur is None else cur
+    return ns
 
 
 # gbc's field -> the OpenRLHF option it comes from (errors name the option the user set)
@@ -68,24 +61,20 @@ def policy_loss_config(args, kl_coef: Optional[float] = None, temperature: float
     if plt not in POLICY_LOSS_TYPES:
         raise ValueError(f"actor.policy_loss_type: gbc reproduces OpenRLHF's {POLICY_LOSS_TYPES}, "
                          f"got {plt!r}")
-    eps = _get(args, "actor.eps_clip_low_high")
-    if eps is None:
-        e = _get(args, "actor.eps_clip", 0.2)
-        eps = (e, e)
+    e = _get(args, "actor.eps_clip", 0.2)
+    eps = _get(args, "actor.eps_clip_low_high", (e, e))
     if isinstance(eps, (str, bytes)) or not hasattr(eps, "__len__") or len(eps) != 2:
         raise ValueError(f"actor.eps_clip_low_high: expected a pair (low, high) of floats, got "
                          f"{eps!r}")
-    low, high = (_number("actor.eps_clip_low_high", x) for x in eps)
     agg_mode = _get(args, "actor.loss_agg_mode", "token-mean")
     if agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"actor.loss_agg_mode: expected one of {LOSS_AGG_MODES}, got "
                          f"{agg_mode!r}")
-    dual = _get(args, "actor.dual_clip")
-    opts = dict(epsilon_low=low, epsilon_high=high,
-                clip_ratio_c=None if dual is None else _number("actor.dual_clip", dual),
-                temperature=_number("temperature", temperature))
+    # the values are checked by PolicyLossConfig, its errors renamed to OpenRLHF's options
+    opts = dict(epsilon_low=eps[0], epsilon_high=eps[1], temperature=temperature,
+                clip_ratio_c=_get(args, "actor.dual_clip"))
     if plt == "ppo":
-        opts["loss_agg"] = "token-mean" if agg_mode == "token-mean" else "seq-mean-token-mean"
+        opts["loss_agg"] = agg_mode
     init = _number("algo.kl.init_coef", _get(args, "algo.kl.init_coef", 0.0), nonneg=True)
     coef = init if kl_coef is None else _number("kl_ctl", float(kl_coef), nonneg=True)
     if bool(_get(args, "algo.kl.use_loss", False)) and init > 0 and coef:
@@ -103,7 +92,7 @@ def policy_loss_config(args, kl_coef: Optional[float] = None, temperature: float
                     kl_unbiased_gradient=unbiased, kl_agg="token-mean")
     ent = _get(args, "actor.entropy_coef")
     if ent:
-        opts.update(entropy_coef=_number("actor.entropy_coef", ent), entropy_agg="token-mean")
+        opts.update(entropy_coef=ent, entropy_agg="token-mean")
     elif ent is not None:
         opts["return_entropy"] = True          # OpenRLHF logs the entropy with a 0 coefficient
     opts.update(gbc_options)
@@ -123,17 +112,10 @@ def batch_normalisers(loss_batch_info: Optional[dict]) -> dict:
     ``aggregate_loss`` divides by ``batch_num_tokens / dp_size`` (token level) or
     ``global_batch_size / dp_size`` (sample level). None: the call's own tokens and its
     non-empty sequences (OpenRLHF's ``masked_mean``), counted by the caller."""
-    if not loss_batch_info:
-        return {}
-    dp = loss_batch_info.get("dp_size") or 1
-    out = {}
-    n = loss_batch_info.get("batch_num_tokens")
-    if n is not None:
-        out["num_items_in_batch"] = n / dp
-    g = loss_batch_info.get("global_batch_size")
-    if g is not None:
-        out["num_seqs_in_batch"] = g / dp
-    return out
+    info = loss_batch_info or {}
+    dp = info.get("dp_size") or 1
+    return {ours: info[theirs] / dp for ours, theirs in (("num_items_in_batch", "batch_num_tokens"),
+            ("num_seqs_in_batch", "global_batch_size")) if info.get(theirs) is not None}
 
 
 def is_correction(args, old_log_probs, rollout_log_probs, action_mask):
@@ -160,18 +142,15 @@ def is_correction(args, old_log_probs, rollout_log_probs, action_mask):
         return (x * m).sum(dim=dim) / m.sum(dim=dim)
 
     with torch.no_grad():
-        is_log = old_log_probs - rollout_log_probs
+        is_log, seq = old_log_probs - rollout_log_probs, level == "seq"
         token_is = is_log.exp()
-        seq = level == "seq"
-        if gating == "ratio":
+        if gating == "ratio":                # at seq level: the ratio's geometric mean
             stat = (mmean(is_log, -1).unsqueeze(-1) if seq else is_log).exp()
         else:
-            p = rollout_log_probs.exp().clamp(1e-6, 1 - 1e-6)
-            q = old_log_probs.exp().clamp(1e-6, 1 - 1e-6)
+            p, q = (x.exp().clamp(1e-6, 1 - 1e-6) for x in (rollout_log_probs, old_log_probs))
             stat = (p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
                     if gating == "binary_kl" else (p - q).abs())
-            if seq:
-                stat = mmean(stat, -1).unsqueeze(-1)
+            stat = mmean(stat, -1).unsqueeze(-1) if seq else stat
         if mode == "clip":
             coef, filtered = stat.clamp(min=low, max=high), (stat < low) | (stat > high)
         else:
@@ -185,10 +164,7 @@ def is_correction(args, old_log_probs, rollout_log_probs, action_mask):
 
 def _inner_model(actor):
     """The transformers model inside OpenRLHF's ``Actor`` (itself maybe a DeepSpeed engine)."""
-    while hasattr(actor, "module") and isinstance(actor.module, torch.nn.Module) \
-            and not hasattr(actor, "model"):
-        actor = actor.module
-    return getattr(actor, "model", actor)
+    return getattr(hf.unwrap(actor), "model", actor)
 
 
 def _position_ids(attention_mask):
@@ -267,13 +243,11 @@ def fused_action_log_probs(actor, sequences, action_mask, attention_mask,
     logits: ``[B, T]`` float32, zero where ``action_mask`` is 0. ``options`` with
     ``critical_kl_exponent`` (the reference model's pass): ``[B, T, 2]``, the log-probs and
     the critical-token KL weights (docs/math.md §5) from the same pass over the vocabulary."""
-    o, T = options or methods.MethodOptions(), action_mask.shape[1]
+    T = action_mask.shape[1]
     ref = hf.reference_pass(
         _inner_model(actor), sequences, attention_mask, sequences[:, -T:],
         temperature=getattr(actor, "temperature", 1.0) if temperature is None else temperature,
-        critical_kl_exponent=o.critical_kl_exponent, certainty=o.critical_kl_certainty,
-        certainty_temperature=o.critical_kl_temperature, intercept=o.critical_kl_intercept,
-        backend=backend, completion_len=T,
+        backend=backend, completion_len=T, options=options,
         model_kwargs={"position_ids": _position_ids(attention_mask)})
     m = action_mask.to(ref.ref_logp.dtype)
     return ref.ref_logp * m if ref.kl_weight is None else torch.stack(
@@ -291,21 +265,16 @@ _PATCHES = patching.Patches()
 
 
 def parse_options(text: Optional[str]) -> dict:
-    """``"lopti_eta=0.5,nthr=true"`` (the form :data:`ENV_OPTIONS` carries to Ray workers) ->
-    keyword options (numbers, ``true``/``false``, ``none``, else strings). A repeated option is
-    refused."""
+    """``"lopti_eta=0.5,nthr=true"`` (how :data:`ENV_OPTIONS` reaches Ray workers) -> keyword
+    options: numbers, ``true``/``false``, ``none``, else strings; a repeated one refused."""
+    words = {"none": None, "null": None, "true": True, "false": False}
     out = {}
     for name, value in methods.parse_items(text, ENV_OPTIONS).items():
-        low = value.lower()
-        if low in ("none", "null"):
-            out[name] = None
-        elif low in ("true", "false"):
-            out[name] = low == "true"
-        else:
-            try:
-                out[name] = int(value) if value.lstrip("+-").isdigit() else float(value)
-            except ValueError:
-                out[name] = value
+        try:
+            out[name] = words[value.lower()] if value.lower() in words else (
+                int(value) if value.lstrip("+-").isdigit() else float(value))
+        except ValueError:
+            out[name] = value
     return out
 
 
@@ -335,17 +304,13 @@ def _is_reference(actor) -> bool:
     return hasattr(engine, "module") and hasattr(engine, "optimizer") and engine.optimizer is None
 
 
-def _actor_forward(self, sequences, action_mask=None, attention_mask=None, return_output=False,
-                   allgather_logits=False, return_logprobs=False, ring_attn_group=None,
-                   packed_seq_lens=None, return_entropy=False, **mm_inputs):
-    """``Actor.forward`` with the no-grad action log-prob pass fused; every other use goes to
-    OpenRLHF's own forward. With critical-token KL on, the reference model's pass returns
-    ``[B, T, 2]``: its log-probs and the KL weights (unpacked where the experience reaches the
-    replay buffer)."""
-    plain = (action_mask is not None and not return_output and not return_logprobs
-             and not allgather_logits and not return_entropy and not mm_inputs
-             and ring_attn_group is None and not getattr(self, "packing_samples", False)
-             and not torch.is_grad_enabled())
+def _actor_forward(self, sequences, action_mask=None, attention_mask=None, *args, **kwargs):
+    """``Actor.forward`` with the no-grad action log-prob pass fused (every other use: OpenRLHF's
+    own). With critical-token KL, the reference model's pass returns ``[B, T, 2]``: log-probs
+    and KL weights (unpacked by the replay buffer's ``append``)."""
+    plain = (action_mask is not None and not args and not torch.is_grad_enabled()
+             and all(v is None or v is False for v in kwargs.values())
+             and not getattr(self, "packing_samples", False))
     weights = _STATE.methods.critical_kl_exponent is not None and _is_reference(self)
     if plain:
         return fused_action_log_probs(self, sequences, action_mask, attention_mask,
@@ -354,11 +319,8 @@ def _actor_forward(self, sequences, action_mask=None, attention_mask=None, retur
         raise ValueError("critical_kl_exponent: the reference model's pass is not the plain "
                          "padded one (ring attention, packed samples or multimodal inputs): "
                          "its weights cannot be computed there")
-    return _actor_forward.gbc_original(
-        self, sequences, action_mask, attention_mask=attention_mask, return_output=return_output,
-        allgather_logits=allgather_logits, return_logprobs=return_logprobs,
-        ring_attn_group=ring_attn_group, packed_seq_lens=packed_seq_lens,
-        return_entropy=return_entropy, **mm_inputs)
+    return _actor_forward.gbc_original(self, sequences, action_mask, attention_mask, *args,
+                                       **kwargs)
 
 
 def _buffer_append(self, experience):
@@ -401,11 +363,10 @@ def check_trainer(trainer) -> None:
     if opts.lopti_eta is not None:
         gas = int(getattr(strategy, "accumulated_gradient", 1) or 1)
         if gas > 1:
-            raise ValueError(
-                f"lopti_eta: Lopti takes an optimizer step after each phase of a micro-batch, "
-                f"and DeepSpeed steps only at gradient-accumulation boundaries; here "
-                f"train.batch_size / (train.micro_batch_size x data-parallel size) = {gas} > 1 "
-                f"would merge the phases (set train.micro_batch_size so that it is 1)")
+            raise ValueError(f"lopti_eta: DeepSpeed steps only every train.batch_size / "
+                             f"(train.micro_batch_size x data-parallel size) = {gas} > 1 "
+                             f"micro-batches, which merges Lopti's two steps (set "
+                             f"train.micro_batch_size so that it is 1)")
         if dynamic:
             raise ValueError("lopti_eta: train.dynamic_batch_enable chooses its own optimizer "
                              "steps; Lopti needs one per phase")
