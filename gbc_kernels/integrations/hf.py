@@ -87,31 +87,16 @@ def completion_hidden(model, input_ids, attention_mask=None, completion_len: int
 
 def hidden_states_through_forward(model, input_ids, attention_mask=None, completion_len: int = 0,
                                   unwrapped=None, **kwargs) -> torch.Tensor:
-    """Like :func:`completion_hidden`, but through ``model(...)`` itself.
-
-    ``model`` may be a wrapper (DDP, FSDP, accelerate's) whose forward must run for its gradient
-    synchronisation or parameter gathering to happen; ``unwrapped`` is the transformers model
-    inside it (default: ``model``). The decoder's output is captured with a forward hook while the
-    model computes logits for one position only (``logits_to_keep=1``), so no ``[B, L, V]``
-    tensor is formed.
-    """
-    dec = decoder(model if unwrapped is None else unwrapped)
-    captured = []
-
-    def hook(_module, _args, out):
-        captured.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
-
-    handle = dec.register_forward_hook(hook)
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1,
-              use_cache=False, **kwargs)
-    finally:
-        handle.remove()
-    if len(captured) != 1:
-        raise RuntimeError(f"model: expected its decoder to run once per forward, it ran "
-                           f"{len(captured)} times")
-    h = captured[0]
-    return h[:, -(completion_len + 1):-1] if completion_len else h[:, :-1]
+    """Like :func:`completion_hidden`, but through ``model(...)`` itself: ``model`` may be a
+    wrapper (DDP, FSDP, accelerate's) whose forward must run for its gradient synchronisation
+    or parameter gathering; ``unwrapped`` is the transformers model inside it (default:
+    :func:`unwrap`). The states are those the lm_head receives, its forward replaced for the
+    call (:func:`replaced_head_forward`): no ``[B, L, V]`` tensor is formed. ``kwargs`` go to
+    the model's forward."""
+    T = completion_len or input_ids.shape[1] - 1
+    inner = unwrap(model) if unwrapped is None else unwrapped
+    return _through_head(model, inner, input_ids, attention_mask, T, lambda h: (h, None),
+                         kwargs)[0]
 
 
 def check_forward_inputs(inner, input_ids, attention_mask, completion_len,
@@ -187,13 +172,29 @@ def replaced_head_forward(inner, head_forward):
             del head_mod.forward
 
 
-def _forward_with_head(model, inner, head_forward, input_ids, attention_mask, T,
-                       model_kwargs):
-    """One ``model(...)`` call (``logits_to_keep = T + 1``) with ``inner``'s lm_head forward
-    replaced by ``head_forward`` (:func:`replaced_head_forward`). Returns the model's outputs."""
+def _through_head(model, inner, input_ids, attention_mask, T, compute, model_kwargs=None):
+    """One ``model(...)`` call (``logits_to_keep = T + 1``) in which ``inner``'s lm_head forward
+    (:func:`replaced_head_forward`) is ``compute`` on the hidden states that predict the last
+    ``T`` tokens (``[B, T, H]``, autocast off). ``compute`` returns ``(result, tie)``: the
+    stand-in logits are zeros plus ``tie`` (a scalar, or None), so that a wrapper's backward
+    hooks on the head run before ``tie``'s backward. Returns ``(result, outputs)``."""
+    captured = []
+
+    def head_forward(hidden, *args, **kwargs):
+        h = hidden[:, -(T + 1):-1]
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            result, tie = compute(h)
+        captured.append(result)
+        stand_in = hidden[:, -(T + 1):, :1] * 0
+        return stand_in if tie is None else stand_in + tie.to(hidden.dtype)
+
     with replaced_head_forward(inner, head_forward):
-        return model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1,
-                     use_cache=False, **(model_kwargs or {}))
+        outputs = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1,
+                        use_cache=False, **(model_kwargs or {}))
+    if len(captured) != 1:
+        raise RuntimeError(f"model: expected its forward to call its lm_head once, it did "
+                           f"{len(captured)} times")
+    return captured[0], outputs
 
 
 def policy_loss_through_forward(model, input_ids, attention_mask, completion_len: int, mask,
@@ -203,20 +204,17 @@ def policy_loss_through_forward(model, input_ids, attention_mask, completion_len
     """The fused GRPO loss computed **inside** ``model``'s forward (docs/math.md §11).
 
     ``model`` may be wrapped (DDP, accelerate, FSDP2's ``fully_shard``, DeepSpeed ZeRO-3) or a
-    PEFT model. For the duration of one ``model(...)`` call the ``lm_head`` module's ``forward``
-    is replaced by one that runs :func:`gbc_kernels.fused_linear_policy_loss` on the hidden
-    states it receives and on the weight it holds at that moment (FSDP2 and ZeRO-3 gather it
-    for the module's forward; a PEFT adapter on the head is folded in, see :func:`lm_head`), and
-    returns ``[B, T + 1, 1]`` zeros tied to the loss in place of the logits. So every wrapper
-    sees an ordinary forward and backward: its hooks gather and free the head's parameters and
-    reduce their gradients. No ``[B, T, V]`` logits are formed.
+    PEFT model: for one ``model(...)`` call the lm_head's ``forward`` runs
+    :func:`gbc_kernels.fused_linear_policy_loss` on the hidden states it receives and the weight
+    it holds then (gathered by FSDP2 / ZeRO-3; a PEFT adapter folded in, :func:`lm_head`), and
+    returns zeros tied to the loss in place of the logits, so every wrapper's hooks gather,
+    free and reduce as usual. No ``[B, T, V]`` logits.
 
-    ``completion_len = T``: the loss covers the last ``T`` tokens of ``input_ids`` (targets),
-    with ``mask``, ``advantages``, ``old_logp``, ``ref_logp`` and ``loss_kwargs`` as
-    :func:`gbc_kernels.fused_linear_policy_loss` takes them (``[B, T]``). The model's final-logit
-    soft-capping is applied unless ``config`` sets its own. ``model_kwargs`` go to the model's
-    forward (e.g. ``output_router_logits=True``). Returns ``(loss, metrics)``, or
-    ``(loss, metrics, outputs)`` with ``return_outputs=True``.
+    ``completion_len = T``: the loss covers the last ``T`` tokens of ``input_ids``, with
+    ``mask``, ``advantages``, ``old_logp``, ``ref_logp`` and ``loss_kwargs`` as
+    :func:`gbc_kernels.fused_linear_policy_loss` takes them (``[B, T]``). The model's
+    final-logit soft-capping applies unless ``config`` sets its own. ``model_kwargs`` go to the
+    model's forward. Returns ``(loss, metrics)`` (``return_outputs``: and the outputs).
     """
     import dataclasses
 
@@ -229,66 +227,40 @@ def policy_loss_through_forward(model, input_ids, attention_mask, completion_len
     cap = logit_softcap(inner)
     if cap is not None and cfg.logit_softcap is None:
         cfg = dataclasses.replace(cfg, logit_softcap=cap)
-    captured = {}
 
-    def head_forward(hidden, *args, **kwargs):
-        head = lm_head(inner)                  # the weight as the wrapper holds it right now
-        h = hidden[:, -(T + 1):-1]
-        if h.dtype != head.weight.dtype:       # autocast output, or an fp32 head
-            h = h.to(head.weight.dtype)
-        # the chunk loop picks its own dtypes (its matmuls write into preallocated buffers)
-        with torch.autocast(device_type=h.device.type, enabled=False):
-            loss, metrics = gbc.fused_linear_policy_loss(
-                h, head.weight, input_ids[:, -T:], mask, advantages, old_logp=old_logp,
-                ref_logp=ref_logp, bias=head.bias, config=cfg, **loss_kwargs)
-        captured["loss"], captured["metrics"] = loss, metrics
-        # stand-in logits, tied to the loss so that the wrapper's backward hooks on this
-        # module's output run before the loss's backward
-        return hidden[:, -(T + 1):, :1] * 0 + loss.to(hidden.dtype)
+    def compute(h):
+        head = lm_head(inner)         # the weight as the wrapper holds it right now
+        loss, metrics = gbc.fused_linear_policy_loss(   # h cast: autocast output, fp32 head
+            h.to(head.weight.dtype), head.weight, input_ids[:, -T:], mask, advantages,
+            old_logp=old_logp, ref_logp=ref_logp, bias=head.bias, config=cfg, **loss_kwargs)
+        return (loss, metrics), loss
 
-    outputs = _forward_with_head(model, inner, head_forward, input_ids, attention_mask, T,
-                                 model_kwargs)
-    if "loss" not in captured:
-        raise RuntimeError("model: its forward did not call its lm_head")
-    # the stand-in logits contribute 0 to the value and to every gradient
-    loss = captured["loss"] + (outputs.logits.float() * 0).sum()
-    if return_outputs:
-        return loss, captured["metrics"], outputs
-    return loss, captured["metrics"]
+    (loss, metrics), outputs = _through_head(model, inner, input_ids, attention_mask, T, compute,
+                                             model_kwargs)
+    loss = loss + (outputs.logits.float() * 0).sum()    # 0 to the value and every gradient
+    return (loss, metrics, outputs) if return_outputs else (loss, metrics)
 
 
 @torch.no_grad()
 def logprobs_through_forward(model, input_ids, attention_mask, completion_len: int,
                              temperature=1.0, return_entropy: bool = False, backend="auto",
                              unwrapped=None, model_kwargs: Optional[dict] = None):
-    """No-grad log-probs (and entropies) of the last ``completion_len`` tokens of
-    ``input_ids``, computed **inside** ``model``'s forward as :func:`policy_loss_through_forward`
-    computes its loss (the lm_head's ``forward`` replaced for one call, so FSDP2 and ZeRO-3
-    gather the head as usual; no ``[B, T, V]`` logits): ``token_stats`` on the hidden states
-    the head receives. Returns ``(logp, entropy or None)``, ``[B, T]`` float32. The row passes
-    are those of the training loss, so an on-policy ratio is exactly 1."""
+    """No-grad log-probs (and entropies) of the last ``completion_len`` tokens, computed inside
+    ``model``'s forward as :func:`policy_loss_through_forward` computes its loss, by the
+    training loss's row passes (an on-policy ratio is exactly 1). Returns
+    ``(logp, entropy or None)``, ``[B, T]`` float32."""
     import gbc_kernels as gbc
 
     inner = unwrap(model) if unwrapped is None else unwrapped
     T = check_forward_inputs(inner, input_ids, attention_mask, completion_len)
-    targets = input_ids[:, -T:]
-    captured = {}
 
-    def head_forward(hidden, *args, **kwargs):
+    def compute(h):
         head = lm_head(inner)
-        h = hidden[:, -(T + 1):-1]
-        if h.dtype != head.weight.dtype:
-            h = h.to(head.weight.dtype)
-        with torch.autocast(device_type=h.device.type, enabled=False):
-            st = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temperature,
-                                 backend=backend, logit_softcap=logit_softcap(inner))
-        captured["st"] = st
-        return hidden[:, -(T + 1):, :1] * 0
+        return gbc.token_stats(h.to(head.weight.dtype), head.weight, input_ids[:, -T:],
+                               head.bias, temperature=temperature, backend=backend,
+                               logit_softcap=logit_softcap(inner)), None
 
-    _forward_with_head(model, inner, head_forward, input_ids, attention_mask, T, model_kwargs)
-    if "st" not in captured:
-        raise RuntimeError("model: its forward did not call its lm_head")
-    st = captured["st"]
+    st, _ = _through_head(model, inner, input_ids, attention_mask, T, compute, model_kwargs)
     return st.logp, (st.entropy if return_entropy else None)
 
 
@@ -317,9 +289,8 @@ def logit_softcap(model):
 
 
 def _pass_hidden(model, input_ids, attention_mask, completion_len, model_kwargs):
-    """The hidden states that predict the completion, for the no-grad passes: from the decoder
-    alone for text, through the whole model's forward when it takes more inputs (images: a
-    vision-language model merges them into the decoder's input in its own forward)."""
+    """The hidden states predicting the completion for the no-grad passes: the decoder's for
+    text, the whole forward's with more inputs (a vision-language model merges its images)."""
     if model_kwargs:
         return hidden_states_through_forward(model, input_ids, attention_mask, completion_len,
                                              **model_kwargs)
@@ -367,17 +338,18 @@ def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=N
 def reference_pass(ref_model, input_ids, attention_mask, targets, temperature=1.0,
                    critical_kl_exponent=None, certainty="max_prob", certainty_temperature=1.0,
                    intercept=0.0, backend="auto", completion_len: int = 0,
-                   model_kwargs: Optional[dict] = None) -> ReferencePass:
+                   model_kwargs: Optional[dict] = None, options=None) -> ReferencePass:
     """The frozen reference model's pass: ``ref_logp`` and, with ``critical_kl_exponent`` set,
     the critical-token KL weights ``(1 - c) J**gamma + c`` from its certainty (docs/math.md
     §5; :func:`gbc_kernels.methods.reference_stats`). The model's final-logit soft-capping, if
-    any, is applied. ``model_kwargs`` as in :func:`old_policy_pass`."""
+    any, is applied. ``model_kwargs`` as in :func:`old_policy_pass`. ``options``: a
+    :class:`gbc_kernels.methods.MethodOptions` in place of the four critical-KL keywords."""
     from gbc_kernels import methods
 
-    opts = methods.MethodOptions(critical_kl_exponent=critical_kl_exponent,
-                                 critical_kl_intercept=intercept,
-                                 critical_kl_certainty=certainty,
-                                 critical_kl_temperature=certainty_temperature)
+    opts = options or methods.MethodOptions(critical_kl_exponent=critical_kl_exponent,
+                                            critical_kl_intercept=intercept,
+                                            critical_kl_certainty=certainty,
+                                            critical_kl_temperature=certainty_temperature)
     head = lm_head(ref_model)
     h = _pass_hidden(ref_model, input_ids, attention_mask, completion_len, model_kwargs)
     st = methods.reference_stats(h, head.weight, targets, opts, head.bias,

@@ -1,34 +1,9 @@
-"""TRL drop-in: ``GBCGRPOTrainer`` computes ``GRPOTrainer``'s loss with the fused kernel.
-
-The policy's final hidden states and its ``lm_head`` go straight into
-:func:`gbc_kernels.fused_linear_policy_loss`; no logits are formed. TRL's own options keep their
-meaning (``loss_type``, ``beta``, ``epsilon``, ``epsilon_high``, ``temperature``, gradient
-accumulation, ``num_items_in_batch``), so with every ``gbc_*`` option off the loss and its
-gradients are TRL's. The ``gbc_*`` options add the token-level methods:
-
-* ``gbc_ar_alpha``: Advantage Reweighting (docs/math.md §2) with TRL's ``old_per_token_logps``
-  (the current log-probs, detached, when TRL skips the old-policy pass).
-* ``gbc_lopti_eta``: Lopti (docs/math.md §3). Every training step runs the low phase, an
-  optimizer step (with TRL's gradient clipping), then the high phase; the Trainer's own
-  optimizer step follows. The learning-rate schedule advances once per training step. The
-  logged ``grad_norm`` is that of both updates together, ``sqrt(|g_low|^2 + |g_high|^2)``
-  (each before clipping), with each phase's own as ``gbc/grad_norm_low`` and
-  ``gbc/grad_norm_high``.
-* ``gbc_nthr``: NTHR (docs/math.md §4) from the rollout policy's hidden states, computed right
-  after TRL scores the completions. A completion counts as correct when its advantage is > 0 (for
-  binary rewards: reward 1 in a mixed group), and a group is ``num_generations`` consecutive
-  completions, as TRL's sampler lays them out.
-* ``gbc_critical_kl_exponent``: critical-token KL weights (docs/math.md §5) from the reference
-  model's certainty, multiplied into TRL's k3 KL term (``beta`` must be > 0).
-
-Every objective of TRL 1.16's ``GRPOTrainer`` goes through the fused loss (docs/math.md §10):
-each ``loss_type``, ``importance_sampling_level``, ``delta``, the SAPO and VESPO parameters,
-``top_entropy_quantile`` (gathered over processes as TRL does), ``off_policy_mask_threshold``,
-``use_bias_correction_kl``, the entropy bonus with TRL's own normaliser and
-``use_adaptive_entropy``, and vLLM's importance-sampling correction. Lopti works with gradient
-accumulation: the low phase accumulates over the window's micro-batches, the optimizer steps, then
-the high phase runs over the same micro-batches. What is still refused raises a ``ValueError``
-when the trainer is built (never a silent change).
+"""TRL drop-in: ``GBCGRPOTrainer`` is ``trl.GRPOTrainer`` (TRL 1.16) with its loss computed by
+:func:`gbc_kernels.fused_linear_policy_loss` from the policy's hidden states and ``lm_head``, no
+logits. TRL's options keep their meaning, so with every ``gbc_*`` option off the loss and its
+gradients are TRL's; the ``gbc_*`` options of :class:`GBCGRPOConfig` add AR, Lopti, NTHR and
+critical-token KL by the rules of :mod:`gbc_kernels.methods`. What each option does, what is
+reproduced and what is refused (a ``ValueError`` when the trainer is built): docs/trl.md.
 """
 
 from __future__ import annotations
@@ -182,12 +157,9 @@ class GBCGRPOTrainer(GRPOTrainer):
         self.gbc_args = _Options(self.args)
         self.gbc_methods = method_options(self.args)
         self._gbc_check_model()
-        self._gbc_phase = None
-        self._gbc_reuse_inputs = None
-        self._gbc_last_inputs = None
-        self._gbc_window = []
-        self._gbc_norms = {}
-        self._gbc_first_norm = None      # Lopti: the first update's gradient norm (pre-clip)
+        # Lopti's state: the phase, the window's kept micro-batches, the phases' gradient norms
+        self._gbc_phase = self._gbc_reuse_inputs = self._gbc_last_inputs = None
+        self._gbc_window, self._gbc_norms, self._gbc_first_norm = [], {}, None
 
     # ---------------------------------------------------------------- construction checks
     @staticmethod
@@ -241,10 +213,9 @@ class GBCGRPOTrainer(GRPOTrainer):
                                            logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False,
                                            **multimodal):
-        """TRL's old-policy and reference passes through gbc's row passes, inside the model's
-        forward (no logits): the training loss then reads bitwise the same log-probs, so on the
-        first iteration of an on-policy batch the ratio is exactly 1 and nothing is clipped.
-        With gradients, the MoE aux loss or multimodal inputs: TRL's own pass."""
+        """TRL's no-grad old-policy and reference passes by the training loss's row passes
+        (an on-policy ratio is exactly 1), inside the model's forward; with gradients, the MoE
+        aux loss or multimodal inputs: TRL's own pass."""
         if (torch.is_grad_enabled() or compute_aux_loss
                 or any(v is not None for v in multimodal.values())):
             return super()._get_per_token_logps_and_entropies(
@@ -287,12 +258,11 @@ class GBCGRPOTrainer(GRPOTrainer):
             # TRL's own old-policy log-probs when it computed them (num_iterations > 1, vLLM);
             # on-policy, this pass fixes them before Lopti's first update
             trl_old = out.get("old_per_token_logps")
-            with torch.no_grad():
-                res = hf.old_policy_pass(
-                    self.accelerator.unwrap_model(self.model), input_ids, attention_mask,
-                    completion_ids, mask, temperature=self._gbc_temperature,
-                    backend=args.gbc_backend, completion_len=T, old_logp=trl_old,
-                    model_kwargs=model_kwargs, **nthr)
+            res = hf.old_policy_pass(                              # no-grad passes
+                self.accelerator.unwrap_model(self.model), input_ids, attention_mask,
+                completion_ids, mask, temperature=self._gbc_temperature,
+                backend=args.gbc_backend, completion_len=T, old_logp=trl_old,
+                model_kwargs=model_kwargs, **nthr)
             if trl_old is None and opts.lopti_eta is not None:
                 out[OLD_LOGP_KEY] = res.old_logp
             if opts.nthr:
@@ -305,15 +275,11 @@ class GBCGRPOTrainer(GRPOTrainer):
             if ref_model is None:       # PEFT: the base model, adapter disabled (as TRL does)
                 ref_model = self.accelerator.unwrap_model(self.model)
                 ctx = ref_model.disable_adapter()
-            with torch.no_grad(), ctx:
+            with ctx:
                 ref = hf.reference_pass(
                     ref_model, input_ids, attention_mask, completion_ids,
-                    temperature=self._gbc_temperature,
-                    critical_kl_exponent=opts.critical_kl_exponent,
-                    certainty=opts.critical_kl_certainty,
-                    certainty_temperature=opts.critical_kl_temperature,
-                    intercept=opts.critical_kl_intercept, backend=args.gbc_backend,
-                    completion_len=T, model_kwargs=model_kwargs)
+                    temperature=self._gbc_temperature, backend=args.gbc_backend,
+                    completion_len=T, model_kwargs=model_kwargs, options=opts)
             out["gbc_kl_weight"] = ref.kl_weight
         return out
 
@@ -326,10 +292,8 @@ class GBCGRPOTrainer(GRPOTrainer):
         return inputs
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """Lopti: the first phase on every micro-batch of the accumulation window (gradients
-        accumulate), an optimizer step at the window's end, then the second phase over the same
-        micro-batches; the Trainer's own optimizer step follows. Without gradient accumulation
-        this is phase, step, phase, step on one micro-batch."""
+        """Lopti: the first phase on every micro-batch of the accumulation window, an optimizer
+        step at its end, the second phase over the same micro-batches, the Trainer's step."""
         if self.gbc_methods.lopti_eta is None:
             return super().training_step(model, inputs, num_items_in_batch)
         first, second = self.gbc_methods.phases
@@ -371,9 +335,8 @@ class GBCGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------ Lopti: the logged gradient norm of a step
     def _gbc_step_norm(self, second_norm):
-        """Under Lopti the Trainer measures only the second update's gradient; log the norm of
-        both updates' gradients together, sqrt(|g_first|^2 + |g_second|^2) (each pre-clip),
-        and each phase's own as gbc/grad_norm_low and gbc/grad_norm_high."""
+        """Lopti's logged norm: both updates' together, sqrt(|g_first|^2 + |g_second|^2) (each
+        pre-clip), and each phase's own as gbc/grad_norm_<phase>."""
         first, self._gbc_first_norm = self._gbc_first_norm, None
         if first is None or second_norm is None:
             return second_norm
