@@ -9,6 +9,7 @@ reproduced and what is refused (a ``ValueError`` when the trainer is built): doc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -76,10 +77,7 @@ class _Options:
 
 
 # the method layer's options under TRL's names (errors name the option the user set)
-METHOD_NAMES = {f: f"gbc_{f}" for f in ("ar_alpha", "lopti_eta", "lopti_order", "nthr",
-                                        "nthr_beta", "nthr_eta", "critical_kl_exponent",
-                                        "critical_kl_intercept", "critical_kl_certainty",
-                                        "critical_kl_temperature")}
+METHOD_NAMES = {f.name: f"gbc_{f.name}" for f in dataclasses.fields(methods.MethodOptions)}
 
 
 def method_options(args) -> methods.MethodOptions:
@@ -120,11 +118,9 @@ def _logit_scale(model) -> float:
     (``hf.logit_softcap``); a model with both a scale and a cap is refused (the order of the
     two is not defined by one config field)."""
     cfg = model.config.get_text_config()
-    scale = getattr(cfg, "logit_scale", None)
-    if scale is None:
-        scale = getattr(cfg, "output_multiplier", None)
-    if scale is None:
-        scale = getattr(cfg, "lm_head_multiplier", None)
+    scale = next((getattr(cfg, k) for k in ("logit_scale", "output_multiplier",
+                                             "lm_head_multiplier")
+                  if getattr(cfg, k, None) is not None), None)
     if scale is None and getattr(cfg, "logits_scaling", None) is not None:
         scale = (cfg.logits_scaling if cfg.model_type == "hyperclovax"
                  else 1.0 / cfg.logits_scaling)
