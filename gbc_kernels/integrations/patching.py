@@ -17,6 +17,7 @@ class Patches:
 
     def __init__(self):
         self._originals = {}        # (cls, attr) -> the original attribute
+        self._finders = []          # this set's pending on-import patches
 
     def set(self, cls, attr: str, fn) -> None:
         """``cls.attr = fn``, unless gbc already replaced it; ``fn.gbc_original`` is the
@@ -38,15 +39,17 @@ class Patches:
         if name in sys.modules:
             patch(sys.modules[name])
         elif not any(isinstance(f, _PatchOnImport) and f.name == name for f in sys.meta_path):
-            sys.meta_path.insert(0, _PatchOnImport(name, patch))
+            self._finders.append(_PatchOnImport(name, patch))
+            sys.meta_path.insert(0, self._finders[-1])
 
     def undo(self) -> None:
-        """Every replaced attribute gets its original back; pending import patches are
-        dropped."""
+        """Every attribute this set replaced gets its original back; its pending import
+        patches are dropped (another adapter's stay)."""
         for (cls, attr), original in self._originals.items():
             setattr(cls, attr, original)
         self._originals.clear()
-        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
+        sys.meta_path[:] = [f for f in sys.meta_path if f not in self._finders]
+        self._finders.clear()
 
 
 class _PatchOnImport:
