@@ -160,3 +160,35 @@ def test_old_policy_pass_reuses_given_old_logp():
         assert not res.nthr.scores.requires_grad
     ref = hf.reference_pass(model, ids, attn, targets, completion_len=T, critical_kl_exponent=2.0)
     assert not ref.ref_logp.requires_grad and not ref.kl_weight.requires_grad
+
+
+def test_passes_read_the_head_inside_the_forward():
+    """Under ZeRO-3 (or FSDP2) the lm_head's weight exists only while the model's forward runs
+    it: the old-policy and reference passes (NTHR's scales included) read it there. Here the
+    head holds an empty weight outside its forward; the passes equal those of the plain
+    model."""
+    plain = make("qwen2", False)
+    model = make("qwen2", False)
+    head = model.get_output_embeddings()
+    full = head.weight.data.clone()
+    head.weight.data = torch.empty(0)
+    head.register_forward_pre_hook(lambda m, a: setattr(m.weight, "data", full))
+    head.register_forward_hook(lambda m, a, o: setattr(m.weight, "data", torch.empty(0)))
+    ids, attn = batch()
+    T = 5
+    targets, mask = ids[:, -T:], torch.ones(3, T, dtype=torch.bool)
+    groups, correct = torch.tensor([0, 0, 0]), torch.tensor([True, False, False])
+    kw = dict(temperature=0.8, completion_len=T, nthr=True, group_ids=groups, correct=correct,
+              nthr_beta=0.0)
+    want = hf.old_policy_pass(plain, ids, attn, targets, mask, **kw)
+    got = hf.old_policy_pass(model, ids, attn, targets, mask, **kw)
+    assert torch.allclose(got.old_logp, want.old_logp, atol=1e-6)
+    assert torch.allclose(got.token_scale, want.token_scale, atol=1e-6)
+    assert (want.token_scale != 1).any()
+    want = hf.reference_pass(plain, ids, attn, targets, critical_kl_exponent=2.0,
+                             completion_len=T)
+    got = hf.reference_pass(model, ids, attn, targets, critical_kl_exponent=2.0,
+                            completion_len=T)
+    assert torch.allclose(got.ref_logp, want.ref_logp, atol=1e-6)
+    assert torch.allclose(got.kl_weight, want.kl_weight, atol=1e-6)
+    assert head.weight.numel() == 0

@@ -288,13 +288,18 @@ def logit_softcap(model):
     return None if c is None else float(c)
 
 
-def _pass_hidden(model, input_ids, attention_mask, completion_len, model_kwargs):
-    """The hidden states predicting the completion for the no-grad passes: the decoder's for
-    text, the whole forward's with more inputs (a vision-language model merges its images)."""
-    if model_kwargs:
-        return hidden_states_through_forward(model, input_ids, attention_mask, completion_len,
-                                             **model_kwargs)
-    return completion_hidden(model, input_ids, attention_mask, completion_len)
+def _in_head(model, input_ids, attention_mask, completion_len, model_kwargs, compute):
+    """``compute(h [B, T, H], head, softcap)`` for a no-grad pass, run inside the model's
+    forward where its lm_head's weight is the one the forward uses (ZeRO-3 and FSDP2 hold it
+    gathered only there): :func:`_through_head`, no logits."""
+    inner = unwrap(model)
+    T = completion_len or input_ids.shape[1] - 1
+
+    def run(h):
+        head = lm_head(inner)
+        return compute(h.to(head.weight.dtype), head, logit_softcap(inner)), None
+
+    return _through_head(model, inner, input_ids, attention_mask, T, run, model_kwargs)[0]
 
 
 @torch.no_grad()
@@ -315,23 +320,25 @@ def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=N
     import gbc_kernels as gbc
     from gbc_kernels import methods
 
-    head = lm_head(model)
-    cap = logit_softcap(model)
-    h = _pass_hidden(model, input_ids, attention_mask, completion_len, model_kwargs)
-    if old_logp is None:
-        old_logp = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temperature,
-                                   backend=backend, logit_softcap=cap).logp
-    res = None
     if nthr:
         if correct is None and advantages is not None:
             correct = methods.correct_from_advantages(advantages, mask)
         if group_ids is None or correct is None:
             raise ValueError("group_ids, correct: required when nthr=True (correct: or "
                              "advantages)")
-        res = gbc.nthr_scale(h, head.weight, targets, mask, group_ids, correct, bias=head.bias,
-                             temperature=temperature, beta=nthr_beta, eta=nthr_eta,
-                             backend=backend, logp=old_logp, logit_softcap=cap)
-    return OldPolicyPass(old_logp, None if res is None else res.scale, res)
+
+    def compute(h, head, cap):
+        logp = old_logp
+        if logp is None:
+            logp = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temperature,
+                                   backend=backend, logit_softcap=cap).logp
+        res = None if not nthr else gbc.nthr_scale(
+            h, head.weight, targets, mask, group_ids, correct, bias=head.bias,
+            temperature=temperature, beta=nthr_beta, eta=nthr_eta, backend=backend, logp=logp,
+            logit_softcap=cap)
+        return OldPolicyPass(logp, None if res is None else res.scale, res)
+
+    return _in_head(model, input_ids, attention_mask, completion_len, model_kwargs, compute)
 
 
 @torch.no_grad()
@@ -350,9 +357,8 @@ def reference_pass(ref_model, input_ids, attention_mask, targets, temperature=1.
                                             critical_kl_intercept=intercept,
                                             critical_kl_certainty=certainty,
                                             critical_kl_temperature=certainty_temperature)
-    head = lm_head(ref_model)
-    h = _pass_hidden(ref_model, input_ids, attention_mask, completion_len, model_kwargs)
-    st = methods.reference_stats(h, head.weight, targets, opts, head.bias,
-                                 temperature=temperature, logit_softcap=logit_softcap(ref_model),
-                                 backend=backend)
+    st = _in_head(ref_model, input_ids, attention_mask, completion_len, model_kwargs,
+                  lambda h, head, cap: methods.reference_stats(
+                      h, head.weight, targets, opts, head.bias, temperature=temperature,
+                      logit_softcap=cap, backend=backend))
     return ReferencePass(*st)
