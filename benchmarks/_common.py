@@ -213,16 +213,21 @@ def now():
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def rss_mb() -> float:
-    """This process's resident set size now (MiB), from /proc (0 where there is none)."""
+def proc_mb(path: str, key: str, default: float = 0.0) -> float:
+    """A ``kB`` field of a /proc file in MiB (``default`` where there is none)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) / 1024
     except OSError:
         pass
-    return 0.0
+    return default
+
+
+def rss_mb() -> float:
+    """This process's resident set size now (MiB), from /proc (0 where there is none)."""
+    return proc_mb("/proc/self/status", "VmRSS")
 
 
 def run_child(cmd, threads: int):

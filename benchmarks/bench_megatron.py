@@ -93,7 +93,6 @@ def _inputs(args, rank):
 def _verl_loss(actor, lp, ent, c):
     """verl's ppo_loss (verl/workers/utils/losses.py) on the padded response rows [B, R]: its
     registered policy loss, the entropy term and the KL term through its agg_loss."""
-    import torch
     from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
 
     sl = slice(c["P"], c["P"] + int(c["mask"][0].sum()))
@@ -325,17 +324,6 @@ def run_pair(name, args):
     return results
 
 
-def _mem_available_mb():
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("inf")
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -390,13 +378,13 @@ def run_shape(args, provs):
     """Every provider at one shape and dtype: rows appended to --out, README rows returned."""
     import torch
 
-    from _common import append_rows, now
+    from _common import append_rows, now, proc_mb
     import gbc_kernels
 
     esz = getattr(torch, args.dtype).itemsize
     logits_mb = args.S * args.B * args.V // TP * 4 / 2 ** 20     # one float32 [S*B, V/2]
     need = TP * (6 * logits_mb + 2 * args.V // TP * args.H * esz / 2 ** 20 + 600)
-    avail = _mem_available_mb()
+    avail = proc_mb("/proc/meminfo", "MemAvailable", float("inf"))
     shape = f"V={args.V},H={args.H},S={args.S},B={args.B},R={args.response}"
     print(f"tensor parallel {TP} (gloo, 1 thread per rank), {shape}, {args.dtype}; one "
           f"float32 [S*B, V/2] = {logits_mb:.0f} MiB; stock head estimate {need:.0f} MiB for "

@@ -168,10 +168,12 @@ class GBCMegatronMixin(EngineMethods):
         common = dict(output_bias=state["bias"], tp_group=state["tp_group"],
                       hidden_gathered=state["gathered"])
 
+        dest = torch.where(valid, rows, label.numel()).reshape(-1)    # padding: a spare slot
+
         def packed(v):       # [B, T] -> verl's layout of the logits' rows, 0 off the responses
-            out = torch.zeros(label.numel(), dtype=torch.float32, device=device)
-            out[rows[valid]] = v.detach().float()[valid]
-            return out.view(label.shape)
+            out = torch.zeros(label.numel() + 1, dtype=torch.float32, device=device)
+            out.scatter_(0, dest, v.detach().float().reshape(-1))
+            return out[:-1].view(label.shape)
 
         if logits_processor_func is not None:       # training: the fused loss
             kw = self._gbc_loss_inputs(batch, logits_processor_func, valid)
