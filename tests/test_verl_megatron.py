@@ -468,3 +468,55 @@ def test_enable_registers_the_megatron_engine():
     finally:
         ve.disable()
     assert table == before
+
+
+def _options_worker(rank, world, tp):
+    """Per method option: the parameters after one ``train_batch`` (AR, Lopti) or the reference
+    pass's KL weights (critical-token KL), with the option's two settings of
+    tests/methods/test_options.PAIRS; NTHR's options: the refusal."""
+    from verl.utils import tensordict_utils as tu
+
+    from gbc_kernels.integrations import verl_engine as ve
+    from methods.test_options import PAIRS
+
+    out = {}
+    for name, pair in sorted(PAIRS.items()):
+        runs = []
+        for opts in pair:
+            model = _setup(tp, False)
+            engine = _engine(model, options=ve.EngineOptions(**opts))
+            data = _batch(seed=30, confident=0.4)
+            try:
+                if name.startswith("critical_kl"):
+                    tu.assign_non_tensor(data, **{ve.CERTAINTY_KEY: {
+                        k: getattr(engine.gbc_options, k) for k in ve.CRITICAL_KL_FIELDS}})
+                    res = _infer(engine, data)
+                    runs.append(_responses(res, ve.KL_WEIGHT_KEY, data)
+                                if ve.KL_WEIGHT_KEY in res["model_output"] else
+                                torch.zeros_like(_responses(res, "log_probs", data)))
+                else:
+                    engine.optimizer = _trainable(model)
+                    engine.train_batch(data, _loss_fn())
+                    runs.append(torch.cat([p.detach().reshape(-1)
+                                           for p in model.parameters()]))
+            except ValueError as e:
+                runs.append(str(e))
+        out[name] = runs
+    return out
+
+
+@pytest.mark.slow
+def test_every_method_option_changes_the_update_or_is_refused():
+    """Each method option on the Megatron engine, against the same run without it: AR and Lopti
+    change the parameters after ``train_batch`` by more than rounding, the critical-KL options
+    change the reference pass's KL weights, and NTHR's are refused naming ``nthr``."""
+    from methods.test_options import PAIRS
+
+    out = spawn_gloo(2, _options_worker, 2)[0]
+    assert set(out) == set(PAIRS)
+    for name, (a, b) in out.items():
+        if name.startswith("nthr"):
+            assert isinstance(b, str) and b.startswith("nthr:"), (name, b)
+            continue
+        assert not isinstance(a, str) and not isinstance(b, str), (name, a, b)
+        assert (a - b).abs().max() > 1e-6 * (1 + a.abs().max()), name
