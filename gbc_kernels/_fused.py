@@ -231,22 +231,30 @@ class _GradMatmuls:
     sum at every chunk makes its error grow with the chunk count. One chunk: no accumulator.
 
     ``idx``: the rows of ``hidden2d`` the chunks cover, in order (None: all rows, contiguous);
-    ``chunks``: how many chunks will add.
+    ``chunks``: how many chunks will add. ``into``: a float32 tensor of the weight's shape that
+    ``grad_w`` is added into in place (megatron's ``main_grad``); the result's ``grad_w`` is
+    then None.
     """
 
-    def __init__(self, hidden2d, weight, bias, need_dh, need_dw, need_db, idx=None, chunks=1):
+    def __init__(self, hidden2d, weight, bias, need_dh, need_dw, need_db, idx=None, chunks=1,
+                 into=None):
         dense = idx is None
         self.weight, self.idx, self.bias = weight, idx, bias
         self.grad_h = ((torch.empty_like(hidden2d) if dense else torch.zeros_like(hidden2d))
                        if need_dh else None)
-        self.acc32 = need_dw and chunks > 1 and _chunking.accumulate_fp32(weight.dtype)
+        self.into = into if need_dw else None
+        self.acc32 = need_dw and (
+            (chunks > 1 and _chunking.accumulate_fp32(weight.dtype))
+            or (into is not None and into.dtype != weight.dtype))
         self.grad_w = None
-        if need_dw:
+        if into is not None and need_dw:
+            self.grad_w = into                      # accumulated from the first chunk on
+        elif need_dw:
             self.grad_w = (torch.empty(weight.shape, device=weight.device, dtype=torch.float32)
                            if self.acc32 else torch.empty_like(weight))
         self.grad_b = torch.zeros(weight.shape[0], device=weight.device,
                                   dtype=torch.float32) if need_db else None
-        self.first = True
+        self.first = self.into is None
 
     def add(self, lg, hc, s, e):
         if self.grad_h is not None:
@@ -266,11 +274,14 @@ class _GradMatmuls:
         self.first = False
 
     def result(self):
-        if self.grad_w is not None and self.first:      # no rows at all
-            self.grad_w.zero_()
-        gw = self.grad_w
-        if self.acc32:
-            gw = gw.to(self.weight.dtype)                # rounded once
+        if self.into is not None:                        # added into the caller's buffer
+            gw = None
+        else:
+            if self.grad_w is not None and self.first:   # no rows at all
+                self.grad_w.zero_()
+            gw = self.grad_w
+            if self.acc32:
+                gw = gw.to(self.weight.dtype)            # rounded once
         gb = None if self.grad_b is None else self.grad_b.to(self.bias.dtype)
         return self.grad_h, gw, gb
 
@@ -528,7 +539,7 @@ def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature,
 
 def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature, lse,
                      entropy, g_logp, g_entropy, need_dh, need_dw, need_db, softcap=None,
-                     vp=None):
+                     vp=None, grad_w_into=None):
     """Backward of the log-probs: recompute each chunk's logits, overwrite them with dL/dlogits,
     and do the two gradient matmuls (``vp``: this slice's part; the hidden gradient summed over
     the ranks once)."""
@@ -538,7 +549,7 @@ def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperat
         targets = _vp.local_targets(targets, vp)
     ws = Workspace()
     grads = _GradMatmuls(hidden2d, weight, bias, need_dh, need_dw, need_db,
-                         chunks=-(-N // rows))
+                         chunks=-(-N // rows), into=grad_w_into)
     inv_temp = 1.0 / temperature               # a float, or per row once (not once per chunk)
     for s in range(0, N, rows):
         e = min(N, s + rows)
@@ -557,11 +568,12 @@ def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperat
 class FusedLogprobsFunction(torch.autograd.Function):
     """Per-row log-probs, entropy and sum p^2 (the last two empty unless asked); gradients
     through the log-probs and the entropy, recomputed in backward. ``temperature``: a float or
-    a float32 ``[N]`` tensor."""
+    a float32 ``[N]`` tensor. ``grad_w_into``: the backward adds d weight into it (the weight's
+    own gradient is then None)."""
 
     @staticmethod
     def forward(ctx, hidden2d, weight, bias, targets, temperature, return_entropy, backend,
-                softcap=None, vp=None, return_sum_p2=False):
+                softcap=None, vp=None, return_sum_p2=False, grad_w_into=None):
         logp, entropy, lse, _, sum_p2 = stats_sweep(hidden2d, weight, bias, targets, backend,
                                                     temperature, return_entropy, softcap=softcap,
                                                     vp=vp, want_sum_p2=return_sum_p2)
@@ -570,6 +582,7 @@ class FusedLogprobsFunction(torch.autograd.Function):
                               targets, lse, entropy if entropy is not None else empty)
         ctx.has_bias, ctx.return_entropy = bias is not None, return_entropy
         ctx.temperature, ctx.backend, ctx.softcap, ctx.vp = temperature, backend, softcap, vp
+        ctx.grad_w_into = grad_w_into
         entropy = empty if entropy is None else entropy
         sum_p2 = logp.new_empty(0) if sum_p2 is None else sum_p2
         ctx.mark_non_differentiable(sum_p2)
@@ -590,5 +603,5 @@ class FusedLogprobsFunction(torch.autograd.Function):
         gh, gw, gb = logit_grad_sweep(hidden2d, weight, bias, targets, ctx.backend,
                                       ctx.temperature, lse, entropy if gH is not None else None,
                                       g_logp.float(), gH, need_dh, need_dw, need_db,
-                                      ctx.softcap, ctx.vp)
-        return gh, gw, gb, None, None, None, None, None, None, None
+                                      ctx.softcap, ctx.vp, ctx.grad_w_into)
+        return gh, gw, gb, None, None, None, None, None, None, None, None

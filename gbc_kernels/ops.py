@@ -12,7 +12,7 @@ from . import _validate as V
 from . import vocab_parallel as _vp
 from ._fused import (FusedLogprobsFunction, FusedPolicyLossFunction, LossInputs, stats_sweep,
                      gathered_threshold, token_inputs, with_batch_masks)
-from ._loss_math import (Norms, certainty_from_stats, empty_metrics, loss_terms,
+from ._loss_math import (Norms, certainty_from_stats, empty_metrics, logp_grad_norm, loss_terms,
                          per_token_is_ratio, policy_metrics)
 from ._validate import no_double_backward as _no_double_backward
 from ._validate import check_lm_head as _check_lm_head, check_temperature as _check_temperature
@@ -234,7 +234,7 @@ def _threshold_fn(data_parallel_group, cfg):
 
 def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
                           return_entropy=False, backend="auto", vocab_parallel=None,
-                          logit_softcap=None, return_sum_p2=False):
+                          logit_softcap=None, return_sum_p2=False, weight_grad_into=None):
     """Per-token ``log_softmax(z)[targets]`` (and the entropy of ``softmax(z)``) without logits.
     ``z = (hidden @ weight.T + bias) / temperature``; with ``logit_softcap = c`` (Gemma-2/3),
     ``z = c tanh((hidden @ weight.T + bias) / c) / temperature``.
@@ -246,6 +246,11 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     ``sum_p2 = sum_v p_v^2`` (no gradient; verl's ``calculate_sum_pi_squared``).
     Differentiable in hidden, weight and bias through logp and entropy; the backward recomputes
     the logits.
+
+    ``weight_grad_into``: None, or a float32 tensor of ``weight``'s shape (megatron-core's
+    ``weight.main_grad``) that the backward adds ``d weight`` into, in place, summed in float32
+    over the chunks: no ``[V, H]`` gradient or accumulator is allocated, and ``weight`` itself
+    gets no gradient (None).
     """
     V.check_backend(backend)
     _check_lm_head(hidden, weight, bias)
@@ -261,9 +266,17 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     safe = V.check_targets(targets, vocab).reshape(-1)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     be = get_backend(backend, hidden.device, hidden.dtype)
+    if weight_grad_into is not None:
+        V.check_tensor("weight_grad_into", weight_grad_into, shape=tuple(weight.shape),
+                       device=weight.device)
+        if weight_grad_into.dtype != torch.float32 or not weight_grad_into.is_contiguous():
+            raise TypeError(f"weight_grad_into: expected a contiguous float32 tensor (a float32 "
+                            f"main_grad), got {weight_grad_into.dtype}"
+                            f"{'' if weight_grad_into.is_contiguous() else ', not contiguous'}")
     logp, entropy, sum_p2 = FusedLogprobsFunction.apply(
         h2, weight, bias, safe, temp, return_entropy, be,
-        None if logit_softcap is None else float(logit_softcap), sl, return_sum_p2)
+        None if logit_softcap is None else float(logit_softcap), sl, return_sum_p2,
+        weight_grad_into)
     out = (logp.view(targets.shape),
            entropy.view(targets.shape) if return_entropy else None)
     return out + (sum_p2.view(targets.shape),) if return_sum_p2 else out
@@ -325,7 +338,7 @@ class _PolicyLossFromLogp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logp, entropy, args):
         (mask, adv, old, ref, tscale, klw, isr, sampling, cfg, phase, num_items, threshold_fn,
-         holder) = args
+         holder, norm_of) = args
         ct = torch.float64 if logp.dtype == torch.float64 else torch.float32
         idx = mask.reshape(-1).nonzero().squeeze(1)
         ti = token_inputs(mask, adv, old, ref, tscale, klw, isr, sampling, cfg, num_items, idx,
@@ -336,13 +349,19 @@ class _PolicyLossFromLogp(torch.autograd.Function):
         if idx.numel():
             ti = with_batch_masks(ti, ent, lp, cfg, mask, idx, ct, threshold_fn)
             lt = loss_terms(lp, ent, ti, cfg, phase)
-            holder["metrics"] = policy_metrics(lt.terms, cfg, ent, None, B, ti.n_seq)
+            norm = None
+            if norm_of is not None:          # docs/math.md §6, as the fused loss measures it
+                p2, itemp = norm_of
+                itemp = itemp.reshape(-1)[idx] if isinstance(itemp, torch.Tensor) else itemp
+                norm = logp_grad_norm(lt.g, lp, p2.reshape(-1)[idx].to(ct), itemp)
+            holder["metrics"] = policy_metrics(lt.terms, cfg, ent, norm, B, ti.n_seq)
             loss, g, gH = lt.loss_sum, lt.g, lt.gH
         else:
             if threshold_fn is not None:        # a collective: take part without tokens
                 threshold_fn(lp, cfg.top_entropy_quantile)
             metrics = empty_metrics(cfg, logp.device, B)
-            metrics.pop("grad_share_low"), metrics.pop("grad_norm_sum")
+            if norm_of is None:
+                metrics.pop("grad_share_low"), metrics.pop("grad_norm_sum")
             holder["metrics"] = metrics
             loss, g, gH = torch.zeros((), dtype=ct, device=logp.device), lp, None
 
@@ -366,12 +385,15 @@ class _PolicyLossFromLogp(torch.autograd.Function):
 def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=None,
                 token_scale=None, kl_weight=None, config=None, phase=None,
                 num_items_in_batch=None, is_ratio=None, sampling_logp=None,
-                data_parallel_group=None, num_seqs_in_batch=None):
+                data_parallel_group=None, num_seqs_in_batch=None, sum_p2=None,
+                temperature=1.0):
     """The same GRPO loss for trainers that already have per-token ``logp`` [B, T].
 
     ``entropy`` [B, T] is needed when ``config.entropy_coef != 0`` or
     ``config.top_entropy_quantile < 1`` (its gradient flows back to it). Metrics as the fused
-    loss, except ``grad_share_low``, which needs the full distribution.
+    loss, except ``grad_share_low`` (and ``grad_norm_sum``), which need the full distribution:
+    reported when ``sum_p2`` [B, T] (``sum_v p_v^2``, from :func:`fused_linear_logprobs`) is
+    given, with ``temperature`` (a float or a tensor [B] / [B, T]) the one ``logp`` was taken at.
     """
     cfg = PolicyLossConfig.coerce(config)
     V.check_tensor("logp", logp, floating=True, dims=(2,))
@@ -393,10 +415,15 @@ def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=No
         V.check_finite("entropy", entropy, m, checks)
     elif entropy is not None:
         V.check_tensor("entropy", entropy, shape=(B, T), floating=True, device=device)
+    norm_of = None
+    if sum_p2 is not None:
+        V.check_tensor("sum_p2", sum_p2, shape=(B, T), floating=True, device=device)
+        itemp = 1.0 / _temperature(temperature, (B, T), device, m, checks)
+        norm_of = (sum_p2.detach().float(), itemp)
     checks.resolve()
     holder = {}
     args = (m, adv, old_logp, ref_logp, token_scale,
             kl_weight if cfg.kl_coef != 0.0 else None, is_ratio, sampling_logp, cfg, phase,
-            norms, _threshold_fn(data_parallel_group, cfg), holder)
+            norms, _threshold_fn(data_parallel_group, cfg), holder, norm_of)
     loss = _PolicyLossFromLogp.apply(logp, entropy if cfg.wants_entropy else None, args)
     return loss, holder["metrics"]

@@ -142,3 +142,42 @@ def test_large_vocab_not_multiple_of_tile(backend, V):
     assert torch.allclose(logp.double(), tl_, atol=2e-5, rtol=1e-5)
     assert torch.allclose(ent.double(), te, atol=2e-4, rtol=1e-5)
     assert max_rel_err(hh.grad, h64.grad) < 1e-4
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_weight_grad_into_adds_the_weight_gradient(backend, small_chunks, dtype, tol):
+    """``weight_grad_into`` (megatron's float32 ``main_grad``): the backward adds d weight into
+    it, scaled by the upstream gradient, summed in float32 over the chunks; the weight gets no
+    gradient; d hidden and d bias are the plain call's. Against float64 autograd on the same
+    (rounded) inputs, every row's upstream gradient random, an odd vocabulary."""
+    h, w, b, y = _inputs(29, 16, 203, dtype, 11)
+    g = torch.Generator().manual_seed(4)
+    gl, ge = torch.randn(2, 29, generator=g, dtype=torch.float64)
+    prefill = torch.randn(w.shape, generator=g)
+
+    def run(lib, dt, into=None, **kw):
+        hh, ww, bb = (t.detach().to(dt).clone().requires_grad_(True) for t in (h, w, b))
+        extra = {} if into is None else dict(weight_grad_into=into)
+        logp, ent = lib.fused_linear_logprobs(hh, ww, y, bb, temperature=0.8,
+                                              return_entropy=True, **kw, **extra)
+        (0.5 * ((logp * gl.to(logp.dtype)).sum() + (ent * ge.to(ent.dtype)).sum())).backward()
+        return hh.grad, ww.grad, bb.grad
+
+    truth = run(ref, torch.float64)
+    plain = run(gbc, dtype, backend=backend)
+    into = prefill.clone()
+    got = run(gbc, dtype, into, backend=backend)
+    assert got[1] is None
+    assert max_rel_err(into - prefill, truth[1]) < tol
+    assert max_rel_err(into - prefill, plain[1]) < tol          # the plain call's, unrounded
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[2], plain[2])
+
+
+def test_weight_grad_into_bad_input():
+    h, w, b, y = _inputs(5, 8, 11, torch.float32, 1)
+    w.requires_grad_(True)
+    for into, err, what in ((torch.zeros(11, 8, dtype=torch.bfloat16), TypeError, "float32"),
+                            (torch.zeros(8, 11).t(), TypeError, "contiguous"),
+                            (torch.zeros(10, 8), ValueError, "shape")):
+        with pytest.raises(err, match=f"weight_grad_into: .*{what}"):
+            gbc.fused_linear_logprobs(h, w, y, b, weight_grad_into=into)

@@ -139,8 +139,10 @@ def _case(name, tp, group):
                      return_sum_p2=True)
     out["gbc"] = dict(loss=res.loss.detach(), logp=res.logp, entropy=res.entropy,
                       sum_p2=res.sum_p2, dhidden=h.grad.clone(), grads=_grads(model),
-                      logprobs=(lpo.logp, lpo.entropy, lpo.sum_p2))
+                      logprobs=(lpo.logp, lpo.entropy, lpo.sum_p2), metrics=res.metrics)
     model.zero_grad(set_to_none=True)
+    out["main_grad"] = _main_grad_case(model, weight, x, pos, m, old, refl, cfg, sp, loss_kw,
+                                       group)
 
     # the differentiable log-prob variant against verl's functions on the output layer's logits
     hl = h.detach().clone().requires_grad_(True)
@@ -155,6 +157,48 @@ def _case(name, tp, group):
     ((got.logp * c1 + got.entropy * c2) * m).sum().backward()
     out["logprobs_grad"] = (want, (hl.grad, wl.grad))
     return out
+
+
+def _main_grad_case(model, weight, x, pos, m, old, refl, cfg, sp, loss_kw, group):
+    """gbc's processor with megatron's DDP set-up on the output weight: a float32 ``main_grad``
+    (prefilled: megatron accumulates into it), ``grad_added_to_main_grad`` and DDP's hook
+    (``DistributedDataParallel._make_backward_post_hook``'s rule, which adds ``param.grad``
+    into ``main_grad`` unless the layer already did). The loss is scaled by 0.25 (megatron
+    divides by the micro-batch count), so ``main_grad`` must receive 0.25 of the gradient
+    (the prefill is small: ``main_grad`` is float32, the model float64)."""
+    mc = megatron_cpu()
+    from gbc_kernels.integrations import megatron as M
+
+    prefill = 1e-3 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(9))
+    weight.main_grad = prefill.clone()
+    weight.grad_added_to_main_grad = False
+    placeholders = []
+
+    def ddp_hook(p):
+        placeholders.append((p.grad.dtype, tuple(p.grad.shape), p.grad_added_to_main_grad))
+        if not p.grad_added_to_main_grad or getattr(p, "zero_out_wgrad", False):
+            p.main_grad.add_(p.grad)
+        p.grad = None
+
+    handle = weight.register_post_accumulate_grad_hook(ddp_hook)
+    try:
+        with mc.capture_head_input(model) as seen:
+            model(x["ids"], pos, mc.causal_mask(S))
+        h = seen[0]
+        h.retain_grad()
+        res = M.policy_loss(h, weight, x["labels"], m, x["adv"], old, refl, config=cfg,
+                            sequence_parallel=sp, return_sum_p2=True, **loss_kw(x))
+        (0.25 * res.loss).backward()
+        mc.allreduce_sp_norm_grads(model, group)
+        grads = {k: v * 4 for k, v in _grads(model).items()}
+        grads["__main_grad"] = (weight.main_grad - prefill) * 4
+        return dict(loss=res.loss.detach(), logp=res.logp, entropy=res.entropy,
+                    sum_p2=res.sum_p2, dhidden=h.grad * 4, grads=grads, metrics=res.metrics,
+                    placeholders=placeholders, zero_out=getattr(weight, "zero_out_wgrad", False))
+    finally:
+        handle.remove()
+        del weight.main_grad, weight.grad_added_to_main_grad
+        model.zero_grad(set_to_none=True)
 
 
 def _watch(tp):
@@ -249,6 +293,36 @@ def test_tp2_equals_megatron_and_verl(tp2, name):
         assert torch.equal(tp2[0][name]["gbc"][key], tp2[1][name]["gbc"][key]), key
     if CASES[name][2]:      # sequence parallel: each rank's d hidden is its own [S/2, B, H]
         assert tp2[0][name]["gbc"]["dhidden"].shape == (S // 2, B, H)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_main_grad_route_equals_the_stock_head(tp2, name):
+    """With megatron's float32 ``main_grad`` on the output weight, gbc adds ``d weight`` there
+    in backward (scaled by the upstream gradient) and hands megatron's placeholder gradient to
+    DDP's hook: ``main_grad`` gains exactly the stock head's weight gradient (a tied head's
+    embedding part through the hook: ``zero_out_wgrad``), every other gradient, the loss, the
+    per-token values and gbc's metrics (``grad_share_low`` included) equal the one-sweep
+    loss's."""
+    for rank in range(2):
+        r = tp2[rank][name]
+        got, fused, stock = r["main_grad"], r["gbc"], r["stock"]
+        main = got["grads"].pop("__main_grad")
+        wname = next(k for k in stock["grads"] if k.endswith(
+            "word_embeddings.weight" if CASES[name][1] else "output_layer.weight"))
+        # float32, summed in float32 over the chunks (the model is float64)
+        _close(main, stock["grads"][wname], f"{name} rank {rank} main_grad", tol=1e-5)
+        assert wname not in got["grads"], "the weight kept a gradient of its own"
+        assert got["placeholders"] == [(torch.float64, tuple(main.shape), True)]
+        assert got["zero_out"] == CASES[name][1]
+        for k in stock["grads"]:
+            if k != wname:
+                _close(got["grads"][k], stock["grads"][k], f"{name} rank {rank} grad {k}")
+        for key in ("loss", "logp", "entropy", "sum_p2", "dhidden"):
+            _close(got[key], fused[key], f"{name} rank {rank} {key}")
+        assert got["metrics"].keys() == fused["metrics"].keys()
+        assert "grad_share_low" in got["metrics"]
+        for k, v in fused["metrics"].items():
+            assert torch.allclose(got["metrics"][k], v, rtol=1e-5, atol=1e-7), k
 
 
 @pytest.mark.parametrize("name", ["plain", "padded_methods"])

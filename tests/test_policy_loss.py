@@ -274,3 +274,38 @@ def test_token_out_sum_p2_is_the_row_passes(backend, cfg):
     want = torch.where(b["mask"].bool(), (p * p).sum(-1), 0.0)
     assert tok["sum_p2"].dtype == torch.float32
     assert torch.allclose(tok["sum_p2"].double(), want, rtol=1e-5, atol=1e-7)
+
+
+def test_policy_loss_from_logp_reports_grad_share_low_with_sum_p2():
+    """With ``sum_p2`` (and the temperature), ``policy_loss`` on per-token log-probs reports the
+    fused loss's ``grad_share_low`` and ``grad_norm_sum`` (docs/math.md §6): against the
+    float64 reference's fused loss on the same hidden states, a per-sequence temperature, Lopti's
+    low phase and an empty row."""
+    batch = make_batch(seed=8)
+    temp = torch.tensor([0.7, 1.0, 1.3, 0.9])[:batch["mask"].shape[0]]
+    cfg = dict(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.02, ar_alpha=0.3, lopti_eta=0.4)
+    d = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+         for k, v in batch.items()}
+    _, want = ref.fused_linear_policy_loss(
+        d["hidden"], d["weight"], d["targets"], d["mask"], d["advantages"], d["old_logp"],
+        d["ref_logp"], d["bias"], config=ref.PolicyLossConfig(**cfg), phase="low",
+        temperature=temp.double())
+    assert not bool(batch["mask"].any(-1).all())          # make_batch leaves a row empty
+    ids = torch.where(batch["mask"].bool(), batch["targets"], 0)    # -100 off the mask
+    for lib, dt in ((gbc, torch.float32), (ref, torch.float64)):
+        lp, ent, p2 = gbc.fused_linear_logprobs(
+            batch["hidden"].to(dt), batch["weight"].to(dt), ids,
+            batch["bias"].to(dt), temperature=temp.to(dt), return_entropy=True,
+            return_sum_p2=True)
+        _, got = lib.policy_loss(lp.to(dt), batch["mask"], batch["advantages"].to(dt),
+                                 batch["old_logp"].to(dt), batch["ref_logp"].to(dt),
+                                 entropy=ent.to(dt), config=lib.PolicyLossConfig(**cfg),
+                                 phase="low", sum_p2=p2.to(dt), temperature=temp.to(dt))
+        for k in ("grad_share_low", "grad_norm_sum"):
+            assert abs(float(got[k]) - float(want[k])) < 1e-5 * max(1.0, abs(float(want[k]))), \
+                (lib.__name__, k)
+    _, without = gbc.policy_loss(lp.float(), batch["mask"], batch["advantages"],
+                                 batch["old_logp"], batch["ref_logp"],
+                                 config=gbc.PolicyLossConfig(**cfg),
+                                 phase="low", entropy=ent.float())
+    assert "grad_share_low" not in without

@@ -112,11 +112,53 @@ def _shape(x):
     return list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
+class _IntoMainGrad(torch.autograd.Function):
+    """The output weight as it is; in backward, after gbc's sweep added ``d weight`` into its
+    ``main_grad``, megatron's gradient-accumulation-fusion protocol (its
+    ``LinearWithGradAccumulationAndAsyncCommunication``): a placeholder gradient and
+    ``grad_added_to_main_grad = True``, so that DDP's hook does not add it again (zeros under
+    ``zero_out_wgrad``, a tied embedding's weight, which the hook adds with the embedding's own
+    gradient). A weight without ``grad_added_to_main_grad`` gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, weight):
+        ctx.set_materialize_grads(False)
+        ctx.weight = weight
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        w = ctx.weight
+        if grad is not None or not hasattr(w, "grad_added_to_main_grad"):
+            return grad
+        w.grad_added_to_main_grad = True
+        fill = torch.zeros if getattr(w, "zero_out_wgrad", False) else torch.empty
+        return fill(w.shape, dtype=w.dtype, device=w.device)
+
+
+def _main_grad(weight, use):
+    """The float32 ``main_grad`` gbc adds ``d weight`` into, or None (``use``: None = when the
+    weight has one and needs a gradient)."""
+    mg = getattr(weight, "main_grad", None)
+    usable = isinstance(mg, torch.Tensor) and mg.dtype == torch.float32
+    if use is None:
+        use = usable and weight.requires_grad and torch.is_grad_enabled()
+    elif not isinstance(use, bool):
+        raise TypeError(f"main_grad: expected None or a bool, got {use!r}")
+    elif use and not usable:
+        raise ValueError(f"main_grad: True needs output_weight.main_grad, a float32 tensor "
+                         f"(megatron's DDP with grad_reduce_in_fp32), got "
+                         f"{_shape(mg) if mg is not None else None}"
+                         f"{'' if mg is None else ' ' + str(getattr(mg, 'dtype', ''))}")
+    return mg if use else None
+
+
 def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp=None,
                 ref_logp=None, token_scale=None, kl_weight=None, config=None, phase=None, *,
                 output_bias=None, tp_group=None, sequence_parallel: bool = False,
                 hidden_gathered: bool = False, return_entropy: bool = True,
-                return_sum_p2: bool = False, backend="auto", **loss_kwargs) -> HeadOutput:
+                return_sum_p2: bool = False, backend="auto", main_grad: Optional[bool] = None,
+                **loss_kwargs) -> HeadOutput:
     """gbc's fused policy loss on megatron-core's output layer (SPEC §13).
 
     hidden_states: ``[S, B, H]`` of the last pipeline stage (under sequence parallelism this
@@ -135,6 +177,14 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
     entropy nor ``sum_p2`` costs a matmul).
     Gradients flow to ``hidden_states``, ``output_weight`` and ``output_bias``. Context
     parallelism is refused (naming ``context_parallel_size``).
+
+    main_grad: where ``d weight`` goes. None (default): into ``output_weight.main_grad`` when
+    it has a float32 one (megatron's DDP with ``grad_reduce_in_fp32``, verl's default), else
+    ``output_weight.grad``. Into ``main_grad``, the loss is :func:`gbc_kernels.policy_loss` on
+    :func:`gbc_kernels.fused_linear_logprobs` (``weight_grad_into``): four matmuls per chunk
+    (the logits recomputed in backward, where the upstream gradient is known) and no
+    ``[V/tp, H]`` gradient or float32 accumulator; the weight gets megatron's placeholder
+    gradient (:class:`_IntoMainGrad`). Otherwise gbc's one-sweep loss (three matmuls).
     """
     for name in ("vocab_parallel", "token_out", "bias"):
         if name in loss_kwargs:
@@ -149,6 +199,12 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
         cfg = dataclasses.replace(cfg, return_entropy=True)
     hidden, vp = _head(hidden_states, output_weight, output_bias, labels, tp_group,
                        sequence_parallel, hidden_gathered)
+    into = _main_grad(output_weight, main_grad)
+    if into is not None:
+        return _loss_into_main_grad(hidden, output_weight, into, labels, mask, advantages,
+                                    old_logp, ref_logp, token_scale, kl_weight, cfg, phase,
+                                    output_bias, vp, return_entropy, return_sum_p2, backend,
+                                    loss_kwargs)
     tok = {}
     loss, metrics = gbc.fused_linear_policy_loss(
         hidden.transpose(0, 1), output_weight, labels, mask, advantages, old_logp, ref_logp,
@@ -156,6 +212,29 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
         backend=backend, vocab_parallel=vp, token_out=tok, **loss_kwargs)
     return HeadOutput(loss, metrics, tok["logp"], tok.get("entropy") if return_entropy else None,
                       tok["sum_p2"] if return_sum_p2 else None)
+
+
+def _loss_into_main_grad(hidden, weight, into, labels, mask, advantages, old_logp, ref_logp,
+                         token_scale, kl_weight, cfg, phase, bias, vp, return_entropy,
+                         return_sum_p2, backend, loss_kwargs):
+    """:func:`policy_loss` with ``d weight`` added into ``into`` (megatron's ``main_grad``):
+    the response rows' log-probs, entropy and ``sum_p2`` (gradient recomputed in backward),
+    then the loss from them."""
+    temp = loss_kwargs.pop("temperature", None)
+    temp = cfg.temperature if temp is None else temp
+    w = _IntoMainGrad.apply(weight)
+    m = _check_mask(mask, hidden, labels)
+    logp, entropy, sum_p2 = _select(hidden, labels, m, temp, lambda flat, y, t: (
+        gbc.fused_linear_logprobs(flat, w, y, bias=bias, temperature=t,
+                                  return_entropy=cfg.wants_entropy, backend=backend,
+                                  vocab_parallel=vp, return_sum_p2=True,
+                                  weight_grad_into=into)))
+    loss, metrics = gbc.policy_loss(logp, m, advantages, old_logp, ref_logp, entropy=entropy,
+                                    token_scale=token_scale, kl_weight=kl_weight, config=cfg,
+                                    phase=phase, sum_p2=sum_p2, temperature=temp, **loss_kwargs)
+    return HeadOutput(loss, metrics, logp.detach(),
+                      entropy.detach() if return_entropy else None,
+                      sum_p2 if return_sum_p2 else None)
 
 
 def logprobs(hidden_states, output_weight, labels, mask=None, *, temperature=1.0,

@@ -609,20 +609,49 @@ def _loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_scale, kl_w
 def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=None,
                 token_scale=None, kl_weight=None, config=None, phase=None,
                 num_items_in_batch=None, is_ratio=None, sampling_logp=None,
-                num_seqs_in_batch=None):
+                num_seqs_in_batch=None, sum_p2=None, temperature=1.0):
     """GRPO policy loss from per-token log-probs ``logp`` [B, T] (§1-§3, §10). Returns
     (loss, metrics).
 
-    ``grad_share_low`` needs the full distribution and is only reported by
-    ``fused_linear_policy_loss``.
+    ``grad_share_low`` (§6) needs ``sum_v p_v^2`` of the full distribution: reported when
+    ``sum_p2`` [B, T] is given (``temperature``: the one ``logp`` was taken at).
     """
     cfg = config or PolicyLossConfig()
-    loss, parts = _loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_scale,
-                        kl_weight, cfg, phase, num_items_in_batch, is_ratio, sampling_logp,
-                        num_seqs_in_batch)
+    args = (mask, advantages, old_logp, ref_logp, token_scale, kl_weight, cfg, phase,
+            num_items_in_batch, is_ratio, sampling_logp, num_seqs_in_batch)
+    loss, parts = _loss(logp, entropy, *args)
     wants_entropy = (cfg.entropy_coef != 0 or cfg.top_entropy_quantile < 1.0
                      or cfg.return_entropy)
-    return loss, _metrics(parts, logp, entropy if wants_entropy else None, mask, cfg, None)
+    share = total = None
+    if sum_p2 is not None:
+        share, total = _grad_share_low(logp, entropy, args + (parts["cov_sel"],), sum_p2,
+                                       temperature)
+    return loss, _metrics(parts, logp, entropy if wants_entropy else None, mask, cfg, share,
+                          total)
+
+
+def _grad_share_low(logp, entropy, args, sum_p2, temp):
+    """§6: the norm of the logp-part of dloss/dlogits per token,
+    ``|g| / temperature * sqrt(1 - 2 p + sum_v p_v^2)`` with ``g = dloss/dlogp`` (the entropy
+    term excluded), and the share of its sum over the tokens with ``p_old < eta``. Returns
+    ``(share, total)``."""
+    mask, old_logp, cfg = args[0], args[2], args[6]
+    m = mask.bool()
+    with torch.enable_grad():
+        logp_leaf = logp.detach().requires_grad_(True)
+        ent_leaf = None if entropy is None else entropy.detach()
+        g, = torch.autograd.grad(_loss(logp_leaf, ent_leaf, *args)[0], logp_leaf)
+    p = logp.detach().exp()
+    norm = (g.abs() / _per_token_temperature(temp, g.shape)
+            * (1.0 - 2.0 * p + sum_p2.to(p.dtype)).clamp(min=0).sqrt())
+    norm = torch.where(m, norm, torch.zeros_like(norm))
+    old = logp.detach() if old_logp is None else old_logp
+    eta = cfg.lopti_eta if cfg.lopti_eta is not None else 0.5
+    low = (old.exp() < eta) & m
+    total = norm.sum()
+    share = torch.where(total > 0, norm[low].sum() / torch.where(total > 0, total, 1.0),
+                        torch.zeros_like(total))
+    return share, total
 
 
 def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp=None,
@@ -649,25 +678,9 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     args = (mask, advantages, old_logp, ref_logp, token_scale, kl_weight, cfg, phase,
             num_items_in_batch, is_ratio, sampling_logp, num_seqs_in_batch)
     loss, parts = _loss(logp, entropy, *args)
-    args = args + (parts["cov_sel"],)     # the gradient pass below: the same random selection
-
-    # §6: the norm of the logp-part of dloss/dlogits per token is
-    #     |g| / temperature * sqrt(1 - 2 p + sum_v p_v^2),  g = dloss/dlogp (entropy term excluded)
-    with torch.enable_grad():
-        logp_leaf = logp.detach().requires_grad_(True)
-        ent_leaf = None if entropy is None else entropy.detach()
-        g, = torch.autograd.grad(_loss(logp_leaf, ent_leaf, *args)[0], logp_leaf)
-    probs = logprobs_all.detach().exp()
-    p = logp.detach().exp()
-    norm = (g.abs() / _per_token_temperature(temp, g.shape)
-            * (1.0 - 2.0 * p + (probs ** 2).sum(-1)).clamp(min=0).sqrt())
-    norm = torch.where(m, norm, torch.zeros_like(norm))
-    old = logp.detach() if old_logp is None else old_logp
-    eta = cfg.lopti_eta if cfg.lopti_eta is not None else 0.5
-    low = (old.exp() < eta) & m
-    total = norm.sum()
-    share = torch.where(total > 0, norm[low].sum() / torch.where(total > 0, total, 1.0),
-                        torch.zeros_like(total))
+    # the gradient pass of §6: the same random selection (Clip-Cov / KL-Cov)
+    sum_p2 = (logprobs_all.detach().exp() ** 2).sum(-1)
+    share, total = _grad_share_low(logp, entropy, args + (parts["cov_sel"],), sum_p2, temp)
     return loss, _metrics(parts, logp, entropy, mask, cfg, share, total)
 
 
