@@ -201,7 +201,8 @@ def test_every_method_option_changes_the_update_or_is_refused(tmp_path):
         if _route(name) != "update":
             sa = torch.ones_like(sb) if sa is None else sa
             sb = torch.ones_like(sa) if sb is None else sb
-            assert float((sa - sb).abs().max()) > 1e-3, (name, "its scales/weights are equal")
+            gap = float((sa - sb).abs().max())
+            assert gap > 1e-3, (name, "the scales / KL weights it acts on are equal", gap)
         total = float((pa - start).abs().max())
         assert total > 1e-3, name
         diff = float((pa - pb).abs().max())
