@@ -7,7 +7,13 @@ forward + backward of verl's GRPO policy loss (``McoreActorConfig`` defaults: va
 ``calculate_entropy=True`` with ``entropy_coeff=0``) through d hidden and d weight.
 
   gbc         gbc_kernels.integrations.megatron.policy_loss on hidden [S, B, H] and the shard:
-              gbc's vocab-parallel path, response rows only, no [tokens, V/2] logits
+              gbc's vocab-parallel path, response rows only, no [tokens, V/2] logits; d weight
+              added into the weight's float32 main_grad in backward (its default route when
+              the weight has one: four matmuls a chunk, no [V/2, H] gradient)
+  gbc_one_sweep
+              the same with main_grad=False: gbc's one-sweep fused loss (three matmuls a chunk,
+              d weight as weight.grad in the weight's dtype, summed in float32 over the chunks;
+              DDP's hook adds it into main_grad)
   verl_stock  what MegatronEngineWithLMHead does on the last stage without fused kernels:
               megatron-core's ColumnParallelLinear output layer (the shard passed as its
               ``weight``) on every row, prompt rows included, GPTModel's transposition to
@@ -19,13 +25,13 @@ forward + backward of verl's GRPO policy loss (``McoreActorConfig`` defaults: va
               ``model_forward_fused.py`` calls it): Triton/CUDA only; on CPU the row records
               the exact error (and the one behind it with torch's NVTX ranges stubbed)
 
-  gbc_native  gbc with GBC_WEIGHT_GRAD_ACCUM=native: the bf16 d weight summed over the chunks
-              in bf16 (no float32 [V/2, H] buffer); bfloat16 runs only
-
-Each provider runs in its own fresh pair of processes (forked from this one after the
-imports). Memory: the peak resident set (VmHWM, reset once the inputs, hidden [S, B, H] and
-the [V/2, H] shard, are built and a short warm-up has run) beyond those inputs, rank 0 and the
-max over the ranks. The gradients d hidden and d weight count: they appear during the step,
+Every provider's shard has what megatron's DistributedDataParallel gives a parameter with
+``grad_reduce_in_fp32`` (verl's default): a float32 ``main_grad`` and DDP's gradient hook,
+which adds ``weight.grad`` into it and drops it unless the layer set ``grad_added_to_main_grad``
+(``_ddp_hook``). Each provider runs in its own fresh pair of processes (forked from this one
+after the imports). Memory: the peak resident set (VmHWM, reset once the inputs, hidden
+[S, B, H], the [V/2, H] shard and its main_grad, are built and a short warm-up has run) beyond
+those inputs, rank 0 and the max over the ranks. The gradients d hidden and d weight count: they appear during the step,
 gbc's in its forward sweep, the stock head's at the end of its backward, after its peak (the
 CSV gives their size and the first forward's peak). Time: rank 0's median of --reps steps after a warm-up step at the full shape (the ranks
 start each step together). The losses of the providers are printed side by side (same inputs).
@@ -54,7 +60,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests", "standins"))   # megatron's CPU shims
 
-PROVIDERS = ["gbc", "gbc_native", "verl_stock", "verl_fused"]
+PROVIDERS = ["gbc", "gbc_one_sweep", "verl_stock", "verl_fused"]
 TP = 2
 
 
@@ -86,8 +92,19 @@ def _inputs(args, rank):
     ref = (base + 0.3 * torch.randn(B, S, generator=g)).clamp(max=0)
     gw = torch.Generator().manual_seed(args.seed + 1 + rank)
     weight = (torch.randn(V // TP, H, generator=gw) / H ** 0.5).to(dt).requires_grad_(True)
+    weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32)     # DDP's grad buffer
+    weight.grad_added_to_main_grad = False
+    weight.register_post_accumulate_grad_hook(_ddp_hook)
     return dict(hidden=hidden, weight=weight, labels=labels, mask=mask, adv=adv, old=old,
                 ref=ref, P=S - R - 1)
+
+
+def _ddp_hook(param):
+    """megatron's DistributedDataParallel gradient hook (``_make_backward_post_hook``): add
+    ``param.grad`` into ``main_grad`` unless the layer already added its gradient there."""
+    if param.grad is not None and not param.grad_added_to_main_grad:
+        param.main_grad.add_(param.grad)
+    param.grad = None
 
 
 def _verl_loss(actor, lp, ent, c):
@@ -117,7 +134,7 @@ def _provider(name, args):
     import torch
 
     actor = _actor()
-    if name in ("gbc", "gbc_native"):
+    if name in ("gbc", "gbc_one_sweep"):
         from gbc_kernels.integrations import megatron as M
         from gbc_kernels.integrations import verl as gv
 
@@ -128,6 +145,7 @@ def _provider(name, args):
                         global_batch_size=c["mask"].shape[0])
             return M.policy_loss(c["hidden"], c["weight"], c["labels"], c["mask"], c["adv"],
                                  c["old"], c["ref"], config=cfg, return_entropy=True,
+                                 main_grad=None if name == "gbc" else False,
                                  **gv.batch_normalisers(actor, c["mask"], info)).loss
         return forward
     if name == "verl_stock":
@@ -225,8 +243,6 @@ def _rank(rank, port, name, args, queue):
     say = (lambda m: print(f"  [{name}] {m}", file=sys.stderr, flush=True)) if rank == 0 else \
         (lambda m: None)
     out = dict(rank=rank)
-    if name == "gbc_native":        # gbc's option: d weight summed in bf16, no float32 buffer
-        os.environ["GBC_WEIGHT_GRAD_ACCUM"] = "native"
     try:
         forward = _provider(name, args)
         c = _inputs(args, rank)
@@ -248,10 +264,14 @@ def _rank(rank, port, name, args, queue):
         say(f"warm-up at S={w}: {time.perf_counter() - t0:.2f} s")
         base = _reset_peak_kb()
         esz = c["hidden"].element_size()
-        grads_mb = (c["hidden"].numel() + c["weight"].numel()) * esz / 2 ** 20
+        # the gradients of the step in the inputs' dtype: d hidden, and d weight unless it
+        # goes straight into main_grad (gbc's default route; main_grad is an input)
+        grads_mb = (c["hidden"].numel() + (name != "gbc") * c["weight"].numel()) * esz / 2 ** 20
         times, losses, fwd_mb = [], [], 0.0
         for i in range(args.reps + 1):          # step 0: the warm-up at the full shape
             c["hidden"].grad = c["weight"].grad = None       # zero_grad(set_to_none=True)
+            c["weight"].main_grad.zero_()                     # DDP's zero_grad_buffer
+            c["weight"].grad_added_to_main_grad = False
             dist.barrier()
             t0 = time.perf_counter()
             loss = forward(c)
@@ -393,8 +413,6 @@ def run_shape(args, provs):
         raise SystemExit(f"the stock head would need about {need:.0f} MiB for {TP} ranks, "
                          f"{avail:.0f} MiB available: lower --S/--B, or pass --force")
 
-    if args.dtype == "float32" and "gbc_native" in provs:      # no float32 buffer to drop
-        provs = [p for p in provs if p != "gbc_native"]
     stamp, res = now(), {}
     for p in provs:
         print(f"  [{p}] a fresh pair of ranks", file=sys.stderr, flush=True)

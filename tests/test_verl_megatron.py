@@ -214,6 +214,49 @@ def test_tensor_parallel_2_equals_1(trained):
         _close(one["logp"], two["logp"], 1e-6, "log_probs")
         _close(one["entropy"], two["entropy"], 1e-6, "entropy")
 
+def _main_grad_worker(rank, world):
+    """verl's training step through the stock engine (its weight gradient) and gbc's, whose
+    output weight carries megatron DDP's float32 ``main_grad``, ``grad_added_to_main_grad`` and
+    gradient hook (the rule of ``DistributedDataParallel._make_backward_post_hook``)."""
+    out = {}
+    for gbc in (False, True):
+        model = _setup(world, sp=True)
+        w = model.output_layer.weight
+        if gbc:
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+            w.grad_added_to_main_grad = False
+
+            def hook(p):
+                if p.grad is not None and not p.grad_added_to_main_grad:
+                    p.main_grad.add_(p.grad)
+                p.grad = None
+
+            w.register_post_accumulate_grad_hook(hook)
+        torch.manual_seed(1234)
+        data = _batch()
+        res = _engine(model, gbc=gbc).forward_backward_batch(data, _loss_fn(), False)
+        grads = _grads(model)
+        if gbc:
+            assert "output_layer.weight" not in grads and w.grad_added_to_main_grad
+            grads["output_layer.weight"] = w.main_grad.clone()
+        out[gbc] = dict(loss=sum(res["loss"]), grads=grads)
+    return out
+
+
+@pytest.mark.slow
+def test_training_step_adds_the_head_gradient_into_main_grad():
+    """With megatron DDP's float32 ``main_grad`` on the output weight (a real run's set-up),
+    gbc's engine takes the processor's main_grad route: ``main_grad`` holds the stock engine's
+    weight gradient, the weight keeps none, and every other gradient and the loss are the stock
+    engine's (TP=2 with sequence parallelism)."""
+    for r, res in enumerate(spawn_gloo(2, _main_grad_worker)):
+        stock, ours = res[False], res[True]
+        assert abs(float(stock["loss"]) - float(ours["loss"])) < 1e-7, r
+        assert stock["grads"].keys() == ours["grads"].keys()
+        for k in stock["grads"]:       # main_grad is float32, the model float64
+            _close(stock["grads"][k], ours["grads"][k], 1e-5, f"rank {r} grad {k}")
+
+
 class _SGD:
     """SGD behind megatron's optimizer interface (``step() -> (ok, grad_norm, zeros)``)."""
 
