@@ -127,22 +127,15 @@ def _case(name, tp, group):
     model.zero_grad(set_to_none=True)
 
     # gbc: the same forward to the head's input, then the processor (the model's logits unused)
-    with mc.capture_head_input(model) as seen:
-        model(x["ids"], pos, mc.causal_mask(S))
-    h = seen[0]
-    h.retain_grad()
-    res = M.policy_loss(h, weight, x["labels"], m, x["adv"], old, refl, config=cfg,
-                        sequence_parallel=sp, return_sum_p2=True, **loss_kw(x))
-    res.loss.backward()
-    mc.allreduce_sp_norm_grads(model, group)
+    step = (model, weight, x, pos, m, old, refl, cfg, sp, loss_kw, group)
+    h, res = _gbc_step(*step)
     lpo = M.logprobs(h.detach(), weight.detach(), x["labels"], m, sequence_parallel=sp,
                      return_sum_p2=True)
     out["gbc"] = dict(loss=res.loss.detach(), logp=res.logp, entropy=res.entropy,
                       sum_p2=res.sum_p2, dhidden=h.grad.clone(), grads=_grads(model),
                       logprobs=(lpo.logp, lpo.entropy, lpo.sum_p2), metrics=res.metrics)
     model.zero_grad(set_to_none=True)
-    out["main_grad"] = _main_grad_case(model, weight, x, pos, m, old, refl, cfg, sp, loss_kw,
-                                       group)
+    out["main_grad"] = _main_grad_case(*step)
 
     # the differentiable log-prob variant against verl's functions on the output layer's logits
     hl = h.detach().clone().requires_grad_(True)
@@ -159,6 +152,23 @@ def _case(name, tp, group):
     return out
 
 
+def _gbc_step(model, weight, x, pos, m, old, refl, cfg, sp, loss_kw, group, scale=1.0):
+    """The model's forward to its head's input, gbc's processor there, ``scale`` x its loss
+    backward through the whole model: ``(head input, HeadOutput)``."""
+    mc = megatron_cpu()
+    from gbc_kernels.integrations import megatron as M
+
+    with mc.capture_head_input(model) as seen:
+        model(x["ids"], pos, mc.causal_mask(S))
+    h = seen[0]
+    h.retain_grad()
+    res = M.policy_loss(h, weight, x["labels"], m, x["adv"], old, refl, config=cfg,
+                        sequence_parallel=sp, return_sum_p2=True, **loss_kw(x))
+    (res.loss if scale == 1.0 else scale * res.loss).backward()
+    mc.allreduce_sp_norm_grads(model, group)
+    return h, res
+
+
 def _main_grad_case(model, weight, x, pos, m, old, refl, cfg, sp, loss_kw, group):
     """gbc's processor with megatron's DDP set-up on the output weight: a float32 ``main_grad``
     (prefilled: megatron accumulates into it), ``grad_added_to_main_grad`` and DDP's hook
@@ -166,9 +176,6 @@ def _main_grad_case(model, weight, x, pos, m, old, refl, cfg, sp, loss_kw, group
     into ``main_grad`` unless the layer already did). The loss is scaled by 0.25 (megatron
     divides by the micro-batch count), so ``main_grad`` must receive 0.25 of the gradient
     (the prefill is small: ``main_grad`` is float32, the model float64)."""
-    mc = megatron_cpu()
-    from gbc_kernels.integrations import megatron as M
-
     prefill = 1e-3 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(9))
     weight.main_grad = prefill.clone()
     weight.grad_added_to_main_grad = False
@@ -182,14 +189,7 @@ def _main_grad_case(model, weight, x, pos, m, old, refl, cfg, sp, loss_kw, group
 
     handle = weight.register_post_accumulate_grad_hook(ddp_hook)
     try:
-        with mc.capture_head_input(model) as seen:
-            model(x["ids"], pos, mc.causal_mask(S))
-        h = seen[0]
-        h.retain_grad()
-        res = M.policy_loss(h, weight, x["labels"], m, x["adv"], old, refl, config=cfg,
-                            sequence_parallel=sp, return_sum_p2=True, **loss_kw(x))
-        (0.25 * res.loss).backward()
-        mc.allreduce_sp_norm_grads(model, group)
+        h, res = _gbc_step(model, weight, x, pos, m, old, refl, cfg, sp, loss_kw, group, 0.25)
         grads = {k: v * 4 for k, v in _grads(model).items()}
         grads["__main_grad"] = (weight.main_grad - prefill) * 4
         return dict(loss=res.loss.detach(), logp=res.logp, entropy=res.entropy,
