@@ -332,11 +332,10 @@ def check_trainer(trainer) -> None:
         if dynamic:
             raise ValueError("lopti_eta: train.dynamic_batch_enable chooses its own optimizer "
                              "steps; Lopti needs one per phase")
-    if opts.nthr or opts.critical_kl_exponent is not None:
+    if dynamic and (opts.nthr or opts.critical_kl_exponent is not None):
         name = "nthr" if opts.nthr else "critical_kl_exponent"
-        if dynamic:
-            raise ValueError(f"{name}: train.dynamic_batch_enable rebalances the samples and "
-                             f"drops what the method carries on the experience")
+        raise ValueError(f"{name}: train.dynamic_batch_enable rebalances the samples and drops "
+                         f"what the method carries on the experience")
     if opts.nthr and (int(_get(args, "ds.ring_attn_size", 1) or 1) > 1
                       or int(_get(args, "ds.tensor_parallel_size", 1) or 1) > 1):
         raise ValueError("nthr: ds.ring_attn_size / ds.tensor_parallel_size > 1: NTHR's pass "

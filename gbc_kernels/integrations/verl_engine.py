@@ -110,7 +110,6 @@ class _Rows:
         self.offsets = ids.offsets()
         self.nnz = int(self.offsets[-1])
         self.packed, self.valid = gv.response_rows(plens, rlens, T)
-        self.T = T
         if use_remove_padding:
             self.hidden = self.packed
         else:       # verl pads every sequence to the micro-batch's longest one
