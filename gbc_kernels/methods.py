@@ -27,14 +27,16 @@ from typing import Callable, NamedTuple, Optional, Union
 import torch
 
 from .nthr import NTHRResult, nthr_scale
-from .ops import token_stats
+from .ops import fused_linear_logprobs, token_stats
 from .transforms import critical_kl_weight
 
 LOPTI_ORDERS = {"low-first": ("low", "high"), "high-first": ("high", "low")}
 CERTAINTIES = ("max_prob", "entropy")
 
 
-def _finite(name, value, lo=None, hi=None, lo_open=False, kind="a float"):
+def finite_number(name, value, lo=None, hi=None, lo_open=False, kind="a float") -> float:
+    """``value`` if it is a finite real number in the range, else a ValueError naming ``name``
+    (the option the user set), the range and ``value``."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if ok and not math.isfinite(value):
         raise ValueError(f"{name}: expected a finite float, got {value!r}")
@@ -47,6 +49,21 @@ def _finite(name, value, lo=None, hi=None, lo_open=False, kind="a float"):
         if lo is not None:
             rng = f" {'>' if lo_open else '>='} {lo}" + ("" if hi is None else f" and <= {hi}")
         raise ValueError(f"{name}: expected {kind}{rng}, got {value!r}")
+    return value
+
+
+def in_trainer_words(error: Exception, names: dict) -> Exception:
+    """A config error ``"field[, field]: reason"`` led by the trainer's options: ``names`` maps a
+    gbc field to the option (or a list of options) the user set, e.g. ``{"epsilon_low":
+    "clip_ratio_low=-0.1"}``. ``error`` itself when none of its fields has another name."""
+    msg = str(error)
+    fields = [f for f in (f.strip() for f in msg.split(":", 1)[0].split(","))
+              if names.get(f, f) != f]
+    said = [n for f in fields for n in ([names[f]] if isinstance(names[f], str) else names[f])]
+    if not said:
+        return error
+    return ValueError(f"{', '.join(dict.fromkeys(said))}: refused as gbc's {', '.join(fields)} "
+                      f"({msg})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,24 +92,24 @@ class MethodOptions:
     critical_kl_temperature: float = 1.0
 
     def __post_init__(self):
-        _finite("ar_alpha", self.ar_alpha, 0.0, 1.0)
+        finite_number("ar_alpha", self.ar_alpha, 0.0, 1.0)
         if self.lopti_eta is not None:
-            _finite("lopti_eta", self.lopti_eta, 0.0, 1.0, lo_open=True)
+            finite_number("lopti_eta", self.lopti_eta, 0.0, 1.0, lo_open=True)
         if self.lopti_order not in LOPTI_ORDERS:
             raise ValueError(f"lopti_order: expected one of {tuple(LOPTI_ORDERS)}, got "
                              f"{self.lopti_order!r}")
         if not isinstance(self.nthr, bool):
             raise ValueError(f"nthr: expected True or False, got {self.nthr!r}")
-        _finite("nthr_beta", self.nthr_beta)
+        finite_number("nthr_beta", self.nthr_beta)
         if self.nthr_eta != "auto":
-            _finite("nthr_eta", self.nthr_eta, 0.0, kind="'auto' or a float")
+            finite_number("nthr_eta", self.nthr_eta, 0.0, kind="'auto' or a float")
         if self.critical_kl_exponent is not None:
-            _finite("critical_kl_exponent", self.critical_kl_exponent, 0.0, lo_open=True)
-        _finite("critical_kl_intercept", self.critical_kl_intercept, 0.0, 1.0)
+            finite_number("critical_kl_exponent", self.critical_kl_exponent, 0.0, lo_open=True)
+        finite_number("critical_kl_intercept", self.critical_kl_intercept, 0.0, 1.0)
         if self.critical_kl_certainty not in CERTAINTIES:
             raise ValueError(f"critical_kl_certainty: expected one of {CERTAINTIES}, got "
                              f"{self.critical_kl_certainty!r}")
-        _finite("critical_kl_temperature", self.critical_kl_temperature, 0.0, lo_open=True)
+        finite_number("critical_kl_temperature", self.critical_kl_temperature, 0.0, lo_open=True)
 
     @classmethod
     def from_kwargs(cls, names: Optional[dict] = None, **kw) -> "MethodOptions":
@@ -108,11 +125,7 @@ class MethodOptions:
         try:
             return cls(**kw)
         except ValueError as exc:
-            field, _, rest = str(exc).partition(":")
-            spelled = names.get(field)
-            if spelled is None or spelled == field:
-                raise
-            raise ValueError(f"{spelled}:{rest} (gbc's {field})") from None
+            raise in_trainer_words(exc, names) from None
 
     @classmethod
     def parse(cls, text: Optional[str], source: str, **kw) -> "MethodOptions":
@@ -230,6 +243,16 @@ def nthr_metrics(result: NTHRResult, advantages, mask) -> dict:
     return result.metrics(correct_from_advantages(advantages, mask), mask)
 
 
+def data_parallel_group(group=None):
+    """The data-parallel group for :func:`union_ids` / ``nthr_scale``: ``group`` (None: the
+    default group, ``"world"``) under torch.distributed, None in a single process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return "world" if group is None else group
+
+
 def union_ids(ids: torch.Tensor, group=None) -> torch.Tensor:
     """The sorted distinct token ids of ``ids`` over the ranks of ``group`` (``"world"``: the
     default group; None: this process only) — a superset of every NTHR group's ``V*``."""
@@ -242,6 +265,60 @@ def union_ids(ids: torch.Tensor, group=None) -> torch.Tensor:
         dist.all_gather_object(every, ids.tolist(), group=pg)
         ids = torch.tensor(sorted(set().union(*every)), dtype=torch.long)
     return ids.long()
+
+
+class NTHRBatch:
+    """NTHR's inputs gathered over the micro-batches of a no-grad old-policy pass, where the
+    lm_head's weight exists only during each forward (FSDP, ZeRO-3): each micro-batch's hidden
+    states and log-probs, and once the head's rows of the batch's token ids ``token_ids`` over
+    the ranks of ``group`` (:func:`union_ids`, a superset of every group's ``V*``);
+    :meth:`result` then scores the whole batch, its groups together."""
+
+    def __init__(self, token_ids: torch.Tensor, group=None, backend: str = "auto"):
+        self.ids, self.group, self.backend = union_ids(token_ids, group), group, backend
+        self.rows, self.head, self.temperatures = [], None, set()
+
+    def add(self, index, hidden, targets, valid, head, logit_softcap=None, temperature=1.0):
+        """One micro-batch, inside its forward: rows ``index`` of the batch, ``hidden [b, t, H]``
+        (``t`` up to the batch's T), ``targets`` and ``valid`` ``[b, t]``, ``head`` (``weight``,
+        ``bias``) as the forward holds it; ``temperature``: a float or per-sample ``[b]``."""
+        if self.head is None:
+            ids = self.ids.to(head.weight.device)
+            self.head = (head.weight.detach().index_select(0, ids), None if head.bias is None
+                         else head.bias.detach().index_select(0, ids), logit_softcap)
+        temps = temperature.unique().tolist() if isinstance(temperature, torch.Tensor) \
+            else [temperature]
+        self.temperatures.update(float(t) for t in temps)
+        logp = fused_linear_logprobs(hidden, head.weight, targets, head.bias, temperature,
+                                     backend=self.backend, logit_softcap=logit_softcap)[0]
+        index = torch.as_tensor(index, dtype=torch.long, device=hidden.device)
+        self.rows.append((index, hidden.detach(), targets, valid, logp.float()))
+
+    def result(self, mask, group_ids, advantages, options: MethodOptions):
+        """``(NTHRResult, metrics)`` of the whole batch: ``mask`` ``[B, T]``, ``group_ids``
+        ``[B]``, ``advantages`` ``[B, T]`` or ``[B]`` (the correct rule's input)."""
+        if len(self.temperatures) > 1:
+            raise ValueError(f"nthr: the rollout temperatures of the batch differ "
+                             f"({sorted(self.temperatures)[:4]}); NTHR's scores use one "
+                             f"temperature")
+        (B, T), h0 = mask.shape, self.rows[0][1]
+        device = h0.device
+        hidden = h0.new_zeros(B, T, h0.shape[-1])
+        targets = torch.zeros(B, T, dtype=torch.long, device=device)
+        valid = torch.zeros(B, T, dtype=torch.bool, device=device)
+        logp = torch.zeros(B, T, dtype=torch.float32, device=device)
+        for i, h, y, v, lp in self.rows:
+            t = h.shape[1]
+            hidden[i, :t], targets[i, :t], valid[i, :t], logp[i, :t] = h, y, v, lp
+        mask, ids = mask.to(device).bool() & valid, self.ids.to(device)
+        compact = torch.where(mask, torch.searchsorted(ids, targets).clamp(max=ids.numel() - 1), 0)
+        adv = advantages.to(device).float()
+        weight, bias, softcap = self.head
+        res = nthr_token_scale(hidden, weight, compact, mask, group_ids.to(device), adv, options,
+                               bias=bias, temperature=self.temperatures.pop(), logp=logp,
+                               logit_softcap=softcap, backend=self.backend,
+                               data_parallel_group=self.group)
+        return res, nthr_metrics(res, adv, mask)
 
 
 # ------------------------------------------------------------------------ critical-token KL

@@ -1,8 +1,6 @@
-"""Hugging Face transformers models: last hidden states and the lm_head, without logits.
-
-Works for any causal LM that follows transformers' conventions: the decoder is found by
-``model.get_decoder()`` (else ``model.base_model``), the head by ``model.get_output_embeddings()``
-(tied embeddings included: it is then the embedding matrix itself), not per model family.
+"""Hugging Face transformers causal LMs: last hidden states, the lm_head (``get_decoder()`` /
+``get_output_embeddings()``, tied embeddings included) and the fused passes inside the model's
+forward, without logits (docs/own-loop.md, docs/math.md §11).
 """
 
 from __future__ import annotations
@@ -20,10 +18,9 @@ class LMHead(NamedTuple):
 
 
 def lm_head(model) -> LMHead:
-    """The lm_head's weight and bias as the model's forward uses them. PEFT: a
-    ``modules_to_save`` head gives its trained copy; a LoRA adapter on the head gives the adapted
-    weight ``W + sum_a s_a B_a A_a`` (differentiable in A and B; an adapter with dropout on the
-    head cannot be folded into a weight and raises)."""
+    """The lm_head's weight and bias as the model's forward uses them; PEFT: a
+    ``modules_to_save`` head's trained copy, or a LoRA adapter folded in, ``W + sum_a s_a B_a
+    A_a`` (differentiable in A and B; an adapter with dropout on the head raises)."""
     head = model.get_output_embeddings()
     if head is None or not hasattr(head, "weight"):
         raise ValueError(f"model: {type(model).__name__} has no output embedding (lm_head) "
@@ -65,12 +62,8 @@ def decoder(model):
 
 def hidden_states(model, input_ids, attention_mask=None, logits_to_keep: int = 0,
                   **kwargs) -> torch.Tensor:
-    """Final-layer hidden states ``[B, L, H]`` (the input of lm_head) of ``input_ids``.
-
-    ``logits_to_keep = k > 0`` keeps the last ``k`` positions only (as transformers' argument of
-    that name does for logits). Final norms are applied by the decoder, as in the model's own
-    forward.
-    """
+    """Final-layer hidden states ``[B, L, H]`` (the lm_head's input, after the decoder's final
+    norm) of ``input_ids``; ``logits_to_keep = k > 0``: the last ``k`` positions only."""
     out = decoder(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                          **kwargs)
     h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
@@ -87,12 +80,10 @@ def completion_hidden(model, input_ids, attention_mask=None, completion_len: int
 
 def hidden_states_through_forward(model, input_ids, attention_mask=None, completion_len: int = 0,
                                   unwrapped=None, **kwargs) -> torch.Tensor:
-    """Like :func:`completion_hidden`, but through ``model(...)`` itself: ``model`` may be a
-    wrapper (DDP, FSDP, accelerate's) whose forward must run for its gradient synchronisation
-    or parameter gathering; ``unwrapped`` is the transformers model inside it (default:
-    :func:`unwrap`). The states are those the lm_head receives, its forward replaced for the
-    call (:func:`replaced_head_forward`): no ``[B, L, V]`` tensor is formed. ``kwargs`` go to
-    the model's forward."""
+    """:func:`completion_hidden` through ``model(...)`` itself (a wrapper's forward runs: DDP,
+    FSDP, accelerate), the states the lm_head receives (:func:`replaced_head_forward`), no
+    ``[B, L, V]`` tensor. ``unwrapped``: the model inside (default :func:`unwrap`); ``kwargs``
+    go to the forward."""
     T = completion_len or input_ids.shape[1] - 1
     inner = unwrap(model) if unwrapped is None else unwrapped
     return _through_head(model, inner, input_ids, attention_mask, T, lambda h: (h, None),
@@ -101,10 +92,9 @@ def hidden_states_through_forward(model, input_ids, attention_mask=None, complet
 
 def check_forward_inputs(inner, input_ids, attention_mask, completion_len,
                          name="completion_len") -> int:
-    """The inputs of a forward through ``inner`` (a transformers causal LM), checked before any
-    reaches the model: ``input_ids`` an integer ``[B, L]`` tensor with every id inside the
-    embedding, ``attention_mask`` None or ``[B, L]`` of 0/1, ``completion_len`` an int in
-    ``[1, L - 1]`` (a prompt token precedes the first predicted one). Returns ``T``."""
+    """Check a forward's inputs before the model sees them: ``input_ids`` integer ``[B, L]``
+    inside the embedding, ``attention_mask`` None or ``[B, L]``, ``completion_len`` an int in
+    ``[1, L - 1]``. Returns ``T``."""
     import gbc_kernels as gbc
 
     if not hasattr(inner, "get_output_embeddings") or not hasattr(inner, "get_input_embeddings"):
@@ -153,10 +143,8 @@ def unwrap(model):
 
 @contextlib.contextmanager
 def replaced_head_forward(inner, head_forward):
-    """Inside the block, the ``forward`` of ``inner``'s lm_head module is ``head_forward``
-    (called as the module would be: on the final hidden states); restored afterwards whatever
-    happens. The module itself stays in place, so a wrapper's hooks on it (FSDP2 and ZeRO-3
-    gather its weight for its forward) run as usual."""
+    """Inside the block, ``inner``'s lm_head module runs ``head_forward`` as its ``forward``; the
+    module stays in place, so a wrapper's hooks on it (FSDP2, ZeRO-3 gather) run as usual."""
     head_mod = inner.get_output_embeddings()
     if head_mod is None:
         raise ValueError(f"model: {type(inner).__name__} has no output embedding (lm_head)")
@@ -173,11 +161,10 @@ def replaced_head_forward(inner, head_forward):
 
 
 def _through_head(model, inner, input_ids, attention_mask, T, compute, model_kwargs=None):
-    """One ``model(...)`` call (``logits_to_keep = T + 1``) in which ``inner``'s lm_head forward
-    (:func:`replaced_head_forward`) is ``compute`` on the hidden states that predict the last
-    ``T`` tokens (``[B, T, H]``, autocast off). ``compute`` returns ``(result, tie)``: the
-    stand-in logits are zeros plus ``tie`` (a scalar, or None), so that a wrapper's backward
-    hooks on the head run before ``tie``'s backward. Returns ``(result, outputs)``."""
+    """One ``model(...)`` call whose lm_head forward is ``compute`` on the hidden states that
+    predict the last ``T`` tokens (``[B, T, H]``, autocast off). ``compute`` returns ``(result,
+    tie)``: the stand-in logits are zeros plus ``tie`` (a scalar or None), so that a wrapper's
+    backward hooks on the head run before ``tie``'s backward. Returns ``(result, outputs)``."""
     captured = []
 
     def head_forward(hidden, *args, **kwargs):
@@ -201,21 +188,12 @@ def policy_loss_through_forward(model, input_ids, attention_mask, completion_len
                                 advantages, old_logp=None, ref_logp=None, config=None,
                                 unwrapped=None, return_outputs: bool = False,
                                 model_kwargs: Optional[dict] = None, **loss_kwargs):
-    """The fused GRPO loss computed **inside** ``model``'s forward (docs/math.md §11).
-
-    ``model`` may be wrapped (DDP, accelerate, FSDP2's ``fully_shard``, DeepSpeed ZeRO-3) or a
-    PEFT model: for one ``model(...)`` call the lm_head's ``forward`` runs
-    :func:`gbc_kernels.fused_linear_policy_loss` on the hidden states it receives and the weight
-    it holds then (gathered by FSDP2 / ZeRO-3; a PEFT adapter folded in, :func:`lm_head`), and
-    returns zeros tied to the loss in place of the logits, so every wrapper's hooks gather,
-    free and reduce as usual. No ``[B, T, V]`` logits.
-
-    ``completion_len = T``: the loss covers the last ``T`` tokens of ``input_ids``, with
-    ``mask``, ``advantages``, ``old_logp``, ``ref_logp`` and ``loss_kwargs`` as
-    :func:`gbc_kernels.fused_linear_policy_loss` takes them (``[B, T]``). The model's
-    final-logit soft-capping applies unless ``config`` sets its own. ``model_kwargs`` go to the
-    model's forward. Returns ``(loss, metrics)`` (``return_outputs``: and the outputs).
-    """
+    """:func:`gbc_kernels.fused_linear_policy_loss` over the last ``completion_len = T`` tokens,
+    computed inside ``model``'s forward (wrapped by DDP, accelerate, FSDP2, ZeRO-3, or PEFT:
+    every wrapper's hooks run as usual; docs/math.md §11); no ``[B, T, V]`` logits. ``mask``,
+    ``advantages``, ``old_logp``, ``ref_logp``, ``loss_kwargs``: as the loss takes them
+    (``[B, T]``); the model's soft-capping applies unless ``config`` sets its own;
+    ``model_kwargs`` go to the forward. Returns ``(loss, metrics[, outputs])``."""
     import dataclasses
 
     import gbc_kernels as gbc
@@ -245,22 +223,17 @@ def policy_loss_through_forward(model, input_ids, attention_mask, completion_len
 def logprobs_through_forward(model, input_ids, attention_mask, completion_len: int,
                              temperature=1.0, return_entropy: bool = False, backend="auto",
                              unwrapped=None, model_kwargs: Optional[dict] = None):
-    """No-grad log-probs (and entropies) of the last ``completion_len`` tokens, computed inside
-    ``model``'s forward as :func:`policy_loss_through_forward` computes its loss, by the
-    training loss's row passes (an on-policy ratio is exactly 1). Returns
-    ``(logp, entropy or None)``, ``[B, T]`` float32."""
+    """No-grad log-probs (and entropies) of the last ``completion_len`` tokens inside ``model``'s
+    forward, by the training loss's row passes (an on-policy ratio is exactly 1): ``(logp,
+    entropy or None)``, ``[B, T]`` float32."""
     import gbc_kernels as gbc
 
     inner = unwrap(model) if unwrapped is None else unwrapped
     T = check_forward_inputs(inner, input_ids, attention_mask, completion_len)
-
-    def compute(h):
-        head = lm_head(inner)
-        return gbc.token_stats(h.to(head.weight.dtype), head.weight, input_ids[:, -T:],
-                               head.bias, temperature=temperature, backend=backend,
-                               logit_softcap=logit_softcap(inner)), None
-
-    st, _ = _through_head(model, inner, input_ids, attention_mask, T, compute, model_kwargs)
+    st = in_head(model, input_ids, attention_mask, T, model_kwargs,
+                 lambda h, head, cap: gbc.token_stats(
+                     h, head.weight, input_ids[:, -T:], head.bias, temperature=temperature,
+                     backend=backend, logit_softcap=cap), inner)
     return st.logp, (st.entropy if return_entropy else None)
 
 
@@ -268,12 +241,6 @@ class OldPolicyPass(NamedTuple):
     old_logp: torch.Tensor                 # [B, T] float32
     token_scale: Optional[torch.Tensor]    # [B, T] NTHR scale (None when NTHR is off)
     nthr: object                           # gbc_kernels.NTHRResult or None
-
-
-class ReferencePass(NamedTuple):
-    ref_logp: torch.Tensor                 # [B, T] float32
-    kl_weight: Optional[torch.Tensor]      # [B, T] critical-token KL weights (None when off)
-    certainty: Optional[torch.Tensor]
 
 
 def logit_softcap(model):
@@ -288,11 +255,11 @@ def logit_softcap(model):
     return None if c is None else float(c)
 
 
-def _in_head(model, input_ids, attention_mask, completion_len, model_kwargs, compute):
-    """``compute(h [B, T, H], head, softcap)`` for a no-grad pass, run inside the model's
-    forward where its lm_head's weight is the one the forward uses (ZeRO-3 and FSDP2 hold it
-    gathered only there): :func:`_through_head`, no logits."""
-    inner = unwrap(model)
+def in_head(model, input_ids, attention_mask, completion_len, model_kwargs, compute,
+            unwrapped=None):
+    """``compute(h [B, T, H], head, softcap)`` inside the model's forward, where ZeRO-3 and
+    FSDP2 hold the lm_head's weight gathered (:func:`_through_head`); returns its result."""
+    inner = unwrap(model) if unwrapped is None else unwrapped
     T = completion_len or input_ids.shape[1] - 1
 
     def run(h):
@@ -308,15 +275,11 @@ def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=N
                     backend="auto", completion_len: int = 0,
                     old_logp=None, model_kwargs: Optional[dict] = None,
                     advantages=None) -> OldPolicyPass:
-    """The rollout policy's pass of an RL step: ``old_logp`` of ``targets = input_ids[:, 1:]``
-    (or of the last ``completion_len`` tokens) and, with ``nthr=True``, NTHR's token scale from
-    the same hidden states (docs/math.md §4). NTHR's correct responses: ``correct`` ([B] bool),
-    or from ``advantages`` by the method layer's rule (sequence advantage > 0,
-    :func:`gbc_kernels.methods.correct_from_advantages`). ``old_logp`` already computed by the
-    trainer (at the same temperature) is used as is, saving the streaming pass over the
-    vocabulary. The model's final-logit soft-capping, if any, is applied in the passes.
-    ``model_kwargs``: more inputs of the model's forward (a vision-language model's images:
-    ``pixel_values``, ``image_grid_thw``, ...)."""
+    """The rollout policy's pass: ``old_logp`` of ``targets`` (the last ``completion_len`` tokens,
+    or ``input_ids[:, 1:]``; the trainer's ``old_logp`` used as is) and, with ``nthr``, NTHR's
+    token scales from the same hidden states; correct responses: ``correct`` [B], or the method
+    layer's rule on ``advantages`` (docs/methods.md). ``model_kwargs``: more forward inputs
+    (a vision-language model's images)."""
     import gbc_kernels as gbc
     from gbc_kernels import methods
 
@@ -338,27 +301,24 @@ def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=N
             logit_softcap=cap)
         return OldPolicyPass(logp, None if res is None else res.scale, res)
 
-    return _in_head(model, input_ids, attention_mask, completion_len, model_kwargs, compute)
+    return in_head(model, input_ids, attention_mask, completion_len, model_kwargs, compute)
 
 
 @torch.no_grad()
 def reference_pass(ref_model, input_ids, attention_mask, targets, temperature=1.0,
                    critical_kl_exponent=None, certainty="max_prob", certainty_temperature=1.0,
                    intercept=0.0, backend="auto", completion_len: int = 0,
-                   model_kwargs: Optional[dict] = None, options=None) -> ReferencePass:
-    """The frozen reference model's pass: ``ref_logp`` and, with ``critical_kl_exponent`` set,
-    the critical-token KL weights ``(1 - c) J**gamma + c`` from its certainty (docs/math.md
-    §5; :func:`gbc_kernels.methods.reference_stats`). The model's final-logit soft-capping, if
-    any, is applied. ``model_kwargs`` as in :func:`old_policy_pass`. ``options``: a
-    :class:`gbc_kernels.methods.MethodOptions` in place of the four critical-KL keywords."""
+                   model_kwargs: Optional[dict] = None, options=None):
+    """The reference model's pass: ``ref_logp`` and, with ``critical_kl_exponent``, the
+    critical-token KL weights, as :func:`gbc_kernels.methods.reference_stats` returns them;
+    ``options``: a ``MethodOptions`` in place of the four critical-KL keywords."""
     from gbc_kernels import methods
 
     opts = options or methods.MethodOptions(critical_kl_exponent=critical_kl_exponent,
                                             critical_kl_intercept=intercept,
                                             critical_kl_certainty=certainty,
                                             critical_kl_temperature=certainty_temperature)
-    st = _in_head(ref_model, input_ids, attention_mask, completion_len, model_kwargs,
-                  lambda h, head, cap: methods.reference_stats(
-                      h, head.weight, targets, opts, head.bias, temperature=temperature,
-                      logit_softcap=cap, backend=backend))
-    return ReferencePass(*st)
+    return in_head(ref_model, input_ids, attention_mask, completion_len, model_kwargs,
+                   lambda h, head, cap: methods.reference_stats(
+                       h, head.weight, targets, opts, head.bias, temperature=temperature,
+                       logit_softcap=cap, backend=backend))

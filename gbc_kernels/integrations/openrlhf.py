@@ -1,14 +1,11 @@
-"""OpenRLHF 0.11.2 without ``[N, V]`` logits: the actor's loss (:func:`fused_actor_loss`), its
-no-grad log-prob passes (:func:`fused_action_log_probs`), OpenRLHF's arguments as a
-``PolicyLossConfig`` (:func:`policy_loss_config`), and AR, Lopti, NTHR and critical-token KL
-inside OpenRLHF's own loop, patched in by :func:`enable` (docs/openrlhf.md).
+"""OpenRLHF 0.11.2 without ``[N, V]`` logits: the actor's loss and no-grad log-prob passes, its
+arguments as a ``PolicyLossConfig``, and AR, Lopti, NTHR and critical-token KL inside its own
+loop, patched in by :func:`enable` (docs/openrlhf.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import math
 import os
 from types import SimpleNamespace
 from typing import Optional
@@ -41,22 +38,11 @@ OPTION_NAMES = {"epsilon_low": "actor.eps_clip_low_high", "epsilon_high": "actor
                 "entropy_coef": "actor.entropy_coef", "temperature": "temperature"}
 
 
-def _number(name, value, nonneg=False):
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) \
-        and math.isfinite(value) and (value >= 0 or not nonneg)
-    if not ok:
-        want = "a finite float" + (" >= 0" if nonneg else "")
-        raise ValueError(f"{name}: expected {want}, got {type(value).__name__} {value!r}")
-    return float(value)
-
-
 def policy_loss_config(args, kl_coef: Optional[float] = None, temperature: float = 1.0,
                        **gbc_options) -> "gbc.PolicyLossConfig":
-    """The :class:`gbc_kernels.PolicyLossConfig` of OpenRLHF's actor loss for its parsed
-    arguments ``args`` (``actor.*``, ``algo.kl.*``; the mapping: docs/openrlhf.md).
-    ``kl_coef``: the step's ``kl_ctl`` (default ``algo.kl.init_coef``); ``temperature``: the
-    actor's; ``gbc_options``: more gbc fields (``ar_alpha``). A bad value is refused naming
-    OpenRLHF's option."""
+    """The config of OpenRLHF's actor loss for its parsed ``args`` (docs/openrlhf.md);
+    ``kl_coef``: the step's ``kl_ctl`` (default ``algo.kl.init_coef``); ``gbc_options``: more
+    gbc fields. A bad value is refused naming OpenRLHF's option."""
     plt = _get(args, "actor.policy_loss_type", "ppo")
     if plt not in POLICY_LOSS_TYPES:
         raise ValueError(f"actor.policy_loss_type: gbc reproduces OpenRLHF's {POLICY_LOSS_TYPES}, "
@@ -75,8 +61,8 @@ def policy_loss_config(args, kl_coef: Optional[float] = None, temperature: float
                 clip_ratio_c=_get(args, "actor.dual_clip"))
     if plt == "ppo":
         opts["loss_agg"] = agg_mode
-    init = _number("algo.kl.init_coef", _get(args, "algo.kl.init_coef", 0.0), nonneg=True)
-    coef = init if kl_coef is None else _number("kl_ctl", float(kl_coef), nonneg=True)
+    init = methods.finite_number("algo.kl.init_coef", _get(args, "algo.kl.init_coef", 0.0), 0.0)
+    coef = init if kl_coef is None else methods.finite_number("kl_ctl", float(kl_coef), 0.0)
     if bool(_get(args, "algo.kl.use_loss", False)) and init > 0 and coef:
         est = _get(args, "algo.kl.estimator", "k1")
         if est not in KL_ESTIMATORS:
@@ -97,21 +83,17 @@ def policy_loss_config(args, kl_coef: Optional[float] = None, temperature: float
         opts["return_entropy"] = True          # OpenRLHF logs the entropy with a 0 coefficient
     opts.update(gbc_options)
     names = dict(OPTION_NAMES, kl_coef="kl_ctl" if kl_coef is not None else "algo.kl.init_coef")
+    for field in gbc_options:           # a gbc option keeps gbc's name
+        names.pop(field, None)
     try:
         return gbc.PolicyLossConfig.preset(f"openrlhf:{plt}", **opts)
     except (TypeError, ValueError) as exc:
-        field, _, rest = str(exc).partition(":")
-        if field not in names or field in gbc_options:
-            raise
-        raise ValueError(f"{names[field]}:{rest} (gbc's {field})") from None
+        raise methods.in_trainer_words(exc, names) from None
 
 
 def batch_normalisers(loss_batch_info: Optional[dict]) -> dict:
-    """``num_items_in_batch`` / ``num_seqs_in_batch`` from OpenRLHF's ``loss_batch_info``
-    (``dp_size``, ``batch_num_tokens``, ``global_batch_size``; ``get_loss_batch_info``):
-    ``aggregate_loss`` divides by ``batch_num_tokens / dp_size`` (token level) or
-    ``global_batch_size / dp_size`` (sample level). None: the call's own tokens and its
-    non-empty sequences (OpenRLHF's ``masked_mean``), counted by the caller."""
+    """``num_items_in_batch`` / ``num_seqs_in_batch`` from OpenRLHF's ``loss_batch_info``:
+    ``batch_num_tokens / dp_size``, ``global_batch_size / dp_size`` (None: the call's own)."""
     info = loss_batch_info or {}
     dp = info.get("dp_size") or 1
     return {ours: info[theirs] / dp for ours, theirs in (("num_items_in_batch", "batch_num_tokens"),
@@ -119,11 +101,10 @@ def batch_normalisers(loss_batch_info: Optional[dict]) -> dict:
 
 
 def is_correction(args, old_log_probs, rollout_log_probs, action_mask):
-    """OpenRLHF's train/rollout importance-sampling correction of ``PolicyLoss`` (``ppo`` only),
-    as the per-token weight the fused loss takes (``is_ratio``): the gated statistic per unit
-    (a token, or a sequence's mean) clamps (``clip``) or drops (``mask``) the token ratio
-    ``old / rollout``. Returns ``(is_ratio or None, metrics)`` with OpenRLHF's ``vllm_kl`` and
-    ``is_filter_ratio``. No gradient."""
+    """OpenRLHF's train/rollout importance-sampling correction of ``PolicyLoss`` (``ppo`` only)
+    as the fused loss's per-token ``is_ratio``: the gated statistic per token or sequence clamps
+    (``clip``) or drops (``mask``) the ratio ``old / rollout``. Returns ``(is_ratio or None,
+    metrics)`` (``vllm_kl``, ``is_filter_ratio``). No gradient."""
     level = _get(args, "algo.advantage.is_correction_level", "off")
     if level not in IS_LEVELS:
         raise ValueError(f"algo.advantage.is_correction_level: expected one of {IS_LEVELS}, got "
@@ -176,11 +157,9 @@ def _position_ids(attention_mask):
 def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_info=None,
                      temperature: Optional[float] = None, token_scale=None, kl_weight=None,
                      phase=None, **gbc_options):
-    """The loss ``ActorPPOTrainer.training_step`` backpropagates (``PolicyLoss`` +
-    ``kl_ctl * kl_loss`` - ``entropy_coef * entropy_loss`` + the MoE loss) for OpenRLHF's
-    ``Experience``, through the actor's lm_head without logits. Returns ``(loss, metrics)``:
-    OpenRLHF's logged metrics for the step and gbc's (``gbc/...``). Packed samples are
-    refused."""
+    """The loss ``ActorPPOTrainer.training_step`` backpropagates (policy, KL, entropy and MoE
+    terms) for an ``Experience``, without logits. Returns ``(loss, metrics)``: OpenRLHF's
+    logged metrics and gbc's (``gbc/...``). Packed samples are refused."""
     if getattr(actor, "packing_samples", False):
         raise ValueError("actor.packing_samples: the fused OpenRLHF loss takes padded batches; "
                          "packed samples (flash-attn varlen) are not supported")
@@ -238,11 +217,9 @@ def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_in
 def fused_action_log_probs(actor, sequences, action_mask, attention_mask,
                            temperature: Optional[float] = None, backend: str = "auto",
                            options: Optional[methods.MethodOptions] = None):
-    """``Actor.forward(sequences, action_mask, attention_mask)``'s action log-probs (the
-    old-policy and reference passes) from the hidden states and the lm_head, no ``[B, L, V]``
-    logits: ``[B, T]`` float32, zero where ``action_mask`` is 0. ``options`` with
-    ``critical_kl_exponent`` (the reference model's pass): ``[B, T, 2]``, the log-probs and
-    the critical-token KL weights (docs/math.md §5) from the same pass over the vocabulary."""
+    """``Actor.forward``'s no-grad action log-probs without logits: ``[B, T]`` float32, 0 where
+    ``action_mask`` is; ``options`` with ``critical_kl_exponent`` (the reference model's
+    pass): ``[B, T, 2]``, the log-probs and the critical-token KL weights."""
     T = action_mask.shape[1]
     ref = hf.reference_pass(
         _inner_model(actor), sequences, attention_mask, sequences[:, -T:],
@@ -265,8 +242,7 @@ _PATCHES = patching.Patches()
 
 
 def parse_options(text: Optional[str]) -> dict:
-    """``"lopti_eta=0.5,nthr=true"`` (how :data:`ENV_OPTIONS` reaches Ray workers) -> keyword
-    options: numbers, ``true``/``false``, ``none``, else strings; a repeated one refused."""
+    """:data:`ENV_OPTIONS`'s ``"lopti_eta=0.5,nthr=true"`` -> keyword options."""
     words = {"none": None, "null": None, "true": True, "false": False}
     out = {}
     for name, value in methods.parse_items(text, ENV_OPTIONS).items():
@@ -279,9 +255,7 @@ def parse_options(text: Optional[str]) -> dict:
 
 
 def split_options(options: dict):
-    """``enable``'s keyword options -> ``(MethodOptions, loss options)``: the method options
-    (verl's engine names, :class:`gbc_kernels.methods.MethodOptions`) and any other
-    :class:`gbc_kernels.PolicyLossConfig` field; both validated, an unknown name refused."""
+    """``enable``'s options -> ``(MethodOptions, other PolicyLossConfig fields)``, validated."""
     loss_fields = {f.name for f in dataclasses.fields(gbc.PolicyLossConfig)}
     method_kw = {k: v for k, v in options.items() if k in METHOD_OPTIONS}
     loss_kw = {k: v for k, v in options.items() if k not in METHOD_OPTIONS}
@@ -295,8 +269,8 @@ def split_options(options: dict):
 
 
 def _is_reference(actor) -> bool:
-    """Whether this ``Actor`` is OpenRLHF's reference model: a DeepSpeed engine built without
-    an optimizer (``strategy.prepare(ref, is_rlhf=True)``), or marked ``gbc_reference``."""
+    """Whether this ``Actor`` is the reference model: a DeepSpeed engine without an optimizer,
+    or marked ``gbc_reference``."""
     mark = getattr(actor, "gbc_reference", None)
     if mark is not None:
         return bool(mark)
@@ -305,9 +279,8 @@ def _is_reference(actor) -> bool:
 
 
 def _actor_forward(self, sequences, action_mask=None, attention_mask=None, *args, **kwargs):
-    """``Actor.forward`` with the no-grad action log-prob pass fused (every other use: OpenRLHF's
-    own). With critical-token KL, the reference model's pass returns ``[B, T, 2]``: log-probs
-    and KL weights (unpacked by the replay buffer's ``append``)."""
+    """``Actor.forward`` with the no-grad log-prob pass fused (the reference model's, with
+    critical-token KL: ``[B, T, 2]``, unpacked by the buffer's ``append``)."""
     plain = (action_mask is not None and not args and not torch.is_grad_enabled()
              and all(v is None or v is False for v in kwargs.values())
              and not getattr(self, "packing_samples", False))
@@ -324,9 +297,8 @@ def _actor_forward(self, sequences, action_mask=None, attention_mask=None, *args
 
 
 def _buffer_append(self, experience):
-    """``NaiveReplayBuffer.append`` that first keeps what gbc's methods need in the
-    experience's ``info`` (split and merged with its samples): NTHR's ``Experience.index``
-    (dropped by OpenRLHF's split), the critical-token KL weights the reference pass packed."""
+    """``NaiveReplayBuffer.append`` that first keeps NTHR's ``Experience.index`` and the
+    critical-token KL weights in the experience's ``info`` (split with its samples)."""
     opts = _STATE.methods
     base = experience.base_action_log_probs
     if isinstance(base, torch.Tensor) and base.dim() == 3:
@@ -346,18 +318,8 @@ def _buffer_append(self, experience):
     return _buffer_append.gbc_original(self, experience)
 
 
-def _dp_group(strategy):
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    mesh = getattr(strategy, "ds_device_mesh", None)
-    return mesh["dp"].get_group() if mesh is not None else "world"
-
-
 def check_trainer(trainer) -> None:
-    """Refuse, naming them, the OpenRLHF settings the enabled methods cannot run with (called
-    before the first step of each update)."""
+    """Refuse, naming them, the OpenRLHF settings the enabled methods cannot run with."""
     opts, args, strategy = _STATE.methods, trainer.args, trainer.strategy
     dynamic = bool(_get(args, "train.dynamic_batch_enable", False))
     if opts.lopti_eta is not None:
@@ -370,11 +332,10 @@ def check_trainer(trainer) -> None:
         if dynamic:
             raise ValueError("lopti_eta: train.dynamic_batch_enable chooses its own optimizer "
                              "steps; Lopti needs one per phase")
-    if opts.nthr or opts.critical_kl_exponent is not None:
+    if dynamic and (opts.nthr or opts.critical_kl_exponent is not None):
         name = "nthr" if opts.nthr else "critical_kl_exponent"
-        if dynamic:
-            raise ValueError(f"{name}: train.dynamic_batch_enable rebalances the samples and "
-                             f"drops what the method carries on the experience")
+        raise ValueError(f"{name}: train.dynamic_batch_enable rebalances the samples and drops "
+                         f"what the method carries on the experience")
     if opts.nthr and (int(_get(args, "ds.ring_attn_size", 1) or 1) > 1
                       or int(_get(args, "ds.tensor_parallel_size", 1) or 1) > 1):
         raise ValueError("nthr: ds.ring_attn_size / ds.tensor_parallel_size > 1: NTHR's pass "
@@ -385,11 +346,10 @@ def check_trainer(trainer) -> None:
 
 @torch.no_grad()
 def nthr_pass(trainer) -> dict:
-    """NTHR's token scales (docs/math.md §4) for the rank's whole replay buffer before the
-    update's first step (OpenRLHF shuffles its samples afterwards), from the actor's hidden
-    states, groups ``Experience.index // rollout.n_samples_per_prompt`` (merged over
-    data-parallel ranks): each sample's scale into its ``info[SCALE_KEY]``. Returns NTHR's
-    metrics."""
+    """NTHR's token scales for the rank's whole replay buffer, before the update's first step
+    (OpenRLHF shuffles its samples afterwards): the actor's pass, groups ``Experience.index //
+    rollout.n_samples_per_prompt`` merged over data-parallel ranks (docs/openrlhf.md). Each
+    sample's scale goes into its ``info[SCALE_KEY]``; returns NTHR's metrics."""
     from openrlhf.trainer.ppo_utils.experience import make_experience_batch
 
     items = trainer.replay_buffer.items
@@ -400,10 +360,13 @@ def nthr_pass(trainer) -> dict:
                          "must run in this process before the experience is appended)")
     n = int(_get(trainer.args, "rollout.n_samples_per_prompt", 1) or 1)
     actor = trainer.actor
-    model = _inner_model(actor)
+    model, temperature = _inner_model(actor), getattr(actor, "temperature", 1.0)
     device = next(model.parameters()).device
     mb = max(1, int(getattr(trainer.replay_buffer, "sample_batch_size", 0) or len(items)))
-    rows = ([], [], [], [])                  # per sample: hidden, targets, mask, advantages
+    mesh = getattr(trainer.strategy, "ds_device_mesh", None)
+    group = methods.data_parallel_group(None if mesh is None else mesh["dp"].get_group())
+    batch = methods.NTHRBatch(torch.cat([it.sequences[-it.action_mask.shape[-1]:]
+                                         for it in items]), group)
     was_training = actor.training
     actor.eval()
     try:
@@ -411,33 +374,22 @@ def nthr_pass(trainer) -> dict:
             exp = make_experience_batch(items[i:i + mb])
             seq, am = exp.sequences.to(device), exp.attention_mask.to(device)
             T = exp.action_mask.shape[1]
-            h = hf.hidden_states_through_forward(model, seq, am, T,
-                                                 position_ids=_position_ids(am))
-            for r, x in zip(rows, (h, seq[:, -T:], exp.action_mask.to(device).bool(),
-                                   exp.advantages.to(device).float())):
-                r.extend(x)
+            rows, valid = range(i, i + len(seq)), exp.action_mask.to(device).bool()
+
+            def add(h, head, softcap):
+                batch.add(rows, h, seq[:, -T:], valid, head, softcap, temperature)
+
+            hf.in_head(model, seq, am, T, {"position_ids": _position_ids(am)}, add)
     finally:
         actor.train(was_training)
-    hidden, targets, mask, adv = (pad_sequence(r, batch_first=True) for r in rows)
+    mask, adv = (pad_sequence([getattr(it, k) for it in items], batch_first=True)
+                 for k in ("action_mask", "advantages"))
     gids = torch.stack([torch.as_tensor(it.info[INDEX_KEY]).reshape(()) for it in items]) // n
-    head = hf.lm_head(model)
-    params = [p for p in (head.weight, head.bias) if p is not None and hasattr(p, "ds_id")]
-    if params:                               # ZeRO-3: the head exists only when gathered
-        import deepspeed
-        gather = deepspeed.zero.GatheredParameters(params)
-    else:
-        gather = contextlib.nullcontext()
-    with gather:
-        head = hf.lm_head(model)
-        res = methods.nthr_token_scale(
-            hidden, head.weight, targets, mask, gids.to(device), adv, _STATE.methods,
-            bias=head.bias, temperature=getattr(actor, "temperature", 1.0),
-            logit_softcap=hf.logit_softcap(model),
-            data_parallel_group=_dp_group(trainer.strategy))
+    res, metrics = batch.result(mask, gids, adv, _STATE.methods)
     for k, it in enumerate(items):
         it.info[SCALE_KEY] = res.scale[k, :it.action_mask.shape[-1]].float().to(
             it.action_mask.device)
-    return {f"gbc/{k}": float(v) for k, v in methods.nthr_metrics(res, adv, mask).items()}
+    return {f"gbc/{k}": float(v) for k, v in metrics.items()}
 
 
 def _ppo_train(self, kl_ctl: float):
@@ -450,12 +402,9 @@ def _ppo_train(self, kl_ctl: float):
 
 
 def enable(actor_cls=None, trainer_cls=None, buffer_cls=None, **options) -> None:
-    """Patch OpenRLHF in this process (docs/openrlhf.md): ``Actor.forward``'s no-grad pass,
-    ``ActorPPOTrainer.training_step`` / ``ppo_train`` and, for NTHR or critical-token KL,
-    ``NaiveReplayBuffer.append``. ``options``: :class:`gbc_kernels.methods.MethodOptions`'s
-    fields and any other :class:`gbc_kernels.PolicyLossConfig` field; none given: parsed from
-    :data:`ENV_OPTIONS` (how Ray workers get them). ``actor_cls`` / ``trainer_cls`` (False:
-    leave it; None needs vLLM) / ``buffer_cls`` default to OpenRLHF's classes."""
+    """Patch OpenRLHF in this process (docs/openrlhf.md). ``options``: ``MethodOptions``'s and
+    other ``PolicyLossConfig`` fields (none: :data:`ENV_OPTIONS`'s); the classes default to
+    OpenRLHF's (``trainer_cls=False``: leave it)."""
     if not options:
         options = parse_options(os.environ.get(ENV_OPTIONS))
     opts, loss_options = split_options(options)
@@ -484,8 +433,7 @@ def disable(actor_cls=None, trainer_cls=None, buffer_cls=None) -> None:
 
 
 def _info_rows(experience, key, T, fill, option, what):
-    """A per-sample row kept in ``experience.info`` (a list after OpenRLHF's merge), padded /
-    cut to the batch's ``T``: ``[B, T]`` float32; missing: refused naming ``option``."""
+    """``experience.info[key]``'s per-sample rows as ``[B, T]`` float32 (missing: refused)."""
     rows = experience.info.get(key)
     if rows is None:
         raise ValueError(f"{option}: the experience carries no {what}")
@@ -496,11 +444,9 @@ def _info_rows(experience, key, T, fill, option, what):
 
 
 def training_step(self, experience, kl_ctl: float, step: int, loss_batch_info=None):
-    """``ActorPPOTrainer.training_step`` with the fused loss: OpenRLHF's loss normalisation,
-    backward and optimizer step through its strategy, EMA and status; no logits. Lopti: one
-    optimizer step per phase (in ``lopti_order``, both against ``action_log_probs``), the
-    learning-rate scheduler advanced once. NTHR's scales and the critical-token KL weights
-    come with the experience (:func:`nthr_pass`, the reference pass)."""
+    """``ActorPPOTrainer.training_step`` with the fused loss (OpenRLHF's normalisation,
+    strategy, EMA and status) and the methods: Lopti's two optimizer steps, NTHR's scales and
+    the critical-token KL weights from the experience (docs/openrlhf.md)."""
     from openrlhf.utils.loss_utils import get_loss_batch_info
 
     opts = _STATE.methods

@@ -1,9 +1,5 @@
-"""The one way gbc's trainer adapters replace a trainer's function and put it back.
-
-A :class:`Patches` set records the original of every attribute it replaces (the replacement
-carries it as ``gbc_original``), replaces each at most once, and undoes all of them together;
-:meth:`Patches.on_import` applies a patch right after a module is imported, for trainers that
-import the patched module after gbc's entry point has run (verl's workers and trainer).
+"""The one way gbc's trainer adapters replace a trainer's function (at most once, the original
+kept as ``gbc_original``), now or right after its module's import, and put it back.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""TRL drop-in: ``GBCGRPOTrainer`` is ``trl.GRPOTrainer`` (TRL 1.16) with its loss computed by
-:func:`gbc_kernels.fused_linear_policy_loss` from the policy's hidden states and ``lm_head``, no
-logits. TRL's options keep their meaning, so with every ``gbc_*`` option off the loss and its
-gradients are TRL's; the ``gbc_*`` options of :class:`GBCGRPOConfig` add AR, Lopti, NTHR and
-critical-token KL by the rules of :mod:`gbc_kernels.methods`. What each option does, what is
-reproduced and what is refused (a ``ValueError`` when the trainer is built): docs/trl.md.
+"""TRL drop-in: ``GBCGRPOTrainer`` is ``trl.GRPOTrainer`` (TRL 1.16) with its loss computed from
+the policy's hidden states and ``lm_head``, no logits; TRL's loss with every ``gbc_*`` option
+off, AR, Lopti, NTHR and critical-token KL with them (:class:`GBCGRPOConfig`; docs/trl.md).
 """
 
 from __future__ import annotations
@@ -114,9 +111,7 @@ def _unsupported(args) -> list[str]:
 
 def _logit_scale(model) -> float:
     """The factor transformers models multiply their logits by (1.0 for most), read as TRL's
-    fused head reads it. Final-logit soft-capping is part of the fused passes
-    (``hf.logit_softcap``); a model with both a scale and a cap is refused (the order of the
-    two is not defined by one config field)."""
+    fused head reads it; with final-logit soft-capping too, refused (their order is unknown)."""
     cfg = model.config.get_text_config()
     scale = next((getattr(cfg, k) for k in ("logit_scale", "output_multiplier",
                                              "lm_head_multiplier")
@@ -138,11 +133,8 @@ OLD_LOGP_KEY = "gbc_old_logp"
 
 
 class GBCGRPOTrainer(GRPOTrainer):
-    """``trl.GRPOTrainer`` whose loss is :func:`gbc_kernels.fused_linear_policy_loss`.
-
-    Takes the same arguments; ``args`` may be a :class:`GBCGRPOConfig` (a plain ``GRPOConfig``
-    means every gbc option off).
-    """
+    """``trl.GRPOTrainer`` whose loss is :func:`gbc_kernels.fused_linear_policy_loss`; ``args``:
+    a :class:`GBCGRPOConfig` (a plain ``GRPOConfig``: every gbc option off)."""
 
     def __init__(self, model, reward_funcs, args: Optional[GRPOConfig] = None, *a, **kw):
         if args is not None:
@@ -226,9 +218,8 @@ class GBCGRPOTrainer(GRPOTrainer):
 
     # ---------------------------------------------------------------- rollout: NTHR, critical KL
     def _generate_and_score_completions(self, inputs):
-        """TRL's rollout, then gbc's no-grad passes over the whole generation batch (whole
-        groups together): the old policy's (Lopti's fixed ``old_logp`` when TRL has none, NTHR's
-        scales) and the reference's (critical-token KL weights)."""
+        """TRL's rollout, then gbc's no-grad passes over the whole generation batch: the old
+        policy's (Lopti's fixed ``old_logp``, NTHR's scales), the reference's (KL weights)."""
         out = super()._generate_and_score_completions(inputs)
         opts, args = self.gbc_methods, self.gbc_args
         crit = opts.critical_kl_exponent is not None
@@ -331,8 +322,7 @@ class GBCGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------ Lopti: the logged gradient norm of a step
     def _gbc_step_norm(self, second_norm):
-        """Lopti's logged norm: both updates' together, sqrt(|g_first|^2 + |g_second|^2) (each
-        pre-clip), and each phase's own as gbc/grad_norm_<phase>."""
+        """Lopti's logged norm, sqrt(|g_first|^2 + |g_second|^2), each pre-clip (docs/trl.md)."""
         first, self._gbc_first_norm = self._gbc_first_norm, None
         if first is None or second_norm is None:
             return second_norm
@@ -423,8 +413,7 @@ class GBCGRPOTrainer(GRPOTrainer):
         return loss
 
     def _gbc_entropy_bonus(self, mode, loss, metrics, coef_in_loss, accumulation, mask):
-        """TRL's bookkeeping of the entropy bonus: the policy-loss metric, the adaptive
-        coefficient's window statistics and update, the coefficient's log."""
+        """TRL's bookkeeping of the entropy bonus: its metric and adaptive coefficient."""
         args = self.gbc_args
         quantile = self.top_entropy_quantile < 1.0
         h_mean = metrics["entropy_top_mean"] if quantile else metrics["entropy"]
@@ -454,8 +443,7 @@ class GBCGRPOTrainer(GRPOTrainer):
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
 
     def _gbc_log(self, mode, metrics):
-        """The loss's metrics under TRL's names (and ``gbc/...``), averaged over processes with
-        one gather and one host sync per micro-batch."""
+        """The loss's metrics under TRL's names (and ``gbc/...``), one gather per micro-batch."""
         suffix = "" if self._gbc_phase is None else f"_{self._gbc_phase}"
         lt = self.gbc_args.loss_type
         named = {}

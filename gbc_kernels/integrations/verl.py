@@ -1,26 +1,7 @@
-"""verl: the gbc policy loss in verl's policy-loss registry, and the advantage transforms.
-
-verl's actor computes the per-token log-probs itself and hands them, with ``old_log_prob``,
-``advantages`` and ``response_mask``, to the function registered under
-``actor.policy_loss.loss_mode``. :func:`register` puts :func:`gbc_kernels.policy_loss` there:
-
-* PPO clip with verl's ``clip_ratio`` / ``clip_ratio_low`` / ``clip_ratio_high`` and its dual
-  clip ``clip_ratio_c``; ``loss_agg_mode`` and ``global_batch_info`` (``dp_size``,
-  ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``) normalise exactly as
-  verl's ``agg_loss``; ``rollout_is_weights`` scales each token's clipped term.
-* AR (``ar_alpha``) from verl's ``old_log_prob``, computed once after the rollout, as in the
-  paper's official verl code.
-* Lopti: the phase is set around each of the two updates
-  (``with opts.phase("low"): actor_worker.update_actor(batch)``, then ``"high"``).
-
-verl adds its KL and entropy terms outside this function, from tensors the registry never
-passes, so two methods enter through the batch instead, before the actor update:
-
-* NTHR's token scale multiplies ``batch["advantages"]`` (the loss uses ``A * ar * scale``, a
-  product, so this is exact): :func:`scale_advantages`.
-* The critical-token KL weight multiplies verl's KL term; verl computes that term inside its
-  actor, so :func:`weighted_kl_penalty` is the replacement for ``kl_penalty`` in an actor that
-  has the weights.
+"""verl 0.9.1: its actor config as a :class:`gbc_kernels.PolicyLossConfig`
+(:func:`policy_loss_config`, :func:`batch_normalisers`), gbc's loss in verl's policy-loss
+registry (:func:`register`), and the two helpers by which NTHR and critical-token KL enter
+verl's batch there (:func:`scale_advantages`, :func:`weighted_kl_penalty`); docs/verl.md.
 """
 
 from __future__ import annotations
@@ -47,46 +28,42 @@ VERL_KL_TYPES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2",
                  "low_var_kl": "low_var_kl", "k3": "low_var_kl",
                  "kl+": "k1+", "k1+": "k1+", "abs+": "abs+", "mse+": "k2", "k2+": "k2",
                  "low_var_kl+": "low_var_kl+", "k3+": "low_var_kl+"}
-
-
+# a loss mode's own options: (verl's option, verl's default, gbc's field); verl reads
+# ``policy_loss.x`` as "x if x is not None else default"
+MODE_OPTIONS = {
+    "vanilla": [("clip_ratio_c", 3.0, "clip_ratio_c")],
+    "dppo_tv": [("clip_ratio_c", 20.0, "clip_ratio_c")],
+    "dppo_kl": [("clip_ratio_c", 20.0, "clip_ratio_c")],
+    "sapo": [("tau_pos", 1.0, "sapo_temperature_pos"), ("tau_neg", 1.05, "sapo_temperature_neg")],
+    "clip_cov": [("policy_loss.clip_cov_ratio", 0.0002, "cov_ratio"),
+                 ("policy_loss.clip_cov_lb", 1.0, "cov_lb"),
+                 ("policy_loss.clip_cov_ub", 5.0, "cov_ub")],
+    "kl_cov": [("policy_loss.kl_cov_ratio", 0.0002, "cov_ratio"),
+               ("policy_loss.ppo_kl_coef", 1.0, "cov_kl_coef")],
+    "dro": [("policy_loss.dro_beta", None, "log_ratio_penalty")],
+}
 # verl's actor options the mapping reads (a bad value in any of them is refused naming it)
-VERL_OPTION_NAMES = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
-                     "tau_pos", "tau_neg", "use_kl_loss", "kl_loss_type", "kl_loss_coef",
-                     "entropy_coeff", "loss_agg_mode", "loss_scale_factor",
-                     "policy_loss.loss_mode", "policy_loss.clip_cov_ratio",
-                     "policy_loss.clip_cov_lb", "policy_loss.clip_cov_ub",
-                     "policy_loss.kl_cov_ratio", "policy_loss.ppo_kl_coef",
-                     "policy_loss.dro_beta")
+VERL_OPTION_NAMES = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "use_kl_loss",
+                     "kl_loss_type", "kl_loss_coef", "entropy_coeff", "loss_agg_mode",
+                     "loss_scale_factor", "policy_loss.loss_mode") + tuple(dict.fromkeys(
+                         o for rows in MODE_OPTIONS.values() for o, _, _ in rows))
 
 
 def policy_loss_config(actor_config, response_length: Optional[int] = None,
                        **gbc_options) -> "gbc.PolicyLossConfig":
-    """The :class:`gbc_kernels.PolicyLossConfig` that reproduces verl 0.9.1's ``ppo_loss``
-    (``verl/workers/utils/losses.py``) for ``actor_config`` (verl's ``ActorConfig``, an
-    OmegaConf node or a dict): its ``policy_loss.loss_mode`` and that mode's parameters,
-    ``clip_ratio``/``clip_ratio_low``/``clip_ratio_high``/``clip_ratio_c``, ``loss_agg_mode``
-    and ``loss_scale_factor``, ``tau_pos``/``tau_neg``, ``use_kl_loss``/``kl_loss_type``/
-    ``kl_loss_coef`` and ``entropy_coeff``. ``gbc_options`` add the gbc methods (``ar_alpha``,
-    ``lopti_eta``, ...) or override a field.
-
-    Alone, the config is verl's loss with verl's default ``global_batch_info`` (one process,
-    no global counts): ``token-sum`` sums the tokens, the sequence modes count the sequences
-    that have a masked-in token. A global batch (``dp_size > 1``, global token or sequence
-    counts) enters through :func:`batch_normalisers`.
-
-    ``response_length``: the padded response length T of the call, needed only for
-    ``seq-mean-token-sum-norm`` without ``loss_scale_factor`` (verl then divides by T).
-    An option gbc cannot honour, or a bad value, raises a ValueError naming verl's option.
-    """
-    source = {}                       # gbc field -> [(verl's option, its value), ...]
+    """The config that reproduces verl 0.9.1's ``ppo_loss`` with verl's default
+    ``global_batch_info`` for ``actor_config`` (``ActorConfig``, an OmegaConf node or a dict;
+    the options read: :data:`VERL_OPTION_NAMES`); a global batch enters through
+    :func:`batch_normalisers`. ``gbc_options``: gbc fields on top (``ar_alpha``, ...).
+    ``response_length``: T, for ``seq-mean-token-sum-norm`` without ``loss_scale_factor``. A
+    bad value or an option gbc cannot honour: a ValueError naming verl's option (math.md §12)."""
+    names = {}                        # gbc field -> the verl option(s) it comes from
 
     def num(name, value, field=None, optional=False):
-        """A number read from verl's option ``name`` (``field``: the gbc field it becomes)."""
-        if not ((value is None and optional) or (_is_real(value) and math.isfinite(value))):
-            raise ValueError(f"{name}: expected {'None or ' if optional else ''}a finite number, "
-                             f"got {type(value).__name__} {value!r}")
+        if not (optional and value is None):
+            methods.finite_number(name, value, kind="a finite number")
         if field is not None:
-            source[field] = [(name, value)]
+            names[field] = f"{name}={value!r}"
         return value
 
     policy_loss = _cfg_get(actor_config, "policy_loss", None)
@@ -107,41 +84,18 @@ def policy_loss_config(actor_config, response_length: Optional[int] = None,
     if mode in ("vanilla", "dppo_tv", "dppo_kl", "gspo", "clip_cov", "geo_mean"):
         opts.update(epsilon_low=num(low_name, low, "epsilon_low"),
                     epsilon_high=num(high_name, high, "epsilon_high"))
-    if mode in ("vanilla", "dppo_tv", "dppo_kl"):
-        opts["clip_ratio_c"] = num("clip_ratio_c", _cfg_get(actor_config, "clip_ratio_c",
-                                                            3.0 if mode == "vanilla" else 20.0),
-                                   "clip_ratio_c")
-    if mode == "sapo":
-        opts.update(sapo_temperature_pos=num("tau_pos", _cfg_get(actor_config, "tau_pos", 1.0),
-                                             "sapo_temperature_pos"),
-                    sapo_temperature_neg=num("tau_neg", _cfg_get(actor_config, "tau_neg", 1.05),
-                                             "sapo_temperature_neg"))
     if mode == "cispo":
         opts.update(epsilon_high=1.0 + high, cispo_min=1.0 - low)
-        source.update(epsilon_high=[(high_name, high)],
-                      cispo_min=[(low_name, low), (high_name, high)])
-
-    def pl(name, default, field):          # verl: "x if x is not None else default"
-        v = num(f"policy_loss.{name}", _cfg_get(policy_loss, name, None), optional=True)
-        v = default if v is None else v
-        source[field] = [(f"policy_loss.{name}", v)]
-        return v
-
-    if mode == "clip_cov":
-        opts.update(cov_ratio=pl("clip_cov_ratio", 0.0002, "cov_ratio"),
-                    cov_lb=pl("clip_cov_lb", 1.0, "cov_lb"),
-                    cov_ub=pl("clip_cov_ub", 5.0, "cov_ub"))
-    if mode == "kl_cov":
-        opts.update(cov_ratio=pl("kl_cov_ratio", 0.0002, "cov_ratio"),
-                    cov_kl_coef=pl("ppo_kl_coef", 1.0, "cov_kl_coef"))
-    if mode == "dro":
-        beta = num("policy_loss.dro_beta", _cfg_get(policy_loss, "dro_beta", None),
-                   "log_ratio_penalty", optional=True)
-        if beta is None or not beta > 0:
-            raise ValueError(f"policy_loss.dro_beta: verl's dro needs a positive dro_beta, got "
-                             f"{beta!r}")
-        opts["log_ratio_penalty"] = beta
-
+        names.update(epsilon_high=f"{high_name}={high!r}",
+                     cispo_min=[f"{low_name}={low!r}", f"{high_name}={high!r}"])
+    for option, default, field in MODE_OPTIONS.get(mode, ()):
+        parent, _, key = option.rpartition(".")
+        value = _cfg_get(policy_loss if parent else actor_config, key, None if parent else default)
+        value = default if value is None and parent else value
+        opts[field] = num(option, value, field, optional=default is None)
+    if mode == "dro" and not (opts["log_ratio_penalty"] or 0) > 0:
+        raise ValueError(f"policy_loss.dro_beta: verl's dro needs a positive dro_beta, got "
+                         f"{opts['log_ratio_penalty']!r}")
     agg_mode = _cfg_get(actor_config, "loss_agg_mode", "token-mean")
     if agg_mode not in VERL_AGG_MODES:
         raise ValueError(f"loss_agg_mode: expected one of {VERL_AGG_MODES}, got {agg_mode!r}")
@@ -195,23 +149,11 @@ def policy_loss_config(actor_config, response_length: Optional[int] = None,
     opts["max_len"] = max_len
     opts.update(gbc_options)
     for field in gbc_options:         # a gbc option keeps gbc's name in errors
-        source.pop(field, None)
+        names.pop(field, None)
     try:
         return gbc.PolicyLossConfig.preset(f"verl:{mode}", **opts)
     except (ValueError, TypeError) as err:
-        raise _in_verl_words(err, source) from None
-
-
-def _in_verl_words(err: Exception, source: dict) -> Exception:
-    """gbc's config error ``"field[, field]: reason"`` with verl's option names in front."""
-    msg = str(err)
-    head = msg.split(":", 1)[0]
-    names = [n.strip() for n in head.split(",") if n.strip() in source]
-    if not names:
-        return err
-    said = ", ".join(dict.fromkeys(f"{o}={v!r}" for n in names for o, v in source[n]))
-    gbc_names = ", ".join(dict.fromkeys(names))
-    return type(err)(f"{said}: refused as gbc's {gbc_names} ({msg})")
+        raise methods.in_trainer_words(err, names) from None
 
 
 def _is_real(v) -> bool:
@@ -219,16 +161,11 @@ def _is_real(v) -> bool:
 
 
 def batch_normalisers(actor_config, mask: torch.Tensor, global_batch_info=None) -> dict:
-    """``num_items_in_batch`` and ``num_seqs_in_batch`` for one call, as verl's ``agg_loss``
-    normalises with ``global_batch_info`` (``dp_size``, ``batch_num_tokens``,
-    ``global_batch_size``; default: ``actor_config.global_batch_info``): token-mean divides by
-    ``batch_num_tokens / dp_size``, token-sum by ``1 / dp_size``, the sequence modes by
-    ``global_batch_size / dp_size``. What the global batch does not give is this call's own
-    count by :func:`policy_loss_config`'s rule (the call's tokens; its sequences with a
-    masked-in token, at least 1, where verl would return NaN), so the loss is the same with
-    these or without them. verl's geo_mean takes the plain mean over the call's rows: no
-    sequence count. No host sync.
-    """
+    """``num_items_in_batch`` / ``num_seqs_in_batch`` of one call as verl's ``agg_loss`` takes
+    them from ``global_batch_info`` (default: ``actor_config.global_batch_info``): token-mean
+    ``batch_num_tokens / dp_size``, token-sum ``1 / dp_size``, the sequence modes
+    ``global_batch_size / dp_size``; what it lacks is the call's own count, as
+    :func:`policy_loss_config` alone takes it (docs/math.md §12). No host sync."""
     info = dict(global_batch_info if global_batch_info is not None
                 else (_cfg_get(actor_config, "global_batch_info", None) or {}))
     dp = info.get("dp_size")
@@ -261,11 +198,9 @@ def batch_normalisers(actor_config, mask: torch.Tensor, global_batch_info=None) 
 
 def response_rows(prompt_lens: torch.Tensor, response_lens: torch.Tensor,
                   max_response_len: Optional[int] = None):
-    """Where each response token's prediction sits in verl's packed layout (``use_remove_padding``:
-    the batch's sequences, prompt then response, concatenated into one row of ``nnz`` tokens):
-    ``(index [B, T], valid [B, T])``, ``index[b, t]`` the packed position whose output predicts
-    response token ``t`` of sequence ``b`` — verl's ``no_padding_2_padding`` rule, the model's
-    output shifted left by one. Padding positions (``t >= response_lens[b]``) point at 0."""
+    """``(index [B, T], valid [B, T])``: the position in verl's packed layout (prompt then
+    response per sequence, concatenated) whose output predicts response token ``t`` of sequence
+    ``b`` (verl's ``no_padding_2_padding`` rule); padding positions point at 0."""
     plens, rlens = prompt_lens.long(), response_lens.long()
     if bool((plens <= 0).any()):
         raise ValueError("prompt_lens: every sequence needs a prompt token (its first response "
@@ -283,16 +218,11 @@ def fused_ppo_loss_packed(hidden_packed, weight, input_ids_rolled, prompt_lens, 
                           response_mask, old_log_probs, advantages, actor_config,
                           global_batch_info=None, ref_log_prob=None, rollout_is_weights=None,
                           bias=None, temperature=None, backend="auto", **gbc_options):
-    """verl's ``ppo_loss`` (policy, KL and entropy terms, ``global_batch_info``) on the packed
-    hidden states of a ``use_remove_padding`` micro-batch, without logits: the hidden rows that
-    predict the response tokens (:func:`response_rows`) go through
-    :func:`gbc_kernels.fused_linear_policy_loss` with :func:`policy_loss_config` and
-    :func:`batch_normalisers`. ``hidden_packed``: ``[nnz, H]`` or ``[1, nnz, H]``;
-    ``input_ids_rolled``: ``[nnz]`` (the packed ids shifted left by one, verl's
-    ``input_ids_rmpad_rolled``); the per-response tensors ``[B, T]``; ``temperature``: a float
-    or verl's per-token ``temperature_rmpad`` ``[nnz]``. Returns ``(loss, metrics)``."""
-    H = hidden_packed.shape[-1]
-    h2 = hidden_packed.reshape(-1, H)
+    """verl's ``ppo_loss`` on the packed hidden states ``[(1,) nnz, H]`` of a
+    ``use_remove_padding`` micro-batch, without logits. ``input_ids_rolled``: verl's
+    ``input_ids_rmpad_rolled`` ``[nnz]``; per-response tensors ``[B, T]``; ``temperature``: a
+    float or verl's ``temperature_rmpad`` ``[nnz]``. Returns ``(loss, metrics)``."""
+    h2 = hidden_packed.reshape(-1, hidden_packed.shape[-1])
     T = response_mask.shape[1]
     index, valid = response_rows(prompt_lens, response_lens, T)
     h = h2[index]                                     # [B, T, H]: rows, not logits
@@ -311,9 +241,8 @@ def fused_ppo_loss_packed(hidden_packed, weight, input_ids_rolled, prompt_lens, 
 
 @dataclasses.dataclass
 class VerlGBCOptions:
-    """A registered loss's options: the method options (:class:`gbc_kernels.methods.
-    MethodOptions`; ``ar_alpha``, ``lopti_eta``, ``lopti_order`` read through), the verl loss
-    it reproduces, and ``current_phase``, set by :meth:`phase`."""
+    """A registered loss's method options, the verl loss it reproduces and the Lopti phase
+    :meth:`phase` sets."""
 
     method_options: methods.MethodOptions = dataclasses.field(
         default_factory=methods.MethodOptions)
@@ -326,8 +255,7 @@ class VerlGBCOptions:
 
     @contextlib.contextmanager
     def phase(self, which: str):
-        """Run one Lopti update inside: ``which`` is ``"low"`` or ``"high"`` (run them in the
-        order of :attr:`phases`)."""
+        """Run one Lopti update (``"low"`` or ``"high"``, in :attr:`phases` order) inside."""
         if which not in ("low", "high"):
             raise ValueError(f"phase: expected 'low' or 'high', got {which!r}")
         if self.lopti_eta is None:
@@ -348,9 +276,8 @@ def _cfg_get(config, name, default=None):
 
 
 class _PolicyTermOnly:
-    """A read-only view of verl's actor config for the registry path: verl adds its KL and
-    entropy terms outside the registered function, so the view turns them off, and names the
-    verl loss mode gbc reproduces (``base_loss_mode``) and the call's ``loss_agg_mode``."""
+    """verl's actor config as the registered loss sees it: no KL or entropy term (verl adds
+    them outside), the reproduced loss mode and the call's ``loss_agg_mode``."""
 
     def __init__(self, config, loss_mode, loss_agg_mode):
         self._config, self._agg = config, loss_agg_mode
@@ -367,9 +294,7 @@ class _PolicyTermOnly:
 
 
 def make_policy_loss(options: VerlGBCOptions):
-    """A function with the signature of verl's registered policy losses: verl's
-    ``options.base_loss_mode`` loss through :func:`policy_loss_config` and
-    :func:`batch_normalisers`, with the gbc options on top."""
+    """verl's registered-loss function for ``options.base_loss_mode``, gbc's methods on top."""
 
     def gbc_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
                         advantages: torch.Tensor, response_mask: torch.Tensor,
@@ -426,17 +351,10 @@ REGISTRY_REFUSED = {
 
 def register(name: str = "gbc", base_loss_mode: str = "vanilla",
              **method_options) -> VerlGBCOptions:
-    """Register the gbc policy loss with verl under ``name`` and return its options.
-
-    ``base_loss_mode``: the verl loss the registered one reproduces (any of
-    :data:`VERL_LOSS_MODES`, with the actor config's parameters for it). ``method_options``:
-    :class:`gbc_kernels.methods.MethodOptions` — AR (``ar_alpha``) and Lopti (``lopti_eta``,
-    ``lopti_order``: run the updates in :attr:`VerlGBCOptions.phases` order) run here; NTHR and
-    critical-token KL are refused (:data:`REGISTRY_REFUSED` says why and what to use).
-    Select the loss with ``actor_rollout_ref.actor.policy_loss.loss_mode=<name>``. verl's
-    workers run in their own processes: call this where they import their code (e.g. the
-    module that defines your reward function).
-    """
+    """Register gbc's policy loss with verl as ``name`` (select it with
+    ``actor.policy_loss.loss_mode=<name>``, in a module verl's workers import), reproducing
+    ``base_loss_mode``; AR and Lopti run, NTHR and critical-token KL are refused
+    (:data:`REGISTRY_REFUSED`; docs/verl.md). Returns the options."""
     from verl.trainer.ppo.core_algos import register_policy_loss
 
     if base_loss_mode not in VERL_LOSS_MODES:
@@ -462,12 +380,7 @@ def scale_advantages(advantages: torch.Tensor, token_scale: torch.Tensor) -> tor
 def weighted_kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
                         kl_weight: Optional[torch.Tensor], kl_penalty: str = "low_var_kl"
                         ) -> torch.Tensor:
-    """verl's per-token ``kl_penalty`` times the critical-token weights (docs/math.md §5).
-
-    ``kl_penalty`` is verl's name: ``k1``/``kl``, ``k2``/``mse``, ``low_var_kl`` or ``k3`` (verl
-    clamps its k3 like low_var_kl), ``abs``; a ``+`` suffix is verl's straight-through k2
-    gradient.
-    """
+    """verl's per-token ``kl_penalty`` (its names) times the critical-token KL weights."""
     from verl.trainer.ppo.core_algos import kl_penalty as verl_kl_penalty
 
     kl = verl_kl_penalty(log_prob, ref_log_prob, kl_penalty)

@@ -1,20 +1,9 @@
-"""gbc inside verl 0.9.1's actor engines: the loss and the log-prob passes from the hidden
-states, without the ``[N, V]`` logits (docs/verl.md; docs/math.md §12).
-
-gbc's engines keep everything of verl's step (its inputs, the parallel wrapper and its hooks,
-autocast, gradient accumulation, ``global_batch_info``) and replace only what the lm_head does:
-the training micro-batch's loss (:func:`gbc_kernels.fused_linear_policy_loss` with the config of
-:func:`gbc_kernels.integrations.verl.policy_loss_config`; verl's metrics from verl's own
-``ppo_loss`` on gbc's detached per-token values), the forward-only passes' log-probs, entropy
-and ``sum_pi_squared``, and the methods of :mod:`gbc_kernels.methods` (Lopti's two updates per
-mini-batch, NTHR's pass before the update, critical-token KL weights from the reference pass).
-This module holds what every engine shares (:class:`EngineMethods`, the options, verl's
-worker and trainer patches, the registry); the engines: :mod:`.verl_fsdp` (FSDP, FSDP2) and
-:mod:`.verl_megatron`. Switch them on in every Ray worker with
-``+ray_kwargs.ray_init.runtime_env.env_vars.GBC_VERL_ENGINE=1`` (the ``verl.plugins`` entry
-point calls :func:`enable`); gbc options: ``GBC_VERL_OPTIONS=ar_alpha=0.3,lopti_eta=0.5``.
+"""What gbc's engines inside verl 0.9.1 share (docs/verl.md, docs/megatron.md): the options,
+:class:`EngineMethods` (the fused loss's inputs, verl's metrics, Lopti's two updates), verl's
+worker and trainer patches (NTHR's pass before the update, the critical-KL reference pass) and
+the engine registry (:func:`enable`, run by the ``verl.plugins`` entry point under
+``GBC_VERL_ENGINE=1``). The engines: :mod:`.verl_fsdp` and :mod:`.verl_megatron`.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -35,14 +24,8 @@ ENV_OPTIONS = "GBC_VERL_OPTIONS"
 
 @dataclasses.dataclass(frozen=True)
 class EngineOptions(methods.MethodOptions):
-    """gbc's options in verl's engine (read from ``GBC_VERL_OPTIONS`` by :func:`enable`): the
-    method layer's (:class:`gbc_kernels.methods.MethodOptions`, checked there) and the
-    ``backend``.
-
-    ``nthr``: NTHR's token scales (docs/math.md §4) from a no-grad old-policy pass over the
-    rank's whole update batch, before its first optimizer step; its groups are verl's ``uid``.
-    ``critical_kl_exponent`` (γ): critical-token KL weights (§5) from the reference pass,
-    multiplied into verl's KL loss term (``use_kl_loss``)."""
+    """gbc's options in verl's engines (``GBC_VERL_OPTIONS``, read by :func:`enable`): the
+    method options (:class:`gbc_kernels.methods.MethodOptions`) and the ``backend``."""
 
     backend: str = "auto"
 
@@ -53,8 +36,7 @@ class EngineOptions(methods.MethodOptions):
 
     @classmethod
     def parse(cls, text: Optional[str]) -> "EngineOptions":
-        """``"ar_alpha=0.3,lopti_eta=0.5"`` (the form a Ray env var carries) -> options
-        (:meth:`gbc_kernels.methods.MethodOptions.parse`, errors naming ``GBC_VERL_OPTIONS``)."""
+        """``"ar_alpha=0.3,lopti_eta=0.5"`` -> options (errors naming ``GBC_VERL_OPTIONS``)."""
         return super().parse(text, ENV_OPTIONS)
 
 
@@ -128,7 +110,6 @@ class _Rows:
         self.offsets = ids.offsets()
         self.nnz = int(self.offsets[-1])
         self.packed, self.valid = gv.response_rows(plens, rlens, T)
-        self.T = T
         if use_remove_padding:
             self.hidden = self.packed
         else:       # verl pads every sequence to the micro-batch's longest one
@@ -167,15 +148,8 @@ def _rng_state():
     return torch.get_rng_state(), cuda
 
 
-def _set_rng_state(state):
-    torch.set_rng_state(state[0])
-    for device, s in state[1].items():
-        torch.cuda.set_rng_state(s, device)
-
-
 class EngineMethods:
-    """What gbc adds to any of verl's engines with an lm_head (FSDP: :class:`GBCEngineMixin`;
-    Megatron: :mod:`gbc_kernels.integrations.verl_megatron`): its options, the fused loss's
+    """What gbc adds to any of verl's engines with an lm_head: its options, the fused loss's
     inputs from a training micro-batch, verl's metrics, and Lopti's two updates."""
 
     gbc_options: EngineOptions = EngineOptions()
@@ -183,10 +157,8 @@ class EngineMethods:
     _gbc_update_metrics: dict = {}    # NTHR's, logged with the update's micro-batches
 
     def _gbc_loss_inputs(self, micro_batch, loss_function, valid) -> dict:
-        """The fused loss's keyword arguments for a training ``micro_batch``, beside the hidden
-        states, the weight and the targets: ``mask`` (verl's response mask and ``valid``), the
-        per-token fields (``[B, T]``, the layout of verl's ``advantages``), the config of verl's
-        actor config, the method inputs, the global batch's normalisers and the temperature."""
+        """The fused loss's keyword arguments for a training ``micro_batch`` beside the hidden
+        states, the weight and the targets (per-token fields ``[B, T]``, like ``advantages``)."""
         actor_config = loss_function.keywords["config"]
         opts = self.gbc_options
         fields = ["response_mask", "old_log_probs", "advantages"] + [
@@ -221,23 +193,15 @@ class EngineMethods:
         return metrics
 
     def _verl_metrics(self, loss_function, micro_batch, model_output, rng):
-        """verl's own ``ppo_loss`` on gbc's detached per-token values: its metrics, exactly as
-        its step would log them. Its random draws (Clip-Cov's) start from ``rng``, the state
-        gbc's loss drew from, and do not advance the generator."""
+        """verl's own ``ppo_loss`` on gbc's detached per-token values: its metrics as its step
+        logs them, its random draws (Clip-Cov's) from ``rng``, the state gbc's loss drew from."""
         with torch.no_grad(), torch.random.fork_rng(devices=list(rng[1])):
-            _set_rng_state(rng)
+            torch.set_rng_state(rng[0])
+            for device, state in rng[1].items():
+                torch.cuda.set_rng_state(state, device)
             _, metrics = loss_function(model_output=model_output, data=micro_batch,
                                        dp_group=self.get_data_parallel_group())
         return metrics
-
-
-    def _gbc_dp_group(self):
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        group = self.get_data_parallel_group()
-        return "world" if group is None else group
 
     def train_batch(self, data, loss_function):
         opts = self.gbc_options
@@ -292,10 +256,9 @@ def _nthr_before_update(original):
 
 
 def compute_ref_log_prob(trainer, batch):
-    """verl 0.9.1's ``RayPPOTrainer._compute_ref_log_prob`` (the reference pass of each RL
-    step), asking gbc's engine for the reference certainty too and returning, beside
-    ``ref_log_prob``, the critical-token KL weights ``gbc_kl_weight`` (docs/math.md §5) that
-    the update's KL term is multiplied by. Without ``critical_kl_exponent`` it is verl's."""
+    """verl 0.9.1's ``RayPPOTrainer._compute_ref_log_prob`` that also returns the critical-token
+    KL weights ``gbc_kl_weight`` from the same reference pass (verl's own without
+    ``critical_kl_exponent``)."""
     opts = _OPTIONS.get("current") or EngineOptions()
     if opts.critical_kl_exponent is None:
         return _PATCHES.original(type(trainer), "_compute_ref_log_prob")(trainer, batch)
@@ -326,7 +289,6 @@ def compute_ref_log_prob(trainer, batch):
     weight = no_padding_2_padding(weight, batch_td).float()
     return DataProto.from_tensordict(tu.get_tensordict(
         {"ref_log_prob": log_probs.float(), KL_WEIGHT_KEY: weight * batch.batch["response_mask"]}))
-
 
 
 def engine_class(base, mixin=None):
@@ -391,11 +353,9 @@ def _registry_tables():
 
 
 def enable(options: Optional[EngineOptions] = None):
-    """Make verl's engine registry hand out gbc's engine for ``language_model`` on the FSDP,
-    FSDP2 and Megatron backends (every device verl registered them for), run NTHR's
-    old-policy pass before each actor update (``TrainingWorker.train_mini_batch``) and the
-    critical-KL certainty in the trainer's reference pass (``RayPPOTrainer._compute_ref_log_prob``)
-    — both only when their options are on. Idempotent; returns the options in force."""
+    """Make verl's engine registry hand out gbc's engine for ``language_model`` (FSDP, FSDP2,
+    Megatron) and patch verl's worker (NTHR's pass) and trainer (the critical-KL reference
+    pass), both acting only when their options are on. Idempotent; returns the options."""
     if options is None:
         options = EngineOptions.parse(os.environ.get(ENV_OPTIONS))
     _OPTIONS["current"] = options

@@ -1,7 +1,5 @@
 """gbc on verl 0.9.1's FSDP engine (``FSDPEngineWithLMHead``): the lm_head's forward replaced
-by gbc's loss or log-prob pass (docs/verl.md). What is not FSDP-specific — options, the loss's
-inputs, verl's metrics, Lopti, the patches and the registry — is in
-:mod:`gbc_kernels.integrations.verl_engine`."""
+by gbc's loss or log-prob pass (docs/verl.md); the rest is :mod:`.verl_engine`'s."""
 
 from __future__ import annotations
 
@@ -29,7 +27,6 @@ def _check_supported(engine, micro_batch):
     if _flag(micro_batch, "distillation_use_topk"):
         raise ValueError("distillation: gbc's engine computes the policy loss only; unset "
                          f"{ENV_ON} for distillation runs")
-
 
 
 class GBCEngineMixin(EngineMethods):
@@ -70,11 +67,7 @@ class GBCEngineMixin(EngineMethods):
     @staticmethod
     def _head_rows(hidden2d, rows, inner):
         head = hf.lm_head(inner)         # the weight as FSDP holds it during this forward
-        h = hidden2d[rows.hidden]
-        if h.dtype != head.weight.dtype:
-            h = h.to(head.weight.dtype)
-        return h, head
-
+        return hidden2d[rows.hidden].to(head.weight.dtype), head
 
     # -- training: the loss -----------------------------------------------------------------
     def _gbc_train_step(self, micro_batch, loss_function):
@@ -99,57 +92,43 @@ class GBCEngineMixin(EngineMethods):
 
     # -- forward only: log-probs, entropy, sum of squared probabilities ---------------------
     def _gbc_infer_step(self, micro_batch):
-        want_entropy = bool(_flag(micro_batch, "calculate_entropy"))
-        want_p2 = bool(_flag(micro_batch, "calculate_sum_pi_squared"))
         certainty = _flag(micro_batch, CERTAINTY_KEY, None)
 
         def head_fn(hidden2d, rows, inner):
             h, head = self._head_rows(hidden2d, rows, inner)
+            kw = dict(temperature=_temperature(micro_batch), backend=self.gbc_options.backend,
+                      logit_softcap=hf.logit_softcap(inner))
             # padding positions read row 0 with target 0: computed, then dropped by nested()
             with torch.autocast(device_type=h.device.type, enabled=False):
                 if certainty is not None:      # the reference pass of critical-token KL
-                    st = methods.reference_stats(
-                        h, head.weight, rows.targets, methods.MethodOptions(**certainty),
-                        head.bias, temperature=_temperature(micro_batch),
-                        backend=self.gbc_options.backend, logit_softcap=hf.logit_softcap(inner))
-                    return None, st.ref_logp, None, None, st.kl_weight
+                    st = methods.reference_stats(h, head.weight, rows.targets,
+                                                 methods.MethodOptions(**certainty), head.bias,
+                                                 **kw)
+                    return None, {"log_probs": st.ref_logp, KL_WEIGHT_KEY: st.kl_weight}
                 out = gbc.fused_linear_logprobs(
                     h, head.weight, rows.targets, head.bias,
-                    temperature=_temperature(micro_batch), return_entropy=want_entropy,
-                    backend=self.gbc_options.backend, return_sum_p2=want_p2,
-                    logit_softcap=hf.logit_softcap(inner))
-            return (None,) + tuple(out)
+                    return_entropy=bool(_flag(micro_batch, "calculate_entropy")),
+                    return_sum_p2=bool(_flag(micro_batch, "calculate_sum_pi_squared")), **kw)
+            return None, dict(zip(("log_probs", "entropy", "sum_pi_squared"), out))
 
-        micro_batch, rows, out, _ = self._gbc_forward(micro_batch, head_fn)
-        model_output = {"log_probs": rows.nested(out[1])}
-        if want_entropy:
-            model_output["entropy"] = rows.nested(out[2])
-        if want_p2:
-            model_output["sum_pi_squared"] = rows.nested(out[3])
-        if certainty is not None:
-            model_output[KL_WEIGHT_KEY] = rows.nested(out[4])
+        micro_batch, rows, (_, out), _ = self._gbc_forward(micro_batch, head_fn)
+        model_output = {k: rows.nested(v) for k, v in out.items() if v is not None}
         return torch.tensor(1.0), {"model_output": model_output, "loss": 1.0, "metrics": {}}
 
     # -- NTHR: one no-grad old-policy pass over the rank's update batch ----------------------
     @torch.no_grad()
     def gbc_nthr_pass(self, data, defaults=None):
-        """NTHR's token scales (docs/math.md §4) of the rank's share of an actor update, from
-        the policy before the update's first optimizer step (the old policy), at the rollout
-        temperature: adds ``gbc_token_scale`` ([B, T], the layout of ``advantages``) to
-        ``data``. Groups are verl's ``uid``s; a group split over data-parallel ranks is scored
-        with every rank's responses (``nthr_scale(data_parallel_group=...)``). ``defaults``:
-        the micro-batching keys the worker injects for its forward-only passes. Call it in
-        ``eval_mode`` (the worker hook does)."""
+        """NTHR's token scales of the rank's share of an actor update from the policy before its
+        first optimizer step, into ``data["gbc_token_scale"]`` (``[B, T]``); groups: verl's
+        ``uid`` (docs/verl.md). ``defaults``: the micro-batching keys the worker gives its
+        forward-only passes. Call it in ``eval_mode`` (the worker hook does)."""
         from verl.utils import tensordict_utils as tu
         from verl.workers.engine.utils import prepare_micro_batches
 
-        opts = self.gbc_options
         uids = tu.get(data, "uid")
         if uids is None:
             raise ValueError("nthr: the update batch has no 'uid' field (verl's group ids, "
                              "which its trainer sets for GRPO-style advantages)")
-        adv, rmask = data["advantages"], data["response_mask"]
-        B, T = rmask.shape
         view = data.copy()
         for key, val in (defaults or {}).items():
             if key not in view.keys() and val is not None:
@@ -157,64 +136,26 @@ class GBCEngineMixin(EngineMethods):
         micro_batches, order = prepare_micro_batches(
             data=view, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=True)
         if order is None:
-            order, start = [], 0
-            for mb in micro_batches:
-                order.append(list(range(start, start + len(mb))))
-                start += len(mb)
-        dp_group = self._gbc_dp_group()
+            order = torch.arange(len(uids)).split([len(mb) for mb in micro_batches])
         responses = data["responses"]
-        needed = methods.union_ids(responses.values() if responses.is_nested else responses,
-                                   dp_group)
-        keep = {}
-        hidden, targets, logp, valid = None, torch.zeros(B, T, dtype=torch.long), None, None
-        temps = set()
+        batch = methods.NTHRBatch(responses.values() if responses.is_nested else responses,
+                                  methods.data_parallel_group(self.get_data_parallel_group()),
+                                  self.gbc_options.backend)
         for mb, idx in zip(micro_batches, order):
-            temp = _temperature(mb)
-            temp_values = temp.unique().tolist() if isinstance(temp, torch.Tensor) else [temp]
-            temps.update(float(t) for t in temp_values)
-
             def head_fn(hidden2d, rows, inner):
                 h, head = self._head_rows(hidden2d, rows, inner)
-                cap = hf.logit_softcap(inner)
                 with torch.autocast(device_type=h.device.type, enabled=False):
-                    lp = gbc.fused_linear_logprobs(
-                        h, head.weight, rows.targets, head.bias, temperature=temp,
-                        backend=opts.backend, logit_softcap=cap)[0]
-                if "w" not in keep:   # the lm_head rows NTHR's restricted logits need
-                    ids = needed.to(head.weight.device)
-                    keep["w"] = head.weight.detach().index_select(0, ids).clone()
-                    keep["b"] = (None if head.bias is None else
-                                 head.bias.detach().index_select(0, ids).clone())
-                    keep["softcap"] = cap
-                return None, h.detach(), rows, lp
+                    batch.add(idx, h, rows.targets, rows.valid, head, hf.logit_softcap(inner),
+                              _temperature(mb))
+                return (None,)
 
-            _, rows, (_, h, rows, lp), _ = self._gbc_forward(mb, head_fn)
-            if hidden is None:
-                hidden = h.new_zeros(B, T, h.shape[-1])
-                logp = torch.zeros(B, T, dtype=torch.float32, device=h.device)
-                valid = torch.zeros(B, T, dtype=torch.bool, device=h.device)
-                targets = targets.to(h.device)
-            i = torch.as_tensor(idx, dtype=torch.long, device=h.device)
-            hidden[i], logp[i], valid[i] = h, lp.float(), rows.valid
-            targets[i] = rows.targets
-        if len(temps) > 1:
-            raise ValueError(f"nthr: the rollout temperatures of the batch differ "
-                             f"({sorted(temps)[:4]}); NTHR's scores use one temperature")
-        device = hidden.device
-        mask = rmask.to(device).bool() & valid
-        compact = torch.searchsorted(needed.to(device), targets)
-        compact = torch.where(mask, compact.clamp(max=needed.numel() - 1), 0)
-        adv = adv.to(device).float()
-        gids = torch.tensor([_stable_id(u) for u in uids], dtype=torch.long, device=device)
-        res = methods.nthr_token_scale(hidden, keep["w"], compact, mask, gids, adv, opts,
-                                       bias=keep["b"], temperature=temps.pop(), logp=logp,
-                                       logit_softcap=keep["softcap"], backend=opts.backend,
-                                       data_parallel_group=dp_group)
+            self._gbc_forward(mb, head_fn)
+        gids = torch.tensor([_stable_id(u) for u in uids], dtype=torch.long)
+        res, metrics = batch.result(data["response_mask"], gids, data["advantages"],
+                                    self.gbc_options)
         data[SCALE_KEY] = res.scale.to(data["advantages"].device)
-        m = methods.nthr_metrics(res, adv, mask)
-        self._gbc_update_metrics = {f"actor/gbc_{k}": float(v) for k, v in m.items()}
+        self._gbc_update_metrics = {f"actor/gbc_{k}": float(v) for k, v in metrics.items()}
         return res
-
 
     # -- verl's entry points ----------------------------------------------------------------
     def forward_step(self, micro_batch, loss_function, forward_only):

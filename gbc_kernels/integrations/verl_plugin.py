@@ -1,12 +1,6 @@
-"""verl's plugin entry point (group ``verl.plugins``, registered by gbc's setup.py).
-
-verl imports every ``verl.plugins`` entry point in every process when ``verl`` is imported
-(``VERL_USE_EXTERNAL_PLUGINS``, default ``auto``). Importing this module does nothing unless
-``GBC_VERL_ENGINE`` is set to 1 / true / yes: then gbc's engine replaces verl's FSDP actor
-engine (:func:`gbc_kernels.integrations.verl_engine.enable`), with the options of
-``GBC_VERL_OPTIONS``. verl swallows a plugin's import errors (it logs them at debug level), so
-a failure to switch on is reported here as a warning, and the variable
-``GBC_VERL_ENGINE=strict`` turns it into an error.
+"""verl's plugin entry point (``verl.plugins``, imported by verl in every process): with
+``GBC_VERL_ENGINE`` = 1 / true / yes it runs :func:`.verl_engine.enable`; verl hides a plugin's
+import errors, so a failure is a warning here, an error with ``GBC_VERL_ENGINE=strict``.
 """
 
 import os
