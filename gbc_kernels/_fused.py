@@ -243,15 +243,15 @@ class _GradMatmuls:
         self.grad_h = ((torch.empty_like(hidden2d) if dense else torch.zeros_like(hidden2d))
                        if need_dh else None)
         self.into = into if need_dw else None
-        self.acc32 = need_dw and (
-            (chunks > 1 and _chunking.accumulate_fp32(weight.dtype))
-            or (into is not None and into.dtype != weight.dtype))
-        self.grad_w = None
-        if into is not None and need_dw:
-            self.grad_w = into                      # accumulated from the first chunk on
-        elif need_dw:
-            self.grad_w = (torch.empty(weight.shape, device=weight.device, dtype=torch.float32)
-                           if self.acc32 else torch.empty_like(weight))
+        if self.into is not None:                   # accumulated from the first chunk on
+            self.acc32, self.grad_w = into.dtype != weight.dtype, into
+        else:
+            self.acc32 = need_dw and chunks > 1 and _chunking.accumulate_fp32(weight.dtype)
+            self.grad_w = None
+            if need_dw:
+                self.grad_w = (torch.empty(weight.shape, device=weight.device,
+                                           dtype=torch.float32)
+                               if self.acc32 else torch.empty_like(weight))
         self.grad_b = torch.zeros(weight.shape[0], device=weight.device,
                                   dtype=torch.float32) if need_db else None
         self.first = self.into is None
@@ -544,7 +544,9 @@ def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperat
     and do the two gradient matmuls (``vp``: this slice's part; the hidden gradient summed over
     the ranks once)."""
     N = hidden2d.shape[0]
-    rows, buf = _chunk_buffer(N, hidden2d, weight, backend, vp, (need_dh, need_dw))
+    # d weight into the caller's buffer allocates none: not counted against the chunk budget
+    rows, buf = _chunk_buffer(N, hidden2d, weight, backend, vp,
+                              (need_dh, need_dw and grad_w_into is None))
     if vp is not None:
         targets = _vp.local_targets(targets, vp)
     ws = Workspace()

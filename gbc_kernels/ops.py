@@ -386,14 +386,15 @@ def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=No
                 token_scale=None, kl_weight=None, config=None, phase=None,
                 num_items_in_batch=None, is_ratio=None, sampling_logp=None,
                 data_parallel_group=None, num_seqs_in_batch=None, sum_p2=None,
-                temperature=1.0):
+                temperature=None):
     """The same GRPO loss for trainers that already have per-token ``logp`` [B, T].
 
     ``entropy`` [B, T] is needed when ``config.entropy_coef != 0`` or
     ``config.top_entropy_quantile < 1`` (its gradient flows back to it). Metrics as the fused
     loss, except ``grad_share_low`` (and ``grad_norm_sum``), which need the full distribution:
     reported when ``sum_p2`` [B, T] (``sum_v p_v^2``, from :func:`fused_linear_logprobs`) is
-    given, with ``temperature`` (a float or a tensor [B] / [B, T]) the one ``logp`` was taken at.
+    given, with ``temperature`` (a float or a tensor [B] / [B, T]; default 1) the one ``logp``
+    was taken at (used for that norm only, so refused without ``sum_p2``).
     """
     cfg = PolicyLossConfig.coerce(config)
     V.check_tensor("logp", logp, floating=True, dims=(2,))
@@ -416,9 +417,14 @@ def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=No
     elif entropy is not None:
         V.check_tensor("entropy", entropy, shape=(B, T), floating=True, device=device)
     norm_of = None
+    if sum_p2 is None and temperature is not None:
+        raise ValueError("temperature: used only for grad_share_low's norm, which needs sum_p2 "
+                         "(logp is already at its temperature); pass sum_p2 too, or leave "
+                         "temperature out")
     if sum_p2 is not None:
         V.check_tensor("sum_p2", sum_p2, shape=(B, T), floating=True, device=device)
-        itemp = 1.0 / _temperature(temperature, (B, T), device, m, checks)
+        itemp = 1.0 / _temperature(1.0 if temperature is None else temperature, (B, T), device,
+                                   m, checks)
         norm_of = (sum_p2.detach().float(), itemp)
     checks.resolve()
     holder = {}

@@ -309,3 +309,7 @@ def test_policy_loss_from_logp_reports_grad_share_low_with_sum_p2():
                                  config=gbc.PolicyLossConfig(**cfg),
                                  phase="low", entropy=ent.float())
     assert "grad_share_low" not in without
+    with pytest.raises(ValueError, match="^temperature: .*sum_p2"):    # it would have no effect
+        gbc.policy_loss(lp.float(), batch["mask"], batch["advantages"], batch["old_logp"],
+                        batch["ref_logp"], config=gbc.PolicyLossConfig(**cfg), phase="low",
+                        entropy=ent.float(), temperature=temp)

@@ -224,11 +224,8 @@ def _loss_into_main_grad(hidden, weight, into, labels, mask, advantages, old_log
     temp = cfg.temperature if temp is None else temp
     w = _IntoMainGrad.apply(weight)
     m = _check_mask(mask, hidden, labels)
-    logp, entropy, sum_p2 = _select(hidden, labels, m, temp, lambda flat, y, t: (
-        gbc.fused_linear_logprobs(flat, w, y, bias=bias, temperature=t,
-                                  return_entropy=cfg.wants_entropy, backend=backend,
-                                  vocab_parallel=vp, return_sum_p2=True,
-                                  weight_grad_into=into)))
+    logp, entropy, sum_p2 = _rows_stats(hidden, w, bias, labels, m, temp, vp, cfg.wants_entropy,
+                                        True, backend, into)
     loss, metrics = gbc.policy_loss(logp, m, advantages, old_logp, ref_logp, entropy=entropy,
                                     token_scale=token_scale, kl_weight=kl_weight, config=cfg,
                                     phase=phase, sum_p2=sum_p2, temperature=temp, **loss_kwargs)
@@ -293,12 +290,13 @@ def _check_mask(mask, hidden, labels):
 
 
 def _rows_stats(hidden, weight, bias, labels, mask, temperature, vp, want_entropy, want_sum_p2,
-                backend):
+                backend, weight_grad_into=None):
     """``(logp, entropy, sum_p2)`` ``[B, S]`` of the rows in ``mask`` (every row when None)."""
     def stats(flat, y, temp):
         out = gbc.fused_linear_logprobs(flat, weight, y, bias=bias, temperature=temp,
                                         return_entropy=want_entropy, backend=backend,
-                                        vocab_parallel=vp, return_sum_p2=want_sum_p2)
+                                        vocab_parallel=vp, return_sum_p2=want_sum_p2,
+                                        weight_grad_into=weight_grad_into)
         return out[0], out[1], out[2] if want_sum_p2 else None
 
     return _select(hidden, labels, mask, temperature, stats)

@@ -609,7 +609,7 @@ def _loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_scale, kl_w
 def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=None,
                 token_scale=None, kl_weight=None, config=None, phase=None,
                 num_items_in_batch=None, is_ratio=None, sampling_logp=None,
-                num_seqs_in_batch=None, sum_p2=None, temperature=1.0):
+                num_seqs_in_batch=None, sum_p2=None, temperature=None):
     """GRPO policy loss from per-token log-probs ``logp`` [B, T] (§1-§3, §10). Returns
     (loss, metrics).
 
@@ -625,7 +625,7 @@ def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=No
     share = total = None
     if sum_p2 is not None:
         share, total = _grad_share_low(logp, entropy, args + (parts["cov_sel"],), sum_p2,
-                                       temperature)
+                                       1.0 if temperature is None else temperature)
     return loss, _metrics(parts, logp, entropy if wants_entropy else None, mask, cfg, share,
                           total)
 
