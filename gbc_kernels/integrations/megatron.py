@@ -146,10 +146,9 @@ def _main_grad(weight, use):
     elif not isinstance(use, bool):
         raise TypeError(f"main_grad: expected None or a bool, got {use!r}")
     elif use and not usable:
+        got = None if mg is None else f"{_shape(mg)} {getattr(mg, 'dtype', '')}"
         raise ValueError(f"main_grad: True needs output_weight.main_grad, a float32 tensor "
-                         f"(megatron's DDP with grad_reduce_in_fp32), got "
-                         f"{_shape(mg) if mg is not None else None}"
-                         f"{'' if mg is None else ' ' + str(getattr(mg, 'dtype', ''))}")
+                         f"(megatron's DDP with grad_reduce_in_fp32), got {got}")
     return mg if use else None
 
 
