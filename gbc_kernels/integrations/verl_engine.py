@@ -167,7 +167,7 @@ class EngineMethods:
         data = micro_batch.select(*fields).to_padded_tensor()
         mask = data["response_mask"].bool() & valid
         cfg = gv.policy_loss_config(actor_config, response_length=mask.shape[1],
-                                    ar_alpha=opts.ar_alpha, lopti_eta=opts.lopti_eta)
+                                    **opts.loss_options())
         _check_method_fields(opts, cfg, micro_batch)
         if _flag(micro_batch, "calculate_entropy") and not cfg.wants_entropy:
             cfg = dataclasses.replace(cfg, return_entropy=True)
@@ -186,7 +186,8 @@ class EngineMethods:
         """verl's metrics of a training micro-batch (:meth:`_verl_metrics`), gbc's method
         metrics and NTHR's."""
         metrics = self._verl_metrics(loss_function, micro_batch, model_output, rng)
-        for name in ("ar_weight_mean", "low_frac", "cov_frac", "grad_share_low"):
+        for name in ("ar_weight_mean", "low_frac", "cov_frac", "grad_share_low",
+                     "grad_norm_sum"):
             if name in gbc_metrics:
                 metrics[f"actor/gbc_{name}"] = float(gbc_metrics[name])
         metrics.update(self._gbc_update_metrics)
@@ -220,10 +221,20 @@ class EngineMethods:
             outputs = methods.each_phase(opts, update)
         finally:
             self._gbc_phase = None
-        (first, gn1), (_, gn2) = outputs
+        (first, gn1), (second, gn2) = outputs
         if self.is_mp_src_rank_with_outputs():
             first["metrics"]["grad_norm"] = gn1
             first["metrics"]["gbc_grad_norm_second_phase"] = gn2
+            # the step's grad_share_low (one meaning, docs/methods.md): the low phase's summed
+            # logit-gradient norm over both phases' (each phase alone reports 1 or 0)
+            norms = {}
+            for phase, out in zip(opts.phases, (first, second)):
+                v = out["metrics"].get("actor/gbc_grad_norm_sum")
+                if v is not None:
+                    norms[phase] = float(sum(v) if isinstance(v, list) else v)
+            if len(norms) == 2:
+                first["metrics"]["actor/gbc_grad_share_low"] = methods.share_low(
+                    norms["low"], norms["high"])
         return first
 
 

@@ -93,3 +93,42 @@ def test_trl_on_policy_lopti_equals_reference(tiny, tmp_path, order):
     got = trainer.model
     assert max_rel_diff(got, want, start) < 1e-4
     assert max_rel_diff(wrong, want, start) > 1e-2      # the test can tell the two apart
+
+
+@pytest.mark.parametrize("order", ["low-first", "high-first"])
+def test_verl_engine_logs_the_steps_grad_share_low(order):
+    """verl's engines (``EngineMethods.train_batch``, FSDP and Megatron) log Lopti's
+    ``grad_share_low`` with its one meaning: the low phase's summed logit-gradient norm over
+    both phases' (each phase's own share is 1 or 0 by construction), from the micro-batches'
+    ``grad_norm_sum``."""
+    pytest.importorskip("verl")
+    import functools
+
+    from tensordict import TensorDict
+    from verl.workers.utils.losses import ppo_loss
+
+    from gbc_kernels.integrations import verl_engine as ve
+
+    norms = {"low": [0.3, 0.5], "high": [1.1, 0.7]}
+
+    class Engine(ve.EngineMethods):
+        gbc_options = ve.EngineOptions(lopti_eta=0.5, lopti_order=order)
+
+        def optimizer_zero_grad(self):
+            pass
+
+        def forward_backward_batch(self, data, loss_function, forward_only):
+            phase = self._gbc_phase
+            return {"metrics": {"actor/gbc_grad_norm_sum": list(norms[phase]),
+                                "actor/gbc_grad_share_low": [float(phase == "low")] * 2}}
+
+        def optimizer_step(self):
+            return 1.0
+
+        def is_mp_src_rank_with_outputs(self):
+            return True
+
+    out = Engine().train_batch(TensorDict({}, batch_size=[]),
+                               functools.partial(ppo_loss, config=None))
+    want = sum(norms["low"]) / (sum(norms["low"]) + sum(norms["high"]))
+    assert out["metrics"]["actor/gbc_grad_share_low"] == pytest.approx(want)
