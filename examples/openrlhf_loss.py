@@ -68,7 +68,7 @@ def main(vocab=151, seed=0):
         with torch.no_grad():
             old = actor(seq, mask, attn)                      # no [B, L, V] logits
     finally:
-        gbc_openrlhf.disable(actor_cls=Actor)
+        gbc_openrlhf.disable()
     exp = ns(sequences=seq, attention_mask=attn, action_mask=mask, action_log_probs=old,
              base_action_log_probs=old, rollout_log_probs=None,
              advantages=torch.randn(B, 1).expand(B, T) * mask)

@@ -69,9 +69,12 @@ TRAINER_PRESETS = {
     # OpenRLHF 0.11.2's PolicyLoss (policy_loss_type): ppo clamps the log-ratio to +-20, gspo
     # takes the sequence ratio and aggregates per sequence; its KL and entropy terms are token
     # means over the batch normalisers (gbc_kernels.integrations.openrlhf.policy_loss_config).
-    "openrlhf:ppo": dict(objective="ppo_clip", normalise_all_terms=True, **_VERL_CLAMP),
+    # Without a global_batch_size its aggregate_loss averages over the non-empty sequences.
+    "openrlhf:ppo": dict(objective="ppo_clip", normalise_all_terms=True, seq_count="nonempty",
+                         **_VERL_CLAMP),
     "openrlhf:gspo": dict(objective="ppo_clip", importance_sampling_level="sequence",
-                          loss_agg="seq-mean-token-mean", normalise_all_terms=True),
+                          loss_agg="seq-mean-token-mean", normalise_all_terms=True,
+                          seq_count="nonempty"),
 }
 
 

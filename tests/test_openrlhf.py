@@ -244,7 +244,7 @@ def test_log_prob_pass_equals_actor_forward():
                       return_output=True)               # the training call: OpenRLHF's own
         assert lp.requires_grad
     finally:
-        gorl.disable(actor_cls=ORL.Actor)
+        gorl.disable()
     assert ORL.Actor.forward.__module__.startswith("openrlhf")
 
 
@@ -764,3 +764,41 @@ def test_openrlhf_presets_equal_the_mapping():
         args = make_args(policy_loss_type=plt, eps=(0.2, 0.28))
         assert gorl.policy_loss_config(args) == gbc.PolicyLossConfig.preset(
             f"openrlhf:{plt}", epsilon_low=0.2, epsilon_high=0.28)
+
+
+@pytest.mark.parametrize("plt,agg", [("gspo", "seq-mean-token-mean"),
+                                     ("ppo", "seq-mean-token-mean")])
+def test_config_alone_counts_the_nonempty_sequences(plt, agg):
+    """``policy_loss_config(args)`` alone (no loss_batch_info) equals OpenRLHF's ``PolicyLoss``
+    on a batch with an empty response: its ``aggregate_loss`` averages over the non-empty
+    sequences (the preset's ``seq_count``), so leaving the batch normalisers out does not
+    change the value."""
+    args = make_args(policy_loss_type=plt, loss_agg_mode=agg)
+    exp = make_experience()
+    assert not bool(exp.action_mask.any(-1).all())
+    logp = (exp.action_log_probs + 0.2 * torch.randn(exp.action_mask.shape,
+                                                     generator=torch.Generator().manual_seed(3)))
+    a = args.actor
+    want = ORL.PolicyLoss(clip_eps_low=a.eps_clip_low_high[0],
+                          clip_eps_high=a.eps_clip_low_high[1], dual_clip=a.dual_clip,
+                          token_level_loss=False, policy_loss_type=plt)(
+        logp, exp.action_log_probs, exp.advantages, action_mask=exp.action_mask)[0]
+    got, _ = gbc.policy_loss(logp, exp.action_mask, exp.advantages, exp.action_log_probs,
+                             config=gorl.policy_loss_config(args))
+    assert abs(float(got) - float(want)) < 1e-6
+
+
+def test_enable_refuses_what_the_no_grad_passes_would_not_see(methods_off):
+    for name in ("temperature", "logit_softcap"):
+        with pytest.raises(ValueError, match=f"^{name}: set on OpenRLHF's actor"):
+            _enable(**{name: 0.7})
+
+
+def test_environment_options_typed_as_verls(monkeypatch, methods_off):
+    """GBC_OPENRLHF_OPTIONS types a method option as GBC_VERL_OPTIONS does (``nthr=1``)."""
+    monkeypatch.setenv(gorl.ENV_OPTIONS, "nthr=1,nthr_eta=0.5")
+    _enable()
+    assert gorl._STATE.methods.nthr is True and gorl._STATE.methods.nthr_eta == 0.5
+    monkeypatch.setenv(gorl.ENV_OPTIONS, "nthr=maybe")
+    with pytest.raises(ValueError, match="nthr expects"):
+        _enable()

@@ -176,8 +176,6 @@ def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_in
         ratio_base = experience.rollout_log_probs     # OpenRLHF's GSPO against the rollout
     norms = batch_normalisers(loss_batch_info)
     m = mask.bool()
-    if "num_seqs_in_batch" not in norms:
-        norms["num_seqs_in_batch"] = m.any(-1).sum().clamp(min=1)
     aux = float(_get(args, "actor.aux_loss_coef", 0.0) or 0.0) > 1e-8
     model = _inner_model(actor)
     out = hf.policy_loss_through_forward(
@@ -242,10 +240,18 @@ _PATCHES = patching.Patches()
 
 
 def parse_options(text: Optional[str]) -> dict:
-    """:data:`ENV_OPTIONS`'s ``"lopti_eta=0.5,nthr=true"`` -> keyword options."""
+    """:data:`ENV_OPTIONS`'s ``"lopti_eta=0.5,nthr=true"`` -> keyword options (a method option
+    typed as ``GBC_VERL_OPTIONS`` types it, :data:`gbc_kernels.methods.OPTION_KINDS`)."""
     words = {"none": None, "null": None, "true": True, "false": False}
     out = {}
     for name, value in methods.parse_items(text, ENV_OPTIONS).items():
+        if name in methods.OPTION_KINDS:
+            kind, what = methods.OPTION_KINDS[name]
+            try:
+                out[name] = kind(value)
+            except ValueError:
+                raise ValueError(f"{ENV_OPTIONS}: {name} expects {what}, got {value!r}") from None
+            continue
         try:
             out[name] = words[value.lower()] if value.lower() in words else (
                 int(value) if value.lstrip("+-").isdigit() else float(value))
@@ -263,6 +269,9 @@ def split_options(options: dict):
         if name not in loss_fields:
             raise ValueError(f"{name}: not an option of the OpenRLHF drop-in (method options: "
                              f"{list(METHOD_OPTIONS)}; or a PolicyLossConfig field)")
+        if name in ("temperature", "logit_softcap"):    # the no-grad passes would not see it
+            raise ValueError(f"{name}: set on OpenRLHF's actor / model (its old-policy and "
+                             f"reference passes use it too), not through enable()")
     opts = methods.MethodOptions.from_kwargs(**method_kw)
     gbc.PolicyLossConfig(**loss_kw, **opts.loss_options())           # validates the rest
     return opts, loss_kw
@@ -426,7 +435,7 @@ def enable(actor_cls=None, trainer_cls=None, buffer_cls=None, **options) -> None
         _PATCHES.set(buffer_cls, "append", _buffer_append)
 
 
-def disable(actor_cls=None, trainer_cls=None, buffer_cls=None) -> None:
+def disable() -> None:
     """Undo :func:`enable` (every patched class gets its own method back)."""
     _PATCHES.undo()
     _STATE.methods, _STATE.options = methods.MethodOptions(), {}
