@@ -289,6 +289,8 @@ def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=N
         if group_ids is None or correct is None:
             raise ValueError("group_ids, correct: required when nthr=True (correct: or "
                              "advantages)")
+    elif old_logp is not None:          # nothing to compute: no forward
+        return OldPolicyPass(old_logp, None, None)
 
     def compute(h, head, cap):
         logp = old_logp
@@ -314,6 +316,10 @@ def reference_pass(ref_model, input_ids, attention_mask, targets, temperature=1.
     ``options``: a ``MethodOptions`` in place of the four critical-KL keywords."""
     from gbc_kernels import methods
 
+    if options is not None and (critical_kl_exponent is not None or certainty != "max_prob"
+                                or certainty_temperature != 1.0 or intercept != 0.0):
+        raise ValueError("options: give the MethodOptions or the critical-KL keywords "
+                         "(critical_kl_exponent, certainty, ...), not both")
     opts = options or methods.MethodOptions(critical_kl_exponent=critical_kl_exponent,
                                             critical_kl_intercept=intercept,
                                             critical_kl_certainty=certainty,

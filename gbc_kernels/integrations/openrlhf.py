@@ -301,8 +301,8 @@ def _actor_forward(self, sequences, action_mask=None, attention_mask=None, *args
         raise ValueError("critical_kl_exponent: the reference model's pass is not the plain "
                          "padded one (ring attention, packed samples or multimodal inputs): "
                          "its weights cannot be computed there")
-    return _actor_forward.gbc_original(self, sequences, action_mask, attention_mask, *args,
-                                       **kwargs)
+    forward = _PATCHES.original(type(self), "forward")
+    return forward(self, sequences, action_mask, attention_mask, *args, **kwargs)
 
 
 def _buffer_append(self, experience):
@@ -324,7 +324,7 @@ def _buffer_append(self, experience):
                              "OpenRLHF drops it when it rebalances samples "
                              "(train.dynamic_batch_enable)")
         experience.info[INDEX_KEY] = torch.as_tensor(experience.index, dtype=torch.long)
-    return _buffer_append.gbc_original(self, experience)
+    return _PATCHES.original(type(self), "append")(self, experience)
 
 
 def check_trainer(trainer) -> None:
@@ -405,7 +405,7 @@ def _ppo_train(self, kl_ctl: float):
     """``ActorPPOTrainer.ppo_train`` after gbc's start-up checks and NTHR's pass."""
     check_trainer(self)
     extra = nthr_pass(self) if _STATE.methods.nthr else {}
-    status = _ppo_train.gbc_original(self, kl_ctl)
+    status = _PATCHES.original(type(self), "ppo_train")(self, kl_ctl)
     status.update(extra)
     return status
 

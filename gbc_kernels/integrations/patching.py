@@ -1,5 +1,6 @@
 """The one way gbc's trainer adapters replace a trainer's function (at most once, the original
-kept as ``gbc_original``), now or right after its module's import, and put it back.
+kept per class by the set that replaced it), now or right after its module's import, and put
+it back.
 """
 
 from __future__ import annotations
@@ -16,25 +17,27 @@ class Patches:
         self._finders = []          # this set's pending on-import patches
 
     def set(self, cls, attr: str, fn) -> None:
-        """``cls.attr = fn``, unless gbc already replaced it; ``fn.gbc_original`` is the
-        original."""
-        if (cls, attr) in self._originals or hasattr(getattr(cls, attr), "gbc_original"):
+        """``cls.attr = fn``, unless gbc already replaced it (``fn`` may serve several classes:
+        each keeps its own original, :meth:`original`)."""
+        if (cls, attr) in self._originals or getattr(getattr(cls, attr), "gbc_patched", False):
             return
-        original = getattr(cls, attr)
-        self._originals[cls, attr] = original
-        fn.gbc_original = original
+        self._originals[cls, attr] = getattr(cls, attr)
+        fn.gbc_patched = True
         setattr(cls, attr, fn)
 
     def original(self, cls, attr: str):
-        """The trainer's own ``cls.attr``."""
-        fn = getattr(cls, attr)
-        return getattr(fn, "gbc_original", fn)
+        """The trainer's own ``attr`` for ``cls`` (an instance's class): the original this set
+        replaced on ``cls`` or the nearest base class, else the attribute as it is."""
+        for c in cls.__mro__:
+            if (c, attr) in self._originals:
+                return self._originals[c, attr]
+        return getattr(cls, attr)
 
     def on_import(self, name: str, patch) -> None:
         """``patch(module)`` now if ``name`` is imported, else right after its import."""
         if name in sys.modules:
             patch(sys.modules[name])
-        elif not any(isinstance(f, _PatchOnImport) and f.name == name for f in sys.meta_path):
+        elif not any(f.name == name for f in self._finders):
             self._finders.append(_PatchOnImport(name, patch))
             sys.meta_path.insert(0, self._finders[-1])
 

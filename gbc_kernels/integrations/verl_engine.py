@@ -262,7 +262,6 @@ def _nthr_before_update(original):
                 engine.gbc_nthr_pass(data, defaults)
         return original(self, data)
 
-    train_mini_batch.gbc_original = original
     return train_mini_batch
 
 
