@@ -623,3 +623,34 @@ def test_verl_packed_micro_batch_equals_ppo_loss(mode, agg):
     assert abs(l0 - l1) <= 1e-6 * max(1.0, abs(l0)), (l0, l1)
     for a, b in ((gh0, gh1), (gw0, gw1)):
         assert (a - b).abs().max() <= 1e-5 * a.abs().max(), (a - b).abs().max()
+
+
+def test_verl_packed_micro_batch_takes_the_method_inputs():
+    """``fused_ppo_loss_packed`` runs Lopti's phase, NTHR's ``token_scale`` and critical KL's
+    ``kl_weight``: equal to the fused loss on the same gathered rows with the same inputs
+    (before, ``lopti_eta`` was refused naming a ``phase`` it did not take)."""
+    import gbc_kernels as gbc
+    from gbc_kernels.integrations import verl as gv
+
+    g = torch.Generator().manual_seed(7)
+    B, H, V = 3, 8, 29
+    plens, rlens = torch.tensor([2, 4, 3]), torch.tensor([3, 1, 4])
+    nnz = int((plens + rlens).sum())
+    h = torch.randn(nnz, H, generator=g)
+    w = torch.randn(V, H, generator=g) / H ** 0.5
+    rolled = torch.randint(0, V, (nnz,), generator=g)
+    T = int(rlens.max())
+    idx, valid = gv.response_rows(plens, rlens, T)
+    old = torch.where(valid, -torch.rand(B, T, generator=g) * 3, 0.0)
+    ref = (old + 0.3 * torch.randn(B, T, generator=g)).clamp(max=-1e-3)
+    adv = torch.randn(B, 1, generator=g).expand(B, T) * valid
+    scale, klw = torch.rand(2, B, T, generator=g) + 0.5
+    cfg = verl_actor_config("vanilla", "token-mean", "low_var_kl")
+    for phase in ("low", "high"):
+        got, _ = gv.fused_ppo_loss_packed(h, w, rolled, plens, rlens, valid.long(), old, adv,
+                                          cfg, ref_log_prob=ref, lopti_eta=0.3, phase=phase,
+                                          token_scale=scale, kl_weight=klw)
+        want, _ = gbc.fused_linear_policy_loss(
+            h[idx], w, rolled[idx], valid, adv, old, ref, token_scale=scale, kl_weight=klw,
+            config=gv.policy_loss_config(cfg, response_length=T, lopti_eta=0.3), phase=phase)
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), phase

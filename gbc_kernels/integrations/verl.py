@@ -197,16 +197,19 @@ def batch_normalisers(actor_config, mask: torch.Tensor, global_batch_info=None) 
 
 
 def response_rows(prompt_lens: torch.Tensor, response_lens: torch.Tensor,
-                  max_response_len: Optional[int] = None):
+                  max_response_len: Optional[int] = None, starts=None):
     """``(index [B, T], valid [B, T])``: the position in verl's packed layout (prompt then
     response per sequence, concatenated) whose output predicts response token ``t`` of sequence
-    ``b`` (verl's ``no_padding_2_padding`` rule); padding positions point at 0."""
+    ``b`` (verl's ``no_padding_2_padding`` rule); padding positions point at 0. ``starts``
+    ``[B]``: where each sequence begins in another layout (padded rows, megatron's
+    ``cu_seqlens_q_padded``; default: packed end to end)."""
     plens, rlens = prompt_lens.long(), response_lens.long()
     if bool((plens <= 0).any()):
         raise ValueError("prompt_lens: every sequence needs a prompt token (its first response "
                          "token is predicted from the last prompt position)")
-    lens = plens + rlens
-    starts = lens.cumsum(0) - lens
+    if starts is None:
+        lens = plens + rlens
+        starts = lens.cumsum(0) - lens
     T = int(rlens.max()) if max_response_len is None else int(max_response_len)
     t = torch.arange(T, device=plens.device)
     valid = t[None] < rlens[:, None]
@@ -217,11 +220,14 @@ def response_rows(prompt_lens: torch.Tensor, response_lens: torch.Tensor,
 def fused_ppo_loss_packed(hidden_packed, weight, input_ids_rolled, prompt_lens, response_lens,
                           response_mask, old_log_probs, advantages, actor_config,
                           global_batch_info=None, ref_log_prob=None, rollout_is_weights=None,
-                          bias=None, temperature=None, backend="auto", **gbc_options):
+                          bias=None, temperature=None, backend="auto", phase=None,
+                          token_scale=None, kl_weight=None, **gbc_options):
     """verl's ``ppo_loss`` on the packed hidden states ``[(1,) nnz, H]`` of a
     ``use_remove_padding`` micro-batch, without logits. ``input_ids_rolled``: verl's
-    ``input_ids_rmpad_rolled`` ``[nnz]``; per-response tensors ``[B, T]``; ``temperature``: a
-    float or verl's ``temperature_rmpad`` ``[nnz]``. Returns ``(loss, metrics)``."""
+    ``input_ids_rmpad_rolled`` ``[nnz]``; per-response tensors ``[B, T]`` (``token_scale``,
+    ``kl_weight``: NTHR's / critical-token KL's, as the fused loss takes them); ``phase``:
+    Lopti's; ``temperature``: a float or verl's ``temperature_rmpad`` ``[nnz]``. Returns
+    ``(loss, metrics)``."""
     h2 = hidden_packed.reshape(-1, hidden_packed.shape[-1])
     T = response_mask.shape[1]
     index, valid = response_rows(prompt_lens, response_lens, T)
@@ -236,7 +242,8 @@ def fused_ppo_loss_packed(hidden_packed, weight, input_ids_rolled, prompt_lens, 
     return gbc.fused_linear_policy_loss(
         h, weight, targets, mask, advantages, old_logp=old_log_probs,
         ref_logp=ref_log_prob if cfg.kl_coef else None, bias=bias, config=cfg,
-        is_ratio=rollout_is_weights, temperature=temp, backend=backend, **norms)
+        is_ratio=rollout_is_weights, temperature=temp, backend=backend, phase=phase,
+        token_scale=token_scale, kl_weight=kl_weight, **norms)
 
 
 @dataclasses.dataclass

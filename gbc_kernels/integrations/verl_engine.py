@@ -114,10 +114,8 @@ class _Rows:
             self.hidden = self.packed
         else:       # verl pads every sequence to the micro-batch's longest one
             L = int(self.offsets.diff().max())
-            t = torch.arange(T, device=plens.device)
-            pos = plens[:, None] - 1 + t[None]
-            b = torch.arange(plens.shape[0], device=plens.device)[:, None]
-            self.hidden = torch.where(self.valid, b * L + pos, torch.zeros_like(pos))
+            starts = torch.arange(plens.shape[0], device=plens.device) * L
+            self.hidden = gv.response_rows(plens, rlens, T, starts)[0]
         # the token each row predicts: the next packed token (verl's input_ids_rmpad_rolled)
         self.targets = ids.values()[torch.where(self.valid, self.packed + 1,
                                                 torch.zeros_like(self.packed))]

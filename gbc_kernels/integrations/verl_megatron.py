@@ -23,6 +23,7 @@ import torch
 
 from gbc_kernels import methods
 from gbc_kernels.integrations import megatron as M
+from gbc_kernels.integrations import verl as gv
 from gbc_kernels.integrations.verl_engine import (CERTAINTY_KEY, KL_WEIGHT_KEY, EngineMethods,
                                                   _flag, _is_ppo_loss, _lengths, _rng_state,
                                                   _temperature, engine_class)
@@ -69,9 +70,7 @@ def response_rows(batch, data_format, shape, cu_seqlens_padded=None):
         starts = cu_seqlens_padded[:-1].to(device).long()
     else:
         starts = torch.arange(shape[0], device=device) * shape[1]
-    t = torch.arange(T, device=device)
-    valid = t[None] < rlens[:, None]
-    return torch.where(valid, (starts + plens - 1)[:, None] + t[None], 0), valid
+    return gv.response_rows(plens, rlens, T, starts)
 
 
 class GBCMegatronMixin(EngineMethods):
@@ -162,7 +161,7 @@ class GBCMegatronMixin(EngineMethods):
         device = hidden.device
         rows, valid = response_rows(batch, data_format, hidden.shape, state["cu"])
         weight = state["weight"]
-        h = hidden.reshape(-1, hidden.shape[-1])[rows].transpose(0, 1)     # [T, B, H]
+        h = hidden.reshape(-1, hidden.shape[-1])[rows.t()]                # [T, B, H]
         h = h.to(weight.dtype) if h.dtype != weight.dtype else h
         y = label.reshape(-1)[rows]                                         # [B, T]
         common = dict(output_bias=state["bias"], tp_group=state["tp_group"],
