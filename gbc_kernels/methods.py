@@ -292,7 +292,10 @@ class NTHRBatch:
         logp = fused_linear_logprobs(hidden, head.weight, targets, head.bias, temperature,
                                      backend=self.backend, logit_softcap=logit_softcap)[0]
         index = torch.as_tensor(index, dtype=torch.long, device=hidden.device)
-        self.rows.append((index, hidden.detach(), targets, valid, logp.float()))
+        # a view would keep the forward's whole hidden states (prompt rows included) alive
+        h = hidden.detach()
+        self.rows.append((index, h.clone() if h._base is not None else h, targets, valid,
+                          logp.float()))
 
     def result(self, mask, group_ids, advantages, options: MethodOptions):
         """``(NTHRResult, metrics)`` of the whole batch: ``mask`` ``[B, T]``, ``group_ids``
@@ -307,7 +310,8 @@ class NTHRBatch:
         targets = torch.zeros(B, T, dtype=torch.long, device=device)
         valid = torch.zeros(B, T, dtype=torch.bool, device=device)
         logp = torch.zeros(B, T, dtype=torch.float32, device=device)
-        for i, h, y, v, lp in self.rows:
+        while self.rows:                 # each micro-batch freed once copied: one batch's worth
+            i, h, y, v, lp = self.rows.pop()
             t = h.shape[1]
             hidden[i, :t], targets[i, :t], valid[i, :t], logp[i, :t] = h, y, v, lp
         mask, ids = mask.to(device).bool() & valid, self.ids.to(device)
