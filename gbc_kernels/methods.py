@@ -278,24 +278,38 @@ class NTHRBatch:
         self.ids, self.group, self.backend = union_ids(token_ids, group), group, backend
         self.rows, self.head, self.temperatures = [], None, set()
 
-    def add(self, index, hidden, targets, valid, head, logit_softcap=None, temperature=1.0):
+    def add(self, index, hidden, targets, valid, head, logit_softcap=None, temperature=1.0,
+            vocab_parallel=None):
         """One micro-batch, inside its forward: rows ``index`` of the batch, ``hidden [b, t, H]``
         (``t`` up to the batch's T), ``targets`` and ``valid`` ``[b, t]``, ``head`` (``weight``,
-        ``bias``) as the forward holds it; ``temperature``: a float or per-sample ``[b]``."""
+        ``bias``) as the forward holds it; ``temperature``: a float or per-sample ``[b]``.
+        ``vocab_parallel``: ``head`` is this rank's slice (a :class:`gbc_kernels.VocabParallel`;
+        every rank of its group adds the same micro-batches): the rows of ``token_ids`` are
+        assembled from every slice. Returns the micro-batch's log-probs ``[b, t]``."""
+        weight = head.weight.detach()
+        bias = None if head.bias is None else head.bias.detach()
         if self.head is None:
-            ids = self.ids.to(head.weight.device)
-            self.head = (head.weight.detach().index_select(0, ids), None if head.bias is None
-                         else head.bias.detach().index_select(0, ids), logit_softcap)
+            ids = self.ids.to(weight.device)
+            if vocab_parallel is None:
+                rows = (weight.index_select(0, ids),
+                        None if bias is None else bias.index_select(0, ids))
+            else:
+                from . import vocab_parallel as vp
+                rows = vp.gather_rows(ids, weight, bias,
+                                      vp.check(vocab_parallel, weight, bias, weight.device))
+            self.head = (*rows, logit_softcap)
         temps = temperature.unique().tolist() if isinstance(temperature, torch.Tensor) \
             else [temperature]
         self.temperatures.update(float(t) for t in temps)
-        logp = fused_linear_logprobs(hidden, head.weight, targets, head.bias, temperature,
-                                     backend=self.backend, logit_softcap=logit_softcap)[0]
+        logp = fused_linear_logprobs(hidden, weight, targets, bias, temperature,
+                                     backend=self.backend, logit_softcap=logit_softcap,
+                                     vocab_parallel=vocab_parallel)[0]
         index = torch.as_tensor(index, dtype=torch.long, device=hidden.device)
         # a view would keep the forward's whole hidden states (prompt rows included) alive
         h = hidden.detach()
         self.rows.append((index, h.clone() if h._base is not None else h, targets, valid,
                           logp.float()))
+        return logp
 
     def result(self, mask, group_ids, advantages, options: MethodOptions):
         """``(NTHRResult, metrics)`` of the whole batch: ``mask`` ``[B, T]``, ``group_ids``

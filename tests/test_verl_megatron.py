@@ -438,6 +438,85 @@ def test_thd_rows_follow_verls_packing(tp2_sp):
         assert (t["want"] >= 0).sum() > 10
 
 
+def _nthr_worker(rank, world, tp, sp, beta):
+    """NTHR's pass (dynamic micro-batches, so verl reorders the rows) with the oracle's inputs:
+    the output layer's input rows of the batch from one forward-only pass, and the gathered
+    output weight; then the training step with NTHR, by hand, and without."""
+    from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
+                                                        gather_from_tensor_model_parallel_region)
+
+    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl_megatron import response_rows
+    from test_verl_engine import verl_on_cpu
+
+    verl_on_cpu()           # verl's dynamic micro-batching asks for its device
+    model = _setup(tp, sp)
+    engine = _engine(model, options=ve.EngineOptions(nthr=True, nthr_beta=beta))
+    data = _batch(seed=11, B=NB, group=GROUP, dynamic=True)
+    with torch.no_grad():
+        engine.gbc_nthr_pass(data)
+    scale = data[ve.SCALE_KEY].clone()
+    metrics = dict(engine._gbc_update_metrics)
+    whole = _batch(seed=11, B=NB, group=GROUP, micro=NB)       # one micro-batch, in order
+    with _mc().capture_head_input(model) as seen:
+        _infer(_engine(model), whole)
+    hidden = seen[0]
+    if sp and tp > 1:
+        hidden = gather_from_sequence_parallel_region(hidden)
+    rows, valid = response_rows(whole, "bshd", hidden.transpose(0, 1).shape)
+    weight = gather_from_tensor_model_parallel_region(model.output_layer.weight.detach().t()).t()
+    oracle = dict(hidden=hidden.transpose(0, 1).reshape(-1, H)[rows].detach(),
+                  weight=weight.detach(), responses=_padded(whole["responses"]),
+                  mask=_padded(whole["response_mask"]).bool() & valid,
+                  advantages=_padded(whole["advantages"]))
+    # the training step: with NTHR's scales = NTHR off with advantages * scale; != without
+    steps = []
+    for opts, adv_scale, keep in ((dict(nthr=True), None, True), ({}, scale, False),
+                                  ({}, None, False)):
+        model.zero_grad(set_to_none=True)
+        engine.gbc_options = ve.EngineOptions(**opts)
+        step = data.clone()
+        if adv_scale is not None:
+            step["advantages"] = _padded(step["advantages"]) * adv_scale
+        if not keep:
+            del step[ve.SCALE_KEY]
+        out = engine.forward_backward_batch(step, _loss_fn(), forward_only=False)
+        steps.append((float(sum(out["loss"])), _grads(model)))
+    return dict(scale=scale, metrics=metrics, oracle=oracle, steps=steps)
+
+
+GROUP, NB = 4, 8          # 2 groups of 4 responses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,sp", [(2, True), (1, False)])
+def test_nthr_pass_equals_reference(tp, sp):
+    """NTHR on verl's Megatron engine: the pass over the rank's update batch (verl's dynamic
+    micro-batches, TP=2 with sequence parallelism: the output rows of the batch's ids gathered
+    from both shards, the log-probs over the split padded vocabulary) gives gbc_reference's
+    token scales on the output layer's float64 input rows and the whole weight (groups from
+    ``uid``, correct = advantage > 0, β = 0 as in tests/test_verl_engine.py); the training step
+    then equals the step with ``advantages * scale`` and NTHR off, and differs from the step
+    without NTHR."""
+    import gbc_reference as ref
+
+    for r, out in enumerate(spawn_gloo(tp, _nthr_worker, tp, sp, 0.0)):
+        o = out["oracle"]
+        mask = o["mask"]
+        correct = (o["advantages"] * mask).sum(1) > 0
+        want = ref.nthr_scale(o["hidden"], o["weight"], o["responses"], mask,
+                              torch.arange(NB) // GROUP, correct, temperature=0.8, beta=0.0)
+        assert want.selected.any() and not want.selected[mask & ~correct[:, None]].all()
+        assert torch.equal(out["scale"] != 1.0, want.selected), (r, out["scale"], want.selected)
+        _close(out["scale"], want.scale.float(), 1e-6, f"rank {r} scale")
+        assert out["metrics"]["actor/gbc_nthr_selected_frac"] > 0
+        (l0, g0), (l1, g1), (_, g2) = out["steps"]
+        assert abs(l0 - l1) <= 1e-9 * max(1.0, abs(l0))
+        for k in g0:
+            _close(g0[k], g1[k], 1e-9, f"rank {r} grad {k}")
+        assert max(float((g0[k] - g2[k]).abs().max()) for k in g0) > 1e-4
+
+
 def _bare_engine(options=None, mtp=False, modules=1, **config):
     from verl.workers.config import McoreEngineConfig
 
@@ -459,7 +538,6 @@ REFUSALS = {
                                      max_seqlen_per_dp_cp_rank=64),
     "virtual_pipeline_model_parallel_size": dict(modules=2),
     "mtp.enable": dict(mtp=True),
-    "nthr": dict(options="nthr"),
 }
 
 
@@ -467,12 +545,7 @@ REFUSALS = {
 def test_refuses_what_it_cannot_honour(what):
     """Each Megatron option gbc cannot honour is refused by name, at ``initialize`` (before
     verl builds anything) and at each ``forward_backward_batch``."""
-    from gbc_kernels.integrations import verl_engine as ve
-
-    kw = dict(REFUSALS[what])
-    if kw.get("options") == "nthr":
-        kw["options"] = ve.EngineOptions(nthr=True)
-    engine = _bare_engine(**kw)
+    engine = _bare_engine(**REFUSALS[what])
     with pytest.raises(ValueError, match=what.replace(".", r"\.")):
         engine.initialize()
     with pytest.raises(ValueError, match=what.replace(".", r"\.")):
@@ -514,9 +587,9 @@ def test_enable_registers_the_megatron_engine():
 
 
 def _options_worker(rank, world, tp):
-    """Per method option: the parameters after one ``train_batch`` (AR, Lopti) or the reference
-    pass's KL weights (critical-token KL), with the option's two settings of
-    tests/methods/test_options.PAIRS; NTHR's options: the refusal."""
+    """Per method option: the parameters after one ``train_batch`` (AR, Lopti; NTHR after its
+    pass over the update batch) or the reference pass's KL weights (critical-token KL), with
+    the option's two settings of tests/methods/test_options.PAIRS."""
     from verl.utils import tensordict_utils as tu
 
     from gbc_kernels.integrations import verl_engine as ve
@@ -528,7 +601,9 @@ def _options_worker(rank, world, tp):
         for opts in pair:
             model = _setup(tp, False)
             engine = _engine(model, options=ve.EngineOptions(**opts))
-            data = _batch(seed=30, confident=0.4)
+            nthr = name.startswith("nthr")
+            data = (_batch(seed=30, B=NB, group=GROUP) if nthr else
+                    _batch(seed=30, confident=0.4))
             try:
                 if name.startswith("critical_kl"):
                     tu.assign_non_tensor(data, **{ve.CERTAINTY_KEY: {
@@ -539,6 +614,14 @@ def _options_worker(rank, world, tp):
                                 torch.zeros_like(_responses(res, "log_probs", data)))
                 else:
                     engine.optimizer = _trainable(model)
+                    if nthr:       # as the worker hook runs it (nthr off: no pass)
+                        # on-policy old log-probs: no selected token is clipped away
+                        o = _infer(engine, data.clone())
+                        data["old_log_probs"] = _responses(o, "log_probs", data).float()
+                        if engine.gbc_options.nthr:
+                            with torch.no_grad():
+                                engine.gbc_nthr_pass(data)
+                        data["advantages"] = _padded(data["advantages"])
                     engine.train_batch(data, _loss_fn())
                     runs.append(torch.cat([p.detach().reshape(-1)
                                            for p in model.parameters()]))
@@ -551,15 +634,12 @@ def _options_worker(rank, world, tp):
 @pytest.mark.slow
 def test_every_method_option_changes_the_update_or_is_refused():
     """Each method option on the Megatron engine, against the same run without it: AR and Lopti
-    change the parameters after ``train_batch`` by more than rounding, the critical-KL options
-    change the reference pass's KL weights, and NTHR's are refused naming ``nthr``."""
+    and NTHR change the parameters after ``train_batch`` by more than rounding, the critical-KL
+    options change the reference pass's KL weights."""
     from methods.test_options import PAIRS
 
     out = spawn_gloo(2, _options_worker, 2)[0]
     assert set(out) == set(PAIRS)
     for name, (a, b) in out.items():
-        if name.startswith("nthr"):
-            assert isinstance(b, str) and b.startswith("nthr:"), (name, b)
-            continue
         assert not isinstance(a, str) and not isinstance(b, str), (name, a, b)
         assert (a - b).abs().max() > 1e-6 * (1 + a.abs().max()), name

@@ -75,8 +75,7 @@ def _head(hidden_states, output_weight, output_bias, labels, tp_group, sequence_
         raise ValueError("hidden_gathered: expected False with sequence_parallel=True (the "
                          "processor gathers this rank's part itself), got True")
     group = _tp_group(tp_group)
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    sp = sequence_parallel and tp > 1
+    sp = sequence_parallel and dist.get_world_size(group) > 1
     if sp:      # megatron's gather: its backward reduce-scatters gbc's partial d hidden
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
@@ -87,11 +86,21 @@ def _head(hidden_states, output_weight, output_bias, labels, tp_group, sequence_
         what = " (S gathered over the tensor-parallel group)" if sequence_parallel else ""
         raise ValueError(f"labels: expected [B, S] = [{B}, {S}] (batch-first, as hidden_states "
                          f"[S, B, H]{what}), got {_shape(labels)}")
+    return hidden_states, vocab_parallel(output_weight, group,
+                                         reduce_hidden_grad=not (sp or hidden_gathered))
+
+
+def vocab_parallel(output_weight, tp_group=None, reduce_hidden_grad: bool = True):
+    """The :class:`gbc_kernels.VocabParallel` of this rank's ``[V/tp, H]`` output-layer shard
+    (rank ``r`` of ``tp_group`` holds rows ``[r V/tp, (r+1) V/tp)``; None: megatron's group);
+    None at tensor parallel 1."""
+    group = _tp_group(tp_group)
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
     if tp == 1:
-        return hidden_states, None
+        return None
     rows = output_weight.shape[0]
-    return hidden_states, gbc.VocabParallel(group, rank * rows, (rank + 1) * rows,
-                                            reduce_hidden_grad=not (sp or hidden_gathered))
+    return gbc.VocabParallel(group, rank * rows, (rank + 1) * rows,
+                             reduce_hidden_grad=reduce_hidden_grad)
 
 
 def _refuse_context_parallel():

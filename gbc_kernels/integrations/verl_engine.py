@@ -46,6 +46,7 @@ OPTION_NAMES = tuple(f.name for f in dataclasses.fields(EngineOptions))
 SCALE_KEY = "gbc_token_scale"          # NTHR's per-token advantage scale
 KL_WEIGHT_KEY = "gbc_kl_weight"        # critical-token KL weights
 CERTAINTY_KEY = "gbc_critical_kl"      # reference pass: the critical-KL options (a dict)
+NTHR_ROW_KEY = "gbc_row"               # NTHR's pass: each sample's row of the update batch
 CRITICAL_KL_FIELDS = ("critical_kl_exponent", "critical_kl_intercept", "critical_kl_certainty",
                       "critical_kl_temperature")
 
@@ -201,6 +202,42 @@ class EngineMethods:
             _, metrics = loss_function(model_output=model_output, data=micro_batch,
                                        dp_group=self.get_data_parallel_group())
         return metrics
+
+    # -- NTHR: one no-grad old-policy pass over the rank's update batch ----------------------
+    @torch.no_grad()
+    def gbc_nthr_pass(self, data, defaults=None):
+        """NTHR's token scales of the rank's share of an actor update from the policy before its
+        first optimizer step, into ``data["gbc_token_scale"]`` (``[B, T]``); groups: verl's
+        ``uid`` (docs/verl.md). ``defaults``: the micro-batching keys the worker gives its
+        forward-only passes. Call it in ``eval_mode`` (the worker hook does). The engine's
+        ``_gbc_nthr_forward(view, batch)`` runs the forward (False: this rank holds no head,
+        a pipeline stage before the last, and gets no scales)."""
+        from verl.utils import tensordict_utils as tu
+
+        uids = tu.get(data, "uid")
+        if uids is None:
+            raise ValueError("nthr: the update batch has no 'uid' field (verl's group ids, "
+                             "which its trainer sets for GRPO-style advantages)")
+        view = data.copy()
+        for key, val in (defaults or {}).items():
+            if key not in view.keys() and val is not None:
+                tu.assign_non_tensor(view, **{key: val})
+        view[NTHR_ROW_KEY] = torch.arange(len(uids), device=data["advantages"].device)
+        responses = data["responses"]
+        batch = methods.NTHRBatch(responses.values() if responses.is_nested else responses,
+                                  methods.data_parallel_group(self.get_data_parallel_group()),
+                                  self.gbc_options.backend)
+        if not self._gbc_nthr_forward(view, batch):
+            return None
+        gids = torch.tensor([_stable_id(u) for u in uids], dtype=torch.long)
+        res, metrics = batch.result(data["response_mask"], gids, data["advantages"],
+                                    self.gbc_options)
+        data[SCALE_KEY] = res.scale.to(data["advantages"].device)
+        self._gbc_update_metrics = {f"actor/gbc_{k}": float(v) for k, v in metrics.items()}
+        return res
+
+    def _gbc_nthr_forward(self, view, batch) -> bool:
+        raise NotImplementedError
 
     def train_batch(self, data, loss_function):
         opts = self.gbc_options

@@ -11,8 +11,8 @@ import gbc_kernels as gbc
 from gbc_kernels import methods
 from gbc_kernels.integrations import hf
 from gbc_kernels.integrations.verl_engine import (
-    CERTAINTY_KEY, ENV_ON, KL_WEIGHT_KEY, SCALE_KEY, EngineMethods, _flag, _is_ppo_loss,
-    _rng_state, _Rows, _stable_id, _temperature)
+    CERTAINTY_KEY, ENV_ON, KL_WEIGHT_KEY, NTHR_ROW_KEY, EngineMethods, _flag, _is_ppo_loss,
+    _rng_state, _Rows, _temperature)
 
 
 def _check_supported(engine, micro_batch):
@@ -115,47 +115,24 @@ class GBCEngineMixin(EngineMethods):
         model_output = {k: rows.nested(v) for k, v in out.items() if v is not None}
         return torch.tensor(1.0), {"model_output": model_output, "loss": 1.0, "metrics": {}}
 
-    # -- NTHR: one no-grad old-policy pass over the rank's update batch ----------------------
-    @torch.no_grad()
-    def gbc_nthr_pass(self, data, defaults=None):
-        """NTHR's token scales of the rank's share of an actor update from the policy before its
-        first optimizer step, into ``data["gbc_token_scale"]`` (``[B, T]``); groups: verl's
-        ``uid`` (docs/verl.md). ``defaults``: the micro-batching keys the worker gives its
-        forward-only passes. Call it in ``eval_mode`` (the worker hook does)."""
-        from verl.utils import tensordict_utils as tu
+    # -- NTHR: the old-policy forward over the rank's update batch --------------------------
+    def _gbc_nthr_forward(self, view, batch):
+        """verl's forward-only micro-batches of ``view`` (its ``gbc_row``: the rows of the
+        update batch), each micro-batch's response rows into ``batch``."""
         from verl.workers.engine.utils import prepare_micro_batches
 
-        uids = tu.get(data, "uid")
-        if uids is None:
-            raise ValueError("nthr: the update batch has no 'uid' field (verl's group ids, "
-                             "which its trainer sets for GRPO-style advantages)")
-        view = data.copy()
-        for key, val in (defaults or {}).items():
-            if key not in view.keys() and val is not None:
-                tu.assign_non_tensor(view, **{key: val})
-        micro_batches, order = prepare_micro_batches(
+        micro_batches, _ = prepare_micro_batches(
             data=view, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=True)
-        if order is None:
-            order = torch.arange(len(uids)).split([len(mb) for mb in micro_batches])
-        responses = data["responses"]
-        batch = methods.NTHRBatch(responses.values() if responses.is_nested else responses,
-                                  methods.data_parallel_group(self.get_data_parallel_group()),
-                                  self.gbc_options.backend)
-        for mb, idx in zip(micro_batches, order):
+        for mb in micro_batches:
             def head_fn(hidden2d, rows, inner):
                 h, head = self._head_rows(hidden2d, rows, inner)
                 with torch.autocast(device_type=h.device.type, enabled=False):
-                    batch.add(idx, h, rows.targets, rows.valid, head, hf.logit_softcap(inner),
-                              _temperature(mb))
+                    batch.add(mb[NTHR_ROW_KEY], h, rows.targets, rows.valid, head,
+                              hf.logit_softcap(inner), _temperature(mb))
                 return (None,)
 
             self._gbc_forward(mb, head_fn)
-        gids = torch.tensor([_stable_id(u) for u in uids], dtype=torch.long)
-        res, metrics = batch.result(data["response_mask"], gids, data["advantages"],
-                                    self.gbc_options)
-        data[SCALE_KEY] = res.scale.to(data["advantages"].device)
-        self._gbc_update_metrics = {f"actor/gbc_{k}": float(v) for k, v in metrics.items()}
-        return res
+        return True
 
     # -- verl's entry points ----------------------------------------------------------------
     def forward_step(self, micro_batch, loss_function, forward_only):

@@ -17,6 +17,7 @@ per-token values. Switched on with the FSDP engine (``GBC_VERL_ENGINE=1``, :func
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import Optional
 
 import torch
@@ -24,9 +25,9 @@ import torch
 from gbc_kernels import methods
 from gbc_kernels.integrations import megatron as M
 from gbc_kernels.integrations import verl as gv
-from gbc_kernels.integrations.verl_engine import (CERTAINTY_KEY, KL_WEIGHT_KEY, EngineMethods,
-                                                  _flag, _is_ppo_loss, _lengths, _rng_state,
-                                                  _temperature, engine_class)
+from gbc_kernels.integrations.verl_engine import (
+    CERTAINTY_KEY, KL_WEIGHT_KEY, NTHR_ROW_KEY, EngineMethods, _flag, _is_ppo_loss, _lengths,
+    _rng_state, _temperature, engine_class)
 
 
 def _check_config(engine):
@@ -53,10 +54,6 @@ def _check_config(engine):
     if qat is not None and getattr(qat, "enable", False):
         raise ValueError("qat.enable: gbc reads the output layer's weight directly, past its "
                          "quantiser; set it to False")
-    if engine.gbc_options.nthr:
-        raise ValueError("nthr: NTHR's old-policy pass is not implemented on verl's Megatron "
-                         "engine (its lm_head rows are sharded over tensor parallelism); unset "
-                         "nthr in GBC_VERL_OPTIONS or use the FSDP engine")
 
 
 def response_rows(batch, data_format, shape, cu_seqlens_padded=None):
@@ -77,6 +74,7 @@ class GBCMegatronMixin(EngineMethods):
     """gbc's forward step on top of verl's ``MegatronEngineWithLMHead``."""
 
     _gbc_state: Optional[dict] = None     # the head of the forward in progress
+    _gbc_nthr: Optional[methods.NTHRBatch] = None     # NTHR's pass in progress
 
     # -- start-up and entry points ----------------------------------------------------------
     def initialize(self):
@@ -88,8 +86,20 @@ class GBCMegatronMixin(EngineMethods):
         self._gbc_pending = {}
         return super().forward_backward_batch(data, loss_function, forward_only)
 
-    def gbc_nthr_pass(self, data, defaults=None):
-        _check_config(self)         # refuses nthr
+    def _gbc_nthr_forward(self, view, batch):
+        """verl's forward-only pass over ``view``: each micro-batch's response rows into
+        ``batch`` (NTHR's pass, :meth:`EngineMethods.gbc_nthr_pass`) on the last pipeline stage,
+        which alone gets the scales (the loss is there)."""
+        from megatron.core import parallel_state as mpu
+        from verl.utils import tensordict_utils as tu
+
+        tu.assign_non_tensor(view, calculate_entropy=False, calculate_sum_pi_squared=False)
+        self._gbc_nthr = batch
+        try:
+            self.infer_batch(view, loss_function=None)
+        finally:
+            self._gbc_nthr = None
+        return mpu.is_pipeline_last_stage(ignore_virtual=True)
 
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
         batch = next(batch_iter)
@@ -188,6 +198,12 @@ class GBCMegatronMixin(EngineMethods):
         backend = self.gbc_options.backend
         certainty = _flag(batch, CERTAINTY_KEY, None)
         with torch.no_grad():
+            if self._gbc_nthr is not None:     # NTHR's old-policy pass
+                logp = self._gbc_nthr.add(
+                    batch[NTHR_ROW_KEY], h.transpose(0, 1).contiguous(), y, valid,
+                    types.SimpleNamespace(weight=weight, bias=state["bias"]), None, temp,
+                    vocab_parallel=M.vocab_parallel(weight, state["tp_group"]))
+                return {"log_probs": packed(logp)}
             if certainty is not None:      # the reference pass of critical-token KL
                 st = M.reference_stats(h, weight, y, methods.MethodOptions(**certainty), valid,
                                        temperature=temp, backend=backend, **common)
