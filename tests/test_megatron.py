@@ -16,6 +16,7 @@ tensor parallel 1; and a dispatch watcher: no ``[N, V/tp]`` logits on gbc's path
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 import torch
@@ -149,6 +150,27 @@ def _case(name, tp, group):
     got = M.logprobs(hl, wl, x["labels"], m, sequence_parallel=sp)
     ((got.logp * c1 + got.entropy * c2) * m).sum().backward()
     out["logprobs_grad"] = (want, (hl.grad, wl.grad))
+
+    # megatron-core's output-processor hook (0.18+: GPTModel._postprocess passes these
+    # keywords), verl's fused-route contract, at temperature 0.8: against the output layer
+    hl = h.detach().clone().requires_grad_(True)
+    wl = weight.detach().clone().requires_grad_(True)
+    lg = (model.output_layer(hl, weight=wl)[0].transpose(0, 1) / 0.8).contiguous()
+    lp_want = vocab_parallel_log_probs_from_logits(lg.clone(), x["labels"])
+    en_want = vocab_parallel_entropy(lg.clone())
+    ((lp_want * c1 + en_want * c2) * m).sum().backward()
+    want = (lp_want.detach(), en_want.detach(), hl.grad.clone(), wl.grad.clone())
+    model.zero_grad(set_to_none=True)
+    hl.grad = None
+    got = M.output_processor(
+        hidden_states=hl, output_layer=model.output_layer, output_weight=weight if tied else None,
+        labels=x["labels"], loss_mask=m.double(), input_ids=x["ids"], position_ids=pos,
+        attention_mask=None, decoder_input=None, inference_context=None, packed_seq_params=None,
+        runtime_gather_output=None, context=types.SimpleNamespace(temperature=0.8),
+        compute_language_model_loss=None, scale_logits=None, config=model.config)
+    ((got.log_probs * c1 + got.entropy * c2) * m).sum().backward()
+    out["processor"] = (want, (got.log_probs.detach(), got.entropy.detach(), hl.grad,
+                               weight.grad))
     return out
 
 
@@ -293,6 +315,19 @@ def test_tp2_equals_megatron_and_verl(tp2, name):
         assert torch.equal(tp2[0][name]["gbc"][key], tp2[1][name]["gbc"][key]), key
     if CASES[name][2]:      # sequence parallel: each rank's d hidden is its own [S/2, B, H]
         assert tp2[0][name]["gbc"]["dhidden"].shape == (S // 2, B, H)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_output_processor_hook_equals_the_output_layer(tp2, name):
+    """``output_processor`` called with the keywords megatron-core's ``GPTModel`` passes its
+    output-processor hook (verl's fused-route context, temperature 0.8): log-probs, entropy,
+    d hidden (this rank's part under sequence parallelism) and d weight (a tied model's shared
+    embedding) equal megatron's output layer with verl's functions on its logits, under random
+    upstream gradients."""
+    for rank in range(2):
+        want, got = tp2[rank][name]["processor"]
+        for what, w, g in zip(("log_probs", "entropy", "d hidden", "d weight"), want, got):
+            _close(g, w, f"{name} rank {rank} output_processor {what}")
 
 
 @pytest.mark.parametrize("name", list(CASES))

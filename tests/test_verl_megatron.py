@@ -531,8 +531,33 @@ def _bare_engine(options=None, mtp=False, modules=1, **config):
     return engine
 
 
+def test_fused_kernels_option_takes_gbcs_head():
+    """``use_fused_kernels=True``: gbc's engine installs no fused forward of verl's and switches
+    the option off in the config it shares with verl's worker (whose batches then take the
+    unfused step, where gbc's head sits); verl's own engine, on the same config, patches the
+    model."""
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+    calls = []
+    import verl.models.mcore.model_forward_fused as fused
+    original = fused.patch_fused_forward
+    fused.patch_fused_forward = lambda model: calls.append(model)
+    try:
+        engine = _bare_engine(use_fused_kernels=True, use_remove_padding=True)
+        engine.is_value_model = False
+        engine.module = ["model"]
+        engine._maybe_enable_fused_kernels()
+        assert engine.engine_config.use_fused_kernels is False and calls == []
+        stock = _bare_engine(use_fused_kernels=True, use_remove_padding=True)
+        stock.is_value_model = False
+        stock.module = ["model"]
+        MegatronEngineWithLMHead._maybe_enable_fused_kernels(stock)
+        assert stock.engine_config.use_fused_kernels is True and calls == ["model"]
+    finally:
+        fused.patch_fused_forward = original
+
+
 REFUSALS = {
-    "use_fused_kernels": dict(use_fused_kernels=True),
     "context_parallel_size": dict(context_parallel_size=2),
     "dynamic_context_parallel": dict(dynamic_context_parallel=True,
                                      max_seqlen_per_dp_cp_rank=64),

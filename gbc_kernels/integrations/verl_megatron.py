@@ -34,9 +34,6 @@ def _check_config(engine):
     """verl's Megatron options gbc cannot honour: refused by name (engine start-up and each
     ``forward_backward_batch``)."""
     ec, mc = engine.engine_config, engine.model_config
-    if ec.use_fused_kernels:
-        raise ValueError("use_fused_kernels: gbc's engine replaces verl's fused kernel; set "
-                         "actor_rollout_ref.model.use_fused_kernels=False")
     if getattr(ec, "dynamic_context_parallel", False):
         raise ValueError("dynamic_context_parallel: gbc's engine needs every response row of a "
                          "micro-batch on one rank; set it to False")
@@ -80,6 +77,19 @@ class GBCMegatronMixin(EngineMethods):
     def initialize(self):
         _check_config(self)
         return super().initialize()
+
+    def _maybe_enable_fused_kernels(self):
+        """verl's fused forward (``use_fused_kernels=True``): gbc's head takes its place — the
+        same job, log-probs and entropy without the logits, with every loss and method — so
+        verl's patch is not installed and the option is switched off in the engine's config,
+        as verl itself switches it off where its fused forward cannot run (the worker shares
+        the config: its batches then ask for the unfused step, where gbc's head sits)."""
+        if self.engine_config.use_fused_kernels:
+            import logging
+
+            logging.getLogger(__name__).info(
+                "use_fused_kernels: gbc's head replaces verl's fused forward (docs/megatron.md)")
+            self.engine_config.use_fused_kernels = False
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         _check_config(self)
