@@ -314,10 +314,17 @@ class NTHRBatch:
     def result(self, mask, group_ids, advantages, options: MethodOptions):
         """``(NTHRResult, metrics)`` of the whole batch: ``mask`` ``[B, T]``, ``group_ids``
         ``[B]``, ``advantages`` ``[B, T]`` or ``[B]`` (the correct rule's input)."""
-        if len(self.temperatures) > 1:
+        temps = self.temperatures
+        if self.group is not None:      # every rank decides alike (a refusal on one alone
+            import torch.distributed as dist          # would leave the others in a collective)
+
+            pg = None if self.group == "world" else self.group
+            every = [None] * dist.get_world_size(pg)
+            dist.all_gather_object(every, sorted(temps), group=pg)
+            temps = set().union(*every)
+        if len(temps) > 1:
             raise ValueError(f"nthr: the rollout temperatures of the batch differ "
-                             f"({sorted(self.temperatures)[:4]}); NTHR's scores use one "
-                             f"temperature")
+                             f"({sorted(temps)[:4]}); NTHR's scores use one temperature")
         (B, T), h0 = mask.shape, self.rows[0][1]
         device = h0.device
         hidden = h0.new_zeros(B, T, h0.shape[-1])
@@ -333,7 +340,7 @@ class NTHRBatch:
         adv = advantages.to(device).float()
         weight, bias, softcap = self.head
         res = nthr_token_scale(hidden, weight, compact, mask, group_ids.to(device), adv, options,
-                               bias=bias, temperature=self.temperatures.pop(), logp=logp,
+                               bias=bias, temperature=temps.pop(), logp=logp,
                                logit_softcap=softcap, backend=self.backend,
                                data_parallel_group=self.group)
         return res, nthr_metrics(res, adv, mask)

@@ -168,9 +168,21 @@ def _case(name, tp, group):
         attention_mask=None, decoder_input=None, inference_context=None, packed_seq_params=None,
         runtime_gather_output=None, context=types.SimpleNamespace(temperature=0.8),
         compute_language_model_loss=None, scale_logits=None, config=model.config)
-    ((got.log_probs * c1 + got.entropy * c2) * m).sum().backward()
+    # verl's fused forward rewrites the fields in place (postprocess_packed_seqs_for_dict_output)
+    got.log_probs = got.log_probs.masked_fill(~m, 0.0)
+    got.entropy = got.entropy.masked_fill(~m, 0.0)
+    ((got.log_probs * c1 + got.entropy * c2)).sum().backward()
     out["processor"] = (want, (got.log_probs.detach(), got.entropy.detach(), hl.grad,
                                weight.grad))
+    # MuP (megatron's _scale_logits: logits x mup_output_mult), the model's config otherwise
+    with torch.no_grad():
+        lg = (model.output_layer(h.detach(), weight=weight)[0].transpose(0, 1) * 0.5 / 0.8)
+        mup = types.SimpleNamespace(use_mup=True, mup_output_mult=0.5)
+        got = M.output_processor(hidden_states=h.detach(), output_layer=model.output_layer,
+                                 output_weight=weight if tied else None, labels=x["labels"],
+                                 context=types.SimpleNamespace(temperature=0.8), config=mup)
+    out["processor_mup"] = (vocab_parallel_log_probs_from_logits(lg.contiguous(), x["labels"]),
+                            got.log_probs)
     return out
 
 
@@ -323,11 +335,15 @@ def test_output_processor_hook_equals_the_output_layer(tp2, name):
     output-processor hook (verl's fused-route context, temperature 0.8): log-probs, entropy,
     d hidden (this rank's part under sequence parallelism) and d weight (a tied model's shared
     embedding) equal megatron's output layer with verl's functions on its logits, under random
-    upstream gradients."""
+    upstream gradients, its fields rewritten in place as verl's fused forward does; with MuP's
+    ``use_mup`` config the log-probs are those of megatron's scaled logits."""
     for rank in range(2):
         want, got = tp2[rank][name]["processor"]
+        m = _inputs(CASES[name][0])["mask"]
+        want = (want[0] * m, want[1] * m) + want[2:]
         for what, w, g in zip(("log_probs", "entropy", "d hidden", "d weight"), want, got):
             _close(g, w, f"{name} rank {rank} output_processor {what}")
+        _close(*reversed(tp2[rank][name]["processor_mup"]), f"{name} rank {rank} MuP")
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -517,6 +517,36 @@ def test_nthr_pass_equals_reference(tp, sp):
         assert max(float((g0[k] - g2[k]).abs().max()) for k in g0) > 1e-4
 
 
+def _nthr_rows_worker(rank, world, rows_of):
+    """NTHR's scales of this rank's share (``rows_of[rank]``; None: the whole batch) at tensor
+    parallel 1: with two ranks, data parallel 2."""
+    from verl.utils import tensordict_utils as tu
+
+    from gbc_kernels.integrations import verl_engine as ve
+
+    model = _setup(1, False)
+    engine = _engine(model, options=ve.EngineOptions(nthr=True, nthr_beta=0.0))
+    data = _batch(seed=11, B=NB, group=GROUP)
+    if rows_of is not None:
+        data = tu.index_select_tensor_dict(data, torch.as_tensor(rows_of[rank]))
+    with torch.no_grad():
+        engine.gbc_nthr_pass(data)
+    return data[ve.SCALE_KEY].clone()
+
+
+@pytest.mark.slow
+def test_nthr_groups_split_over_data_parallel_ranks():
+    """Data parallel 2 on the Megatron engine, each group's responses on both ranks (verl's
+    ``balance_batch`` splits groups): each rank's scales equal the one-rank pass over the whole
+    batch, row for row (the counts, ``V*``, ``M+`` and anchors merged over megatron's
+    data-parallel group)."""
+    whole = spawn_gloo(1, _nthr_rows_worker, None)[0]
+    assert (whole != 1).any()
+    rows_of = [[0, 2, 5, 7], [1, 3, 4, 6]]
+    for rows, scale in zip(rows_of, spawn_gloo(2, _nthr_rows_worker, rows_of)):
+        _close(scale, whole[rows, :scale.shape[1]], 1e-6, f"rows {rows}")
+
+
 def _bare_engine(options=None, mtp=False, modules=1, **config):
     from verl.workers.config import McoreEngineConfig
 
@@ -555,6 +585,43 @@ def test_fused_kernels_option_takes_gbcs_head():
         assert stock.engine_config.use_fused_kernels is True and calls == ["model"]
     finally:
         fused.patch_fused_forward = original
+    # a batch gbc's head does not take (here an SFT-style loss) is refused naming the option
+    from tensordict import TensorDict
+    batch = TensorDict({"responses": torch.zeros(1, 2, dtype=torch.long)}, batch_size=[1])
+    with pytest.raises(ValueError, match="^use_fused_kernels: "):
+        engine.forward_step(iter([batch]), None, lambda **kw: None, None)
+
+
+def _fused_worker(rank, world):
+    """A training step on an engine built with ``use_fused_kernels=True`` (switched off by gbc),
+    its batch's flag defaulting from the shared config as verl's worker sets it, and on an
+    engine built without it."""
+    from verl.utils import tensordict_utils as tu
+
+    out = []
+    for fused in (True, False):
+        model = _setup(world, True)
+        engine = _engine(model, use_fused_kernels=fused)
+        engine._maybe_enable_fused_kernels()
+        torch.manual_seed(1234)
+        data = _batch()
+        tu.assign_non_tensor(data, use_fused_kernels=engine.engine_config.use_fused_kernels)
+        seen = []
+        head = type(engine)._gbc_head
+        engine._gbc_head = lambda m: (seen.append(1), head(engine, m))[1]
+        res = engine.forward_backward_batch(data, _loss_fn(), forward_only=False)
+        out.append((float(sum(res["loss"])), _grads(model), len(seen)))
+    return out
+
+
+@pytest.mark.slow
+def test_fused_kernels_step_runs_gbcs_head():
+    """With ``use_fused_kernels=True`` the training step goes through gbc's head and equals the
+    step of an engine built without the option (TP=2 with sequence parallelism)."""
+    for (l0, g0, n0), (l1, g1, _) in spawn_gloo(2, _fused_worker):
+        assert n0 > 0 and l0 == l1
+        for k in g1:
+            assert torch.equal(g0[k], g1[k]), k
 
 
 REFUSALS = {

@@ -43,10 +43,17 @@ class HeadOutput(NamedTuple):
     entropy: Optional[torch.Tensor]
     sum_p2: Optional[torch.Tensor]
 
-    @property
-    def log_probs(self) -> torch.Tensor:
-        """``logp`` by the name verl's fused forward reads (``CausalLMOutputForPPO``)."""
-        return self.logp
+
+@dataclasses.dataclass
+class ProcessorOutput:
+    """What :func:`output_processor` returns, under the names verl's fused forward reads and
+    rewrites in place (its ``CausalLMOutputForPPO`` fields): ``log_probs``, ``entropy`` (None
+    unless asked) and ``sum_p2`` (None unless asked), ``[B, S]`` float32."""
+
+    log_probs: torch.Tensor
+    entropy: Optional[torch.Tensor] = None
+    sum_p2: Optional[torch.Tensor] = None
+    loss: Optional[torch.Tensor] = None
 
 
 def _tp_group(tp_group):
@@ -272,30 +279,35 @@ def logprobs(hidden_states, output_weight, labels, mask=None, *, temperature=1.0
 
 
 def output_processor(*, hidden_states, output_layer, labels, output_weight=None, context=None,
-                     config=None, **_hook_arguments) -> HeadOutput:
+                     config=None, **_hook_arguments) -> ProcessorOutput:
     """gbc's :func:`logprobs` as megatron-core's output-processor hook (``GPTModel.forward(...,
     output_processor=, output_processor_context=)``, megatron-core 0.18 and later), with the
     contract of verl's ``fused_output_processor``: the last stage's ``hidden_states`` (this
     rank's part under sequence parallelism, gathered here as the output layer gathers it),
     ``output_layer`` (its ``[V/tp, H]`` weight, bias, tensor-parallel group and sequence
-    parallelism) or ``output_weight`` (a tied model's shared embedding), ``labels [B, S]``.
+    parallelism) or ``output_weight`` (a tied model's shared embedding), ``labels [B, S]``,
+    ``config`` (MuP: with ``use_mup`` the logits are scaled by ``mup_output_mult``, as
+    megatron's ``_scale_logits`` scales them).
 
     ``context``: any object with ``temperature`` (verl's ``FusedOutputProcessorContext``), and
     optionally ``mask`` (``[B, S]``: only those rows projected; None: every row),
     ``return_entropy`` (default True), ``return_sum_p2`` (False), ``backend``. Returns
-    :class:`HeadOutput`: ``log_probs`` (= ``logp``) and ``entropy`` ``[B, S]``, differentiable;
+    :class:`ProcessorOutput`: ``log_probs`` and ``entropy`` ``[B, S]``, differentiable;
     ``∂hidden`` is this rank's part for the gather's reduce-scatter under sequence parallelism,
     the full gradient otherwise. Other hook arguments are accepted and unused."""
-    del config, _hook_arguments       # the layer carries what the hook's config would say
+    del _hook_arguments
     weight = output_layer.weight if output_weight is None else output_weight
     bias = None if getattr(output_layer, "skip_bias_add", True) else output_layer.bias
-    return logprobs(hidden_states, weight, labels, getattr(context, "mask", None),
-                    temperature=getattr(context, "temperature", 1.0), output_bias=bias,
-                    tp_group=output_layer.tp_group,
-                    sequence_parallel=bool(getattr(output_layer, "sequence_parallel", False)),
-                    return_entropy=getattr(context, "return_entropy", True),
-                    return_sum_p2=getattr(context, "return_sum_p2", False),
-                    backend=getattr(context, "backend", "auto"))
+    temperature = getattr(context, "temperature", 1.0)
+    if getattr(config, "use_mup", False) and config.mup_output_mult != 1.0:
+        temperature = temperature / config.mup_output_mult      # logits·m / T = logits / (T/m)
+    out = logprobs(hidden_states, weight, labels, getattr(context, "mask", None),
+                   temperature=temperature, output_bias=bias, tp_group=output_layer.tp_group,
+                   sequence_parallel=bool(getattr(output_layer, "sequence_parallel", False)),
+                   return_entropy=getattr(context, "return_entropy", True),
+                   return_sum_p2=getattr(context, "return_sum_p2", False),
+                   backend=getattr(context, "backend", "auto"))
+    return ProcessorOutput(out.logp, out.entropy, out.sum_p2)
 
 
 def reference_stats(hidden_states, output_weight, labels, options, mask=None, *,

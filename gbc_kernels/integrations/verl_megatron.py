@@ -72,6 +72,7 @@ class GBCMegatronMixin(EngineMethods):
 
     _gbc_state: Optional[dict] = None     # the head of the forward in progress
     _gbc_nthr: Optional[methods.NTHRBatch] = None     # NTHR's pass in progress
+    _gbc_fused_requested = False          # use_fused_kernels was set (gbc's head took it)
 
     # -- start-up and entry points ----------------------------------------------------------
     def initialize(self):
@@ -83,13 +84,17 @@ class GBCMegatronMixin(EngineMethods):
         same job, log-probs and entropy without the logits, with every loss and method — so
         verl's patch is not installed and the option is switched off in the engine's config,
         as verl itself switches it off where its fused forward cannot run (the worker shares
-        the config: its batches then ask for the unfused step, where gbc's head sits)."""
+        the config: its batches then ask for the unfused step, where gbc's head sits). Batches
+        gbc's head does not take (SFT, distillation) are then refused naming the option, since
+        verl's unfused step would form the logits the option was set to avoid."""
         if self.engine_config.use_fused_kernels:
             import logging
 
-            logging.getLogger(__name__).info(
-                "use_fused_kernels: gbc's head replaces verl's fused forward (docs/megatron.md)")
+            logging.getLogger(__name__).warning(
+                "use_fused_kernels: gbc's head takes the place of verl's fused forward "
+                "(docs/megatron.md); the option is switched off in the engine config")
             self.engine_config.use_fused_kernels = False
+            self._gbc_fused_requested = True
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         _check_config(self)
@@ -119,6 +124,12 @@ class GBCMegatronMixin(EngineMethods):
         else:                                  # training: ppo_loss (SFT, distillation: verl's)
             ours = _is_ppo_loss(logits_processor_func)
         if not ours:
+            if self._gbc_fused_requested:
+                raise ValueError("use_fused_kernels: gbc's engine computes the policy loss and "
+                                 "its log-prob passes in place of verl's fused forward; this "
+                                 "batch (SFT, distillation) would run verl's unfused head. Set "
+                                 "actor_rollout_ref.model.use_fused_kernels=False, or unset "
+                                 "GBC_VERL_ENGINE")
             return super().forward_step(again, model, logits_processor_func,
                                         postprocess_micro_batch_func)
         if _flag(batch, "distillation_use_topk"):

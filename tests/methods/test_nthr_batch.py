@@ -103,3 +103,25 @@ def test_vocab_parallel_pass_equals_whole_head(dtype, bias):
         for (rows, t), lp in zip((([4, 1], 7), ([0, 5, 2], 6), ([3], 7)), logps):
             tol = 2e-6 if dtype == torch.float64 else 1e-5      # log-probs are float32
             torch.testing.assert_close(lp.double(), logp[rows, :t], rtol=tol, atol=tol)
+
+
+def _temperature_worker(rank, world):
+    b = make_batch(B=2, T=3, H=4, V=9, seed=1, bias=False)
+    batch = methods.NTHRBatch(b["targets"].clamp(min=0), group="world")
+    batch.add([0, 1], b["hidden"], b["targets"].clamp(min=0), b["mask"],
+              LMHead(b["weight"], None), temperature=0.7 + 0.1 * rank)
+    try:
+        batch.result(b["mask"], torch.zeros(2, dtype=torch.long), b["advantages"],
+                     methods.MethodOptions(nthr=True))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_temperatures_differing_between_ranks_are_refused_on_every_rank():
+    """One temperature per data-parallel rank, different: every rank refuses (none is left
+    waiting in a collective)."""
+    from conftest import spawn_gloo
+
+    for msg in spawn_gloo(2, _temperature_worker):
+        assert msg is not None and msg.startswith("nthr: the rollout temperatures")
