@@ -183,6 +183,32 @@ def _case(name, tp, group):
                                  context=types.SimpleNamespace(temperature=0.8), config=mup)
     out["processor_mup"] = (vocab_parallel_log_probs_from_logits(lg.contiguous(), x["labels"]),
                             got.log_probs)
+
+    # verl's legacy fused forward (patch_fused_forward) with gbc's kernel in place of verl's,
+    # against the model's own head: values and every parameter's gradient
+    from verl.models.mcore.model_forward_fused import patch_fused_forward, unpatch_fused_forward
+
+    runs = []
+    for legacy in (False, True):
+        model.zero_grad(set_to_none=True)
+        if legacy:
+            undo = M.use_in_verl_fused_forward(sp)
+            patch_fused_forward(model)
+            try:
+                res = model(x["ids"], pos, mc.causal_mask(S), labels=x["labels"],
+                            temperature=0.8)
+            finally:
+                unpatch_fused_forward(model)
+                undo()
+            lp, en = (v.view(S, B).t() for v in (res.log_probs, res.entropy))
+        else:
+            lg = (model(x["ids"], pos, mc.causal_mask(S)) / 0.8).contiguous()
+            lp = vocab_parallel_log_probs_from_logits(lg.clone(), x["labels"])
+            en = vocab_parallel_entropy(lg.clone())
+        ((lp * c1 + en * c2) * m).sum().backward()
+        mc.allreduce_sp_norm_grads(model, group)
+        runs.append((lp.detach() * m, en.detach() * m, _grads(model)))
+    out["verl_legacy"] = runs
     return out
 
 
@@ -347,6 +373,22 @@ def test_output_processor_hook_equals_the_output_layer(tp2, name):
 
 
 @pytest.mark.parametrize("name", list(CASES))
+def test_verl_legacy_fused_forward_with_gbcs_kernel(tp2, name):
+    """verl's legacy fused forward (``patch_fused_forward``: the model's forward computes
+    log-probs and entropy with its kernel) with ``use_in_verl_fused_forward``: gbc's kernel in
+    its place gives the model's own head's log-probs and entropy (megatron's output layer,
+    verl's functions, temperature 0.8) and every parameter's gradient, with and without
+    sequence parallelism."""
+    for rank in range(2):
+        (lp0, en0, g0), (lp1, en1, g1) = tp2[rank][name]["verl_legacy"]
+        _close(lp1, lp0, f"{name} rank {rank} legacy log_probs")
+        _close(en1, en0, f"{name} rank {rank} legacy entropy")
+        assert g0.keys() == g1.keys() and g0
+        for k in g0:
+            _close(g1[k], g0[k], f"{name} rank {rank} legacy grad {k}")
+
+
+@pytest.mark.parametrize("name", list(CASES))
 def test_main_grad_route_equals_the_stock_head(tp2, name):
     """With megatron's float32 ``main_grad`` on the output weight, gbc adds ``d weight`` there
     in backward (scaled by the upstream gradient) and hands megatron's placeholder gradient to
@@ -424,6 +466,13 @@ def test_bad_input():
         M.logprobs(torch.randn(S, B, H), torch.randn(8, H + 1), None, tp_group=object())
     with pytest.raises(ValueError, match="vocab_parallel"):
         M.policy_loss(torch.randn(S, B, H), w, None, None, None, vocab_parallel=None)
+    y = torch.zeros(B, S, dtype=torch.long)
+    with pytest.raises(ValueError, match="^reduction: "):
+        M.linear_cross_entropy(torch.randn(S, B, H), w, y, 1.0, "mean")
+    with pytest.raises(TypeError, match="^hidden_gathered: "):
+        M.linear_cross_entropy(torch.randn(S, B, H), w, y, hidden_gathered=None)
+    with pytest.raises(TypeError, match="^sequence_parallel: "):
+        M.use_in_verl_fused_forward("yes")
 
 
 def test_context_parallel_refused(monkeypatch):

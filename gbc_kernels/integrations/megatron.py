@@ -310,6 +310,62 @@ def output_processor(*, hidden_states, output_layer, labels, output_weight=None,
     return ProcessorOutput(out.logp, out.entropy, out.sum_p2)
 
 
+def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none",
+                         dist_process_group=None, *, hidden_gathered: bool = True,
+                         backend="auto"):
+    """verl's fused-forward kernel (``verl.utils.kernel.linear_cross_entropy``, what verl's
+    legacy ``patch_fused_forward`` and its hook processor call) by gbc's vocab-parallel path:
+    ``(log_probs, entropy)``, float32 ``[N]`` in the rows' order, differentiable in ``hidden``
+    and ``weight``.
+
+    hidden: ``[N, H]`` or megatron's ``[S, B, H]`` (then ``labels`` ``[B, S]`` is read in the
+    same order; verl passes ``B = 1``); weight: this rank's ``[V/tp, H]`` shard of the group
+    ``dist_process_group`` (None: one device); ``reduction``: ``"none"`` only.
+    hidden_gathered: the hidden states were gathered along the sequence for sequence
+    parallelism (verl's fused forward does), so ``∂hidden`` is this shard's part for the
+    gather's reduce-scatter — verl's kernel's contract; False: the full gradient (one
+    all-reduce), for hidden states that are the same on every rank."""
+    if reduction != "none":
+        raise ValueError(f"reduction: expected 'none' (per-token values), got {reduction!r}")
+    if not isinstance(hidden_gathered, bool):
+        raise TypeError(f"hidden_gathered: expected a bool, got {hidden_gathered!r}")
+    if hidden.dim() == 3 and labels.dim() == 2 and labels.shape == hidden.shape[1::-1]:
+        labels = labels.t()             # [B, S] labels for [S, B, H] hidden states
+    vp = None
+    if dist_process_group is not None and dist.get_world_size(dist_process_group) > 1:
+        vp = vocab_parallel(weight, dist_process_group, reduce_hidden_grad=not hidden_gathered)
+    out = gbc.fused_linear_logprobs(hidden.reshape(-1, hidden.shape[-1]), weight,
+                                    labels.reshape(-1), temperature=temperature,
+                                    return_entropy=True, backend=backend, vocab_parallel=vp)
+    return out[0], out[1]
+
+
+def use_in_verl_fused_forward(sequence_parallel: bool):
+    """Put :func:`linear_cross_entropy` in place of verl's kernel in verl's fused forward
+    (``verl.models.mcore.model_forward_fused``, both its legacy patch and its hook processor):
+    verl's stock Megatron engine with ``use_fused_kernels=True`` then computes its log-probs and
+    entropy with gbc. ``sequence_parallel``: the model's (verl's fused forward gathers the
+    hidden states only then, and ``∂hidden`` must be the full gradient otherwise). Returns a
+    function that puts verl's kernel back."""
+    import verl.models.mcore.model_forward_fused as fused
+
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel: expected a bool, got {sequence_parallel!r}")
+    original = fused.linear_cross_entropy
+
+    def kernel(hidden, weight, labels, temperature=1.0, reduction="none",
+               dist_process_group=None):
+        return linear_cross_entropy(hidden, weight, labels, temperature, reduction,
+                                    dist_process_group, hidden_gathered=sequence_parallel)
+
+    fused.linear_cross_entropy = kernel
+
+    def undo():
+        fused.linear_cross_entropy = original
+
+    return undo
+
+
 def reference_stats(hidden_states, output_weight, labels, options, mask=None, *,
                     temperature=1.0, output_bias=None, tp_group=None,
                     sequence_parallel: bool = False, hidden_gathered: bool = False,
