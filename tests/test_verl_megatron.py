@@ -1,10 +1,12 @@
 """gbc inside verl 0.9.1's Megatron engine (integrations/verl_megatron.py), against verl's stock
 ``MegatronEngineWithLMHead`` on the same tiny megatron-core ``GPTModel`` and micro-batches, on
-CPU: two gloo ranks, tensor parallel 2 (tests/standins/megatron_cpu.py holds the CPU shims).
+CPU: two gloo ranks, tensor parallel 2 (tests/standins/megatron_cpu.py holds the CPU shims);
+pipeline parallel 2, alone and with tensor parallel 2 (four ranks), under megatron's 1F1B
+schedule over gloo's point-to-point ops.
 
 What runs is verl's: its ``forward_backward_batch`` (micro-batching, global-batch normalisers),
 its ``forward_step`` and ``model_forward`` (``bshd`` packing and unpacking), its
-``postprocess_micro_batch_func``, megatron's no-pipelining schedule and backward, verl's
+``postprocess_micro_batch_func``, megatron's schedules (no pipelining; 1F1B) and backward, verl's
 ``ppo_loss``. Bypassed on CPU (said here):
 - ``MegatronEngine.__init__``/``initialize`` (mbridge from a HF checkpoint, DDP, the distributed
   optimizer): the engine is ``object.__new__`` plus what the step reads (verl's own
@@ -53,17 +55,18 @@ class _CpuTorch:
 _mc = megatron_cpu
 
 
-def _setup(tp, sp, seed=0, dtype=torch.float64):
-    """megatron's groups, the shims, a tiny GPTModel (its sequence-parallel norms' gradients
-    summed by the schedule's ``finalize_model_grads``)."""
+def _setup(tp, sp, seed=0, dtype=torch.float64, pp=1):
+    """megatron's groups, the shims, a tiny GPTModel (this rank's stage of it with ``pp`` > 1;
+    its sequence-parallel norms' gradients summed by the schedule's ``finalize_model_grads``)."""
     mc = _mc()
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules
 
     mc.install_shims()
     schedules.torch = _CpuTorch()
-    mc.init_parallel(tp)
-    model = mc.tiny_gpt(VP, hidden=H, seq=32, tp=tp, sp=sp and tp > 1, seed=seed, dtype=dtype)
+    mc.init_parallel(tp, pp=pp)
+    model = mc.tiny_gpt(VP, hidden=H, seq=32, tp=tp, sp=sp and tp > 1, seed=seed, dtype=dtype,
+                        pp=pp)
     group = parallel_state.get_tensor_model_parallel_group()
     model.config.finalize_model_grads_func = (
         lambda models, *a, **k: mc.allreduce_sp_norm_grads(models[0], group))
@@ -89,6 +92,7 @@ def _engine(model, gbc=True, options=None, **config):
     cls = vm.GBCMegatronEngineWithLMHead if gbc else MegatronEngineWithLMHead
     engine = object.__new__(cls)
     cfg = dict(tensor_model_parallel_size=model.config.tensor_model_parallel_size,
+               pipeline_model_parallel_size=model.config.pipeline_model_parallel_size,
                sequence_parallel=model.config.sequence_parallel, use_remove_padding=False)
     cfg.update(config)
     engine.engine_config = McoreEngineConfig(**cfg)
@@ -545,6 +549,188 @@ def test_nthr_groups_split_over_data_parallel_ranks():
     rows_of = [[0, 2, 5, 7], [1, 3, 4, 6]]
     for rows, scale in zip(rows_of, spawn_gloo(2, _nthr_rows_worker, rows_of)):
         _close(scale, whole[rows, :scale.shape[1]], 1e-6, f"rows {rows}")
+
+
+def _pipeline_worker(rank, world, tp, sp):
+    """Pipeline parallel ``world // tp`` (megatron's 1F1B schedule over gloo's isend/irecv),
+    each rank its stage of the model: verl's stock engine and gbc's on the same stages — a
+    training step, a forward-only pass, the critical-KL reference pass; then NTHR's pass and
+    the step with its scales against the step with ``advantages × scale`` (the last stage's
+    scales, sent to every stage), and Lopti's ``train_batch`` against its phases by hand."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+    from verl.utils import tensordict_utils as tu
+
+    from gbc_kernels.integrations import verl_engine as ve
+    from test_verl_engine import verl_on_cpu
+
+    verl_on_cpu()
+    pp = world // tp
+    last = None
+    out = {"train": {}, "infer": {}}
+    for gbc in (False, True):
+        model = _setup(tp, sp, pp=pp)
+        last = mpu.is_pipeline_last_stage()
+        engine = _engine(model, gbc=gbc)
+        torch.manual_seed(1234)
+        data = _batch()
+        res = engine.forward_backward_batch(data, _loss_fn(), forward_only=False)
+        out["train"][gbc] = dict(grads=_grads(model), keys=sorted(res))
+        if last:
+            out["train"][gbc].update(
+                loss=sum(res["loss"]), logp=_responses(res, "log_probs", data),
+                entropy=_responses(res, "entropy", data), metrics=_metric_values(res["metrics"]))
+        data = _batch(seed=7)
+        res = _infer(engine, data)
+        out["infer"][gbc] = ({k: _responses(res, k, data)
+                              for k in ("log_probs", "entropy", "sum_pi_squared")}
+                             if last else sorted(res))
+    out["last"] = last
+    # critical-token KL: the reference pass's weights against gbc_reference's on the last stage
+    model = _setup(tp, sp, pp=pp)
+    opts = ve.EngineOptions(critical_kl_exponent=0.5, critical_kl_temperature=0.25)
+    data = _batch(seed=8, micro=4)
+    tu.assign_non_tensor(data, **{ve.CERTAINTY_KEY: {k: getattr(opts, k)
+                                                     for k in ve.CRITICAL_KL_FIELDS}})
+    res = _infer(_engine(model, options=opts), data)
+    out["critical_oracle"] = _head_oracle(model, data, tp, sp, last)
+    if last:
+        out["critical"] = _responses(res, ve.KL_WEIGHT_KEY, data)
+    # NTHR: the pass on every stage (the last one gets the scales), then the three steps
+    model = _setup(tp, sp, pp=pp)
+    engine = _engine(model, options=ve.EngineOptions(nthr=True, nthr_beta=0.0))
+    data = _batch(seed=11, B=NB, group=GROUP, dynamic=True)
+    with torch.no_grad():
+        got = engine.gbc_nthr_pass(data)
+    out["nthr_got"] = got is not None
+    scale = [data[ve.SCALE_KEY].clone() if last else None]
+    dist.broadcast_object_list(scale, src=world - 1)
+    scale = scale[0]
+    out["nthr_scale"] = scale
+    out["nthr_oracle"] = _head_oracle(model, _batch(seed=11, B=NB, group=GROUP, micro=NB),
+                                      tp, sp, last)
+    steps = []
+    for opts, adv_scale in ((dict(nthr=True), None), ({}, scale), ({}, None)):
+        model.zero_grad(set_to_none=True)
+        engine.gbc_options = ve.EngineOptions(**opts)
+        step = data.clone()
+        if adv_scale is not None:
+            step["advantages"] = _padded(step["advantages"]) * adv_scale
+        if not opts and ve.SCALE_KEY in step.keys():
+            del step[ve.SCALE_KEY]
+        engine.forward_backward_batch(step, _loss_fn(), forward_only=False)
+        steps.append(_grads(model))
+    out["nthr_steps"] = steps
+    # Lopti: train_batch's two updates against the phases by hand, on every stage
+    params = []
+    for by_hand in (False, True):
+        model = _setup(tp, sp, pp=pp)
+        engine = _engine(model, options=ve.EngineOptions(lopti_eta=0.5))
+        engine.optimizer = _trainable(model)
+        data = _batch(seed=20, confident=0.4)
+        if by_hand:
+            for phase in ("low", "high"):
+                engine._gbc_phase = phase
+                engine.optimizer_zero_grad()
+                engine.forward_backward_batch(data.clone(), _loss_fn(), forward_only=False)
+                engine.optimizer_step()
+            engine._gbc_phase = None
+        else:
+            engine.train_batch(data, _loss_fn())
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    out["lopti"] = params
+    return out
+
+
+def _head_oracle(model, data, tp, sp, last=True):
+    """The output layer's float64 input rows of ``data``'s response tokens (one forward-only
+    pass of the stock engine, which every pipeline stage runs) and the gathered output weight,
+    for gbc_reference; None on a stage before the last."""
+    from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
+                                                        gather_from_tensor_model_parallel_region)
+
+    from gbc_kernels.integrations.verl_megatron import response_rows
+
+    if not last:
+        _infer(_engine(model, gbc=False), data.clone())
+        return None
+    with _mc().capture_head_input(model) as seen:
+        _infer(_engine(model, gbc=False), data.clone())
+    hidden = seen[0]
+    if sp and tp > 1:
+        hidden = gather_from_sequence_parallel_region(hidden)
+    rows, valid = response_rows(data, "bshd", hidden.transpose(0, 1).shape)
+    weight = gather_from_tensor_model_parallel_region(model.output_layer.weight.detach().t()).t()
+    return dict(hidden=hidden.transpose(0, 1).reshape(-1, H)[rows].detach(),
+                weight=weight.detach(), responses=_padded(data["responses"]),
+                mask=_padded(data["response_mask"]).bool() & valid,
+                advantages=_padded(data["advantages"]))
+
+
+@pytest.fixture(scope="module", params=[(1, False), (2, True)], ids=["pp2", "pp2_tp2_sp"])
+def pipelined(request):
+    tp, sp = request.param
+    return spawn_gloo(2 * tp, _pipeline_worker, tp, sp)
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_equals_verl_stock_engine(pipelined):
+    """Pipeline parallel 2 (and 2 × tensor parallel 2 with sequence parallelism, four ranks):
+    on the last stage gbc's loss, log-probs, entropy and verl's metrics equal the stock
+    engine's, in training and in the forward-only pass; on every stage every parameter's
+    gradient does (the first stage's through megatron's point-to-point backward)."""
+    stages = {out["last"] for out in pipelined}
+    assert stages == {False, True}
+    for r, out in enumerate(pipelined):
+        stock, ours = out["train"][False], out["train"][True]
+        what = f"rank {r}"
+        assert stock["grads"].keys() == ours["grads"].keys() and stock["grads"]
+        assert float(sum(g.abs().sum() for g in ours["grads"].values())) > 0
+        for k in stock["grads"]:
+            _close(stock["grads"][k], ours["grads"][k], 1e-6, f"{what} grad {k}")
+        if not out["last"]:
+            assert stock["keys"] == ours["keys"] and out["infer"][False] == out["infer"][True]
+            continue
+        assert abs(float(stock["loss"]) - float(ours["loss"])) < 1e-7, what
+        for k in ("logp", "entropy"):
+            _close(stock[k], ours[k], 1e-6, f"{what} {k}")
+        for k, v in stock["metrics"].items():
+            _close(torch.tensor(v), torch.tensor(ours["metrics"][k]), 1e-5, f"{what} {k}")
+        for k, v in out["infer"][False].items():
+            assert float(v.abs().sum()) > 0
+            _close(v, out["infer"][True][k], 1e-6, f"{what} forward-only {k}")
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_methods(pipelined):
+    """The methods under pipeline parallelism: the critical-KL weights and NTHR's scales on the
+    last stage equal gbc_reference's on its output layer's input rows (NTHR's pass gives the
+    other stages none); the step with NTHR equals the step with ``advantages × scale`` on every
+    stage, and differs from the step without; Lopti's ``train_batch`` equals its two phases run
+    by hand on every stage."""
+    import gbc_reference as ref
+
+    for r, out in enumerate(pipelined):
+        assert out["nthr_got"] == out["last"]
+        if out["last"]:
+            c = out["critical_oracle"]
+            st = ref.token_stats(c["hidden"], c["weight"], c["responses"], temperature=0.8,
+                                 certainty="max_prob", certainty_temperature=0.25)
+            want = ref.critical_kl_weight(st.certainty, 0.5) * c["mask"]
+            _close(out["critical"], want.to(out["critical"].dtype), 1e-6, f"rank {r} kl weight")
+            o = out["nthr_oracle"]
+            correct = (o["advantages"] * o["mask"]).sum(1) > 0
+            want = ref.nthr_scale(o["hidden"], o["weight"], o["responses"], o["mask"],
+                                  torch.arange(NB) // GROUP, correct, temperature=0.8, beta=0.0)
+            assert want.selected.any()
+            _close(out["nthr_scale"], want.scale.float(), 1e-6, f"rank {r} nthr scale")
+        g0, g1, g2 = out["nthr_steps"]
+        for k in g0:
+            _close(g0[k], g1[k], 1e-9, f"rank {r} nthr grad {k}")
+        assert max(float((g0[k] - g2[k]).abs().max()) for k in g0) > 1e-5
+        a, b = out["lopti"]
+        for k in a:
+            _close(a[k], b[k], 1e-9, f"rank {r} lopti {k}")
 
 
 def _bare_engine(options=None, mtp=False, modules=1, **config):

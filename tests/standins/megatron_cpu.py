@@ -12,6 +12,10 @@ test's child process only, never by the library) let its own code run there:
   :func:`allreduce_sp_norm_grads` sums their gradients over the tensor-parallel group (what
   megatron's ``finalize_model_grads`` does for parameters marked ``sequence_parallel``).
 
+* ``torch.cuda.synchronize`` is a no-op: megatron's pipeline point-to-point communication calls
+  it after ``batch_isend_irecv`` (a guard for NCCL); gloo's ``isend``/``irecv`` run the
+  pipeline schedules on the CPU as they are.
+
 The causal mask is passed explicitly (:func:`causal_mask`): megatron's default one is built
 with ``device="cuda"``.
 """
@@ -28,6 +32,7 @@ import torch.distributed as dist
 def install_shims():
     """Make megatron-core's CUDA assumptions point at the CPU (this process only)."""
     torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *args, **kwargs: None
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
@@ -46,22 +51,28 @@ def install_shims():
     torch_norm.WrappedTorchNorm.__new__ = new
 
 
-def init_parallel(tp: int, seed: int = 0):
-    """megatron's process groups over the running gloo world: tensor parallel ``tp``, the rest
-    data parallel."""
+def init_parallel(tp: int, seed: int = 0, pp: int = 1):
+    """megatron's process groups over the running gloo world: tensor parallel ``tp``, pipeline
+    parallel ``pp``, the rest data parallel."""
     from megatron.core import parallel_state
 
     warnings.filterwarnings("ignore", category=UserWarning)
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             pipeline_model_parallel_size=pp)
     torch.manual_seed(seed)
 
 
 def tiny_gpt(vocab, hidden=32, layers=2, heads=4, seq=16, tp=1, sp=False, seed=0,
-             position="learned_absolute", dtype=torch.float32, tied=False):
+             position="learned_absolute", dtype=torch.float32, tied=False, pp=1):
     """A tiny ``GPTModel`` from megatron's local layer spec, initialised on the CPU from
     ``seed``: the same full weights for every tensor-parallel size (megatron initialises the
-    master weight and splits it)."""
+    master weight and splits it). With ``pp`` > 1 (after :func:`init_parallel` with the same
+    ``pp``): this rank's pipeline stage, ``layers / pp`` of the layers, the embedding on the
+    first stage and the output layer on the last. ``variable_seq_lengths`` and the all-to-all
+    token dispatcher as verl's engine sets them (the pipeline exchanges each micro-batch's
+    shape)."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -72,11 +83,15 @@ def tiny_gpt(vocab, hidden=32, layers=2, heads=4, seq=16, tp=1, sp=False, seed=0
         params_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, sequence_parallel=sp, bf16=False, fp16=False,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False, init_method_std=0.05)
+        masked_softmax_fusion=False, apply_rope_fusion=False, init_method_std=0.05,
+        pipeline_model_parallel_size=pp, pipeline_dtype=dtype, variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall")
     torch.manual_seed(seed)
     model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=vocab,
                      max_sequence_length=seq, position_embedding_type=position,
-                     share_embeddings_and_output_weights=tied, parallel_output=True)
+                     share_embeddings_and_output_weights=tied, parallel_output=True,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
     return model.to(dtype)
 
 
