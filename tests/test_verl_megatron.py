@@ -1,8 +1,8 @@
 """gbc inside verl 0.9.1's Megatron engine (integrations/verl_megatron.py), against verl's stock
 ``MegatronEngineWithLMHead`` on the same tiny megatron-core ``GPTModel`` and micro-batches, on
 CPU: two gloo ranks, tensor parallel 2 (tests/standins/megatron_cpu.py holds the CPU shims);
-pipeline parallel 2, alone and with tensor parallel 2 (four ranks), under megatron's 1F1B
-schedule over gloo's point-to-point ops.
+pipeline parallel 2, alone, with tensor parallel 2 (four ranks) and with two virtual stages
+per rank, under megatron's 1F1B schedules over gloo's point-to-point ops.
 
 What runs is verl's: its ``forward_backward_batch`` (micro-batching, global-batch normalisers),
 its ``forward_step`` and ``model_forward`` (``bshd`` packing and unpacking), its
@@ -55,21 +55,23 @@ class _CpuTorch:
 _mc = megatron_cpu
 
 
-def _setup(tp, sp, seed=0, dtype=torch.float64, pp=1):
-    """megatron's groups, the shims, a tiny GPTModel (this rank's stage of it with ``pp`` > 1;
-    its sequence-parallel norms' gradients summed by the schedule's ``finalize_model_grads``)."""
+def _setup(tp, sp, seed=0, dtype=torch.float64):
+    """megatron's groups, the shims, a tiny GPTModel (its sequence-parallel norms' gradients
+    summed by the schedule's ``finalize_model_grads``)."""
+    return _chunks(tp, sp, seed=seed, dtype=dtype)[0]
+
+
+def _chunks(tp, sp, pp=1, vpp=None, seed=0, dtype=torch.float64):
+    """:func:`_setup` for pipeline parallel ``pp``: this rank's model chunks, one per virtual
+    stage (``vpp``; one chunk without)."""
     mc = _mc()
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules
 
     mc.install_shims()
     schedules.torch = _CpuTorch()
-    mc.init_parallel(tp, pp=pp)
-    model = mc.tiny_gpt(VP, hidden=H, seq=32, tp=tp, sp=sp and tp > 1, seed=seed, dtype=dtype,
-                        pp=pp)
+    mc.init_parallel(tp, pp=pp, vpp=vpp)
     group = parallel_state.get_tensor_model_parallel_group()
-    model.config.finalize_model_grads_func = (
-        lambda models, *a, **k: mc.allreduce_sp_norm_grads(models[0], group))
 
     def causal(module, args, kwargs):     # verl's [B, S] padding mask -> the causal mask
         m = kwargs.get("attention_mask")
@@ -77,12 +79,21 @@ def _setup(tp, sp, seed=0, dtype=torch.float64, pp=1):
             kwargs["attention_mask"] = mc.causal_mask(m.shape[1])
         return args, kwargs
 
-    model.register_forward_pre_hook(causal, with_kwargs=True)
-    return model
+    chunks = []
+    for stage in range(vpp or 1):
+        model = mc.tiny_gpt(VP, hidden=H, seq=32, layers=2 * (vpp or 1), tp=tp,
+                            sp=sp and tp > 1, seed=seed, dtype=dtype, pp=pp, vpp=vpp,
+                            vp_stage=stage if vpp else None)
+        model.config.finalize_model_grads_func = (
+            lambda models, *a, **k: [mc.allreduce_sp_norm_grads(m, group) for m in models])
+        model.register_forward_pre_hook(causal, with_kwargs=True)
+        chunks.append(model)
+    return chunks
 
 
 def _engine(model, gbc=True, options=None, **config):
-    """verl's Megatron engine (or gbc's) on ``model`` without ``initialize`` (docstring)."""
+    """verl's Megatron engine (or gbc's) on ``model`` (or a rank's list of chunks) without
+    ``initialize`` (docstring)."""
     from verl.workers.config import McoreEngineConfig
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
@@ -91,8 +102,12 @@ def _engine(model, gbc=True, options=None, **config):
 
     cls = vm.GBCMegatronEngineWithLMHead if gbc else MegatronEngineWithLMHead
     engine = object.__new__(cls)
+    chunks = model if isinstance(model, list) else [model]
+    model = chunks[0]
     cfg = dict(tensor_model_parallel_size=model.config.tensor_model_parallel_size,
                pipeline_model_parallel_size=model.config.pipeline_model_parallel_size,
+               virtual_pipeline_model_parallel_size=(
+                   model.config.virtual_pipeline_model_parallel_size),
                sequence_parallel=model.config.sequence_parallel, use_remove_padding=False)
     cfg.update(config)
     engine.engine_config = McoreEngineConfig(**cfg)
@@ -101,7 +116,7 @@ def _engine(model, gbc=True, options=None, **config):
         tokenizer=types.SimpleNamespace(pad_token_id=0),
         mtp=types.SimpleNamespace(enable=False, enable_train=False))
     engine.tf_config = model.config
-    engine.module = [model]
+    engine.module = chunks
     engine.enable_routing_replay = False
     if gbc:
         engine.gbc_options = options or ve.EngineOptions()
@@ -126,6 +141,8 @@ def _loss_fn(mode="vanilla", agg="token-mean", kl=True, entropy_coeff=0.01, **ex
 
 
 def _grads(model):
+    if isinstance(model, list):             # a rank's chunks (virtual pipeline stages)
+        return {f"{i}.{k}": v for i, m in enumerate(model) for k, v in _grads(m).items()}
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()
             if p.grad is not None}
 
@@ -265,7 +282,7 @@ class _SGD:
     """SGD behind megatron's optimizer interface (``step() -> (ok, grad_norm, zeros)``)."""
 
     def __init__(self, model, lr):
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = [p for _, p in _named(model) if p.requires_grad]
         self.opt = torch.optim.SGD(self.params, lr=lr)
 
     def zero_grad(self, set_to_none=True):
@@ -279,8 +296,16 @@ class _SGD:
 
 
 def _trainable(model, lr=0.5):
-    model.zero_grad_buffer = lambda: None       # megatron's DDP buffer (none here)
+    for chunk in model if isinstance(model, list) else [model]:
+        chunk.zero_grad_buffer = lambda: None       # megatron's DDP buffer (none here)
     return _SGD(model, lr)
+
+
+def _named(model):
+    """``named_parameters`` of a model or of a rank's chunks (virtual pipeline stages)."""
+    if isinstance(model, list):
+        return [(f"{i}.{n}", p) for i, m in enumerate(model) for n, p in m.named_parameters()]
+    return list(model.named_parameters())
 
 
 def _infer(engine, data, **flags):
@@ -351,13 +376,22 @@ def _methods_worker(rank, world, tp, sp):
                       padded=bool((psp.cu_seqlens_q_padded != psp.cu_seqlens_q).any())
                       if psp.cu_seqlens_q is not psp.cu_seqlens_q_padded else True)
     # Lopti: train_batch's two updates against the phases run by hand
-    params = []
+    out["lopti"], out["lopti_metrics"] = _lopti_two_ways(
+        lambda: _setup(tp, sp), lambda: [_batch(seed=20 + s, confident=0.4) for s in (0, 1)])
+    return out
+
+
+def _lopti_two_ways(make_model, batches):
+    """Lopti (``lopti_eta=0.5``) from fresh models: the parameters after ``train_batch`` on each
+    of ``batches()`` and after its two phases run by hand; ``train_batch``'s metric names."""
+    from gbc_kernels.integrations import verl_engine as ve
+
+    params, names = [], None
     for by_hand in (False, True):
-        model = _setup(tp, sp)
+        model = make_model()
         engine = _engine(model, options=ve.EngineOptions(lopti_eta=0.5))
         engine.optimizer = _trainable(model)
-        for step in range(2):
-            data = _batch(seed=20 + step, confident=0.4)
+        for data in batches():
             if by_hand:
                 for phase in ("low", "high"):
                     engine._gbc_phase = phase
@@ -366,11 +400,10 @@ def _methods_worker(rank, world, tp, sp):
                     engine.optimizer_step()
                 engine._gbc_phase = None
             else:
-                got = engine.train_batch(data, _loss_fn())
-                out["lopti_metrics"] = sorted(got["metrics"])
-        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    out["lopti"] = params
-    return out
+                got = engine.train_batch(data, _loss_fn())     # no outputs before the last stage
+                names = sorted((got or {}).get("metrics", {}))
+        params.append({n: p.detach().clone() for n, p in _named(model)})
+    return params, names
 
 
 @pytest.fixture(scope="module")
@@ -551,12 +584,13 @@ def test_nthr_groups_split_over_data_parallel_ranks():
         _close(scale, whole[rows, :scale.shape[1]], 1e-6, f"rows {rows}")
 
 
-def _pipeline_worker(rank, world, tp, sp):
-    """Pipeline parallel ``world // tp`` (megatron's 1F1B schedule over gloo's isend/irecv),
-    each rank its stage of the model: verl's stock engine and gbc's on the same stages — a
-    training step, a forward-only pass, the critical-KL reference pass; then NTHR's pass and
-    the step with its scales against the step with ``advantages × scale`` (the last stage's
-    scales, sent to every stage), and Lopti's ``train_batch`` against its phases by hand."""
+def _pipeline_worker(rank, world, tp, sp, vpp=None):
+    """Pipeline parallel ``world // tp`` (megatron's 1F1B schedule over gloo's isend/irecv;
+    interleaved over ``vpp`` virtual stages per rank), each rank its stage(s) of the model:
+    verl's stock engine and gbc's on the same stages — a training step, a forward-only pass,
+    the critical-KL reference pass; then NTHR's pass and the step with its scales against the
+    step with ``advantages × scale`` (the last stage's scales, sent to every stage), and
+    Lopti's ``train_batch`` against its phases by hand."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
     from verl.utils import tensordict_utils as tu
@@ -566,30 +600,33 @@ def _pipeline_worker(rank, world, tp, sp):
 
     verl_on_cpu()
     pp = world // tp
+    # interleaved: four micro-batches (with two, megatron's interleaved 1F1B hangs on gloo's
+    # point-to-point ops, verl's stock engine alike)
+    micro = dict(micro=1) if vpp else {}
     last = None
     out = {"train": {}, "infer": {}}
     for gbc in (False, True):
-        model = _setup(tp, sp, pp=pp)
-        last = mpu.is_pipeline_last_stage()
+        model = _chunks(tp, sp, pp, vpp)
+        last = mpu.is_pipeline_last_stage(ignore_virtual=True)
         engine = _engine(model, gbc=gbc)
         torch.manual_seed(1234)
-        data = _batch()
+        data = _batch(**micro)
         res = engine.forward_backward_batch(data, _loss_fn(), forward_only=False)
         out["train"][gbc] = dict(grads=_grads(model), keys=sorted(res))
         if last:
             out["train"][gbc].update(
                 loss=sum(res["loss"]), logp=_responses(res, "log_probs", data),
                 entropy=_responses(res, "entropy", data), metrics=_metric_values(res["metrics"]))
-        data = _batch(seed=7)
+        data = _batch(seed=7, **micro)
         res = _infer(engine, data)
         out["infer"][gbc] = ({k: _responses(res, k, data)
                               for k in ("log_probs", "entropy", "sum_pi_squared")}
                              if last else sorted(res))
     out["last"] = last
     # critical-token KL: the reference pass's weights against gbc_reference's on the last stage
-    model = _setup(tp, sp, pp=pp)
+    model = _chunks(tp, sp, pp, vpp)
     opts = ve.EngineOptions(critical_kl_exponent=0.5, critical_kl_temperature=0.25)
-    data = _batch(seed=8, micro=4)
+    data = _batch(seed=8, **micro)
     tu.assign_non_tensor(data, **{ve.CERTAINTY_KEY: {k: getattr(opts, k)
                                                      for k in ve.CRITICAL_KL_FIELDS}})
     res = _infer(_engine(model, options=opts), data)
@@ -597,7 +634,7 @@ def _pipeline_worker(rank, world, tp, sp):
     if last:
         out["critical"] = _responses(res, ve.KL_WEIGHT_KEY, data)
     # NTHR: the pass on every stage (the last one gets the scales), then the three steps
-    model = _setup(tp, sp, pp=pp)
+    model = _chunks(tp, sp, pp, vpp)
     engine = _engine(model, options=ve.EngineOptions(nthr=True, nthr_beta=0.0))
     data = _batch(seed=11, B=NB, group=GROUP, dynamic=True)
     with torch.no_grad():
@@ -607,11 +644,11 @@ def _pipeline_worker(rank, world, tp, sp):
     dist.broadcast_object_list(scale, src=world - 1)
     scale = scale[0]
     out["nthr_scale"] = scale
-    out["nthr_oracle"] = _head_oracle(model, _batch(seed=11, B=NB, group=GROUP, micro=NB),
-                                      tp, sp, last)
+    out["nthr_oracle"] = _head_oracle(model, _batch(seed=11, B=NB, group=GROUP), tp, sp, last)
     steps = []
     for opts, adv_scale in ((dict(nthr=True), None), ({}, scale), ({}, None)):
-        model.zero_grad(set_to_none=True)
+        for chunk in model:
+            chunk.zero_grad(set_to_none=True)
         engine.gbc_options = ve.EngineOptions(**opts)
         step = data.clone()
         if adv_scale is not None:
@@ -622,61 +659,60 @@ def _pipeline_worker(rank, world, tp, sp):
         steps.append(_grads(model))
     out["nthr_steps"] = steps
     # Lopti: train_batch's two updates against the phases by hand, on every stage
-    params = []
-    for by_hand in (False, True):
-        model = _setup(tp, sp, pp=pp)
-        engine = _engine(model, options=ve.EngineOptions(lopti_eta=0.5))
-        engine.optimizer = _trainable(model)
-        data = _batch(seed=20, confident=0.4)
-        if by_hand:
-            for phase in ("low", "high"):
-                engine._gbc_phase = phase
-                engine.optimizer_zero_grad()
-                engine.forward_backward_batch(data.clone(), _loss_fn(), forward_only=False)
-                engine.optimizer_step()
-            engine._gbc_phase = None
-        else:
-            engine.train_batch(data, _loss_fn())
-        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    out["lopti"] = params
+    out["lopti"], _ = _lopti_two_ways(lambda: _chunks(tp, sp, pp, vpp),
+                                      lambda: [_batch(seed=20, confident=0.4, **micro)])
     return out
 
 
 def _head_oracle(model, data, tp, sp, last=True):
     """The output layer's float64 input rows of ``data``'s response tokens (one forward-only
-    pass of the stock engine, which every pipeline stage runs) and the gathered output weight,
-    for gbc_reference; None on a stage before the last."""
+    pass of the stock engine on this rank's chunks ``model``, which every pipeline stage runs;
+    verl's own split into micro-batches, in order) and the gathered output weight, for
+    gbc_reference; None on a stage before the last."""
     from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
                                                         gather_from_tensor_model_parallel_region)
+    from verl.workers.engine.utils import prepare_micro_batches
 
     from gbc_kernels.integrations.verl_megatron import response_rows
 
     if not last:
         _infer(_engine(model, gbc=False), data.clone())
         return None
-    with _mc().capture_head_input(model) as seen:
+    head = model[-1]                  # the chunk with the output layer
+    with _mc().capture_head_input(head) as seen:
         _infer(_engine(model, gbc=False), data.clone())
-    hidden = seen[0]
-    if sp and tp > 1:
-        hidden = gather_from_sequence_parallel_region(hidden)
-    rows, valid = response_rows(data, "bshd", hidden.transpose(0, 1).shape)
-    weight = gather_from_tensor_model_parallel_region(model.output_layer.weight.detach().t()).t()
-    return dict(hidden=hidden.transpose(0, 1).reshape(-1, H)[rows].detach(),
-                weight=weight.detach(), responses=_padded(data["responses"]),
-                mask=_padded(data["response_mask"]).bool() & valid,
+    micro, _ = prepare_micro_batches(data.clone())
+    assert len(seen) == len(micro)
+    responses = _padded(data["responses"])
+    B, T = responses.shape
+    hidden = torch.zeros(B, T, H, dtype=seen[0].dtype)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    start = 0
+    for h, mb in zip(seen, micro):
+        if sp and tp > 1:
+            h = gather_from_sequence_parallel_region(h)
+        rows, valid = response_rows(mb, "bshd", h.transpose(0, 1).shape)
+        b, t = rows.shape
+        hidden[start:start + b, :t] = h.transpose(0, 1).reshape(-1, H)[rows].detach()
+        mask[start:start + b, :t] = _padded(mb["response_mask"]).bool() & valid
+        start += b
+    assert start == B
+    weight = gather_from_tensor_model_parallel_region(head.output_layer.weight.detach().t()).t()
+    return dict(hidden=hidden, weight=weight.detach(), responses=responses, mask=mask,
                 advantages=_padded(data["advantages"]))
 
 
-@pytest.fixture(scope="module", params=[(1, False), (2, True)], ids=["pp2", "pp2_tp2_sp"])
+@pytest.fixture(scope="module", params=[(1, False, None), (2, True, None), (1, False, 2)],
+                ids=["pp2", "pp2_tp2_sp", "pp2_vpp2"])
 def pipelined(request):
-    tp, sp = request.param
-    return spawn_gloo(2 * tp, _pipeline_worker, tp, sp)
+    tp, sp, vpp = request.param
+    return spawn_gloo(2 * tp, _pipeline_worker, tp, sp, vpp)
 
 
 @pytest.mark.slow
 def test_pipeline_parallel_equals_verl_stock_engine(pipelined):
-    """Pipeline parallel 2 (and 2 × tensor parallel 2 with sequence parallelism, four ranks):
-    on the last stage gbc's loss, log-probs, entropy and verl's metrics equal the stock
+    """Pipeline parallel 2 (also × tensor parallel 2 with sequence parallelism, four ranks; and
+    with two virtual stages per rank, megatron's interleaved schedule): on the last stage gbc's loss, log-probs, entropy and verl's metrics equal the stock
     engine's, in training and in the forward-only pass; on every stage every parameter's
     gradient does (the first stage's through megatron's point-to-point backward)."""
     stages = {out["last"] for out in pipelined}
@@ -733,7 +769,7 @@ def test_pipeline_parallel_methods(pipelined):
             _close(a[k], b[k], 1e-9, f"rank {r} lopti {k}")
 
 
-def _bare_engine(options=None, mtp=False, modules=1, **config):
+def _bare_engine(options=None, mtp=False, **config):
     from verl.workers.config import McoreEngineConfig
 
     from gbc_kernels.integrations import verl_engine as ve
@@ -742,7 +778,7 @@ def _bare_engine(options=None, mtp=False, modules=1, **config):
     engine = object.__new__(vm.GBCMegatronEngineWithLMHead)
     engine.engine_config = McoreEngineConfig(**config)
     engine.model_config = types.SimpleNamespace(mtp=types.SimpleNamespace(enable=mtp))
-    engine.module = [None] * modules
+    engine.module = [None]
     engine.gbc_options = options or ve.EngineOptions()
     return engine
 
@@ -814,7 +850,6 @@ REFUSALS = {
     "context_parallel_size": dict(context_parallel_size=2),
     "dynamic_context_parallel": dict(dynamic_context_parallel=True,
                                      max_seqlen_per_dp_cp_rank=64),
-    "virtual_pipeline_model_parallel_size": dict(modules=2),
     "mtp.enable": dict(mtp=True),
 }
 

@@ -40,10 +40,6 @@ def _check_config(engine):
     if (ec.context_parallel_size or 1) > 1:
         raise ValueError(f"context_parallel_size: expected 1 for gbc's engine (the loss's "
                          f"sequence terms need whole sequences), got {ec.context_parallel_size}")
-    vpp = getattr(ec, "virtual_pipeline_model_parallel_size", None)
-    if (vpp or 1) > 1 or len(getattr(engine, "module", None) or [None]) > 1:
-        raise ValueError(f"virtual_pipeline_model_parallel_size: gbc's engine is untested with "
-                         f"virtual pipeline stages; expected None or 1, got {vpp}")
     if getattr(getattr(mc, "mtp", None), "enable", False):
         raise ValueError("mtp.enable: gbc's engine computes the next-token head only; set "
                          "actor_rollout_ref.model.mtp.enable=False")

@@ -51,25 +51,28 @@ def install_shims():
     torch_norm.WrappedTorchNorm.__new__ = new
 
 
-def init_parallel(tp: int, seed: int = 0, pp: int = 1):
+def init_parallel(tp: int, seed: int = 0, pp: int = 1, vpp=None):
     """megatron's process groups over the running gloo world: tensor parallel ``tp``, pipeline
-    parallel ``pp``, the rest data parallel."""
+    parallel ``pp`` (``vpp`` virtual stages per rank), the rest data parallel."""
     from megatron.core import parallel_state
 
     warnings.filterwarnings("ignore", category=UserWarning)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             pipeline_model_parallel_size=pp)
+                                             pipeline_model_parallel_size=pp,
+                                             virtual_pipeline_model_parallel_size=vpp)
     torch.manual_seed(seed)
 
 
 def tiny_gpt(vocab, hidden=32, layers=2, heads=4, seq=16, tp=1, sp=False, seed=0,
-             position="learned_absolute", dtype=torch.float32, tied=False, pp=1):
+             position="learned_absolute", dtype=torch.float32, tied=False, pp=1, vpp=None,
+             vp_stage=None):
     """A tiny ``GPTModel`` from megatron's local layer spec, initialised on the CPU from
     ``seed``: the same full weights for every tensor-parallel size (megatron initialises the
     master weight and splits it). With ``pp`` > 1 (after :func:`init_parallel` with the same
     ``pp``): this rank's pipeline stage, ``layers / pp`` of the layers, the embedding on the
-    first stage and the output layer on the last. ``variable_seq_lengths`` and the all-to-all
+    first stage and the output layer on the last; with ``vpp``, its virtual stage ``vp_stage``
+    (``layers / (pp · vpp)`` layers). ``variable_seq_lengths`` and the all-to-all
     token dispatcher as verl's engine sets them (the pipeline exchanges each micro-batch's
     shape)."""
     from megatron.core import parallel_state
@@ -84,14 +87,18 @@ def tiny_gpt(vocab, hidden=32, layers=2, heads=4, seq=16, tp=1, sp=False, seed=0
         tensor_model_parallel_size=tp, sequence_parallel=sp, bf16=False, fp16=False,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, init_method_std=0.05,
-        pipeline_model_parallel_size=pp, pipeline_dtype=dtype, variable_seq_lengths=True,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        pipeline_dtype=dtype, variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall")
     torch.manual_seed(seed)
     model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=vocab,
                      max_sequence_length=seq, position_embedding_type=position,
                      share_embeddings_and_output_weights=tied, parallel_output=True,
-                     pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage())
+                     pre_process=parallel_state.is_pipeline_first_stage(
+                         ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+                     post_process=parallel_state.is_pipeline_last_stage(
+                         ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+                     vp_stage=vp_stage)
     return model.to(dtype)
 
 
