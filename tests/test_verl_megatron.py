@@ -82,7 +82,7 @@ def _chunks(tp, sp, pp=1, vpp=None, seed=0, dtype=torch.float64):
     chunks = []
     for stage in range(vpp or 1):
         model = mc.tiny_gpt(VP, hidden=H, seq=32, layers=2 * (vpp or 1), tp=tp,
-                            sp=sp and tp > 1, seed=seed, dtype=dtype, pp=pp, vpp=vpp,
+                            sp=sp and tp > 1, seed=seed, dtype=dtype,
                             vp_stage=stage if vpp else None)
         model.config.finalize_model_grads_func = (
             lambda models, *a, **k: [mc.allreduce_sp_norm_grads(m, group) for m in models])
@@ -318,8 +318,6 @@ def _infer(engine, data, **flags):
 def _methods_worker(rank, world, tp, sp):
     """Forward-only passes (stock and gbc), critical-KL weights with the reference rows, a
     dispatch watcher, Lopti's two updates (train_batch and by hand), gbc's training loss."""
-    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-
     from gbc_kernels.integrations import verl_engine as ve
 
     out = {}
@@ -332,25 +330,14 @@ def _methods_worker(rank, world, tp, sp):
     # critical-token KL's reference pass, and the rows gbc_reference needs
     model = _setup(tp, sp)
     opts = ve.EngineOptions(critical_kl_exponent=0.5, critical_kl_temperature=0.25)
-    data = _batch(seed=8, micro=4)        # one micro-batch: one captured head input
+    data = _batch(seed=8, micro=4)
     from verl.utils import tensordict_utils as tu
     tu.assign_non_tensor(data, **{ve.CERTAINTY_KEY: {k: getattr(opts, k)
                                                      for k in ve.CRITICAL_KL_FIELDS}})
-    with _mc().capture_head_input(model) as seen:
-        res = _infer(_engine(model, options=opts), data)
-    assert len(seen) == 1
-    hidden = seen[0]
-    if sp and tp > 1:
-        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-        hidden = gather_from_sequence_parallel_region(hidden)
-    from gbc_kernels.integrations.verl_megatron import response_rows
-    rows, valid = response_rows(data, "bshd", hidden.transpose(0, 1).shape)
-    weight = gather_from_tensor_model_parallel_region(model.output_layer.weight.detach().t()).t()
+    res = _infer(_engine(model, options=opts), data)
     out["critical"] = dict(logp=_responses(res, "log_probs", data),
                            w=_responses(res, ve.KL_WEIGHT_KEY, data),
-                           hidden=hidden.transpose(0, 1).reshape(-1, H)[rows].detach(),
-                           weight=weight.detach(), responses=_padded(data["responses"]),
-                           mask=_padded(data["response_mask"]).bool() & valid)
+                           **_head_oracle([model], data, tp, sp))
     # no [N, V/tp] logits on gbc's path (a training step and a forward-only pass)
     os.environ["GBC_CHUNK_MB"] = "0.001"     # several chunks
     model = _setup(tp, sp)
@@ -367,6 +354,8 @@ def _methods_worker(rank, world, tp, sp):
                         n_tokens=int(_padded(data["response_mask"]).sum()))
     # gbc's thd rows against verl's own packing (preprocess_thd_engine, TP=2 alignment)
     from verl.models.mcore.util import preprocess_thd_engine
+
+    from gbc_kernels.integrations.verl_megatron import response_rows
     from test_verl_engine import make_batch
     packed = make_batch(10, 5, rmpad=True, vocab=VOCAB)
     labels, psp, _ = preprocess_thd_engine(packed["input_ids"], pre_process=True, need_roll=True)
@@ -479,11 +468,7 @@ def _nthr_worker(rank, world, tp, sp, beta):
     """NTHR's pass (dynamic micro-batches, so verl reorders the rows) with the oracle's inputs:
     the output layer's input rows of the batch from one forward-only pass, and the gathered
     output weight; then the training step with NTHR, by hand, and without."""
-    from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
-                                                        gather_from_tensor_model_parallel_region)
-
     from gbc_kernels.integrations import verl_engine as ve
-    from gbc_kernels.integrations.verl_megatron import response_rows
     from test_verl_engine import verl_on_cpu
 
     verl_on_cpu()           # verl's dynamic micro-batching asks for its device
@@ -494,18 +479,7 @@ def _nthr_worker(rank, world, tp, sp, beta):
         engine.gbc_nthr_pass(data)
     scale = data[ve.SCALE_KEY].clone()
     metrics = dict(engine._gbc_update_metrics)
-    whole = _batch(seed=11, B=NB, group=GROUP, micro=NB)       # one micro-batch, in order
-    with _mc().capture_head_input(model) as seen:
-        _infer(_engine(model), whole)
-    hidden = seen[0]
-    if sp and tp > 1:
-        hidden = gather_from_sequence_parallel_region(hidden)
-    rows, valid = response_rows(whole, "bshd", hidden.transpose(0, 1).shape)
-    weight = gather_from_tensor_model_parallel_region(model.output_layer.weight.detach().t()).t()
-    oracle = dict(hidden=hidden.transpose(0, 1).reshape(-1, H)[rows].detach(),
-                  weight=weight.detach(), responses=_padded(whole["responses"]),
-                  mask=_padded(whole["response_mask"]).bool() & valid,
-                  advantages=_padded(whole["advantages"]))
+    oracle = _head_oracle([model], _batch(seed=11, B=NB, group=GROUP, micro=NB), tp, sp)
     # the training step: with NTHR's scales = NTHR off with advantages * scale; != without
     steps = []
     for opts, adv_scale, keep in ((dict(nthr=True), None, True), ({}, scale, False),
@@ -603,7 +577,6 @@ def _pipeline_worker(rank, world, tp, sp, vpp=None):
     # interleaved: four micro-batches (with two, megatron's interleaved 1F1B hangs on gloo's
     # point-to-point ops, verl's stock engine alike)
     micro = dict(micro=1) if vpp else {}
-    last = None
     out = {"train": {}, "infer": {}}
     for gbc in (False, True):
         model = _chunks(tp, sp, pp, vpp)
@@ -712,9 +685,10 @@ def pipelined(request):
 @pytest.mark.slow
 def test_pipeline_parallel_equals_verl_stock_engine(pipelined):
     """Pipeline parallel 2 (also × tensor parallel 2 with sequence parallelism, four ranks; and
-    with two virtual stages per rank, megatron's interleaved schedule): on the last stage gbc's loss, log-probs, entropy and verl's metrics equal the stock
-    engine's, in training and in the forward-only pass; on every stage every parameter's
-    gradient does (the first stage's through megatron's point-to-point backward)."""
+    with two virtual stages per rank, megatron's interleaved schedule): on the last stage gbc's
+    loss, log-probs, entropy and verl's metrics equal the stock engine's, in training and in
+    the forward-only pass; on every stage every parameter's gradient does (the first stage's
+    through megatron's point-to-point backward)."""
     stages = {out["last"] for out in pipelined}
     assert stages == {False, True}
     for r, out in enumerate(pipelined):

@@ -65,13 +65,12 @@ def init_parallel(tp: int, seed: int = 0, pp: int = 1, vpp=None):
 
 
 def tiny_gpt(vocab, hidden=32, layers=2, heads=4, seq=16, tp=1, sp=False, seed=0,
-             position="learned_absolute", dtype=torch.float32, tied=False, pp=1, vpp=None,
-             vp_stage=None):
+             position="learned_absolute", dtype=torch.float32, tied=False, vp_stage=None):
     """A tiny ``GPTModel`` from megatron's local layer spec, initialised on the CPU from
     ``seed``: the same full weights for every tensor-parallel size (megatron initialises the
-    master weight and splits it). With ``pp`` > 1 (after :func:`init_parallel` with the same
-    ``pp``): this rank's pipeline stage, ``layers / pp`` of the layers, the embedding on the
-    first stage and the output layer on the last; with ``vpp``, its virtual stage ``vp_stage``
+    master weight and splits it). Under pipeline parallelism (:func:`init_parallel`'s ``pp``):
+    this rank's stage, ``layers / pp`` of the layers, the embedding on the first stage and the
+    output layer on the last; with virtual stages (``vpp``), its chunk ``vp_stage``
     (``layers / (pp · vpp)`` layers). ``variable_seq_lengths`` and the all-to-all
     token dispatcher as verl's engine sets them (the pipeline exchanges each micro-batch's
     shape)."""
@@ -79,6 +78,9 @@ def tiny_gpt(vocab, hidden=32, layers=2, heads=4, seq=16, tp=1, sp=False, seed=0
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
 
     cfg = TransformerConfig(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
