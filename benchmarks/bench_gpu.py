@@ -26,6 +26,7 @@ FLOP counts and the H100 roofline these numbers should be judged against.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -35,6 +36,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 SHAPES = {"qwen2.5-7b": (3584, 151936), "llama3-8b": (4096, 128256)}
+
+
+def _missing(exc):
+    raise exc
 
 
 def providers(c):
@@ -50,8 +55,12 @@ def providers(c):
                                                backend="triton")
         loss.backward()
     out["gbc_triton"] = ours
-    out["liger_chunked"] = make_provider("liger_compiled", c)
-    out["trl_chunked"] = make_provider("trl_chunked", c)
+    # a baseline whose package is not installed gets an error row, not a crash
+    for key, name in (("liger_chunked", "liger_compiled"), ("trl_chunked", "trl_chunked")):
+        try:
+            out[key] = make_provider(name, c)
+        except ImportError as exc:
+            out[key] = functools.partial(_missing, exc)
 
     def liger_triton():
         from liger_kernel.transformers.grpo_loss import triton_grpo_loss

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Everything to run when a GPU is at hand, in order of value: the GPU tests, the profile of one
-# step (Qwen2.5-7B and Llama-3-8B heads), then the side-by-side benchmark. Logs and CSVs go to
-# ${OUT:-runs/gpu}. Usage: bash benchmarks/gpu_session.sh [N list for bench_gpu.py]
+# Everything to run when a GPU is at hand, in order of value, each step under its own time limit
+# (the whole fits a 10-minute device call): the GPU tests, the long-context head benchmark
+# (bench_long_context.py, with SkyRL's fused head beside gbc's where GBC_SKYRL_FUSED names a
+# copy of SkyRL 0.3.0's fused_linear_logprob_triton.py), the side-by-side benchmark, then the
+# profile of one step (Qwen2.5-7B and Llama-3-8B heads). Logs and CSVs go to ${OUT:-runs/gpu}.
+# Usage: bash benchmarks/gpu_session.sh [N list for bench_gpu.py]
 set -u
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
-nlist=${1:-4096,8192}
+nlist=${1:-8192}
+export PYTHONUNBUFFERED=1
 # the device machine gets a copy of the working tree, not an installed package: import gbc_kernels
 # and gbc_reference from the tree (the GPU paths are Triton and torch; the C++ CPU extension is
 # optional and not built here)
@@ -14,9 +18,9 @@ if ! python -c "import gbc_kernels, gbc_reference" 2>/dev/null; then
 fi
 python -c "import gbc_kernels, gbc_reference" || { echo "gpu_session.sh: cannot import gbc_kernels / gbc_reference from $PWD"; exit 1; }
 python -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
-timeout 150 python -m pytest -q -s tests/test_gpu.py 2>&1 | tail -15 | tee "$out/gpu_tests.log"
-timeout 120 python benchmarks/profile_gpu.py --shape qwen2.5-7b --N 8192 --chunk-mb default,2048 \
+timeout 120 python -m pytest -q -s -x tests/test_gpu.py 2>&1 | tail -15 | tee "$out/gpu_tests.log"
+timeout 210 python benchmarks/bench_long_context.py --out "$out/long_context.csv" 2>&1 \
+    | grep -v USDT | tee "$out/long_context.log"
+timeout 150 python benchmarks/bench_gpu.py --N "$nlist" --out "$out/gpu.csv" 2>&1 | tail -30
+timeout 60 python benchmarks/profile_gpu.py --shape qwen2.5-7b --N 8192 --chunk-mb default,256 \
     2>&1 | tee "$out/profile_qwen.log"
-timeout 90 python benchmarks/profile_gpu.py --shape llama3-8b --N 8192 2>&1 \
-    | tee "$out/profile_llama.log"
-timeout 300 python benchmarks/bench_gpu.py --N "$nlist" --out "$out/gpu.csv" 2>&1 | tail -30
