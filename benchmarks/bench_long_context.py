@@ -5,6 +5,7 @@ backward), at S = 32k ... 256k tokens, V = 151,936 and 248,320, vocabulary shard
     python benchmarks/bench_long_context.py [--S 32768,65536,131072,262144]
         [--V 151936,248320] [--tp 1,4,8] [--H 2048] [--chunk-mb default,256]
         [--skyrl PATH/fused_linear_logprob_triton.py] [--out runs/bench/long_context.csv]
+    python benchmarks/bench_long_context.py --table benchmarks/results/long_context.csv
 
 Providers, on the same bf16 inputs (one sequence of S tokens, all masked in):
   gbc      gbc_kernels.fused_linear_policy_loss (backend "auto": Triton on CUDA), for each
@@ -171,9 +172,43 @@ def is_oom(exc):
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
+def table(path, V=248320, tps=(4, 8, 1)):
+    """The README's table from a CSV this script wrote: per S and TP at vocabulary ``V``, each
+    provider's time and working memory (the last row of each key wins)."""
+    import csv
+
+    rows = {}
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            if int(r["V"]) == V:
+                rows[(int(r["tp"]), int(r["S"]), r["provider"])] = r
+    provs = ["gbc", "gbc@256MB", "eager", "skyrl"]
+    print(f"| TP (V shard) | S | " + " | ".join(f"{p} ms / work MiB" for p in provs)
+          + " | gbc@256MB: work / skyrl's, time / eager's |")
+    print("|---|---|" + "---|" * (len(provs) + 1))
+    for tp in tps:
+        for S in sorted({k[1] for k in rows if k[0] == tp}):
+            cells = []
+            for p in provs:
+                r = rows.get((tp, S, p))
+                if r is None:
+                    cells.append("")
+                elif r["status"] != "measured":
+                    cells.append(f"OOM (computed {int(r['work_mb']) / 1024:.0f} GiB)")
+                else:
+                    cells.append(f"{float(r['time_ms']):.0f} / {r['work_mb']}")
+            r = rows.get((tp, S, "gbc@256MB"))
+            ratio = "" if r is None else (f"{r['work_over_skyrl'] or '-'}, "
+                                          f"{r['ratio_time_to_eager'] or '-'}")
+            Vl = next(rows[k]["V_shard"] for k in rows if k[0] == tp)
+            print(f"| {tp} ({Vl}) | {S // 1024}k | " + " | ".join(cells) + f" | {ratio} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--table", metavar="CSV",
+                    help="print the README's markdown table of a CSV this script wrote, and exit")
     ap.add_argument("--S", default="32768,65536,131072,262144")
     ap.add_argument("--V", default="151936,248320")
     ap.add_argument("--tp", default="8,4,1")
@@ -187,6 +222,9 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=os.path.join("runs", "bench", "long_context.csv"))
     args = ap.parse_args()
+    if args.table:
+        table(args.table)
+        return 0
     device = torch.device(args.device)
     dtype = torch.bfloat16
     want = set(args.providers.split(","))
