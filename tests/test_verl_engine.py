@@ -709,6 +709,7 @@ def test_nthr_hook_runs_before_verl_update(tmp_path):
 
         def gbc_nthr_pass(self, data, defaults):
             calls.append(("pass", defaults["micro_batch_size_per_gpu"]))
+            self._gbc_update_metrics = {"actor/gbc_nthr_selected_frac": 0.5}
 
     ec = SimpleNamespace(use_dynamic_bsz=False, infer_max_token_len_per_gpu=64,
                          infer_micro_batch_size_per_gpu=None, micro_batch_size_per_gpu=3,
@@ -719,9 +720,12 @@ def test_nthr_hook_runs_before_verl_update(tmp_path):
     data = make_batch(1, 4)
     assert hooked(worker, data) == "out"
     assert calls == ["eval_mode", ("pass", 3), "verl"]
+    assert worker.engine._gbc_update_metrics == {"actor/gbc_nthr_selected_frac": 0.5}
     calls.clear()
     Engine.gbc_options = ve.EngineOptions()
     assert hooked(worker, data) == "out" and calls == ["verl"]
+    # NTHR off on the next update: its metrics of the update before are not logged again
+    assert worker.engine._gbc_update_metrics == {}
 
 
 def _certainty_worker(rank, world, model_dir, exponent):

@@ -280,6 +280,8 @@ def _nthr_before_update(original):
     @functools.wraps(original)
     def train_mini_batch(self, data):
         engine = getattr(self, "engine", None)
+        if isinstance(engine, EngineMethods):
+            engine._gbc_update_metrics = {}     # a metric describes its own update only
         if (isinstance(engine, EngineMethods) and engine.gbc_options.nthr
                 and _is_ppo_loss(getattr(self, "loss_fn", None))):
             from verl.utils import tensordict_utils as tu
