@@ -279,13 +279,15 @@ class NTHRBatch:
         self.rows, self.head, self.temperatures = [], None, set()
 
     def add(self, index, hidden, targets, valid, head, logit_softcap=None, temperature=1.0,
-            vocab_parallel=None):
+            vocab_parallel=None, logp=None):
         """One micro-batch, inside its forward: rows ``index`` of the batch, ``hidden [b, t, H]``
         (``t`` up to the batch's T), ``targets`` and ``valid`` ``[b, t]``, ``head`` (``weight``,
         ``bias``) as the forward holds it; ``temperature``: a float or per-sample ``[b]``.
         ``vocab_parallel``: ``head`` is this rank's slice (a :class:`gbc_kernels.VocabParallel`;
         every rank of its group adds the same micro-batches): the rows of ``token_ids`` are
-        assembled from every slice. Returns the micro-batch's log-probs ``[b, t]``."""
+        assembled from every slice. ``logp``: the micro-batch's log-probs ``[b, t]`` when the
+        forward already computed them with these arguments (the trainer's old-policy pass),
+        else computed here. Returns the micro-batch's log-probs ``[b, t]``."""
         weight = head.weight.detach()
         bias = None if head.bias is None else head.bias.detach()
         if self.head is None:
@@ -301,15 +303,49 @@ class NTHRBatch:
         temps = temperature.unique().tolist() if isinstance(temperature, torch.Tensor) \
             else [temperature]
         self.temperatures.update(float(t) for t in temps)
-        logp = fused_linear_logprobs(hidden, weight, targets, bias, temperature,
-                                     backend=self.backend, logit_softcap=logit_softcap,
-                                     vocab_parallel=vocab_parallel)[0]
+        if logp is None:
+            logp = fused_linear_logprobs(hidden, weight, targets, bias, temperature,
+                                         backend=self.backend, logit_softcap=logit_softcap,
+                                         vocab_parallel=vocab_parallel)[0]
         index = torch.as_tensor(index, dtype=torch.long, device=hidden.device)
         # a view would keep the forward's whole hidden states (prompt rows included) alive
         h = hidden.detach()
         self.rows.append((index, h.clone() if h._base is not None else h, targets, valid,
                           logp.float()))
         return logp
+
+    def take(self, source_rows: torch.Tensor) -> bool:
+        """Renumber the rows to another batch's: its row ``u`` is this batch's row
+        ``source_rows[u]`` (a row may feed several, e.g. equal samples). False, and nothing
+        changed, when a row of the other batch has no source here."""
+        source_rows = torch.as_tensor(source_rows, dtype=torch.long).cpu()
+        found = torch.zeros(source_rows.numel(), dtype=torch.bool)
+        taken = []
+        for index, h, y, v, lp in self.rows:
+            j, u = (index.cpu()[:, None] == source_rows[None, :]).nonzero(as_tuple=True)
+            found[u] = True
+            if u.numel():
+                jj = j.to(h.device)
+                taken.append((u.to(h.device), h[jj], y[jj], v[jj], lp[jj]))
+        if not bool(found.all()):
+            return False
+        self.rows = taken
+        return True
+
+    def to(self, device) -> "NTHRBatch":
+        """Everything held (the rows and the head's rows) moved to ``device``, in place."""
+        self.rows = [tuple(t.to(device, non_blocking=True) for t in row) for row in self.rows]
+        if self.head is not None:
+            w, b, softcap = self.head
+            self.head = (w.to(device), None if b is None else b.to(device), softcap)
+        return self
+
+    def nbytes(self) -> int:
+        """Bytes held: the micro-batches' rows and the head's rows."""
+        held = [t for row in self.rows for t in row]
+        if self.head is not None:
+            held += [t for t in self.head[:2] if t is not None]
+        return sum(t.numel() * t.element_size() for t in held)
 
     def result(self, mask, group_ids, advantages, options: MethodOptions):
         """``(NTHRResult, metrics)`` of the whole batch: ``mask`` ``[B, T]``, ``group_ids``

@@ -59,6 +59,41 @@ def _stable_id(uid) -> int:
     return int.from_bytes(digest, "little") & ((1 << 62) - 1)
 
 
+def _row_keys(data) -> list:
+    """One key per sample of a batch: its group id (``uid``), prompt length and token ids. Two
+    samples share a key only when they are the same sequence (then their forwards are equal), so
+    the key finds a sample's row in another batch of the same samples in any order (verl's
+    ``balance_batch``, its data-parallel split)."""
+    import hashlib
+
+    from verl.utils import tensordict_utils as tu
+
+    uids, ids = tu.get(data, "uid"), data["input_ids"]
+    offsets, values = ids.offsets().tolist(), ids.values().cpu().numpy()
+    plens = _lengths(data)[0].tolist()
+    return [hashlib.blake2b(f"{u}|{p}|".encode() + values[a:b].tobytes(),
+                            digest_size=16).digest()
+            for u, p, a, b in zip(uids, plens, offsets[:-1], offsets[1:])]
+
+
+def _temperatures(data) -> set:
+    t = _temperature(data)
+    return set(t.unique().tolist()) if isinstance(t, torch.Tensor) else {float(t)}
+
+
+def _every_rank(flag: bool, group) -> bool:
+    """``flag`` on every rank of ``group`` (:func:`gbc_kernels.methods.data_parallel_group`'s
+    form): the ranks take the same branch, as a collective inside it needs."""
+    if group is None:
+        return flag
+    import torch.distributed as dist
+
+    pg = None if group == "world" else group
+    every = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(every, bool(flag), group=pg)
+    return all(every)
+
+
 def _check_method_fields(opts, cfg, micro_batch):
     """NTHR and critical KL read fields their no-grad passes put in the batch: refused, with
     what is missing, rather than run as plain GRPO."""
@@ -154,6 +189,11 @@ class EngineMethods:
     gbc_options: EngineOptions = EngineOptions()
     _gbc_phase: Optional[str] = None
     _gbc_update_metrics: dict = {}    # NTHR's, logged with the update's micro-batches
+    # NTHR from the old-log-prob pass: whether the engine's forward-only step can keep NTHR's
+    # inputs, the batch it is filling during that pass, and what it kept (until the update)
+    _gbc_keeps_nthr = False
+    _gbc_keeping: Optional[methods.NTHRBatch] = None
+    _gbc_nthr_kept = None
 
     def _gbc_loss_inputs(self, micro_batch, loss_function, valid) -> dict:
         """The fused loss's keyword arguments for a training ``micro_batch`` beside the hidden
@@ -203,6 +243,57 @@ class EngineMethods:
                                        dp_group=self.get_data_parallel_group())
         return metrics
 
+    # -- NTHR: its inputs kept from verl's old-log-prob pass ----------------------------------
+    def gbc_nthr_keep_begin(self, data) -> bool:
+        """Before verl's forward-only pass over ``data`` on the policy NTHR scores (its
+        ``compute_log_prob``): the engine's step keeps each micro-batch's response rows (hidden
+        states, targets, log-probs) and, once, the head's rows of the batch's token ids. False
+        when this engine cannot (the update then runs its own pass)."""
+        self._gbc_nthr_kept = None
+        if not self._gbc_keeps_nthr:
+            return False
+        responses = data["responses"]
+        data[NTHR_ROW_KEY] = torch.arange(len(data), device=responses.device)
+        self._gbc_keeping = methods.NTHRBatch(
+            responses.values() if responses.is_nested else responses,
+            methods.data_parallel_group(self.get_data_parallel_group()),
+            self.gbc_options.backend)
+        return True
+
+    def gbc_nthr_keep_end(self, data, completed: bool = True):
+        """After that pass: what was kept is held with each row's key (:func:`_row_keys`) until
+        the update; on the CPU when the engine offloads its parameters."""
+        batch, self._gbc_keeping = self._gbc_keeping, None
+        if NTHR_ROW_KEY in data.keys():
+            del data[NTHR_ROW_KEY]
+        if not completed or batch is None or not batch.rows:
+            return
+        device = batch.rows[0][1].device
+        if getattr(self, "is_param_offload_enabled", False):
+            batch.to("cpu")
+        self._gbc_nthr_kept = dict(batch=batch, keys=_row_keys(data), device=device,
+                                   temperatures=set(batch.temperatures), nbytes=batch.nbytes())
+
+    def gbc_nthr_from_kept(self, data) -> bool:
+        """NTHR's token scales of the update batch ``data`` from what the old-log-prob pass
+        kept, into ``data["gbc_token_scale"]``: True; False (on every rank alike, nothing
+        changed) when some row of ``data`` was not kept, its temperature differs, or nothing
+        was kept (verl skipped that pass) -- the caller then runs :meth:`gbc_nthr_pass`."""
+        kept, self._gbc_nthr_kept = self._gbc_nthr_kept, None
+        group = methods.data_parallel_group(self.get_data_parallel_group())
+        source = None
+        if kept is not None and _temperatures(data) == kept["temperatures"]:
+            where = {k: i for i, k in enumerate(kept["keys"])}
+            source = [where.get(k) for k in _row_keys(data)]
+            source = None if None in source else source
+        if not _every_rank(source is not None, group):
+            return False
+        batch = kept["batch"].to(kept["device"])
+        batch.take(torch.tensor(source, dtype=torch.long))
+        self._gbc_nthr_score(data, batch)
+        self._gbc_update_metrics["actor/gbc_nthr_kept_mb"] = kept["nbytes"] / 2 ** 20
+        return True
+
     # -- NTHR: one no-grad old-policy pass over the rank's update batch ----------------------
     @torch.no_grad()
     def gbc_nthr_pass(self, data, defaults=None):
@@ -229,12 +320,29 @@ class EngineMethods:
                                   self.gbc_options.backend)
         if not self._gbc_nthr_forward(view, batch):
             return None
-        gids = torch.tensor([_stable_id(u) for u in uids], dtype=torch.long)
+        return self._gbc_nthr_score(data, batch)
+
+    @torch.no_grad()
+    def _gbc_nthr_score(self, data, batch):
+        """NTHR's scales of ``data`` (its rows numbered as ``batch``'s) into
+        ``data["gbc_token_scale"]``, its metrics into the update's."""
+        from verl.utils import tensordict_utils as tu
+
+        gids = torch.tensor([_stable_id(u) for u in tu.get(data, "uid")], dtype=torch.long)
         res, metrics = batch.result(data["response_mask"], gids, data["advantages"],
                                     self.gbc_options)
         data[SCALE_KEY] = res.scale.to(data["advantages"].device)
         self._gbc_update_metrics = {f"actor/gbc_{k}": float(v) for k, v in metrics.items()}
         return res
+
+    # the parameters change: what the old-log-prob pass kept no longer describes them
+    def optimizer_step(self):
+        self._gbc_nthr_kept = None
+        return super().optimizer_step()
+
+    def load_checkpoint(self, *args, **kwargs):
+        self._gbc_nthr_kept = None
+        return super().load_checkpoint(*args, **kwargs)
 
     def _gbc_nthr_forward(self, view, batch) -> bool:
         raise NotImplementedError
@@ -294,12 +402,46 @@ def _nthr_before_update(original):
                 micro_batch_size_per_gpu=(ec.infer_micro_batch_size_per_gpu
                                           or ec.micro_batch_size_per_gpu),
                 use_fused_kernels=ec.use_fused_kernels)
-            offload = tu.get(data, key="disable_auto_offload", default=False)
-            with engine.eval_mode(disable_auto_offload=offload):
-                engine.gbc_nthr_pass(data, defaults)
+            kept = engine.gbc_nthr_from_kept(data)
+            if not kept:                 # verl ran no old-log-prob pass on this policy
+                offload = tu.get(data, key="disable_auto_offload", default=False)
+                with engine.eval_mode(disable_auto_offload=offload):
+                    engine.gbc_nthr_pass(data, defaults)
+            engine._gbc_update_metrics = {**engine._gbc_update_metrics,
+                                          "actor/gbc_nthr_second_forward": float(not kept)}
         return original(self, data)
 
     return train_mini_batch
+
+
+def _nthr_keep_on_infer(original):
+    """verl's ``TrainingWorker.infer_batch`` that, on the actor with NTHR on, keeps NTHR's inputs
+    from its old-log-prob pass (``compute_log_prob``: no loss, the policy itself, not the
+    reference through a disabled adapter) for the update that follows."""
+
+    @functools.wraps(original)
+    def infer_batch(self, data):
+        from verl.utils import tensordict_utils as tu
+
+        engine = getattr(self, "engine", None)
+        if not (isinstance(engine, EngineMethods) and engine.gbc_options.nthr
+                and _is_ppo_loss(getattr(self, "loss_fn", None))
+                and not tu.get(data, key="compute_loss", default=True)
+                and not tu.get(data, key="no_lora_adapter", default=False)
+                and tu.get(data, key=CERTAINTY_KEY, default=None) is None
+                and "responses" in data.keys() and tu.get(data, key="uid") is not None):
+            return original(self, data)
+        if not engine.gbc_nthr_keep_begin(data):
+            return original(self, data)
+        completed = False
+        try:
+            out = original(self, data)
+            completed = True
+        finally:
+            engine.gbc_nthr_keep_end(data, completed)
+        return out
+
+    return infer_batch
 
 
 def compute_ref_log_prob(trainer, batch):
@@ -369,6 +511,7 @@ TRAINER_MODULE = "verl.trainer.ppo.ray_trainer"
 def _patch_worker(module):
     cls = module.TrainingWorker
     _PATCHES.set(cls, "train_mini_batch", _nthr_before_update(cls.train_mini_batch))
+    _PATCHES.set(cls, "infer_batch", _nthr_keep_on_infer(cls.infer_batch))
 
 
 def _patch_trainer(module):

@@ -32,6 +32,8 @@ def _check_supported(engine, micro_batch):
 class GBCEngineMixin(EngineMethods):
     """The gbc forward step on top of one of verl's FSDP engines with an lm_head."""
 
+    _gbc_keeps_nthr = True      # its forward-only step keeps NTHR's inputs (verl_engine)
+
     # -- the one forward --------------------------------------------------------------------
     def _gbc_forward(self, micro_batch, head_fn):
         """verl's forward of ``micro_batch`` (its inputs, autocast, the wrapped module) with the
@@ -93,6 +95,8 @@ class GBCEngineMixin(EngineMethods):
     # -- forward only: log-probs, entropy, sum of squared probabilities ---------------------
     def _gbc_infer_step(self, micro_batch):
         certainty = _flag(micro_batch, CERTAINTY_KEY, None)
+        # the old-log-prob pass with NTHR on: the response rows are kept for NTHR's scoring
+        keep = self._gbc_keeping if NTHR_ROW_KEY in micro_batch.keys() else None
 
         def head_fn(hidden2d, rows, inner):
             h, head = self._head_rows(hidden2d, rows, inner)
@@ -109,6 +113,9 @@ class GBCEngineMixin(EngineMethods):
                     h, head.weight, rows.targets, head.bias,
                     return_entropy=bool(_flag(micro_batch, "calculate_entropy")),
                     return_sum_p2=bool(_flag(micro_batch, "calculate_sum_pi_squared")), **kw)
+                if keep is not None:
+                    keep.add(micro_batch[NTHR_ROW_KEY], h, rows.targets, rows.valid, head,
+                             kw["logit_softcap"], kw["temperature"], logp=out[0])
             return None, dict(zip(("log_probs", "entropy", "sum_pi_squared"), out))
 
         micro_batch, rows, (_, out), _ = self._gbc_forward(micro_batch, head_fn)
