@@ -88,7 +88,7 @@ def _kept_worker(rank, world, model_dir, mode, rows_of):
 
     forwards[0] = 0
     assert ve._nthr_before_update(train_mini_batch)(worker, update) == "verl"
-    out["metrics"] = dict(engine._gbc_update_metrics)
+    out["metrics"] = {**engine._gbc_update_metrics, **engine._gbc_pass_metrics}
     # today's pass on the same parameters and batch, then the same update
     today = update.clone()
     del today[ve.SCALE_KEY]

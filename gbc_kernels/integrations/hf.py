@@ -187,13 +187,17 @@ def _through_head(model, inner, input_ids, attention_mask, T, compute, model_kwa
 def policy_loss_through_forward(model, input_ids, attention_mask, completion_len: int, mask,
                                 advantages, old_logp=None, ref_logp=None, config=None,
                                 unwrapped=None, return_outputs: bool = False,
-                                model_kwargs: Optional[dict] = None, **loss_kwargs):
+                                model_kwargs: Optional[dict] = None, old_policy=None,
+                                **loss_kwargs):
     """:func:`gbc_kernels.fused_linear_policy_loss` over the last ``completion_len = T`` tokens,
     computed inside ``model``'s forward (wrapped by DDP, accelerate, FSDP2, ZeRO-3, or PEFT:
     every wrapper's hooks run as usual; docs/math.md §11); no ``[B, T, V]`` logits. ``mask``,
     ``advantages``, ``old_logp``, ``ref_logp``, ``loss_kwargs``: as the loss takes them
     (``[B, T]``); the model's soft-capping applies unless ``config`` sets its own;
-    ``model_kwargs`` go to the forward. Returns ``(loss, metrics[, outputs])``."""
+    ``model_kwargs`` go to the forward. ``old_policy``: this forward's policy is the old one
+    (on policy, the first update): :func:`old_policy_head`'s ``compute`` runs on its hidden
+    states first and its NTHR scales are the loss's ``token_scale``. Returns ``(loss,
+    metrics[, outputs])``."""
     import dataclasses
 
     import gbc_kernels as gbc
@@ -208,6 +212,9 @@ def policy_loss_through_forward(model, input_ids, attention_mask, completion_len
 
     def compute(h):
         head = lm_head(inner)         # the weight as the wrapper holds it right now
+        if old_policy is not None:
+            loss_kwargs["token_scale"] = old_policy(h.detach().to(head.weight.dtype), head,
+                                                    cap).token_scale
         loss, metrics = gbc.fused_linear_policy_loss(   # h cast: autocast output, fp32 head
             h.to(head.weight.dtype), head.weight, input_ids[:, -T:], mask, advantages,
             old_logp=old_logp, ref_logp=ref_logp, bias=head.bias, config=cfg, **loss_kwargs)
@@ -280,6 +287,20 @@ def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=N
     token scales from the same hidden states; correct responses: ``correct`` [B], or the method
     layer's rule on ``advantages`` (docs/methods.md). ``model_kwargs``: more forward inputs
     (a vision-language model's images)."""
+    if not nthr and old_logp is not None:          # nothing to compute: no forward
+        return OldPolicyPass(old_logp, None, None)
+    compute = old_policy_head(targets, mask, group_ids, correct, temperature, nthr, nthr_beta,
+                              nthr_eta, backend, old_logp, advantages)
+    return in_head(model, input_ids, attention_mask, completion_len, model_kwargs, compute)
+
+
+def old_policy_head(targets, mask, group_ids=None, correct=None, temperature=1.0, nthr=False,
+                    nthr_beta=1.0, nthr_eta="auto", backend="auto", old_logp=None,
+                    advantages=None):
+    """The head's part of :func:`old_policy_pass` (same arguments): ``compute(h, head, softcap)
+    -> OldPolicyPass`` on the old policy's hidden states ``h [B, T, H]``, no grad. Run inside
+    the pass's forward, or inside a forward that already runs on the old policy (the on-policy
+    update's, :func:`policy_loss_through_forward`'s ``old_policy``)."""
     import gbc_kernels as gbc
     from gbc_kernels import methods
 
@@ -289,9 +310,8 @@ def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=N
         if group_ids is None or correct is None:
             raise ValueError("group_ids, correct: required when nthr=True (correct: or "
                              "advantages)")
-    elif old_logp is not None:          # nothing to compute: no forward
-        return OldPolicyPass(old_logp, None, None)
 
+    @torch.no_grad()
     def compute(h, head, cap):
         logp = old_logp
         if logp is None:
@@ -303,7 +323,7 @@ def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=N
             logit_softcap=cap)
         return OldPolicyPass(logp, None if res is None else res.scale, res)
 
-    return in_head(model, input_ids, attention_mask, completion_len, model_kwargs, compute)
+    return compute
 
 
 @torch.no_grad()

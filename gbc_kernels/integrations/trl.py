@@ -130,11 +130,17 @@ def _logit_scale(model) -> float:
 
 # Lopti on-policy: the old policy's log-probs, fixed at the rollout for both updates
 OLD_LOGP_KEY = "gbc_old_logp"
+# NTHR on policy inside the update's forward: each completion's group (num_generations)
+NTHR_GROUP_KEY = "gbc_nthr_group"
 
 
 class GBCGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` whose loss is :func:`gbc_kernels.fused_linear_policy_loss`; ``args``:
     a :class:`GBCGRPOConfig` (a plain ``GRPOConfig``: every gbc option off)."""
+
+    # NTHR on policy: scored inside the update's forward where it can be (_gbc_nthr_in_update);
+    # False: always by a pass at the rollout (its scales are the same)
+    _gbc_nthr_in_forward = True
 
     def __init__(self, model, reward_funcs, args: Optional[GRPOConfig] = None, *a, **kw):
         if args is not None:
@@ -245,18 +251,22 @@ class GBCGRPOTrainer(GRPOTrainer):
             # TRL's own old-policy log-probs when it computed them (num_iterations > 1, vLLM);
             # on-policy, this pass fixes them before Lopti's first update
             trl_old = out.get("old_per_token_logps")
-            res = hf.old_policy_pass(                              # no-grad passes
-                self.accelerator.unwrap_model(self.model), input_ids, attention_mask,
-                completion_ids, mask, temperature=self._gbc_temperature,
-                backend=args.gbc_backend, completion_len=T, old_logp=trl_old,
-                model_kwargs=model_kwargs, **nthr)
-            if trl_old is None and opts.lopti_eta is not None:
-                out[OLD_LOGP_KEY] = res.old_logp
-            if opts.nthr:
-                out["gbc_token_scale"] = res.token_scale
-                frac = methods.nthr_metrics(res.nthr, out["advantages"], mask)
-                self._metrics["train"]["gbc/nthr_selected"].append(
-                    self.accelerator.gather(frac["nthr_selected_frac"]).mean().item())
+            if self._gbc_nthr_in_update(trl_old, model_kwargs):
+                # the update's one forward runs on this policy, each micro-batch whole groups:
+                # NTHR there, from its hidden states (no pass here)
+                out[NTHR_GROUP_KEY] = nthr["group_ids"]
+                nthr = {}
+            if nthr or opts.lopti_eta is not None:
+                res = hf.old_policy_pass(                          # no-grad passes
+                    self.accelerator.unwrap_model(self.model), input_ids, attention_mask,
+                    completion_ids, mask, temperature=self._gbc_temperature,
+                    backend=args.gbc_backend, completion_len=T, old_logp=trl_old,
+                    model_kwargs=model_kwargs, **nthr)
+                if trl_old is None and opts.lopti_eta is not None:
+                    out[OLD_LOGP_KEY] = res.old_logp
+                if nthr:
+                    out["gbc_token_scale"] = res.token_scale
+                    self._gbc_log_nthr(res.nthr, out["advantages"], mask)
         if crit:
             ref_model, ctx = self.ref_model, contextlib.nullcontext()
             if ref_model is None:       # PEFT: the base model, adapter disabled (as TRL does)
@@ -269,6 +279,23 @@ class GBCGRPOTrainer(GRPOTrainer):
                     completion_len=T, model_kwargs=model_kwargs, options=opts)
             out["gbc_kl_weight"] = ref.kl_weight
         return out
+
+    def _gbc_nthr_in_update(self, trl_old, model_kwargs) -> bool:
+        """NTHR inside the update's forward rather than a pass at the rollout: on policy (TRL
+        computed no old log-probs: ``num_iterations == 1``, no vLLM ones), no Lopti (its pass
+        runs anyway and gives NTHR's scales with it), ``steps_per_generation == 1`` (the one
+        micro-batch is this process's whole generation batch, so whole groups: TRL shuffles
+        the rows before splitting them), a text-only batch (a vision-language batch keeps the
+        pass; not done for it yet)."""
+        opts = self.gbc_methods
+        return (self._gbc_nthr_in_forward and opts.nthr and trl_old is None
+                and opts.lopti_eta is None and self.args.steps_per_generation == 1
+                and not model_kwargs)
+
+    def _gbc_log_nthr(self, result, advantages, mask):
+        frac = methods.nthr_metrics(result, advantages, mask)
+        self._metrics["train"]["gbc/nthr_selected"].append(
+            self.accelerator.gather(frac["nthr_selected_frac"]).mean().item())
 
     # ---------------------------------------------------------------- Lopti: two updates per step
     def _prepare_inputs(self, generation_batch):
@@ -351,6 +378,22 @@ class GBCGRPOTrainer(GRPOTrainer):
             else completion_mask * inputs["tool_mask"]
 
         token_scale = inputs.get("gbc_token_scale")
+        old_policy, nthr = None, {}
+        groups = inputs.get(NTHR_GROUP_KEY)
+        if mode == "train" and groups is not None:       # NTHR in this forward (rollout)
+            counts = torch.unique(groups, return_counts=True)[1]
+            if (counts != self.num_generations).any():
+                raise RuntimeError("gbc_nthr: a micro-batch without whole groups reached "
+                                   "NTHR's in-forward scoring")
+            head_fn = hf.old_policy_head(
+                completion_ids, mask, group_ids=groups, advantages=inputs["advantages"],
+                temperature=self._gbc_temperature, nthr=True,
+                nthr_beta=self.gbc_methods.nthr_beta, nthr_eta=self.gbc_methods.nthr_eta,
+                backend=args.gbc_backend)
+
+            def old_policy(h, head, cap):
+                nthr["pass"] = head_fn(h, head, cap)
+                return nthr["pass"]
         old_logp = inputs.get("old_per_token_logps")
         if old_logp is None:
             old_logp = inputs.get(OLD_LOGP_KEY)
@@ -397,8 +440,10 @@ class GBCGRPOTrainer(GRPOTrainer):
                 model_kwargs=extra, token_scale=token_scale,
                 kl_weight=inputs.get("gbc_kl_weight"), phase=self._gbc_phase,
                 num_items_in_batch=num_items, backend=args.gbc_backend, is_ratio=is_ratio,
-                sampling_logp=sampling,
+                sampling_logp=sampling, old_policy=old_policy,
                 data_parallel_group="world" if self.accelerator.num_processes > 1 else None)
+        if "pass" in nthr:
+            self._gbc_log_nthr(nthr["pass"].nthr, inputs["advantages"], mask)
         if lt not in NUM_ITEMS_LOSS_TYPES:
             loss = loss / accumulation
         if self._entropy_bonus_enabled:

@@ -189,6 +189,7 @@ class EngineMethods:
     gbc_options: EngineOptions = EngineOptions()
     _gbc_phase: Optional[str] = None
     _gbc_update_metrics: dict = {}    # NTHR's, logged with the update's micro-batches
+    _gbc_pass_metrics: dict = {}      # where NTHR's inputs came from, logged alike
     # NTHR from the old-log-prob pass: whether the engine's forward-only step can keep NTHR's
     # inputs, the batch it is filling during that pass, and what it kept (until the update)
     _gbc_keeps_nthr = False
@@ -230,6 +231,7 @@ class EngineMethods:
             if name in gbc_metrics:
                 metrics[f"actor/gbc_{name}"] = float(gbc_metrics[name])
         metrics.update(self._gbc_update_metrics)
+        metrics.update(self._gbc_pass_metrics)
         return metrics
 
     def _verl_metrics(self, loss_function, micro_batch, model_output, rng):
@@ -266,9 +268,9 @@ class EngineMethods:
         batch, self._gbc_keeping = self._gbc_keeping, None
         if NTHR_ROW_KEY in data.keys():
             del data[NTHR_ROW_KEY]
-        if not completed or batch is None or not batch.rows:
+        if not completed or batch is None:
             return
-        device = batch.rows[0][1].device
+        device = batch.rows[0][1].device if batch.rows else None
         if getattr(self, "is_param_offload_enabled", False):
             batch.to("cpu")
         self._gbc_nthr_kept = dict(batch=batch, keys=_row_keys(data), device=device,
@@ -280,9 +282,11 @@ class EngineMethods:
         changed) when some row of ``data`` was not kept, its temperature differs, or nothing
         was kept (verl skipped that pass) -- the caller then runs :meth:`gbc_nthr_pass`."""
         kept, self._gbc_nthr_kept = self._gbc_nthr_kept, None
+        if kept is None:        # alike on every rank: verl runs that pass on all or on none
+            return False
         group = methods.data_parallel_group(self.get_data_parallel_group())
         source = None
-        if kept is not None and _temperatures(data) == kept["temperatures"]:
+        if _temperatures(data) == kept["temperatures"]:
             where = {k: i for i, k in enumerate(kept["keys"])}
             source = [where.get(k) for k in _row_keys(data)]
             source = None if None in source else source
@@ -291,7 +295,8 @@ class EngineMethods:
         batch = kept["batch"].to(kept["device"])
         batch.take(torch.tensor(source, dtype=torch.long))
         self._gbc_nthr_score(data, batch)
-        self._gbc_update_metrics["actor/gbc_nthr_kept_mb"] = kept["nbytes"] / 2 ** 20
+        self._gbc_pass_metrics = {**self._gbc_pass_metrics,
+                                  "actor/gbc_nthr_kept_mb": kept["nbytes"] / 2 ** 20}
         return True
 
     # -- NTHR: one no-grad old-policy pass over the rank's update batch ----------------------
@@ -390,6 +395,7 @@ def _nthr_before_update(original):
         engine = getattr(self, "engine", None)
         if isinstance(engine, EngineMethods):
             engine._gbc_update_metrics = {}     # a metric describes its own update only
+            engine._gbc_pass_metrics = {}
         if (isinstance(engine, EngineMethods) and engine.gbc_options.nthr
                 and _is_ppo_loss(getattr(self, "loss_fn", None))):
             from verl.utils import tensordict_utils as tu
@@ -407,8 +413,8 @@ def _nthr_before_update(original):
                 offload = tu.get(data, key="disable_auto_offload", default=False)
                 with engine.eval_mode(disable_auto_offload=offload):
                     engine.gbc_nthr_pass(data, defaults)
-            engine._gbc_update_metrics = {**engine._gbc_update_metrics,
-                                          "actor/gbc_nthr_second_forward": float(not kept)}
+            engine._gbc_pass_metrics = {**engine._gbc_pass_metrics,
+                                        "actor/gbc_nthr_second_forward": float(not kept)}
         return original(self, data)
 
     return train_mini_batch

@@ -1,0 +1,245 @@
+"""What each gradient-balance method costs inside verl 0.9.1's FSDP2 engine with gbc's engine,
+relative to a plain step of the same engine (CPU, one gloo rank).
+
+    python benchmarks/bench_methods_price.py            # V = 32,768 and 151,936
+    python benchmarks/bench_methods_price.py --V 32768 --reps 3
+
+The model: a tiny Qwen2 (hidden 256, 2 layers, untied head); the batch: 8 sequences (2 groups of
+4 with verl's ``uid``), prompts up to 32 tokens, responses up to 224 (about 900 response tokens
+in all), GRPO advantages, ``use_kl_loss`` on (low_var_kl), verl's AdamW. A step is what the
+actor's side of verl's trainer runs per batch: the old-log-prob pass (``compute_log_prob``
+through gbc's wrapper of verl's ``TrainingWorker.infer_batch``), the reference pass (a second
+engine, the reference model), and the update (gbc's wrapper of ``train_mini_batch`` around the
+engine's ``train_batch``: forward, backward, optimizer step; one mini-batch of 2 micro-batches).
+
+Methods (each a step with that option on; the same engine, its options switched):
+- ``plain``: no method;
+- ``ar``: ``ar_alpha=0.3``;
+- ``critical_kl``: ``critical_kl_exponent=1.0`` (the reference pass also gives the weights);
+- ``nthr``: NTHR's inputs kept from the old-log-prob pass (no second forward);
+- ``nthr_second_forward``: NTHR as verl runs it where it skips the old-log-prob pass (bypass
+  mode) and as gbc ran it before: its own no-grad forward before the update;
+- ``lopti``: ``lopti_eta=0.5``, two updates; its row compares the update alone (target 2.0x).
+
+Time: the process's CPU time (``time.process_time``; one thread: the work itself, not the
+waits of a CPU shared with other jobs), median of ``--reps`` repetitions, the methods' order
+reversed every other repetition; the wall-clock step is in the CSV too (``wall_step_s``).
+Writes benchmarks/results/methods_price.csv and methods_price.md (the table of docs/methods.md).
+verl registers its engines for cuda/npu only: on CPU the engines are built directly, with the
+CPU platform of tests/standins/verl_cpu_platform.py (tests/test_verl_engine.py says what is
+bypassed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+from _common import append_rows, now, run_child  # noqa: E402
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(ROOT)
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+METHODS = {"plain": {}, "ar": {"ar_alpha": 0.3}, "critical_kl": {"critical_kl_exponent": 1.0},
+           "nthr": {"nthr": True}, "nthr_second_forward": {"nthr": True},
+           "lopti": {"lopti_eta": 0.5}}
+# target: (what is compared, limit)
+TARGETS = {"ar": ("step", 0.01), "critical_kl": ("step", 0.05), "nthr": ("step", 0.05),
+           "nthr_second_forward": ("step", None), "lopti": ("update", 2.0)}
+B, GROUP, P, T, H = 8, 4, 32, 224, 256
+
+
+def _setup(a):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(a.threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import test_verl_engine as tve
+    tve.verl_on_cpu()
+    return tve
+
+
+def child_time(a):
+    from types import SimpleNamespace
+
+    import torch
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    from gbc_kernels.integrations import verl_engine as ve
+
+    tve = _setup(a)
+    from test_other_trainers import verl_actor_config
+    actor = tve.build_engine(a.model_dir, lr=1e-6)
+    ref = tve.build_engine(a.model_dir, lr=1e-6)
+    cfg = verl_actor_config("vanilla", "token-mean", "low_var_kl", entropy_coeff=0.0)
+    loss_fn = functools.partial(ppo_loss, config=cfg)
+    ec = SimpleNamespace(use_dynamic_bsz=False, infer_max_token_len_per_gpu=4096,
+                         infer_micro_batch_size_per_gpu=B // 2, micro_batch_size_per_gpu=B // 2,
+                         use_fused_kernels=False)
+    worker = SimpleNamespace(engine=actor, engine_config=ec, loss_fn=loss_fn,
+                             model_config={"use_remove_padding": True})
+    flags = dict(use_remove_padding=True, use_dynamic_bsz=False, micro_batch_size_per_gpu=B // 2,
+                 max_token_len_per_gpu=4096, use_fused_kernels=False)
+
+    def infer_batch(self, td):                  # verl's TrainingWorker.infer_batch, one rank
+        with self.engine.eval_mode():
+            return self.engine.infer_batch(td, loss_function=None)
+
+    def train_mini_batch(self, td):             # verl's update of one mini-batch
+        with self.engine.train_mode():
+            return self.engine.train_batch(td, loss_fn)
+
+    keep_infer = ve._nthr_keep_on_infer(infer_batch)
+    update = ve._nthr_before_update(train_mini_batch)
+    data = tve.make_batch(7, B, group=GROUP, vocab=a.V, lengths=(P, T), with_is=False,
+                          micro=B // 2, temperature=1.0)
+    fields = tve.make_batch(7, B, group=GROUP, vocab=a.V, lengths=(P, T), with_is=False,
+                            padded=True)
+    n_resp = int(fields["response_mask"].sum())
+
+    def step(method):
+        opts = ve.EngineOptions(**METHODS[method])
+        type(actor).gbc_options = opts
+        times = {}
+        w0, t0 = time.perf_counter(), time.process_time()
+        old = data.clone()
+        del old["advantages"]
+        tu.assign_non_tensor(old, compute_loss=False, calculate_entropy=True)
+        (infer_batch if method == "nthr_second_forward" else keep_infer)(worker, old)
+        times["old_pass"] = time.process_time() - t0
+        t1 = time.process_time()
+        td = left_right_2_no_padding(TensorDict(dict(fields), batch_size=[B]))
+        meta = dict(flags, temperature=1.0, calculate_entropy=False, compute_loss=False)
+        if opts.critical_kl_exponent is not None:
+            meta[ve.CERTAINTY_KEY] = {k: getattr(opts, k) for k in ve.CRITICAL_KL_FIELDS}
+        tu.assign_non_tensor(td, **meta)
+        with ref.eval_mode():
+            out = ref.infer_batch(td, loss_function=None)["model_output"]
+        times["ref_pass"] = time.process_time() - t1
+        upd = data.clone()
+        if ve.KL_WEIGHT_KEY in out:
+            from verl.workers.utils.padding import no_padding_2_padding
+            upd[ve.KL_WEIGHT_KEY] = no_padding_2_padding(out[ve.KL_WEIGHT_KEY], td).float()
+        t2 = time.process_time()
+        update(worker, upd)
+        times["update"] = time.process_time() - t2
+        times["step"] = time.process_time() - t0
+        times["wall_step"] = time.perf_counter() - w0
+        times["nthr_kept_mb"] = actor._gbc_pass_metrics.get("actor/gbc_nthr_kept_mb", 0.0)
+        times["second_forward"] = actor._gbc_pass_metrics.get(
+            "actor/gbc_nthr_second_forward", 0.0)
+        return times
+
+    names = list(METHODS)
+    for m in names:                              # warm-up: optimizer state, allocator pools
+        step(m)
+    print(f"  V={a.V}: warm-up done ({n_resp} response tokens)", file=sys.stderr, flush=True)
+    runs = {m: [] for m in names}
+    for r in range(a.reps):
+        for m in (names if r % 2 == 0 else names[::-1]):
+            runs[m].append(step(m))
+        print(f"  V={a.V} round {r + 1}/{a.reps}: " + ", ".join(
+            f"{m} {runs[m][-1]['step']:.3f}s" for m in names), file=sys.stderr, flush=True)
+    med = {m: {k: statistics.median(t[k] for t in runs[m]) for k in runs[m][0]} for m in names}
+    print(json.dumps(dict(medians=med, response_tokens=n_resp)))
+
+
+def _rows(V, res, reps, threads):
+    med = res["medians"]
+    plain = med["plain"]
+    rows = []
+    for m, t in med.items():
+        what, limit = TARGETS.get(m, ("step", None))
+        if what == "update":
+            value = t["update"] / plain["update"]
+            target = f"update <= {limit:.1f}x"
+            ok = value <= limit * 1.05           # 5% timing noise on a shared CPU
+            shown = f"{value:.2f}x the update"
+        else:
+            value = t["step"] / plain["step"] - 1.0
+            target = "" if limit is None else f"<= {limit:.0%}"
+            ok = None if limit is None else value <= limit
+            shown = f"{value:+.1%}"
+        rows.append(dict(time=now(), trainer="verl-fsdp", V=V, method=m,
+                         step_s=round(t["step"], 4), wall_step_s=round(t["wall_step"], 4),
+                         old_pass_s=round(t["old_pass"], 4), ref_pass_s=round(t["ref_pass"], 4),
+                         update_s=round(t["update"], 4), cost=shown, target=target,
+                         met="" if ok is None else ("yes" if ok else "no"),
+                         second_forward=int(t["second_forward"]),
+                         nthr_kept_mb=round(t["nthr_kept_mb"], 2),
+                         response_tokens=res["response_tokens"], reps=reps, threads=threads))
+    return rows
+
+
+def table(rows) -> str:
+    Vs = sorted({r["V"] for r in rows})
+    by = {(r["method"], r["V"]): r for r in rows}
+    head = "| method | target | " + " | ".join(f"V = {V:,}" for V in Vs) + " |"
+    out = [head, "|---|---|" + "---|" * len(Vs)]
+    for m in METHODS:
+        if m == "plain":
+            cells = [f"{by[(m, V)]['step_s']:.2f}" for V in Vs]
+            out.append(f"| plain step (old-log-prob pass + reference pass + update), CPU s | | "
+                       + " | ".join(cells) + " |")
+            continue
+        cells = []
+        for V in Vs:
+            r = by[(m, V)]
+            cell = r["cost"] + ({"yes": " ✓", "no": " ✗"}.get(r["met"], ""))
+            if m == "nthr":
+                cell += f" (kept {r['nthr_kept_mb']:.1f} MiB)"
+            cells.append(cell)
+        out.append(f"| {m} | {by[(m, Vs[0])]['target'] or '(for comparison)'} | "
+                   + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child-time", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=29583, help=argparse.SUPPRESS)
+    ap.add_argument("--V", type=int, nargs="+", default=[32768, 151936])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args()
+    if a.child_time:
+        a.V = a.V[0]
+        return child_time(a)
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import test_verl_engine as tve
+    rows = []
+    for i, V in enumerate(a.V):
+        with tempfile.TemporaryDirectory() as d:
+            model_dir = tve.make_model_dir(os.path.join(d, "m"), vocab=V, hidden=H, tie=False)
+            res = run_child([sys.executable, __file__, "--child-time", "--V", str(V),
+                             "--threads", str(a.threads), "--reps", str(a.reps),
+                             "--model-dir", model_dir, "--port", str(a.port + i)], a.threads)
+        rows += _rows(V, res, a.reps, a.threads)
+    os.makedirs(RESULTS, exist_ok=True)
+    append_rows(os.path.join(RESULTS, "methods_price.csv"), rows)
+    md = (f"Inside verl 0.9.1's FSDP2 engine with gbc's engine, CPU time, {a.threads} thread(s), "
+          f"tiny Qwen2 (H {H}, 2 layers, untied head), {B} sequences ({B // GROUP} groups of "
+          f"{GROUP}), {rows[0]['response_tokens']} response tokens, use_kl_loss on; median of "
+          f"{a.reps}, method order alternated.\n\n" + table(rows) + "\n")
+    with open(os.path.join(RESULTS, "methods_price.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
