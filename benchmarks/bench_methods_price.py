@@ -2,7 +2,8 @@
 relative to a plain step of the same engine (CPU, one gloo rank).
 
     python benchmarks/bench_methods_price.py            # V = 32,768 and 151,936
-    python benchmarks/bench_methods_price.py --V 32768 --reps 3
+    python benchmarks/bench_methods_price.py --V 32768 --reps 3 --trainers trl
+    python benchmarks/bench_methods_price.py --table     # the table again, from the CSV
 
 The model: a tiny Qwen2 (hidden 256, 2 layers, untied head); the batch: 8 sequences (2 groups of
 4 with verl's ``uid``), prompts up to 32 tokens, responses up to 224 (about 900 response tokens
@@ -143,7 +144,92 @@ def child_time(a):
             "actor/gbc_nthr_second_forward", 0.0)
         return times
 
-    names = list(METHODS)
+    return _timed(a, list(METHODS), step, n_resp)
+
+
+TRL_METHODS = {"plain": {}, "ar": {"gbc_ar_alpha": 0.3},
+               "critical_kl": {"gbc_critical_kl_exponent": 1.0}, "nthr": {"gbc_nthr": True},
+               "nthr_second_forward": {"gbc_nthr": True}}
+
+
+def child_time_trl(a):
+    """TRL's GBCGRPOTrainer: a step is gbc's part of the rollout (TRL's generation and reward
+    replaced by a fixed scored batch; TRL's reference pass kept) and one update (the loss in
+    the model's forward, backward, AdamW step). Lopti's two updates run in TRL's training loop
+    and are not timed here."""
+    import warnings
+    from unittest import mock
+
+    import torch
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gbc_kernels.integrations.trl import GBCGRPOConfig, GBCGRPOTrainer
+
+    torch.set_num_threads(a.threads)
+    g = torch.Generator().manual_seed(7)
+    rlens = torch.randint(1, T + 1, (B,), generator=g)
+    Tm = int(rlens.max())
+    completion_mask = (torch.arange(Tm)[None] < rlens[:, None]).long()
+    base = dict(prompt_ids=torch.randint(2, a.V, (B, P), generator=g),
+                prompt_mask=torch.ones(B, P, dtype=torch.long),
+                completion_ids=torch.randint(2, a.V, (B, Tm), generator=g) * completion_mask,
+                completion_mask=completion_mask,
+                advantages=torch.tensor([1.0, -1.0, 0.5, -0.5] * (B // GROUP)),
+                num_items_in_batch=completion_mask.sum())
+    trainers = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for m, opts in TRL_METHODS.items():
+            cfg = GBCGRPOConfig(output_dir=os.path.join(a.model_dir, "out", m),
+                                per_device_train_batch_size=B, num_generations=GROUP,
+                                max_completion_length=T, report_to=[], use_cpu=True, bf16=False,
+                                save_strategy="no", seed=0, beta=0.04, loss_type="dapo",
+                                learning_rate=1e-6, **opts)
+            t = GBCGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(a.model_dir),
+                               reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                               args=cfg, train_dataset=Dataset.from_dict({"prompt": ["t2"] * B}),
+                               processing_class=AutoTokenizer.from_pretrained(a.model_dir))
+            t._gbc_nthr_in_forward = m != "nthr_second_forward"
+            t.current_gradient_accumulation_steps = 1
+            t.model.train()
+            t._bench_opt = torch.optim.AdamW(t.model.parameters(), lr=1e-6)
+            trainers[m] = t
+
+    def scored(self, _):          # TRL's rollout after generation: its reference pass
+        out = {k: v.clone() for k, v in base.items()}
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+        am = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+        with torch.no_grad():
+            out["ref_per_token_logps"] = self._get_per_token_logps_and_entropies(
+                self.ref_model, ids, am, Tm)[0]
+        return out
+
+    def step(m):
+        t = trainers[m]
+        times = {}
+        w0, t0 = time.perf_counter(), time.process_time()
+        with mock.patch.object(trl.GRPOTrainer, "_generate_and_score_completions", scored):
+            out = t._generate_and_score_completions(None)
+        times["old_pass"] = time.process_time() - t0
+        times["ref_pass"] = 0.0
+        t2 = time.process_time()
+        loss = t.compute_loss(t.model, out)
+        loss.backward()
+        t._bench_opt.step()
+        t._bench_opt.zero_grad(set_to_none=True)
+        times["update"] = time.process_time() - t2
+        times["step"] = time.process_time() - t0
+        times["wall_step"] = time.perf_counter() - w0
+        times["nthr_kept_mb"] = 0.0
+        times["second_forward"] = float(m == "nthr_second_forward")
+        return times
+
+    return _timed(a, list(TRL_METHODS), step, int(completion_mask.sum()))
+
+
+def _timed(a, names, step, n_resp):
     for m in names:                              # warm-up: optimizer state, allocator pools
         step(m)
     print(f"  V={a.V}: warm-up done ({n_resp} response tokens)", file=sys.stderr, flush=True)
@@ -157,7 +243,7 @@ def child_time(a):
     print(json.dumps(dict(medians=med, response_tokens=n_resp)))
 
 
-def _rows(V, res, reps, threads):
+def _rows(V, res, reps, threads, trainer="verl-fsdp"):
     med = res["medians"]
     plain = med["plain"]
     rows = []
@@ -173,7 +259,7 @@ def _rows(V, res, reps, threads):
             target = "" if limit is None else f"<= {limit:.0%}"
             ok = None if limit is None else value <= limit
             shown = f"{value:+.1%}"
-        rows.append(dict(time=now(), trainer="verl-fsdp", V=V, method=m,
+        rows.append(dict(time=now(), trainer=trainer, V=V, method=m,
                          step_s=round(t["step"], 4), wall_step_s=round(t["wall_step"], 4),
                          old_pass_s=round(t["old_pass"], 4), ref_pass_s=round(t["ref_pass"], 4),
                          update_s=round(t["update"], 4), cost=shown, target=target,
@@ -184,22 +270,28 @@ def _rows(V, res, reps, threads):
     return rows
 
 
-def table(rows) -> str:
+PLAIN = {"verl-fsdp": "plain step (old-log-prob pass + reference pass + update), CPU s",
+         "trl": "plain step (gbc's rollout part + TRL's reference pass + update), CPU s"}
+
+
+def table(rows, trainer="verl-fsdp") -> str:
+    rows = [r for r in rows if r["trainer"] == trainer]
     Vs = sorted({r["V"] for r in rows})
     by = {(r["method"], r["V"]): r for r in rows}
     head = "| method | target | " + " | ".join(f"V = {V:,}" for V in Vs) + " |"
     out = [head, "|---|---|" + "---|" * len(Vs)]
     for m in METHODS:
+        if (m, Vs[0]) not in by:
+            continue
         if m == "plain":
             cells = [f"{by[(m, V)]['step_s']:.2f}" for V in Vs]
-            out.append(f"| plain step (old-log-prob pass + reference pass + update), CPU s | | "
-                       + " | ".join(cells) + " |")
+            out.append(f"| {PLAIN[trainer]} | | " + " | ".join(cells) + " |")
             continue
         cells = []
         for V in Vs:
             r = by[(m, V)]
             cell = r["cost"] + ({"yes": " ✓", "no": " ✗"}.get(r["met"], ""))
-            if m == "nthr":
+            if m == "nthr" and r["nthr_kept_mb"]:
                 cell += f" (kept {r['nthr_kept_mb']:.1f} MiB)"
             cells.append(cell)
         out.append(f"| {m} | {by[(m, Vs[0])]['target'] or '(for comparison)'} | "
@@ -216,26 +308,57 @@ def main():
     ap.add_argument("--V", type=int, nargs="+", default=[32768, 151936])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--trainers", nargs="+", default=["verl-fsdp", "trl"],
+                    choices=["verl-fsdp", "trl"])
+    ap.add_argument("--trainer", default="verl-fsdp", help=argparse.SUPPRESS)
+    ap.add_argument("--table", action="store_true",
+                    help="only rewrite methods_price.md from methods_price.csv")
     a = ap.parse_args()
+    if a.table:
+        return write_table(a)
     if a.child_time:
         a.V = a.V[0]
-        return child_time(a)
+        return child_time_trl(a) if a.trainer == "trl" else child_time(a)
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import test_verl_engine as tve
     rows = []
-    for i, V in enumerate(a.V):
-        with tempfile.TemporaryDirectory() as d:
-            model_dir = tve.make_model_dir(os.path.join(d, "m"), vocab=V, hidden=H, tie=False)
-            res = run_child([sys.executable, __file__, "--child-time", "--V", str(V),
-                             "--threads", str(a.threads), "--reps", str(a.reps),
-                             "--model-dir", model_dir, "--port", str(a.port + i)], a.threads)
-        rows += _rows(V, res, a.reps, a.threads)
+    for trainer in a.trainers:
+        for i, V in enumerate(a.V):
+            with tempfile.TemporaryDirectory() as d:
+                model_dir = tve.make_model_dir(os.path.join(d, "m"), vocab=V, hidden=H,
+                                               tie=False)
+                res = run_child([sys.executable, __file__, "--child-time", "--V", str(V),
+                                 "--threads", str(a.threads), "--reps", str(a.reps),
+                                 "--trainer", trainer, "--model-dir", model_dir,
+                                 "--port", str(a.port + i)], a.threads)
+            rows += _rows(V, res, a.reps, a.threads, trainer)
     os.makedirs(RESULTS, exist_ok=True)
     append_rows(os.path.join(RESULTS, "methods_price.csv"), rows)
-    md = (f"Inside verl 0.9.1's FSDP2 engine with gbc's engine, CPU time, {a.threads} thread(s), "
-          f"tiny Qwen2 (H {H}, 2 layers, untied head), {B} sequences ({B // GROUP} groups of "
-          f"{GROUP}), {rows[0]['response_tokens']} response tokens, use_kl_loss on; median of "
-          f"{a.reps}, method order alternated.\n\n" + table(rows) + "\n")
+    write_table(a)
+
+
+def write_table(a):
+    """methods_price.md from the CSV's latest row of each (trainer, V, method)."""
+    import csv
+
+    with open(os.path.join(RESULTS, "methods_price.csv")) as f:
+        latest = {(r["trainer"], r["V"], r["method"]): r for r in csv.DictReader(f)}
+    rows = []
+    for r in latest.values():
+        r = dict(r, V=int(r["V"]), step_s=float(r["step_s"]),
+                 nthr_kept_mb=float(r["nthr_kept_mb"]))
+        rows.append(r)
+    where = {"verl-fsdp": "Inside verl 0.9.1's FSDP2 engine with gbc's engine",
+             "trl": "In TRL 1.16's GBCGRPOTrainer (on policy, beta 0.04)"}
+    md = ""
+    for trainer in where:
+        tr = [r for r in rows if r["trainer"] == trainer]
+        if not tr:
+            continue
+        md += (f"{where[trainer]}: CPU time, {tr[0]['threads']} thread(s), tiny Qwen2 (H {H}, "
+               f"2 layers, untied head), {B} sequences ({B // GROUP} groups of {GROUP}), "
+               f"{tr[0]['response_tokens']} response tokens, KL loss on; median of "
+               f"{tr[0]['reps']}, method order alternated.\n\n" + table(rows, trainer) + "\n\n")
     with open(os.path.join(RESULTS, "methods_price.md"), "w") as f:
         f.write(md)
     print(md)
