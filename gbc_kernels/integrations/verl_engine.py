@@ -285,16 +285,15 @@ class EngineMethods:
         if kept is None:        # alike on every rank: verl runs that pass on all or on none
             return False
         group = methods.data_parallel_group(self.get_data_parallel_group())
-        source = None
+        batch, found = kept["batch"], False
         if _temperatures(data) == kept["temperatures"]:
             where = {k: i for i, k in enumerate(kept["keys"])}
             source = [where.get(k) for k in _row_keys(data)]
-            source = None if None in source else source
-        if not _every_rank(source is not None, group):
+            # every row's key was kept, and its hidden states (the pass ran gbc's step on it)
+            found = None not in source and batch.take(torch.tensor(source, dtype=torch.long))
+        if not _every_rank(found, group):
             return False
-        batch = kept["batch"].to(kept["device"])
-        batch.take(torch.tensor(source, dtype=torch.long))
-        self._gbc_nthr_score(data, batch)
+        self._gbc_nthr_score(data, batch.to(kept["device"]))
         self._gbc_pass_metrics = {**self._gbc_pass_metrics,
                                   "actor/gbc_nthr_kept_mb": kept["nbytes"] / 2 ** 20}
         return True
