@@ -361,7 +361,19 @@ def write_table(a):
                f"{tr[0]['reps']}, method order alternated.\n\n" + table(rows, trainer) + "\n\n")
     with open(os.path.join(RESULTS, "methods_price.md"), "w") as f:
         f.write(md)
+    doc = os.path.join(ROOT, "docs", "methods.md")       # the same table in docs/methods.md
+    with open(doc) as f:
+        text = f.read()
+    start, end = DOC_MARKS
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        with open(doc, "w") as f:
+            f.write(head + start + "\n" + md + rest[rest.index(end):])
     print(md)
+
+
+DOC_MARKS = ("<!-- methods_price table: benchmarks/bench_methods_price.py --table writes it -->",
+             "<!-- end of the methods_price table -->")
 
 
 if __name__ == "__main__":
