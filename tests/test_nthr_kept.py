@@ -39,7 +39,17 @@ def _kept_worker(rank, world, model_dir, mode, rows_of):
     from gbc_kernels.integrations import hf
     from gbc_kernels.integrations import verl_engine as ve
 
+    from gbc_kernels import methods
+
     verl_on_cpu()
+    held = []                  # what each NTHRBatch holds when it is scored (bytes)
+    result = methods.NTHRBatch.result
+
+    def recorded(self, *args, **kwargs):
+        held.append(self.nbytes())
+        return result(self, *args, **kwargs)
+
+    methods.NTHRBatch.result = recorded
     # beta 0: on a random tiny model beta > 0 selects no token (test_verl_engine.py says why)
     engine = build_engine(model_dir, options=ve.EngineOptions(nthr=True, nthr_beta=0.0))
     forwards = [0]
@@ -101,6 +111,7 @@ def _kept_worker(rank, world, model_dir, mode, rows_of):
     with engine.eval_mode():
         o = engine.infer_batch(rows(data, range(n)), loss_function=None)
     out["plain_logp"] = o["model_output"]["log_probs"].values().clone()
+    out["held"] = held
     return out
 
 
@@ -130,6 +141,9 @@ def test_nthr_from_old_log_prob_pass_no_second_forward(tmp_path):
     assert m["actor/gbc_nthr_second_forward"] == 0.0
     assert m["actor/gbc_nthr_selected_frac"] > 0
     assert m["actor/gbc_nthr_kept_mb"] > 0
+    # what is kept from the pass to the update is what today's pass holds, byte for byte
+    kept, today = out["held"]
+    assert kept == today == m["actor/gbc_nthr_kept_mb"] * 2 ** 20
 
 
 @pytest.mark.slow
