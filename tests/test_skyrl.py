@@ -350,3 +350,181 @@ def test_worker_step_equals_skyrl_two_ranks_fsdp2():
     for rank_out in spawn_gloo(2, _steps_worker, cases):
         for got, ref in rank_out:
             _compare(got, ref)
+
+
+# ---- the methods, each against the method applied by hand through SkyRL's own step ---------
+def _methods_worker(rank, world):
+    sky = skyrl_cpu().load()
+    from gbc_kernels import methods
+    from gbc_kernels.integrations.skyrl import fsdp as gfsdp
+    from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase
+
+    out = {}
+
+    def run(cls, opts, kl, edit=None, lopti_eta=None):
+        model = tiny_qwen2()
+        a = algorithm(sky, "regular", use_kl_loss=kl, kl_loss_coef=0.2, use_entropy_loss=kl,
+                      entropy_loss_coef=0.03)
+        w = build_worker(sky, cls, a, world, model, opts)
+        data = make_batch(sky, 7, kl=kl)
+        with skyrl_cpu().cpu_device():
+            if edit is None:
+                res = w.forward_backward(data)
+                grads = _grads(model, world)
+                w.optim_step()
+            else:                                   # by hand: one stock step per phase
+                for phase in ("low", "high"):
+                    d = make_batch(sky, 7, kl=kl)
+                    d["advantages"] = edit(d, phase)
+                    res = w.forward_backward(d)
+                    grads = _grads(model, world)
+                    w.optim_step()
+        return res.metrics, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    out["ar"] = (run(gfsdp.GBCFSDPPolicyWorker, methods.MethodOptions(ar_alpha=0.6), True),)
+    # AR by hand: SkyRL's own step on the AR-weighted advantages
+    model = tiny_qwen2()
+    a = algorithm(sky, "regular", use_kl_loss=True, kl_loss_coef=0.2, use_entropy_loss=True,
+                  entropy_loss_coef=0.03)
+    w = build_worker(sky, FSDPPolicyWorkerBase, a, world, model)
+    d = make_batch(sky, 7)
+    d["advantages"] = d["advantages"] * (0.6 * d["action_log_probs"].exp() + 0.4)
+    with skyrl_cpu().cpu_device():
+        res = w.forward_backward(d)
+        grads = _grads(model, world)
+        w.optim_step()
+    out["ar"] = (out["ar"][0], (res.metrics, grads,
+                                {n: p.detach().clone() for n, p in model.named_parameters()}))
+    # Lopti: a mixed split at the median rollout probability
+    d = make_batch(sky, 7, kl=False)
+    p_old = d["action_log_probs"].exp()[d["loss_mask"].bool()]
+    eta = float(p_old.median())
+    for order in ("low-first", "high-first"):
+        lo = methods.MethodOptions(lopti_eta=eta, lopti_order=order)
+        phases = methods.LOPTI_ORDERS[order]
+
+        def by_hand(dd, i, phases=phases):
+            low = dd["action_log_probs"].exp() < eta
+            keep = low if phases[i] == "low" else ~low
+            return torch.where(keep, dd["advantages"], torch.zeros_like(dd["advantages"]))
+
+        got = run(gfsdp.GBCFSDPPolicyWorker, lo, False)
+        count = iter(range(2))
+        ref = run(FSDPPolicyWorkerBase, None, False,
+                  edit=lambda dd, phase: by_hand(dd, next(count)))
+        out[order] = (got, ref)
+    return out
+
+
+def test_methods_equal_the_method_by_hand():
+    """AR: gbc's worker with ar_alpha equals SkyRL's own step on the advantages times AR's
+    weight (metrics, gradients, parameters after SkyRL's optimizer step). Lopti: one
+    forward_backward + optim_step call of gbc's worker makes two optimizer steps, equal to two of
+    SkyRL's own steps on the advantages masked to each phase's tokens (p_old < eta first, or
+    the high ones first), the split and old log-probs fixed."""
+    from conftest import spawn_gloo
+
+    out = spawn_gloo(1, _methods_worker)[0]
+    (gm, gg, gp), (rm, rg, rp) = out["ar"]
+    for k in rm:
+        assert gm[k] == pytest.approx(rm[k], rel=2e-4, abs=2e-6), k
+    for n in rg:
+        torch.testing.assert_close(gg[n], rg[n], rtol=2e-4, atol=2e-6, msg=n)
+    for order in ("low-first", "high-first"):
+        (_, _, gp), (_, _, rp) = out[order]
+        start = {n: p for n, p in tiny_qwen2().named_parameters()}
+        for n in rp:
+            assert (rp[n] - start[n]).abs().sum() > 0
+            torch.testing.assert_close(gp[n], rp[n], rtol=2e-4, atol=2e-6, msg=f"{order} {n}")
+
+
+# ---- the forward, the switch-on and its refusals (in this process) --------------------------
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_hf_model_wrapper_forward_equals_gbc_passes(sky, temperature):
+    """SkyRL's HFModelWrapper.forward (logits -> logprobs_from_logits ->
+    chunked_entropy_from_logits, a chunk size that splits the sequence) and gbc's log-prob pass
+    give the same response log-probs and entropies."""
+    from gbc_kernels.integrations import hf
+    from gbc_kernels.integrations.skyrl.worker import _position_ids
+
+    model = tiny_qwen2()
+    wrapper = sky.model_wrapper.HFModelWrapper(model, logprobs_chunk_size=4)
+    d = make_batch(sky, 5, B=5)
+    seq, attn = d["sequences"], d["attention_mask"]
+    with torch.no_grad():
+        lp, out = wrapper(seq, T, attention_mask=attn, temperature=temperature,
+                          return_output=True, compute_entropy=True)
+        ent = out["entropy"][:, -T - 1:-1]
+    glp, gent = hf.logprobs_through_forward(model, seq, attn, T, temperature=temperature,
+                                            return_entropy=True,
+                                            model_kwargs={"position_ids": _position_ids(attn)})
+    seen = attn[:, -T - 1:-1].bool()       # SkyRL zeroes the entropy at padded positions
+    torch.testing.assert_close(glp, lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gent[seen], ent[seen], rtol=1e-5, atol=1e-5)
+    assert seen.sum() > 0 and not seen.all()
+
+
+def _trainer_cfg(sky, **algo):
+    from skyrl.train.config.config import TrainerConfig
+
+    cfg = TrainerConfig()
+    cfg.algorithm.temperature = 1.0
+    for k, v in algo.items():
+        setattr(cfg.algorithm, k, v)
+    return cfg
+
+
+@pytest.mark.parametrize("algo, env, match", [
+    (dict(policy_loss_type="nope"), "", "trainer.algorithm.policy_loss_type"),
+    (dict(policy_loss_type="rollout_is"), "", "policy_loss_type='rollout_is'"),
+    (dict(eps_clip_low=2.0), "", "trainer.algorithm.eps_clip_low=2.0"),
+    ({}, "ar_alpha=2", "GBC_SKYRL_OPTIONS: ar_alpha"),
+    ({}, "ar_alpha=x", "GBC_SKYRL_OPTIONS: ar_alpha expects a float"),
+    ({}, "arr_alpha=0.1", "GBC_SKYRL_OPTIONS: unknown option 'arr_alpha'"),
+    ({}, "nthr=1", "GBC_SKYRL_OPTIONS: nthr is not run inside SkyRL"),
+    ({}, "critical_kl_exponent=2", "GBC_SKYRL_OPTIONS: critical_kl_exponent is not run"),
+])
+def test_worker_init_refuses_a_bad_switch_on(sky, monkeypatch, algo, env, match):
+    """SkyRL builds its policy worker from its trainer config (the Ray actor's __init__): a loss
+    gbc cannot reproduce or a bad method option stops it there, naming SkyRL's option or the
+    variable."""
+    from gbc_kernels.integrations.skyrl import fsdp as gfsdp
+
+    monkeypatch.setenv("GBC_SKYRL_OPTIONS", env)
+    with pytest.raises(ValueError, match=match):
+        gfsdp.GBCFSDPPolicyWorker(cfg=_trainer_cfg(sky, **algo), world_size=1, rank=0,
+                                  local_rank=0, master_addr="127.0.0.1", master_port=1,
+                                  sequence_parallel_size=1)
+
+
+def test_enable_swaps_skyrl_workers_and_refuses(sky, monkeypatch):
+    """enable() puts gbc's workers where SkyRL's BasePPOExp imports them from, the options in
+    their Ray runtime environment; bad options, a config gbc cannot run and a missing SkyRL
+    module stop it with an error naming them."""
+    import skyrl.backends.skyrl_train.workers.fsdp as fsdp_pkg
+    from skyrl.backends.skyrl_train.workers.fsdp import fsdp_worker
+
+    import gbc_kernels.integrations.skyrl as gsky
+    from gbc_kernels.integrations.skyrl import fsdp as gfsdp
+
+    for name in ("PolicyWorker", "RefWorker"):
+        monkeypatch.setattr(fsdp_worker, name, getattr(fsdp_worker, name))
+    monkeypatch.setenv("GBC_SKYRL_OPTIONS", "")
+    opts = gsky.enable(_trainer_cfg(sky), ar_alpha=0.25)
+    assert opts.ar_alpha == 0.25
+    for name, cls in (("PolicyWorker", gfsdp.GBCFSDPPolicyWorker),
+                      ("RefWorker", gfsdp.GBCFSDPRefWorker)):
+        actor = getattr(fsdp_worker, name)
+        assert actor.__ray_metadata__.modified_class.__mro__[1] is cls
+        env = actor._default_options["runtime_env"]["env_vars"]
+        assert env["GBC_SKYRL_OPTIONS"] == "ar_alpha=0.25"
+    with pytest.raises(ValueError, match="lopti_eta"):
+        gsky.enable(lopti_eta=3.0)
+    with pytest.raises(ValueError, match="trainer.use_sample_packing"):
+        cfg = _trainer_cfg(sky)
+        cfg.use_sample_packing = True
+        gsky.enable(cfg)
+    monkeypatch.setitem(sys.modules, "skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker", None)
+    monkeypatch.delattr(fsdp_pkg, "fsdp_worker")
+    with pytest.raises(ImportError, match="GBC_SKYRL: gbc's SkyRL workers need SkyRL"):
+        gsky.enable()

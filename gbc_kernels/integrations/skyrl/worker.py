@@ -180,8 +180,10 @@ class GBCPolicyWorkerMixin:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
 
+            adv = experience.advantages if sft else methods.loss_advantages(
+                experience.advantages, experience.action_log_probs, opts, self._gbc_phase)
             policy_loss, loss_metrics = PolicyLossRegistry.get(loss_type)(
-                lp0, experience.action_log_probs, experience.advantages, config=algo,
+                lp0, experience.action_log_probs, adv, config=algo,
                 loss_mask=loss_mask, rollout_logprobs=experience.rollout_logprobs)
         outputs = self._gbc_outputs(logp, experience, sft, loss_mask)
         if sft:
