@@ -469,6 +469,7 @@ def _trainer_cfg(sky, **algo):
 
     cfg = TrainerConfig()
     cfg.algorithm.temperature = 1.0
+    cfg.remove_microbatch_padding = False      # SkyRL's default packs (flash-attn only)
     for k, v in algo.items():
         setattr(cfg.algorithm, k, v)
     return cfg
@@ -478,6 +479,7 @@ def _trainer_cfg(sky, **algo):
     (dict(policy_loss_type="nope"), "", "trainer.algorithm.policy_loss_type"),
     (dict(policy_loss_type="rollout_is"), "", "policy_loss_type='rollout_is'"),
     (dict(eps_clip_low=2.0), "", "trainer.algorithm.eps_clip_low=2.0"),
+    (dict(use_kl_loss=True, kl_estimator_type="k4"), "", "trainer.algorithm.kl_estimator_type"),
     ({}, "ar_alpha=2", "GBC_SKYRL_OPTIONS: ar_alpha"),
     ({}, "ar_alpha=x", "GBC_SKYRL_OPTIONS: ar_alpha expects a float"),
     ({}, "arr_alpha=0.1", "GBC_SKYRL_OPTIONS: unknown option 'arr_alpha'"),
@@ -520,9 +522,9 @@ def test_enable_swaps_skyrl_workers_and_refuses(sky, monkeypatch):
         assert env["GBC_SKYRL_OPTIONS"] == "ar_alpha=0.25"
     with pytest.raises(ValueError, match="lopti_eta"):
         gsky.enable(lopti_eta=3.0)
-    with pytest.raises(ValueError, match="trainer.use_sample_packing"):
+    with pytest.raises(ValueError, match="trainer.remove_microbatch_padding"):
         cfg = _trainer_cfg(sky)
-        cfg.use_sample_packing = True
+        cfg.remove_microbatch_padding = True
         gsky.enable(cfg)
     monkeypatch.setitem(sys.modules, "skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker", None)
     monkeypatch.delattr(fsdp_pkg, "fsdp_worker")

@@ -60,9 +60,9 @@ def check_config(cfg, options: Optional[methods.MethodOptions] = None) -> method
     if algo is None:
         raise ValueError("cfg: expected SkyRL's trainer config (with .algorithm)")
     losses.policy_loss_config(algo, kl_entropy_weight=1.0, **opts.loss_options())
-    if losses.get(cfg, "use_sample_packing", False):
-        raise ValueError("trainer.use_sample_packing: gbc's SkyRL worker runs padded "
-                         "micro-batches; set use_sample_packing=false")
+    if losses.get(cfg, "remove_microbatch_padding", False):
+        raise ValueError("trainer.remove_microbatch_padding: gbc's SkyRL worker runs padded "
+                         "micro-batches; set remove_microbatch_padding=false")
     sp = losses.get(cfg, "policy.sequence_parallel_size", 1)
     if sp not in (None, 1):
         raise ValueError(f"trainer.policy.sequence_parallel_size={sp}: gbc's SkyRL worker runs "
@@ -78,8 +78,8 @@ def _position_ids(attention_mask):
 def _check_wrapper(wrapper, num_actions, experience=None):
     """Refuse what the fused path does not run, naming SkyRL's option; returns T."""
     if getattr(wrapper, "remove_microbatch_padding", False):
-        raise ValueError("trainer.use_sample_packing: gbc's SkyRL worker runs padded "
-                         "micro-batches; set use_sample_packing=false")
+        raise ValueError("trainer.remove_microbatch_padding: gbc's SkyRL worker runs padded "
+                         "micro-batches; set remove_microbatch_padding=false")
     if getattr(wrapper, "sequence_parallel_size", 1) > 1:
         raise ValueError("trainer.policy.sequence_parallel_size: gbc's SkyRL worker runs "
                          "without Ulysses sequence parallelism (set 1)")
