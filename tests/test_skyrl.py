@@ -237,26 +237,7 @@ def make_batch(sky, seed, B=4, kl=True, rollout=False):
 
 
 def build_worker(sky, cls, algorithm_cfg, world, model, options=None, micro=2):
-    from types import SimpleNamespace
-
-    from skyrl.backends.skyrl_train.distributed.fsdp_strategy import FSDPStrategy
-    from skyrl.train.config.config import FSDPConfig, OptimizerConfig, TrainerConfig
-
-    w = cls.__new__(cls)
-    cfg = TrainerConfig()
-    cfg.algorithm = algorithm_cfg
-    cfg.algorithm.temperature = 0.8
-    cfg.micro_train_batch_size_per_gpu = micro
-    cfg.micro_forward_batch_size_per_gpu = micro
-    w.cfg = cfg
-    w.model = sky.model_wrapper.HFModelWrapper(model)
-    w.optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    w.scheduler = torch.optim.lr_scheduler.LambdaLR(w.optimizer, lambda s: 1.0)
-    w.strategy = FSDPStrategy(FSDPConfig(), OptimizerConfig(max_grad_norm=1e9))
-    w.strategy.world_size = world
-    w.mesh_rank = SimpleNamespace(dp_size=world)
-    w.device_mesh = SimpleNamespace(get_group=lambda name: None)
-    w.policy_loss_fn = sky.ppo_utils.PolicyLossRegistry.get(algorithm_cfg.policy_loss_type)
+    w = skyrl_cpu().policy_worker(cls, algorithm_cfg, model, world, micro)
     if options is not None:
         w._gbc_options = options
     return w
