@@ -500,7 +500,7 @@ def test_enable_swaps_skyrl_workers_and_refuses(sky, monkeypatch):
         actor = getattr(fsdp_worker, name)
         assert actor.__ray_metadata__.modified_class.__mro__[1] is cls
         env = actor._default_options["runtime_env"]["env_vars"]
-        assert env["GBC_SKYRL_OPTIONS"] == "ar_alpha=0.25"
+        assert env["GBC_SKYRL_OPTIONS"] == "ar_alpha=0.25" and env["GBC_SKYRL"] == "1"
     with pytest.raises(ValueError, match="lopti_eta"):
         gsky.enable(lopti_eta=3.0)
     with pytest.raises(ValueError, match="trainer.remove_microbatch_padding"):

@@ -24,7 +24,7 @@ from gbc_kernels.integrations import hf
 
 from . import losses
 
-ENV = "GBC_SKYRL"                  # 1 / true / yes: gbc's workers (strict: errors re-raised)
+ENV = "GBC_SKYRL"                  # "1" in gbc's workers' runtime environment (set by enable())
 OPTIONS_ENV = "GBC_SKYRL_OPTIONS"  # "ar_alpha=0.3,lopti_eta=0.5": the method options
 
 # the method options SkyRL's flow cannot honour, and why
