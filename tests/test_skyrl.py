@@ -282,11 +282,23 @@ def _step(sky, rank, world, loss_type, gbc_on, kw):
                 old=[r["logprobs"] for r in fwd.loss_fn_outputs])
 
 
-def _steps_worker(rank, world, cases):
-    """(gbc's, SkyRL's) step of each case on this rank."""
+def _steps_worker(rank, world, cases, watch=False):
+    """(gbc's, SkyRL's) step of each case on this rank; ``watch``: also the shapes over the
+    vocabulary each path forms in one training step and log-prob pass (small chunks)."""
+    from conftest import VocabWatcher
+
     sky = skyrl_cpu().load()
-    return [(_step(sky, rank, world, lt, True, kw), _step(sky, rank, world, lt, False, kw))
-            for lt, kw in cases]
+    out = [(_step(sky, rank, world, lt, True, kw), _step(sky, rank, world, lt, False, kw))
+           for lt, kw in cases]
+    if not watch:
+        return out
+    os.environ["GBC_CHUNK_MB"] = "0.002"
+    seen = {}
+    for gbc_on in (True, False):
+        with VocabWatcher(V) as w:
+            _step(sky, rank, world, "regular", gbc_on, {})
+        seen[gbc_on] = [s for s in w.seen if len(s) >= 2 and s not in ((V, 32), (32, V))]
+    return out, seen
 
 
 def _compare(got, ref, rtol=2e-4, atol=2e-6):
@@ -315,11 +327,21 @@ ONE_RANK = [("regular", {}), ("dual_clip", dict(kl_type="k1")), ("gspo", dict(ro
 def test_worker_step_equals_skyrl_one_rank():
     """SkyRL's own forward_backward (two micro-batches) and no-grad forward with gbc's worker
     equal its stock worker, for several loss types, KL forms and the off-policy correction:
-    metrics (losses, entropy, KL, clip ratio), log-probs and every parameter's gradient."""
+    metrics (losses, entropy, KL, clip ratio), log-probs and every parameter's gradient; and a
+    dispatch-mode watcher sees no tensor over the vocabulary with a micro-batch's token rows on
+    gbc's path (it does on SkyRL's, so the check can fail)."""
     from conftest import spawn_gloo
 
-    for (got, ref), case in zip(spawn_gloo(1, _steps_worker, ONE_RANK)[0], ONE_RANK):
+    out, seen = spawn_gloo(1, _steps_worker, ONE_RANK, True)[0]
+    for (got, ref), case in zip(out, ONE_RANK):
         _compare(got, ref)
+    # no [tokens, V] logits on gbc's path (a micro-batch holds 2 x 11 tokens); SkyRL's has them
+
+    def rows(shapes):
+        return max(torch.Size(s[:-1]).numel() for s in shapes) if shapes else 0
+
+    assert rows(seen[False]) >= 2 * (P + T)
+    assert 0 < rows(seen[True]) <= 16 < 2 * (P + T), seen[True]     # 16: the chunk floor
 
 
 def test_worker_step_equals_skyrl_two_ranks_fsdp2():
