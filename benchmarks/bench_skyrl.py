@@ -14,17 +14,12 @@ before it. Writes benchmarks/results/skyrl.csv and prints a markdown table.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import importlib.util
 import json
 import os
-import resource
-import statistics
-import sys
-import time
 
-from _common import rss_mb, run_child  # noqa: E402
+from _common import interleaved_medians, step_child, step_parser, step_peak_mb  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "benchmarks", "results", "skyrl.csv")
@@ -89,54 +84,17 @@ def _step(sc, worker, batch):
 
 def child_memory(a):
     sc, workers, batch = _setup(a)
-    w = workers[a.provider]
-    _step(sc, w, batch)                        # warm-up (allocator pools)
-    base = rss_mb()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    _step(sc, w, batch)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"peak_mb": max(peak, before) - base, "step_peak_mb": peak - base}))
+    print(json.dumps(step_peak_mb(lambda: _step(sc, workers[a.provider], batch))))
 
 
 def child_time(a):
     sc, workers, batch = _setup(a)
-    provs = ["skyrl", "gbc"]
-    for p in provs:
-        _step(sc, workers[p], batch)
-        print(f"  warm-up {p} done", file=sys.stderr, flush=True)
-    times = {p: [] for p in provs}
-    for r in range(a.reps):
-        for p in provs:
-            t0 = time.perf_counter()
-            _step(sc, workers[p], batch)
-            times[p].append(time.perf_counter() - t0)
-        print(f"  round {r + 1}/{a.reps}: " + ", ".join(f"{p} {times[p][-1]:.3f} s"
-                                                       for p in provs), file=sys.stderr,
-              flush=True)
-    print(json.dumps({p: statistics.median(v) for p, v in times.items()}))
-
-
-def _child(mode, a, extra=()):
-    cmd = [sys.executable, __file__, f"--child-{mode}", "--B", str(a.B), "--P", str(a.P),
-           "--T", str(a.T), "--H", str(a.H), "--V", str(a.V), "--threads", str(a.threads),
-           "--reps", str(a.reps), "--micro", str(a.micro), *extra]
-    return run_child(cmd, a.threads)
+    print(json.dumps(interleaved_medians(
+        {p: (lambda w=workers[p]: _step(sc, w, batch)) for p in ("skyrl", "gbc")}, a.reps)))
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--child-time", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--child-memory", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--provider", default="gbc")
-    ap.add_argument("--B", type=int, default=4)
-    ap.add_argument("--P", type=int, default=64)
-    ap.add_argument("--T", type=int, default=192)
-    ap.add_argument("--H", type=int, default=64)
-    ap.add_argument("--V", type=int, default=151936)
-    ap.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=5)
+    ap = step_parser(__doc__, micro=2)
     ap.add_argument("--out", default=OUT)
     a = ap.parse_args()
     if a.child_time:
@@ -146,8 +104,9 @@ def main():
     N = a.micro * (a.P + a.T)
     print(f"one SkyRL policy step: B={a.B} in micro-batches of {a.micro}, prompt {a.P} + "
           f"response {a.T}, H={a.H}, V={a.V}, fp32, {a.threads} threads", flush=True)
-    times = _child("time", a)
-    mem = {p: _child("memory", a, ["--provider", p]) for p in ("skyrl", "gbc")}
+    times = step_child(__file__, "time", a, ap.case_names)
+    mem = {p: step_child(__file__, "memory", a, ap.case_names, ["--provider", p])
+           for p in ("skyrl", "gbc")}
     logits_mb = N * a.V * 4 / 2 ** 20
     rows = []
     for p, name in (("skyrl", "SkyRL 0.3.0 FSDP worker (logits)"),
