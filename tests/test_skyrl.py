@@ -292,12 +292,22 @@ def _steps_worker(rank, world, cases, watch=False):
            for lt, kw in cases]
     if not watch:
         return out
+    from gbc_kernels.integrations.skyrl import fsdp as gfsdp
+    from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPRefWorkerBase
+
+    ref_out = {}
+    for cls in (gfsdp.GBCFSDPRefWorker, FSDPRefWorkerBase):   # the reference worker's pass
+        w = skyrl_cpu().policy_worker(cls, algorithm(sky, "regular"), tiny_qwen2(), micro=3)
+        with skyrl_cpu().cpu_device():
+            ref_out[cls] = [r["logprobs"] for r in w.forward(make_batch(sky, 9, B=5))
+                            .loss_fn_outputs]
     os.environ["GBC_CHUNK_MB"] = "0.002"
     seen = {}
     for gbc_on in (True, False):
         with VocabWatcher(V) as w:
             _step(sky, rank, world, "regular", gbc_on, {})
         seen[gbc_on] = [s for s in w.seen if len(s) >= 2 and s not in ((V, 32), (32, V))]
+    seen["ref"] = (ref_out[gfsdp.GBCFSDPRefWorker], ref_out[FSDPRefWorkerBase])
     return out, seen
 
 
@@ -327,8 +337,8 @@ ONE_RANK = [("regular", {}), ("dual_clip", dict(kl_type="k1")), ("gspo", dict(ro
 def test_worker_step_equals_skyrl_one_rank():
     """SkyRL's own forward_backward (two micro-batches) and no-grad forward with gbc's worker
     equal its stock worker, for several loss types, KL forms and the off-policy correction:
-    metrics (losses, entropy, KL, clip ratio), log-probs and every parameter's gradient; and a
-    dispatch-mode watcher sees no tensor over the vocabulary with a micro-batch's token rows on
+    metrics (losses, entropy, KL, clip ratio), log-probs and every parameter's gradient; the
+    reference worker's log-prob pass equals SkyRL's (temperature 1); and a dispatch-mode watcher sees no tensor over the vocabulary with a micro-batch's token rows on
     gbc's path (it does on SkyRL's, so the check can fail)."""
     from conftest import spawn_gloo
 
@@ -342,6 +352,8 @@ def test_worker_step_equals_skyrl_one_rank():
 
     assert rows(seen[False]) >= 2 * (P + T)
     assert 0 < rows(seen[True]) <= 16 < 2 * (P + T), seen[True]     # 16: the chunk floor
+    got_ref, sky_ref = seen["ref"]                  # the reference worker's log-prob pass
+    torch.testing.assert_close(torch.tensor(got_ref), torch.tensor(sky_ref), rtol=1e-5, atol=1e-5)
 
 
 def test_worker_step_equals_skyrl_two_ranks_fsdp2():
