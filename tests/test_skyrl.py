@@ -275,7 +275,7 @@ def _step(sky, rank, world, loss_type, gbc_on, kw):
     data = make_batch(sky, 100 + rank, kl=kw.get("kl", True), rollout=kw.get("rollout", False))
     with skyrl_cpu().cpu_device():
         torch.manual_seed(3)
-        out = w.forward_backward(data)
+        out = w.forward_backward(data, loss_fn=kw.get("loss_fn"))
         grads = _grads(model, world)
         fwd = w.forward(data)
     return dict(metrics=out.metrics, outputs=out.loss_fn_outputs, grads=grads,
@@ -317,10 +317,13 @@ def _compare(got, ref, rtol=2e-4, atol=2e-6):
         assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=rtol, abs=atol), k
     n = 0
     for go, ro in zip(got["outputs"], ref["outputs"]):
+        assert set(go) == set(ro)
         for a, b in zip(go["logprobs"], ro["logprobs"]):
             if a == a:                              # gbc's: NaN outside the loss mask
                 assert a == pytest.approx(b, rel=rtol, abs=atol)
                 n += 1
+        for a, b in zip(go.get("elementwise_loss", ()), ro.get("elementwise_loss", ())):
+            assert a == pytest.approx(b, rel=rtol, abs=atol)
     assert n > 0
     torch.testing.assert_close(torch.tensor(got["old"]), torch.tensor(ref["old"]), rtol=rtol,
                                atol=atol)
@@ -331,7 +334,9 @@ def _compare(got, ref, rtol=2e-4, atol=2e-6):
 
 ONE_RANK = [("regular", {}), ("dual_clip", dict(kl_type="k1")), ("gspo", dict(rollout=True)),
             ("cispo", dict(kl=False)), ("sapo", dict(ent=False, kl_type="abs")),
-            ("clip_cov", {}), ("kl_cov", dict(kl_type="k2"))]
+            ("clip_cov", {}), ("kl_cov", dict(kl_type="k2")),
+            ("importance_sampling", dict(ent=False)),
+            ("regular", dict(loss_fn="cross_entropy"))]        # SkyRL's SFT path (Tinker API)
 
 
 def test_worker_step_equals_skyrl_one_rank():
@@ -545,3 +550,23 @@ def test_enable_swaps_skyrl_workers_and_refuses(sky, monkeypatch):
     monkeypatch.delattr(fsdp_pkg, "fsdp_worker")
     with pytest.raises(ImportError, match="GBC_SKYRL: gbc's SkyRL workers need SkyRL"):
         gsky.enable()
+
+
+def test_every_method_option_is_honoured_or_refused(monkeypatch):
+    """Each field of methods.MethodOptions: run by gbc's SkyRL worker (AR, Lopti: their tests
+    above), refused naming it, or acting only under a refused option (NTHR's and critical-token
+    KL's parameters)."""
+    from gbc_kernels import methods
+    from gbc_kernels.integrations.skyrl import worker
+
+    fields = {f.name for f in dataclasses.fields(methods.MethodOptions)}
+    honoured = {"ar_alpha", "lopti_eta", "lopti_order"}
+    refused = set(worker.REFUSED)
+    under = {f for f in fields if f.startswith(("nthr_", "critical_kl_"))
+             and f != "critical_kl_exponent"}
+    assert honoured | refused | under == fields
+    for name, text in (("nthr", "nthr=true"), ("critical_kl_exponent", "critical_kl_exponent=1")):
+        with pytest.raises(ValueError, match=f"GBC_SKYRL_OPTIONS: {name} is not run"):
+            worker.method_options(text)
+    assert worker.method_options("ar_alpha=0.5,lopti_eta=0.3,lopti_order=high-first") == \
+        methods.MethodOptions(ar_alpha=0.5, lopti_eta=0.3, lopti_order="high-first")

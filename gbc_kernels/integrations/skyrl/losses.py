@@ -151,7 +151,8 @@ def policy_loss_inputs(algorithm, loss_type, loss_mask, advantages, old_log_prob
     ``is_ratio``; its metrics) for the losses that apply it. An RL loss with a fractional
     ``loss_mask`` is refused."""
     if loss_type == "cross_entropy":
-        return _inputs(loss_mask != 0, loss_mask, old_log_probs, None), {}
+        dtype = torch.float32 if old_log_probs is None else old_log_probs.dtype
+        return _inputs(loss_mask != 0, loss_mask.to(dtype), old_log_probs, None), {}
     if gbc.value_checks_enabled() and bool(((loss_mask != 0) & (loss_mask != 1)).any()):
         raise ValueError(f"loss_mask: gbc's RL loss takes a 0/1 loss mask "
                          f"(trainer.algorithm.policy_loss_type={loss_type!r}); got weights")

@@ -174,8 +174,8 @@ class GBCPolicyWorkerMixin:
         self.strategy.backward(loss * dp, self.model, self.optimizer)
 
         mask = call["mask"]
-        logp = torch.where(mask, token_out["logp"].to(experience.action_log_probs.dtype),
-                           torch.full_like(experience.action_log_probs, float("nan")))
+        lp = token_out["logp"].to(call["advantages"].dtype)
+        logp = torch.where(mask, lp, torch.full_like(lp, float("nan")))
         lp0 = torch.where(mask, logp, torch.zeros_like(logp))
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
