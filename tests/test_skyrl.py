@@ -570,3 +570,16 @@ def test_every_method_option_is_honoured_or_refused(monkeypatch):
             worker.method_options(text)
     assert worker.method_options("ar_alpha=0.5,lopti_eta=0.3,lopti_order=high-first") == \
         methods.MethodOptions(ar_alpha=0.5, lopti_eta=0.3, lopti_order="high-first")
+
+
+@pytest.mark.parametrize("option", [dict(ar_alpha=0.5), dict(lopti_eta=0.5)])
+def test_methods_refused_on_the_sft_loss(sky, option):
+    """AR and Lopti on SkyRL's SFT loss (loss_fn="cross_entropy"): refused before any pass."""
+    from gbc_kernels import methods
+    from gbc_kernels.integrations.skyrl import fsdp as gfsdp
+
+    w = skyrl_cpu().policy_worker(gfsdp.GBCFSDPPolicyWorker, algorithm(sky, "regular"),
+                                  tiny_qwen2())
+    w._gbc_options = methods.MethodOptions(**option)
+    with pytest.raises(ValueError, match=f"GBC_SKYRL_OPTIONS: {next(iter(option))} acts on RL"):
+        w.forward_backward(make_batch(sky, 1), loss_fn="cross_entropy")

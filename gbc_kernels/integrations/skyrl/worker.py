@@ -96,6 +96,15 @@ def _check_wrapper(wrapper, num_actions, experience=None):
     return int(num_actions)
 
 
+def _check_sft(options, loss_type):
+    """AR and Lopti act on RL advantages: refused on SkyRL's SFT loss."""
+    if loss_type == "cross_entropy":
+        for name in ("ar_alpha", "lopti_eta"):
+            if getattr(options, name) not in (0.0, None):
+                raise ValueError(f"{OPTIONS_ENV}: {name} acts on RL advantages; SkyRL's "
+                                 f"cross_entropy (SFT) loss has none")
+
+
 def _temperature(cfg):
     t = cfg.algorithm.temperature
     return 1.0 if t is None else float(t)
@@ -124,6 +133,7 @@ class GBCPolicyWorkerMixin:
         optimizer step run here and the second phase's forward-backward returns (SkyRL's
         trainer then takes its optimizer step): two optimizer steps of SkyRL's own step,
         with the old log-probs of the batch fixed for both."""
+        _check_sft(self.gbc_options, loss_fn or self.cfg.algorithm.policy_loss_type)
         phases = self.gbc_options.phases
         if phases == (None,):
             return super().forward_backward(data, loss_fn, loss_fn_config)
@@ -146,6 +156,7 @@ class GBCPolicyWorkerMixin:
         from skyrl.backends.skyrl_train.workers.worker_utils import (
             compute_minibatch_rollout_logprob_diff_metrics)
 
+        _check_sft(self.gbc_options, loss_fn or self.cfg.algorithm.policy_loss_type)
         if loss_fn_config is not None:
             raise ValueError("loss_fn_config: per-call loss overrides are not run by gbc's "
                              "SkyRL worker; set them in trainer.algorithm")
