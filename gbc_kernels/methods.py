@@ -174,6 +174,22 @@ class MethodOptions:
             raise ValueError(f"{name}: the loss has no KL term to weight (set {kl_option} != 0)")
 
 
+def loss_advantages(advantages: torch.Tensor, old_logp: torch.Tensor, options: MethodOptions,
+                    phase: Optional[str] = None) -> torch.Tensor:
+    """The advantages the loss acts on under ``options`` (docs/math.md §2-§3): times AR's
+    weight ``alpha p_old + 1 - alpha``, and under a Lopti ``phase`` zero outside its tokens
+    (low: ``p_old < lopti_eta``). For a trainer that logs its own loss through its own function
+    (``[B, T]`` advantages and ``old_logp``)."""
+    p_old = torch.exp(old_logp)
+    a = advantages
+    if options.ar_alpha:
+        a = a * (options.ar_alpha * p_old + (1.0 - options.ar_alpha)).to(a.dtype)
+    if phase is not None:
+        low = p_old < options.lopti_eta
+        a = torch.where(low if phase == "low" else ~low, a, torch.zeros_like(a))
+    return a
+
+
 def _flag(text: str) -> bool:
     t = text.strip().lower()
     if t in ("1", "true", "yes"):
