@@ -1,4 +1,5 @@
-"""gbc on megatron-core's tensor-parallel output layer (docs/megatron.md; SPEC §9, §13).
+"""gbc on megatron-core's tensor-parallel output layer (docs/megatron.md; docs/math.md §9,
+docs/methods.md).
 
 One processor for the last pipeline stage: megatron's final hidden states ``[S, B, H]``
 (sequence-first) and this rank's ``[V/tp, H]`` shard of the output layer (its
@@ -179,7 +180,7 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
                 hidden_gathered: bool = False, return_entropy: bool = True,
                 return_sum_p2: bool = False, backend="auto", main_grad: Optional[bool] = None,
                 **loss_kwargs) -> HeadOutput:
-    """gbc's fused policy loss on megatron-core's output layer (SPEC §13).
+    """gbc's fused policy loss on megatron-core's output layer (docs/megatron.md).
 
     hidden_states: ``[S, B, H]`` of the last pipeline stage (under sequence parallelism this
     rank's ``[S/tp, B, H]``); output_weight: this rank's ``[V/tp, H]`` shard; output_bias: its
