@@ -323,7 +323,7 @@ def in_callers_words(names: dict, recheck: Optional[dict] = None):
     ``recheck[a]``: called on such a ``ValueError`` only (the good path costs nothing), when gbc
     saw a reordered or selected copy of the caller's tensor whose indices mean nothing to the
     caller: it repeats the value check on the caller's own tensor and raises that error
-    instead."""
+    instead (a name the caller shares with gbc maps to itself, to be rechecked)."""
     try:
         yield
     except (ValueError, TypeError) as e:

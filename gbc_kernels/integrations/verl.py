@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 import gbc_kernels as gbc
-from gbc_kernels import methods
+from gbc_kernels import _validate, methods
 
 VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                   "seq-mean-token-sum-norm")
@@ -239,11 +239,29 @@ def fused_ppo_loss_packed(hidden_packed, weight, input_ids_rolled, prompt_lens, 
         temp = temperature.reshape(-1)[index]
     cfg = policy_loss_config(actor_config, response_length=T, **gbc_options)
     norms = batch_normalisers(actor_config, mask, global_batch_info)
-    return gbc.fused_linear_policy_loss(
-        h, weight, targets, mask, advantages, old_logp=old_log_probs,
-        ref_logp=ref_log_prob if cfg.kl_coef else None, bias=bias, config=cfg,
-        is_ratio=rollout_is_weights, temperature=temp, backend=backend, phase=phase,
-        token_scale=token_scale, kl_weight=kl_weight, **norms)
+
+    def packed_rows():          # the response tokens' positions in the packed layout
+        rows = torch.zeros(h2.shape[0], dtype=torch.bool, device=index.device)
+        return rows.index_fill_(0, index[mask], True)
+
+    recheck = {"targets": lambda: _validate.check_targets(
+        input_ids_rolled.reshape(-1), weight.shape[0], packed_rows(), name="input_ids_rolled")}
+    if temp is not temperature:
+        recheck["temperature"] = lambda: _validate.check_many(
+            [("temperature", temperature.reshape(-1), "temperature")], packed_rows(), None)
+    with _validate.in_callers_words(FUSED_PACKED_NAMES, recheck):
+        return gbc.fused_linear_policy_loss(
+            h, weight, targets, mask, advantages, old_logp=old_log_probs,
+            ref_logp=ref_log_prob if cfg.kl_coef else None, bias=bias, config=cfg,
+            is_ratio=rollout_is_weights, temperature=temp, backend=backend, phase=phase,
+            token_scale=token_scale, kl_weight=kl_weight, **norms)
+
+
+# gbc's argument names -> verl's (its ppo_loss's and its batch keys), for gbc's errors
+VERL_NAMES = {"logp": "log_prob", "mask": "response_mask", "old_logp": "old_log_prob",
+              "ref_logp": "ref_log_prob", "is_ratio": "rollout_is_weights"}
+FUSED_PACKED_NAMES = dict(VERL_NAMES, hidden="hidden_packed", targets="input_ids_rolled",
+                          old_logp="old_log_probs", temperature="temperature")
 
 
 @dataclasses.dataclass
@@ -317,10 +335,11 @@ def make_policy_loss(options: VerlGBCOptions):
         view = _PolicyTermOnly(config, options.base_loss_mode, loss_agg_mode)
         cfg = policy_loss_config(view, response_length=mask.shape[1],
                                  **options.method_options.loss_options())
-        loss, m = gbc.policy_loss(log_prob, mask, advantages, old_logp=old_log_prob,
-                                  config=cfg, phase=options.current_phase,
-                                  is_ratio=rollout_is_weights,
-                                  **batch_normalisers(view, mask))
+        with _validate.in_callers_words(VERL_NAMES):
+            loss, m = gbc.policy_loss(log_prob, mask, advantages, old_logp=old_log_prob,
+                                      config=cfg, phase=options.current_phase,
+                                      is_ratio=rollout_is_weights,
+                                      **batch_normalisers(view, mask))
         with torch.no_grad():     # verl's ppo_kl (its vanilla clamps the log-ratio at +-20)
             lr = log_prob - old_log_prob
             if cfg.log_ratio_clamp is not None:
