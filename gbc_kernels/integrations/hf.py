@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from gbc_kernels import _validate
+from gbc_kernels import methods
 
 
 class LMHead(NamedTuple):
@@ -250,9 +250,9 @@ def _as_input_ids(input_ids, T, head, mask=None):
     def recheck():
         rows = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
         rows[:, -T:] = True if mask is None else (mask != 0)
-        _validate.check_targets(input_ids, head.weight.shape[0], rows, name="input_ids")
+        methods.check_ids("input_ids", input_ids, head.weight.shape[0], rows)
 
-    return _validate.in_callers_words({"targets": "input_ids"}, {"targets": recheck})
+    return methods.in_callers_words({"targets": "input_ids"}, {"targets": recheck})
 
 
 class OldPolicyPass(NamedTuple):
@@ -299,7 +299,6 @@ def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=N
     layer's rule on ``advantages`` (docs/methods.md). ``model_kwargs``: more forward inputs
     (a vision-language model's images)."""
     import gbc_kernels as gbc
-    from gbc_kernels import methods
 
     if nthr:
         if correct is None and advantages is not None:
@@ -315,7 +314,7 @@ def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=N
         if logp is None:
             logp = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temperature,
                                    backend=backend, logit_softcap=cap).logp
-        with _validate.in_callers_words({"beta": "nthr_beta", "eta": "nthr_eta",
+        with methods.in_callers_words({"beta": "nthr_beta", "eta": "nthr_eta",
                                          "logp": "old_logp"}):
             res = None if not nthr else gbc.nthr_scale(
                 h, head.weight, targets, mask, group_ids, correct, bias=head.bias,
@@ -334,13 +333,11 @@ def reference_pass(ref_model, input_ids, attention_mask, targets, temperature=1.
     """The reference model's pass: ``ref_logp`` and, with ``critical_kl_exponent``, the
     critical-token KL weights, as :func:`gbc_kernels.methods.reference_stats` returns them;
     ``options``: a ``MethodOptions`` in place of the four critical-KL keywords."""
-    from gbc_kernels import methods
-
     if options is not None and (critical_kl_exponent is not None or certainty != "max_prob"
                                 or certainty_temperature != 1.0 or intercept != 0.0):
         raise ValueError("options: give the MethodOptions or the critical-KL keywords "
                          "(critical_kl_exponent, certainty, ...), not both")
-    with _validate.in_callers_words({"critical_kl_intercept": "intercept",
+    with methods.in_callers_words({"critical_kl_intercept": "intercept",
                                      "critical_kl_certainty": "certainty",
                                      "critical_kl_temperature": "certainty_temperature"}):
         opts = options or methods.MethodOptions(critical_kl_exponent=critical_kl_exponent,

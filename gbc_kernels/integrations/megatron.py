@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import gbc_kernels as gbc
-from gbc_kernels import _validate
+from gbc_kernels import methods
 from gbc_kernels.config import PolicyLossConfig
 
 # gbc's argument names -> this module's, for the errors raised inside gbc's calls
@@ -233,7 +233,7 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
                                     output_bias, vp, return_entropy, return_sum_p2, backend,
                                     loss_kwargs)
     tok = {}
-    with _validate.in_callers_words(_NAMES):
+    with methods.in_callers_words(_NAMES):
         loss, metrics = gbc.fused_linear_policy_loss(
             hidden.transpose(0, 1), output_weight, labels, mask, advantages, old_logp, ref_logp,
             bias=output_bias, token_scale=token_scale, kl_weight=kl_weight, config=cfg,
@@ -252,7 +252,7 @@ def _loss_into_main_grad(hidden, weight, into, labels, mask, advantages, old_log
     temp = cfg.temperature if temp is None else temp
     w = _IntoMainGrad.apply(weight)
     m = _check_mask(mask, hidden, labels)
-    with _validate.in_callers_words(_NAMES):
+    with methods.in_callers_words(_NAMES):
         logp, entropy, sum_p2 = _rows_stats(hidden, w, bias, labels, m, temp, vp,
                                             cfg.wants_entropy, True, backend, into)
         loss, metrics = gbc.policy_loss(logp, m, advantages, old_logp, ref_logp,
@@ -283,7 +283,7 @@ def logprobs(hidden_states, output_weight, labels, mask=None, *, temperature=1.0
     hidden, vp = _head(hidden_states, output_weight, output_bias, labels, tp_group,
                        sequence_parallel, hidden_gathered)
     mask = _check_mask(mask, hidden, labels)
-    with _validate.in_callers_words(_NAMES):
+    with methods.in_callers_words(_NAMES):
         logp, entropy, sum_p2 = _rows_stats(hidden, output_weight, output_bias, labels, mask,
                                             temperature, vp, return_entropy, return_sum_p2,
                                             backend)
@@ -318,7 +318,7 @@ def output_processor(*, hidden_states, output_layer, labels, output_weight=None,
                                              "return_sum_p2", "backend")}}
     if output_weight is None:
         names["output_weight"] = "output_layer.weight"
-    with _validate.in_callers_words(names):
+    with methods.in_callers_words(names):
         out = logprobs(hidden_states, weight, labels, getattr(context, "mask", None),
                        temperature=temperature, output_bias=bias, tp_group=output_layer.tp_group,
                        sequence_parallel=bool(getattr(output_layer, "sequence_parallel", False)),
@@ -355,9 +355,8 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
         vp = vocab_parallel(weight, dist_process_group, reduce_hidden_grad=not hidden_gathered)
     names = {"targets": "labels", "vocab_parallel": "weight",
              "vocab_parallel.group": "dist_process_group"}
-    recheck = {"targets": lambda: _validate.check_targets(given, _vocab(weight, vp),
-                                                          name="labels")}
-    with _validate.in_callers_words(names, recheck):
+    recheck = {"targets": lambda: methods.check_ids("labels", given, _vocab(weight, vp))}
+    with methods.in_callers_words(names, recheck):
         out = gbc.fused_linear_logprobs(hidden.reshape(-1, hidden.shape[-1]), weight,
                                         labels.reshape(-1), temperature=temperature,
                                         return_entropy=True, backend=backend, vocab_parallel=vp)
@@ -401,12 +400,10 @@ def reference_stats(hidden_states, output_weight, labels, options, mask=None, *,
     ``kl_weight`` and ``certainty`` ``[B, S]`` (0 outside ``mask``; the last two None when
     ``critical_kl_exponent`` is None). The certainty's ``log V`` is over megatron's padded
     vocabulary (its padded rows are real logits)."""
-    from gbc_kernels import methods
-
     hidden, vp = _head(hidden_states, output_weight, output_bias, labels, tp_group,
                        sequence_parallel, hidden_gathered)
     mask = _check_mask(mask, hidden, labels)
-    with _validate.in_callers_words(_NAMES):
+    with methods.in_callers_words(_NAMES):
         st = _select(hidden, labels, mask, temperature, _vocab(output_weight, vp),
                      lambda flat, y, temp: methods.reference_stats(
                          flat.detach(), output_weight, y, options, output_bias,
@@ -481,11 +478,11 @@ def _select(hidden, labels, mask, temperature, vocab, stats):
         t = temperature.to(labels.device)
         return t[:, None].expand(B, S) if t.dim() == 1 else t
 
-    recheck = {"targets": lambda: _validate.check_targets(labels, vocab, rows, name="labels")}
+    recheck = {"targets": lambda: methods.check_ids("labels", labels, vocab, rows)}
     if isinstance(temperature, torch.Tensor):
-        recheck["temperature"] = lambda: _validate.check_many(
-            [("temperature", temperature_bs(), "temperature")], rows, None)
-    with _validate.in_callers_words({"targets": "labels", "temperature": "temperature"},
-                                    recheck):
+        recheck["temperature"] = lambda: methods.check_temperatures(
+            "temperature", temperature_bs(), rows)
+    with methods.in_callers_words({"targets": "labels", "temperature": "temperature"},
+                                  recheck):
         out = stats(flat, y, temp)
     return tuple(back(v) for v in out)

@@ -14,7 +14,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 import gbc_kernels as gbc
-from gbc_kernels import _validate, methods
+from gbc_kernels import methods
 from . import hf, patching
 
 POLICY_LOSS_TYPES = ("ppo", "gspo")
@@ -163,7 +163,7 @@ EXPERIENCE_NAMES = {"input_ids": "experience.sequences",
                     "ref_logp": "experience.base_action_log_probs"}
 
 
-@_validate.in_callers_words(EXPERIENCE_NAMES)
+@methods.in_callers_words(EXPERIENCE_NAMES)
 def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_info=None,
                      temperature: Optional[float] = None, token_scale=None, kl_weight=None,
                      phase=None, **gbc_options):

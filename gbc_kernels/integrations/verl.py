@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 import gbc_kernels as gbc
-from gbc_kernels import _validate, methods
+from gbc_kernels import methods
 
 VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                   "seq-mean-token-sum-norm")
@@ -244,12 +244,12 @@ def fused_ppo_loss_packed(hidden_packed, weight, input_ids_rolled, prompt_lens, 
         rows = torch.zeros(h2.shape[0], dtype=torch.bool, device=index.device)
         return rows.index_fill_(0, index[mask], True)
 
-    recheck = {"targets": lambda: _validate.check_targets(
-        input_ids_rolled.reshape(-1), weight.shape[0], packed_rows(), name="input_ids_rolled")}
+    recheck = {"targets": lambda: methods.check_ids(
+        "input_ids_rolled", input_ids_rolled.reshape(-1), weight.shape[0], packed_rows())}
     if temp is not temperature:
-        recheck["temperature"] = lambda: _validate.check_many(
-            [("temperature", temperature.reshape(-1), "temperature")], packed_rows(), None)
-    with _validate.in_callers_words(FUSED_PACKED_NAMES, recheck):
+        recheck["temperature"] = lambda: methods.check_temperatures(
+            "temperature", temperature.reshape(-1), packed_rows())
+    with methods.in_callers_words(FUSED_PACKED_NAMES, recheck):
         return gbc.fused_linear_policy_loss(
             h, weight, targets, mask, advantages, old_logp=old_log_probs,
             ref_logp=ref_log_prob if cfg.kl_coef else None, bias=bias, config=cfg,
@@ -335,7 +335,7 @@ def make_policy_loss(options: VerlGBCOptions):
         view = _PolicyTermOnly(config, options.base_loss_mode, loss_agg_mode)
         cfg = policy_loss_config(view, response_length=mask.shape[1],
                                  **options.method_options.loss_options())
-        with _validate.in_callers_words(VERL_NAMES):
+        with methods.in_callers_words(VERL_NAMES):
             loss, m = gbc.policy_loss(log_prob, mask, advantages, old_logp=old_log_prob,
                                       config=cfg, phase=options.current_phase,
                                       is_ratio=rollout_is_weights,
