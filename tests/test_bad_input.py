@@ -262,3 +262,38 @@ def test_hf_reference_pass_names_its_keywords(model, kwargs, message):
         hf.reference_pass(model, ids, None, ids[:, -3:], critical_kl_exponent=2.0,
                           completion_len=3, **kwargs)
     assert str(info.value) == message
+
+
+def test_in_callers_words_renames_only_the_named_argument():
+    """The mechanism itself: the leading argument (or ``argument.field``) is renamed, the same
+    exception object raised (type kept); an error naming another argument, or none, passes
+    unchanged; ``recheck`` replaces a ValueError only."""
+    from gbc_kernels.methods import in_callers_words
+
+    names = {"targets": "labels", "vocab_parallel": "output_weight",
+             "vocab_parallel.group": "tp_group"}
+
+    def raised(exc, recheck=None):
+        with pytest.raises(type(exc)) as info:
+            with in_callers_words(names, recheck):
+                raise exc
+        assert info.value is exc or recheck is not None
+        return str(info.value)
+
+    assert raised(ValueError("targets: expected ids, got 9")) == "labels: expected ids, got 9"
+    assert raised(TypeError("targets: expected an integer dtype")) == \
+        "labels: expected an integer dtype"
+    assert raised(ValueError("vocab_parallel: slices")) == "output_weight: slices"
+    assert raised(ValueError("vocab_parallel.group: not a member")) == "tp_group: not a member"
+    assert raised(ValueError("vocab_parallel.start: x")) == "output_weight.start: x"
+    assert raised(ValueError("mask: expected bool")) == "mask: expected bool"
+    assert raised(ValueError("no argument named here")) == "no argument named here"
+
+    def own():
+        raise ValueError("labels: at index [1, 5]")
+
+    assert raised(ValueError("targets: at index [7]"), {"targets": own}) == \
+        "labels: at index [1, 5]"
+    assert raised(TypeError("targets: dtype"), {"targets": own}) == "labels: dtype"
+    assert raised(ValueError("targets: at index [7]"), {"targets": lambda: None}) == \
+        "labels: at index [7]"

@@ -234,6 +234,7 @@ def logprobs_through_forward(model, input_ids, attention_mask, completion_len: i
 
     inner = unwrap(model) if unwrapped is None else unwrapped
     T = check_forward_inputs(inner, input_ids, attention_mask, completion_len)
+
     def compute(h, head, cap):
         with _as_input_ids(input_ids, T, head):
             return gbc.token_stats(h, head.weight, input_ids[:, -T:], head.bias,
@@ -315,7 +316,7 @@ def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=N
             logp = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temperature,
                                    backend=backend, logit_softcap=cap).logp
         with methods.in_callers_words({"beta": "nthr_beta", "eta": "nthr_eta",
-                                         "logp": "old_logp"}):
+                                       "logp": "old_logp"}):
             res = None if not nthr else gbc.nthr_scale(
                 h, head.weight, targets, mask, group_ids, correct, bias=head.bias,
                 temperature=temperature, beta=nthr_beta, eta=nthr_eta, backend=backend,
@@ -338,8 +339,8 @@ def reference_pass(ref_model, input_ids, attention_mask, targets, temperature=1.
         raise ValueError("options: give the MethodOptions or the critical-KL keywords "
                          "(critical_kl_exponent, certainty, ...), not both")
     with methods.in_callers_words({"critical_kl_intercept": "intercept",
-                                     "critical_kl_certainty": "certainty",
-                                     "critical_kl_temperature": "certainty_temperature"}):
+                                   "critical_kl_certainty": "certainty",
+                                   "critical_kl_temperature": "certainty_temperature"}):
         opts = options or methods.MethodOptions(critical_kl_exponent=critical_kl_exponent,
                                                 critical_kl_intercept=intercept,
                                                 critical_kl_certainty=certainty,

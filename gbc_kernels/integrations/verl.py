@@ -217,6 +217,13 @@ def response_rows(prompt_lens: torch.Tensor, response_lens: torch.Tensor,
     return torch.where(valid, index, torch.zeros_like(index)), valid
 
 
+# gbc's argument names -> verl's (its ppo_loss's and its batch keys), for gbc's errors
+VERL_NAMES = {"logp": "log_prob", "mask": "response_mask", "old_logp": "old_log_prob",
+              "ref_logp": "ref_log_prob", "is_ratio": "rollout_is_weights"}
+FUSED_PACKED_NAMES = dict(VERL_NAMES, hidden="hidden_packed", targets="input_ids_rolled",
+                          old_logp="old_log_probs", temperature="temperature")
+
+
 def fused_ppo_loss_packed(hidden_packed, weight, input_ids_rolled, prompt_lens, response_lens,
                           response_mask, old_log_probs, advantages, actor_config,
                           global_batch_info=None, ref_log_prob=None, rollout_is_weights=None,
@@ -255,13 +262,6 @@ def fused_ppo_loss_packed(hidden_packed, weight, input_ids_rolled, prompt_lens, 
             ref_logp=ref_log_prob if cfg.kl_coef else None, bias=bias, config=cfg,
             is_ratio=rollout_is_weights, temperature=temp, backend=backend, phase=phase,
             token_scale=token_scale, kl_weight=kl_weight, **norms)
-
-
-# gbc's argument names -> verl's (its ppo_loss's and its batch keys), for gbc's errors
-VERL_NAMES = {"logp": "log_prob", "mask": "response_mask", "old_logp": "old_log_prob",
-              "ref_logp": "ref_log_prob", "is_ratio": "rollout_is_weights"}
-FUSED_PACKED_NAMES = dict(VERL_NAMES, hidden="hidden_packed", targets="input_ids_rolled",
-                          old_logp="old_log_probs", temperature="temperature")
 
 
 @dataclasses.dataclass
