@@ -26,6 +26,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
+from . import _validate
 from .nthr import NTHRResult, nthr_scale
 from .ops import fused_linear_logprobs, token_stats
 from .transforms import critical_kl_weight
@@ -64,6 +65,24 @@ def in_trainer_words(error: Exception, names: dict) -> Exception:
         return error
     return ValueError(f"{', '.join(dict.fromkeys(said))}: refused as gbc's {', '.join(fields)} "
                       f"({msg})")
+
+
+# An adapter's argument errors in its caller's words (the adapters import no private module):
+# in_callers_words renames gbc's argument in a raised error; check_ids / check_temperatures
+# repeat a failed value check on the caller's own tensor, for its recheck.
+in_callers_words = _validate.in_callers_words
+
+
+def check_ids(name: str, ids: torch.Tensor, vocab: int, mask=None) -> None:
+    """A ValueError naming ``name`` and the first id outside ``[0, vocab)`` where ``mask``
+    (bool, ``ids``' shape; None: everywhere) is set (skipped under ``GBC_VALIDATE=0``)."""
+    _validate.check_targets(ids, vocab, mask, name=name)
+
+
+def check_temperatures(name: str, temperature: torch.Tensor, mask: torch.Tensor) -> None:
+    """A ValueError naming ``name`` and the first temperature that is not finite and > 0 where
+    ``mask`` (bool, its shape) is set (skipped under ``GBC_VALIDATE=0``)."""
+    _validate.check_many([(name, temperature, "temperature")], mask, None)
 
 
 @dataclasses.dataclass(frozen=True)
