@@ -240,3 +240,60 @@ def run_child(cmd, threads: int):
     if out.returncode != 0:
         raise SystemExit(f"child failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ---- one trainer step, two providers: the pieces bench_skyrl.py runs (bench_openrlhf.py's form)
+def step_parser(doc, **defaults):
+    """The arguments of a one-step benchmark: the child modes, ``--provider`` and the case
+    (``--B --P --T --H --V --threads --reps``; ``defaults`` override or add integers)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child-time", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child-memory", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--provider", default="gbc")
+    case = dict(B=4, P=64, T=192, H=64, V=151936, threads=2, reps=5, **defaults)
+    for name, value in case.items():
+        ap.add_argument(f"--{name}", type=int, default=value)
+    ap.case_names = tuple(case)
+    return ap
+
+
+def step_child(script, mode, a, names, extra=()):
+    """Run ``script`` as the ``mode`` child ("time" / "memory") with the case arguments
+    ``names`` of ``a``; returns its JSON."""
+    cmd = [sys.executable, script, f"--child-{mode}"]
+    for name in names:
+        cmd += [f"--{name}", str(getattr(a, name))]
+    return run_child(cmd + list(extra), a.threads)
+
+
+def step_peak_mb(step) -> dict:
+    """Peak RSS of one ``step()`` beyond the RSS before it, after a warm-up step (MiB)."""
+    import resource
+
+    step()
+    base = rss_mb()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"peak_mb": max(peak, before) - base, "step_peak_mb": peak - base}
+
+
+def interleaved_medians(steps: dict, reps: int) -> dict:
+    """``{name: median seconds}`` of each ``steps[name]()``: one warm-up each, then ``reps``
+    rounds with the providers interleaved (progress on stderr)."""
+    for name, step in steps.items():
+        step()
+        print(f"  warm-up {name} done", file=sys.stderr, flush=True)
+    times = {name: [] for name in steps}
+    for r in range(reps):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+        print(f"  round {r + 1}/{reps}: " + ", ".join(f"{n} {t[-1]:.3f} s"
+                                                    for n, t in times.items()),
+              file=sys.stderr, flush=True)
+    return {name: statistics.median(t) for name, t in times.items()}

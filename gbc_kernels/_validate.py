@@ -13,6 +13,7 @@ index for the message).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Optional, Sequence
@@ -309,3 +310,34 @@ def check_backend(backend: str, name: str = "backend"):
 
     if backend not in BACKENDS:
         raise ValueError(f"{name}: expected one of {BACKENDS}, got {backend!r}")
+
+
+@contextlib.contextmanager
+def in_callers_words(names: dict, recheck: Optional[dict] = None):
+    """Errors in the caller's words, for an adapter that passes its caller's arguments to gbc
+    under gbc's names. gbc's messages start with the argument they name (``targets: expected
+    ...``, ``vocab_parallel.group: ...``); a ``ValueError`` or ``TypeError`` raised in the block
+    that names a key ``a`` of ``names`` (or its field ``a.f`` with no key of its own) is raised
+    again, the same exception and traceback, naming ``names[a]`` (``names[a].f``).
+
+    ``recheck[a]``: called on such a ``ValueError`` only (the good path costs nothing), when gbc
+    saw a reordered or selected copy of the caller's tensor whose indices mean nothing to the
+    caller: it repeats the value check on the caller's own tensor and raises that error
+    instead (a name the caller shares with gbc maps to itself, to be rechecked)."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        if len(e.args) != 1 or not isinstance(e.args[0], str):
+            raise
+        head, colon, rest = e.args[0].partition(":")
+        base, dot, field = head.partition(".")
+        if not colon or (head not in names and base not in names):
+            raise
+        key = head if head in names else base
+        if recheck is not None and key in recheck and isinstance(e, ValueError):
+            try:
+                recheck[key]()
+            except (ValueError, TypeError) as own:
+                raise own from None
+        e.args = ((names[key] if key == head else f"{names[key]}.{field}") + colon + rest,)
+        raise

@@ -26,6 +26,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
+from . import _validate
 from .nthr import NTHRResult, nthr_scale
 from .ops import fused_linear_logprobs, token_stats
 from .transforms import critical_kl_weight
@@ -64,6 +65,24 @@ def in_trainer_words(error: Exception, names: dict) -> Exception:
         return error
     return ValueError(f"{', '.join(dict.fromkeys(said))}: refused as gbc's {', '.join(fields)} "
                       f"({msg})")
+
+
+# An adapter's argument errors in its caller's words (the adapters import no private module):
+# in_callers_words renames gbc's argument in a raised error; check_ids / check_temperatures
+# repeat a failed value check on the caller's own tensor, for its recheck.
+in_callers_words = _validate.in_callers_words
+
+
+def check_ids(name: str, ids: torch.Tensor, vocab: int, mask=None) -> None:
+    """A ValueError naming ``name`` and the first id outside ``[0, vocab)`` where ``mask``
+    (bool, ``ids``' shape; None: everywhere) is set (skipped under ``GBC_VALIDATE=0``)."""
+    _validate.check_targets(ids, vocab, mask, name=name)
+
+
+def check_temperatures(name: str, temperature: torch.Tensor, mask: torch.Tensor) -> None:
+    """A ValueError naming ``name`` and the first temperature that is not finite and > 0 where
+    ``mask`` (bool, its shape) is set (skipped under ``GBC_VALIDATE=0``)."""
+    _validate.check_many([(name, temperature, "temperature")], mask, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +191,22 @@ class MethodOptions:
         if self.critical_kl_exponent is not None and not kl_coef:
             name = (names or {}).get("critical_kl_exponent", "critical_kl_exponent")
             raise ValueError(f"{name}: the loss has no KL term to weight (set {kl_option} != 0)")
+
+
+def loss_advantages(advantages: torch.Tensor, old_logp: torch.Tensor, options: MethodOptions,
+                    phase: Optional[str] = None) -> torch.Tensor:
+    """The advantages the loss acts on under ``options`` (docs/math.md §2-§3): times AR's
+    weight ``alpha p_old + 1 - alpha``, and under a Lopti ``phase`` zero outside its tokens
+    (low: ``p_old < lopti_eta``). For a trainer that logs its own loss through its own function
+    (``[B, T]`` advantages and ``old_logp``)."""
+    p_old = torch.exp(old_logp)
+    a = advantages
+    if options.ar_alpha:
+        a = a * (options.ar_alpha * p_old + (1.0 - options.ar_alpha)).to(a.dtype)
+    if phase is not None:
+        low = p_old < options.lopti_eta
+        a = torch.where(low if phase == "low" else ~low, a, torch.zeros_like(a))
+    return a
 
 
 def _flag(text: str) -> bool:

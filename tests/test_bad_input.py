@@ -193,3 +193,107 @@ def test_through_forward_left_padding_respected(model):
     loss_nopad, _ = hf.policy_loss_through_forward(model, ids, torch.ones_like(am), 3, mask, adv,
                                                    old_logp=old)
     assert abs(float(loss_nopad) - float(loss)) > 1e-6
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors in the caller's words: the hf passes name the caller's arguments, not gbc's
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_head_model(model):
+    """``model`` with an lm_head of 30 rows, fewer than its embedding's 41: ids 30..40 pass
+    the embedding's check and are outside the head's vocabulary."""
+    import copy
+
+    m = copy.deepcopy(model)
+    m.lm_head = torch.nn.Linear(16, 30, bias=False)
+    return m
+
+
+@pytest.mark.parametrize("call", ["policy_loss_through_forward", "logprobs_through_forward"])
+def test_hf_targets_are_named_input_ids(small_head_model, call):
+    """An id outside the lm_head's vocabulary among the predicted tokens is reported as
+    ``input_ids`` at its index in ``input_ids`` (gbc saw ``input_ids[:, -T:]`` as ``targets``);
+    an out-of-range id on a masked-out position is not an error; nothing was changed."""
+    ids = torch.randint(0, 30, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids[1, 6], ids[0, 7] = 36, 35
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    mask[1, 1] = False                                # ids[1, 6] is masked out
+    kept = (ids.clone(), mask.clone())
+    with pytest.raises(ValueError) as info:
+        if call == "policy_loss_through_forward":
+            hf.policy_loss_through_forward(small_head_model, ids, None, 3, mask, torch.ones(2))
+        else:
+            hf.logprobs_through_forward(small_head_model, ids[:1], None, 3)
+    assert str(info.value) == ("input_ids: expected token ids in [0, 30) on masked-in "
+                               "positions, got 35 at index [0, 7]")
+    assert torch.equal(ids, kept[0]) and torch.equal(mask, kept[1])
+    assert all(p.grad is None for p in small_head_model.parameters())
+
+
+@pytest.mark.parametrize("kwargs,err,message", [
+    (dict(nthr_beta="1"), TypeError, "nthr_beta: expected a float, got str"),
+    (dict(nthr_eta=-0.5), ValueError, "nthr_eta: expected 'auto' or a float >= 0, got -0.5"),
+])
+def test_hf_old_policy_pass_names_nthr_options(model, kwargs, err, message):
+    """NTHR's options of ``old_policy_pass`` are named as the caller passed them (gbc's
+    ``nthr_scale`` calls them ``beta`` and ``eta``)."""
+    ids = torch.randint(0, 41, (2, 8), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(err) as info:
+        hf.old_policy_pass(model, ids, None, ids[:, -3:], mask, group_ids=torch.zeros(2).long(),
+                           correct=torch.tensor([True, False]), nthr=True, completion_len=3,
+                           **kwargs)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(intercept=1.5), "intercept: expected a float >= 0.0 and <= 1.0, got 1.5"),
+    (dict(certainty="top1"), "certainty: expected one of ('max_prob', 'entropy'), got 'top1'"),
+    (dict(certainty_temperature=0.0),
+     "certainty_temperature: expected a float > 0.0, got 0.0"),
+])
+def test_hf_reference_pass_names_its_keywords(model, kwargs, message):
+    """``reference_pass``'s critical-KL keywords are named as the caller passed them (the
+    method options call them ``critical_kl_intercept`` ...)."""
+    ids = torch.randint(0, 41, (2, 8), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError) as info:
+        hf.reference_pass(model, ids, None, ids[:, -3:], critical_kl_exponent=2.0,
+                          completion_len=3, **kwargs)
+    assert str(info.value) == message
+
+
+def test_in_callers_words_renames_only_the_named_argument():
+    """The mechanism itself: the leading argument (or ``argument.field``) is renamed, the same
+    exception object raised (type kept); an error naming another argument, or none, passes
+    unchanged; ``recheck`` replaces a ValueError only."""
+    from gbc_kernels.methods import in_callers_words
+
+    names = {"targets": "labels", "vocab_parallel": "output_weight",
+             "vocab_parallel.group": "tp_group"}
+
+    def raised(exc, recheck=None):
+        with pytest.raises(type(exc)) as info:
+            with in_callers_words(names, recheck):
+                raise exc
+        assert info.value is exc or recheck is not None
+        return str(info.value)
+
+    assert raised(ValueError("targets: expected ids, got 9")) == "labels: expected ids, got 9"
+    assert raised(TypeError("targets: expected an integer dtype")) == \
+        "labels: expected an integer dtype"
+    assert raised(ValueError("vocab_parallel: slices")) == "output_weight: slices"
+    assert raised(ValueError("vocab_parallel.group: not a member")) == "tp_group: not a member"
+    assert raised(ValueError("vocab_parallel.start: x")) == "output_weight.start: x"
+    assert raised(ValueError("mask: expected bool")) == "mask: expected bool"
+    assert raised(ValueError("no argument named here")) == "no argument named here"
+
+    def own():
+        raise ValueError("labels: at index [1, 5]")
+
+    assert raised(ValueError("targets: at index [7]"), {"targets": own}) == \
+        "labels: at index [1, 5]"
+    assert raised(TypeError("targets: dtype"), {"targets": own}) == "labels: dtype"
+    assert raised(ValueError("targets: at index [7]"), {"targets": lambda: None}) == \
+        "labels: at index [7]"

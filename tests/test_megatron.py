@@ -486,3 +486,116 @@ def test_context_parallel_refused(monkeypatch):
     monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
     with pytest.raises(ValueError, match="context_parallel_size"):
         M.policy_loss(torch.randn(S, B, H), torch.randn(8, H), None, None, None)
+
+
+def _errors_worker(rank, world):
+    """Bad labels, temperatures and output-layer shards through each entry point at tensor
+    parallel ``world``: ``({call: (exception type, message) or None}, what changed)``."""
+    mc = megatron_cpu()
+    mc.install_shims()
+    mc.init_parallel(world)
+    from megatron.core import parallel_state
+
+    from gbc_kernels.integrations import megatron as M
+    from gbc_kernels.methods import MethodOptions
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    V, g = 52, torch.Generator().manual_seed(11)
+    rows = V // world
+    h = torch.randn(S, B, H, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)[rank * rows:(rank + 1) * rows]
+    w = w.clone().requires_grad_()
+    labels = torch.randint(0, V, (B, S), generator=g)
+    mask = torch.rand(B, S, generator=g) < 0.6
+    mask[1, 5] = mask[2, 7] = True
+    mask[0] = False                                         # an empty row
+    bad = labels.clone()
+    bad[1, 5], bad[0, 2] = 60, -7                          # [0, 2] is masked out: not an error
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    temp = torch.full((B, S), 0.8, dtype=torch.float64)
+    temp[2, 7], temp[0, 3] = -1.0, float("nan")            # [0, 3] is masked out
+    uneven = torch.randn(28 if rank == 0 else 24, H, generator=g, dtype=torch.float64,
+                         requires_grad=True)               # slices (0, 28) and (24, 48)
+    kept = [t.detach().clone() for t in (h, w, labels, bad, mask, adv, temp, uneven)]
+    layer = types.SimpleNamespace(weight=uneven, bias=None, skip_bias_add=True, tp_group=group,
+                                  sequence_parallel=False)
+    calls = {
+        "policy_loss labels": lambda: M.policy_loss(h, w, bad, mask, adv),
+        "policy_loss main_grad labels": lambda: M.policy_loss(h, w, bad, mask, adv,
+                                                              main_grad=True),
+        "logprobs labels": lambda: M.logprobs(h, w, bad, mask),
+        "logprobs labels no mask": lambda: M.logprobs(h, w, torch.where(mask, bad, 0)),
+        "reference_stats labels": lambda: M.reference_stats(
+            h, w, bad, MethodOptions(critical_kl_exponent=1.0), mask),
+        "linear_cross_entropy labels": lambda: M.linear_cross_entropy(
+            h, w, torch.where(mask, bad, 0), dist_process_group=group),
+        "logprobs temperature": lambda: M.logprobs(h, w, labels, mask, temperature=temp),
+        "policy_loss main_grad temperature": lambda: M.policy_loss(
+            h, w, labels, mask, adv, temperature=temp, main_grad=True),
+        "policy_loss shards": lambda: M.policy_loss(h, uneven, labels, mask, adv),
+        "logprobs shards": lambda: M.logprobs(h, uneven, labels, mask),
+        "reference_stats shards": lambda: M.reference_stats(
+            h, uneven, labels, MethodOptions(critical_kl_exponent=1.0), mask),
+        "linear_cross_entropy shards": lambda: M.linear_cross_entropy(
+            h, uneven, labels, dist_process_group=group),
+        "output_processor shards": lambda: M.output_processor(
+            hidden_states=h, output_layer=layer, labels=labels,
+            context=types.SimpleNamespace(temperature=1.0, mask=mask)),
+        "output_processor temperature": lambda: M.output_processor(
+            hidden_states=h, output_layer=layer, output_weight=w, labels=labels,
+            context=types.SimpleNamespace(temperature=temp, mask=mask)),
+    }
+    w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+    w.grad_added_to_main_grad = False
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = None
+        except (ValueError, TypeError) as e:
+            out[name] = (type(e).__name__, str(e))
+    def same(a, b):             # NaN where NaN was
+        return torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+                                     and torch.equal(a.nan_to_num(), b.nan_to_num()))
+
+    changed = [i for i, (a, b) in enumerate(zip(kept, (h, w, labels, bad, mask, adv, temp,
+                                                        uneven))) if not same(a, b)]
+    changed += [n for n, t in (("h.grad", h.grad), ("w.grad", w.grad),
+                               ("uneven.grad", uneven.grad)) if t is not None]
+    if w.main_grad.any() or w.grad_added_to_main_grad:
+        changed.append("w.main_grad")
+    return out, changed
+
+
+def test_errors_name_the_callers_arguments():
+    """At tensor parallel 2, on megatron's group: a label outside the vocabulary is reported
+    naming ``labels`` at its ``[B, S]`` index (also where gbc saw the selected rows in
+    megatron's ``[S, B]`` order), a bad temperature tensor at its index, and output-layer shards
+    that do not tile the vocabulary naming the weight the caller passed (``output_weight``,
+    verl's kernel's ``weight``, the hook's ``output_layer.weight``); nothing was computed or
+    changed (no gradient, ``main_grad`` untouched, the inputs as they were)."""
+    ranks = spawn_gloo(2, _errors_worker)
+    labels = ("ValueError", "labels: expected token ids in [0, 52) on masked-in positions, "
+                            "got 60 at index [1, 5]")
+    temp = "temperature: expected finite temperatures > 0 on masked-in positions, got -1.0 " \
+           "at index [2, 7]"
+    tiles = "the ranks' slices [(0, 28), (24, 48)] do not tile [0, V) (gap or overlap at 24)"
+    want = {
+        "policy_loss labels": labels,
+        "policy_loss main_grad labels": labels,
+        "logprobs labels": labels,
+        "logprobs labels no mask": labels,
+        "reference_stats labels": labels,
+        "linear_cross_entropy labels": labels,
+        "logprobs temperature": ("ValueError", temp),
+        "policy_loss main_grad temperature": ("ValueError", temp),
+        "output_processor temperature": ("ValueError", "context." + temp),
+        "policy_loss shards": ("ValueError", "output_weight: " + tiles),
+        "logprobs shards": ("ValueError", "output_weight: " + tiles),
+        "reference_stats shards": ("ValueError", "output_weight: " + tiles),
+        "linear_cross_entropy shards": ("ValueError", "weight: " + tiles),
+        "output_processor shards": ("ValueError", "output_layer.weight: " + tiles),
+    }
+    for rank, (got, changed) in enumerate(ranks):
+        assert got == want, rank
+        assert changed == [], (rank, changed)

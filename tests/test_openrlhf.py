@@ -367,6 +367,33 @@ def test_refuses_packed_samples():
         gorl.fused_actor_loss(actor, exp, make_args(), 0.0, None)
 
 
+def test_errors_name_the_experiences_fields():
+    """gbc's checks inside ``fused_actor_loss`` name the Experience's fields (gbc calls them
+    ``advantages``, ``ref_logp``, ``input_ids``), at the index the Experience has; nothing is
+    computed (no gradient)."""
+    model = tiny_model()
+    actor = make_actor(model)
+    exp = make_experience(3)
+    exp.advantages[0, 2] = float("nan")
+    with pytest.raises(ValueError) as info:
+        gorl.fused_actor_loss(actor, exp, make_args(), 0.0, None)
+    assert str(info.value) == ("experience.advantages: expected finite values on masked-in "
+                               "positions, got nan at index [0, 2]")
+    exp = make_experience(3)
+    exp.base_action_log_probs[3, 5] = float("inf")
+    with pytest.raises(ValueError, match=r"^experience.base_action_log_probs: expected finite "
+                                         r"values on masked-in positions, got inf at index "
+                                         r"\[3, 5\]$"):
+        gorl.fused_actor_loss(actor, exp, make_args(kl="k3"), 0.05, None)
+    exp = make_experience(3)
+    exp.sequences[2, 1] = V + 4
+    with pytest.raises(ValueError, match=r"^experience.sequences: expected token ids in "
+                                         rf"\[0, {V}\) \(the model's embedding\), got {V + 4} "
+                                         r"at index \[2, 1\]$"):
+        gorl.fused_actor_loss(actor, exp, make_args(), 0.0, None)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def _zero3_worker(rank, world, opts):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad

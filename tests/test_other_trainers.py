@@ -654,3 +654,51 @@ def test_verl_packed_micro_batch_takes_the_method_inputs():
             h[idx], w, rolled[idx], valid, adv, old, ref, token_scale=scale, kl_weight=klw,
             config=gv.policy_loss_config(cfg, response_length=T, lopti_eta=0.3), phase=phase)
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), phase
+
+
+def test_verl_packed_micro_batch_errors_name_verls_arguments():
+    """``fused_ppo_loss_packed`` reports gbc's checks under its own arguments: an id outside
+    the vocabulary in ``input_ids_rolled`` and a bad ``temperature_rmpad`` at their packed
+    position (gbc saw them gathered as ``[B, T]``), ``old_log_probs`` by name; an id outside
+    the vocabulary on a prompt position is not an error; nothing is computed."""
+    from gbc_kernels.integrations import verl as gv
+
+    g = torch.Generator().manual_seed(8)
+    B, H, V = 3, 8, 29
+    plens, rlens = torch.tensor([2, 4, 3]), torch.tensor([3, 1, 4])
+    nnz = int((plens + rlens).sum())
+    h = torch.randn(nnz, H, generator=g, requires_grad=True)
+    w = torch.randn(V, H, generator=g, requires_grad=True)
+    rolled = torch.randint(0, V, (nnz,), generator=g)
+    T = int(rlens.max())
+    idx, valid = gv.response_rows(plens, rlens, T)
+    old = torch.where(valid, -torch.rand(B, T, generator=g) * 3, 0.0)
+    ref = (old + 0.3 * torch.randn(B, T, generator=g)).clamp(max=-1e-3)
+    adv = torch.randn(B, 1, generator=g).expand(B, T) * valid
+    cfg = verl_actor_config("vanilla", "token-mean", "low_var_kl")
+    temp = torch.ones(nnz)
+
+    def call(rolled=rolled, old=old, temp=temp, ref=ref):
+        return gv.fused_ppo_loss_packed(h, w, rolled, plens, rlens, valid.long(), old, adv, cfg,
+                                        ref_log_prob=ref, temperature=temp)
+
+    bad = rolled.clone()
+    bad[0] = 99                                 # a prompt position: not predicted
+    bad[int(idx[2, 3])] = 40                    # response token 3 of sequence 2
+    with pytest.raises(ValueError) as info:
+        call(rolled=bad)
+    assert str(info.value) == (f"input_ids_rolled: expected token ids in [0, {V}) on "
+                               f"masked-in positions, got 40 at index [{int(idx[2, 3])}]")
+    bad_t = temp.clone()
+    bad_t[int(idx[1, 0])] = 0.0
+    with pytest.raises(ValueError) as info:
+        call(temp=bad_t)
+    assert str(info.value) == (f"temperature: expected finite temperatures > 0 on masked-in "
+                               f"positions, got 0.0 at index [{int(idx[1, 0])}]")
+    bad_old = old.clone()
+    bad_old[0, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"^old_log_probs: expected finite values"):
+        call(old=bad_old)
+    with pytest.raises(ValueError, match=r"^ref_log_prob: required when config.kl_coef"):
+        call(ref=None)
+    assert h.grad is None and w.grad is None

@@ -136,7 +136,12 @@ def test_bf16_no_worse_than_plain_pytorch(backend, cfg, phase, small_chunks):
     up = 1.0
     truth = run(ref, as64(batch), cfg, phase, up)
     ours = run(gbc, batch, cfg, phase, up, backend)
+    check_no_worse_than_plain_bf16(ours, truth, batch, cfg, phase, up)
 
+
+def check_no_worse_than_plain_bf16(ours, truth, batch, cfg, phase, up):
+    """``ours`` (bf16 inputs) against float64 ``truth``: the loss's and each gradient's error
+    within 2x (+ slack) of plain PyTorch's computing the same loss with bf16 logits."""
     # plain PyTorch at bf16: bf16 logits, float32 log-softmax, same per-token loss
     x = leaves(batch)
     z = (x["hidden"] @ x["weight"].T + x["bias"]).float() / ref.PolicyLossConfig(**cfg).temperature
@@ -148,7 +153,7 @@ def test_bf16_no_worse_than_plain_pytorch(backend, cfg, phase, small_chunks):
     kw = {k: batch[k] for k in ("old_logp", "ref_logp")}
     pl, _ = ref.policy_loss(logp, m, batch["advantages"], entropy=ent,
                             config=ref.PolicyLossConfig(**cfg), phase=phase, **kw)
-    pl.backward()
+    (pl * up).backward()
     plain_err = abs(float(pl.detach()) - float(truth[0]))
     assert abs(float(ours[0]) - float(truth[0])) <= 2 * plain_err + 2e-3
     for k in ("hidden", "weight", "bias"):
@@ -313,3 +318,40 @@ def test_policy_loss_from_logp_reports_grad_share_low_with_sum_p2():
         gbc.policy_loss(lp.float(), batch["mask"], batch["advantages"], batch["old_logp"],
                         batch["ref_logp"], config=gbc.PolicyLossConfig(**cfg), phase="low",
                         entropy=ent.float(), temperature=temp)
+
+
+# token_count / seq_count (verl's and OpenRLHF's counts): each aggregation mode; terms with
+# their own aggregation (KL, the entropy bonus over an entropy quantile, whose mask has empty
+# rows) count with them too
+COUNTS = [
+    pytest.param(dict(token_count=1.0), id="token_count-1"),
+    pytest.param(dict(token_count=6.5), id="token_count-6.5"),
+    pytest.param(dict(seq_count="nonempty"), id="nonempty"),
+    pytest.param(dict(token_count=3.0, seq_count="nonempty", kl_coef=0.1, kl_estimator="k3",
+                      kl_agg="seq-mean-token-sum", entropy_coef=0.05, entropy_agg="token-mean",
+                      top_entropy_quantile=0.5), id="both-own-terms"),
+    pytest.param(dict(seq_count="nonempty", kl_coef=0.1, kl_agg="token-mean",
+                      entropy_coef=0.05, entropy_agg="seq-mean-token-mean",
+                      top_entropy_quantile=0.3), id="nonempty-own-terms"),
+]
+AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("counts", COUNTS)
+def test_counts_match_float64_reference(backend, counts, agg, dtype, small_chunks):
+    """``token_count`` and ``seq_count`` against gbc_reference in float64: loss, metrics and
+    the gradients of hidden, weight and bias (bf16 inputs: no worse than plain PyTorch's bf16
+    head), with an empty row (and rows without a token above the entropy quantile); a random
+    upstream gradient."""
+    cfg = dict(counts, loss_agg=agg, max_len=11)
+    batch = make_batch(seed=zlib.crc32(str(cfg).encode()) % 1000, old_spread=3.0, dtype=dtype)
+    assert not batch["mask"].any(-1).all()          # an empty row: "nonempty" counts fewer
+    up = torch.randn(()).item()
+    truth = run(ref, as64(batch), cfg, None, up)
+    out = run(gbc, batch, cfg, None, up, backend)
+    if dtype == torch.float32:
+        check_against(out, truth, 1e-5, 1e-4)
+    else:
+        check_no_worse_than_plain_bf16(out, truth, batch, cfg, None, up)

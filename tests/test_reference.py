@@ -148,3 +148,45 @@ def test_critical_kl_weight_known_values():
         w = lib.critical_kl_weight(j, exponent=150.0, intercept=0.1)
         expect = 0.9 * torch.tensor([1.0, 0.99 ** 150, 0.5 ** 150, 0.0]) + 0.1
         assert torch.allclose(w.float(), expect, rtol=1e-5)
+
+
+def test_every_config_field_is_defined_here():
+    """gbc_reference.PolicyLossConfig has every field of gbc_kernels.PolicyLossConfig, with the
+    same default: the fast path's every option is held against the reference."""
+    import dataclasses
+
+    ours = {f.name: f.default for f in dataclasses.fields(gbc.PolicyLossConfig)}
+    refs = {f.name: f.default for f in dataclasses.fields(ref.PolicyLossConfig)}
+    assert ours == refs
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                 "seq-mean-token-sum-norm"])
+def test_token_count_and_seq_count_are_the_normalisers(agg):
+    """docs/math.md §1: ``token_count=c`` divides token-mean by ``c`` as
+    ``num_items_in_batch=c`` does; ``seq_count="nonempty"`` counts the rows with a masked-in
+    token, as ``num_seqs_in_batch`` set to that count does, and differs from ``"rows"`` when a
+    row is empty. Policy term only (the call's normalisers act on it alone)."""
+    b = as64(make_batch(seed=4, old_spread=3.0))
+    m = b["mask"]
+    nonempty = int(m.any(-1).sum())
+    assert 0 < nonempty < m.shape[0]
+
+    def loss(**kw):
+        counts = {k: kw.pop(k) for k in ("token_count", "seq_count") if k in kw}
+        cfg = ref.PolicyLossConfig(loss_agg=agg, max_len=11, **counts)
+        return ref.fused_linear_policy_loss(b["hidden"], b["weight"], b["targets"], m,
+                                            b["advantages"], b["old_logp"], b["ref_logp"],
+                                            b["bias"], config=cfg, **kw)[0]
+
+    if agg == "token-mean":
+        assert torch.allclose(loss(token_count=6.5), loss(num_items_in_batch=6.5), rtol=1e-12)
+        assert torch.allclose(loss(token_count=1.0),
+                              loss() * m.sum(), rtol=1e-12)      # verl's token-sum: a sum
+        assert torch.equal(loss(seq_count="nonempty"), loss())
+    else:
+        assert torch.allclose(loss(seq_count="nonempty"), loss(num_seqs_in_batch=nonempty),
+                              rtol=1e-12)
+        assert torch.allclose(loss(seq_count="nonempty") * nonempty,
+                              loss(seq_count="rows") * m.shape[0], rtol=1e-12)
+        assert torch.equal(loss(token_count=6.5), loss())

@@ -802,3 +802,21 @@ def test_on_policy_first_iteration_ratio_exactly_one(tiny, tmp_path, monkeypatch
     row = next(r for r in trainer.state.log_history if "clip_ratio/region_mean" in r)
     assert row["clip_ratio/region_mean"] == 0.0
     assert row["gbc/ratio_mean"] == 1.0 and row["gbc/log_ratio_mean"] == 0.0
+
+
+@pytest.mark.parametrize("options, said", [
+    (dict(epsilon=-0.1), "epsilon: refused as gbc's epsilon_low (epsilon_low: expected a "
+                         "finite float >= 0, got -0.1)"),
+    (dict(epsilon=0.2, epsilon_high=-0.3), "epsilon_high: expected a finite float >= 0, got "
+                                           "-0.3"),      # TRL's name is gbc's
+])
+def test_config_errors_name_trls_options(tiny, tmp_path, options, said):
+    """A TRL option gbc's loss refuses is named as TRL spells it (gbc's config calls
+    ``epsilon`` ``epsilon_low``), and the step computes nothing (no gradient)."""
+    trainer = build(GBCGRPOTrainer, tiny, tmp_path, gbc_ar_alpha=0.0, **options)
+    inputs = make_inputs(trainer, 0)
+    trainer.model.zero_grad(set_to_none=True)
+    with pytest.raises(ValueError) as info:
+        trainer.compute_loss(trainer.model, inputs)
+    assert str(info.value).startswith(said)
+    assert all(p.grad is None for p in trainer.model.parameters())

@@ -113,3 +113,25 @@ def test_bad_arguments_raise():
             pass
     with pytest.raises(ValueError, match="ar_alpha"):
         gbc_verl.register("gbc_bad2", ar_alpha=2.0)
+
+
+def test_errors_name_verls_arguments():
+    """The registered loss reports gbc's checks under verl's argument names (``old_log_prob``,
+    ``rollout_is_weights``; gbc calls them ``old_logp``, ``is_ratio``), at the index verl
+    passed, and computes nothing (no gradient)."""
+    gbc_verl.register("gbc_names")
+    fn = core_algos.get_policy_loss_fn("gbc_names")
+    old, logp, adv, mask = batch(6)
+    bad_old = old.clone()
+    bad_old[3, 2] = float("inf")                  # masked in (row 3 has 5 tokens)
+    with pytest.raises(ValueError) as info:
+        fn(bad_old, logp, adv, mask, "token-mean", actor_config())
+    assert str(info.value) == ("old_log_prob: expected finite values on masked-in positions, "
+                               "got inf at index [3, 2]")
+    weights = torch.ones(B, T)
+    weights[1, 0] = -1.0
+    with pytest.raises(ValueError, match=r"^rollout_is_weights: expected importance weights "
+                                         r">= 0 on masked-in positions, got -1.0 at index "
+                                         r"\[1, 0\]$"):
+        fn(old, logp, adv, mask, "token-mean", actor_config(), weights)
+    assert logp.grad is None

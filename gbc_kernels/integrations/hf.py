@@ -11,6 +11,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from gbc_kernels import methods
+
 
 class LMHead(NamedTuple):
     weight: torch.Tensor            # [V, H]
@@ -215,9 +217,11 @@ def policy_loss_through_forward(model, input_ids, attention_mask, completion_len
         if old_policy is not None:
             loss_kwargs["token_scale"] = old_policy(h.detach().to(head.weight.dtype), head,
                                                     cap).token_scale
-        loss, metrics = gbc.fused_linear_policy_loss(   # h cast: autocast output, fp32 head
-            h.to(head.weight.dtype), head.weight, input_ids[:, -T:], mask, advantages,
-            old_logp=old_logp, ref_logp=ref_logp, bias=head.bias, config=cfg, **loss_kwargs)
+        with _as_input_ids(input_ids, T, head, mask):
+            loss, metrics = gbc.fused_linear_policy_loss(   # h cast: autocast output, fp32 head
+                h.to(head.weight.dtype), head.weight, input_ids[:, -T:], mask, advantages,
+                old_logp=old_logp, ref_logp=ref_logp, bias=head.bias, config=cfg,
+                **loss_kwargs)
         return (loss, metrics), loss
 
     (loss, metrics), outputs = _through_head(model, inner, input_ids, attention_mask, T, compute,
@@ -237,11 +241,26 @@ def logprobs_through_forward(model, input_ids, attention_mask, completion_len: i
 
     inner = unwrap(model) if unwrapped is None else unwrapped
     T = check_forward_inputs(inner, input_ids, attention_mask, completion_len)
-    st = in_head(model, input_ids, attention_mask, T, model_kwargs,
-                 lambda h, head, cap: gbc.token_stats(
-                     h, head.weight, input_ids[:, -T:], head.bias, temperature=temperature,
-                     backend=backend, logit_softcap=cap), inner)
+
+    def compute(h, head, cap):
+        with _as_input_ids(input_ids, T, head):
+            return gbc.token_stats(h, head.weight, input_ids[:, -T:], head.bias,
+                                   temperature=temperature, backend=backend, logit_softcap=cap)
+
+    st = in_head(model, input_ids, attention_mask, T, model_kwargs, compute, inner)
     return st.logp, (st.entropy if return_entropy else None)
+
+
+def _as_input_ids(input_ids, T, head, mask=None):
+    """Errors about the targets ``input_ids[:, -T:]`` (masked-in by ``mask [B, T]``) named
+    ``input_ids``, at their index in ``input_ids`` (the lm_head's vocabulary may be smaller
+    than the embedding's, which :func:`check_forward_inputs` checked)."""
+    def recheck():
+        rows = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+        rows[:, -T:] = True if mask is None else (mask != 0)
+        methods.check_ids("input_ids", input_ids, head.weight.shape[0], rows)
+
+    return methods.in_callers_words({"targets": "input_ids"}, {"targets": recheck})
 
 
 class OldPolicyPass(NamedTuple):
@@ -302,7 +321,6 @@ def old_policy_head(targets, mask, group_ids=None, correct=None, temperature=1.0
     the pass's forward, or inside a forward that already runs on the old policy (the on-policy
     update's, :func:`policy_loss_through_forward`'s ``old_policy``)."""
     import gbc_kernels as gbc
-    from gbc_kernels import methods
 
     if nthr:
         if correct is None and advantages is not None:
@@ -317,10 +335,12 @@ def old_policy_head(targets, mask, group_ids=None, correct=None, temperature=1.0
         if logp is None:
             logp = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temperature,
                                    backend=backend, logit_softcap=cap).logp
-        res = None if not nthr else gbc.nthr_scale(
-            h, head.weight, targets, mask, group_ids, correct, bias=head.bias,
-            temperature=temperature, beta=nthr_beta, eta=nthr_eta, backend=backend, logp=logp,
-            logit_softcap=cap)
+        with methods.in_callers_words({"beta": "nthr_beta", "eta": "nthr_eta",
+                                       "logp": "old_logp"}):
+            res = None if not nthr else gbc.nthr_scale(
+                h, head.weight, targets, mask, group_ids, correct, bias=head.bias,
+                temperature=temperature, beta=nthr_beta, eta=nthr_eta, backend=backend,
+                logp=logp, logit_softcap=cap)
         return OldPolicyPass(logp, None if res is None else res.scale, res)
 
     return compute
@@ -334,16 +354,17 @@ def reference_pass(ref_model, input_ids, attention_mask, targets, temperature=1.
     """The reference model's pass: ``ref_logp`` and, with ``critical_kl_exponent``, the
     critical-token KL weights, as :func:`gbc_kernels.methods.reference_stats` returns them;
     ``options``: a ``MethodOptions`` in place of the four critical-KL keywords."""
-    from gbc_kernels import methods
-
     if options is not None and (critical_kl_exponent is not None or certainty != "max_prob"
                                 or certainty_temperature != 1.0 or intercept != 0.0):
         raise ValueError("options: give the MethodOptions or the critical-KL keywords "
                          "(critical_kl_exponent, certainty, ...), not both")
-    opts = options or methods.MethodOptions(critical_kl_exponent=critical_kl_exponent,
-                                            critical_kl_intercept=intercept,
-                                            critical_kl_certainty=certainty,
-                                            critical_kl_temperature=certainty_temperature)
+    with methods.in_callers_words({"critical_kl_intercept": "intercept",
+                                   "critical_kl_certainty": "certainty",
+                                   "critical_kl_temperature": "certainty_temperature"}):
+        opts = options or methods.MethodOptions(critical_kl_exponent=critical_kl_exponent,
+                                                critical_kl_intercept=intercept,
+                                                critical_kl_certainty=certainty,
+                                                critical_kl_temperature=certainty_temperature)
     return in_head(ref_model, input_ids, attention_mask, completion_len, model_kwargs,
                    lambda h, head, cap: methods.reference_stats(
                        h, head.weight, targets, opts, head.bias, temperature=temperature,

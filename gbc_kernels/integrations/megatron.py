@@ -1,4 +1,5 @@
-"""gbc on megatron-core's tensor-parallel output layer (docs/megatron.md; SPEC §9, §13).
+"""gbc on megatron-core's tensor-parallel output layer (docs/megatron.md; docs/math.md §9,
+docs/methods.md).
 
 One processor for the last pipeline stage: megatron's final hidden states ``[S, B, H]``
 (sequence-first) and this rank's ``[V/tp, H]`` shard of the output layer (its
@@ -28,7 +29,13 @@ import torch
 import torch.distributed as dist
 
 import gbc_kernels as gbc
+from gbc_kernels import methods
 from gbc_kernels.config import PolicyLossConfig
+
+# gbc's argument names -> this module's, for the errors raised inside gbc's calls
+_NAMES = {"hidden": "hidden_states", "weight": "output_weight", "bias": "output_bias",
+          "targets": "labels", "vocab_parallel": "output_weight",
+          "vocab_parallel.group": "tp_group", "weight_grad_into": "output_weight.main_grad"}
 
 
 class HeadOutput(NamedTuple):
@@ -179,7 +186,7 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
                 hidden_gathered: bool = False, return_entropy: bool = True,
                 return_sum_p2: bool = False, backend="auto", main_grad: Optional[bool] = None,
                 **loss_kwargs) -> HeadOutput:
-    """gbc's fused policy loss on megatron-core's output layer (SPEC §13).
+    """gbc's fused policy loss on megatron-core's output layer (docs/megatron.md).
 
     hidden_states: ``[S, B, H]`` of the last pipeline stage (under sequence parallelism this
     rank's ``[S/tp, B, H]``); output_weight: this rank's ``[V/tp, H]`` shard; output_bias: its
@@ -226,10 +233,11 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
                                     output_bias, vp, return_entropy, return_sum_p2, backend,
                                     loss_kwargs)
     tok = {}
-    loss, metrics = gbc.fused_linear_policy_loss(
-        hidden.transpose(0, 1), output_weight, labels, mask, advantages, old_logp, ref_logp,
-        bias=output_bias, token_scale=token_scale, kl_weight=kl_weight, config=cfg, phase=phase,
-        backend=backend, vocab_parallel=vp, token_out=tok, **loss_kwargs)
+    with methods.in_callers_words(_NAMES):
+        loss, metrics = gbc.fused_linear_policy_loss(
+            hidden.transpose(0, 1), output_weight, labels, mask, advantages, old_logp, ref_logp,
+            bias=output_bias, token_scale=token_scale, kl_weight=kl_weight, config=cfg,
+            phase=phase, backend=backend, vocab_parallel=vp, token_out=tok, **loss_kwargs)
     return HeadOutput(loss, metrics, tok["logp"], tok.get("entropy") if return_entropy else None,
                       tok["sum_p2"] if return_sum_p2 else None)
 
@@ -244,11 +252,13 @@ def _loss_into_main_grad(hidden, weight, into, labels, mask, advantages, old_log
     temp = cfg.temperature if temp is None else temp
     w = _IntoMainGrad.apply(weight)
     m = _check_mask(mask, hidden, labels)
-    logp, entropy, sum_p2 = _rows_stats(hidden, w, bias, labels, m, temp, vp, cfg.wants_entropy,
-                                        True, backend, into)
-    loss, metrics = gbc.policy_loss(logp, m, advantages, old_logp, ref_logp, entropy=entropy,
-                                    token_scale=token_scale, kl_weight=kl_weight, config=cfg,
-                                    phase=phase, sum_p2=sum_p2, temperature=temp, **loss_kwargs)
+    with methods.in_callers_words(_NAMES):
+        logp, entropy, sum_p2 = _rows_stats(hidden, w, bias, labels, m, temp, vp,
+                                            cfg.wants_entropy, True, backend, into)
+        loss, metrics = gbc.policy_loss(logp, m, advantages, old_logp, ref_logp,
+                                        entropy=entropy, token_scale=token_scale,
+                                        kl_weight=kl_weight, config=cfg, phase=phase,
+                                        sum_p2=sum_p2, temperature=temp, **loss_kwargs)
     return HeadOutput(loss, metrics, logp.detach(),
                       entropy.detach() if return_entropy else None,
                       sum_p2 if return_sum_p2 else None)
@@ -273,8 +283,10 @@ def logprobs(hidden_states, output_weight, labels, mask=None, *, temperature=1.0
     hidden, vp = _head(hidden_states, output_weight, output_bias, labels, tp_group,
                        sequence_parallel, hidden_gathered)
     mask = _check_mask(mask, hidden, labels)
-    logp, entropy, sum_p2 = _rows_stats(hidden, output_weight, output_bias, labels, mask,
-                                        temperature, vp, return_entropy, return_sum_p2, backend)
+    with methods.in_callers_words(_NAMES):
+        logp, entropy, sum_p2 = _rows_stats(hidden, output_weight, output_bias, labels, mask,
+                                            temperature, vp, return_entropy, return_sum_p2,
+                                            backend)
     return HeadOutput(None, {}, logp, entropy, sum_p2)
 
 
@@ -301,12 +313,18 @@ def output_processor(*, hidden_states, output_layer, labels, output_weight=None,
     temperature = getattr(context, "temperature", 1.0)
     if getattr(config, "use_mup", False) and config.mup_output_mult != 1.0:
         temperature = temperature / config.mup_output_mult      # logits·m / T = logits / (T/m)
-    out = logprobs(hidden_states, weight, labels, getattr(context, "mask", None),
-                   temperature=temperature, output_bias=bias, tp_group=output_layer.tp_group,
-                   sequence_parallel=bool(getattr(output_layer, "sequence_parallel", False)),
-                   return_entropy=getattr(context, "return_entropy", True),
-                   return_sum_p2=getattr(context, "return_sum_p2", False),
-                   backend=getattr(context, "backend", "auto"))
+    names = {"output_bias": "output_layer.bias", "tp_group": "output_layer.tp_group",
+             **{k: f"context.{k}" for k in ("mask", "temperature", "return_entropy",
+                                             "return_sum_p2", "backend")}}
+    if output_weight is None:
+        names["output_weight"] = "output_layer.weight"
+    with methods.in_callers_words(names):
+        out = logprobs(hidden_states, weight, labels, getattr(context, "mask", None),
+                       temperature=temperature, output_bias=bias, tp_group=output_layer.tp_group,
+                       sequence_parallel=bool(getattr(output_layer, "sequence_parallel", False)),
+                       return_entropy=getattr(context, "return_entropy", True),
+                       return_sum_p2=getattr(context, "return_sum_p2", False),
+                       backend=getattr(context, "backend", "auto"))
     return ProcessorOutput(out.logp, out.entropy, out.sum_p2)
 
 
@@ -329,14 +347,19 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
         raise ValueError(f"reduction: expected 'none' (per-token values), got {reduction!r}")
     if not isinstance(hidden_gathered, bool):
         raise TypeError(f"hidden_gathered: expected a bool, got {hidden_gathered!r}")
+    given = labels
     if hidden.dim() == 3 and labels.dim() == 2 and labels.shape == hidden.shape[1::-1]:
         labels = labels.t()             # [B, S] labels for [S, B, H] hidden states
     vp = None
     if dist_process_group is not None and dist.get_world_size(dist_process_group) > 1:
         vp = vocab_parallel(weight, dist_process_group, reduce_hidden_grad=not hidden_gathered)
-    out = gbc.fused_linear_logprobs(hidden.reshape(-1, hidden.shape[-1]), weight,
-                                    labels.reshape(-1), temperature=temperature,
-                                    return_entropy=True, backend=backend, vocab_parallel=vp)
+    names = {"targets": "labels", "vocab_parallel": "weight",
+             "vocab_parallel.group": "dist_process_group"}
+    recheck = {"targets": lambda: methods.check_ids("labels", given, _vocab(weight, vp))}
+    with methods.in_callers_words(names, recheck):
+        out = gbc.fused_linear_logprobs(hidden.reshape(-1, hidden.shape[-1]), weight,
+                                        labels.reshape(-1), temperature=temperature,
+                                        return_entropy=True, backend=backend, vocab_parallel=vp)
     return out[0], out[1]
 
 
@@ -377,14 +400,14 @@ def reference_stats(hidden_states, output_weight, labels, options, mask=None, *,
     ``kl_weight`` and ``certainty`` ``[B, S]`` (0 outside ``mask``; the last two None when
     ``critical_kl_exponent`` is None). The certainty's ``log V`` is over megatron's padded
     vocabulary (its padded rows are real logits)."""
-    from gbc_kernels import methods
-
     hidden, vp = _head(hidden_states, output_weight, output_bias, labels, tp_group,
                        sequence_parallel, hidden_gathered)
     mask = _check_mask(mask, hidden, labels)
-    st = _select(hidden, labels, mask, temperature, lambda flat, y, temp: methods.reference_stats(
-        flat.detach(), output_weight, y, options, output_bias, temperature=temp,
-        backend=backend, vocab_parallel=vp))
+    with methods.in_callers_words(_NAMES):
+        st = _select(hidden, labels, mask, temperature, _vocab(output_weight, vp),
+                     lambda flat, y, temp: methods.reference_stats(
+                         flat.detach(), output_weight, y, options, output_bias,
+                         temperature=temp, backend=backend, vocab_parallel=vp))
     return methods.ReferenceStats(*st)
 
 
@@ -407,13 +430,22 @@ def _rows_stats(hidden, weight, bias, labels, mask, temperature, vp, want_entrop
                                         weight_grad_into=weight_grad_into)
         return out[0], out[1], out[2] if want_sum_p2 else None
 
-    return _select(hidden, labels, mask, temperature, stats)
+    return _select(hidden, labels, mask, temperature, _vocab(weight, vp), stats)
 
 
-def _select(hidden, labels, mask, temperature, stats):
+def _vocab(weight, vp):
+    """V of megatron's (padded) vocabulary: the ranks' equal shards (``vocab_parallel``)."""
+    if vp is None:
+        return weight.shape[0]
+    return dist.get_world_size(vp.group) * (vp.end - vp.start)
+
+
+def _select(hidden, labels, mask, temperature, vocab, stats):
     """``stats(rows [N, H], labels [N], temperature)`` on the rows in ``mask`` (every row when
     None), selected in megatron's ``[S, B]`` order (no copy of the whole hidden states); its
-    per-row outputs back as ``[B, S]`` (0 outside ``mask``; None stays None)."""
+    per-row outputs back as ``[B, S]`` (0 outside ``mask``; None stays None). A failed value
+    check of the selected labels or temperatures is raised from the same check on the caller's
+    ``[B, S]`` tensor (``vocab``: V), whose indices are the caller's."""
     S, B, H = hidden.shape
     flat = hidden.reshape(S * B, H)
     y = labels.t().reshape(S * B)
@@ -440,4 +472,17 @@ def _select(hidden, labels, mask, temperature, stats):
             v = torch.zeros(S * B, dtype=v.dtype, device=v.device).index_copy(0, idx, v)
         return v.view(S, B).t().contiguous()
 
-    return tuple(back(v) for v in stats(flat, y, temp))
+    rows = torch.ones(B, S, dtype=torch.bool, device=labels.device) if mask is None else mask
+
+    def temperature_bs():
+        t = temperature.to(labels.device)
+        return t[:, None].expand(B, S) if t.dim() == 1 else t
+
+    recheck = {"targets": lambda: methods.check_ids("labels", labels, vocab, rows)}
+    if isinstance(temperature, torch.Tensor):
+        recheck["temperature"] = lambda: methods.check_temperatures(
+            "temperature", temperature_bs(), rows)
+    with methods.in_callers_words({"targets": "labels", "temperature": "temperature"},
+                                  recheck):
+        out = stats(flat, y, temp)
+    return tuple(back(v) for v in out)

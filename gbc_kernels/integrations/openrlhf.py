@@ -154,6 +154,16 @@ def _position_ids(attention_mask):
     return pos.masked_fill_(attention_mask == 0, 1)
 
 
+# gbc's (and hf's) argument names -> the Experience's fields, for the errors of the fused loss
+# (``old_logp`` is not mapped: it is action_log_probs or, under GSPO's is_correction,
+# rollout_log_probs)
+EXPERIENCE_NAMES = {"input_ids": "experience.sequences",
+                    "attention_mask": "experience.attention_mask",
+                    "mask": "experience.action_mask", "advantages": "experience.advantages",
+                    "ref_logp": "experience.base_action_log_probs"}
+
+
+@methods.in_callers_words(EXPERIENCE_NAMES)
 def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_info=None,
                      temperature: Optional[float] = None, token_scale=None, kl_weight=None,
                      phase=None, **gbc_options):

@@ -85,6 +85,20 @@ def method_options(args) -> methods.MethodOptions:
     return methods.MethodOptions.from_kwargs(METHOD_NAMES, **kw)
 
 
+# gbc's config fields -> TRL's options (GRPOConfig), for the config's errors
+TRL_NAMES = dict(METHOD_NAMES, epsilon_low="epsilon", kl_coef="beta",
+                 max_len="max_completion_length", kl_ratio_correction="use_bias_correction_kl")
+
+
+@contextlib.contextmanager
+def _in_trl_words():
+    """A config error naming gbc's field, raised again naming TRL's option."""
+    try:
+        yield
+    except ValueError as exc:
+        raise methods.in_trainer_words(exc, TRL_NAMES) from None
+
+
 def _unsupported(args) -> list[str]:
     """TRL options whose objective the fused loss does not reproduce, as error lines."""
     args = _Options(args)
@@ -180,6 +194,7 @@ class GBCGRPOTrainer(GRPOTrainer):
                 raise ValueError("gbc_lopti_eta: not supported under DeepSpeed (its engine steps "
                                  "the optimizer inside backward)")
 
+    @_in_trl_words()
     def _gbc_config(self, entropy_coef: float, lopti: bool = True) -> gbc.PolicyLossConfig:
         """TRL's loss_type as gbc's preset, with TRL's options on the other axes. ``lopti=False``:
         Lopti's threshold off (an evaluation loss: both phases' terms, no update)."""

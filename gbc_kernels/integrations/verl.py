@@ -217,6 +217,13 @@ def response_rows(prompt_lens: torch.Tensor, response_lens: torch.Tensor,
     return torch.where(valid, index, torch.zeros_like(index)), valid
 
 
+# gbc's argument names -> verl's (its ppo_loss's and its batch keys), for gbc's errors
+VERL_NAMES = {"logp": "log_prob", "mask": "response_mask", "old_logp": "old_log_prob",
+              "ref_logp": "ref_log_prob", "is_ratio": "rollout_is_weights"}
+FUSED_PACKED_NAMES = dict(VERL_NAMES, hidden="hidden_packed", targets="input_ids_rolled",
+                          old_logp="old_log_probs", temperature="temperature")
+
+
 def fused_ppo_loss_packed(hidden_packed, weight, input_ids_rolled, prompt_lens, response_lens,
                           response_mask, old_log_probs, advantages, actor_config,
                           global_batch_info=None, ref_log_prob=None, rollout_is_weights=None,
@@ -239,11 +246,22 @@ def fused_ppo_loss_packed(hidden_packed, weight, input_ids_rolled, prompt_lens, 
         temp = temperature.reshape(-1)[index]
     cfg = policy_loss_config(actor_config, response_length=T, **gbc_options)
     norms = batch_normalisers(actor_config, mask, global_batch_info)
-    return gbc.fused_linear_policy_loss(
-        h, weight, targets, mask, advantages, old_logp=old_log_probs,
-        ref_logp=ref_log_prob if cfg.kl_coef else None, bias=bias, config=cfg,
-        is_ratio=rollout_is_weights, temperature=temp, backend=backend, phase=phase,
-        token_scale=token_scale, kl_weight=kl_weight, **norms)
+
+    def packed_rows():          # the response tokens' positions in the packed layout
+        rows = torch.zeros(h2.shape[0], dtype=torch.bool, device=index.device)
+        return rows.index_fill_(0, index[mask], True)
+
+    recheck = {"targets": lambda: methods.check_ids(
+        "input_ids_rolled", input_ids_rolled.reshape(-1), weight.shape[0], packed_rows())}
+    if temp is not temperature:
+        recheck["temperature"] = lambda: methods.check_temperatures(
+            "temperature", temperature.reshape(-1), packed_rows())
+    with methods.in_callers_words(FUSED_PACKED_NAMES, recheck):
+        return gbc.fused_linear_policy_loss(
+            h, weight, targets, mask, advantages, old_logp=old_log_probs,
+            ref_logp=ref_log_prob if cfg.kl_coef else None, bias=bias, config=cfg,
+            is_ratio=rollout_is_weights, temperature=temp, backend=backend, phase=phase,
+            token_scale=token_scale, kl_weight=kl_weight, **norms)
 
 
 @dataclasses.dataclass
@@ -317,10 +335,11 @@ def make_policy_loss(options: VerlGBCOptions):
         view = _PolicyTermOnly(config, options.base_loss_mode, loss_agg_mode)
         cfg = policy_loss_config(view, response_length=mask.shape[1],
                                  **options.method_options.loss_options())
-        loss, m = gbc.policy_loss(log_prob, mask, advantages, old_logp=old_log_prob,
-                                  config=cfg, phase=options.current_phase,
-                                  is_ratio=rollout_is_weights,
-                                  **batch_normalisers(view, mask))
+        with methods.in_callers_words(VERL_NAMES):
+            loss, m = gbc.policy_loss(log_prob, mask, advantages, old_logp=old_log_prob,
+                                      config=cfg, phase=options.current_phase,
+                                      is_ratio=rollout_is_weights,
+                                      **batch_normalisers(view, mask))
         with torch.no_grad():     # verl's ppo_kl (its vanilla clamps the log-ratio at +-20)
             lr = log_prob - old_log_prob
             if cfg.log_ratio_clamp is not None:

@@ -26,6 +26,9 @@ class PolicyLossConfig:
     clip_ratio_c: Optional[float] = None
     loss_agg: str = "token-mean"
     max_len: Optional[int] = None
+    # the counts when the call passes no num_items_in_batch / num_seqs_in_batch (§1)
+    token_count: Optional[float] = None        # token-mean's N_tok (None: the mask's tokens)
+    seq_count: str = "rows"                    # B: "rows" (every row) | "nonempty" (verl's)
     temperature: float = 1.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
@@ -490,16 +493,25 @@ def _per_token_loss(logp, entropy, mask, advantages, old_logp, ref_logp, token_s
 
 
 def _aggregate(per_token, mask, agg, cfg, num_items_in_batch, num_seqs_in_batch=None):
-    """The four loss_agg modes of §1 over ``mask`` (N_tok = num_items_in_batch, and the
-    sequence count B = num_seqs_in_batch, when given)."""
+    """The four loss_agg modes of §1 over ``mask``. N_tok: num_items_in_batch, else
+    cfg.token_count, else the mask's tokens. B: num_seqs_in_batch, else by cfg.seq_count
+    every row ("rows") or the rows with a token of ``mask`` ("nonempty", at least 1)."""
     agg = _LOSS_AGG_ALIASES.get(agg, agg)
     m = mask.to(per_token.dtype)
-    B = per_token.shape[0] if num_seqs_in_batch is None else torch.as_tensor(
-        num_seqs_in_batch, dtype=per_token.dtype)
+    if num_seqs_in_batch is not None:
+        B = torch.as_tensor(num_seqs_in_batch, dtype=per_token.dtype)
+    elif cfg.seq_count == "nonempty":
+        B = (m.sum(-1) > 0).sum().to(per_token.dtype).clamp(min=1.0)
+    elif cfg.seq_count == "rows":
+        B = per_token.shape[0]
+    else:
+        raise ValueError(f"seq_count: unknown {cfg.seq_count!r}")
     if agg == "token-mean":
-        if num_items_in_batch is None:
-            return per_token.sum() / m.sum().clamp(min=1.0)
-        return per_token.sum() / torch.as_tensor(num_items_in_batch, dtype=per_token.dtype)
+        if num_items_in_batch is not None:
+            return per_token.sum() / torch.as_tensor(num_items_in_batch, dtype=per_token.dtype)
+        if cfg.token_count is not None:
+            return per_token.sum() / cfg.token_count
+        return per_token.sum() / m.sum().clamp(min=1.0)
     if agg == "seq-mean-token-mean":
         return (per_token.sum(-1) / m.sum(-1).clamp(min=1.0)).sum() / B
     if agg == "seq-mean-token-sum":

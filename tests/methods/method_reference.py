@@ -27,8 +27,9 @@ def rl_update(model0, input_ids, attention_mask, completion_len, mask, advantage
               lr, phases=(None,), old_logp=None, ref_logp=None, token_scale=None,
               kl_weight=None, resplit=False, temperature=1.0):
     """A copy of ``model0`` after one RL step of SGD(lr) per phase. ``old_logp`` None: taken
-    from ``model0`` (on-policy) before the first update. ``resplit=True``: the defect SPEC §13
-    forbids — each phase takes ``old_logp`` from the model as it is then."""
+    from ``model0`` (on-policy) before the first update. ``resplit=True``: the defect
+    docs/methods.md (Lopti, "The rules") forbids — each phase takes ``old_logp`` from the model
+    as it is then."""
     model = copy.deepcopy(model0)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     args = (input_ids, attention_mask, completion_len)

@@ -1,0 +1,585 @@
+"""SkyRL 0.3.0 (gbc_kernels.integrations.skyrl, docs/skyrl.md) against SkyRL's own code: its
+registered policy losses, loss reductions and KL / entropy terms on the same per-token inputs
+(float64), its HFModelWrapper.forward, and its policy worker's step on a tiny Qwen2."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+import gbc_kernels as gbc
+
+pytest.importorskip("skyrl")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def skyrl_cpu():
+    if "skyrl_cpu" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "skyrl_cpu", os.path.join(HERE, "standins", "skyrl_cpu.py"))
+        sys.modules["skyrl_cpu"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["skyrl_cpu"])
+    return sys.modules["skyrl_cpu"]
+
+
+@pytest.fixture(scope="module")
+def sky():
+    return skyrl_cpu().load()
+
+
+def algorithm(sky, loss_type, **kw):
+    c = sky.config
+    a = c.AlgorithmConfig(
+        policy_loss_type=loss_type, eps_clip_low=0.15, eps_clip_high=0.25, clip_ratio_c=2.5,
+        sapo=c.SAPOConfig(tau_pos=0.9, tau_neg=1.3),
+        cispo=c.CISPOConfig(cispo_eps_clip_low=0.1, cispo_eps_clip_high=0.3),
+        clip_cov=c.ClipCovConfig(clip_ratio=0.3, clip_cov_lb=-1e3, clip_cov_ub=5.0),
+        kl_cov=c.KLCovConfig(kl_cov_frac=0.3, ppo_kl_coef=0.7))
+    for k, v in kw.items():
+        setattr(a, k, v)
+    return a
+
+
+def inputs(seed, B=6, T=9):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, T + 1, (B,), generator=g)
+    lens[2] = 0                                     # an empty row
+    mask = (torch.arange(T)[None] < lens[:, None]).double()
+    logp = -2.0 * torch.rand(B, T, generator=g, dtype=torch.float64) - 0.05
+    old = logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    old = old.clamp(max=-1e-3)
+    ref = (logp + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=-1e-3)
+    adv = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, T).clone()
+    ent = torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    return dict(logp=logp, old=old, ref=ref, adv=adv, mask=mask, ent=ent)
+
+
+REDUCTIONS = ("token_mean", "token_mean_legacy", "sequence_mean", "seq_mean_token_sum_norm",
+              "prompt_mean")
+
+
+def scaled(sky, x, reduction):
+    return sky.ppo_utils.apply_loss_reduction_to_advantages_minibatch(
+        x["adv"], x["mask"], reduction, micro_batch_size=3, max_seq_len=11,
+        prompt_boundaries=[(0, 2), (2, 4), (4, 6)])
+
+
+def _sky_loss(sky, a, loss_type, x, adv):
+    logp = x["logp"].clone().requires_grad_()
+    adv_in = x["mask"] if loss_type == "cross_entropy" else adv
+    torch.manual_seed(7)
+    loss, metrics = sky.ppo_utils.PolicyLossRegistry.get(loss_type)(
+        logp, x["old"], adv, config=a, loss_mask=x["mask"])
+    loss.backward()
+    return loss.detach(), logp.grad, metrics, adv_in
+
+
+def _gbc_loss(sky, a, loss_type, x, adv, **kw):
+    from gbc_kernels.integrations.skyrl import losses
+
+    cfg = losses.policy_loss_config(a)
+    call, _ = losses.policy_loss_inputs(a, loss_type, x["mask"], adv, x["old"])
+    logp = x["logp"].clone().requires_grad_()
+    torch.manual_seed(7)
+    loss, m = gbc.policy_loss(logp, config=cfg, **call, **kw)
+    loss.backward()
+    return loss.detach(), logp.grad, m
+
+
+LOSS_TYPES = ("regular", "dual_clip", "sapo", "gspo", "cispo", "clip_cov", "kl_cov",
+              "importance_sampling", "cross_entropy")
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_every_registered_loss_and_reduction_equals_skyrl(sky, loss_type):
+    """Each of SkyRL's registered losses that gbc reproduces, on advantages scaled by each of
+    SkyRL's loss reductions (its own apply_loss_reduction_to_advantages_minibatch): the loss
+    and its gradient in the log-probs equal SkyRL's."""
+    a = algorithm(sky, loss_type)
+    for seed, reduction in enumerate(REDUCTIONS):
+        x = inputs(seed)
+        adv = scaled(sky, x, reduction)
+        ref_loss, ref_grad, metrics, _ = _sky_loss(sky, a, loss_type, x, adv)
+        loss, grad, _ = _gbc_loss(sky, a, loss_type, x, adv)
+        assert abs(ref_grad).sum() > 0
+        torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-6, atol=1e-9,
+                                   msg=f"{loss_type} {reduction}")
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-9,
+                                   msg=f"{loss_type} {reduction}")
+        if loss_type == "clip_cov":              # the selection acts (else the test is idle)
+            assert metrics["clip_ratio"] > 0
+
+
+@pytest.mark.parametrize("kl_type", ("k1", "k2", "k3", "abs"))
+@pytest.mark.parametrize("loss_type", ("regular", "gspo", "sapo"))
+def test_worker_kl_and_entropy_terms_equal_skyrl(sky, loss_type, kl_type):
+    """The worker's micro-batch loss, ``policy * dp + (kl_coef * KL - entropy_coef * H) *
+    microbatch_weight`` by SkyRL's own compute_approx_kl and masked_mean, equals ``dp`` times
+    gbc's loss with kl_entropy_weight = microbatch_weight / dp; gradients in logp and H."""
+    from gbc_kernels.integrations.skyrl import losses
+
+    a = algorithm(sky, loss_type, use_kl_loss=True, kl_loss_coef=0.3, kl_estimator_type=kl_type,
+                  use_entropy_loss=True, entropy_loss_coef=0.05)
+    mm = sky.torch_utils.masked_mean
+    x = inputs(11)
+    adv = scaled(sky, x, "token_mean")
+    dp, w = 2, 0.375
+    logp = x["logp"].clone().requires_grad_()
+    ent = x["ent"].clone().requires_grad_()
+    pol, _ = sky.ppo_utils.PolicyLossRegistry.get(loss_type)(logp, x["old"], adv, config=a,
+                                                            loss_mask=x["mask"])
+    kl = sky.ppo_utils.compute_approx_kl(logp, x["ref"], loss_mask=x["mask"],
+                                         kl_estimator_type=kl_type)
+    ref = pol * dp + (mm(kl, x["mask"], dim=-1).mean() * 0.3 - mm(ent, x["mask"]) * 0.05) * w
+    ref.backward()
+    cfg = losses.policy_loss_config(a, kl_entropy_weight=w / dp)
+    logp2 = x["logp"].clone().requires_grad_()
+    ent2 = x["ent"].clone().requires_grad_()
+    call, _ = losses.policy_loss_inputs(a, loss_type, x["mask"], adv, x["old"])
+    loss, _ = gbc.policy_loss(logp2, ref_logp=x["ref"], entropy=ent2, config=cfg, **call)
+    (loss * dp).backward()
+    torch.testing.assert_close((loss * dp).detach().double(), ref.detach(), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(logp2.grad, logp.grad, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(ent2.grad, ent.grad, rtol=1e-6, atol=1e-9)
+
+
+def test_off_policy_correction_equals_skyrl(sky):
+    """SkyRL's off-policy correction (token TIS and a sequence mask) enters as gbc's is_ratio."""
+    c = sky.config
+    x = inputs(3)
+    g = torch.Generator().manual_seed(5)
+    rollout = x["old"] + 0.2 * torch.randn(x["old"].shape, generator=g, dtype=torch.float64)
+    adv = scaled(sky, x, "sequence_mean")
+    for opc in (c.OffPolicyCorrectionConfig(tis_ratio_type="token", token_tis_ratio_clip_high=1.5),
+                c.OffPolicyCorrectionConfig(tis_ratio_type="sequence",
+                                            sequence_mask_metric="geometric",
+                                            geo_mask_high=1.05, geo_mask_low=0.95)):
+        for loss_type in ("regular", "gspo", "cispo"):
+            a = algorithm(sky, loss_type, off_policy_correction=opc)
+            logp = x["logp"].clone().requires_grad_()
+            ref, _ = sky.ppo_utils.PolicyLossRegistry.get(loss_type)(
+                logp, x["old"], adv, config=a, loss_mask=x["mask"], rollout_logprobs=rollout)
+            ref.backward()
+            from gbc_kernels.integrations.skyrl import losses
+
+            call, _ = losses.policy_loss_inputs(a, loss_type, x["mask"], adv, x["old"], rollout)
+            assert call["is_ratio"] is not None
+            logp2 = x["logp"].clone().requires_grad_()
+            loss, _ = gbc.policy_loss(logp2, config=losses.policy_loss_config(a), **call)
+            loss.backward()
+            torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-6, atol=1e-9)
+            torch.testing.assert_close(logp2.grad, logp.grad, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("case, match", [
+    (dict(policy_loss_type="rollout_is"), "policy_loss_type='rollout_is'"),
+    (dict(policy_loss_type="dppo"), "policy_loss_type='dppo'"),
+    (dict(policy_loss_type="nope"), "trainer.algorithm.policy_loss_type"),
+    (dict(policy_loss_type="dual_clip", clip_ratio_c=0.5), r"trainer.algorithm.clip_ratio_c=0.5"),
+    (dict(eps_clip_low=1.5), r"trainer.algorithm.eps_clip_low=1.5"),
+    (dict(eps_clip_high=float("nan")), r"trainer.algorithm.eps_clip_high"),
+    (dict(use_kl_loss=True, kl_estimator_type="k9"), "trainer.algorithm.kl_estimator_type"),
+    (dict(use_kl_loss="yes"), "trainer.algorithm.use_kl_loss"),
+])
+def test_mapping_refuses_in_skyrl_words(sky, case, match):
+    from gbc_kernels.integrations.skyrl import losses
+
+    a = algorithm(sky, case.pop("policy_loss_type", "regular"), **case)
+    with pytest.raises(ValueError, match=match):
+        losses.policy_loss_config(a, kl_entropy_weight=1.0)
+
+
+# ---- the policy worker on a tiny Qwen2 (gloo) ------------------------------------------------
+V, P, T = 97, 5, 6
+
+
+def tiny_qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False, attn_implementation="eager")
+    return Qwen2ForCausalLM(cfg).float()
+
+
+def make_batch(sky, seed, B=4, kl=True, rollout=False):
+    """A SkyRL training batch: left-padded prompts, right-padded responses, an empty one;
+    advantages scaled by SkyRL's token_mean reduction."""
+    from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
+
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(0, V, (B, P + T), generator=g)
+    attn = torch.ones(B, P + T, dtype=torch.long)
+    plen = torch.randint(2, P + 1, (B,), generator=g)
+    rlen = torch.randint(1, T + 1, (B,), generator=g)
+    rlen[1] = 0
+    for b in range(B):
+        attn[b, :P - plen[b]] = 0
+        attn[b, P + rlen[b]:] = 0
+    lm = (torch.arange(T)[None] < rlen[:, None]).long()
+    adv = torch.randn(B, 1, generator=g).expand(B, T) * lm
+    adv = sky.ppo_utils.apply_loss_reduction_to_advantages_minibatch(
+        adv.float(), lm.float(), "token_mean", 2, T)
+    old = -3 * torch.rand(B, T, generator=g) - 0.1
+    d = {"sequences": seq, "attention_mask": attn, "response_mask": lm, "loss_mask": lm,
+         "advantages": adv, "action_log_probs": old,
+         "base_action_log_probs": -3 * torch.rand(B, T, generator=g) - 0.1 if kl else None,
+         "rollout_logprobs": old + 0.1 * torch.randn(B, T, generator=g) if rollout else None}
+    batch = TrainingInputBatch(d)
+    batch.metadata = {"response_length": T}
+    return batch
+
+
+def build_worker(sky, cls, algorithm_cfg, world, model, options=None, micro=2):
+    w = skyrl_cpu().policy_worker(cls, algorithm_cfg, model, world, micro)
+    if options is not None:
+        w._gbc_options = options
+    return w
+
+
+def _grads(model, world):
+    out = {}
+    for n, p in model.named_parameters():
+        g = p.grad
+        g = g.full_tensor() if hasattr(g, "full_tensor") else g
+        out[n] = None if g is None else g.detach().clone()
+    return out
+
+
+def _step(sky, rank, world, loss_type, gbc_on, kw):
+    from gbc_kernels import methods
+    from gbc_kernels.integrations.skyrl import fsdp as gfsdp
+    from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase
+
+    model = tiny_qwen2()
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    a = algorithm(sky, loss_type, use_kl_loss=kw.get("kl", True), kl_loss_coef=0.2,
+                  kl_estimator_type=kw.get("kl_type", "k3"),
+                  use_entropy_loss=kw.get("ent", True), entropy_loss_coef=0.03)
+    if kw.get("rollout"):
+        a.off_policy_correction = sky.config.OffPolicyCorrectionConfig(
+            tis_ratio_type="token", token_tis_ratio_clip_high=1.5)
+    cls = gfsdp.GBCFSDPPolicyWorker if gbc_on else FSDPPolicyWorkerBase
+    opts = methods.MethodOptions(**kw.get("methods", {}))
+    w = build_worker(sky, cls, a, world, model, opts if gbc_on else None)
+    data = make_batch(sky, 100 + rank, kl=kw.get("kl", True), rollout=kw.get("rollout", False))
+    with skyrl_cpu().cpu_device():
+        torch.manual_seed(3)
+        out = w.forward_backward(data, loss_fn=kw.get("loss_fn"))
+        grads = _grads(model, world)
+        fwd = w.forward(data)
+    return dict(metrics=out.metrics, outputs=out.loss_fn_outputs, grads=grads,
+                old=[r["logprobs"] for r in fwd.loss_fn_outputs])
+
+
+def _steps_worker(rank, world, cases, watch=False):
+    """(gbc's, SkyRL's) step of each case on this rank; ``watch``: also the shapes over the
+    vocabulary each path forms in one training step and log-prob pass (small chunks)."""
+    from conftest import VocabWatcher
+
+    sky = skyrl_cpu().load()
+    out = [(_step(sky, rank, world, lt, True, kw), _step(sky, rank, world, lt, False, kw))
+           for lt, kw in cases]
+    if not watch:
+        return out
+    from gbc_kernels.integrations.skyrl import fsdp as gfsdp
+    from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPRefWorkerBase
+
+    ref_out = {}
+    for cls in (gfsdp.GBCFSDPRefWorker, FSDPRefWorkerBase):   # the reference worker's pass
+        w = skyrl_cpu().policy_worker(cls, algorithm(sky, "regular"), tiny_qwen2(), micro=3)
+        with skyrl_cpu().cpu_device():
+            ref_out[cls] = [r["logprobs"] for r in w.forward(make_batch(sky, 9, B=5))
+                            .loss_fn_outputs]
+    os.environ["GBC_CHUNK_MB"] = "0.002"
+    seen = {}
+    for gbc_on in (True, False):
+        with VocabWatcher(V) as w:
+            _step(sky, rank, world, "regular", gbc_on, {})
+        seen[gbc_on] = [s for s in w.seen if len(s) >= 2 and s not in ((V, 32), (32, V))]
+    seen["ref"] = (ref_out[gfsdp.GBCFSDPRefWorker], ref_out[FSDPRefWorkerBase])
+    return out, seen
+
+
+def _compare(got, ref, rtol=2e-4, atol=2e-6):
+    assert set(got["metrics"]) == set(ref["metrics"])
+    for k in ref["metrics"]:
+        assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=rtol, abs=atol), k
+    n = 0
+    for go, ro in zip(got["outputs"], ref["outputs"]):
+        assert set(go) == set(ro)
+        for a, b in zip(go["logprobs"], ro["logprobs"]):
+            if a == a:                              # gbc's: NaN outside the loss mask
+                assert a == pytest.approx(b, rel=rtol, abs=atol)
+                n += 1
+        for a, b in zip(go.get("elementwise_loss", ()), ro.get("elementwise_loss", ())):
+            assert a == pytest.approx(b, rel=rtol, abs=atol)
+    assert n > 0
+    torch.testing.assert_close(torch.tensor(got["old"]), torch.tensor(ref["old"]), rtol=rtol,
+                               atol=atol)
+    for name, grad in ref["grads"].items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(got["grads"][name], grad, rtol=rtol, atol=atol, msg=name)
+
+
+ONE_RANK = [("regular", {}), ("dual_clip", dict(kl_type="k1")), ("gspo", dict(rollout=True)),
+            ("cispo", dict(kl=False)), ("sapo", dict(ent=False, kl_type="abs")),
+            ("clip_cov", {}), ("kl_cov", dict(kl_type="k2")),
+            ("importance_sampling", dict(ent=False)),
+            ("regular", dict(loss_fn="cross_entropy"))]        # SkyRL's SFT path (Tinker API)
+
+
+def test_worker_step_equals_skyrl_one_rank():
+    """SkyRL's own forward_backward (two micro-batches) and no-grad forward with gbc's worker
+    equal its stock worker, for several loss types, KL forms and the off-policy correction:
+    metrics (losses, entropy, KL, clip ratio), log-probs and every parameter's gradient; the
+    reference worker's log-prob pass equals SkyRL's (temperature 1); and a dispatch-mode watcher sees no tensor over the vocabulary with a micro-batch's token rows on
+    gbc's path (it does on SkyRL's, so the check can fail)."""
+    from conftest import spawn_gloo
+
+    out, seen = spawn_gloo(1, _steps_worker, ONE_RANK, True)[0]
+    for (got, ref), case in zip(out, ONE_RANK):
+        _compare(got, ref)
+    # no [tokens, V] logits on gbc's path (a micro-batch holds 2 x 11 tokens); SkyRL's has them
+
+    def rows(shapes):
+        return max(torch.Size(s[:-1]).numel() for s in shapes) if shapes else 0
+
+    assert rows(seen[False]) >= 2 * (P + T)
+    assert 0 < rows(seen[True]) <= 16 < 2 * (P + T), seen[True]     # 16: the chunk floor
+    got_ref, sky_ref = seen["ref"]                  # the reference worker's log-prob pass
+    torch.testing.assert_close(torch.tensor(got_ref), torch.tensor(sky_ref), rtol=1e-5, atol=1e-5)
+
+
+def test_worker_step_equals_skyrl_two_ranks_fsdp2():
+    """The same at two data-parallel ranks, the model sharded by FSDP2 (gloo): SkyRL's dp_size
+    scaling and its metrics' all-reduce."""
+    from conftest import spawn_gloo
+
+    cases = [("regular", {}), ("gspo", dict(kl_type="k1"))]
+    for rank_out in spawn_gloo(2, _steps_worker, cases):
+        for got, ref in rank_out:
+            _compare(got, ref)
+
+
+# ---- the methods, each against the method applied by hand through SkyRL's own step ---------
+def _methods_worker(rank, world):
+    sky = skyrl_cpu().load()
+    from gbc_kernels import methods
+    from gbc_kernels.integrations.skyrl import fsdp as gfsdp
+    from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase
+
+    out = {}
+
+    def run(cls, opts, kl, edit=None, lopti_eta=None):
+        model = tiny_qwen2()
+        a = algorithm(sky, "regular", use_kl_loss=kl, kl_loss_coef=0.2, use_entropy_loss=kl,
+                      entropy_loss_coef=0.03)
+        w = build_worker(sky, cls, a, world, model, opts)
+        data = make_batch(sky, 7, kl=kl)
+        with skyrl_cpu().cpu_device():
+            if edit is None:
+                res = w.forward_backward(data)
+                grads = _grads(model, world)
+                w.optim_step()
+            else:                                   # by hand: one stock step per phase
+                for phase in ("low", "high"):
+                    d = make_batch(sky, 7, kl=kl)
+                    d["advantages"] = edit(d, phase)
+                    res = w.forward_backward(d)
+                    grads = _grads(model, world)
+                    w.optim_step()
+        return res.metrics, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    out["ar"] = (run(gfsdp.GBCFSDPPolicyWorker, methods.MethodOptions(ar_alpha=0.6), True),)
+    # AR by hand: SkyRL's own step on the AR-weighted advantages
+    model = tiny_qwen2()
+    a = algorithm(sky, "regular", use_kl_loss=True, kl_loss_coef=0.2, use_entropy_loss=True,
+                  entropy_loss_coef=0.03)
+    w = build_worker(sky, FSDPPolicyWorkerBase, a, world, model)
+    d = make_batch(sky, 7)
+    d["advantages"] = d["advantages"] * (0.6 * d["action_log_probs"].exp() + 0.4)
+    with skyrl_cpu().cpu_device():
+        res = w.forward_backward(d)
+        grads = _grads(model, world)
+        w.optim_step()
+    out["ar"] = (out["ar"][0], (res.metrics, grads,
+                                {n: p.detach().clone() for n, p in model.named_parameters()}))
+    # Lopti: a mixed split at the median rollout probability
+    d = make_batch(sky, 7, kl=False)
+    p_old = d["action_log_probs"].exp()[d["loss_mask"].bool()]
+    eta = float(p_old.median())
+    for order in ("low-first", "high-first"):
+        lo = methods.MethodOptions(lopti_eta=eta, lopti_order=order)
+        phases = methods.LOPTI_ORDERS[order]
+
+        def by_hand(dd, i, phases=phases):
+            low = dd["action_log_probs"].exp() < eta
+            keep = low if phases[i] == "low" else ~low
+            return torch.where(keep, dd["advantages"], torch.zeros_like(dd["advantages"]))
+
+        got = run(gfsdp.GBCFSDPPolicyWorker, lo, False)
+        count = iter(range(2))
+        ref = run(FSDPPolicyWorkerBase, None, False,
+                  edit=lambda dd, phase: by_hand(dd, next(count)))
+        out[order] = (got, ref)
+    return out
+
+
+def test_methods_equal_the_method_by_hand():
+    """AR: gbc's worker with ar_alpha equals SkyRL's own step on the advantages times AR's
+    weight (metrics, gradients, parameters after SkyRL's optimizer step). Lopti: one
+    forward_backward + optim_step call of gbc's worker makes two optimizer steps, equal to two of
+    SkyRL's own steps on the advantages masked to each phase's tokens (p_old < eta first, or
+    the high ones first), the split and old log-probs fixed."""
+    from conftest import spawn_gloo
+
+    out = spawn_gloo(1, _methods_worker)[0]
+    (gm, gg, gp), (rm, rg, rp) = out["ar"]
+    for k in rm:
+        assert gm[k] == pytest.approx(rm[k], rel=2e-4, abs=2e-6), k
+    for n in rg:
+        torch.testing.assert_close(gg[n], rg[n], rtol=2e-4, atol=2e-6, msg=n)
+    for order in ("low-first", "high-first"):
+        (_, _, gp), (_, _, rp) = out[order]
+        start = {n: p for n, p in tiny_qwen2().named_parameters()}
+        for n in rp:
+            assert (rp[n] - start[n]).abs().sum() > 0
+            torch.testing.assert_close(gp[n], rp[n], rtol=2e-4, atol=2e-6, msg=f"{order} {n}")
+
+
+# ---- the forward, the switch-on and its refusals (in this process) --------------------------
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_hf_model_wrapper_forward_equals_gbc_passes(sky, temperature):
+    """SkyRL's HFModelWrapper.forward (logits -> logprobs_from_logits ->
+    chunked_entropy_from_logits, a chunk size that splits the sequence) and gbc's log-prob pass
+    give the same response log-probs and entropies."""
+    from gbc_kernels.integrations import hf
+    from gbc_kernels.integrations.skyrl.worker import _position_ids
+
+    model = tiny_qwen2()
+    wrapper = sky.model_wrapper.HFModelWrapper(model, logprobs_chunk_size=4)
+    d = make_batch(sky, 5, B=5)
+    seq, attn = d["sequences"], d["attention_mask"]
+    with torch.no_grad():
+        lp, out = wrapper(seq, T, attention_mask=attn, temperature=temperature,
+                          return_output=True, compute_entropy=True)
+        ent = out["entropy"][:, -T - 1:-1]
+    glp, gent = hf.logprobs_through_forward(model, seq, attn, T, temperature=temperature,
+                                            return_entropy=True,
+                                            model_kwargs={"position_ids": _position_ids(attn)})
+    seen = attn[:, -T - 1:-1].bool()       # SkyRL zeroes the entropy at padded positions
+    torch.testing.assert_close(glp, lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gent[seen], ent[seen], rtol=1e-5, atol=1e-5)
+    assert seen.sum() > 0 and not seen.all()
+
+
+def _trainer_cfg(sky, **algo):
+    from skyrl.train.config.config import TrainerConfig
+
+    cfg = TrainerConfig()
+    cfg.algorithm.temperature = 1.0
+    cfg.remove_microbatch_padding = False      # SkyRL's default packs (flash-attn only)
+    for k, v in algo.items():
+        setattr(cfg.algorithm, k, v)
+    return cfg
+
+
+@pytest.mark.parametrize("algo, env, match", [
+    (dict(policy_loss_type="nope"), "", "trainer.algorithm.policy_loss_type"),
+    (dict(policy_loss_type="rollout_is"), "", "policy_loss_type='rollout_is'"),
+    (dict(eps_clip_low=2.0), "", "trainer.algorithm.eps_clip_low=2.0"),
+    (dict(use_kl_loss=True, kl_estimator_type="k4"), "", "trainer.algorithm.kl_estimator_type"),
+    ({}, "ar_alpha=2", "GBC_SKYRL_OPTIONS: ar_alpha"),
+    ({}, "ar_alpha=x", "GBC_SKYRL_OPTIONS: ar_alpha expects a float"),
+    ({}, "arr_alpha=0.1", "GBC_SKYRL_OPTIONS: unknown option 'arr_alpha'"),
+    ({}, "nthr=1", "GBC_SKYRL_OPTIONS: nthr is not run inside SkyRL"),
+    ({}, "critical_kl_exponent=2", "GBC_SKYRL_OPTIONS: critical_kl_exponent is not run"),
+])
+def test_worker_init_refuses_a_bad_switch_on(sky, monkeypatch, algo, env, match):
+    """SkyRL builds its policy worker from its trainer config (the Ray actor's __init__): a loss
+    gbc cannot reproduce or a bad method option stops it there, naming SkyRL's option or the
+    variable."""
+    from gbc_kernels.integrations.skyrl import fsdp as gfsdp
+
+    monkeypatch.setenv("GBC_SKYRL_OPTIONS", env)
+    with pytest.raises(ValueError, match=match):
+        gfsdp.GBCFSDPPolicyWorker(cfg=_trainer_cfg(sky, **algo), world_size=1, rank=0,
+                                  local_rank=0, master_addr="127.0.0.1", master_port=1,
+                                  sequence_parallel_size=1)
+
+
+def test_enable_swaps_skyrl_workers_and_refuses(sky, monkeypatch):
+    """enable() puts gbc's workers where SkyRL's BasePPOExp imports them from, the options in
+    their Ray runtime environment; bad options, a config gbc cannot run and a missing SkyRL
+    module stop it with an error naming them."""
+    import skyrl.backends.skyrl_train.workers.fsdp as fsdp_pkg
+    from skyrl.backends.skyrl_train.workers.fsdp import fsdp_worker
+
+    import gbc_kernels.integrations.skyrl as gsky
+    from gbc_kernels.integrations.skyrl import fsdp as gfsdp
+
+    for name in ("PolicyWorker", "RefWorker"):
+        monkeypatch.setattr(fsdp_worker, name, getattr(fsdp_worker, name))
+    monkeypatch.setenv("GBC_SKYRL_OPTIONS", "")
+    opts = gsky.enable(_trainer_cfg(sky), ar_alpha=0.25)
+    assert opts.ar_alpha == 0.25
+    for name, cls in (("PolicyWorker", gfsdp.GBCFSDPPolicyWorker),
+                      ("RefWorker", gfsdp.GBCFSDPRefWorker)):
+        actor = getattr(fsdp_worker, name)
+        assert actor.__ray_metadata__.modified_class.__mro__[1] is cls
+        env = actor._default_options["runtime_env"]["env_vars"]
+        assert env["GBC_SKYRL_OPTIONS"] == "ar_alpha=0.25" and env["GBC_SKYRL"] == "1"
+    with pytest.raises(ValueError, match="lopti_eta"):
+        gsky.enable(lopti_eta=3.0)
+    with pytest.raises(ValueError, match="trainer.remove_microbatch_padding"):
+        cfg = _trainer_cfg(sky)
+        cfg.remove_microbatch_padding = True
+        gsky.enable(cfg)
+    monkeypatch.setitem(sys.modules, "skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker", None)
+    monkeypatch.delattr(fsdp_pkg, "fsdp_worker")
+    with pytest.raises(ImportError, match="GBC_SKYRL: gbc's SkyRL workers need SkyRL"):
+        gsky.enable()
+
+
+def test_every_method_option_is_honoured_or_refused(monkeypatch):
+    """Each field of methods.MethodOptions: run by gbc's SkyRL worker (AR, Lopti: their tests
+    above), refused naming it, or acting only under a refused option (NTHR's and critical-token
+    KL's parameters)."""
+    from gbc_kernels import methods
+    from gbc_kernels.integrations.skyrl import worker
+
+    fields = {f.name for f in dataclasses.fields(methods.MethodOptions)}
+    honoured = {"ar_alpha", "lopti_eta", "lopti_order"}
+    refused = set(worker.REFUSED)
+    under = {f for f in fields if f.startswith(("nthr_", "critical_kl_"))
+             and f != "critical_kl_exponent"}
+    assert honoured | refused | under == fields
+    for name, text in (("nthr", "nthr=true"), ("critical_kl_exponent", "critical_kl_exponent=1")):
+        with pytest.raises(ValueError, match=f"GBC_SKYRL_OPTIONS: {name} is not run"):
+            worker.method_options(text)
+    assert worker.method_options("ar_alpha=0.5,lopti_eta=0.3,lopti_order=high-first") == \
+        methods.MethodOptions(ar_alpha=0.5, lopti_eta=0.3, lopti_order="high-first")
+
+
+@pytest.mark.parametrize("option", [dict(ar_alpha=0.5), dict(lopti_eta=0.5)])
+def test_methods_refused_on_the_sft_loss(sky, option):
+    """AR and Lopti on SkyRL's SFT loss (loss_fn="cross_entropy"): refused before any pass."""
+    from gbc_kernels import methods
+    from gbc_kernels.integrations.skyrl import fsdp as gfsdp
+
+    w = skyrl_cpu().policy_worker(gfsdp.GBCFSDPPolicyWorker, algorithm(sky, "regular"),
+                                  tiny_qwen2())
+    w._gbc_options = methods.MethodOptions(**option)
+    with pytest.raises(ValueError, match=f"GBC_SKYRL_OPTIONS: {next(iter(option))} acts on RL"):
+        w.forward_backward(make_batch(sky, 1), loss_fn="cross_entropy")
