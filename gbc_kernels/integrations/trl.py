@@ -395,7 +395,8 @@ class GBCGRPOTrainer(GRPOTrainer):
         token_scale = inputs.get("gbc_token_scale")
         old_policy, nthr = None, {}
         groups = inputs.get(NTHR_GROUP_KEY)
-        if mode == "train" and groups is not None:       # NTHR in this forward (rollout)
+        if mode == "train" and groups is not None and token_scale is None:
+            # NTHR in this forward (the rollout left it here: _gbc_nthr_in_update)
             counts = torch.unique(groups, return_counts=True)[1]
             if (counts != self.num_generations).any():
                 raise RuntimeError("gbc_nthr: a micro-batch without whole groups reached "
@@ -457,7 +458,8 @@ class GBCGRPOTrainer(GRPOTrainer):
                 num_items_in_batch=num_items, backend=args.gbc_backend, is_ratio=is_ratio,
                 sampling_logp=sampling, old_policy=old_policy,
                 data_parallel_group="world" if self.accelerator.num_processes > 1 else None)
-        if "pass" in nthr:
+        if "pass" in nthr:           # the micro-batch carries the scales its loss used
+            inputs["gbc_token_scale"] = nthr["pass"].token_scale
             self._gbc_log_nthr(nthr["pass"].nthr, inputs["advantages"], mask)
         if lt not in NUM_ITEMS_LOSS_TYPES:
             loss = loss / accumulation
