@@ -359,14 +359,6 @@ def test_refusals(bad, match):
         gorl.policy_loss_config(make_args(**bad), 0.05)
 
 
-def test_refuses_packed_samples():
-    exp = make_experience(2)
-    actor = make_actor(tiny_model())
-    actor.packing_samples = True
-    with pytest.raises(ValueError, match="packing_samples"):
-        gorl.fused_actor_loss(actor, exp, make_args(), 0.0, None)
-
-
 def _zero3_worker(rank, world, opts):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
