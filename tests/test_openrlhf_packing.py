@@ -259,7 +259,23 @@ RING_CASES = {
     "ar-lopti-critical-kl": (dict(kl="k2"), dict(ar_alpha=0.3, lopti_eta=0.3, phase="high",
                                                  kl_weight=True)),
 }
-RING_SEEDS = (1, 6)                  # 35 and 36 packed tokens: the ring pads the first
+RING_SEEDS = (1, 6, -1)   # 35 and 36 packed tokens (the ring pads the first); -1: rank 0
+#                           holds prompts only (no action token: its share is 0)
+
+
+def ring_experience(seed):
+    """make_experience(seed); ``-1``: three empty responses before a full one, so that the
+    first half of the packed stream (12 of its 24 tokens) has no action."""
+    if seed >= 0:
+        return make_experience(seed)
+    exp = make_experience(10)         # a seed whose last response is not clipped away
+    T = exp.action_mask.shape[1]
+    exp.action_mask[:3] = False
+    exp.attention_mask[:3, -T:] = 0
+    exp.sequences[:3, -T:] = 0
+    for k in ("action_log_probs", "base_action_log_probs", "rollout_log_probs", "advantages"):
+        setattr(exp, k, getattr(exp, k) * exp.action_mask)
+    return exp
 
 
 def _ring_args(opts, size=2):
@@ -323,7 +339,7 @@ def _ring_worker(rank, world, cases):
 
     out = {}
     for seed in RING_SEEDS:
-        exp = make_experience(seed)
+        exp = ring_experience(seed)
         lbi = ORL.get_loss_batch_info(strategy, exp.action_mask)
         for name, (opts, extra) in cases.items():
             args = _ring_args(opts, world)
@@ -374,7 +390,7 @@ def test_ring_attention_equals_openrlhf_ring_step():
         for (text, match) in r["errors"]:
             assert match in text, text
     for seed in RING_SEEDS:
-        exp = make_experience(seed)
+        exp = ring_experience(seed)
         lbi = ORL.get_loss_batch_info(None, exp.action_mask)
         m = exp.action_mask
         for name, (opts, extra) in RING_CASES.items():
