@@ -259,8 +259,8 @@ RING_CASES = {
     "ar-lopti-critical-kl": (dict(kl="k2"), dict(ar_alpha=0.3, lopti_eta=0.3, phase="high",
                                                  kl_weight=True)),
 }
-RING_SEEDS = (1, 6, -1)   # 35 and 36 packed tokens (the ring pads the first); -1: rank 0
-#                           holds prompts only (no action token: its share is 0)
+RING_SEEDS = (1, -1)      # 1: 35 packed tokens (the ring pads them to 36); -1: rank 0 holds
+#                           prompts only (no action token: its share is 0)
 
 
 def ring_experience(seed):
