@@ -693,7 +693,7 @@ def test_every_method_option_changes_the_update(name, methods_off):
     (dict(lopti_eta=0.5), dict(gas=2), "lopti_eta: .*train.micro_batch_size"),
     (dict(lopti_eta=0.5), dict(dynamic=True), "lopti_eta: train.dynamic_batch_enable"),
     (dict(nthr=True), dict(dynamic=True), "nthr: train.dynamic_batch_enable"),
-    (dict(nthr=True), dict(tp=2), "nthr: ds.ring_attn_size"),
+    (dict(nthr=True), dict(tp=2), "nthr: ds.tensor_parallel_size"),
     (dict(critical_kl_exponent=2.0), dict(kl=None), "critical_kl_exponent: .*algo.kl.use_loss"),
 ])
 def test_methods_refuse_settings_by_name(options, setting, match, methods_off):

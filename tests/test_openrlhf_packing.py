@@ -314,6 +314,27 @@ def _openrlhf_step(actor, exp, args, lbi, group=None, extra=None):
     return float(loss.detach()), {k: float(v) for k, v in metrics.items()}
 
 
+def _ring_nthr(group=None, strategy=None):
+    """NTHR's pass over a packed replay buffer (``ring_attn_group``: under ring attention);
+    returns each sample's scales."""
+    args = T_._margs(kl="k3")
+    args.ds = SimpleNamespace(ring_attn_size=1 if group is None else 2, packing_samples=True,
+                              tensor_parallel_size=1)
+    T_._enable(nthr=True, nthr_beta=0.0)
+    try:
+        t = _packed_trainer(args)
+        t.strategy.ring_attn_group = group
+        if strategy is not None:
+            t.strategy.ds_device_mesh = strategy.ds_device_mesh
+        t.strategy.accumulated_gradient = 1
+        gorl.check_trainer(t)
+        t.replay_buffer = T_._buffer(copy.deepcopy(T_._nthr_experience()))
+        gorl.nthr_pass(t)
+        return [it.info[gorl.SCALE_KEY] for it in t.replay_buffer.items]
+    finally:
+        gorl.disable()
+
+
 def _ring_worker(rank, world, cases):
     """Ring attention over the 2 ranks (OpenRLHF's strategy: the ring group, the stand-in ring
     kernel substituted, a data-parallel group of one rank): OpenRLHF's step and gbc's on the
@@ -361,6 +382,7 @@ def _ring_worker(rank, world, cases):
         got = gorl.fused_action_log_probs(actor, exp.sequences, exp.action_mask,
                                           exp.attention_mask, ring_attn_group=group)
         out[seed, "no-grad"] = (lp, got)
+    out["nthr"] = _ring_nthr(group, strategy)
     errors = []
     exp = make_experience(1)
     for actor, args, match in ((packed_actor(packing=False), _ring_args({}), "ds.packing_samples"),
@@ -381,14 +403,19 @@ def test_ring_attention_equals_openrlhf_ring_step():
     per-token log-probs and entropies (``token_out``), the no-grad pass and every parameter's
     gradient averaged over the ring (DeepSpeed's reduction) equal OpenRLHF's own ring step; that
     step equals the packed step in one process. AR, Lopti and critical-token KL against
-    ``gbc.policy_loss`` on OpenRLHF's ring log-probs. A ring without packed samples and a ring
-    group of another size than ds.ring_attn_size are refused by name."""
+    ``gbc.policy_loss`` on OpenRLHF's ring log-probs; NTHR's pass under ring attention equals
+    the packed pass in one process. A ring without packed samples and a ring group of another
+    size than ds.ring_attn_size are refused by name."""
     from conftest import spawn_gloo
 
     got = spawn_gloo(2, _ring_worker, RING_CASES)
+    want = _ring_nthr()
+    assert any((s != 1).any() for s in want)
     for r in got:
         for (text, match) in r["errors"]:
             assert match in text, text
+        for a, b in zip(r["nthr"], want):
+            assert torch.allclose(a, b, atol=1e-6)
     for seed in RING_SEEDS:
         exp = ring_experience(seed)
         lbi = ORL.get_loss_batch_info(None, exp.action_mask)

@@ -501,10 +501,9 @@ def check_trainer(trainer) -> None:
         name = "nthr" if opts.nthr else "critical_kl_exponent"
         raise ValueError(f"{name}: train.dynamic_batch_enable rebalances the samples and drops "
                          f"what the method carries on the experience")
-    if opts.nthr and (int(_get(args, "ds.ring_attn_size", 1) or 1) > 1
-                      or int(_get(args, "ds.tensor_parallel_size", 1) or 1) > 1):
-        raise ValueError("nthr: ds.ring_attn_size / ds.tensor_parallel_size > 1: NTHR's pass "
-                         "takes whole sequences on one rank")
+    if opts.nthr and int(_get(args, "ds.tensor_parallel_size", 1) or 1) > 1:
+        raise ValueError("nthr: ds.tensor_parallel_size > 1: NTHR's pass takes the whole "
+                         "lm_head on one rank")
     opts.check_loss(bool(_get(args, "algo.kl.use_loss", False))
                     and _get(args, "algo.kl.init_coef", 0.0), "algo.kl.use_loss and init_coef")
 
@@ -530,6 +529,7 @@ def nthr_pass(trainer) -> dict:
     mb = max(1, int(getattr(trainer.replay_buffer, "sample_batch_size", 0) or len(items)))
     mesh = getattr(trainer.strategy, "ds_device_mesh", None)
     group = methods.data_parallel_group(None if mesh is None else mesh["dp"].get_group())
+    ring = _ring_group(actor, trainer.args, getattr(trainer.strategy, "ring_attn_group", None))
     batch = methods.NTHRBatch(torch.cat([it.sequences[-it.action_mask.shape[-1]:]
                                          for it in items]), group)
     was_training = actor.training
@@ -542,11 +542,14 @@ def nthr_pass(trainer) -> dict:
             rows, valid = range(i, i + len(seq)), exp.action_mask.to(device).bool()
 
             if getattr(actor, "packing_samples", False):
-                pk = packed_rows(seq, am, exp.action_mask.to(device), None)
+                pk = packed_rows(seq, am, exp.action_mask.to(device), ring)
 
                 def add(h, head, softcap):      # packed: each token back at its column
                     full = h.new_zeros(len(seq), T, h.shape[-1])
                     full[pk.b, pk.j] = h[0, pk.p]
+                    if ring is not None:        # NTHR compares whole responses: every ring
+                        import torch.distributed as dist          # rank gets them all
+                        dist.all_reduce(full, group=ring)
                     batch.add(rows, full, seq[:, -T:], valid, head, softcap, temperature)
 
                 hf.in_head(model, pk.input_ids, None, None, {"position_ids": pk.position_ids},
