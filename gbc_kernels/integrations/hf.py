@@ -197,10 +197,6 @@ def policy_loss_through_forward(model, input_ids, attention_mask, completion_len
     ``advantages``, ``old_logp``, ``ref_logp``, ``loss_kwargs``: as the loss takes them
     (``[B, T]``); the model's soft-capping applies unless ``config`` sets its own;
     ``model_kwargs`` go to the forward. Returns ``(loss, metrics[, outputs])``."""
-    import dataclasses
-
-    import gbc_kernels as gbc
-
     inner = unwrap(model) if unwrapped is None else unwrapped
     T = check_forward_inputs(inner, input_ids, attention_mask, completion_len)
     return _policy_loss_in_forward(model, inner, input_ids, attention_mask, T, lambda h: h,
