@@ -396,7 +396,6 @@ def _ring_worker(rank, world, cases):
     return out
 
 
-@pytest.mark.skipif(not hasattr(gbc, "SequenceParallel"), reason="needs SequenceParallel")
 def test_ring_attention_equals_openrlhf_ring_step():
     """ds.ring_attn_size = 2 (2 gloo processes, each with its slice of the packed stream, the
     first batch padded to the ring): gbc's loss (value on every rank), OpenRLHF's metrics, the
