@@ -359,14 +359,6 @@ def test_refusals(bad, match):
         gorl.policy_loss_config(make_args(**bad), 0.05)
 
 
-def test_refuses_packed_samples():
-    exp = make_experience(2)
-    actor = make_actor(tiny_model())
-    actor.packing_samples = True
-    with pytest.raises(ValueError, match="packing_samples"):
-        gorl.fused_actor_loss(actor, exp, make_args(), 0.0, None)
-
-
 def test_errors_name_the_experiences_fields():
     """gbc's checks inside ``fused_actor_loss`` name the Experience's fields (gbc calls them
     ``advantages``, ``ref_logp``, ``input_ids``), at the index the Experience has; nothing is
@@ -728,7 +720,7 @@ def test_every_method_option_changes_the_update(name, methods_off):
     (dict(lopti_eta=0.5), dict(gas=2), "lopti_eta: .*train.micro_batch_size"),
     (dict(lopti_eta=0.5), dict(dynamic=True), "lopti_eta: train.dynamic_batch_enable"),
     (dict(nthr=True), dict(dynamic=True), "nthr: train.dynamic_batch_enable"),
-    (dict(nthr=True), dict(tp=2), "nthr: ds.ring_attn_size"),
+    (dict(nthr=True), dict(tp=2), "nthr: ds.tensor_parallel_size"),
     (dict(critical_kl_exponent=2.0), dict(kl=None), "critical_kl_exponent: .*algo.kl.use_loss"),
 ])
 def test_methods_refuse_settings_by_name(options, setting, match, methods_off):

@@ -164,22 +164,25 @@ def replaced_head_forward(inner, head_forward):
 
 def _through_head(model, inner, input_ids, attention_mask, T, compute, model_kwargs=None):
     """One ``model(...)`` call whose lm_head forward is ``compute`` on the hidden states that
-    predict the last ``T`` tokens (``[B, T, H]``, autocast off). ``compute`` returns ``(result,
-    tie)``: the stand-in logits are zeros plus ``tie`` (a scalar or None), so that a wrapper's
-    backward hooks on the head run before ``tie``'s backward. Returns ``(result, outputs)``."""
+    predict the last ``T`` tokens (``[B, T, H]``, autocast off; ``T = None``: every position's,
+    ``[B, L, H]``, for packed samples). ``compute`` returns ``(result, tie)``: the stand-in
+    logits are zeros plus ``tie`` (a scalar or None), so that a wrapper's backward hooks on the
+    head run before ``tie``'s backward. Returns ``(result, outputs)``."""
     captured = []
+    keep = slice(None) if T is None else slice(-(T + 1), None)
 
     def head_forward(hidden, *args, **kwargs):
-        h = hidden[:, -(T + 1):-1]
+        h = hidden if T is None else hidden[:, -(T + 1):-1]
         with torch.autocast(device_type=h.device.type, enabled=False):
             result, tie = compute(h)
         captured.append(result)
-        stand_in = hidden[:, -(T + 1):, :1] * 0
+        stand_in = hidden[:, keep, :1] * 0
         return stand_in if tie is None else stand_in + tie.to(hidden.dtype)
 
     with replaced_head_forward(inner, head_forward):
-        outputs = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1,
-                        use_cache=False, **(model_kwargs or {}))
+        outputs = model(input_ids=input_ids, attention_mask=attention_mask,
+                        logits_to_keep=0 if T is None else T + 1, use_cache=False,
+                        **(model_kwargs or {}))
     if len(captured) != 1:
         raise RuntimeError(f"model: expected its forward to call its lm_head once, it did "
                            f"{len(captured)} times")
@@ -200,12 +203,37 @@ def policy_loss_through_forward(model, input_ids, attention_mask, completion_len
     (on policy, the first update): :func:`old_policy_head`'s ``compute`` runs on its hidden
     states first and its NTHR scales are the loss's ``token_scale``. Returns ``(loss,
     metrics[, outputs])``."""
+    inner = unwrap(model) if unwrapped is None else unwrapped
+    T = check_forward_inputs(inner, input_ids, attention_mask, completion_len)
+    return _policy_loss_in_forward(model, inner, input_ids, attention_mask, T, lambda h: h,
+                                   input_ids[:, -T:], mask, advantages, old_logp, ref_logp,
+                                   config, return_outputs, model_kwargs, loss_kwargs,
+                                   old_policy)
+
+
+def packed_policy_loss_through_forward(model, input_ids, position_ids, rows, targets, mask,
+                                       advantages, old_logp=None, ref_logp=None, config=None,
+                                       unwrapped=None, return_outputs: bool = False,
+                                       model_kwargs: Optional[dict] = None, **loss_kwargs):
+    """:func:`policy_loss_through_forward` for packed samples: the model runs on one packed row
+    ``input_ids [1, n]`` at ``position_ids [1, n]``, without an attention mask (the attention
+    finds the sequences' boundaries, e.g. flash-attn's varlen kernels); ``rows(h)`` maps its
+    hidden states ``[1, n, H]`` to the loss's rows ``[B, T, H]``, which ``targets``, ``mask``,
+    ``advantages``, ... (``[B, T]``) describe. Returns ``(loss, metrics[, outputs])``."""
+    inner = unwrap(model) if unwrapped is None else unwrapped
+    kwargs = dict(model_kwargs or {}, position_ids=position_ids)
+    return _policy_loss_in_forward(model, inner, input_ids, None, None, rows, targets, mask,
+                                   advantages, old_logp, ref_logp, config, return_outputs,
+                                   kwargs, loss_kwargs)
+
+
+def _policy_loss_in_forward(model, inner, input_ids, attention_mask, T, rows, targets, mask,
+                            advantages, old_logp, ref_logp, config, return_outputs,
+                            model_kwargs, loss_kwargs, old_policy=None):
     import dataclasses
 
     import gbc_kernels as gbc
 
-    inner = unwrap(model) if unwrapped is None else unwrapped
-    T = check_forward_inputs(inner, input_ids, attention_mask, completion_len)
     cfg = config if isinstance(config, gbc.PolicyLossConfig) else (
         gbc.PolicyLossConfig() if config is None else gbc.PolicyLossConfig.from_dict(config))
     cap = logit_softcap(inner)
@@ -214,14 +242,15 @@ def policy_loss_through_forward(model, input_ids, attention_mask, completion_len
 
     def compute(h):
         head = lm_head(inner)         # the weight as the wrapper holds it right now
+        h = rows(h).to(head.weight.dtype)          # h cast: autocast output, fp32 head
         if old_policy is not None:
-            loss_kwargs["token_scale"] = old_policy(h.detach().to(head.weight.dtype), head,
-                                                    cap).token_scale
-        with _as_input_ids(input_ids, T, head, mask):
-            loss, metrics = gbc.fused_linear_policy_loss(   # h cast: autocast output, fp32 head
-                h.to(head.weight.dtype), head.weight, input_ids[:, -T:], mask, advantages,
-                old_logp=old_logp, ref_logp=ref_logp, bias=head.bias, config=cfg,
-                **loss_kwargs)
+            loss_kwargs["token_scale"] = old_policy(h.detach(), head, cap).token_scale
+        names = (contextlib.nullcontext() if T is None     # packed: targets are the caller's
+                 else _as_input_ids(input_ids, T, head, mask))
+        with names:
+            loss, metrics = gbc.fused_linear_policy_loss(
+                h, head.weight, targets, mask, advantages, old_logp=old_logp,
+                ref_logp=ref_logp, bias=head.bias, config=cfg, **loss_kwargs)
         return (loss, metrics), loss
 
     (loss, metrics), outputs = _through_head(model, inner, input_ids, attention_mask, T, compute,
@@ -284,9 +313,10 @@ def logit_softcap(model):
 def in_head(model, input_ids, attention_mask, completion_len, model_kwargs, compute,
             unwrapped=None):
     """``compute(h [B, T, H], head, softcap)`` inside the model's forward, where ZeRO-3 and
-    FSDP2 hold the lm_head's weight gathered (:func:`_through_head`); returns its result."""
+    FSDP2 hold the lm_head's weight gathered (:func:`_through_head`); returns its result.
+    ``completion_len=None``: every position's hidden states (packed samples, ``[1, n, H]``)."""
     inner = unwrap(model) if unwrapped is None else unwrapped
-    T = completion_len or input_ids.shape[1] - 1
+    T = None if completion_len is None else (completion_len or input_ids.shape[1] - 1)
 
     def run(h):
         head = lm_head(inner)

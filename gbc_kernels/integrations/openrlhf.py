@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from types import SimpleNamespace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -154,6 +154,113 @@ def _position_ids(attention_mask):
     return pos.masked_fill_(attention_mask == 0, 1)
 
 
+class PackedRows(NamedTuple):
+    """OpenRLHF's packed samples (``ds.packing_samples``) of one forward, on this rank, and
+    where its tokens sit in the loss's rows (docs/openrlhf.md, "Long context"): the model runs
+    on ``input_ids`` / ``position_ids`` ``[1, n]`` (this rank's slice of the packed stream
+    under ring attention); local position ``p[i]`` predicts action ``[b[i], j[i]]`` of the
+    padded ``[B, T]`` batch and fills column ``c[i]`` of row ``b[i]`` of the loss's rows
+    ``[B, width]`` (this rank's tokens of each sequence, in order)."""
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    p: torch.Tensor
+    b: torch.Tensor
+    j: torch.Tensor
+    c: torch.Tensor
+    width: int
+    shape: tuple                        # (B, T): the padded action batch
+    group: object                       # the ring-attention group, or None
+
+    def rows(self, x, fill=0.0):
+        """``[B, T]`` (or ``[B]`` / ``[B, 1]``: as is) -> the loss's rows ``[B, width]``."""
+        if x is None or x.dim() < 2 or x.shape[-1] == 1:
+            return x
+        out = x.new_full((self.shape[0], self.width), fill)
+        out[self.b, self.c] = x[self.b, self.j]
+        return out
+
+    def mask(self):
+        out = torch.zeros(self.shape[0], self.width, dtype=torch.bool, device=self.b.device)
+        out[self.b, self.c] = True
+        return out
+
+    def hidden(self, h):
+        """The packed hidden states ``[1, n, H]`` -> the loss's rows ``[B, width, H]``."""
+        out = h.new_zeros(self.shape[0], self.width, h.shape[-1])
+        return out.index_put((self.b, self.c), h[0, self.p])
+
+    def flat_hidden(self, h):
+        """This rank's action positions' hidden states, ``[1, k, H]`` (no-grad passes)."""
+        return h[:, self.p]
+
+    def scatter(self, values):
+        """Per-token values ``[..., k]`` (this rank's tokens) -> ``[B, T]`` (0 elsewhere), summed
+        over the ring group: every rank gets the whole batch's, as OpenRLHF's gather."""
+        out = torch.zeros(self.shape, dtype=values.dtype, device=values.device)
+        out[self.b, self.j] = values.reshape(-1)
+        if self.group is not None:
+            import torch.distributed as dist
+            dist.all_reduce(out, group=self.group)
+        return out
+
+
+def packed_rows(sequences, attention_mask, action_mask, ring_attn_group=None,
+                packed_seq_lens=None) -> PackedRows:
+    """OpenRLHF's packing of a padded batch (its own ``unpad_and_slice_tensor``, which also
+    gives the ring attention the stream's ``cu_seqlens``) and the map of this rank's tokens to
+    the loss's rows."""
+    if attention_mask is None:
+        raise ValueError("attention_mask: ds.packing_samples packs the batch by its attention "
+                         "mask (the packed sequences' boundaries); got None")
+    if packed_seq_lens is not None:
+        raise ValueError("packed_seq_lens: OpenRLHF's Actor.forward takes the packed sequences' "
+                         "boundaries from attention_mask and ignores packed_seq_lens; gbc "
+                         "refuses a value it would ignore (pass None)")
+    if tuple(attention_mask.shape) != tuple(sequences.shape):
+        raise ValueError(f"attention_mask: expected the shape of sequences "
+                         f"{list(sequences.shape)}, got {list(attention_mask.shape)}")
+    from openrlhf.models.ring_attn_utils import unpad_and_slice_tensor
+
+    (B, S), T = sequences.shape, action_mask.shape[1]
+    ids, pos, _, _, indices = unpad_and_slice_tensor(sequences, attention_mask, ring_attn_group)
+    n, rank = ids.shape[1], 0
+    if ring_attn_group is not None:
+        import torch.distributed as dist
+        rank = dist.get_rank(group=ring_attn_group)
+    g = torch.arange(rank * n, (rank + 1) * n, device=ids.device)
+    real = g < indices.numel()                      # the ring's padding predicts nothing
+    p = torch.arange(n, device=ids.device)[real]
+    flat = indices.to(ids.device)[g[real]]
+    b, j = flat // S, flat % S - (S - 1 - T)        # position s predicts action s - (S-1-T)
+    inside = (j >= 0) & (j < T)
+    keep = inside.clone()
+    keep[inside] = action_mask.to(ids.device).bool()[b[inside], j[inside]]
+    p, b, j = p[keep], b[keep], j[keep]
+    c = torch.arange(b.numel(), device=b.device) - torch.searchsorted(b, b)   # b ascends
+    width = int(c.max()) + 1 if c.numel() else 1
+    return PackedRows(ids, pos, p, b, j, c, width, (B, T), ring_attn_group)
+
+
+def _ring_group(actor, args, ring_attn_group):
+    """The ring-attention group after the checks: packed samples only, of ``ds.ring_attn_size``."""
+    if ring_attn_group is None:
+        size = int(_get(args, "ds.ring_attn_size", 1) or 1) if args is not None else 1
+        if size > 1:
+            raise ValueError(f"ds.ring_attn_size: {size} > 1 but no ring_attn_group was given "
+                             "(the strategy's ring_attn_group)")
+        return None
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group=ring_attn_group)
+    want = _get(args, "ds.ring_attn_size") if args is not None else None
+    if want is not None and int(want) != size:
+        raise ValueError(f"ds.ring_attn_size: {want}, but the ring_attn_group has {size} ranks")
+    if not getattr(actor, "packing_samples", False):
+        raise ValueError("ds.ring_attn_size > 1 requires ds.packing_samples (OpenRLHF's Actor "
+                         "uses the ring group only for packed samples)")
+    return ring_attn_group if size > 1 else None
+
+
 # gbc's (and hf's) argument names -> the Experience's fields, for the errors of the fused loss
 # (``old_logp`` is not mapped: it is action_log_probs or, under GSPO's is_correction,
 # rollout_log_probs)
@@ -166,15 +273,19 @@ EXPERIENCE_NAMES = {"input_ids": "experience.sequences",
 @methods.in_callers_words(EXPERIENCE_NAMES)
 def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_info=None,
                      temperature: Optional[float] = None, token_scale=None, kl_weight=None,
-                     phase=None, **gbc_options):
+                     phase=None, ring_attn_group=None, token_out: Optional[dict] = None,
+                     **gbc_options):
     """The loss ``ActorPPOTrainer.training_step`` backpropagates (policy, KL, entropy and MoE
     terms) for an ``Experience``, without logits. Returns ``(loss, metrics)``: OpenRLHF's
-    logged metrics and gbc's (``gbc/...``). Packed samples are refused."""
-    if getattr(actor, "packing_samples", False):
-        raise ValueError("actor.packing_samples: the fused OpenRLHF loss takes padded batches; "
-                         "packed samples (flash-attn varlen) are not supported")
+    logged metrics and gbc's (``gbc/...``). With ``actor.packing_samples`` the model runs on
+    OpenRLHF's packed samples; ``ring_attn_group`` (the strategy's, ``ds.ring_attn_size > 1``):
+    this rank's slice of them, and the loss's gradient is this rank's share times the ring size
+    (DeepSpeed averages it over the ring's ranks), its value the whole batch's. ``token_out``:
+    a dict that receives the per-token ``logp`` (and ``entropy`` when computed), ``[B, T]``
+    float32 in OpenRLHF's layout, the whole batch's on every ring rank."""
     seq, am, mask = experience.sequences, experience.attention_mask, experience.action_mask
     T = mask.shape[1]
+    group = _ring_group(actor, args, ring_attn_group)
     temp = getattr(actor, "temperature", 1.0) if temperature is None else temperature
     cfg = policy_loss_config(args, kl_coef=kl_ctl, temperature=temp, **gbc_options)
     old = experience.action_log_probs
@@ -188,13 +299,36 @@ def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_in
     m = mask.bool()
     aux = float(_get(args, "actor.aux_loss_coef", 0.0) or 0.0) > 1e-8
     model = _inner_model(actor)
-    out = hf.policy_loss_through_forward(
-        model, seq, am, T, m, experience.advantages, old_logp=ratio_base,
-        ref_logp=experience.base_action_log_probs if cfg.kl_coef else None, config=cfg,
-        token_scale=token_scale, kl_weight=kl_weight if cfg.kl_coef else None, phase=phase,
-        is_ratio=coef, return_outputs=aux,
-        model_kwargs={"position_ids": _position_ids(am)}, **norms)
+    ref = experience.base_action_log_probs if cfg.kl_coef else None
+    kl_weight = kl_weight if cfg.kl_coef else None
+    if getattr(actor, "packing_samples", False):
+        pk = packed_rows(seq, am, mask, group)
+        rows = pk.rows
+        if group is not None:
+            norms["sequence_parallel"] = gbc.SequenceParallel(group)
+        own = None if token_out is None else {}
+        out = hf.packed_policy_loss_through_forward(
+            model, pk.input_ids, pk.position_ids, pk.hidden, rows(seq[:, -T:], 0), pk.mask(),
+            rows(experience.advantages), old_logp=rows(ratio_base), ref_logp=rows(ref),
+            config=cfg, token_scale=rows(token_scale, 1.0), kl_weight=rows(kl_weight),
+            phase=phase, is_ratio=rows(coef), return_outputs=aux, token_out=own, **norms)
+        if token_out is not None:
+            token_out.update({k: pk.scatter(v[pk.b, pk.c]) for k, v in own.items()})
+    else:
+        out = hf.policy_loss_through_forward(
+            model, seq, am, T, m, experience.advantages, old_logp=ratio_base, ref_logp=ref,
+            config=cfg, token_scale=token_scale, kl_weight=kl_weight, phase=phase,
+            is_ratio=coef, return_outputs=aux, token_out=token_out,
+            model_kwargs={"position_ids": _position_ids(am)}, **norms)
     loss, metrics = out[0], out[1]
+    norms.pop("sequence_parallel", None)
+    if group is not None:         # value: the batch's; gradient: the share x the ring's size
+        import torch.distributed as dist
+
+        whole = loss.detach().clone()
+        dist.all_reduce(whole, group=group)
+        scaled = loss * dist.get_world_size(group=group)
+        loss = scaled + (whole - scaled).detach()
     if aux:
         loss = loss + out[2].aux_loss * float(_get(args, "actor.aux_loss_coef"))
     # OpenRLHF's logged values, from gbc's per-token means: a term aggregated over the batch
@@ -224,14 +358,32 @@ def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_in
 @torch.no_grad()
 def fused_action_log_probs(actor, sequences, action_mask, attention_mask,
                            temperature: Optional[float] = None, backend: str = "auto",
-                           options: Optional[methods.MethodOptions] = None):
+                           options: Optional[methods.MethodOptions] = None,
+                           ring_attn_group=None, packed_seq_lens=None):
     """``Actor.forward``'s no-grad action log-probs without logits: ``[B, T]`` float32, 0 where
     ``action_mask`` is; ``options`` with ``critical_kl_exponent`` (the reference model's
-    pass): ``[B, T, 2]``, the log-probs and the critical-token KL weights."""
+    pass): ``[B, T, 2]``, the log-probs and the critical-token KL weights. Packed samples
+    (``actor.packing_samples``) and ring attention (``ring_attn_group``) as ``Actor.forward``
+    runs them: every ring rank returns the whole batch's values."""
     T = action_mask.shape[1]
+    temp = getattr(actor, "temperature", 1.0) if temperature is None else temperature
+    group = _ring_group(actor, None, ring_attn_group)
+    if getattr(actor, "packing_samples", False):
+        pk = packed_rows(sequences, attention_mask, action_mask, group, packed_seq_lens)
+        targets = sequences[:, -T:][pk.b, pk.j][None]
+        ref = hf.in_head(
+            _inner_model(actor), pk.input_ids, None, None, {"position_ids": pk.position_ids},
+            lambda h, head, cap: methods.reference_stats(
+                pk.flat_hidden(h), head.weight, targets, options or methods.MethodOptions(),
+                head.bias, temperature=temp, logit_softcap=cap, backend=backend))
+        logp = pk.scatter(ref.ref_logp.float())
+        return logp if ref.kl_weight is None else torch.stack(
+            (logp, pk.scatter(ref.kl_weight.float())), -1)
+    if packed_seq_lens is not None:
+        raise ValueError("packed_seq_lens: given without ds.packing_samples (OpenRLHF's Actor "
+                         "ignores it)")
     ref = hf.reference_pass(
-        _inner_model(actor), sequences, attention_mask, sequences[:, -T:],
-        temperature=getattr(actor, "temperature", 1.0) if temperature is None else temperature,
+        _inner_model(actor), sequences, attention_mask, sequences[:, -T:], temperature=temp,
         backend=backend, completion_len=T, options=options,
         model_kwargs={"position_ids": _position_ids(attention_mask)})
     m = action_mask.to(ref.ref_logp.dtype)
@@ -300,17 +452,19 @@ def _is_reference(actor) -> bool:
 def _actor_forward(self, sequences, action_mask=None, attention_mask=None, *args, **kwargs):
     """``Actor.forward`` with the no-grad log-prob pass fused (the reference model's, with
     critical-token KL: ``[B, T, 2]``, unpacked by the buffer's ``append``)."""
+    rest = {k: v for k, v in kwargs.items() if k not in ("ring_attn_group", "packed_seq_lens")}
     plain = (action_mask is not None and not args and not torch.is_grad_enabled()
-             and all(v is None or v is False for v in kwargs.values())
-             and not getattr(self, "packing_samples", False))
+             and all(v is None or v is False for v in rest.values()))
     weights = _STATE.methods.critical_kl_exponent is not None and _is_reference(self)
     if plain:
         return fused_action_log_probs(self, sequences, action_mask, attention_mask,
-                                      options=_STATE.methods if weights else None)
+                                      options=_STATE.methods if weights else None,
+                                      ring_attn_group=kwargs.get("ring_attn_group"),
+                                      packed_seq_lens=kwargs.get("packed_seq_lens"))
     if weights:
         raise ValueError("critical_kl_exponent: the reference model's pass is not the plain "
-                         "padded one (ring attention, packed samples or multimodal inputs): "
-                         "its weights cannot be computed there")
+                         "no-grad one (outputs, entropy or multimodal inputs requested): its "
+                         "weights cannot be computed there")
     forward = _PATCHES.original(type(self), "forward")
     return forward(self, sequences, action_mask, attention_mask, *args, **kwargs)
 
@@ -355,10 +509,9 @@ def check_trainer(trainer) -> None:
         name = "nthr" if opts.nthr else "critical_kl_exponent"
         raise ValueError(f"{name}: train.dynamic_batch_enable rebalances the samples and drops "
                          f"what the method carries on the experience")
-    if opts.nthr and (int(_get(args, "ds.ring_attn_size", 1) or 1) > 1
-                      or int(_get(args, "ds.tensor_parallel_size", 1) or 1) > 1):
-        raise ValueError("nthr: ds.ring_attn_size / ds.tensor_parallel_size > 1: NTHR's pass "
-                         "takes whole sequences on one rank")
+    if opts.nthr and int(_get(args, "ds.tensor_parallel_size", 1) or 1) > 1:
+        raise ValueError("nthr: ds.tensor_parallel_size > 1: NTHR's pass takes the whole "
+                         "lm_head on one rank")
     opts.check_loss(bool(_get(args, "algo.kl.use_loss", False))
                     and _get(args, "algo.kl.init_coef", 0.0), "algo.kl.use_loss and init_coef")
 
@@ -384,6 +537,7 @@ def nthr_pass(trainer) -> dict:
     mb = max(1, int(getattr(trainer.replay_buffer, "sample_batch_size", 0) or len(items)))
     mesh = getattr(trainer.strategy, "ds_device_mesh", None)
     group = methods.data_parallel_group(None if mesh is None else mesh["dp"].get_group())
+    ring = _ring_group(actor, trainer.args, getattr(trainer.strategy, "ring_attn_group", None))
     batch = methods.NTHRBatch(torch.cat([it.sequences[-it.action_mask.shape[-1]:]
                                          for it in items]), group)
     was_training = actor.training
@@ -394,6 +548,21 @@ def nthr_pass(trainer) -> dict:
             seq, am = exp.sequences.to(device), exp.attention_mask.to(device)
             T = exp.action_mask.shape[1]
             rows, valid = range(i, i + len(seq)), exp.action_mask.to(device).bool()
+
+            if getattr(actor, "packing_samples", False):
+                pk = packed_rows(seq, am, exp.action_mask.to(device), ring)
+
+                def add(h, head, softcap):      # packed: each token back at its column
+                    full = h.new_zeros(len(seq), T, h.shape[-1])
+                    full[pk.b, pk.j] = h[0, pk.p]
+                    if ring is not None:        # NTHR compares whole responses: every ring
+                        import torch.distributed as dist          # rank gets them all
+                        dist.all_reduce(full, group=ring)
+                    batch.add(rows, full, seq[:, -T:], valid, head, softcap, temperature)
+
+                hf.in_head(model, pk.input_ids, None, None, {"position_ids": pk.position_ids},
+                           add)
+                continue
 
             def add(h, head, softcap):
                 batch.add(rows, h, seq[:, -T:], valid, head, softcap, temperature)
@@ -497,6 +666,8 @@ def training_step(self, experience, kl_ctl: float, step: int, loss_batch_info=No
     def update(phase):
         loss, m = fused_actor_loss(self.actor, experience, self.args, kl_ctl, loss_batch_info,
                                    token_scale=token_scale, kl_weight=kl_weight, phase=phase,
+                                   ring_attn_group=getattr(self.strategy, "ring_attn_group",
+                                                           None),
                                    **opts.loss_options(), **_STATE.options)
         self.strategy.backward(loss, self.actor, self.actor_optim)
         if do_step:
