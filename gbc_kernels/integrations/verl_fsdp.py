@@ -31,6 +31,24 @@ def _check_supported(engine, micro_batch):
                          f"{ENV_ON} for distillation runs")
 
 
+# verl's loss modes that select tokens by their place in the whole batch
+_BATCH_SELECTING_MODES = ("clip_cov", "kl_cov")
+
+
+def _check_ulysses_loss(engine, loss_function):
+    """Under Ulysses SP each rank's loss sees its own tokens: Clip-Cov / KL-Cov, which pick
+    tokens from the whole batch (at random, by rank), are refused in verl's words."""
+    if not getattr(engine, "use_ulysses_sp", False):
+        return
+    mode = getattr(loss_function.keywords["config"].policy_loss, "loss_mode", "vanilla")
+    if mode in _BATCH_SELECTING_MODES:
+        raise ValueError(f"policy_loss.loss_mode: {mode!r} selects tokens from the whole batch "
+                         "(Clip-Cov at random, KL-Cov by covariance rank), which gbc's loss "
+                         "under Ulysses sequence parallelism (ulysses_sequence_parallel_size "
+                         "> 1) does not reproduce; choose another loss_mode, set "
+                         f"ulysses_sequence_parallel_size=1, or unset {ENV_ON} for verl's step")
+
+
 def _check_ulysses_heads(engine):
     """verl's Ulysses attention scatters the heads over the SP group: a size that does not
     divide them is refused before the model is built."""
@@ -87,7 +105,7 @@ def _ulysses_loss(share: torch.Tensor, group, size: int) -> torch.Tensor:
 
     whole = share.detach().clone()
     dist.all_reduce(whole, group=group)
-    return size * share + (whole - size * share.detach())
+    return whole + size * (share - share.detach())
 
 
 class GBCEngineMixin(EngineMethods):
@@ -143,6 +161,7 @@ class GBCEngineMixin(EngineMethods):
 
     # -- training: the loss -----------------------------------------------------------------
     def _gbc_train_step(self, micro_batch, loss_function):
+        _check_ulysses_loss(self, loss_function)
         token_out = {}
         rng = _rng_state()          # verl's metrics draw (Clip-Cov) from the loss's state
 
