@@ -2,9 +2,10 @@
 (``ulysses_sequence_parallel_size``), against verl's own stock engine at the same SP size.
 
 What runs is verl's: its ``FSDPEngineWithLMHead`` with its Ulysses device mesh, its input
-slicing (``ulysses_pad_and_slice_inputs``), its attention patch (``_ulysses_flash_attention_forward``:
-all-to-all over the SP group around flash-attn's varlen kernel), its output gather
-(``gather_outputs_and_unpad``) and loss. CPU bypasses beyond those of tests/test_verl_engine.py:
+slicing (``ulysses_pad_and_slice_inputs``), its attention patch
+(``_ulysses_flash_attention_forward``: all-to-all over the SP group around flash-attn's varlen
+kernel), its output gather (``gather_outputs_and_unpad``) and loss. CPU bypasses beyond those
+of tests/test_verl_engine.py:
 - the device name verl's module reads at import (for the Ulysses mesh) is "cpu";
 - flash-attn's varlen kernel is ``tests/standins/flash_attn`` (exact attention on torch's SDPA,
   each packed sequence causal on its own);
