@@ -15,6 +15,7 @@ import torch
 
 from . import _chunking
 from . import objectives as _objectives
+from . import sequence_parallel as _sp
 from . import vocab_parallel as _vp
 from ._loss_math import (TokenInputs, aggregation_weights, concat_terms,
                          empty_metrics, logp_grad_norm, local_ids, loss_terms, own_norms,
@@ -52,23 +53,37 @@ class LossInputs:
     entropy: Optional[torch.Tensor] = None           # [B, T] float32 when computed (forward)
     want_sum_p2: bool = False                        # keep sum_v p_v^2 per token (token_out)
     sum_p2: Optional[torch.Tensor] = None            # [B, T] float32 when asked (forward)
+    sp: Optional[_sp._Group] = None                  # sequence parallel: the sequences' group
 
 
 def token_inputs(mask, advantages, old, ref, tscale, klw, is_ratio, sampling, cfg, num_items,
-                 idx, ct, inv_temp=None) -> TokenInputs:
+                 idx, ct, inv_temp=None, sp=None) -> TokenInputs:
     """The per-token inputs of the masked tokens ``idx`` (flat indices into ``mask``, sorted),
-    with their aggregation weights and, when the loss needs them, their sequence ids."""
+    with their aggregation weights and, when the loss needs them, their sequence ids.
+    ``sp`` (sequence parallel): the weights' counts are the group's; the sequence ids are the
+    row ids ``0 .. B - 1``, with each row's token count over the group."""
     def take(t):
         return None if t is None else t.reshape(-1)[idx].to(ct)
 
-    w_pg, w_kl, w_ent = (w.reshape(-1)[idx] for w in term_weights(mask, cfg, num_items, ct))
-    seq, n_seq, lengths = None, 0, None
-    if cfg.needs_sequence:
+    w_pg, w_kl, w_ent = (w.reshape(-1)[idx] for w in term_weights(mask, cfg, num_items, ct,
+                                                                   sp=sp))
+    seq, n_seq, lengths, cnt = None, 0, None, None
+    if cfg.needs_sequence and sp is not None:
+        seq, n_seq = idx // mask.shape[1], mask.shape[0]
+        cnt = sp.sum(mask.sum(-1, dtype=ct))
+    elif cfg.needs_sequence:
         seq, n_seq, lengths = local_ids(idx // mask.shape[1], with_lengths=True)
     return TokenInputs(take(advantages), take(old), take(ref), take(tscale), take(klw),
                        take(is_ratio), take(sampling), w_pg, w_kl, w_ent, seq, n_seq,
                        seq_lengths=lengths, norms=num_items,
-                       itemp=None if inv_temp is None else inv_temp.reshape(-1)[idx])
+                       itemp=None if inv_temp is None else inv_temp.reshape(-1)[idx],
+                       sp=sp, cnt=cnt)
+
+
+def n_seq_nonempty(ti: TokenInputs):
+    """The sequences with a masked-in token (vespo's ``phi_mean``): this call's, or over the
+    group's ranks (sequence parallel)."""
+    return ti.n_seq if ti.cnt is None else (ti.cnt > 0).sum()
 
 
 def entropy_threshold(entropy: torch.Tensor, quantile: float) -> torch.Tensor:
@@ -87,31 +102,26 @@ def entropy_threshold(entropy: torch.Tensor, quantile: float) -> torch.Tensor:
     return torch.lerp(srt[lo], srt[hi], pos - lo)
 
 
-def gathered_threshold(process_group):
+def gathered_threshold(process_group, sp=None):
     """A ``threshold_fn`` computing the quantile over every rank's entropies (TRL gathers them
-    over all processes). ``process_group``: a ProcessGroup or ``"world"`` (the default group).
-    A collective: every rank of the group must call it, with or without tokens."""
-    import torch.distributed as dist
-
+    over all processes). ``process_group``: a ProcessGroup, ``"world"`` (the default group), or
+    None (no data-parallel gather) with ``sp``: the sequence-parallel group's tokens are
+    gathered first (the whole sequences), then the data-parallel ranks' (the whole batch).
+    A collective: every rank of the groups must call it, with or without tokens."""
     from ._validate import resolve_group
 
-    group = resolve_group("data_parallel_group",
-                          None if process_group == "world" else process_group)
+    groups = [] if sp is None else [sp]
+    if process_group is not None:
+        groups.append(_sp._Group(resolve_group(
+            "data_parallel_group", None if process_group == "world" else process_group)))
 
     def fn(entropy, quantile):
-        world = dist.get_world_size(group)
-        local = entropy.detach().reshape(-1)
-        if local.dtype not in (torch.float32, torch.float64):
-            local = local.float()
-        n = torch.tensor([local.numel()], device=local.device)
-        sizes = [torch.zeros_like(n) for _ in range(world)]
-        dist.all_gather(sizes, n, group=group)
-        sizes = [int(x) for x in sizes]
-        padded = torch.zeros(max(max(sizes), 1), device=local.device, dtype=local.dtype)
-        padded[: local.numel()] = local
-        every = [torch.zeros_like(padded) for _ in range(world)]
-        dist.all_gather(every, padded, group=group)
-        return entropy_threshold(torch.cat([t[:k] for t, k in zip(every, sizes)]), quantile)
+        every = entropy.detach().reshape(-1)
+        if every.dtype not in (torch.float32, torch.float64):
+            every = every.float()
+        for g in groups:
+            every = g.gather(every)
+        return entropy_threshold(every, quantile)
 
     return fn
 
@@ -140,7 +150,7 @@ def with_batch_masks(ti: TokenInputs, entropy, logp, cfg: PolicyLossConfig, mask
         em = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
         em = em.index_copy_(0, idx, emask).view_as(mask)
         w_ent = aggregation_weights(em, cfg.entropy_agg, cfg, own_norms(ti.norms, cfg),
-                                    ct).reshape(-1)[idx]
+                                    ct, ti.sp).reshape(-1)[idx]
     return replace(ti, emask=emask, w_ent=w_ent)
 
 
@@ -314,7 +324,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     ct = torch.float64 if hidden2d.dtype == torch.float64 else torch.float32
     ti = token_inputs(inp.mask, inp.advantages, inp.old_logp, inp.ref_logp, inp.token_scale,
                       inp.kl_weight, inp.is_ratio, inp.sampling_logp, cfg,
-                      inp.num_items_in_batch, idx, ct, inp.inv_temp)
+                      inp.num_items_in_batch, idx, ct, inp.inv_temp, inp.sp)
     # 1 / temperature: the config's, or per masked token (ti.itemp, sliced by chunk)
     inv_temp = 1.0 / cfg.temperature if ti.itemp is None else ti.itemp
 
@@ -326,7 +336,12 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     need_grad = need_dh or need_dw or need_db
     if early is None:
         rows, buf = _chunk_buffer(n, hidden2d, weight, be, vp, (need_dh, need_dw))
-    plan = chunk_plan(n, rows, cfg, ti.seq, ti.seq_lengths)
+    # split sequences (sequence parallel): a sequence or batch statistic needs every rank's
+    # tokens, so every chunk takes the two-sweep route and the loss of all rows is taken at once
+    # between the sweeps (its reductions run in step on every rank, with or without tokens)
+    sp_whole = inp.sp is not None and (cfg.needs_sequence or cfg.needs_batch)
+    plan = ([(s, min(n, s + rows), 0, True) for s in range(0, n, rows)] if sp_whole
+            else chunk_plan(n, rows, cfg, ti.seq, ti.seq_lengths))
     grads = _GradMatmuls(hidden2d, weight, bias, need_dh, need_dw, need_db,
                          None if dense else idx, chunks=len(plan))
     ws = Workspace()
@@ -342,13 +357,14 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
         hc = hidden2d[s:e] if dense else hidden2d.index_select(0, idx[s:e])
         return hc, _chunking.project_chunk(hc, weight, bias, buf, cfg.logit_softcap)
 
-    if n == 0 and cfg.entropy_quantile_on and inp.threshold_fn is not None:
+    if (n == 0 and cfg.entropy_quantile_on and inp.threshold_fn is not None
+            and inp.sp is None):
         inp.threshold_fn(torch.zeros(0, device=device), cfg.top_entropy_quantile)   # collective
 
     # Sweep 1 (two-sweep chunks only): row statistics; then the loss of those rows at once.
     pre = _rows_in(plan, device)
     lse = gH_pre = None
-    if pre.numel():
+    if pre.numel() or (inp.sp is not None and (sp_whole or n == 0)):
         lse = torch.zeros(n, **f32)
         with torch.no_grad():
             for s, e, _, two in plan:
@@ -399,7 +415,8 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     B = inp.mask.shape[0]
     if terms is not None:
         inp.metrics = policy_metrics(terms, cfg, entropy,
-                                     logp_grad_norm(g, logp, sum_p2, inv_temp), B, ti.n_seq)
+                                     logp_grad_norm(g, logp, sum_p2, inv_temp), B,
+                                     n_seq_nonempty(ti), inp.sp)
     else:
         inp.metrics = empty_metrics(cfg, device, B)
     full_logp = torch.zeros(mflat.numel(), device=device, dtype=torch.float32)

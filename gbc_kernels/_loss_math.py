@@ -49,7 +49,10 @@ class TokenInputs:
     compute dtype), with the aggregation weight of each term and the sequence of each token.
 
     ``seq``: local sequence ids (non-decreasing, 0 .. n_seq - 1), needed when
-    ``cfg.needs_sequence``; ``emask``: the entropy-quantile mask, when ``cfg.needs_batch``."""
+    ``cfg.needs_sequence``; ``emask``: the entropy-quantile mask, when ``cfg.needs_batch``.
+    ``sp``: the sequence-parallel group (``sequence_parallel._Group``; None: off); then ``seq``
+    are the row ids ``0 .. B - 1`` (the same sequences on every rank) and ``cnt`` each row's
+    masked-in tokens over the group's ranks."""
 
     adv: torch.Tensor
     old: Optional[torch.Tensor]
@@ -68,6 +71,8 @@ class TokenInputs:
     cov_sel: Optional[torch.Tensor] = None   # Clip-Cov / KL-Cov selection, when cfg.cov_mode
     norms: object = None                      # the call's batch normalisers (Norms)
     itemp: Optional[torch.Tensor] = None      # per-token 1/temperature (None: the config's)
+    sp: object = None                         # sequence parallel (None: off)
+    cnt: Optional[torch.Tensor] = None        # [B] tokens per sequence over the group (sp)
 
     _PER_TOKEN = ("adv", "old", "ref", "tscale", "klw", "is_ratio", "sampling", "w_pg", "w_kl",
                   "w_ent", "emask", "cov_sel", "itemp")
@@ -76,7 +81,7 @@ class TokenInputs:
         """The per-token fields indexed by ``sel`` (a slice or an index tensor)."""
         kw = {f: None if getattr(self, f) is None else getattr(self, f)[sel]
               for f in self._PER_TOKEN}
-        return TokenInputs(**kw, seq=seq, n_seq=n_seq, norms=self.norms)
+        return TokenInputs(**kw, seq=seq, n_seq=n_seq, norms=self.norms, sp=self.sp)
 
     def slice(self, s: int, e: int, n_seq: int = 0) -> "TokenInputs":
         """Tokens ``[s, e)``; with sequences, ``n_seq`` whole sequences starting at ``seq[s]``."""
@@ -117,20 +122,22 @@ def local_ids(ids: torch.Tensor, with_lengths: bool = False):
     return (inverse, len(lengths), lengths) if with_lengths else (inverse, len(lengths))
 
 
-def per_token_is_ratio(is_ratio, mask, cfg: PolicyLossConfig):
+def per_token_is_ratio(is_ratio, mask, cfg: PolicyLossConfig, sp=None):
     """The importance ratio as the loss takes it, ``[B, T]``: a per-token one as it is; a
     per-sequence ``[B, 1]`` one multiplies each token of its sequence (broadcast), except under
     an objective that takes it once per sequence (``is_ratio_once``: vespo, whose sequence
     weight adds ``Σ_t log r_t`` over the masked tokens): there the ratio goes whole on the
     sequence's first masked-in token and 1 (``log 1 = 0``) on the others (TRL's
-    ``sequence_*`` modes)."""
+    ``sequence_*`` modes). ``sp`` (sequence parallel): on the first masked-in token of the lowest
+    rank holding tokens of the sequence (one token of the whole sequence)."""
     if is_ratio is None or is_ratio.shape[-1] == mask.shape[-1]:
         return is_ratio
     if not OBJECTIVES[cfg.objective].is_ratio_once:
         return is_ratio.expand(mask.shape)
     first = mask.int().argmax(dim=-1, keepdim=True)        # 0 for an empty row: masked out
-    return torch.ones(mask.shape, dtype=is_ratio.dtype, device=is_ratio.device).scatter_(
-        1, first, is_ratio)
+    ones = torch.ones(mask.shape, dtype=is_ratio.dtype, device=is_ratio.device)
+    once = ones.clone().scatter_(1, first, is_ratio)
+    return once if sp is None else torch.where(sp.first_owner(mask)[:, None], once, ones)
 
 
 def _where(cond, t):
@@ -157,11 +164,15 @@ def _ratio_level(logp, ti: TokenInputs, cfg: PolicyLossConfig, phase):
         low = p_old < cfg.lopti_eta
         active = low if phase == "low" else ~low
         a = torch.where(active, a, 0.0)
-    cnt = _seg_sum(torch.ones_like(logp), ti.seq, ti.n_seq) if cfg.needs_sequence else None
+    cnt = None
+    if cfg.needs_sequence:
+        cnt = ti.cnt.to(logp.dtype) if ti.cnt is not None else \
+            _seg_sum(torch.ones_like(logp), ti.seq, ti.n_seq, ti.sp)
     log_ratio, lr_in = clamped_log_ratio(logp, old, cfg)
-    lw, back = RATIO_LEVELS[cfg.importance_sampling_level].fn(log_ratio, ti.seq, ti.n_seq, cnt)
+    lw, back = RATIO_LEVELS[cfg.importance_sampling_level].fn(log_ratio, ti.seq, ti.n_seq, cnt,
+                                                              ti.sp)
     x = Tokens(a, ti.adv, logp, old, log_ratio, torch.exp(lw), ti.is_ratio, ti.seq, ti.n_seq,
-               cnt)
+               cnt, ti.sp)
     return x, ar, p_old, active, back, lr_in
 
 
@@ -172,7 +183,7 @@ def _policy_mask(x: Tokens, ti: TokenInputs, cfg: PolicyLossConfig):
     if cfg.off_policy_mask_threshold is not None:
         sampling = x.old if ti.sampling is None else ti.sampling
         drift = torch.nan_to_num(sampling - x.logp, nan=0.0)
-        mean = _seg_mean(drift, x.seq, x.n_seq, x.cnt)
+        mean = _seg_mean(drift, x.seq, x.n_seq, x.cnt, x.sp)
         keep = (x.adv >= 0) | (mean <= cfg.off_policy_mask_threshold)
         dropped = ~keep
     if ti.emask is not None:
@@ -211,8 +222,9 @@ def _metric_inputs(x: Tokens, out, ar, p_old, kl, ti, dropped, cfg) -> TokenTerm
     clip_seq = (None, None)
     if RATIO_LEVELS[cfg.importance_sampling_level].needs_sequence:   # TRL counts sequences
         dt = x.logp.dtype
-        clip_seq = tuple((_seg_sum(f.to(dt), x.seq, x.n_seq) > 0).sum().to(dt)
-                         for f in clip_flags(x.a, x.ratio, cfg))
+        lo, hi = clip_flags(x.a, x.ratio, cfg)   # one reduction for both (split sequences)
+        flagged = _seg_sum(torch.stack([lo, hi], 1).to(dt), x.seq, x.n_seq, x.sp) > 0
+        clip_seq = tuple(flagged.sum(0).to(dt).unbind(0))
     return TokenTerms(x.ratio, x.a, ar, p_old, kl, ti.emask, dropped, out.phi_seq_sum,
                       *clip_seq, *(out.flags or (None, None)), ti.cov_sel, x.logp - x.old)
 
@@ -252,7 +264,7 @@ def loss_terms(logp, entropy, ti: TokenInputs, cfg: PolicyLossConfig,
         loss_sum = loss_sum + (ti.w_pg * pen).sum()
         g_tok = ti.w_pg * d_pen
     if out.d_seq is not None:             # d/dlr_s sum_t w_t pg_t = mean_b(w pg) * d_seq_s
-        gm = _seg_mean(wpg, x.seq, x.n_seq, x.cnt) * out.d_seq
+        gm = _seg_mean(wpg, x.seq, x.n_seq, x.cnt, x.sp) * out.d_seq
         g_tok = gm if g_tok is None else g_tok + gm
     kl = None
     if cfg.kl_coef != 0.0:
@@ -296,27 +308,38 @@ def _count(value, dtype, device):
 
 
 def aggregation_weights(mask: torch.Tensor, agg: str, cfg: PolicyLossConfig, norms,
-                        dtype=torch.float32) -> torch.Tensor:
+                        dtype=torch.float32, sp=None) -> torch.Tensor:
     """w[b, t] such that the aggregated term is sum(w * l) (docs/math.md §1, loss_agg). ``norms``
     (:class:`Norms` or None) replaces the token count of token-mean (default: ``cfg.token_count``,
     else the mask's tokens) and the sequence count B of the sequence modes (default by
-    ``cfg.seq_count``: every row, or the rows with a masked-in token). No host sync."""
+    ``cfg.seq_count``: every row, or the rows with a masked-in token). ``sp`` (sequence
+    parallel): the counts taken from the mask are summed over the group's ranks (the tokens of
+    the whole sequences). No host sync."""
     norms = norms or Norms()
     m = mask.to(dtype)
+
+    def row_counts():                     # tokens per sequence, [B, 1]
+        rows = m.sum(-1, keepdim=True)
+        return rows if sp is None else sp.sum(rows)
+
     if agg == "token-mean":
         if norms.items is not None:
             return m / _count(norms.items, dtype, mask.device)
         if cfg.token_count is not None:
             return m / cfg.token_count
-        return m / m.sum().clamp(min=1.0)
+        total = m.sum()
+        return m / (total if sp is None else sp.sum(total)).clamp(min=1.0)
+    rows = row_counts() if agg == "seq-mean-token-mean" or (
+        norms.seqs is None and cfg.seq_count == "nonempty" and sp is not None) else None
     if norms.seqs is not None:
         B = _count(norms.seqs, dtype, mask.device)
     elif cfg.seq_count == "nonempty":
-        B = mask.any(-1).sum().to(dtype).clamp(min=1.0)
+        nonempty = mask.any(-1) if sp is None else rows.squeeze(-1) > 0
+        B = nonempty.sum().to(dtype).clamp(min=1.0)
     else:
         B = mask.shape[0]
     if agg == "seq-mean-token-mean":
-        return m / (m.sum(-1, keepdim=True).clamp(min=1.0) * B)
+        return m / (rows.clamp(min=1.0) * B)
     if agg == "seq-mean-token-sum":
         return m / B
     return m / (B * cfg.max_len)   # seq-mean-token-sum-norm
@@ -328,18 +351,20 @@ def own_norms(norms, cfg: PolicyLossConfig):
     return norms if cfg.normalise_all_terms else None
 
 
-def term_weights(mask, cfg: PolicyLossConfig, norms, dtype, emask=None):
+def term_weights(mask, cfg: PolicyLossConfig, norms, dtype, emask=None, sp=None):
     """Aggregation weights [B, T] of the policy, KL and entropy terms. A term without an
     aggregation of its own shares the policy term's; one with its own is normalised over the
     tokens it acts on (the mask; for the entropy bonus also the entropy quantile ``emask``),
-    without the batch normalisers unless ``cfg.normalise_all_terms``."""
-    w_pg = aggregation_weights(mask, cfg.loss_agg, cfg, norms, dtype)
+    without the batch normalisers unless ``cfg.normalise_all_terms``. ``sp``: see
+    :func:`aggregation_weights`."""
+    w_pg = aggregation_weights(mask, cfg.loss_agg, cfg, norms, dtype, sp)
     own = own_norms(norms, cfg)
-    w_kl = w_pg if cfg.kl_agg is None else aggregation_weights(mask, cfg.kl_agg, cfg, own, dtype)
+    w_kl = w_pg if cfg.kl_agg is None else aggregation_weights(mask, cfg.kl_agg, cfg, own, dtype,
+                                                               sp)
     w_ent = w_pg
     if cfg.entropy_agg is not None:
         w_ent = aggregation_weights(mask if emask is None else emask, cfg.entropy_agg, cfg, own,
-                                    dtype)
+                                    dtype, sp)
     return w_pg, w_kl, w_ent
 
 
@@ -351,19 +376,23 @@ def logp_grad_norm(g, logp, sum_p2, inv_temp):
 
 
 def policy_metrics(terms: TokenTerms, cfg: PolicyLossConfig, entropy=None, grad_norm=None,
-                   n_seq_total: int = 0, n_seq_nonempty=None) -> dict:
+                   n_seq_total: int = 0, n_seq_nonempty=None, sp=None) -> dict:
     """docs/math.md §7 metrics: detached 0-d float32 tensors, means over the masked tokens
     (``terms`` holds those only).
 
     ``grad_norm`` is the per-token norm of §6 (None: ``grad_share_low`` is not reported).
     ``n_seq_total`` (B) and ``n_seq_nonempty`` give vespo's ``phi_mean`` over all B sequences
-    (a sequence without tokens has phi = 1).
+    (a sequence without tokens has phi = 1). ``sp`` (sequence parallel): the token sums are
+    summed over the group's ranks (one all_reduce), so every rank reports the whole batch's
+    metrics; the sequence counts in ``terms`` are the group's already.
     """
     def masked_sum(x):
         return x.float().sum()
 
     a, r = terms.adv, terms.ratio
-    n = torch.full((), float(max(r.numel(), 1)), device=r.device)   # no host-to-device copy
+    # no host-to-device copy; split sequences: this rank's count, summed below
+    n = torch.full((), float(r.numel() if sp is not None else max(r.numel(), 1)),
+                   device=r.device)
     flag_low, flag_high = clip_flags(a, r, cfg, terms)
     low = terms.p_old < cfg.metric_eta
     # the per-token means: one stacked sum and one division (a launch or two, not two each)
@@ -382,7 +411,19 @@ def policy_metrics(terms: TokenTerms, cfg: PolicyLossConfig, entropy=None, grad_
     if cfg.cov_mode is not None:
         means["cov_frac"] = terms.cov_sel
     rows = torch.stack([v.reshape(-1).to(torch.float32) for v in means.values()])
-    out = dict(zip(means, (rows.sum(1) / n).unbind(0)))
+    sums = [rows.sum(1)]
+    if cfg.entropy_quantile_on:       # entropy_top_mean's two sums
+        em = terms.emask
+        sums.append(torch.stack([masked_sum(torch.where(em, entropy, torch.zeros_like(entropy))),
+                                 masked_sum(em)]))
+    if grad_norm is not None:         # grad_share_low's two sums
+        gn = grad_norm.float()
+        sums.append(torch.stack([gn, torch.where(low, gn, torch.zeros_like(gn))]).sum(1))
+    if sp is not None:                # the group's tokens: one reduction of every sum
+        sums = list(sp.sum(torch.cat(sums + [n.reshape(1)])).detach()
+                    .split([len(x) for x in sums] + [1]))
+        n = sums.pop().reshape(()).clamp(min=1.0)
+    out = dict(zip(means, (sums[0] / n).unbind(0)))
     if cfg.importance_sampling_level != "token":
         zero = torch.zeros((), device=r.device)
         for name, count in (("clip_frac_low_seq", terms.clip_seq_low),
@@ -392,15 +433,15 @@ def policy_metrics(terms: TokenTerms, cfg: PolicyLossConfig, entropy=None, grad_
         phi = terms.phi_seq_sum if terms.phi_seq_sum is not None else torch.zeros(())
         empty = n_seq_total - n_seq_nonempty
         out["phi_mean"] = (phi + empty) / max(n_seq_total, 1)
+    k = 1
     if cfg.entropy_quantile_on:
-        em = terms.emask
-        out["entropy_top_mean"] = (masked_sum(torch.where(em, entropy, torch.zeros_like(entropy)))
-                                   / masked_sum(em).clamp(min=1.0))
+        top, kept = sums[k].unbind(0)
+        out["entropy_top_mean"] = top / kept.clamp(min=1.0)
+        k += 1
     if cfg.off_policy_mask_threshold is not None and terms.dropped is None:
         out["off_policy_frac"] = torch.zeros((), device=r.device)
     if grad_norm is not None:
-        gn = grad_norm.float()
-        total, share = torch.stack([gn, torch.where(low, gn, torch.zeros_like(gn))]).sum(1)
+        total, share = sums[k].unbind(0)
         out["grad_share_low"] = torch.where(total > 0, share / total.clamp(min=1e-38),
                                             torch.zeros_like(total))
         out["grad_norm_sum"] = total

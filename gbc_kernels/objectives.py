@@ -37,13 +37,16 @@ Tensor = torch.Tensor
 # shared pieces
 # ---------------------------------------------------------------------------------------------
 
-def _seg_sum(x, seq, n):
-    return torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, seq, x)
+def _seg_sum(x, seq, n, sp=None):
+    """The sum of ``x`` over each sequence ``0 .. n - 1``; with ``sp`` (sequence parallel: the
+    sequences split over ranks) over every rank's tokens of it."""
+    s = x.new_zeros((n,) + tuple(x.shape[1:])).index_add_(0, seq, x)
+    return s if sp is None else sp.sum(s)
 
 
-def _seg_mean(x, seq, n_seq, cnt):
+def _seg_mean(x, seq, n_seq, cnt, sp=None):
     """Each token's sequence mean of ``x`` (``cnt``: tokens per sequence; an empty one: 1)."""
-    return (_seg_sum(x, seq, n_seq) / cnt.clamp(min=1.0))[seq]
+    return (_seg_sum(x, seq, n_seq, sp) / cnt.clamp(min=1.0))[seq]
 
 
 def _choose(cond, a: float, b: float, like: Tensor) -> Tensor:
@@ -102,7 +105,9 @@ class Tokens:
     the Lopti phase mask); ``adv``: the raw advantage, whose sign picks a side; ``log_ratio``:
     ``logp - old`` (clamped by ``log_ratio_clamp``); ``ratio``: ``exp(lw)``, the importance
     weight of the ratio level; ``seq``/``n_seq``/``cnt``: sequence ids, count and tokens per
-    sequence (when ``needs_sequence``)."""
+    sequence (when ``needs_sequence``); ``sp``: the sequence-parallel group whose ranks hold
+    the other tokens of each sequence (None: this call holds them all), passed to
+    :func:`_seg_sum`."""
 
     a: Tensor
     adv: Tensor
@@ -114,6 +119,7 @@ class Tokens:
     seq: Optional[Tensor] = None
     n_seq: int = 0
     cnt: Optional[Tensor] = None
+    sp: object = None
 
 
 @dataclass
@@ -335,20 +341,20 @@ def _gmpo(cfg, x: Tokens) -> Out:
     dc = torch.where(x1 < x2, one, torch.where(x1 > x2, inside.to(x.logp.dtype),
                                                0.5 * (one + inside.to(x.logp.dtype))))
     dc = torch.where(sgn == 0, zeros, dc)
-    R = torch.exp(_seg_mean(c, seq, n_seq, cnt))
+    R = torch.exp(_seg_mean(c, seq, n_seq, cnt, x.sp))
     if x.is_ratio is not None:            # verl: the sequence's geometric mean of is_ratio
-        R = R * torch.exp(_seg_mean(torch.log(x.is_ratio + 1e-10), seq, n_seq, cnt))
+        R = R * torch.exp(_seg_mean(torch.log(x.is_ratio + 1e-10), seq, n_seq, cnt, x.sp))
     return Out(-x.a * R, zeros, d_seq=dc,
                flags=((x.adv < 0) & ~inside, (x.adv > 0) & ~inside))
 
 
-def gamma_log_weight(log_ratio, is_ratio, seq, n_seq):
+def gamma_log_weight(log_ratio, is_ratio, seq, n_seq, sp=None):
     """VESPO's clamped sequence log-weight per sequence (docs/math.md)."""
     lower = math.log(1e-8)
-    s = _seg_sum(log_ratio.clamp(-20.0, 20.0), seq, n_seq)
+    s = log_ratio.clamp(-20.0, 20.0)
     if is_ratio is not None:
-        s = s + _seg_sum(torch.log(is_ratio).clamp(lower, 20.0), seq, n_seq)
-    return s.clamp(lower, 20.0)
+        s = s + torch.log(is_ratio).clamp(lower, 20.0)
+    return _seg_sum(s, seq, n_seq, sp).clamp(lower, 20.0)
 
 
 def _vespo_check(cfg):
@@ -369,14 +375,14 @@ def _vespo(cfg, x: Tokens) -> Out:
     """VESPO: ``-phi A logp``, ``phi`` TRL's gamma weight of the sequence log-ratio (detached),
     shape ``k`` and rate ``lambda`` by the sign of A."""
     seq, n_seq = x.seq, x.n_seq
-    log_w = gamma_log_weight(x.log_ratio.detach(), x.is_ratio, seq, n_seq)[seq]
+    log_w = gamma_log_weight(x.log_ratio.detach(), x.is_ratio, seq, n_seq, x.sp)[seq]
     pos = x.adv >= 0
     k = _choose(pos, cfg.vespo_k_pos, cfg.vespo_k_neg, x.logp)
     lam = _choose(pos, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg, x.logp).clamp(min=1e-4)
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     phi = phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     return Out(-phi * x.a * x.logp, torch.zeros_like(x.logp), -phi * x.a,
-               phi_seq_sum=(_seg_sum(phi, seq, n_seq) / x.cnt.clamp(min=1.0)).sum())
+               phi_seq_sum=(_seg_sum(phi, seq, n_seq, x.sp) / x.cnt.clamp(min=1.0)).sum())
 
 
 def exclusive_options():
@@ -395,8 +401,8 @@ def exclusive_options():
 @dataclass(frozen=True)
 class RatioLevel:
     """How the log importance weight ``lw`` comes from the token log-ratios: fn(log_ratio,
-    seq, n_seq, cnt) -> (lw, back), ``back(g)`` the vector-Jacobian product taking ``dL/dlw``
-    per token to ``dL/dlog_ratio`` per token."""
+    seq, n_seq, cnt, sp=None) -> (lw, back), ``back(g)`` the vector-Jacobian product taking
+    ``dL/dlw`` per token to ``dL/dlog_ratio`` per token (``sp``: see :class:`Tokens`)."""
 
     name: str
     fn: Callable
@@ -414,22 +420,24 @@ def register_level(name, needs_sequence):
 
 
 @register_level("token", needs_sequence=False)
-def _token_level(log_ratio, seq, n_seq, cnt):
+def _token_level(log_ratio, seq, n_seq, cnt, sp=None):
     """One ratio per token."""
     return log_ratio, lambda g: g
 
 
 @register_level("sequence", needs_sequence=True)
-def _sequence_level(log_ratio, seq, n_seq, cnt):
-    """GSPO: the sequence's mean log-ratio, gradient through the mean."""
-    return _seg_mean(log_ratio, seq, n_seq, cnt), lambda g: _seg_mean(g, seq, n_seq, cnt)
+def _sequence_level(log_ratio, seq, n_seq, cnt, sp=None):
+    """GSPO: the sequence's mean log-ratio, gradient through the mean (split sequences: the
+    sum of every rank's ``dL/dlw`` over the sequence)."""
+    return (_seg_mean(log_ratio, seq, n_seq, cnt, sp),
+            lambda g: _seg_mean(g, seq, n_seq, cnt, sp))
 
 
 @register_level("sequence_token", needs_sequence=True)
-def _sequence_token_level(log_ratio, seq, n_seq, cnt):
+def _sequence_token_level(log_ratio, seq, n_seq, cnt, sp=None):
     """verl's GSPO-token: the sequence's mean (clamped at 10 above) as value, each token's own
     gradient."""
-    lw = _seg_mean(log_ratio, seq, n_seq, cnt)
+    lw = _seg_mean(log_ratio, seq, n_seq, cnt, sp)
     st_in = (lw <= 10.0).to(log_ratio.dtype)
     return lw.clamp(max=10.0), lambda g: g * st_in
 

@@ -9,9 +9,10 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _validate as V
+from . import sequence_parallel as _sp
 from . import vocab_parallel as _vp
 from ._fused import (FusedLogprobsFunction, FusedPolicyLossFunction, LossInputs, stats_sweep,
-                     gathered_threshold, token_inputs, with_batch_masks)
+                     gathered_threshold, n_seq_nonempty, token_inputs, with_batch_masks)
 from ._loss_math import (Norms, certainty_from_stats, empty_metrics, logp_grad_norm, loss_terms,
                          per_token_is_ratio, policy_metrics)
 from ._validate import no_double_backward as _no_double_backward
@@ -76,7 +77,7 @@ def _check_num_items(num_items_in_batch, name="num_items_in_batch"):
 
 
 def _check_per_token(B, T, device, mask, advantages, old_logp, ref_logp, token_scale, kl_weight,
-                     cfg, is_ratio=None, sampling_logp=None, checks=None):
+                     cfg, is_ratio=None, sampling_logp=None, checks=None, sp=None):
     """Shape/dtype/device checks now; value checks queued on ``checks`` (V.Checks). Returns the
     ``[B, T]`` advantages and the ``[B, T]`` importance ratio (or None) the loss takes."""
     if advantages is None:
@@ -114,7 +115,7 @@ def _check_per_token(B, T, device, mask, advantages, old_logp, ref_logp, token_s
     if sampling_logp is not None and cfg.off_policy_mask_threshold is None:
         raise ValueError("sampling_logp: only used by the off-policy mask; expected None when "
                          "config.off_policy_mask_threshold is None")
-    return adv_bt.expand(B, T), per_token_is_ratio(is_ratio_in, mask, cfg)
+    return adv_bt.expand(B, T), per_token_is_ratio(is_ratio_in, mask, cfg, sp)
 
 
 def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp=None,
@@ -122,7 +123,7 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
                              config=None, phase=None, num_items_in_batch=None, backend="auto",
                              vocab_parallel=None, is_ratio=None, sampling_logp=None,
                              data_parallel_group=None, num_seqs_in_batch=None,
-                             temperature=None, token_out=None):
+                             temperature=None, token_out=None, sequence_parallel=None):
     """GRPO policy loss (docs/math.md §1-§3, §6, §10, §12) from hidden states, without the
     logits.
 
@@ -158,6 +159,13 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     row passes compute for ``grad_share_low``) always, ``"entropy"`` when the loss computed it
     (an entropy term, the entropy quantile or ``return_entropy``). A trainer logs its own
     metrics from them (e.g. verl's, through its own functions) without another pass.
+
+    ``sequence_parallel=SequenceParallel(group)``: the tokens of each sequence are split over
+    ``group``'s ranks (docs/distributed.md, "Sequence and context parallelism"): every rank
+    passes rows for the same B sequences, each token masked in on the one rank that holds it.
+    The sequence-level quantities are summed over the group; the loss is this rank's share
+    (the ranks' losses and gradients add up to those of the whole sequences) and the metrics
+    are the whole batch's, the same on every rank.
     """
     if token_out is not None and not isinstance(token_out, dict):
         raise TypeError(f"token_out: expected None or a dict, got {type(token_out).__name__}")
@@ -172,9 +180,11 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     m = _mask(mask, B, T, device, checks)
     _check_phase(phase, cfg)
     norms = _norms(num_items_in_batch, num_seqs_in_batch)
+    sp = _resolve_sp(sequence_parallel, cfg, B, device, checks)
     adv, is_ratio = _check_per_token(B, T, device, m, advantages, old_logp, ref_logp,
-                                     token_scale, kl_weight, cfg, is_ratio, sampling_logp, checks)
-    threshold_fn = _threshold_fn(data_parallel_group, cfg)
+                                     token_scale, kl_weight, cfg, is_ratio, sampling_logp, checks,
+                                     sp)
+    threshold_fn = _threshold_fn(data_parallel_group, cfg, sp)
     inv_temp = None
     if temperature is not None:
         temp = _temperature(temperature, (B, T), device, m, checks)
@@ -187,7 +197,8 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     inp = LossInputs(safe_targets.reshape(-1), m, adv, old_logp, ref_logp, token_scale,
                      kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase, norms,
                      get_backend(backend, device, hidden.dtype), is_ratio, sampling_logp,
-                     threshold_fn, checks, sl, inv_temp, want_sum_p2=token_out is not None)
+                     threshold_fn, checks, sl, inv_temp, want_sum_p2=token_out is not None,
+                     sp=sp)
     loss = FusedPolicyLossFunction.apply(hidden.reshape(B * T, H), weight, bias, inp)
     if token_out is not None:
         token_out["logp"] = inp.logp
@@ -226,10 +237,18 @@ def _check_softcap(softcap):
         raise ValueError(f"logit_softcap: expected None or a finite float > 0, got {softcap!r}")
 
 
-def _threshold_fn(data_parallel_group, cfg):
-    if data_parallel_group is None or not cfg.entropy_quantile_on:
+def _threshold_fn(data_parallel_group, cfg, sp=None):
+    if (data_parallel_group is None and sp is None) or not cfg.entropy_quantile_on:
         return None
-    return gathered_threshold(data_parallel_group)
+    return gathered_threshold(data_parallel_group, sp)
+
+
+def _resolve_sp(sequence_parallel, cfg, B, device, checks):
+    """The checked sequence-parallel group (None: off); the options it cannot run refused."""
+    sp = _sp.resolve(sequence_parallel, B, device, checks)
+    if sp is not None:
+        _sp.refuse(cfg)
+    return sp
 
 
 def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
@@ -338,15 +357,15 @@ class _PolicyLossFromLogp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logp, entropy, args):
         (mask, adv, old, ref, tscale, klw, isr, sampling, cfg, phase, num_items, threshold_fn,
-         holder, norm_of) = args
+         holder, norm_of, sp) = args
         ct = torch.float64 if logp.dtype == torch.float64 else torch.float32
         idx = mask.reshape(-1).nonzero().squeeze(1)
         ti = token_inputs(mask, adv, old, ref, tscale, klw, isr, sampling, cfg, num_items, idx,
-                          ct)
+                          ct, sp=sp)
         lp = logp.detach().reshape(-1)[idx].to(ct)
         ent = None if entropy is None else entropy.detach().reshape(-1)[idx].to(ct)
         B = mask.shape[0]
-        if idx.numel():
+        if idx.numel() or sp is not None:     # split sequences: every rank takes part
             ti = with_batch_masks(ti, ent, lp, cfg, mask, idx, ct, threshold_fn)
             lt = loss_terms(lp, ent, ti, cfg, phase)
             norm = None
@@ -354,7 +373,8 @@ class _PolicyLossFromLogp(torch.autograd.Function):
                 p2, itemp = norm_of
                 itemp = itemp.reshape(-1)[idx] if isinstance(itemp, torch.Tensor) else itemp
                 norm = logp_grad_norm(lt.g, lp, p2.reshape(-1)[idx].to(ct), itemp)
-            holder["metrics"] = policy_metrics(lt.terms, cfg, ent, norm, B, ti.n_seq)
+            holder["metrics"] = policy_metrics(lt.terms, cfg, ent, norm, B, n_seq_nonempty(ti),
+                                               sp)
             loss, g, gH = lt.loss_sum, lt.g, lt.gH
         else:
             if threshold_fn is not None:        # a collective: take part without tokens
@@ -386,7 +406,7 @@ def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=No
                 token_scale=None, kl_weight=None, config=None, phase=None,
                 num_items_in_batch=None, is_ratio=None, sampling_logp=None,
                 data_parallel_group=None, num_seqs_in_batch=None, sum_p2=None,
-                temperature=None):
+                temperature=None, sequence_parallel=None):
     """The same GRPO loss for trainers that already have per-token ``logp`` [B, T].
 
     ``entropy`` [B, T] is needed when ``config.entropy_coef != 0`` or
@@ -395,6 +415,8 @@ def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=No
     reported when ``sum_p2`` [B, T] (``sum_v p_v^2``, from :func:`fused_linear_logprobs`) is
     given, with ``temperature`` (a float or a tensor [B] / [B, T]; default 1) the one ``logp``
     was taken at (used for that norm only, so refused without ``sum_p2``).
+    ``sequence_parallel``: as in :func:`fused_linear_policy_loss` (this rank's share of the
+    loss, the whole batch's metrics).
     """
     cfg = PolicyLossConfig.coerce(config)
     V.check_tensor("logp", logp, floating=True, dims=(2,))
@@ -404,8 +426,10 @@ def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=No
     m = _mask(mask, B, T, device, checks)
     _check_phase(phase, cfg)
     norms = _norms(num_items_in_batch, num_seqs_in_batch)
+    sp = _resolve_sp(sequence_parallel, cfg, B, device, checks)
     adv, is_ratio = _check_per_token(B, T, device, m, advantages, old_logp, ref_logp,
-                                     token_scale, kl_weight, cfg, is_ratio, sampling_logp, checks)
+                                     token_scale, kl_weight, cfg, is_ratio, sampling_logp, checks,
+                                     sp)
     if cfg.wants_entropy:
         if entropy is None:
             raise ValueError(f"entropy: required when config.entropy_coef != 0 or "
@@ -430,6 +454,6 @@ def policy_loss(logp, mask, advantages, old_logp=None, ref_logp=None, entropy=No
     holder = {}
     args = (m, adv, old_logp, ref_logp, token_scale,
             kl_weight if cfg.kl_coef != 0.0 else None, is_ratio, sampling_logp, cfg, phase,
-            norms, _threshold_fn(data_parallel_group, cfg), holder, norm_of)
+            norms, _threshold_fn(data_parallel_group, cfg, sp), holder, norm_of, sp)
     loss = _PolicyLossFromLogp.apply(logp, entropy if cfg.wants_entropy else None, args)
     return loss, holder["metrics"]
