@@ -483,8 +483,9 @@ def _refusal_worker(rank, world, model_dir, what):
         type(engine).gbc_options = ve.EngineOptions(nthr=True)
     elif what == "critical_kl_exponent":       # no KL term in verl's config to weight
         type(engine).gbc_options = ve.EngineOptions(critical_kl_exponent=2.0)
-    else:
+    else:       # Ulysses SP slices verl's packed stream: without remove-padding, refused
         engine.use_ulysses_sp = True
+        tu.assign_non_tensor(data, use_remove_padding=False)
     try:
         engine.forward_backward_batch(data, functools.partial(ppo_loss, config=cfg))
     except ValueError as e:
@@ -493,7 +494,7 @@ def _refusal_worker(rank, world, model_dir, what):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("what", ["use_fused_kernels", "ulysses_sequence_parallel_size", "nthr",
+@pytest.mark.parametrize("what", ["use_fused_kernels", "use_remove_padding", "nthr",
                                   "critical_kl_exponent"])
 def test_engine_refuses_what_it_cannot_honour(tmp_path, what):
     model_dir = make_model_dir(tmp_path / "m")

@@ -156,6 +156,13 @@ class _Rows:
         self.targets = ids.values()[torch.where(self.valid, self.packed + 1,
                                                 torch.zeros_like(self.packed))]
 
+    def sequence_slice(self, start: int, stop: int):
+        """``(rows [B, T], owned [B, T])`` of a Ulysses rank whose hidden states are positions
+        ``start:stop`` of the (padded) packed stream: each response position's row of the rank's
+        own hidden states (0 where it is not the rank's), and which positions are its own."""
+        owned = self.valid & (self.packed >= start) & (self.packed < stop)
+        return torch.where(owned, self.packed - start, torch.zeros_like(self.packed)), owned
+
     def nested(self, values: torch.Tensor) -> torch.Tensor:
         """``values [B, T]`` at the response positions of verl's packed layout, 0 elsewhere, as
         the nested tensor verl's ``prepare_model_outputs`` returns."""

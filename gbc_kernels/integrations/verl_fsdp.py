@@ -1,5 +1,6 @@
 """gbc on verl 0.9.1's FSDP engine (``FSDPEngineWithLMHead``): the lm_head's forward replaced
-by gbc's loss or log-prob pass (docs/verl.md); the rest is :mod:`.verl_engine`'s."""
+by gbc's loss or log-prob pass (docs/verl.md), under Ulysses sequence parallelism too; the rest
+is :mod:`.verl_engine`'s."""
 
 from __future__ import annotations
 
@@ -20,13 +21,91 @@ def _check_supported(engine, micro_batch):
     if _flag(micro_batch, "use_fused_kernels"):
         raise ValueError("use_fused_kernels: gbc's engine replaces verl's fused kernel; set "
                          "actor_rollout_ref.model.use_fused_kernels=False")
-    if getattr(engine, "use_ulysses_sp", False):
-        raise ValueError("ulysses_sequence_parallel_size: gbc's engine needs every response "
-                         "row of a micro-batch on one rank; set it to 1 (or unset "
-                         f"{ENV_ON} to run verl's own step)")
+    if getattr(engine, "use_ulysses_sp", False) and not _flag(micro_batch,
+                                                             "use_remove_padding", True):
+        raise ValueError("use_remove_padding: verl's Ulysses sequence parallelism "
+                         "(ulysses_sequence_parallel_size > 1) slices the packed stream; set "
+                         "actor_rollout_ref.model.use_remove_padding=True")
     if _flag(micro_batch, "distillation_use_topk"):
         raise ValueError("distillation: gbc's engine computes the policy loss only; unset "
                          f"{ENV_ON} for distillation runs")
+
+
+# verl's loss modes that select tokens by their place in the whole batch
+_BATCH_SELECTING_MODES = ("clip_cov", "kl_cov")
+
+
+def _check_ulysses_loss(engine, loss_function):
+    """Under Ulysses SP each rank's loss sees its own tokens: Clip-Cov / KL-Cov, which pick
+    tokens from the whole batch (at random, by rank), are refused in verl's words."""
+    if not getattr(engine, "use_ulysses_sp", False):
+        return
+    mode = getattr(loss_function.keywords["config"].policy_loss, "loss_mode", "vanilla")
+    if mode in _BATCH_SELECTING_MODES:
+        raise ValueError(f"policy_loss.loss_mode: {mode!r} selects tokens from the whole batch "
+                         "(Clip-Cov at random, KL-Cov by covariance rank), which gbc's loss "
+                         "under Ulysses sequence parallelism (ulysses_sequence_parallel_size "
+                         "> 1) does not reproduce; choose another loss_mode, set "
+                         f"ulysses_sequence_parallel_size=1, or unset {ENV_ON} for verl's step")
+
+
+def _check_ulysses_heads(engine):
+    """verl's Ulysses attention scatters the heads over the SP group: a size that does not
+    divide them is refused before the model is built."""
+    sp = int(getattr(engine, "ulysses_sequence_parallel_size", 1) or 1)
+    if sp <= 1:
+        return
+    cfg = engine.model_config.hf_config
+    cfg = getattr(cfg, "text_config", None) or cfg
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads % sp or (kv % sp and sp % kv):
+        raise ValueError(f"ulysses_sequence_parallel_size: {sp} must divide the model's "
+                         f"{heads} attention heads (num_attention_heads), and its {kv} key/value "
+                         "heads (num_key_value_heads) must divide it or be divided by it; "
+                         "choose a size that does")
+
+
+class _RankRows:
+    """This rank's response rows of a micro-batch (:class:`_Rows`): ``hidden [B, T]`` (rows of
+    the rank's flattened hidden states), ``valid`` (the positions this rank holds), ``targets``;
+    under Ulysses SP (``group``) the rank holds ``n`` consecutive positions of verl's padded
+    packed stream, rank ``r`` positions ``r * n`` to ``(r + 1) * n``."""
+
+    def __init__(self, rows, n_local: int, group=None):
+        self.rows, self.group, self.targets = rows, group, rows.targets
+        if group is None:
+            self.hidden, self.valid = rows.hidden, rows.valid
+        else:
+            import torch.distributed as dist
+
+            start = dist.get_rank(group) * n_local
+            self.hidden, self.valid = rows.sequence_slice(start, start + n_local)
+
+    def whole(self, values: torch.Tensor) -> torch.Tensor:
+        """``values [B, T, ...]`` at this rank's positions -> every position's, summed over the
+        SP group (each position has one owner; the others give 0). No autograd."""
+        if self.group is None:
+            return values
+        import torch.distributed as dist
+
+        own = self.valid.reshape(self.valid.shape + (1,) * (values.dim() - 2))
+        out = torch.where(own, values.detach(), torch.zeros((), dtype=values.dtype,
+                                                            device=values.device))
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+def _ulysses_loss(share: torch.Tensor, group, size: int) -> torch.Tensor:
+    """verl's Ulysses step computes the whole micro-batch's loss on every SP rank, and its
+    gather's backward scales each rank's slice of the log-probs by the SP size; gbc's loss is
+    the rank's share (the shares sum to the whole). Returned: the whole loss's value, with the
+    gradient of ``size * share``, so every rank's gradients equal those of verl's step."""
+    import torch.distributed as dist
+
+    whole = share.detach().clone()
+    dist.all_reduce(whole, group=group)
+    return whole + size * (share - share.detach())
 
 
 class GBCEngineMixin(EngineMethods):
@@ -34,11 +113,20 @@ class GBCEngineMixin(EngineMethods):
 
     _gbc_keeps_nthr = True      # its forward-only step keeps NTHR's inputs (verl_engine)
 
+    def initialize(self):
+        _check_ulysses_heads(self)
+        return super().initialize()
+
+    def _ulysses_group(self):
+        """verl's Ulysses SP group, or None without sequence parallelism."""
+        return self.ulysses_parallel_group if getattr(self, "use_ulysses_sp", False) else None
+
     # -- the one forward --------------------------------------------------------------------
     def _gbc_forward(self, micro_batch, head_fn):
         """verl's forward of ``micro_batch`` (its inputs, autocast, the wrapped module) with the
-        lm_head's forward replaced by ``head_fn(hidden_2d, rows)``; returns (what head_fn
-        returned, a 0 tied to the stand-in output)."""
+        lm_head's forward replaced by ``head_fn(hidden_2d, rank_rows, inner)`` (``rank_rows``:
+        a :class:`_RankRows`, the rank's own slice under Ulysses SP); returns (micro_batch,
+        rank_rows, what head_fn returned, a 0 tied to the stand-in output)."""
         from verl.utils.device import get_device_id, get_device_name
 
         micro_batch = micro_batch.to(get_device_id())
@@ -50,7 +138,9 @@ class GBCEngineMixin(EngineMethods):
         captured = {}
 
         def head_forward(hidden, *args, **kwargs):
-            captured["out"] = head_fn(hidden.reshape(-1, hidden.shape[-1]), rows, inner)
+            hidden2d = hidden.reshape(-1, hidden.shape[-1])
+            captured["rows"] = _RankRows(rows, hidden2d.shape[0], self._ulysses_group())
+            captured["out"] = head_fn(hidden2d, captured["rows"], inner)
             tie = captured["out"][0]
             tie = tie if isinstance(tie, torch.Tensor) and tie.requires_grad else None
             stand_in = hidden[..., :1] * 0
@@ -64,7 +154,7 @@ class GBCEngineMixin(EngineMethods):
         if "out" not in captured:
             raise RuntimeError("model: its forward did not call its lm_head")
         logits = raw.logits if hasattr(raw, "logits") else raw[0]
-        return micro_batch, rows, captured["out"], (logits.float() * 0).sum()
+        return micro_batch, captured["rows"], captured["out"], (logits.float() * 0).sum()
 
     @staticmethod
     def _head_rows(hidden2d, rows, inner):
@@ -73,21 +163,28 @@ class GBCEngineMixin(EngineMethods):
 
     # -- training: the loss -----------------------------------------------------------------
     def _gbc_train_step(self, micro_batch, loss_function):
+        _check_ulysses_loss(self, loss_function)
         token_out = {}
         rng = _rng_state()          # verl's metrics draw (Clip-Cov) from the loss's state
 
         def head_fn(hidden2d, rows, inner):
             h, head = self._head_rows(hidden2d, rows, inner)
-            kw = self._gbc_loss_inputs(micro_batch, loss_function, rows.valid)
+            # the whole micro-batch's normalisers; under SP the loss sees the rank's positions
+            kw = self._gbc_loss_inputs(micro_batch, loss_function, rows.rows.valid)
+            if rows.group is not None:
+                kw["mask"] = kw["mask"] & rows.valid
+                kw["sequence_parallel"] = gbc.SequenceParallel(rows.group)
             with torch.autocast(device_type=h.device.type, enabled=False):
                 return gbc.fused_linear_policy_loss(h, head.weight, rows.targets, bias=head.bias,
                                                     token_out=token_out, **kw)
 
         micro_batch, rows, (loss, gbc_metrics), zero = self._gbc_forward(micro_batch, head_fn)
+        if rows.group is not None:
+            loss = _ulysses_loss(loss, rows.group, self.ulysses_sequence_parallel_size)
         loss = loss + zero
-        model_output = {"log_probs": rows.nested(token_out["logp"])}
-        if "entropy" in token_out:
-            model_output["entropy"] = rows.nested(token_out["entropy"])
+        model_output = {k: rows.rows.nested(rows.whole(token_out[name]))
+                        for k, name in (("log_probs", "logp"), ("entropy", "entropy"))
+                        if name in token_out}
         metrics = self._gbc_metrics(loss_function, micro_batch, model_output, rng, gbc_metrics)
         return loss, {"model_output": model_output, "loss": loss.detach().item(),
                       "metrics": metrics}
@@ -113,19 +210,23 @@ class GBCEngineMixin(EngineMethods):
                     h, head.weight, rows.targets, head.bias,
                     return_entropy=bool(_flag(micro_batch, "calculate_entropy")),
                     return_sum_p2=bool(_flag(micro_batch, "calculate_sum_pi_squared")), **kw)
-                if keep is not None:
-                    keep.add(micro_batch[NTHR_ROW_KEY], h, rows.targets, rows.valid, head,
-                             kw["logit_softcap"], kw["temperature"], logp=out[0])
+                if keep is not None:     # under Ulysses SP: the whole micro-batch's rows
+                    keep.add(micro_batch[NTHR_ROW_KEY], rows.whole(h), rows.targets,
+                             rows.rows.valid, head, kw["logit_softcap"], kw["temperature"],
+                             logp=rows.whole(out[0]))
             return None, dict(zip(("log_probs", "entropy", "sum_pi_squared"), out))
 
         micro_batch, rows, (_, out), _ = self._gbc_forward(micro_batch, head_fn)
-        model_output = {k: rows.nested(v) for k, v in out.items() if v is not None}
+        model_output = {k: rows.rows.nested(rows.whole(v)) for k, v in out.items()
+                        if v is not None}
         return torch.tensor(1.0), {"model_output": model_output, "loss": 1.0, "metrics": {}}
 
     # -- NTHR: the old-policy forward over the rank's update batch --------------------------
     def _gbc_nthr_forward(self, view, batch):
         """verl's forward-only micro-batches of ``view`` (its ``gbc_row``: the rows of the
-        update batch), each micro-batch's response rows into ``batch``."""
+        update batch), each micro-batch's response rows into ``batch`` (under Ulysses SP every
+        rank of the group adds the whole micro-batch's rows: their hidden states summed from
+        the ranks that hold them)."""
         from verl.workers.engine.utils import prepare_micro_batches
 
         micro_batches, _ = prepare_micro_batches(
@@ -133,8 +234,9 @@ class GBCEngineMixin(EngineMethods):
         for mb in micro_batches:
             def head_fn(hidden2d, rows, inner):
                 h, head = self._head_rows(hidden2d, rows, inner)
+                h = rows.whole(h)
                 with torch.autocast(device_type=h.device.type, enabled=False):
-                    batch.add(mb[NTHR_ROW_KEY], h, rows.targets, rows.valid, head,
+                    batch.add(mb[NTHR_ROW_KEY], h, rows.targets, rows.rows.valid, head,
                               hf.logit_softcap(inner), _temperature(mb))
                 return (None,)
 
