@@ -220,3 +220,127 @@ def test_verl_on_hands_out_gbc_engines_and_refuses_v1_critical_kl():
         "critical_kl_exponent: gbc computes the critical-token KL weights"), v1
     assert "trainer.use_v1=False" in v1["message"]
     assert not report["warnings"]
+
+
+# ------------------------------------------------------------------------------ OpenRLHF
+
+HOOK = "gbc_kernels.integrations.openrlhf.enable"
+OPENRLHF_SCRIPT = r'''
+import importlib.metadata, json, sys
+args = json.loads(sys.argv[1])
+for name in args.get("block", []):          # a module the drop-in needs, not importable
+    sys.modules[name] = None
+if args.get("openrlhf_version"):            # OpenRLHF's metadata, as another release has it
+    _version = importlib.metadata.version
+    importlib.metadata.version = lambda name: (args["openrlhf_version"] if name == "openrlhf"
+                                               else _version(name))
+from ray._private.runtime_env.setup_hook import load_and_execute_setup_hook
+error = load_and_execute_setup_hook(args["hook"])      # what Ray's default_worker.py runs
+report = {"error": error}
+if error is None:
+    from openrlhf.models import Actor
+    from gbc_kernels.integrations import openrlhf as gorl
+    report["actor_patched"] = getattr(Actor.forward, "gbc_patched", False)
+    report["trainer_pending"] = any(getattr(f, "name", None) == gorl.TRAINER_MODULE
+                                    for f in sys.meta_path)
+    report["lopti_eta"] = gorl._STATE.methods.lopti_eta
+print("REPORT " + json.dumps(report), flush=True)
+'''
+
+
+def run_openrlhf_hook(options, **args):
+    """A fresh process runs gbc's setup hook as Ray's worker does, with
+    ``GBC_OPENRLHF_OPTIONS=options``; returns the report (``error``: what Ray gets back, which
+    makes it end the worker)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", OPENRLHF_SCRIPT, json.dumps({"hook": HOOK, **args})],
+        env=_env(GBC_OPENRLHF_OPTIONS=options), capture_output=True, text=True, timeout=300,
+        cwd=ROOT)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("REPORT ")]
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    return json.loads(line[0].split(" ", 1)[1])
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ("ar_alpha=2", "GBC_OPENRLHF_OPTIONS: ar_alpha: expected a float >= 0.0 and <= 1.0, got 2"),
+    ("lopti_eta=nan", "GBC_OPENRLHF_OPTIONS: lopti_eta: expected a finite"),
+    ("nthr=true,nthr_beta=inf", "GBC_OPENRLHF_OPTIONS: nthr_beta: expected a finite"),
+    ("alpha=0.3", "GBC_OPENRLHF_OPTIONS: alpha: not an option of the OpenRLHF drop-in"),
+])
+def test_openrlhf_hook_refuses_bad_option(options, fragment):
+    report = run_openrlhf_hook(options)
+    assert report["error"] and report["error"].startswith("Failed to execute the setup hook")
+    assert "ValueError: " + fragment in report["error"], report["error"][-2000:]
+
+
+def test_openrlhf_hook_refuses_missing_dependency_and_version():
+    report = run_openrlhf_hook("ar_alpha=0.3", block=["openrlhf.models"])
+    assert report["error"] and "openrlhf.models" in report["error"], report
+    report = run_openrlhf_hook("ar_alpha=0.3", openrlhf_version="0.12.0")
+    assert report["error"] and ("RuntimeError: openrlhf 0.12.0: gbc's drop-in supports "
+                                "OpenRLHF 0.11") in report["error"], report
+
+
+def test_openrlhf_hook_switches_on():
+    """Good options: the actor patched now; OpenRLHF's Ray trainer (its module imports vLLM,
+    absent here) right after its import, never skipped."""
+    report = run_openrlhf_hook("lopti_eta=0.4")
+    assert report == {"error": None, "actor_patched": True, "trainer_pending": True,
+                      "lopti_eta": 0.4}
+
+
+@pytest.mark.slow
+def test_openrlhf_hook_under_ray_stops_the_actor(tmp_path):
+    """A real local Ray cluster with gbc's hook and a bad option: the actor never runs, and
+    its error names the option."""
+    ray = pytest.importorskip("ray")
+    script = tmp_path / "ray_run.py"
+    script.write_text(
+        "import os, ray\n"
+        "ray.init(num_cpus=1, include_dashboard=False, runtime_env={'env_vars': {\n"
+        "    'GBC_OPENRLHF_OPTIONS': 'ar_alpha=2', 'PYTHONPATH': os.environ['PYTHONPATH'],\n"
+        "    'OMP_NUM_THREADS': '1'}, 'worker_process_setup_hook': '" + HOOK + "'})\n"
+        "@ray.remote\n"
+        "class A:\n"
+        "    def ping(self):\n"
+        "        return 'pong'\n"
+        "try:\n"
+        "    print('GOT', ray.get(A.remote().ping.remote(), timeout=240))\n"
+        "except Exception as e:\n"
+        "    print('ERROR', type(e).__name__, str(e).replace(chr(10), ' '))\n"
+        "ray.shutdown()\n")
+    proc = subprocess.run([sys.executable, str(script)], env=_env(), capture_output=True,
+                          text=True, timeout=400, cwd=ROOT)
+    line = [x for x in proc.stdout.splitlines() if x.startswith(("GOT", "ERROR"))]
+    assert line and line[-1].startswith("ERROR ActorDiedError"), proc.stdout + proc.stderr[-2000:]
+    assert "GBC_OPENRLHF_OPTIONS: ar_alpha: expected a float" in line[-1]
+    del ray
+
+
+# ----------------------------------------------------------------------------------- TRL
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--gbc_ar_alpha", "2"], "gbc_ar_alpha: refused as gbc's ar_alpha (ar_alpha: expected"),
+    (["--gbc_lopti_eta", "nan"], "gbc_lopti_eta: refused as gbc's lopti_eta (lopti_eta: "
+                                 "expected a finite"),
+    (["--gbc_nthr", "true", "--gbc_nthr_beta", "inf"], "gbc_nthr_beta: refused as gbc's "
+                                                       "nthr_beta (nthr_beta: expected a finite"),
+    (["--gbc_backend", "cuda"], "gbc_backend='cuda': expected one of"),
+    (["--gbc_critical_kl_exponent", "2"], "gbc_critical_kl_exponent"),      # beta 0: no KL
+    (["--loss_type", "sft"], "loss_type='sft': expected one of"),
+])
+def test_trl_config_refuses_on_the_command_line(tmp_path, argv, fragment):
+    """TRL's command line (``TrlParser``, as ``trl grpo`` parses) stops at parsing, naming the
+    option; nothing is built."""
+    pytest.importorskip("trl")
+    from trl import TrlParser
+
+    from gbc_kernels.integrations.trl import GBCGRPOConfig
+
+    base = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--report_to", "none"]
+    with pytest.raises(ValueError, match="^GBCGRPOConfig: unsupported option") as info:
+        TrlParser((GBCGRPOConfig,)).parse_args_and_config(base + argv)
+    assert fragment in str(info.value), str(info.value)
+    (args,) = TrlParser((GBCGRPOConfig,)).parse_args_and_config(
+        base + ["--gbc_ar_alpha", "0.3", "--beta", "0.04", "--gbc_critical_kl_exponent", "2"])
+    assert args.gbc_ar_alpha == 0.3 and args.gbc_critical_kl_exponent == 2.0
