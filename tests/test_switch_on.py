@@ -171,8 +171,8 @@ def test_verl_missing_dependency_stops_the_run():
     engine's switch-on went through, but half an engine is not what was asked for)."""
     rc, report, _, stderr = run_verl("1", "ar_alpha=0.3",
                                      block=["gbc_kernels.integrations.verl_megatron"])
-    assert_stopped(rc, report, stderr, "ImportError",
-                   "gbc_kernels.integrations.verl_megatron")
+    assert_stopped(rc, report, stderr, "ModuleNotFoundError: import of "
+                   "gbc_kernels.integrations.verl_megatron halted")
 
 
 def test_verl_unsupported_version_stops_the_run():
@@ -226,8 +226,9 @@ def test_verl_on_hands_out_gbc_engines_and_refuses_v1_critical_kl():
 
 HOOK = "gbc_kernels.integrations.openrlhf.enable"
 OPENRLHF_SCRIPT = r'''
-import importlib.metadata, json, sys
+import importlib.metadata, json, os, sys
 args = json.loads(sys.argv[1])
+sys.path.insert(0, os.path.join(args["tests"], "standins"))     # flash_attn, as test_openrlhf
 for name in args.get("block", []):          # a module the drop-in needs, not importable
     sys.modules[name] = None
 if args.get("openrlhf_version"):            # OpenRLHF's metadata, as another release has it
@@ -253,7 +254,7 @@ def run_openrlhf_hook(options, **args):
     ``GBC_OPENRLHF_OPTIONS=options``; returns the report (``error``: what Ray gets back, which
     makes it end the worker)."""
     proc = subprocess.run(
-        [sys.executable, "-c", OPENRLHF_SCRIPT, json.dumps({"hook": HOOK, **args})],
+        [sys.executable, "-c", OPENRLHF_SCRIPT, json.dumps({"hook": HOOK, "tests": HERE, **args})],
         env=_env(GBC_OPENRLHF_OPTIONS=options), capture_output=True, text=True, timeout=300,
         cwd=ROOT)
     line = [x for x in proc.stdout.splitlines() if x.startswith("REPORT ")]
