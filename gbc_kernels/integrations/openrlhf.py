@@ -589,25 +589,59 @@ def _ppo_train(self, kl_ctl: float):
     return status
 
 
+# the OpenRLHF releases the drop-in is written for (major.minor), and where its Ray trainer is
+OPENRLHF_VERSIONS = ("0.11",)
+TRAINER_MODULE = "openrlhf.trainer.ray.ppo_actor"
+
+
+def check_openrlhf_version(version: Optional[str] = None) -> str:
+    """OpenRLHF's installed version, refused unless :data:`OPENRLHF_VERSIONS` (not installed:
+    an ImportError)."""
+    if version is None:
+        import importlib.metadata
+
+        try:
+            version = importlib.metadata.version("openrlhf")
+        except importlib.metadata.PackageNotFoundError:
+            raise ImportError("openrlhf: not installed; gbc's OpenRLHF drop-in (enable(), "
+                              f"{ENV_OPTIONS}) patches its actor and trainer") from None
+    if ".".join(version.split(".")[:2]) not in OPENRLHF_VERSIONS:
+        raise RuntimeError(f"openrlhf {version}: gbc's drop-in supports OpenRLHF "
+                           f"{', '.join(OPENRLHF_VERSIONS)} (it replaces methods of its Actor, "
+                           "ActorPPOTrainer and replay buffer, which change between releases)")
+    return version
+
+
+def _patch_trainer(cls):
+    _PATCHES.set(cls, "training_step", training_step)
+    _PATCHES.set(cls, "ppo_train", _ppo_train)
+
+
 def enable(actor_cls=None, trainer_cls=None, buffer_cls=None, **options) -> None:
     """Patch OpenRLHF in this process (docs/openrlhf.md). ``options``: ``MethodOptions``'s and
-    other ``PolicyLossConfig`` fields (none: :data:`ENV_OPTIONS`'s); the classes default to
-    OpenRLHF's (``trainer_cls=False``: leave it)."""
-    if not options:
-        options = parse_options(os.environ.get(ENV_OPTIONS))
-    opts, loss_options = split_options(options)
+    other ``PolicyLossConfig`` fields (none: :data:`ENV_OPTIONS`'s, errors naming it); the
+    classes default to OpenRLHF's (``trainer_cls=False``: leave it). OpenRLHF's Ray trainer
+    (its module imports vLLM) is patched now if imported, else right after its import. A bad
+    option, OpenRLHF missing or a release outside :data:`OPENRLHF_VERSIONS` raises, and nothing
+    is patched."""
+    check_openrlhf_version()
+    if options:
+        opts, loss_options = split_options(options)
+    else:
+        try:
+            opts, loss_options = split_options(parse_options(os.environ.get(ENV_OPTIONS)))
+        except ValueError as exc:
+            text = str(exc)
+            raise ValueError(text if text.startswith(ENV_OPTIONS)
+                             else f"{ENV_OPTIONS}: {text}") from None
     _STATE.methods, _STATE.options = opts, loss_options
     if actor_cls is None:
         from openrlhf.models import Actor as actor_cls
     _PATCHES.set(actor_cls, "forward", _actor_forward)
     if trainer_cls is None:
-        try:
-            from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer as trainer_cls
-        except ImportError:        # OpenRLHF's Ray trainer needs vLLM: not on a CPU machine
-            trainer_cls = None
-    if trainer_cls:                                                  # False: leave it
-        _PATCHES.set(trainer_cls, "training_step", training_step)
-        _PATCHES.set(trainer_cls, "ppo_train", _ppo_train)
+        _PATCHES.on_import(TRAINER_MODULE, lambda module: _patch_trainer(module.ActorPPOTrainer))
+    elif trainer_cls:                                                # False: leave it
+        _patch_trainer(trainer_cls)
     if opts.nthr or opts.critical_kl_exponent is not None:
         if buffer_cls is None:
             from openrlhf.trainer.ppo_utils.replay_buffer import NaiveReplayBuffer as buffer_cls

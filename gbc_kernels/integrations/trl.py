@@ -58,6 +58,15 @@ class GBCGRPOConfig(GRPOConfig):
     gbc_backend: str = field(default="auto", metadata={
         "help": "gbc_kernels backend: 'auto', 'triton', 'cpu' or 'torch'."})
 
+    def __post_init__(self):
+        """TRL's checks, then gbc's: a bad ``gbc_*`` option, or a TRL option the fused loss
+        does not reproduce, is refused here, naming it (TRL's command line stops at parsing);
+        :class:`GBCGRPOTrainer` checks again what can change after construction."""
+        super().__post_init__()
+        bad = _unsupported(self)
+        if bad:
+            raise ValueError("GBCGRPOConfig: unsupported option(s):\n  " + "\n  ".join(bad))
+
 
 class _Options:
     """The gbc options of ``args``: a :class:`GBCGRPOConfig`, or a plain ``GRPOConfig`` (then

@@ -554,10 +554,53 @@ def _registry_tables():
                 yield table[backend], _load(base), _load(mixin)
 
 
+# the verl releases gbc's engine and patches are written for (major.minor)
+VERL_VERSIONS = ("0.9",)
+V1_TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
+
+
+def check_verl_version(version: Optional[str] = None) -> str:
+    """verl's version (default: the imported verl's), refused unless :data:`VERL_VERSIONS`."""
+    if version is None:
+        import verl
+        version = getattr(verl, "__version__", None) or "unknown"
+    if ".".join(str(version).split(".")[:2]) not in VERL_VERSIONS:
+        raise RuntimeError(f"verl {version}: gbc's engine supports verl {', '.join(VERL_VERSIONS)}"
+                           " (it replaces verl's engine classes and wraps its worker's and "
+                           "trainer's functions, which change between releases); unset "
+                           f"{ENV_ON} to run verl's own step")
+    return version
+
+
+def _refuse_v1_critical_kl(original):
+    """The v1 trainer's ``__init__``, refusing critical-token KL: its reference pass goes
+    through the transfer queue, which gbc's reference-pass patch does not reach."""
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        opts = _OPTIONS.get("current") or EngineOptions()
+        if opts.critical_kl_exponent is not None:
+            raise ValueError("critical_kl_exponent: gbc computes the critical-token KL weights "
+                             "in the reference pass of verl's RayPPOTrainer; verl's v1 trainer "
+                             "(trainer.use_v1=True) has no such pass for gbc: set "
+                             "trainer.use_v1=False")
+        return original(self, *args, **kwargs)
+
+    return __init__
+
+
+def _patch_v1_trainer(module):
+    cls = module.PPOTrainer
+    _PATCHES.set(cls, "__init__", _refuse_v1_critical_kl(cls.__init__))
+
+
 def enable(options: Optional[EngineOptions] = None):
     """Make verl's engine registry hand out gbc's engine for ``language_model`` (FSDP, FSDP2,
     Megatron) and patch verl's worker (NTHR's pass) and trainer (the critical-KL reference
-    pass), both acting only when their options are on. Idempotent; returns the options."""
+    pass), both acting only when their options are on; verl's v1 trainer refuses critical-token
+    KL. A verl release outside :data:`VERL_VERSIONS` is refused. Idempotent; returns the
+    options."""
+    check_verl_version()
     if options is None:
         options = EngineOptions.parse(os.environ.get(ENV_OPTIONS))
     _OPTIONS["current"] = options
@@ -571,6 +614,7 @@ def enable(options: Optional[EngineOptions] = None):
                 _ENABLED[cls] = table[key] = sub
     _on_import(WORKER_MODULE, _patch_worker)
     _on_import(TRAINER_MODULE, _patch_trainer)
+    _on_import(V1_TRAINER_MODULE, _patch_v1_trainer)
     return options
 
 
