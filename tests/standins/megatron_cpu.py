@@ -64,8 +64,45 @@ def init_parallel(tp: int, seed: int = 0, pp: int = 1, vpp=None):
     torch.manual_seed(seed)
 
 
+def packed_core_attention():
+    """megatron's local ``DotProductAttention`` that also takes packed (``thd``) sequences, on
+    ``scaled_dot_product_attention``: the ``[t, heads, dim]`` query, key and value of
+    ``PackedSeqParams``' sequences (offsets ``cu_seqlens_q_padded``, else ``cu_seqlens_q``),
+    each sequence attending causally to its own tokens only (what TE's fused attention does
+    for verl's packed batches; megatron's local attention refuses ``packed_seq_params``).
+    Unpacked calls go to megatron's own code."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class PackedDotProductAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None):
+            if packed_seq_params is None:
+                return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                       attention_bias, packed_seq_params)
+            p = packed_seq_params
+            if p.qkv_format != "thd":
+                raise ValueError(f"packed_seq_params.qkv_format: expected 'thd', got {p.qkv_format}")
+            cu = p.cu_seqlens_q_padded if p.cu_seqlens_q_padded is not None else p.cu_seqlens_q
+            if cu is None:
+                raise ValueError("packed_seq_params: a packed batch needs its cu_seqlens_q")
+            t = query.shape[0]
+            seg = torch.bucketize(torch.arange(t), cu.to("cpu").long(), right=True)
+            pos = torch.arange(t)
+            allowed = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+            rep = query.shape[1] // key.shape[1]           # grouped-query heads
+            k = key.repeat_interleave(rep, dim=1)
+            v = value.repeat_interleave(rep, dim=1)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                attn_mask=allowed, scale=self.softmax_scale)        # [heads, t, dim]
+            return out.transpose(0, 1).reshape(t, -1)
+
+    return PackedDotProductAttention
+
+
 def tiny_gpt(vocab, hidden=32, layers=2, heads=4, seq=16, tp=1, sp=False, seed=0,
-             position="learned_absolute", dtype=torch.float32, tied=False, vp_stage=None):
+             position="learned_absolute", dtype=torch.float32, tied=False, vp_stage=None,
+             core_attention=None):
     """A tiny ``GPTModel`` from megatron's local layer spec, initialised on the CPU from
     ``seed``: the same full weights for every tensor-parallel size (megatron initialises the
     master weight and splits it). Under pipeline parallelism (:func:`init_parallel`'s ``pp``):
@@ -73,7 +110,8 @@ def tiny_gpt(vocab, hidden=32, layers=2, heads=4, seq=16, tp=1, sp=False, seed=0
     output layer on the last; with virtual stages (``vpp``), its chunk ``vp_stage``
     (``layers / (pp · vpp)`` layers). ``variable_seq_lengths`` and the all-to-all
     token dispatcher as verl's engine sets them (the pipeline exchanges each micro-batch's
-    shape)."""
+    shape). ``core_attention``: the layers' core attention module in place of megatron's
+    local one (e.g. :func:`packed_core_attention`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -92,8 +130,11 @@ def tiny_gpt(vocab, hidden=32, layers=2, heads=4, seq=16, tp=1, sp=False, seed=0
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
         pipeline_dtype=dtype, variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall")
+    spec = get_gpt_layer_local_spec()
+    if core_attention is not None:
+        spec.submodules.self_attention.submodules.core_attention = core_attention
     torch.manual_seed(seed)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=vocab,
+    model = GPTModel(cfg, spec, vocab_size=vocab,
                      max_sequence_length=seq, position_embedding_type=position,
                      share_embeddings_and_output_weights=tied, parallel_output=True,
                      pre_process=parallel_state.is_pipeline_first_stage(
