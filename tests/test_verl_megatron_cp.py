@@ -110,3 +110,18 @@ def test_thd_equals_bshd(thd_trained):
             tvm._close(a["entropy"], b["entropy"], 1e-6, "entropy")
             for k in a["grads"]:
                 tvm._close(a["grads"][k], b["grads"][k], 1e-6, f"grad {k}")
+
+
+@pytest.mark.parametrize("cu", [None, "short"])
+def test_packed_batch_without_cu_seqlens_refused(cu):
+    """A thd batch whose packed_seq_params lack cu_seqlens_q_padded (or carry the wrong
+    number of offsets) is refused naming use_remove_padding, before the head runs."""
+    import test_verl_megatron as tvm
+    from test_verl_engine import make_batch
+
+    from gbc_kernels.integrations.verl_megatron import response_rows
+
+    packed = make_batch(10, 5, rmpad=True, vocab=tvm.VOCAB)
+    offsets = None if cu is None else torch.arange(5, dtype=torch.int32) * 14   # 5, not 6
+    with pytest.raises(ValueError, match="use_remove_padding.*cu_seqlens_q_padded"):
+        response_rows(packed, "thd", (1, 70), offsets)
