@@ -51,7 +51,7 @@ def install_shims():
     torch_norm.WrappedTorchNorm.__new__ = new
 
 
-def init_parallel(tp: int, seed: int = 0, pp: int = 1, vpp=None):
+def init_parallel(tp: int, seed: int = 0, pp: int = 1, vpp=None, cp: int = 1):
     """megatron's process groups over the running gloo world: tensor parallel ``tp``, pipeline
     parallel ``pp`` (``vpp`` virtual stages per rank), the rest data parallel."""
     from megatron.core import parallel_state
@@ -60,7 +60,8 @@ def init_parallel(tp: int, seed: int = 0, pp: int = 1, vpp=None):
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              pipeline_model_parallel_size=pp,
-                                             virtual_pipeline_model_parallel_size=vpp)
+                                             virtual_pipeline_model_parallel_size=vpp,
+                                             context_parallel_size=cp)
     torch.manual_seed(seed)
 
 
@@ -74,6 +75,14 @@ def packed_core_attention():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class PackedDotProductAttention(DotProductAttention):
+        def __init__(self, config, *args, **kwargs):    # megatron's own refuses CP > 1
+            import copy
+
+            one = copy.copy(config)
+            one.context_parallel_size = 1
+            super().__init__(one, *args, **kwargs)
+            self.config = config
+
         def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                     attention_bias=None, packed_seq_params=None):
             if packed_seq_params is None:
@@ -85,10 +94,21 @@ def packed_core_attention():
             cu = p.cu_seqlens_q_padded if p.cu_seqlens_q_padded is not None else p.cu_seqlens_q
             if cu is None:
                 raise ValueError("packed_seq_params: a packed batch needs its cu_seqlens_q")
+            cu = cu.to("cpu").long()
+            group = p.cp_group
+            if group is None:
+                from megatron.core import parallel_state
+                group = parallel_state.get_context_parallel_group()
+            cp, r = dist.get_world_size(group), dist.get_rank(group)
+            seg, pos = _cp_positions(cu, cp, r)
+            if cp > 1:                      # every rank's K/V with its tokens' positions
+                key = _GatherCP.apply(key.contiguous(), group)
+                value = _GatherCP.apply(value.contiguous(), group)
+                kseg, kpos = map(torch.cat, zip(*[_cp_positions(cu, cp, s) for s in range(cp)]))
+            else:
+                kseg, kpos = seg, pos
             t = query.shape[0]
-            seg = torch.bucketize(torch.arange(t), cu.to("cpu").long(), right=True)
-            pos = torch.arange(t)
-            allowed = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+            allowed = (seg[:, None] == kseg[None, :]) & (kpos[None, :] <= pos[:, None])
             rep = query.shape[1] // key.shape[1]           # grouped-query heads
             k = key.repeat_interleave(rep, dim=1)
             v = value.repeat_interleave(rep, dim=1)
@@ -98,6 +118,42 @@ def packed_core_attention():
             return out.transpose(0, 1).reshape(t, -1)
 
     return PackedDotProductAttention
+
+
+class _GatherCP(torch.autograd.Function):
+    """The ranks' tensors concatenated (gloo ``all_gather``); backward: the gradient summed
+    over the ranks (``all_reduce``), this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.n = group, x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        r = dist.get_rank(ctx.group)
+        return g[r * ctx.n:(r + 1) * ctx.n], None
+
+
+def _cp_positions(cu, cp, rank):
+    """(sequence, position in it) of each packed token context-parallel rank ``rank`` holds:
+    sequence ``i`` (padded length ``cu[i+1] - cu[i]``, offsets ``cu`` of the whole batch) in
+    ``2·cp`` chunks, the rank holding chunks ``rank`` and ``2·cp - 1 - rank`` (megatron's
+    load-balanced layout; the whole sequence at ``cp`` 1)."""
+    seg, pos = [], []
+    for i in range(cu.numel() - 1):
+        n = int(cu[i + 1] - cu[i])
+        c = n // (2 * cp)
+        idx = (torch.arange(n) if cp == 1 else
+               torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                          torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)]))
+        seg.append(torch.full_like(idx, i))
+        pos.append(idx)
+    return torch.cat(seg), torch.cat(pos)
 
 
 def tiny_gpt(vocab, hidden=32, layers=2, heads=4, seq=16, tp=1, sp=False, seed=0,
@@ -129,6 +185,7 @@ def tiny_gpt(vocab, hidden=32, layers=2, heads=4, seq=16, tp=1, sp=False, seed=0
         masked_softmax_fusion=False, apply_rope_fusion=False, init_method_std=0.05,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
         pipeline_dtype=dtype, variable_seq_lengths=True,
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
         moe_token_dispatcher_type="alltoall")
     spec = get_gpt_layer_local_spec()
     if core_attention is not None:
