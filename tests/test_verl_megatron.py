@@ -14,9 +14,9 @@ its ``forward_step`` and ``model_forward`` (``bshd`` packing and unpacking), its
   ``TransformerConfig``; ``module = [GPTModel]`` unwrapped); the optimizer (Lopti) is SGD behind
   megatron's ``step() -> (ok, grad_norm, zeros)``;
 - the ``thd`` packing (``use_remove_padding=True``): megatron's local attention has no packed
-  sequences; the tests run ``bshd`` with the causal mask in place of verl's ``[B, S]`` padding
-  mask (exact for the valid rows of right-padded causal sequences, for both engines alike);
-  gbc's ``thd`` row mapping is checked against verl's ``preprocess_thd_engine`` instead;
+  sequences; the tests here run ``bshd`` with the causal mask in place of verl's ``[B, S]``
+  padding mask (exact for the valid rows of right-padded causal sequences, for both engines
+  alike); tests/test_verl_megatron_cp.py runs ``thd`` end to end with a packed stand-in;
 - megatron's schedule allocates its token counter with ``device="cuda"`` (made CPU here), and
   its ``finalize_model_grads`` is the sequence-parallel norms' gradient all-reduce only.
 """

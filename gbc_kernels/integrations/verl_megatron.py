@@ -57,6 +57,12 @@ def response_rows(batch, data_format, shape, cu_seqlens_padded=None):
     plens, rlens, T = _lengths(batch)
     device = plens.device
     if data_format == "thd":
+        if cu_seqlens_padded is None or cu_seqlens_padded.numel() != plens.numel() + 1:
+            got = None if cu_seqlens_padded is None else tuple(cu_seqlens_padded.shape)
+            raise ValueError(
+                "use_remove_padding: a packed (thd) batch needs its "
+                "packed_seq_params.cu_seqlens_q_padded, one offset per sequence plus the end "
+                f"({plens.numel() + 1} values), got {got}")
         starts = cu_seqlens_padded[:-1].to(device).long()
     else:
         starts = torch.arange(shape[0], device=device) * shape[1]

@@ -1,0 +1,174 @@
+"""gbc inside verl 0.9.1's Megatron engine on long-context layouts, against verl's stock
+``MegatronEngineWithLMHead`` (same harness as tests/test_verl_megatron.py, whose docstring says
+what is bypassed on CPU): the packed ``thd`` layout (``use_remove_padding=True``, verl's
+default) end to end. megatron's local attention refuses packed sequences; the layers' core
+attention is tests/standins/megatron_cpu.py's ``packed_core_attention`` (per-sequence causal
+attention over ``PackedSeqParams``' ``cu_seqlens``) and the model uses RoPE (verl's packed
+forward passes no position ids; megatron's RoPE takes each sequence's positions from
+``cu_seqlens``). Context parallelism: the harness is checked first (verl's stock engine in
+thd at CP 2 equals CP 1); the same stand-in, at CP > 1, all-gathers K/V over the CP group and
+masks by each token's position in megatron's load-balanced layout (each sequence in ``2·cp``
+chunks, rank ``r`` holding chunks ``r`` and ``2·cp - 1 - r``). verl packs for CP only in thd
+(its bshd preprocessing asserts CP 1)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("verl.workers.engine.megatron.transformer_impl")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from conftest import megatron_cpu, spawn_gloo  # noqa: E402
+
+
+def _model(tp, sp, seed=0, dtype=torch.float64, cp=1):
+    """megatron's groups, the shims and a tiny RoPE ``GPTModel`` whose core attention takes
+    packed sequences (bshd batches get the causal mask in place of verl's padding mask)."""
+    import test_verl_megatron as tvm
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import schedules
+
+    mc = megatron_cpu()
+    mc.install_shims()
+    schedules.torch = tvm._CpuTorch()
+    mc.init_parallel(tp, cp=cp)
+    group = parallel_state.get_tensor_model_parallel_group()
+
+    def causal(module, args, kwargs):
+        m = kwargs.get("attention_mask")
+        if m is not None and m.dim() == 2:
+            kwargs["attention_mask"] = mc.causal_mask(m.shape[1])
+        return args, kwargs
+
+    model = mc.tiny_gpt(tvm.VP, hidden=tvm.H, seq=32, layers=2, tp=tp, sp=sp and tp > 1,
+                        seed=seed, dtype=dtype, position="rope",
+                        core_attention=mc.packed_core_attention())
+    model.config.finalize_model_grads_func = (
+        lambda models, *a, **k: [mc.allreduce_sp_norm_grads(m, group) for m in models])
+    model.register_forward_pre_hook(causal, with_kwargs=True)
+    return model
+
+
+def _thd_worker(rank, world, tp, cases):
+    """Per case (loss mode, aggregation, KL, sequence parallel, layout): verl's stock engine
+    and gbc's ``forward_backward_batch`` on fresh copies of one model."""
+    import test_verl_megatron as tvm
+    from test_verl_engine import make_batch
+
+    results = {}
+    for name, (mode, agg, kl, sp, fmt) in cases.items():
+        res = {}
+        for gbc in (False, True):
+            model = _model(tp, sp)
+            engine = tvm._engine(model, gbc=gbc, use_remove_padding=fmt == "thd")
+            torch.manual_seed(1234)
+            data = make_batch(5, 4, rmpad=False, vocab=tvm.VOCAB)
+            out = engine.forward_backward_batch(data, tvm._loss_fn(mode, agg, kl),
+                                                forward_only=False)
+            res[gbc] = dict(loss=sum(out["loss"]), logp=tvm._responses(out, "log_probs", data),
+                            entropy=tvm._responses(out, "entropy", data),
+                            metrics=tvm._metric_values(out["metrics"]), grads=tvm._grads(model))
+        results[name] = res
+    return results
+
+
+def _cp_worker(rank, world, cp, gbc_flags=(False,)):
+    """verl's engine in thd at context parallel ``cp`` (TP 1): the loss, the log-probs and
+    entropy (verl gathers them over the CP group), the metrics and the gradients."""
+    import test_verl_megatron as tvm
+    from test_verl_engine import make_batch
+
+    res = {}
+    for gbc in gbc_flags:
+        model = _model(1, False, cp=cp)
+        engine = tvm._engine(model, gbc=gbc, use_remove_padding=True, context_parallel_size=cp)
+        torch.manual_seed(1234)
+        data = make_batch(5, 4, rmpad=False, vocab=tvm.VOCAB)
+        out = engine.forward_backward_batch(data, tvm._loss_fn("vanilla", "token-mean", True),
+                                            forward_only=False)
+        res[gbc] = dict(loss=sum(out["loss"]), logp=tvm._responses(out, "log_probs", data),
+                        entropy=tvm._responses(out, "entropy", data),
+                        metrics=tvm._metric_values(out["metrics"]), grads=tvm._grads(model))
+    return res
+
+
+THD_CASES = {"thd_vanilla_token_mean_kl": ("vanilla", "token-mean", True, False, "thd"),
+             "thd_gspo_seq_mean_sp": ("gspo", "seq-mean-token-mean", False, True, "thd"),
+             "bshd_vanilla_token_mean_kl": ("vanilla", "token-mean", True, False, "bshd")}
+
+
+@pytest.fixture(scope="module")
+def thd_trained():
+    return spawn_gloo(2, _thd_worker, 2, THD_CASES)
+
+
+@pytest.mark.slow
+def test_thd_training_step_equals_verl_stock_engine(thd_trained):
+    """use_remove_padding=True (thd) at TP 2, with and without sequence parallelism: gbc's
+    engine and verl's stock engine give the same loss, log_probs, entropy, verl's metrics and
+    every parameter's gradient (float64 model)."""
+    import test_verl_megatron as tvm
+
+    tvm._check(thd_trained)
+
+
+@pytest.mark.slow
+def test_thd_equals_bshd(thd_trained):
+    """The packed layout and the padded one give the same loss, log_probs, entropy and
+    gradients (the stand-in's per-sequence causal attention and RoPE positions are right)."""
+    import test_verl_megatron as tvm
+
+    for per_rank in thd_trained:
+        thd, bshd = per_rank["thd_vanilla_token_mean_kl"], per_rank["bshd_vanilla_token_mean_kl"]
+        for gbc in (False, True):
+            a, b = thd[gbc], bshd[gbc]
+            assert abs(float(a["loss"]) - float(b["loss"])) < 1e-7
+            tvm._close(a["logp"], b["logp"], 1e-6, "log_probs")
+            tvm._close(a["entropy"], b["entropy"], 1e-6, "entropy")
+            for k in a["grads"]:
+                tvm._close(a["grads"][k], b["grads"][k], 1e-6, f"grad {k}")
+
+
+@pytest.mark.parametrize("cu", [None, "short"])
+def test_packed_batch_without_cu_seqlens_refused(cu):
+    """A thd batch whose packed_seq_params lack cu_seqlens_q_padded (or carry the wrong
+    number of offsets) is refused naming use_remove_padding, before the head runs."""
+    import test_verl_megatron as tvm
+    from test_verl_engine import make_batch
+
+    from gbc_kernels.integrations.verl_megatron import response_rows
+
+    packed = make_batch(10, 5, rmpad=True, vocab=tvm.VOCAB)
+    offsets = None if cu is None else torch.arange(5, dtype=torch.int32) * 14   # 5, not 6
+    with pytest.raises(ValueError, match="use_remove_padding.*cu_seqlens_q_padded"):
+        response_rows(packed, "thd", (1, 70), offsets)
+
+
+@pytest.mark.slow
+def test_stock_engine_context_parallel_2_equals_1():
+    """The harness for context parallelism: verl's stock engine in thd at CP 2 (two gloo
+    ranks, tests/standins' CP attention gathering K/V over the CP group with megatron's
+    load-balanced chunk positions) gives CP 1's loss, log-probs, entropy and metrics on every
+    rank, and CP 1's gradients once each parameter's gradient is averaged over the CP ranks
+    (what megatron's DDP does over its data-and-context-parallel group)."""
+    import test_verl_megatron as tvm
+
+    one = spawn_gloo(1, _cp_worker, 1)[0][False]
+    two = [res[False] for res in spawn_gloo(2, _cp_worker, 2)]
+    for r, s in enumerate(two):
+        assert abs(float(one["loss"]) - float(s["loss"])) < 1e-9, r
+        tvm._close(one["logp"], s["logp"], 1e-9, f"rank {r} log_probs")
+        tvm._close(one["entropy"], s["entropy"], 1e-9, f"rank {r} entropy")
+        for k, v in one["metrics"].items():
+            tvm._close(torch.tensor(v), torch.tensor(s["metrics"][k]), 1e-6, f"rank {r} {k}")
+    assert one["grads"].keys() == two[0]["grads"].keys()
+    for k, g in one["grads"].items():
+        tvm._close(g, (two[0]["grads"][k] + two[1]["grads"][k]) / 2, 1e-9, f"grad {k}")
+        assert not torch.allclose(two[0]["grads"][k], two[1]["grads"][k]) or g.abs().sum() == 0
