@@ -130,8 +130,9 @@ def per_token_is_ratio(is_ratio, mask, cfg: PolicyLossConfig, sp=None):
     sequence's first masked-in token and 1 (``log 1 = 0``) on the others (TRL's
     ``sequence_*`` modes). ``sp`` (sequence parallel): on the first masked-in token of the lowest
     rank holding tokens of the sequence (one token of the whole sequence)."""
-    if is_ratio is None or is_ratio.shape[-1] == mask.shape[-1]:
-        return is_ratio
+    if is_ratio is None or (is_ratio.shape[-1] == mask.shape[-1]
+                            and (sp is None or is_ratio.shape[-1] != 1)):
+        return is_ratio         # split sequences: [B, 1] per sequence even where T_r = 1
     if not OBJECTIVES[cfg.objective].is_ratio_once:
         return is_ratio.expand(mask.shape)
     first = mask.int().argmax(dim=-1, keepdim=True)        # 0 for an empty row: masked out
