@@ -43,6 +43,7 @@ import tempfile
 import time
 
 from _common import append_rows, now, run_child  # noqa: E402
+from bench_verl import _setup  # noqa: E402  (gloo rank, verl on CPU)
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(ROOT)
@@ -54,20 +55,6 @@ METHODS = {"plain": {}, "ar": {"ar_alpha": 0.3}, "critical_kl": {"critical_kl_ex
 TARGETS = {"ar": ("step", 0.01), "critical_kl": ("step", 0.05), "nthr": ("step", 0.05),
            "nthr_second_forward": ("step", None), "lopti": ("update", 2.0)}
 B, GROUP, P, T, H = 8, 4, 32, 224, 256
-
-
-def _setup(a):
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(a.threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import test_verl_engine as tve
-    tve.verl_on_cpu()
-    return tve
 
 
 def child_time(a):

@@ -71,8 +71,9 @@ def verl_on_cpu():
 
 
 def build_engine(model_dir, gbc=True, rmpad=True, dtype="fp32", lr=1e-2, options=None,
-                 optimizer="AdamW"):
-    """verl's FSDP2 engine (or gbc's on top of it), initialised as its TrainingWorker does."""
+                 optimizer="AdamW", sp=1):
+    """verl's FSDP2 engine (or gbc's on top of it), initialised as its TrainingWorker does
+    (``sp``: its Ulysses sequence-parallel size)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -82,6 +83,7 @@ def build_engine(model_dir, gbc=True, rmpad=True, dtype="fp32", lr=1e-2, options
     mc = HFModelConfig(path=model_dir, use_remove_padding=rmpad,
                        override_config={"attn_implementation": "sdpa"})
     ec = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, model_dtype="fp32",
+                          ulysses_sequence_parallel_size=sp,
                           mixed_precision={"param_dtype": dtype, "reduce_dtype": "fp32",
                                            "buffer_dtype": "fp32"})
     oc = FSDPOptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1e6, optimizer=optimizer)

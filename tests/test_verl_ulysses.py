@@ -65,31 +65,15 @@ def flash_on_cpu():
 def build_engine(model_dir, sp, gbc=True, options=None, lr=1e-2, optimizer="AdamW"):
     """verl's FSDP2 engine (or gbc's on top of it) with Ulysses SP ``sp``, fp32, flash-attn
     (the stand-in) as verl's Ulysses path needs."""
-    from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    import verl.workers.engine.fsdp.transformer_impl as ti
 
     from gbc_kernels.integrations import hf
-    from gbc_kernels.integrations import verl_engine as ve
+    from test_verl_engine import build_engine as build_plain
 
     verl_on_cpu()
     fa = flash_on_cpu()
-    import verl.workers.engine.fsdp.transformer_impl as ti
     ti.device_name = "cpu"      # read at import, before the CPU platform was installed
-    mc = HFModelConfig(path=model_dir, use_remove_padding=True,
-                       override_config={"attn_implementation": "sdpa"})
-    ec = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, model_dtype="fp32",
-                          ulysses_sequence_parallel_size=sp,
-                          mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
-                                           "buffer_dtype": "fp32"})
-    oc = FSDPOptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1e6, optimizer=optimizer)
-    cls = FSDPEngineWithLMHead
-    if gbc:
-        cls = ve.engine_class(FSDPEngineWithLMHead)
-        cls.gbc_options = options or ve.EngineOptions()
-    torch.manual_seed(0)
-    engine = cls(mc, ec, oc, CheckpointConfig())
-    engine.initialize()
+    engine = build_plain(model_dir, gbc=gbc, lr=lr, options=options, optimizer=optimizer, sp=sp)
     hf.unwrap(engine.module).config._attn_implementation = "flash_attention_2"
     engine.test_attention_lengths = fa.seen
     return engine
