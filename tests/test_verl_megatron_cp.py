@@ -172,3 +172,74 @@ def test_stock_engine_context_parallel_2_equals_1():
     for k, g in one["grads"].items():
         tvm._close(g, (two[0]["grads"][k] + two[1]["grads"][k]) / 2, 1e-9, f"grad {k}")
         assert not torch.allclose(two[0]["grads"][k], two[1]["grads"][k]) or g.abs().sum() == 0
+
+
+def _cp_gbc_worker(rank, world, cp, cases):
+    """Per case (loss mode, aggregation, KL term, gbc's method options): verl's stock engine
+    (``None`` options) or gbc's in thd at context parallel ``cp`` — the training step and a
+    forward-only pass (log-probs, entropy, sum of squared probabilities)."""
+    import test_verl_megatron as tvm
+    from test_verl_engine import make_batch
+
+    from gbc_kernels.integrations import verl_engine as ve
+
+    results = {}
+    for name, (mode, agg, kl, variants) in cases.items():
+        res = {}
+        for key, opts in variants.items():
+            gbc = opts is not None
+            model = _model(1, False, cp=cp)
+            engine = tvm._engine(model, gbc=gbc, use_remove_padding=True,
+                                 context_parallel_size=cp,
+                                 options=ve.EngineOptions(**opts) if gbc else None)
+            torch.manual_seed(1234)
+            data = make_batch(5, 4, rmpad=False, vocab=tvm.VOCAB)
+            out = engine.forward_backward_batch(data, tvm._loss_fn(mode, agg, kl),
+                                                forward_only=False)
+            res[key] = dict(loss=sum(out["loss"]), logp=tvm._responses(out, "log_probs", data),
+                            entropy=tvm._responses(out, "entropy", data),
+                            metrics=tvm._metric_values(out["metrics"]), grads=tvm._grads(model))
+            data = make_batch(7, 4, rmpad=False, vocab=tvm.VOCAB)
+            inf = tvm._infer(engine, data, calculate_entropy=True)
+            res[key]["infer"] = {k: tvm._responses(inf, k, data)
+                                 for k in ("log_probs", "entropy", "sum_pi_squared")}
+        results[name] = res
+    return results
+
+
+CP_CASES = {"vanilla_token_mean_kl": ("vanilla", "token-mean", True,
+                                      {False: None, True: {}}),
+            "gspo_seq_mean_token_mean": ("gspo", "seq-mean-token-mean", False,
+                                         {False: None, True: {}}),
+            "ar_seq_mean_token_sum_kl": ("vanilla", "seq-mean-token-sum", True,
+                                         {"ar": {"ar_alpha": 0.3}})}
+
+
+@pytest.fixture(scope="module")
+def cp_trained():
+    return spawn_gloo(2, _cp_gbc_worker, 2, CP_CASES)
+
+
+@pytest.mark.slow
+def test_context_parallel_2_equals_verl_stock_engine(cp_trained):
+    """context_parallel_size=2 in thd (two gloo ranks, each holding 2 of every sequence's 4
+    load-balanced chunks): gbc's engine — the rank's tokens into the loss, its sequence terms
+    reduced over the CP group, the per-token outputs back in verl's layout before verl's CP
+    gather — gives verl's stock engine's loss, log_probs, entropy, metrics and every
+    parameter's gradient on each rank (token-mean with a KL term; GSPO's seq-mean-token-mean),
+    and its forward-only log-probs, entropy and sum of squared probabilities."""
+    import test_verl_megatron as tvm
+
+    stock_cases = [{k: v for k, v in per_rank.items() if False in v} for per_rank in cp_trained]
+    for r, per_rank in enumerate(stock_cases):
+        for name, res in per_rank.items():
+            # float32 batch fields: the loss's sequence sums are added in another order (each
+            # rank's part, then over the CP group) than verl's whole-sequence sums
+            stock, ours = float(res[False]["loss"]), float(res[True]["loss"])
+            assert abs(stock - ours) <= 1e-5 * abs(stock) + 1e-7, (r, name, stock, ours)
+            res[True]["loss"] = res[False]["loss"]
+    tvm._check(stock_cases)
+    for r, per_rank in enumerate(stock_cases):
+        for name, res in per_rank.items():
+            for k, v in res[False]["infer"].items():
+                tvm._close(v, res[True]["infer"][k], 1e-6, f"rank {r} {name} infer {k}")

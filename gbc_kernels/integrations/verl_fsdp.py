@@ -11,6 +11,7 @@ import torch
 import gbc_kernels as gbc
 from gbc_kernels import methods
 from gbc_kernels.integrations import hf
+from gbc_kernels.sequence_parallel import whole_loss
 from gbc_kernels.integrations.verl_engine import (
     CERTAINTY_KEY, ENV_ON, KL_WEIGHT_KEY, NTHR_ROW_KEY, EngineMethods, _flag, _is_ppo_loss,
     _rng_state, _Rows, _temperature)
@@ -101,11 +102,7 @@ def _ulysses_loss(share: torch.Tensor, group, size: int) -> torch.Tensor:
     gather's backward scales each rank's slice of the log-probs by the SP size; gbc's loss is
     the rank's share (the shares sum to the whole). Returned: the whole loss's value, with the
     gradient of ``size * share``, so every rank's gradients equal those of verl's step."""
-    import torch.distributed as dist
-
-    whole = share.detach().clone()
-    dist.all_reduce(whole, group=group)
-    return whole + size * (share - share.detach())
+    return whole_loss(share, group, size)
 
 
 class GBCEngineMixin(EngineMethods):

@@ -25,6 +25,7 @@ import torch
 from gbc_kernels import methods
 from gbc_kernels.integrations import megatron as M
 from gbc_kernels.integrations import verl as gv
+from gbc_kernels.sequence_parallel import whole_loss
 from gbc_kernels.integrations.verl_engine import (
     CERTAINTY_KEY, KL_WEIGHT_KEY, NTHR_ROW_KEY, EngineMethods, _flag, _is_ppo_loss, _lengths,
     _rng_state, _temperature, engine_class)
@@ -38,8 +39,20 @@ def _check_config(engine):
         raise ValueError("dynamic_context_parallel: gbc's engine needs every response row of a "
                          "micro-batch on one rank; set it to False")
     if (ec.context_parallel_size or 1) > 1:
-        raise ValueError(f"context_parallel_size: expected 1 for gbc's engine (the loss's "
-                         f"sequence terms need whole sequences), got {ec.context_parallel_size}")
+        if not ec.use_remove_padding:
+            raise ValueError(f"context_parallel_size: {ec.context_parallel_size} runs in the "
+                             f"packed layout only (verl packs for context parallelism in thd; "
+                             f"its bshd step asserts context_parallel_size 1); set "
+                             f"use_remove_padding=True")
+        opts = getattr(engine, "gbc_options", None)
+        for name, on in (("nthr", getattr(opts, "nthr", False)),
+                         ("critical_kl_exponent",
+                          getattr(opts, "critical_kl_exponent", None) is not None)):
+            if on:
+                raise ValueError(f"{name}: not supported by gbc's Megatron engine under "
+                                 f"context parallelism (context_parallel_size="
+                                 f"{ec.context_parallel_size}); unset it or set "
+                                 f"context_parallel_size=1")
     if getattr(getattr(mc, "mtp", None), "enable", False):
         raise ValueError("mtp.enable: gbc's engine computes the next-token head only; set "
                          "actor_rollout_ref.model.mtp.enable=False")
@@ -67,6 +80,25 @@ def response_rows(batch, data_format, shape, cu_seqlens_padded=None):
     else:
         starts = torch.arange(shape[0], device=device) * shape[1]
     return gv.response_rows(plens, rlens, T, starts)
+
+
+def cp_response_rows(batch, cu_seqlens_padded, cp_size, cp_rank):
+    """``(rows [B, T], valid [B, T], own [B, T])`` under context parallelism in ``thd``: the row
+    of this CP rank's packed output (``[1, nnz/cp, ...]``) predicting response token ``t`` of
+    sequence ``b``, where ``own`` (that token's position sits on this rank; elsewhere the row
+    is 0). megatron's load-balanced layout: sequence ``b``'s padded length, in ``2·cp`` chunks,
+    starts at ``cu_seqlens_padded[b] / cp`` on every rank, rank ``r`` holding chunks ``r`` then
+    ``2·cp - 1 - r``. ``valid``: the whole micro-batch's response tokens."""
+    pos, valid = response_rows(batch, "thd", None, torch.zeros_like(cu_seqlens_padded))
+    cu = cu_seqlens_padded.to(pos.device).long()
+    chunk = (cu[1:] - cu[:-1])[:, None] // (2 * cp_size)
+    start = cu[:-1, None] // cp_size
+    c = pos // chunk
+    first, second = c == cp_rank, c == 2 * cp_size - 1 - cp_rank
+    rows = torch.where(first, start + pos - cp_rank * chunk,
+                       start + chunk + pos - c * chunk)
+    own = valid & (first | second)
+    return torch.where(own, rows, torch.zeros_like(rows)), valid, own
 
 
 class GBCMegatronMixin(EngineMethods):
@@ -152,8 +184,13 @@ class GBCMegatronMixin(EngineMethods):
             yield
             return
         layer = inner.output_layer
+        from megatron.core import parallel_state as mpu
+
+        cp = mpu.get_context_parallel_world_size()
         state = {"tp_group": layer.tp_group, "cu": None,
-                 "gathered": bool(getattr(layer, "sequence_parallel", False))}
+                 "gathered": bool(getattr(layer, "sequence_parallel", False)),
+                 "cp": (mpu.get_context_parallel_group(), cp, mpu.get_context_parallel_rank())
+                 if cp > 1 else None}
 
         def head(hidden, weight=None, runtime_gather_output=None):
             if state["gathered"]:       # megatron's gather: its backward reduce-scatters
@@ -192,7 +229,12 @@ class GBCMegatronMixin(EngineMethods):
                 batch=batch, data_format=data_format)
         hidden = logits                  # [1, nnz, H] (thd) or [B, S, H] (bshd)
         device = hidden.device
-        rows, valid = response_rows(batch, data_format, hidden.shape, state["cu"])
+        cp = state["cp"]
+        if cp is None:
+            rows, valid = response_rows(batch, data_format, hidden.shape, state["cu"])
+            own = valid
+        else:       # this rank's tokens of every sequence; the loss reduces over the CP group
+            rows, valid, own = cp_response_rows(batch, state["cu"], cp[1], cp[2])
         weight = state["weight"]
         h = hidden.reshape(-1, hidden.shape[-1])[rows.t()]                # [T, B, H]
         h = h.to(weight.dtype) if h.dtype != weight.dtype else h
@@ -200,7 +242,7 @@ class GBCMegatronMixin(EngineMethods):
         common = dict(output_bias=state["bias"], tp_group=state["tp_group"],
                       hidden_gathered=state["gathered"])
 
-        dest = torch.where(valid, rows, label.numel()).reshape(-1)    # padding: a spare slot
+        dest = torch.where(own, rows, label.numel()).reshape(-1)      # padding: a spare slot
 
         def packed(v):       # [B, T] -> verl's layout of the logits' rows, 0 off the responses
             out = torch.zeros(label.numel() + 1, dtype=torch.float32, device=device)
@@ -209,10 +251,16 @@ class GBCMegatronMixin(EngineMethods):
 
         if logits_processor_func is not None:       # training: the fused loss
             kw = self._gbc_loss_inputs(batch, logits_processor_func, valid)
+            if cp is not None:      # the whole micro-batch's normalisers, the rank's tokens
+                kw["mask"] = kw["mask"] & own
+                kw["context_parallel"] = cp[0]
             rng = _rng_state()
             res = M.policy_loss(h, weight, y, return_entropy=kw["config"].wants_entropy,
                                 **common, **kw)
-            self._gbc_pending[id(batch)] = (res.loss, res.metrics, rng)
+            loss = res.loss
+            if cp is not None:      # verl's value (the whole loss on every CP rank), and the
+                loss = whole_loss(loss, cp[0])   # gradient of this rank's tokens, as verl's
+            self._gbc_pending[id(batch)] = (loss, res.metrics, rng)
             ret = {"log_probs": packed(res.logp)}
             if calculate_entropy:
                 ret["entropy"] = packed(res.entropy)
@@ -234,7 +282,7 @@ class GBCMegatronMixin(EngineMethods):
                 if st.kl_weight is not None:
                     ret[KL_WEIGHT_KEY] = packed(st.kl_weight)
                 return ret
-            res = M.logprobs(h, weight, y, valid, temperature=temp, backend=backend,
+            res = M.logprobs(h, weight, y, own, temperature=temp, backend=backend,
                              return_entropy=bool(calculate_entropy),
                              return_sum_p2=bool(calculate_sum_pi_squared), **common)
         ret = {"log_probs": packed(res.logp)}
