@@ -243,3 +243,57 @@ def test_context_parallel_2_equals_verl_stock_engine(cp_trained):
         for name, res in per_rank.items():
             for k, v in res[False]["infer"].items():
                 tvm._close(v, res[True]["infer"][k], 1e-6, f"rank {r} {name} infer {k}")
+
+
+@pytest.mark.slow
+def test_context_parallel_2_equals_1_with_ar(cp_trained):
+    """gbc's engine with AR (a seq-mean-token-sum loss with a KL term, no stock counterpart):
+    at CP 2 it gives CP 1's loss, log_probs, entropy, verl's metrics and forward-only outputs
+    on every rank, and CP 1's gradients once each parameter's gradient is averaged over the CP
+    ranks (megatron's DDP over data and context parallel)."""
+    import test_verl_megatron as tvm
+
+    name = "ar_seq_mean_token_sum_kl"
+    one = spawn_gloo(1, _cp_gbc_worker, 1, {name: CP_CASES[name]})[0][name]["ar"]
+    two = [per_rank[name]["ar"] for per_rank in cp_trained]
+    for r, s in enumerate(two):
+        assert abs(float(one["loss"]) - float(s["loss"])) <= 1e-5 * abs(float(one["loss"])), r
+        tvm._close(one["logp"], s["logp"], 1e-6, f"rank {r} log_probs")
+        tvm._close(one["entropy"], s["entropy"], 1e-6, f"rank {r} entropy")
+        assert one["metrics"].keys() == s["metrics"].keys()
+        for k, v in one["metrics"].items():
+            tvm._close(torch.tensor(v), torch.tensor(s["metrics"][k]), 1e-5, f"rank {r} {k}")
+        for k, v in one["infer"].items():
+            tvm._close(v, s["infer"][k], 1e-6, f"rank {r} infer {k}")
+    assert "actor/gbc_ar_weight_mean" in one["metrics"]
+    for k, g in one["grads"].items():
+        tvm._close(g, (two[0]["grads"][k] + two[1]["grads"][k]) / 2, 1e-6, f"grad {k}")
+
+
+@pytest.mark.parametrize("option", ["use_remove_padding", "nthr", "critical_kl_exponent",
+                                    "dynamic_context_parallel"])
+def test_context_parallel_refusals(option):
+    """Under context_parallel_size 2, gbc's engine refuses by name what it does not run: the
+    padded bshd layout (verl itself packs for context parallelism only in thd), NTHR and
+    critical-token KL, and dynamic_context_parallel."""
+    import types
+
+    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl_megatron import _check_config
+
+    ec = types.SimpleNamespace(context_parallel_size=2, use_remove_padding=True,
+                               dynamic_context_parallel=False, qat=None)
+    opts = {}
+    if option == "use_remove_padding":
+        ec.use_remove_padding = False
+    elif option == "dynamic_context_parallel":
+        ec.dynamic_context_parallel = True
+    else:
+        opts = {"nthr": True} if option == "nthr" else {"critical_kl_exponent": 0.5}
+    engine = types.SimpleNamespace(engine_config=ec, gbc_options=ve.EngineOptions(**opts),
+                                   model_config=types.SimpleNamespace(mtp=None))
+    with pytest.raises(ValueError, match=option):
+        _check_config(engine)
+    ec.context_parallel_size, ec.use_remove_padding, ec.dynamic_context_parallel = 1, True, False
+    if option in ("use_remove_padding", "dynamic_context_parallel"):
+        _check_config(engine)       # the same engine at CP 1 runs
