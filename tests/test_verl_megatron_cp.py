@@ -297,3 +297,16 @@ def test_context_parallel_refusals(option):
     ec.context_parallel_size, ec.use_remove_padding, ec.dynamic_context_parallel = 1, True, False
     if option in ("use_remove_padding", "dynamic_context_parallel"):
         _check_config(engine)       # the same engine at CP 1 runs
+
+
+@pytest.mark.parametrize("mode", ["clip_cov", "kl_cov"])
+def test_context_parallel_batch_selecting_loss_modes_refused(mode):
+    """Clip-Cov and KL-Cov pick tokens from the whole batch; under context parallelism each
+    rank's loss sees its own tokens, so gbc's engine refuses them naming loss_mode."""
+    import test_verl_megatron as tvm
+
+    from gbc_kernels.integrations.verl_megatron import _check_cp_loss
+
+    with pytest.raises(ValueError, match="loss_mode.*context_parallel_size=2"):
+        _check_cp_loss(tvm._loss_fn(mode), 2)
+    _check_cp_loss(tvm._loss_fn("gspo"), 2)

@@ -11,10 +11,10 @@ import torch
 import gbc_kernels as gbc
 from gbc_kernels import methods
 from gbc_kernels.integrations import hf
-from gbc_kernels.sequence_parallel import whole_loss
 from gbc_kernels.integrations.verl_engine import (
-    CERTAINTY_KEY, ENV_ON, KL_WEIGHT_KEY, NTHR_ROW_KEY, EngineMethods, _flag, _is_ppo_loss,
-    _rng_state, _Rows, _temperature)
+    BATCH_SELECTING_MODES, CERTAINTY_KEY, ENV_ON, KL_WEIGHT_KEY, NTHR_ROW_KEY, EngineMethods,
+    _flag, _is_ppo_loss, _rng_state, _Rows, _temperature)
+from gbc_kernels.sequence_parallel import whole_loss
 
 
 def _check_supported(engine, micro_batch):
@@ -33,7 +33,6 @@ def _check_supported(engine, micro_batch):
 
 
 # verl's loss modes that select tokens by their place in the whole batch
-_BATCH_SELECTING_MODES = ("clip_cov", "kl_cov")
 
 
 def _check_ulysses_loss(engine, loss_function):
@@ -42,7 +41,7 @@ def _check_ulysses_loss(engine, loss_function):
     if not getattr(engine, "use_ulysses_sp", False):
         return
     mode = getattr(loss_function.keywords["config"].policy_loss, "loss_mode", "vanilla")
-    if mode in _BATCH_SELECTING_MODES:
+    if mode in BATCH_SELECTING_MODES:
         raise ValueError(f"policy_loss.loss_mode: {mode!r} selects tokens from the whole batch "
                          "(Clip-Cov at random, KL-Cov by covariance rank), which gbc's loss "
                          "under Ulysses sequence parallelism (ulysses_sequence_parallel_size "

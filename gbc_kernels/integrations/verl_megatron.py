@@ -25,10 +25,10 @@ import torch
 from gbc_kernels import methods
 from gbc_kernels.integrations import megatron as M
 from gbc_kernels.integrations import verl as gv
-from gbc_kernels.sequence_parallel import whole_loss
 from gbc_kernels.integrations.verl_engine import (
-    CERTAINTY_KEY, KL_WEIGHT_KEY, NTHR_ROW_KEY, EngineMethods, _flag, _is_ppo_loss, _lengths,
-    _rng_state, _temperature, engine_class)
+    BATCH_SELECTING_MODES, CERTAINTY_KEY, KL_WEIGHT_KEY, NTHR_ROW_KEY, EngineMethods, _flag,
+    _is_ppo_loss, _lengths, _rng_state, _temperature, engine_class)
+from gbc_kernels.sequence_parallel import whole_loss
 
 
 def _check_config(engine):
@@ -60,6 +60,18 @@ def _check_config(engine):
     if qat is not None and getattr(qat, "enable", False):
         raise ValueError("qat.enable: gbc reads the output layer's weight directly, past its "
                          "quantiser; set it to False")
+
+
+def _check_cp_loss(loss_function, cp_size):
+    """Under context parallelism each rank's loss sees its own tokens: Clip-Cov / KL-Cov,
+    which pick tokens from the whole batch, are refused in verl's words."""
+    mode = getattr(loss_function.keywords["config"].policy_loss, "loss_mode", "vanilla")
+    if mode in BATCH_SELECTING_MODES:
+        raise ValueError(f"policy_loss.loss_mode: {mode!r} selects tokens from the whole batch "
+                         "(Clip-Cov at random, KL-Cov by covariance rank), which gbc's loss "
+                         f"under context parallelism (context_parallel_size={cp_size}) does "
+                         "not reproduce; choose another loss_mode or set "
+                         "context_parallel_size=1")
 
 
 def response_rows(batch, data_format, shape, cu_seqlens_padded=None):
@@ -250,6 +262,8 @@ class GBCMegatronMixin(EngineMethods):
             return out[:-1].view(label.shape)
 
         if logits_processor_func is not None:       # training: the fused loss
+            if cp is not None:
+                _check_cp_loss(logits_processor_func, cp[1])
             kw = self._gbc_loss_inputs(batch, logits_processor_func, valid)
             if cp is not None:      # the whole micro-batch's normalisers, the rank's tokens
                 kw["mask"] = kw["mask"] & own
