@@ -32,9 +32,6 @@ def _check_supported(engine, micro_batch):
                          f"{ENV_ON} for distillation runs")
 
 
-# verl's loss modes that select tokens by their place in the whole batch
-
-
 def _check_ulysses_loss(engine, loss_function):
     """Under Ulysses SP each rank's loss sees its own tokens: Clip-Cov / KL-Cov, which pick
     tokens from the whole batch (at random, by rank), are refused in verl's words."""

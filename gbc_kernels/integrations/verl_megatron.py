@@ -11,7 +11,9 @@ the sequence under sequence parallelism, as megatron's layer gathers it — in p
 logits; verl packs those hidden states like logits, and gbc's ``_lm_head_logits_processor``
 projects only the response rows. The training loss replaces ``ppo_loss``'s value in
 ``postprocess_micro_batch_func``; verl's metrics come from its own ``ppo_loss`` on gbc's detached
-per-token values. Switched on with the FSDP engine (``GBC_VERL_ENGINE=1``, :func:`enable`).
+per-token values. Under context parallelism (``thd`` only) each rank's own tokens go into the
+loss, whose sequence terms are reduced over the CP group (docs/megatron.md, "Long context").
+Switched on with the FSDP engine (``GBC_VERL_ENGINE=1``, :func:`enable`).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ def _check_config(engine):
     ``forward_backward_batch``)."""
     ec, mc = engine.engine_config, engine.model_config
     if getattr(ec, "dynamic_context_parallel", False):
-        raise ValueError("dynamic_context_parallel: gbc's engine needs every response row of a "
-                         "micro-batch on one rank; set it to False")
+        raise ValueError("dynamic_context_parallel: gbc's engine maps megatron's static "
+                         "context-parallel layout only (context_parallel_size); set it to False")
     if (ec.context_parallel_size or 1) > 1:
         if not ec.use_remove_padding:
             raise ValueError(f"context_parallel_size: {ec.context_parallel_size} runs in the "
@@ -188,7 +190,9 @@ class GBCMegatronMixin(EngineMethods):
     @contextlib.contextmanager
     def _gbc_head(self, model):
         """The last stage's output layer returns its (sequence-gathered) input in place of the
-        logits; records its weight shard and the packing (``cu_seqlens_q_padded``)."""
+        logits; records its weight shard, the packing (``cu_seqlens_q_padded``) and the
+        context-parallel group, size and rank (None at CP 1)."""
+        from megatron.core import parallel_state as mpu
         from verl.utils.megatron_utils import unwrap_model
 
         inner = unwrap_model(model)
@@ -196,8 +200,6 @@ class GBCMegatronMixin(EngineMethods):
             yield
             return
         layer = inner.output_layer
-        from megatron.core import parallel_state as mpu
-
         cp = mpu.get_context_parallel_world_size()
         state = {"tp_group": layer.tp_group, "cu": None,
                  "gathered": bool(getattr(layer, "sequence_parallel", False)),
