@@ -174,10 +174,11 @@ def test_stock_engine_context_parallel_2_equals_1():
         assert not torch.allclose(two[0]["grads"][k], two[1]["grads"][k]) or g.abs().sum() == 0
 
 
-def _cp_gbc_worker(rank, world, cp, cases):
+def _cp_gbc_worker(rank, world, cp, cases, tp=1, sp=False):
     """Per case (loss mode, aggregation, KL term, gbc's method options): verl's stock engine
-    (``None`` options) or gbc's in thd at context parallel ``cp`` — the training step and a
-    forward-only pass (log-probs, entropy, sum of squared probabilities)."""
+    (``None`` options) or gbc's in thd at context parallel ``cp`` (tensor parallel ``tp``,
+    sequence parallel ``sp``) — the training step and a forward-only pass (log-probs, entropy,
+    sum of squared probabilities)."""
     import test_verl_megatron as tvm
     from test_verl_engine import make_batch
 
@@ -188,7 +189,7 @@ def _cp_gbc_worker(rank, world, cp, cases):
         res = {}
         for key, opts in variants.items():
             gbc = opts is not None
-            model = _model(1, False, cp=cp)
+            model = _model(tp, sp, cp=cp)
             engine = tvm._engine(model, gbc=gbc, use_remove_padding=True,
                                  context_parallel_size=cp,
                                  options=ve.EngineOptions(**opts) if gbc else None)
@@ -228,9 +229,23 @@ def test_context_parallel_2_equals_verl_stock_engine(cp_trained):
     gather — gives verl's stock engine's loss, log_probs, entropy, metrics and every
     parameter's gradient on each rank (token-mean with a KL term; GSPO's seq-mean-token-mean),
     and its forward-only log-probs, entropy and sum of squared probabilities."""
+    _check_against_stock(cp_trained)
+
+
+@pytest.mark.slow
+def test_context_parallel_2_with_tensor_parallel_2_equals_verl_stock_engine():
+    """CP 2 composed with TP 2 and sequence parallelism (four gloo ranks): gbc's engine equals
+    verl's stock engine as at TP 1 (token-mean with KL, GSPO's seq-mean-token-mean)."""
+    cases = {k: CP_CASES[k] for k in ("vanilla_token_mean_kl", "gspo_seq_mean_token_mean")}
+    _check_against_stock(spawn_gloo(4, _cp_gbc_worker, 2, cases, 2, True))
+
+
+def _check_against_stock(results):
+    """Per rank and case: gbc's loss, log_probs, entropy, verl's metrics, every parameter's
+    gradient and the forward-only outputs equal verl's stock engine's."""
     import test_verl_megatron as tvm
 
-    stock_cases = [{k: v for k, v in per_rank.items() if False in v} for per_rank in cp_trained]
+    stock_cases = [{k: v for k, v in per_rank.items() if False in v} for per_rank in results]
     for r, per_rank in enumerate(stock_cases):
         for name, res in per_rank.items():
             # float32 batch fields: the loss's sequence sums are added in another order (each
