@@ -9,7 +9,8 @@ forward passes no position ids; megatron's RoPE takes each sequence's positions 
 thd at CP 2 equals CP 1); the same stand-in, at CP > 1, all-gathers K/V over the CP group and
 masks by each token's position in megatron's load-balanced layout (each sequence in ``2·cp``
 chunks, rank ``r`` holding chunks ``r`` and ``2·cp - 1 - r``). verl packs for CP only in thd
-(its bshd preprocessing asserts CP 1)."""
+(its bshd preprocessing asserts CP 1). gbc's engine at CP 2 is then checked against verl's
+stock engine at CP 2 (TP 1, and TP 2 with sequence parallelism), and with AR against CP 1."""
 
 from __future__ import annotations
 
