@@ -196,6 +196,14 @@ def _cp_gbc_worker(rank, world, cp, cases, tp=1, sp=False):
                                  options=ve.EngineOptions(**opts) if gbc else None)
             torch.manual_seed(1234)
             data = make_batch(5, 4, rmpad=False, vocab=tvm.VOCAB)
+            critical = gbc and opts.get("critical_kl_exponent") is not None
+            if critical:      # the training step's per-token KL weights (fixed draws)
+                g = torch.Generator().manual_seed(3)
+                mask = data["response_mask"]
+                data[ve.KL_WEIGHT_KEY] = torch.nested.as_nested_tensor(
+                    [torch.rand(m.shape, generator=g) * m for m in mask.unbind()],
+                    layout=torch.jagged) if mask.is_nested else (
+                    torch.rand(mask.shape, generator=g) * mask)
             out = engine.forward_backward_batch(data, tvm._loss_fn(mode, agg, kl),
                                                 forward_only=False)
             res[key] = dict(loss=sum(out["loss"]), logp=tvm._responses(out, "log_probs", data),
@@ -205,6 +213,17 @@ def _cp_gbc_worker(rank, world, cp, cases, tp=1, sp=False):
             inf = tvm._infer(engine, data, calculate_entropy=True)
             res[key]["infer"] = {k: tvm._responses(inf, k, data)
                                  for k in ("log_probs", "entropy", "sum_pi_squared")}
+            if critical:      # the reference pass: log-probs and the critical-token weights
+                from verl.utils import tensordict_utils as tu
+
+                data = make_batch(8, 4, rmpad=False, vocab=tvm.VOCAB)
+                tu.assign_non_tensor(data, **{ve.CERTAINTY_KEY: {
+                    k: opts.get(k, getattr(ve.EngineOptions(), k))
+                    for k in ve.CRITICAL_KL_FIELDS}})
+                ref = engine.infer_batch(data, loss_function=None)
+                res[key]["infer"].update(
+                    ref_logp=tvm._responses(ref, "log_probs", data),
+                    kl_weight=tvm._responses(ref, ve.KL_WEIGHT_KEY, data))
         results[name] = res
     return results
 
@@ -214,7 +233,10 @@ CP_CASES = {"vanilla_token_mean_kl": ("vanilla", "token-mean", True,
             "gspo_seq_mean_token_mean": ("gspo", "seq-mean-token-mean", False,
                                          {False: None, True: {}}),
             "ar_seq_mean_token_sum_kl": ("vanilla", "seq-mean-token-sum", True,
-                                         {"ar": {"ar_alpha": 0.3}})}
+                                         {"ar": {"ar_alpha": 0.3}}),
+            "critical_kl_token_mean": ("vanilla", "token-mean", True,
+                                       {"ar": {"critical_kl_exponent": 0.5,
+                                               "critical_kl_temperature": 0.25}})}
 
 
 @pytest.fixture(scope="module")
@@ -262,16 +284,25 @@ def _check_against_stock(results):
 
 
 @pytest.mark.slow
-def test_context_parallel_2_equals_1_with_ar(cp_trained):
-    """gbc's engine with AR (a seq-mean-token-sum loss with a KL term, no stock counterpart):
-    at CP 2 it gives CP 1's loss, log_probs, entropy, verl's metrics and forward-only outputs
-    on every rank, and CP 1's gradients once each parameter's gradient is averaged over the CP
-    ranks (megatron's DDP over data and context parallel)."""
+def test_context_parallel_2_equals_1_with_ar_and_critical_kl(cp_trained):
+    """gbc's methods, which have no stock counterpart — AR (a seq-mean-token-sum loss with a KL
+    term) and critical-token KL (its reference pass's log-probs and weights, and a training
+    step with per-token KL weights): at CP 2 gbc's engine gives CP 1's loss, log_probs,
+    entropy, verl's metrics and forward-only outputs on every rank, and CP 1's gradients once
+    each parameter's gradient is averaged over the CP ranks (megatron's DDP over data and
+    context parallel)."""
+    names = ("ar_seq_mean_token_sum_kl", "critical_kl_token_mean")
+    ones = spawn_gloo(1, _cp_gbc_worker, 1, {n: CP_CASES[n] for n in names})[0]
+    for name in names:
+        _check_cp_1(ones[name]["ar"], [per_rank[name]["ar"] for per_rank in cp_trained])
+    assert "actor/gbc_ar_weight_mean" in ones[names[0]]["ar"]["metrics"]
+    assert float(ones[names[1]]["ar"]["infer"]["kl_weight"].abs().sum()) > 0
+
+
+def _check_cp_1(one, two):
+    """CP 2's ranks ``two`` against CP 1's ``one`` (the gradients averaged over CP ranks)."""
     import test_verl_megatron as tvm
 
-    name = "ar_seq_mean_token_sum_kl"
-    one = spawn_gloo(1, _cp_gbc_worker, 1, {name: CP_CASES[name]})[0][name]["ar"]
-    two = [per_rank[name]["ar"] for per_rank in cp_trained]
     for r, s in enumerate(two):
         assert abs(float(one["loss"]) - float(s["loss"])) <= 1e-5 * abs(float(one["loss"])), r
         tvm._close(one["logp"], s["logp"], 1e-6, f"rank {r} log_probs")
@@ -281,17 +312,15 @@ def test_context_parallel_2_equals_1_with_ar(cp_trained):
             tvm._close(torch.tensor(v), torch.tensor(s["metrics"][k]), 1e-5, f"rank {r} {k}")
         for k, v in one["infer"].items():
             tvm._close(v, s["infer"][k], 1e-6, f"rank {r} infer {k}")
-    assert "actor/gbc_ar_weight_mean" in one["metrics"]
     for k, g in one["grads"].items():
         tvm._close(g, (two[0]["grads"][k] + two[1]["grads"][k]) / 2, 1e-6, f"grad {k}")
 
 
-@pytest.mark.parametrize("option", ["use_remove_padding", "nthr", "critical_kl_exponent",
-                                    "dynamic_context_parallel"])
+@pytest.mark.parametrize("option", ["use_remove_padding", "nthr", "dynamic_context_parallel"])
 def test_context_parallel_refusals(option):
     """Under context_parallel_size 2, gbc's engine refuses by name what it does not run: the
-    padded bshd layout (verl itself packs for context parallelism only in thd), NTHR and
-    critical-token KL, and dynamic_context_parallel."""
+    padded bshd layout (verl itself packs for context parallelism only in thd), NTHR, and
+    dynamic_context_parallel."""
     import types
 
     from gbc_kernels.integrations import verl_engine as ve
@@ -305,7 +334,7 @@ def test_context_parallel_refusals(option):
     elif option == "dynamic_context_parallel":
         ec.dynamic_context_parallel = True
     else:
-        opts = {"nthr": True} if option == "nthr" else {"critical_kl_exponent": 0.5}
+        opts = {"nthr": True}
     engine = types.SimpleNamespace(engine_config=ec, gbc_options=ve.EngineOptions(**opts),
                                    model_config=types.SimpleNamespace(mtp=None))
     with pytest.raises(ValueError, match=option):

@@ -47,14 +47,11 @@ def _check_config(engine):
                              f"its bshd step asserts context_parallel_size 1); set "
                              f"use_remove_padding=True")
         opts = getattr(engine, "gbc_options", None)
-        for name, on in (("nthr", getattr(opts, "nthr", False)),
-                         ("critical_kl_exponent",
-                          getattr(opts, "critical_kl_exponent", None) is not None)):
-            if on:
-                raise ValueError(f"{name}: not supported by gbc's Megatron engine under "
-                                 f"context parallelism (context_parallel_size="
-                                 f"{ec.context_parallel_size}); unset it or set "
-                                 f"context_parallel_size=1")
+        if getattr(opts, "nthr", False):
+            raise ValueError(f"nthr: not supported by gbc's Megatron engine under context "
+                             f"parallelism (context_parallel_size={ec.context_parallel_size}): "
+                             f"NTHR's pass needs each sequence's response rows on one rank; "
+                             f"unset it or set context_parallel_size=1")
     if getattr(getattr(mc, "mtp", None), "enable", False):
         raise ValueError("mtp.enable: gbc's engine computes the next-token head only; set "
                          "actor_rollout_ref.model.mtp.enable=False")
@@ -292,7 +289,7 @@ class GBCMegatronMixin(EngineMethods):
                     vocab_parallel=M.vocab_parallel(weight, state["tp_group"]))
                 return {"log_probs": packed(logp)}
             if certainty is not None:      # the reference pass of critical-token KL
-                st = M.reference_stats(h, weight, y, methods.MethodOptions(**certainty), valid,
+                st = M.reference_stats(h, weight, y, methods.MethodOptions(**certainty), own,
                                        temperature=temp, backend=backend, **common)
                 ret = {"log_probs": packed(st.ref_logp)}
                 if st.kl_weight is not None:
