@@ -56,6 +56,17 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
+def whole_loss(share: torch.Tensor, group, scale: float = 1) -> torch.Tensor:
+    """A rank's loss share as the trainers report it under sequence / context parallelism: the
+    value of the whole loss (the shares summed over ``group``) with the gradient of ``scale *
+    share``. verl's Megatron engine at context parallelism computes the whole loss on every CP
+    rank with the gradient of the rank's own tokens (``scale`` 1); its Ulysses step scales each
+    rank's slice by the SP size (``scale`` the SP size)."""
+    whole = share.detach().clone()
+    dist.all_reduce(whole, group=group)
+    return whole + scale * (share - share.detach())
+
+
 @dataclass(frozen=True)
 class _Group:
     """A checked :class:`SequenceParallel`: the reductions the loss calls."""

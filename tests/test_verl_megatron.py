@@ -821,7 +821,8 @@ def test_fused_kernels_step_runs_gbcs_head():
 
 
 REFUSALS = {
-    "context_parallel_size": dict(context_parallel_size=2),
+    # context parallelism runs in thd (tests/test_verl_megatron_cp.py); bshd is refused
+    "context_parallel_size": dict(context_parallel_size=2, use_remove_padding=False),
     "dynamic_context_parallel": dict(dynamic_context_parallel=True,
                                      max_seqlen_per_dp_cp_rank=64),
     "mtp.enable": dict(mtp=True),

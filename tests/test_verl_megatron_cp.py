@@ -9,7 +9,8 @@ forward passes no position ids; megatron's RoPE takes each sequence's positions 
 thd at CP 2 equals CP 1); the same stand-in, at CP > 1, all-gathers K/V over the CP group and
 masks by each token's position in megatron's load-balanced layout (each sequence in ``2·cp``
 chunks, rank ``r`` holding chunks ``r`` and ``2·cp - 1 - r``). verl packs for CP only in thd
-(its bshd preprocessing asserts CP 1)."""
+(its bshd preprocessing asserts CP 1). gbc's engine at CP 2 is then checked against verl's
+stock engine at CP 2 (TP 1, and TP 2 with sequence parallelism), and with AR against CP 1."""
 
 from __future__ import annotations
 
@@ -172,3 +173,185 @@ def test_stock_engine_context_parallel_2_equals_1():
     for k, g in one["grads"].items():
         tvm._close(g, (two[0]["grads"][k] + two[1]["grads"][k]) / 2, 1e-9, f"grad {k}")
         assert not torch.allclose(two[0]["grads"][k], two[1]["grads"][k]) or g.abs().sum() == 0
+
+
+def _cp_gbc_worker(rank, world, cp, cases, tp=1, sp=False):
+    """Per case (loss mode, aggregation, KL term, gbc's method options): verl's stock engine
+    (``None`` options) or gbc's in thd at context parallel ``cp`` (tensor parallel ``tp``,
+    sequence parallel ``sp``) — the training step and a forward-only pass (log-probs, entropy,
+    sum of squared probabilities)."""
+    import test_verl_megatron as tvm
+    from test_verl_engine import make_batch
+
+    from gbc_kernels.integrations import verl_engine as ve
+
+    results = {}
+    for name, (mode, agg, kl, variants) in cases.items():
+        res = {}
+        for key, opts in variants.items():
+            gbc = opts is not None
+            model = _model(tp, sp, cp=cp)
+            engine = tvm._engine(model, gbc=gbc, use_remove_padding=True,
+                                 context_parallel_size=cp,
+                                 options=ve.EngineOptions(**opts) if gbc else None)
+            torch.manual_seed(1234)
+            data = make_batch(5, 4, rmpad=False, vocab=tvm.VOCAB)
+            critical = gbc and opts.get("critical_kl_exponent") is not None
+            if critical:      # the training step's per-token KL weights (fixed draws)
+                g = torch.Generator().manual_seed(3)
+                mask = data["response_mask"]
+                data[ve.KL_WEIGHT_KEY] = torch.nested.as_nested_tensor(
+                    [torch.rand(m.shape, generator=g) * m for m in mask.unbind()],
+                    layout=torch.jagged) if mask.is_nested else (
+                    torch.rand(mask.shape, generator=g) * mask)
+            out = engine.forward_backward_batch(data, tvm._loss_fn(mode, agg, kl),
+                                                forward_only=False)
+            res[key] = dict(loss=sum(out["loss"]), logp=tvm._responses(out, "log_probs", data),
+                            entropy=tvm._responses(out, "entropy", data),
+                            metrics=tvm._metric_values(out["metrics"]), grads=tvm._grads(model))
+            data = make_batch(7, 4, rmpad=False, vocab=tvm.VOCAB)
+            inf = tvm._infer(engine, data, calculate_entropy=True)
+            res[key]["infer"] = {k: tvm._responses(inf, k, data)
+                                 for k in ("log_probs", "entropy", "sum_pi_squared")}
+            if critical:      # the reference pass: log-probs and the critical-token weights
+                from verl.utils import tensordict_utils as tu
+
+                data = make_batch(8, 4, rmpad=False, vocab=tvm.VOCAB)
+                tu.assign_non_tensor(data, **{ve.CERTAINTY_KEY: {
+                    k: opts.get(k, getattr(ve.EngineOptions(), k))
+                    for k in ve.CRITICAL_KL_FIELDS}})
+                ref = engine.infer_batch(data, loss_function=None)
+                res[key]["infer"].update(
+                    ref_logp=tvm._responses(ref, "log_probs", data),
+                    kl_weight=tvm._responses(ref, ve.KL_WEIGHT_KEY, data))
+        results[name] = res
+    return results
+
+
+CP_CASES = {"vanilla_token_mean_kl": ("vanilla", "token-mean", True,
+                                      {False: None, True: {}}),
+            "gspo_seq_mean_token_mean": ("gspo", "seq-mean-token-mean", False,
+                                         {False: None, True: {}}),
+            "ar_seq_mean_token_sum_kl": ("vanilla", "seq-mean-token-sum", True,
+                                         {"ar": {"ar_alpha": 0.3}}),
+            "critical_kl_token_mean": ("vanilla", "token-mean", True,
+                                       {"ar": {"critical_kl_exponent": 0.5,
+                                               "critical_kl_temperature": 0.25}})}
+
+
+@pytest.fixture(scope="module")
+def cp_trained():
+    return spawn_gloo(2, _cp_gbc_worker, 2, CP_CASES)
+
+
+@pytest.mark.slow
+def test_context_parallel_2_equals_verl_stock_engine(cp_trained):
+    """context_parallel_size=2 in thd (two gloo ranks, each holding 2 of every sequence's 4
+    load-balanced chunks): gbc's engine — the rank's tokens into the loss, its sequence terms
+    reduced over the CP group, the per-token outputs back in verl's layout before verl's CP
+    gather — gives verl's stock engine's loss, log_probs, entropy, metrics and every
+    parameter's gradient on each rank (token-mean with a KL term; GSPO's seq-mean-token-mean),
+    and its forward-only log-probs, entropy and sum of squared probabilities."""
+    _check_against_stock(cp_trained)
+
+
+@pytest.mark.slow
+def test_context_parallel_2_with_tensor_parallel_2_equals_verl_stock_engine():
+    """CP 2 composed with TP 2 and sequence parallelism (four gloo ranks): gbc's engine equals
+    verl's stock engine as at TP 1 (token-mean with KL, GSPO's seq-mean-token-mean)."""
+    cases = {k: CP_CASES[k] for k in ("vanilla_token_mean_kl", "gspo_seq_mean_token_mean")}
+    _check_against_stock(spawn_gloo(4, _cp_gbc_worker, 2, cases, 2, True))
+
+
+def _check_against_stock(results):
+    """Per rank and case: gbc's loss, log_probs, entropy, verl's metrics, every parameter's
+    gradient and the forward-only outputs equal verl's stock engine's."""
+    import test_verl_megatron as tvm
+
+    stock_cases = [{k: v for k, v in per_rank.items() if False in v} for per_rank in results]
+    for r, per_rank in enumerate(stock_cases):
+        for name, res in per_rank.items():
+            # float32 batch fields: the loss's sequence sums are added in another order (each
+            # rank's part, then over the CP group) than verl's whole-sequence sums
+            stock, ours = float(res[False]["loss"]), float(res[True]["loss"])
+            assert abs(stock - ours) <= 1e-5 * abs(stock) + 1e-7, (r, name, stock, ours)
+            res[True]["loss"] = res[False]["loss"]
+    tvm._check(stock_cases)
+    for r, per_rank in enumerate(stock_cases):
+        for name, res in per_rank.items():
+            for k, v in res[False]["infer"].items():
+                tvm._close(v, res[True]["infer"][k], 1e-6, f"rank {r} {name} infer {k}")
+
+
+@pytest.mark.slow
+def test_context_parallel_2_equals_1_with_ar_and_critical_kl(cp_trained):
+    """gbc's methods, which have no stock counterpart — AR (a seq-mean-token-sum loss with a KL
+    term) and critical-token KL (its reference pass's log-probs and weights, and a training
+    step with per-token KL weights): at CP 2 gbc's engine gives CP 1's loss, log_probs,
+    entropy, verl's metrics and forward-only outputs on every rank, and CP 1's gradients once
+    each parameter's gradient is averaged over the CP ranks (megatron's DDP over data and
+    context parallel)."""
+    names = ("ar_seq_mean_token_sum_kl", "critical_kl_token_mean")
+    ones = spawn_gloo(1, _cp_gbc_worker, 1, {n: CP_CASES[n] for n in names})[0]
+    for name in names:
+        _check_cp_1(ones[name]["ar"], [per_rank[name]["ar"] for per_rank in cp_trained])
+    assert "actor/gbc_ar_weight_mean" in ones[names[0]]["ar"]["metrics"]
+    assert float(ones[names[1]]["ar"]["infer"]["kl_weight"].abs().sum()) > 0
+
+
+def _check_cp_1(one, two):
+    """CP 2's ranks ``two`` against CP 1's ``one`` (the gradients averaged over CP ranks)."""
+    import test_verl_megatron as tvm
+
+    for r, s in enumerate(two):
+        assert abs(float(one["loss"]) - float(s["loss"])) <= 1e-5 * abs(float(one["loss"])), r
+        tvm._close(one["logp"], s["logp"], 1e-6, f"rank {r} log_probs")
+        tvm._close(one["entropy"], s["entropy"], 1e-6, f"rank {r} entropy")
+        assert one["metrics"].keys() == s["metrics"].keys()
+        for k, v in one["metrics"].items():
+            tvm._close(torch.tensor(v), torch.tensor(s["metrics"][k]), 1e-5, f"rank {r} {k}")
+        for k, v in one["infer"].items():
+            tvm._close(v, s["infer"][k], 1e-6, f"rank {r} infer {k}")
+    for k, g in one["grads"].items():
+        tvm._close(g, (two[0]["grads"][k] + two[1]["grads"][k]) / 2, 1e-6, f"grad {k}")
+
+
+@pytest.mark.parametrize("option", ["use_remove_padding", "nthr", "dynamic_context_parallel"])
+def test_context_parallel_refusals(option):
+    """Under context_parallel_size 2, gbc's engine refuses by name what it does not run: the
+    padded bshd layout (verl itself packs for context parallelism only in thd), NTHR, and
+    dynamic_context_parallel."""
+    import types
+
+    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl_megatron import _check_config
+
+    ec = types.SimpleNamespace(context_parallel_size=2, use_remove_padding=True,
+                               dynamic_context_parallel=False, qat=None)
+    opts = {}
+    if option == "use_remove_padding":
+        ec.use_remove_padding = False
+    elif option == "dynamic_context_parallel":
+        ec.dynamic_context_parallel = True
+    else:
+        opts = {"nthr": True}
+    engine = types.SimpleNamespace(engine_config=ec, gbc_options=ve.EngineOptions(**opts),
+                                   model_config=types.SimpleNamespace(mtp=None))
+    with pytest.raises(ValueError, match=option):
+        _check_config(engine)
+    ec.context_parallel_size, ec.use_remove_padding, ec.dynamic_context_parallel = 1, True, False
+    if option in ("use_remove_padding", "dynamic_context_parallel"):
+        _check_config(engine)       # the same engine at CP 1 runs
+
+
+@pytest.mark.parametrize("mode", ["clip_cov", "kl_cov"])
+def test_context_parallel_batch_selecting_loss_modes_refused(mode):
+    """Clip-Cov and KL-Cov pick tokens from the whole batch; under context parallelism each
+    rank's loss sees its own tokens, so gbc's engine refuses them naming loss_mode."""
+    import test_verl_megatron as tvm
+
+    from gbc_kernels.integrations.verl_megatron import _check_cp_loss
+
+    with pytest.raises(ValueError, match="loss_mode.*context_parallel_size=2"):
+        _check_cp_loss(tvm._loss_fn(mode), 2)
+    _check_cp_loss(tvm._loss_fn("gspo"), 2)

@@ -185,7 +185,7 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
                 output_bias=None, tp_group=None, sequence_parallel: bool = False,
                 hidden_gathered: bool = False, return_entropy: bool = True,
                 return_sum_p2: bool = False, backend="auto", main_grad: Optional[bool] = None,
-                **loss_kwargs) -> HeadOutput:
+                context_parallel=None, **loss_kwargs) -> HeadOutput:
     """gbc's fused policy loss on megatron-core's output layer (docs/megatron.md).
 
     hidden_states: ``[S, B, H]`` of the last pipeline stage (under sequence parallelism this
@@ -202,8 +202,13 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
 
     The loss, metrics, ``logp``, ``entropy`` and ``sum_p2`` come from one sweep (neither the
     entropy nor ``sum_p2`` costs a matmul).
-    Gradients flow to ``hidden_states``, ``output_weight`` and ``output_bias``. Context
-    parallelism is refused (naming ``context_parallel_size``).
+    Gradients flow to ``hidden_states``, ``output_weight`` and ``output_bias``.
+
+    context_parallel: None, or the context-parallel process group when each rank holds part of
+    every sequence (labels and mask ``[B, S]`` for the same ``B`` sequences on every rank, the
+    rank's own tokens masked in): the loss's sequence terms are reduced over it
+    (:class:`gbc_kernels.SequenceParallel`) and the loss is the rank's share. Without it,
+    megatron's context parallelism is refused (naming ``context_parallel_size``).
 
     main_grad: where ``d weight`` goes. None (default): into ``output_weight.main_grad`` when
     it has a float32 one (megatron's DDP with ``grad_reduce_in_fp32``, verl's default), else
@@ -220,7 +225,10 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
     for name, flag in (("return_entropy", return_entropy), ("return_sum_p2", return_sum_p2)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {flag!r}")
-    _refuse_context_parallel()
+    if context_parallel is None:
+        _refuse_context_parallel()
+    else:
+        loss_kwargs["sequence_parallel"] = gbc.SequenceParallel(context_parallel)
     cfg = PolicyLossConfig.coerce(config)
     if return_entropy and not cfg.wants_entropy:
         cfg = dataclasses.replace(cfg, return_entropy=True)

@@ -47,6 +47,9 @@ SCALE_KEY = "gbc_token_scale"          # NTHR's per-token advantage scale
 KL_WEIGHT_KEY = "gbc_kl_weight"        # critical-token KL weights
 CERTAINTY_KEY = "gbc_critical_kl"      # reference pass: the critical-KL options (a dict)
 NTHR_ROW_KEY = "gbc_row"               # NTHR's pass: each sample's row of the update batch
+# verl's loss modes that pick tokens from the whole batch (Clip-Cov at random, KL-Cov by
+# covariance rank): not reproduced where each rank's loss sees part of every sequence
+BATCH_SELECTING_MODES = ("clip_cov", "kl_cov")
 CRITICAL_KL_FIELDS = ("critical_kl_exponent", "critical_kl_intercept", "critical_kl_certainty",
                       "critical_kl_temperature")
 

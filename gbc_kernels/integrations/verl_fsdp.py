@@ -12,8 +12,9 @@ import gbc_kernels as gbc
 from gbc_kernels import methods
 from gbc_kernels.integrations import hf
 from gbc_kernels.integrations.verl_engine import (
-    CERTAINTY_KEY, ENV_ON, KL_WEIGHT_KEY, NTHR_ROW_KEY, EngineMethods, _flag, _is_ppo_loss,
-    _rng_state, _Rows, _temperature)
+    BATCH_SELECTING_MODES, CERTAINTY_KEY, ENV_ON, KL_WEIGHT_KEY, NTHR_ROW_KEY, EngineMethods,
+    _flag, _is_ppo_loss, _rng_state, _Rows, _temperature)
+from gbc_kernels.sequence_parallel import whole_loss
 
 
 def _check_supported(engine, micro_batch):
@@ -31,17 +32,13 @@ def _check_supported(engine, micro_batch):
                          f"{ENV_ON} for distillation runs")
 
 
-# verl's loss modes that select tokens by their place in the whole batch
-_BATCH_SELECTING_MODES = ("clip_cov", "kl_cov")
-
-
 def _check_ulysses_loss(engine, loss_function):
     """Under Ulysses SP each rank's loss sees its own tokens: Clip-Cov / KL-Cov, which pick
     tokens from the whole batch (at random, by rank), are refused in verl's words."""
     if not getattr(engine, "use_ulysses_sp", False):
         return
     mode = getattr(loss_function.keywords["config"].policy_loss, "loss_mode", "vanilla")
-    if mode in _BATCH_SELECTING_MODES:
+    if mode in BATCH_SELECTING_MODES:
         raise ValueError(f"policy_loss.loss_mode: {mode!r} selects tokens from the whole batch "
                          "(Clip-Cov at random, KL-Cov by covariance rank), which gbc's loss "
                          "under Ulysses sequence parallelism (ulysses_sequence_parallel_size "
@@ -101,11 +98,7 @@ def _ulysses_loss(share: torch.Tensor, group, size: int) -> torch.Tensor:
     gather's backward scales each rank's slice of the log-probs by the SP size; gbc's loss is
     the rank's share (the shares sum to the whole). Returned: the whole loss's value, with the
     gradient of ``size * share``, so every rank's gradients equal those of verl's step."""
-    import torch.distributed as dist
-
-    whole = share.detach().clone()
-    dist.all_reduce(whole, group=group)
-    return whole + size * (share - share.detach())
+    return whole_loss(share, group, size)
 
 
 class GBCEngineMixin(EngineMethods):

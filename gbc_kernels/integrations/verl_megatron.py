@@ -11,7 +11,9 @@ the sequence under sequence parallelism, as megatron's layer gathers it — in p
 logits; verl packs those hidden states like logits, and gbc's ``_lm_head_logits_processor``
 projects only the response rows. The training loss replaces ``ppo_loss``'s value in
 ``postprocess_micro_batch_func``; verl's metrics come from its own ``ppo_loss`` on gbc's detached
-per-token values. Switched on with the FSDP engine (``GBC_VERL_ENGINE=1``, :func:`enable`).
+per-token values. Under context parallelism (``thd`` only) each rank's own tokens go into the
+loss, whose sequence terms are reduced over the CP group (docs/megatron.md, "Long context").
+Switched on with the FSDP engine (``GBC_VERL_ENGINE=1``, :func:`enable`).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from gbc_kernels import methods
 from gbc_kernels.integrations import megatron as M
 from gbc_kernels.integrations import verl as gv
 from gbc_kernels.integrations.verl_engine import (
-    CERTAINTY_KEY, KL_WEIGHT_KEY, NTHR_ROW_KEY, EngineMethods, _flag, _is_ppo_loss, _lengths,
-    _rng_state, _temperature, engine_class)
+    BATCH_SELECTING_MODES, CERTAINTY_KEY, KL_WEIGHT_KEY, NTHR_ROW_KEY, EngineMethods, _flag,
+    _is_ppo_loss, _lengths, _rng_state, _temperature, engine_class)
+from gbc_kernels.sequence_parallel import whole_loss
 
 
 def _check_config(engine):
@@ -35,11 +38,20 @@ def _check_config(engine):
     ``forward_backward_batch``)."""
     ec, mc = engine.engine_config, engine.model_config
     if getattr(ec, "dynamic_context_parallel", False):
-        raise ValueError("dynamic_context_parallel: gbc's engine needs every response row of a "
-                         "micro-batch on one rank; set it to False")
+        raise ValueError("dynamic_context_parallel: gbc's engine maps megatron's static "
+                         "context-parallel layout only (context_parallel_size); set it to False")
     if (ec.context_parallel_size or 1) > 1:
-        raise ValueError(f"context_parallel_size: expected 1 for gbc's engine (the loss's "
-                         f"sequence terms need whole sequences), got {ec.context_parallel_size}")
+        if not ec.use_remove_padding:
+            raise ValueError(f"context_parallel_size: {ec.context_parallel_size} runs in the "
+                             f"packed layout only (verl packs for context parallelism in thd; "
+                             f"its bshd step asserts context_parallel_size 1); set "
+                             f"use_remove_padding=True")
+        opts = getattr(engine, "gbc_options", None)
+        if getattr(opts, "nthr", False):
+            raise ValueError(f"nthr: not supported by gbc's Megatron engine under context "
+                             f"parallelism (context_parallel_size={ec.context_parallel_size}): "
+                             f"NTHR's pass needs each sequence's response rows on one rank; "
+                             f"unset it or set context_parallel_size=1")
     if getattr(getattr(mc, "mtp", None), "enable", False):
         raise ValueError("mtp.enable: gbc's engine computes the next-token head only; set "
                          "actor_rollout_ref.model.mtp.enable=False")
@@ -47,6 +59,18 @@ def _check_config(engine):
     if qat is not None and getattr(qat, "enable", False):
         raise ValueError("qat.enable: gbc reads the output layer's weight directly, past its "
                          "quantiser; set it to False")
+
+
+def _check_cp_loss(loss_function, cp_size):
+    """Under context parallelism each rank's loss sees its own tokens: Clip-Cov / KL-Cov,
+    which pick tokens from the whole batch, are refused in verl's words."""
+    mode = getattr(loss_function.keywords["config"].policy_loss, "loss_mode", "vanilla")
+    if mode in BATCH_SELECTING_MODES:
+        raise ValueError(f"policy_loss.loss_mode: {mode!r} selects tokens from the whole batch "
+                         "(Clip-Cov at random, KL-Cov by covariance rank), which gbc's loss "
+                         f"under context parallelism (context_parallel_size={cp_size}) does "
+                         "not reproduce; choose another loss_mode or set "
+                         "context_parallel_size=1")
 
 
 def response_rows(batch, data_format, shape, cu_seqlens_padded=None):
@@ -67,6 +91,25 @@ def response_rows(batch, data_format, shape, cu_seqlens_padded=None):
     else:
         starts = torch.arange(shape[0], device=device) * shape[1]
     return gv.response_rows(plens, rlens, T, starts)
+
+
+def cp_response_rows(batch, cu_seqlens_padded, cp_size, cp_rank):
+    """``(rows [B, T], valid [B, T], own [B, T])`` under context parallelism in ``thd``: the row
+    of this CP rank's packed output (``[1, nnz/cp, ...]``) predicting response token ``t`` of
+    sequence ``b``, where ``own`` (that token's position sits on this rank; elsewhere the row
+    is 0). megatron's load-balanced layout: sequence ``b``'s padded length, in ``2·cp`` chunks,
+    starts at ``cu_seqlens_padded[b] / cp`` on every rank, rank ``r`` holding chunks ``r`` then
+    ``2·cp - 1 - r``. ``valid``: the whole micro-batch's response tokens."""
+    pos, valid = response_rows(batch, "thd", None, torch.zeros_like(cu_seqlens_padded))
+    cu = cu_seqlens_padded.to(pos.device).long()
+    chunk = (cu[1:] - cu[:-1])[:, None] // (2 * cp_size)
+    start = cu[:-1, None] // cp_size
+    c = pos // chunk
+    first, second = c == cp_rank, c == 2 * cp_size - 1 - cp_rank
+    rows = torch.where(first, start + pos - cp_rank * chunk,
+                       start + chunk + pos - c * chunk)
+    own = valid & (first | second)
+    return torch.where(own, rows, torch.zeros_like(rows)), valid, own
 
 
 class GBCMegatronMixin(EngineMethods):
@@ -144,7 +187,9 @@ class GBCMegatronMixin(EngineMethods):
     @contextlib.contextmanager
     def _gbc_head(self, model):
         """The last stage's output layer returns its (sequence-gathered) input in place of the
-        logits; records its weight shard and the packing (``cu_seqlens_q_padded``)."""
+        logits; records its weight shard, the packing (``cu_seqlens_q_padded``) and the
+        context-parallel group, size and rank (None at CP 1)."""
+        from megatron.core import parallel_state as mpu
         from verl.utils.megatron_utils import unwrap_model
 
         inner = unwrap_model(model)
@@ -152,8 +197,11 @@ class GBCMegatronMixin(EngineMethods):
             yield
             return
         layer = inner.output_layer
+        cp = mpu.get_context_parallel_world_size()
         state = {"tp_group": layer.tp_group, "cu": None,
-                 "gathered": bool(getattr(layer, "sequence_parallel", False))}
+                 "gathered": bool(getattr(layer, "sequence_parallel", False)),
+                 "cp": (mpu.get_context_parallel_group(), cp, mpu.get_context_parallel_rank())
+                 if cp > 1 else None}
 
         def head(hidden, weight=None, runtime_gather_output=None):
             if state["gathered"]:       # megatron's gather: its backward reduce-scatters
@@ -192,7 +240,12 @@ class GBCMegatronMixin(EngineMethods):
                 batch=batch, data_format=data_format)
         hidden = logits                  # [1, nnz, H] (thd) or [B, S, H] (bshd)
         device = hidden.device
-        rows, valid = response_rows(batch, data_format, hidden.shape, state["cu"])
+        cp = state["cp"]
+        if cp is None:
+            rows, valid = response_rows(batch, data_format, hidden.shape, state["cu"])
+            own = valid
+        else:       # this rank's tokens of every sequence; the loss reduces over the CP group
+            rows, valid, own = cp_response_rows(batch, state["cu"], cp[1], cp[2])
         weight = state["weight"]
         h = hidden.reshape(-1, hidden.shape[-1])[rows.t()]                # [T, B, H]
         h = h.to(weight.dtype) if h.dtype != weight.dtype else h
@@ -200,7 +253,7 @@ class GBCMegatronMixin(EngineMethods):
         common = dict(output_bias=state["bias"], tp_group=state["tp_group"],
                       hidden_gathered=state["gathered"])
 
-        dest = torch.where(valid, rows, label.numel()).reshape(-1)    # padding: a spare slot
+        dest = torch.where(own, rows, label.numel()).reshape(-1)      # padding: a spare slot
 
         def packed(v):       # [B, T] -> verl's layout of the logits' rows, 0 off the responses
             out = torch.zeros(label.numel() + 1, dtype=torch.float32, device=device)
@@ -208,11 +261,19 @@ class GBCMegatronMixin(EngineMethods):
             return out[:-1].view(label.shape)
 
         if logits_processor_func is not None:       # training: the fused loss
+            if cp is not None:
+                _check_cp_loss(logits_processor_func, cp[1])
             kw = self._gbc_loss_inputs(batch, logits_processor_func, valid)
+            if cp is not None:      # the whole micro-batch's normalisers, the rank's tokens
+                kw["mask"] = kw["mask"] & own
+                kw["context_parallel"] = cp[0]
             rng = _rng_state()
             res = M.policy_loss(h, weight, y, return_entropy=kw["config"].wants_entropy,
                                 **common, **kw)
-            self._gbc_pending[id(batch)] = (res.loss, res.metrics, rng)
+            loss = res.loss
+            if cp is not None:      # verl's value (the whole loss on every CP rank), and the
+                loss = whole_loss(loss, cp[0])   # gradient of this rank's tokens, as verl's
+            self._gbc_pending[id(batch)] = (loss, res.metrics, rng)
             ret = {"log_probs": packed(res.logp)}
             if calculate_entropy:
                 ret["entropy"] = packed(res.entropy)
@@ -228,13 +289,13 @@ class GBCMegatronMixin(EngineMethods):
                     vocab_parallel=M.vocab_parallel(weight, state["tp_group"]))
                 return {"log_probs": packed(logp)}
             if certainty is not None:      # the reference pass of critical-token KL
-                st = M.reference_stats(h, weight, y, methods.MethodOptions(**certainty), valid,
+                st = M.reference_stats(h, weight, y, methods.MethodOptions(**certainty), own,
                                        temperature=temp, backend=backend, **common)
                 ret = {"log_probs": packed(st.ref_logp)}
                 if st.kl_weight is not None:
                     ret[KL_WEIGHT_KEY] = packed(st.kl_weight)
                 return ret
-            res = M.logprobs(h, weight, y, valid, temperature=temp, backend=backend,
+            res = M.logprobs(h, weight, y, own, temperature=temp, backend=backend,
                              return_entropy=bool(calculate_entropy),
                              return_sum_p2=bool(calculate_sum_pi_squared), **common)
         ret = {"log_probs": packed(res.logp)}
