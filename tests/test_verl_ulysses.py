@@ -32,7 +32,7 @@ from conftest import spawn_gloo  # noqa: E402
 pytest.importorskip("verl.workers.engine.fsdp.transformer_impl")
 
 from test_other_trainers import VERL_AGGS, VERL_MODES, verl_actor_config  # noqa: E402
-from test_verl_engine import (_grads, _metric_values, _params, make_batch,  # noqa: E402
+from test_verl_engine import (_check_parity, _grads, _metric_values, _params, make_batch,  # noqa: E402
                               make_model_dir, verl_on_cpu)
 
 
@@ -252,17 +252,7 @@ def _close(a, b, tol, what):
 def _check_step(res, case, tol=2e-5):
     """gbc's (loss, metrics, gradients) equal verl's: every metric verl logs, every
     parameter's gradient (gbc adds only its own ``actor/gbc_*`` metrics)."""
-    (l0, m0, g0), (l1, m1, g1) = res["verl"], res["gbc"]
-    _close(l0, l1, tol, (case, "loss"))
-    assert set(m0) <= set(m1) and all(k.startswith("actor/gbc_") for k in set(m1) - set(m0))
-    for k in m0:
-        for a, b in zip(m0[k], m1[k]):
-            assert abs(a - b) <= tol * max(1.0, abs(a)) + 1e-6, (case, k, a, b)
-    assert set(g0) == set(g1)
-    top = max(float(g.abs().max()) for g in g0.values())
-    assert top > 0, case
-    for n in g0:
-        assert float((g0[n] - g1[n]).abs().max()) <= tol * top, (case, n)
+    _check_parity([res], [case], tol)
 
 
 @pytest.mark.slow
