@@ -380,7 +380,7 @@ def old_policy_head(targets, mask, group_ids=None, correct=None, temperature=1.0
 def reference_pass(ref_model, input_ids, attention_mask, targets, temperature=1.0,
                    critical_kl_exponent=None, certainty="max_prob", certainty_temperature=1.0,
                    intercept=0.0, backend="auto", completion_len: int = 0,
-                   model_kwargs: Optional[dict] = None, options=None):
+                   model_kwargs: Optional[dict] = None, options=None, unwrapped=None):
     """The reference model's pass: ``ref_logp`` and, with ``critical_kl_exponent``, the
     critical-token KL weights, as :func:`gbc_kernels.methods.reference_stats` returns them;
     ``options``: a ``MethodOptions`` in place of the four critical-KL keywords."""
@@ -398,4 +398,4 @@ def reference_pass(ref_model, input_ids, attention_mask, targets, temperature=1.
     return in_head(ref_model, input_ids, attention_mask, completion_len, model_kwargs,
                    lambda h, head, cap: methods.reference_stats(
                        h, head.weight, targets, opts, head.bias, temperature=temperature,
-                       logit_softcap=cap, backend=backend))
+                       logit_softcap=cap, backend=backend), unwrapped)

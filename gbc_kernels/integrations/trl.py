@@ -176,6 +176,7 @@ class GBCGRPOTrainer(GRPOTrainer):
         self._gbc_check_model()
         # Lopti's state: the phase, the window's kept micro-batches, the phases' gradient norms
         self._gbc_phase = self._gbc_reuse_inputs = self._gbc_last_inputs = None
+        self._gbc_ref_calls = None       # critical KL: the rollout's no-grad passes' KL weights
         self._gbc_window, self._gbc_norms, self._gbc_first_norm = [], {}, None
 
     # ---------------------------------------------------------------- construction checks
@@ -240,19 +241,37 @@ class GBCGRPOTrainer(GRPOTrainer):
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
                 **multimodal)
+        calls = self._gbc_ref_calls
+        if calls is not None and not compute_entropy:
+            # critical-token KL on: this may be TRL's reference pass; take the KL weights from
+            # the same sweep (its log-probs are the same as without them)
+            st = hf.reference_pass(
+                model, input_ids, attention_mask, input_ids[:, -logits_to_keep:],
+                temperature=self._gbc_temperature, backend=self.gbc_args.gbc_backend,
+                completion_len=logits_to_keep, options=self.gbc_methods,
+                unwrapped=self.accelerator.unwrap_model(model))
+            calls.append(st.kl_weight)
+            return st.ref_logp, None, None
         logp, entropy = hf.logprobs_through_forward(
             model, input_ids, attention_mask, logits_to_keep, temperature=self._gbc_temperature,
             return_entropy=compute_entropy, backend=self.gbc_args.gbc_backend,
             unwrapped=self.accelerator.unwrap_model(model))
+        if calls is not None:
+            calls.append(None)
         return logp, entropy, None
 
     # ---------------------------------------------------------------- rollout: NTHR, critical KL
     def _generate_and_score_completions(self, inputs):
         """TRL's rollout, then gbc's no-grad passes over the whole generation batch: the old
-        policy's (Lopti's fixed ``old_logp``, NTHR's scales), the reference's (KL weights)."""
-        out = super()._generate_and_score_completions(inputs)
+        policy's (Lopti's fixed ``old_logp``, NTHR's scales). Critical-token KL's weights come
+        from TRL's own reference pass (its last no-grad pass: ``beta != 0`` is checked)."""
         opts, args = self.gbc_methods, self.gbc_args
         crit = opts.critical_kl_exponent is not None
+        self._gbc_ref_calls = [] if crit and self.model.training else None
+        try:
+            out = super()._generate_and_score_completions(inputs)
+        finally:
+            ref_calls, self._gbc_ref_calls = self._gbc_ref_calls, None
         if not self.model.training or not (opts.needs_old_pass or crit):
             return out
         model_kwargs = _model_inputs(out)
@@ -291,11 +310,16 @@ class GBCGRPOTrainer(GRPOTrainer):
                 if nthr:
                     out["gbc_token_scale"] = res.token_scale
                     self._gbc_log_nthr(res.nthr, out["advantages"], mask)
-        if crit:
+        if crit and ref_calls and ref_calls[-1] is not None:
+            out["gbc_kl_weight"] = ref_calls[-1]          # no pass of our own
+        elif crit:
+            # TRL's reference pass ran its own forward (a vision-language batch): ours, on the
+            # same reference TRL uses (PEFT: the "ref" adapter if loaded, else none)
             ref_model, ctx = self.ref_model, contextlib.nullcontext()
-            if ref_model is None:       # PEFT: the base model, adapter disabled (as TRL does)
+            if ref_model is None:
+                from trl.trainer.utils import use_adapter
                 ref_model = self.accelerator.unwrap_model(self.model)
-                ctx = ref_model.disable_adapter()
+                ctx = use_adapter(ref_model, "ref" if "ref" in ref_model.peft_config else None)
             with ctx:
                 ref = hf.reference_pass(
                     ref_model, input_ids, attention_mask, completion_ids,

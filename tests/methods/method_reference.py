@@ -59,9 +59,10 @@ def max_rel_diff(model_a, model_b, start):
 
 
 # ------------------------------------------------------------------------ adapters' runs
-def trl_trainer(tiny, tmp_path, reward=None, **options):
-    """A GBCGRPOTrainer on the tiny model: 4 completions of one prompt per step, SGD at a
-    constant rate, no gradient clipping, TRL's bnpo loss; ``options``: GBCGRPOConfig's."""
+def trl_trainer(tiny, tmp_path, reward=None, model=None, **options):
+    """A GBCGRPOTrainer on the tiny model (or ``model``): 4 completions of one prompt per step,
+    SGD at a constant rate, no gradient clipping, TRL's bnpo loss; ``options``:
+    GBCGRPOConfig's."""
     import warnings
 
     import pytest
@@ -79,7 +80,8 @@ def trl_trainer(tiny, tmp_path, reward=None, **options):
     reward = reward or (lambda completions, **k: [float(len(c) % 3 == 0) for c in completions])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return GBCGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny),
+        model = AutoModelForCausalLM.from_pretrained(tiny) if model is None else model
+        return GBCGRPOTrainer(model=model,
                               reward_funcs=reward, args=GBCGRPOConfig(**kw),
                               train_dataset=Dataset.from_dict(
                                   {"prompt": ["you meet knights and knaves"] * 4}),

@@ -66,6 +66,56 @@ def test_trl_weights_equal_reference(tiny, tmp_path):
     assert torch.allclose(x["gbc_kl_weight"].double()[m], want[m], rtol=1e-4, atol=1e-6)
 
 
+def _count_forwards(module):
+    count = [0]
+    module.register_forward_pre_hook(lambda *a: count.__setitem__(0, count[0] + 1))
+    return count
+
+
+def test_trl_one_reference_forward(tiny, tmp_path):
+    """The weights come from TRL's own reference pass: as many reference forwards as
+    without critical KL, and the same ``ref_per_token_logps``."""
+    runs = {}
+    for crit in (None, 2.0):
+        trainer = trl_trainer(tiny, tmp_path / str(crit), beta=0.1, max_steps=2,
+                              gbc_critical_kl_exponent=crit)
+        count, seen = _count_forwards(trainer.ref_model), spy_losses(trainer)
+        trainer.train()
+        runs[crit] = count[0], seen
+    assert runs[2.0][0] == runs[None][0] > 0
+    for (a, _), (b, _) in zip(runs[None][1], runs[2.0][1]):
+        assert torch.equal(a["ref_per_token_logps"], b["ref_per_token_logps"])
+        assert "gbc_kl_weight" in b and "gbc_kl_weight" not in a
+
+
+def test_trl_peft_reference_adapter(tiny, tmp_path):
+    """PEFT: the weights are those of TRL's reference, here a ready PeftModel whose adapter TRL
+    copies into a frozen "ref" adapter (not the base model), from its one pass."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(4)
+    cfg = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny),
+                                peft.LoraConfig(**cfg))
+    trainer = trl_trainer(tiny, tmp_path, model=model, beta=0.1,
+                          gbc_critical_kl_exponent=2.0, gbc_critical_kl_temperature=0.7)
+    seen = spy_losses(trainer)
+    trainer.train()
+    x = seen[0][0]
+    ids, attn, T, mask = sequences(x)
+    ref = trainer.accelerator.unwrap_model(trainer.model)
+    assert "ref" in ref.peft_config
+    ref.set_adapter("ref")
+    with torch.no_grad():
+        h = ref(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states[-1]
+    ref.set_adapter("default")
+    w = ref.get_output_embeddings().weight
+    _, want = reference_weights(h[:, -T - 1:-1], w, x["completion_ids"], trainer.gbc_methods)
+    m = mask.bool()
+    assert torch.allclose(x["gbc_kl_weight"].double()[m], want[m], rtol=1e-4, atol=1e-6)
+
+
 def test_example_trainer_weights_equal_reference():
     args, roll, h, w, gt = example_rollout(
         ["--kl-coef", "0.1", "--critical-kl-exponent", "4", "--critical-kl-temperature", "2",
