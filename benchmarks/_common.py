@@ -242,7 +242,7 @@ def run_child(cmd, threads: int):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-# ---- one trainer step, two providers: the pieces bench_skyrl.py runs (bench_openrlhf.py's form)
+# ---- one trainer step, two providers: the pieces bench_openrlhf.py and bench_skyrl.py run
 def step_parser(doc, **defaults):
     """The arguments of a one-step benchmark: the child modes, ``--provider`` and the case
     (``--B --P --T --H --V --threads --reps``; ``defaults`` override or add integers)."""

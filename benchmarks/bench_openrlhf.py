@@ -13,17 +13,13 @@ Memory: each provider in a fresh process, peak RSS during one step beyond the RS
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
-import resource
-import statistics
 import sys
-import time
 from types import SimpleNamespace
 
-from _common import rss_mb, run_child  # noqa: E402
+from _common import interleaved_medians, step_child, step_parser, step_peak_mb  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,53 +82,17 @@ def _step(provider, actor, exp, args):
 
 def child_memory(a):
     actor, exp, args = _setup(a)
-    _step(a.provider, actor, exp, args)          # warm-up (compilation, allocator pools)
-    base = rss_mb()
-    # ru_maxrss is the process's peak so far: take the step's peak beyond the warm-up's
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    _step(a.provider, actor, exp, args)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"peak_mb": max(peak, before) - base, "step_peak_mb": peak - base}))
+    print(json.dumps(step_peak_mb(lambda: _step(a.provider, actor, exp, args))))
 
 
 def child_time(a):
     actor, exp, args = _setup(a)
-    provs = ["openrlhf", "gbc"]
-    for p in provs:
-        _step(p, actor, exp, args)
-        print(f"  warm-up {p} done", file=sys.stderr, flush=True)
-    times = {p: [] for p in provs}
-    for r in range(a.reps):
-        for p in provs:
-            t0 = time.perf_counter()
-            _step(p, actor, exp, args)
-            times[p].append(time.perf_counter() - t0)
-        print(f"  round {r + 1}/{a.reps}: " + ", ".join(f"{p} {times[p][-1]:.3f} s"
-                                                       for p in provs), file=sys.stderr,
-              flush=True)
-    print(json.dumps({p: statistics.median(v) for p, v in times.items()}))
-
-
-def _child(mode, a, extra=()):
-    cmd = [sys.executable, __file__, f"--child-{mode}", "--B", str(a.B), "--P", str(a.P),
-           "--T", str(a.T), "--H", str(a.H), "--V", str(a.V), "--threads", str(a.threads),
-           "--reps", str(a.reps), *extra]
-    return run_child(cmd, a.threads)
+    steps = {p: (lambda p=p: _step(p, actor, exp, args)) for p in ("openrlhf", "gbc")}
+    print(json.dumps(interleaved_medians(steps, a.reps)))
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--child-time", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--child-memory", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--provider", default="gbc")
-    ap.add_argument("--B", type=int, default=4)
-    ap.add_argument("--P", type=int, default=64)
-    ap.add_argument("--T", type=int, default=192)
-    ap.add_argument("--H", type=int, default=64)
-    ap.add_argument("--V", type=int, default=151936)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=5)
+    ap = step_parser(__doc__)
     a = ap.parse_args()
     if a.child_time:
         return child_time(a)
@@ -141,8 +101,9 @@ def main():
     N = a.B * (a.P + a.T)
     print(f"one actor update: B={a.B}, prompt {a.P} + response {a.T} ({N} tokens), H={a.H}, "
           f"V={a.V}, fp32, {a.threads} threads", flush=True)
-    times = _child("time", a)
-    mem = {p: _child("memory", a, ["--provider", p]) for p in ("openrlhf", "gbc")}
+    times = step_child(__file__, "time", a, ap.case_names)
+    mem = {p: step_child(__file__, "memory", a, ap.case_names, ["--provider", p])
+           for p in ("openrlhf", "gbc")}
     logits_mb = N * a.V * 4 / 2 ** 20
     print(f"| path | time (s), median of {a.reps} | × OpenRLHF | peak memory beyond the "
           f"inputs (MiB) | × OpenRLHF | × one fp32 [N, V] ({logits_mb:.0f} MiB) |")
