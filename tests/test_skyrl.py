@@ -428,7 +428,7 @@ def test_worker_step_packed_equals_skyrl_two_ranks_fsdp2():
 
 
 # ---- the methods, each against the method applied by hand through SkyRL's own step ---------
-def _methods_worker(rank, world):
+def _methods_worker(rank, world, packed=False):
     sky = skyrl_cpu().load()
     from gbc_kernels import methods
     from gbc_kernels.integrations.skyrl import fsdp as gfsdp
@@ -440,7 +440,7 @@ def _methods_worker(rank, world):
         model = tiny_qwen2()
         a = algorithm(sky, "regular", use_kl_loss=kl, kl_loss_coef=0.2, use_entropy_loss=kl,
                       entropy_loss_coef=0.03)
-        w = build_worker(sky, cls, a, world, model, opts)
+        w = build_worker(sky, cls, a, world, model, opts, packed=packed)
         data = make_batch(sky, 7, kl=kl)
         with skyrl_cpu().cpu_device():
             if edit is None:
@@ -461,7 +461,7 @@ def _methods_worker(rank, world):
     model = tiny_qwen2()
     a = algorithm(sky, "regular", use_kl_loss=True, kl_loss_coef=0.2, use_entropy_loss=True,
                   entropy_loss_coef=0.03)
-    w = build_worker(sky, FSDPPolicyWorkerBase, a, world, model)
+    w = build_worker(sky, FSDPPolicyWorkerBase, a, world, model, packed=packed)
     d = make_batch(sky, 7)
     d["advantages"] = d["advantages"] * (0.6 * d["action_log_probs"].exp() + 0.4)
     with skyrl_cpu().cpu_device():
@@ -499,7 +499,18 @@ def test_methods_equal_the_method_by_hand():
     the high ones first), the split and old log-probs fixed."""
     from conftest import spawn_gloo
 
-    out = spawn_gloo(1, _methods_worker)[0]
+    _check_methods(spawn_gloo(1, _methods_worker)[0])
+
+
+def test_methods_packed_equal_the_method_by_hand():
+    """The same with trainer.remove_microbatch_padding=True (packed micro-batches, gbc's and
+    SkyRL's)."""
+    from conftest import spawn_gloo
+
+    _check_methods(spawn_gloo(1, _methods_worker, True)[0])
+
+
+def _check_methods(out):
     (gm, gg, gp), (rm, rg, rp) = out["ar"]
     for k in rm:
         assert gm[k] == pytest.approx(rm[k], rel=2e-4, abs=2e-6), k
@@ -652,6 +663,38 @@ def test_megatron_strategy_refused_through_skyrl_loading(tmp_path):
     for err in (after, direct):
         assert err[0] == "ValueError" and "trainer.strategy='megatron'" in err[1], err
         assert "megatron-bridge" in err[1] and "Transformer Engine" in err[1]
+
+
+def test_pack_padded_is_skyrls_packing(sky):
+    """hf.pack_padded packs as flash-attn's unpad_input (SkyRL's HFModelWrapper: the stand-in's
+    rows, positions; the row before each response token and the packed stream's next token,
+    SkyRL's roll) and refuses a loss row whose token or predecessor is padding, naming mask."""
+    from gbc_kernels.integrations import hf
+
+    sys.path.insert(0, os.path.join(HERE, "standins"))
+    try:
+        import varlen_attention as va
+    finally:
+        sys.path.remove(os.path.join(HERE, "standins"))
+    d = make_batch(sky, 11, B=5)
+    seq, attn, lm = d["sequences"], d["attention_mask"], d["loss_mask"]
+    pk = hf.pack_padded(seq, attn, T, lm)
+    ids, idx, _, _, _ = va.unpad_input(seq.unsqueeze(-1), attn)
+    pos = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 1)
+    torch.testing.assert_close(pk.input_ids, ids.T)
+    torch.testing.assert_close(pk.position_ids, va.unpad_input(pos.unsqueeze(-1), attn)[0].T)
+    rolled = torch.roll(ids.T, -1, 1)                   # SkyRL's next tokens, padded back
+    back = va.pad_input(rolled.T, idx, *seq.shape).squeeze(-1)[:, -T - 1:-1]
+    where = va.pad_input(torch.arange(ids.shape[0])[:, None], idx, *seq.shape).squeeze(-1)
+    valid = attn[:, -T - 1:-1].bool()
+    assert torch.equal(pk.valid, valid) and valid.sum() > 0 and not valid.all()
+    assert torch.equal(pk.rolled[valid], back[valid])
+    assert torch.equal(pk.index[valid], where[:, -T - 1:-1][valid])
+    bad = lm.clone()
+    b = int((attn[:, -1] == 0).nonzero()[0])            # a row with response padding
+    bad[b, -1] = 1
+    with pytest.raises(ValueError, match=rf"mask: row \[{b}, {T - 1}\] is set but"):
+        hf.pack_padded(seq, attn, T, bad)
 
 
 def test_every_method_option_is_honoured_or_refused(monkeypatch):
