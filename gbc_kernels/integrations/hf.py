@@ -280,8 +280,10 @@ def pack_padded(input_ids, attention_mask, completion_len: int,
                 mask: Optional[torch.Tensor] = None) -> PaddedPack:
     """Pack the padded ``input_ids [B, S]`` by ``attention_mask``; positions as
     ``attention_mask.cumsum(-1) - 1`` (the padded forward's). ``mask [B, T]``: the rows a loss
-    takes; each must predict a real token from a real token (else a ValueError naming
-    ``mask``: the packed stream has no such row)."""
+    takes; each must predict a real token from a real token (else, with gbc's value checks on,
+    a ValueError naming ``mask``: the packed stream has no such row)."""
+    import gbc_kernels as gbc
+
     B, S = input_ids.shape
     T = completion_len
     real = attention_mask.bool()
@@ -294,8 +296,10 @@ def pack_padded(input_ids, attention_mask, completion_len: int,
     valid = flat[grid]
     index = torch.where(valid, at[grid], torch.zeros_like(grid))
     rolled = torch.roll(ids[0], -1)[index] if ids.shape[1] else torch.zeros_like(index)
-    if mask is not None and bool((mask.bool() & ~(valid & real[:, -T:])).any()):
-        b, t = (int(x) for x in (mask.bool() & ~(valid & real[:, -T:])).nonzero()[0])
+    bad = None if mask is None or not gbc.value_checks_enabled() else \
+        mask.bool() & ~(valid & real[:, -T:])
+    if bad is not None and bool(bad.any()):
+        b, t = (int(x) for x in bad.nonzero()[0])
         raise ValueError(f"mask: row [{b}, {t}] is set but its token or the one before it is "
                          f"padding (attention_mask 0); packed samples hold real tokens only")
     return PaddedPack(ids, pos[flat][None], index, valid, rolled)

@@ -11,8 +11,8 @@ import types
 from .losses import (SKYRL_KL_TYPES, SKYRL_LOSS_TYPES, SKYRL_REFUSED, get, policy_loss_config,
                      policy_loss_inputs, skyrl_loss_metrics)
 
-__all__ = ["MEGATRON_REFUSAL", "SKYRL_KL_TYPES", "SKYRL_LOSS_TYPES", "SKYRL_REFUSED", "enable", "policy_loss_config",
-           "policy_loss_inputs", "skyrl_loss_metrics"]
+__all__ = ["MEGATRON_REFUSAL", "SKYRL_KL_TYPES", "SKYRL_LOSS_TYPES", "SKYRL_REFUSED", "enable",
+           "policy_loss_config", "policy_loss_inputs", "skyrl_loss_metrics"]
 
 
 # SkyRL's Megatron workers: the module its BasePPOExp imports them from under
