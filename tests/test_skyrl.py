@@ -236,8 +236,8 @@ def make_batch(sky, seed, B=4, kl=True, rollout=False):
     return batch
 
 
-def build_worker(sky, cls, algorithm_cfg, world, model, options=None, micro=2):
-    w = skyrl_cpu().policy_worker(cls, algorithm_cfg, model, world, micro)
+def build_worker(sky, cls, algorithm_cfg, world, model, options=None, micro=2, packed=False):
+    w = skyrl_cpu().policy_worker(cls, algorithm_cfg, model, world, micro, packed=packed)
     if options is not None:
         w._gbc_options = options
     return w
@@ -271,7 +271,8 @@ def _step(sky, rank, world, loss_type, gbc_on, kw):
             tis_ratio_type="token", token_tis_ratio_clip_high=1.5)
     cls = gfsdp.GBCFSDPPolicyWorker if gbc_on else FSDPPolicyWorkerBase
     opts = methods.MethodOptions(**kw.get("methods", {}))
-    w = build_worker(sky, cls, a, world, model, opts if gbc_on else None)
+    w = build_worker(sky, cls, a, world, model, opts if gbc_on else None,
+                     packed=kw.get("packed", False))
     data = make_batch(sky, 100 + rank, kl=kw.get("kl", True), rollout=kw.get("rollout", False))
     with skyrl_cpu().cpu_device():
         torch.manual_seed(3)
@@ -372,8 +373,62 @@ def test_worker_step_equals_skyrl_two_ranks_fsdp2():
             _compare(got, ref)
 
 
+def _packed_worker(rank, world, cases):
+    """(gbc's, SkyRL's) step of each case with ``trainer.remove_microbatch_padding`` (SkyRL's
+    default: micro-batches packed into one row on the varlen stand-in, which refuses an
+    attention mask, so a padded forward fails); at one rank also SkyRL's padded step of the
+    first case and the reference worker's packed pass (gbc's, SkyRL's)."""
+    sky = skyrl_cpu().load()
+    packed = [dict(kw, packed=True) for _, kw in cases]
+    out = [(_step(sky, rank, world, lt, True, kw), _step(sky, rank, world, lt, False, kw))
+           for (lt, _), kw in zip(cases, packed)]
+    if world > 1:
+        return out, None
+    from gbc_kernels.integrations.skyrl import fsdp as gfsdp
+    from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPRefWorkerBase
+
+    ref = []
+    for cls in (gfsdp.GBCFSDPRefWorker, FSDPRefWorkerBase):
+        w = skyrl_cpu().policy_worker(cls, algorithm(sky, "regular"), tiny_qwen2(), micro=3,
+                                      packed=True)
+        with skyrl_cpu().cpu_device():
+            ref.append([r["logprobs"] for r in w.forward(make_batch(sky, 9, B=5))
+                        .loss_fn_outputs])
+    return out, (ref, _step(sky, rank, world, cases[0][0], False, cases[0][1]))
+
+
+PACKED = [("regular", {}), ("gspo", dict(rollout=True, kl_type="k1")),
+          ("sapo", dict(ent=False)), ("regular", dict(loss_fn="cross_entropy"))]
+
+
+def test_worker_step_packed_equals_skyrl_one_rank():
+    """trainer.remove_microbatch_padding=True (SkyRL's default): gbc's packed training step and
+    no-grad passes equal SkyRL's own packed worker — every metric, the log-probs (the no-grad
+    pass's everywhere, SkyRL's packed values at padding included), every parameter's gradient;
+    the reference worker's packed pass; and SkyRL's packed no-grad output differs from its
+    padded one (the packed layout is what is compared)."""
+    from conftest import spawn_gloo
+
+    out, (ref, padded) = spawn_gloo(1, _packed_worker, PACKED)[0]
+    for got, want in out:
+        _compare(got, want)
+    torch.testing.assert_close(torch.tensor(ref[0]), torch.tensor(ref[1]), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(torch.tensor(out[0][1]["old"]), torch.tensor(padded["old"]))
+    for name, grad in padded["grads"].items():       # the same step, another layout
+        torch.testing.assert_close(out[0][1]["grads"][name], grad, rtol=2e-4, atol=2e-6)
+
+
+def test_worker_step_packed_equals_skyrl_two_ranks_fsdp2():
+    """The same packed step at two FSDP2 data-parallel ranks (gloo)."""
+    from conftest import spawn_gloo
+
+    for rank_out, _ in spawn_gloo(2, _packed_worker, [("regular", dict(kl_type="k2"))]):
+        for got, want in rank_out:
+            _compare(got, want)
+
+
 # ---- the methods, each against the method applied by hand through SkyRL's own step ---------
-def _methods_worker(rank, world):
+def _methods_worker(rank, world, packed=False):
     sky = skyrl_cpu().load()
     from gbc_kernels import methods
     from gbc_kernels.integrations.skyrl import fsdp as gfsdp
@@ -385,7 +440,7 @@ def _methods_worker(rank, world):
         model = tiny_qwen2()
         a = algorithm(sky, "regular", use_kl_loss=kl, kl_loss_coef=0.2, use_entropy_loss=kl,
                       entropy_loss_coef=0.03)
-        w = build_worker(sky, cls, a, world, model, opts)
+        w = build_worker(sky, cls, a, world, model, opts, packed=packed)
         data = make_batch(sky, 7, kl=kl)
         with skyrl_cpu().cpu_device():
             if edit is None:
@@ -406,7 +461,7 @@ def _methods_worker(rank, world):
     model = tiny_qwen2()
     a = algorithm(sky, "regular", use_kl_loss=True, kl_loss_coef=0.2, use_entropy_loss=True,
                   entropy_loss_coef=0.03)
-    w = build_worker(sky, FSDPPolicyWorkerBase, a, world, model)
+    w = build_worker(sky, FSDPPolicyWorkerBase, a, world, model, packed=packed)
     d = make_batch(sky, 7)
     d["advantages"] = d["advantages"] * (0.6 * d["action_log_probs"].exp() + 0.4)
     with skyrl_cpu().cpu_device():
@@ -444,7 +499,18 @@ def test_methods_equal_the_method_by_hand():
     the high ones first), the split and old log-probs fixed."""
     from conftest import spawn_gloo
 
-    out = spawn_gloo(1, _methods_worker)[0]
+    _check_methods(spawn_gloo(1, _methods_worker)[0])
+
+
+def test_methods_packed_equal_the_method_by_hand():
+    """The same with trainer.remove_microbatch_padding=True (packed micro-batches, gbc's and
+    SkyRL's)."""
+    from conftest import spawn_gloo
+
+    _check_methods(spawn_gloo(1, _methods_worker, True)[0])
+
+
+def _check_methods(out):
     (gm, gg, gp), (rm, rg, rp) = out["ar"]
     for k in rm:
         assert gm[k] == pytest.approx(rm[k], rel=2e-4, abs=2e-6), k
@@ -531,6 +597,7 @@ def test_enable_swaps_skyrl_workers_and_refuses(sky, monkeypatch):
 
     for name in ("PolicyWorker", "RefWorker"):
         monkeypatch.setattr(fsdp_worker, name, getattr(fsdp_worker, name))
+    monkeypatch.setitem(sys.modules, gsky.MEGATRON_WORKER, None)    # enable() refuses it
     monkeypatch.setenv("GBC_SKYRL_OPTIONS", "")
     opts = gsky.enable(_trainer_cfg(sky), ar_alpha=0.25)
     assert opts.ar_alpha == 0.25
@@ -542,14 +609,92 @@ def test_enable_swaps_skyrl_workers_and_refuses(sky, monkeypatch):
         assert env["GBC_SKYRL_OPTIONS"] == "ar_alpha=0.25" and env["GBC_SKYRL"] == "1"
     with pytest.raises(ValueError, match="lopti_eta"):
         gsky.enable(lopti_eta=3.0)
-    with pytest.raises(ValueError, match="trainer.remove_microbatch_padding"):
+    with pytest.raises(ValueError, match="trainer.policy.sequence_parallel_size=2"):
         cfg = _trainer_cfg(sky)
-        cfg.remove_microbatch_padding = True
+        cfg.remove_microbatch_padding = True       # runs (packed); Ulysses does not
+        cfg.policy.sequence_parallel_size = 2
         gsky.enable(cfg)
     monkeypatch.setitem(sys.modules, "skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker", None)
     monkeypatch.delattr(fsdp_pkg, "fsdp_worker")
     with pytest.raises(ImportError, match="GBC_SKYRL: gbc's SkyRL workers need SkyRL"):
         gsky.enable()
+
+
+def _megatron_worker(rank, world, tmp):
+    """SkyRL's BasePPOExp._setup_trainer under trainer.strategy=megatron (its entrypoint's
+    imports that this machine lacks as stand-ins, skyrl_cpu.entrypoint_imports): its
+    error before and after gbc's enable(), and enable()'s own on such a config."""
+    from types import SimpleNamespace
+
+    sky = skyrl_cpu().load()
+    skyrl_cpu().entrypoint_imports()
+    from skyrl.train.entrypoints.main_base import BasePPOExp
+
+    import gbc_kernels.integrations.skyrl as gsky
+
+    exp = SimpleNamespace(cfg=SimpleNamespace(trainer=SimpleNamespace(
+        strategy="megatron", export_path=tmp, ckpt_path=tmp)), get_cfg_as_str=str)
+    errors = []
+    for on in (False, True):
+        if on:
+            gsky.enable()
+        try:
+            BasePPOExp._setup_trainer(exp)
+        except Exception as err:                    # noqa: BLE001 (recorded, compared)
+            errors.append((type(err).__name__, str(err)))
+    cfg = _trainer_cfg(sky)
+    cfg.strategy = "megatron"
+    try:
+        gsky.enable(cfg)
+    except ValueError as err:
+        errors.append(("ValueError", str(err)))
+    return errors
+
+
+def test_megatron_strategy_refused_through_skyrl_loading(tmp_path):
+    """With gbc switched on, SkyRL's own loading path for trainer.strategy=megatron
+    (BasePPOExp._setup_trainer importing its Megatron workers) stops with gbc's refusal naming
+    trainer.strategy (without gbc it fails elsewhere: megatron-bridge, absent here), and
+    enable() refuses a config with that strategy."""
+    from conftest import spawn_gloo
+
+    before, after, direct = spawn_gloo(1, _megatron_worker, str(tmp_path))[0]
+    assert "trainer.strategy='megatron'" not in before[1]
+    for err in (after, direct):
+        assert err[0] == "ValueError" and "trainer.strategy='megatron'" in err[1], err
+        assert "megatron-bridge" in err[1] and "Transformer Engine" in err[1]
+
+
+def test_pack_padded_is_skyrls_packing(sky):
+    """hf.pack_padded packs as flash-attn's unpad_input (SkyRL's HFModelWrapper: the stand-in's
+    rows, positions; the row before each response token and the packed stream's next token,
+    SkyRL's roll) and refuses a loss row whose token or predecessor is padding, naming mask."""
+    from gbc_kernels.integrations import hf
+
+    sys.path.insert(0, os.path.join(HERE, "standins"))
+    try:
+        import varlen_attention as va
+    finally:
+        sys.path.remove(os.path.join(HERE, "standins"))
+    d = make_batch(sky, 11, B=5)
+    seq, attn, lm = d["sequences"], d["attention_mask"], d["loss_mask"]
+    pk = hf.pack_padded(seq, attn, T, lm)
+    ids, idx, _, _, _ = va.unpad_input(seq.unsqueeze(-1), attn)
+    pos = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 1)
+    torch.testing.assert_close(pk.input_ids, ids.T)
+    torch.testing.assert_close(pk.position_ids, va.unpad_input(pos.unsqueeze(-1), attn)[0].T)
+    rolled = torch.roll(ids.T, -1, 1)                   # SkyRL's next tokens, padded back
+    back = va.pad_input(rolled.T, idx, *seq.shape).squeeze(-1)[:, -T - 1:-1]
+    where = va.pad_input(torch.arange(ids.shape[0])[:, None], idx, *seq.shape).squeeze(-1)
+    valid = attn[:, -T - 1:-1].bool()
+    assert torch.equal(pk.valid, valid) and valid.sum() > 0 and not valid.all()
+    assert torch.equal(pk.rolled[valid], back[valid])
+    assert torch.equal(pk.index[valid], where[:, -T - 1:-1][valid])
+    bad = lm.clone()
+    b = int((attn[:, -1] == 0).nonzero()[0])            # a row with response padding
+    bad[b, -1] = 1
+    with pytest.raises(ValueError, match=rf"mask: row \[{b}, {T - 1}\] is set but"):
+        hf.pack_padded(seq, attn, T, bad)
 
 
 def test_every_method_option_is_honoured_or_refused(monkeypatch):

@@ -259,6 +259,52 @@ def _policy_loss_in_forward(model, inner, input_ids, attention_mask, T, rows, ta
     return (loss, metrics, outputs) if return_outputs else (loss, metrics)
 
 
+class PaddedPack(NamedTuple):
+    """A padded batch ``[B, S]`` packed into one row as flash-attn's ``unpad_input`` packs it
+    (the real tokens of the attention mask, in order), and where the hidden states that
+    predict its last ``T`` tokens sit (:func:`pack_padded`)."""
+    input_ids: torch.Tensor        # [1, n]
+    position_ids: torch.Tensor     # [1, n]: each sequence's own positions
+    index: torch.Tensor            # [B, T]: packed row of the token before column t (0 if none)
+    valid: torch.Tensor            # [B, T]: that token is real
+    rolled: torch.Tensor           # [B, T]: the packed token after it (the packed stream's
+    #                                "next token", the following sequence's first at an end)
+
+    def hidden(self, h):
+        """The packed hidden states ``[1, n, H]`` -> the rows predicting the last ``T`` tokens,
+        ``[B, T, H]`` (packed row 0 where :attr:`valid` is False)."""
+        return h[0, self.index]
+
+
+def pack_padded(input_ids, attention_mask, completion_len: int,
+                mask: Optional[torch.Tensor] = None) -> PaddedPack:
+    """Pack the padded ``input_ids [B, S]`` by ``attention_mask``; positions as
+    ``attention_mask.cumsum(-1) - 1`` (the padded forward's). ``mask [B, T]``: the rows a loss
+    takes; each must predict a real token from a real token (else, with gbc's value checks on,
+    a ValueError naming ``mask``: the packed stream has no such row)."""
+    import gbc_kernels as gbc
+
+    B, S = input_ids.shape
+    T = completion_len
+    real = attention_mask.bool()
+    flat = real.reshape(-1)
+    pos = (attention_mask.long().cumsum(-1) - 1).reshape(-1)
+    ids = input_ids.reshape(-1)[flat][None]
+    at = flat.long().cumsum(0) - 1                  # packed row of each real padded position
+    col = torch.arange(S - T - 1, S - 1, device=input_ids.device)
+    grid = torch.arange(B, device=input_ids.device)[:, None] * S + col
+    valid = flat[grid]
+    index = torch.where(valid, at[grid], torch.zeros_like(grid))
+    rolled = torch.roll(ids[0], -1)[index] if ids.shape[1] else torch.zeros_like(index)
+    bad = None if mask is None or not gbc.value_checks_enabled() else \
+        mask.bool() & ~(valid & real[:, -T:])
+    if bad is not None and bool(bad.any()):
+        b, t = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"mask: row [{b}, {t}] is set but its token or the one before it is "
+                         f"padding (attention_mask 0); packed samples hold real tokens only")
+    return PaddedPack(ids, pos[flat][None], index, valid, rolled)
+
+
 @torch.no_grad()
 def logprobs_through_forward(model, input_ids, attention_mask, completion_len: int,
                              temperature=1.0, return_entropy: bool = False, backend="auto",

@@ -6,6 +6,15 @@
 * ``skyrl.backends.skyrl_train.workers.model_wrapper`` imports ``flash_attn.bert_padding`` at
   import time: the flash-attn stand-in (tests/standins/flash_attn, every function raises) is on
   the path for that import only; the unpadded path that would call it is not used.
+* ``trainer.remove_microbatch_padding`` (SkyRL's default, packed micro-batches on
+  flash-attention): ``policy_worker(..., packed=True)`` runs the model on the varlen stand-in
+  (``varlen_attention.py``: each packed sequence attends to itself, boundaries from the
+  positions, as transformers' ``flash_attention_2`` without a mask) and puts that stand-in's
+  working ``unpad_input`` / ``pad_input`` into SkyRL's ``model_wrapper`` (which imported the
+  raising flash-attn stand-in's).
+* ``entrypoint_imports``: ``torchdata`` and ``httpx`` (SkyRL's ``BasePPOExp`` module imports
+  them; a worker-loading test reaches neither), when absent, as modules whose every name is
+  ``object``.
 * ``torch.cuda.current_device()`` (the worker moves each micro-batch there): ``cpu_device()``
   gives "cpu" inside its block.
 * ``policy_worker``: a SkyRL policy worker object as its FSDP ``init_model`` leaves it (model in
@@ -15,6 +24,7 @@
 import contextlib
 import os
 import sys
+import types
 import typing
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -22,8 +32,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def load():
     """Import SkyRL's policy-loss utilities, model wrapper and workers; returns the modules."""
-    import types
-
     import typing_extensions
 
     if "skyrl.tinker.types" not in sys.modules:
@@ -59,12 +67,45 @@ def cpu_device():
         torch.cuda.current_device = real
 
 
-def policy_worker(cls, algorithm, model, world=1, micro=2, lr=0.5, temperature=0.8):
+class _Names(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return object
+
+
+def entrypoint_imports():
+    """``torchdata`` and ``httpx`` as stand-ins, where they are not installed."""
+    import importlib.util
+
+    for top, names in (("torchdata", ("torchdata", "torchdata.stateful_dataloader")),
+                       ("httpx", ("httpx",))):
+        if top not in sys.modules and importlib.util.find_spec(top) is None:
+            for name in names:
+                sys.modules[name] = _Names(name)
+
+
+def use_packing(model):
+    """Run ``model`` on the varlen stand-in; SkyRL's model wrapper on its pad helpers."""
+    sys.path.insert(0, HERE)
+    try:
+        import varlen_attention as va
+    finally:
+        sys.path.remove(HERE)
+    from skyrl.backends.skyrl_train.workers import model_wrapper
+
+    va.register()
+    model_wrapper.unpad_input, model_wrapper.pad_input = va.unpad_input, va.pad_input
+    model.config._attn_implementation = va.ATTN_IMPLEMENTATION
+
+
+def policy_worker(cls, algorithm, model, world=1, micro=2, lr=0.5, temperature=0.8,
+                  packed=False):
     """``cls`` (SkyRL's ``FSDPPolicyWorkerBase`` or a subclass) built around ``model`` (a
     transformers causal LM, FSDP2-sharded or not) for ``world`` data-parallel ranks of the
     default process group: SkyRL's TrainerConfig with ``algorithm`` and ``micro`` sequences per
     micro-batch, HFModelWrapper, FSDPStrategy (no gradient clipping), SGD(lr), a constant
-    scheduler."""
+    scheduler. ``packed``: ``remove_microbatch_padding=True`` (:func:`use_packing`)."""
     from types import SimpleNamespace
 
     import torch
@@ -77,11 +118,14 @@ def policy_worker(cls, algorithm, model, world=1, micro=2, lr=0.5, temperature=0
     cfg = TrainerConfig()
     cfg.algorithm = algorithm
     cfg.algorithm.temperature = temperature
-    cfg.remove_microbatch_padding = False
+    cfg.remove_microbatch_padding = packed
     cfg.micro_train_batch_size_per_gpu = micro
     cfg.micro_forward_batch_size_per_gpu = micro
     w.cfg = cfg
-    w.model = HFModelWrapper(model)
+    if packed:
+        use_packing(model)
+    w.model = HFModelWrapper(model, use_flash_attention_2=packed,
+                             remove_microbatch_padding=packed)
     w.optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     w.scheduler = torch.optim.lr_scheduler.LambdaLR(w.optimizer, lambda s: 1.0)
     w.strategy = FSDPStrategy(FSDPConfig(), OptimizerConfig(max_grad_norm=1e9))

@@ -1,15 +1,39 @@
 """SkyRL 0.3.0 (docs/skyrl.md): its registered policy losses as gbc configs (:mod:`.losses`)
 and gbc's fused loss inside its FSDP policy worker (:mod:`.worker`, :mod:`.fsdp`), switched on
-by :func:`enable` in the process that builds SkyRL's models.
+by :func:`enable` in the process that builds SkyRL's models; its Megatron strategy is refused
+(:data:`MEGATRON_REFUSAL`).
 """
 
 import os
+import sys
+import types
 
-from .losses import (SKYRL_KL_TYPES, SKYRL_LOSS_TYPES, SKYRL_REFUSED, policy_loss_config,
+from .losses import (SKYRL_KL_TYPES, SKYRL_LOSS_TYPES, SKYRL_REFUSED, get, policy_loss_config,
                      policy_loss_inputs, skyrl_loss_metrics)
 
-__all__ = ["SKYRL_KL_TYPES", "SKYRL_LOSS_TYPES", "SKYRL_REFUSED", "enable", "policy_loss_config",
-           "policy_loss_inputs", "skyrl_loss_metrics"]
+__all__ = ["MEGATRON_REFUSAL", "SKYRL_KL_TYPES", "SKYRL_LOSS_TYPES", "SKYRL_REFUSED", "enable",
+           "policy_loss_config", "policy_loss_inputs", "skyrl_loss_metrics"]
+
+
+# SkyRL's Megatron workers: the module its BasePPOExp imports them from under
+# trainer.strategy=megatron, and why gbc refuses that strategy (docs/skyrl.md, "Megatron")
+MEGATRON_WORKER = "skyrl.backends.skyrl_train.workers.megatron.megatron_worker"
+MEGATRON_REFUSAL = (
+    "trainer.strategy='megatron': gbc's SkyRL workers run on SkyRL's FSDP backend only "
+    "(trainer.strategy=fsdp); SkyRL 0.3.0's Megatron worker imports megatron-bridge, whose "
+    "wheel requires Transformer Engine (CUDA builds only) and transformers<5, and gbc's fused "
+    "loss is not wired into it (docs/skyrl.md)")
+
+
+class _RefusedModule(types.ModuleType):
+    """Stands in ``sys.modules`` for SkyRL's Megatron worker module once gbc is switched on:
+    importing a name from it (``BasePPOExp`` does, under ``trainer.strategy=megatron``)
+    raises :data:`MEGATRON_REFUSAL`, so that strategy never runs SkyRL's own loss silently."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise ValueError(MEGATRON_REFUSAL)
 
 
 def enable(cfg=None, **method_options):
@@ -20,8 +44,10 @@ def enable(cfg=None, **method_options):
     carried to the Ray workers as ``GBC_SKYRL_OPTIONS`` in their runtime environment (a value
     set in this process's environment is used when none are given). ``cfg``: SkyRL's config
     (its ``trainer`` section is checked now: ``check_config``). A bad option, a loss gbc
-    cannot reproduce or a missing dependency stops here, naming SkyRL's option. Returns the
-    method options."""
+    cannot reproduce or a missing dependency stops here, naming SkyRL's option.
+    ``trainer.strategy=megatron`` is refused: here when ``cfg`` says so, else where SkyRL's
+    ``BasePPOExp`` imports its Megatron workers (:class:`_RefusedModule`). Returns the method
+    options."""
     from gbc_kernels import methods
 
     from .worker import ENV, OPTIONS_ENV, check_config, method_options as parse
@@ -42,7 +68,11 @@ def enable(cfg=None, **method_options):
         text = os.environ.get(OPTIONS_ENV, "")
     opts = parse(text)
     if cfg is not None:
-        check_config(losses_trainer(cfg), opts)
+        trainer = losses_trainer(cfg)
+        if get(trainer, "strategy", "fsdp") == "megatron":
+            raise ValueError(MEGATRON_REFUSAL)
+        check_config(trainer, opts)
+    sys.modules[MEGATRON_WORKER] = _RefusedModule(MEGATRON_WORKER)
     env = {"env_vars": {ENV: "1", OPTIONS_ENV: text}}
     os.environ[ENV], os.environ[OPTIONS_ENV] = "1", text
     fsdp_worker.PolicyWorker = ray.remote(num_gpus=1, runtime_env=env)(fsdp.GBCFSDPPolicyWorker)
@@ -52,7 +82,5 @@ def enable(cfg=None, **method_options):
 
 def losses_trainer(cfg):
     """SkyRL's ``trainer`` section of ``cfg`` (``cfg`` itself when it is that section)."""
-    from .losses import get
-
     trainer = get(cfg, "trainer")
     return cfg if trainer is None else trainer

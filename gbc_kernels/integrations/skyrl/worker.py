@@ -53,16 +53,13 @@ def method_options(text: Optional[str] = None) -> methods.MethodOptions:
 def check_config(cfg, options: Optional[methods.MethodOptions] = None) -> methods.MethodOptions:
     """Refuse, naming SkyRL's option, a trainer config (``cfg``: SkyRL's ``trainer`` section)
     or method options (default: ``GBC_SKYRL_OPTIONS``) gbc's worker cannot honour: the loss
-    table's refusals (:func:`.losses.policy_loss_config`), sample packing, sequence
-    parallelism, critical-token KL without a KL term. Returns the options."""
+    table's refusals (:func:`.losses.policy_loss_config`), sequence parallelism. Returns the
+    options."""
     opts = method_options() if options is None else options
     algo = losses.get(cfg, "algorithm")
     if algo is None:
         raise ValueError("cfg: expected SkyRL's trainer config (with .algorithm)")
     losses.policy_loss_config(algo, kl_entropy_weight=1.0, **opts.loss_options())
-    if losses.get(cfg, "remove_microbatch_padding", False):
-        raise ValueError("trainer.remove_microbatch_padding: gbc's SkyRL worker runs padded "
-                         "micro-batches; set remove_microbatch_padding=false")
     sp = losses.get(cfg, "policy.sequence_parallel_size", 1)
     if sp not in (None, 1):
         raise ValueError(f"trainer.policy.sequence_parallel_size={sp}: gbc's SkyRL worker runs "
@@ -77,9 +74,6 @@ def _position_ids(attention_mask):
 
 def _check_wrapper(wrapper, num_actions, experience=None):
     """Refuse what the fused path does not run, naming SkyRL's option; returns T."""
-    if getattr(wrapper, "remove_microbatch_padding", False):
-        raise ValueError("trainer.remove_microbatch_padding: gbc's SkyRL worker runs padded "
-                         "micro-batches; set remove_microbatch_padding=false")
     if getattr(wrapper, "sequence_parallel_size", 1) > 1:
         raise ValueError("trainer.policy.sequence_parallel_size: gbc's SkyRL worker runs "
                          "without Ulysses sequence parallelism (set 1)")
@@ -175,13 +169,11 @@ class GBCPolicyWorkerMixin:
         call, _ = losses.policy_loss_inputs(algo, loss_type, loss_mask, experience.advantages,
                                             experience.action_log_probs,
                                             experience.rollout_logprobs)
-        kl_on = bool(cfg.kl_coef)
         token_out = {}
-        loss, _ = hf.policy_loss_through_forward(
-            self.model.model, experience.sequences, experience.attention_mask, T,
-            ref_logp=experience.base_action_log_probs if kl_on else None, config=cfg,
-            model_kwargs={"position_ids": _position_ids(experience.attention_mask)},
-            phase=self._gbc_phase, token_out=token_out, **call)
+        loss, _ = _policy_loss(self.model, experience.sequences, experience.attention_mask, T,
+                               call, ref_logp=experience.base_action_log_probs
+                               if cfg.kl_coef else None, config=cfg, phase=self._gbc_phase,
+                               token_out=token_out)
         self.strategy.backward(loss * dp, self.model, self.optimizer)
 
         mask = call["mask"]
@@ -242,9 +234,27 @@ class GBCRefWorkerMixin:
         return _no_grad_logprobs(self, micro_batch, 1.0)
 
 
+def _policy_loss(wrapper, seq, attn, T, call, **kwargs):
+    """gbc's fused loss inside the wrapped model's forward, on SkyRL's layout: padded rows, or
+    (``trainer.remove_microbatch_padding``) the micro-batch packed into one row at its
+    per-sequence positions without an attention mask, as ``HFModelWrapper.forward`` runs it
+    (flash-attention's varlen kernels find the sequences' boundaries)."""
+    if not getattr(wrapper, "remove_microbatch_padding", False):
+        return hf.policy_loss_through_forward(
+            wrapper.model, seq, attn, T, model_kwargs={"position_ids": _position_ids(attn)},
+            **call, **kwargs)
+    hf.check_forward_inputs(hf.unwrap(wrapper.model), seq, attn, T, "response_length")
+    pk = hf.pack_padded(seq, attn, T, call["mask"])
+    return hf.packed_policy_loss_through_forward(wrapper.model, pk.input_ids, pk.position_ids,
+                                                 pk.hidden, seq[:, -T:], **call, **kwargs)
+
+
 def _no_grad_logprobs(worker, micro_batch, temperature):
     """SkyRL's ``_forward_micro_batch`` by gbc's row passes: ``[B, T]`` log-probs of the
-    responses (float32), no logits."""
+    responses (float32), no logits. Packed (``trainer.remove_microbatch_padding``): SkyRL's
+    packed values — the log-prob of the packed stream's next token, 0 where the token before
+    is padding."""
+    import gbc_kernels as gbc
     from skyrl.backends.skyrl_train.training_batch import TrainingOutputBatch
 
     micro_batch.to(torch.cuda.current_device())
@@ -253,10 +263,23 @@ def _no_grad_logprobs(worker, micro_batch, temperature):
     if micro_batch.get("pixel_values", None) is not None:
         raise ValueError("model: gbc's SkyRL worker runs text-only causal LMs (vision inputs "
                          "given)")
-    attn = micro_batch["attention_mask"]
-    logp, _ = hf.logprobs_through_forward(
-        worker.model.model, micro_batch["sequences"], attn, T, temperature=temperature,
-        model_kwargs={"position_ids": _position_ids(attn)})
+    seq, attn = micro_batch["sequences"], micro_batch["attention_mask"]
+    if getattr(worker.model, "remove_microbatch_padding", False):
+        hf.check_forward_inputs(hf.unwrap(worker.model.model), seq, attn, T, "response_length")
+        pk = hf.pack_padded(seq, attn, T)
+
+        def compute(h, head, cap):
+            st = gbc.token_stats(pk.hidden(h), head.weight, pk.rolled, head.bias,
+                                 temperature=temperature, logit_softcap=cap)
+            return st.logp.masked_fill(~pk.valid, 0.0)
+
+        with torch.no_grad():
+            logp = hf.in_head(worker.model.model, pk.input_ids, None, None,
+                              {"position_ids": pk.position_ids}, compute)
+    else:
+        logp, _ = hf.logprobs_through_forward(
+            worker.model.model, seq, attn, T, temperature=temperature,
+            model_kwargs={"position_ids": _position_ids(attn)})
     out = TrainingOutputBatch({"output": logp.to("cpu")})
     out.metadata = micro_batch.metadata
     return out
