@@ -13,6 +13,8 @@ projects only the response rows. The training loss replaces ``ppo_loss``'s value
 ``postprocess_micro_batch_func``; verl's metrics come from its own ``ppo_loss`` on gbc's detached
 per-token values. Under context parallelism (``thd`` only) each rank's own tokens go into the
 loss, whose sequence terms are reduced over the CP group (docs/megatron.md, "Long context").
+With NTHR on, verl's old-log-prob pass also keeps NTHR's inputs on the last stage (each CP
+rank's response rows summed over the CP group), scored before the update (:mod:`.verl_engine`).
 Switched on with the FSDP engine (``GBC_VERL_ENGINE=1``, :func:`enable`).
 """
 
@@ -178,7 +180,6 @@ class GBCMegatronMixin(EngineMethods):
         """verl's forward-only pass over ``view``: each micro-batch's response rows into
         ``batch`` (NTHR's pass, :meth:`EngineMethods.gbc_nthr_pass`) on the last pipeline stage,
         which alone gets the scales (the loss is there)."""
-        from megatron.core import parallel_state as mpu
         from verl.utils import tensordict_utils as tu
 
         tu.assign_non_tensor(view, calculate_entropy=False, calculate_sum_pi_squared=False)
@@ -187,7 +188,7 @@ class GBCMegatronMixin(EngineMethods):
             self.infer_batch(view, loss_function=None)
         finally:
             self._gbc_nthr = None
-        return mpu.is_pipeline_last_stage(ignore_virtual=True)
+        return self._gbc_holds_head()
 
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
         batch = next(batch_iter)
