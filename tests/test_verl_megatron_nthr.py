@@ -228,3 +228,14 @@ def test_nthr_context_parallel_2_equals_1_and_reference():
         assert abs(out["update"][0] - loss1) <= 1e-6 * abs(loss1), r
     for k, g in g1.items():
         tvm._close(g, (two[0]["update"][1][k] + two[1]["update"][1][k]) / 2, 1e-6, f"grad {k}")
+
+
+@pytest.mark.slow
+def test_nthr_context_parallel_2_with_tensor_parallel_2():
+    """CP 2 composed with TP 2 and sequence parallelism (four gloo ranks): no forward in the
+    update, the own pass's scales and update, and CP 1's (TP 1) scales and loss on every rank."""
+    one = spawn_gloo(1, _nthr_worker, 1, False, 1, 1)[0]
+    for r, out in enumerate(spawn_gloo(4, _nthr_worker, 2, True, 1, 2)):
+        _check_kept(out)
+        assert torch.equal(out["scale"], one["scale"]), r
+        assert abs(out["update"][0] - one["update"][0]) <= 1e-6 * abs(one["update"][0]), r
