@@ -316,11 +316,11 @@ def _check_cp_1(one, two):
         tvm._close(g, (two[0]["grads"][k] + two[1]["grads"][k]) / 2, 1e-6, f"grad {k}")
 
 
-@pytest.mark.parametrize("option", ["use_remove_padding", "nthr", "dynamic_context_parallel"])
+@pytest.mark.parametrize("option", ["use_remove_padding", "dynamic_context_parallel"])
 def test_context_parallel_refusals(option):
     """Under context_parallel_size 2, gbc's engine refuses by name what it does not run: the
-    padded bshd layout (verl itself packs for context parallelism only in thd), NTHR, and
-    dynamic_context_parallel."""
+    padded bshd layout (verl itself packs for context parallelism only in thd) and
+    dynamic_context_parallel (NTHR runs: tests/test_verl_megatron_nthr.py)."""
     import types
 
     from gbc_kernels.integrations import verl_engine as ve
@@ -328,20 +328,18 @@ def test_context_parallel_refusals(option):
 
     ec = types.SimpleNamespace(context_parallel_size=2, use_remove_padding=True,
                                dynamic_context_parallel=False, qat=None)
-    opts = {}
     if option == "use_remove_padding":
         ec.use_remove_padding = False
-    elif option == "dynamic_context_parallel":
-        ec.dynamic_context_parallel = True
     else:
-        opts = {"nthr": True}
-    engine = types.SimpleNamespace(engine_config=ec, gbc_options=ve.EngineOptions(**opts),
+        ec.dynamic_context_parallel = True
+    engine = types.SimpleNamespace(engine_config=ec, gbc_options=ve.EngineOptions(nthr=True),
                                    model_config=types.SimpleNamespace(mtp=None))
     with pytest.raises(ValueError, match=option):
         _check_config(engine)
     ec.context_parallel_size, ec.use_remove_padding, ec.dynamic_context_parallel = 1, True, False
-    if option in ("use_remove_padding", "dynamic_context_parallel"):
-        _check_config(engine)       # the same engine at CP 1 runs
+    _check_config(engine)       # the same engine at CP 1 runs
+    ec.context_parallel_size = 2
+    _check_config(engine)       # and at CP 2 in thd, NTHR on
 
 
 @pytest.mark.parametrize("mode", ["clip_cov", "kl_cov"])

@@ -294,19 +294,32 @@ class EngineMethods:
         kept, self._gbc_nthr_kept = self._gbc_nthr_kept, None
         if kept is None:        # alike on every rank: verl runs that pass on all or on none
             return False
-        group = methods.data_parallel_group(self.get_data_parallel_group())
-        batch, found = kept["batch"], False
-        if _temperatures(data) == kept["temperatures"]:
-            where = {k: i for i, k in enumerate(kept["keys"])}
-            source = [where.get(k) for k in _row_keys(data)]
+        batch, found, head = kept["batch"], False, self._gbc_holds_head()
+        where = {k: i for i, k in enumerate(kept["keys"])}
+        source = [where.get(k) for k in _row_keys(data)]
+        if not head:            # a stage without the head keeps nothing and gets no scales
+            found = None not in source
+        elif _temperatures(data) == kept["temperatures"]:
             # every row's key was kept, and its hidden states (the pass ran gbc's step on it)
             found = None not in source and batch.take(torch.tensor(source, dtype=torch.long))
-        if not _every_rank(found, group):
+        if not _every_rank(found, self._gbc_nthr_agree_group()):
             return False
+        if not head:
+            return True
         self._gbc_nthr_score(data, batch.to(kept["device"]))
         self._gbc_pass_metrics = {**self._gbc_pass_metrics,
                                   "actor/gbc_nthr_kept_mb": kept["nbytes"] / 2 ** 20}
         return True
+
+    def _gbc_holds_head(self) -> bool:
+        """Whether this rank computes the head (and so keeps NTHR's inputs and gets its
+        scales); a pipeline stage before the last does not."""
+        return True
+
+    def _gbc_nthr_agree_group(self):
+        """The ranks that decide together whether the update runs NTHR's own pass (its
+        forward and scoring are collectives over them)."""
+        return methods.data_parallel_group(self.get_data_parallel_group())
 
     # -- NTHR: one no-grad old-policy pass over the rank's update batch ----------------------
     @torch.no_grad()

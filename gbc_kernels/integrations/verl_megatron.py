@@ -13,6 +13,8 @@ projects only the response rows. The training loss replaces ``ppo_loss``'s value
 ``postprocess_micro_batch_func``; verl's metrics come from its own ``ppo_loss`` on gbc's detached
 per-token values. Under context parallelism (``thd`` only) each rank's own tokens go into the
 loss, whose sequence terms are reduced over the CP group (docs/megatron.md, "Long context").
+With NTHR on, verl's old-log-prob pass also keeps NTHR's inputs on the last stage (each CP
+rank's response rows summed over the CP group), scored before the update (:mod:`.verl_engine`).
 Switched on with the FSDP engine (``GBC_VERL_ENGINE=1``, :func:`enable`).
 """
 
@@ -46,12 +48,6 @@ def _check_config(engine):
                              f"packed layout only (verl packs for context parallelism in thd; "
                              f"its bshd step asserts context_parallel_size 1); set "
                              f"use_remove_padding=True")
-        opts = getattr(engine, "gbc_options", None)
-        if getattr(opts, "nthr", False):
-            raise ValueError(f"nthr: not supported by gbc's Megatron engine under context "
-                             f"parallelism (context_parallel_size={ec.context_parallel_size}): "
-                             f"NTHR's pass needs each sequence's response rows on one rank; "
-                             f"unset it or set context_parallel_size=1")
     if getattr(getattr(mc, "mtp", None), "enable", False):
         raise ValueError("mtp.enable: gbc's engine computes the next-token head only; set "
                          "actor_rollout_ref.model.mtp.enable=False")
@@ -112,12 +108,37 @@ def cp_response_rows(batch, cu_seqlens_padded, cp_size, cp_rank):
     return torch.where(own, rows, torch.zeros_like(rows)), valid, own
 
 
+def _nthr_add(batch, index, h, y, logp, valid, own, state, temperature):
+    """One micro-batch's response rows into NTHR's ``batch`` (:class:`methods.NTHRBatch`):
+    ``h [T, B, H]``, ``y``, ``logp`` (the pass's log-probs), ``valid``, ``own`` ``[B, T]``.
+    Under context parallelism each rank holds ``own`` of the positions: the hidden states,
+    targets and log-probs of the whole micro-batch are summed over the CP group (each position
+    has one owner, the others give 0; ``[B, T, H]`` and ``[B, T]``, never ``[tokens, V]``), so
+    every CP rank adds the whole micro-batch, as at CP 1."""
+    h = h.transpose(0, 1)
+    cp = state["cp"]
+    if cp is not None:
+        import torch.distributed as dist
+
+        zero = torch.zeros((), dtype=h.dtype, device=h.device)
+        h = torch.where(own[..., None], h, zero)
+        y = torch.where(own, y, torch.zeros_like(y))
+        logp = torch.where(own, logp, torch.zeros_like(logp))
+        for t in (h, y, logp):
+            dist.all_reduce(t, group=cp[0])
+    weight = state["weight"]
+    batch.add(index, h.contiguous(), y, valid,
+              types.SimpleNamespace(weight=weight, bias=state["bias"]), None, temperature,
+              vocab_parallel=M.vocab_parallel(weight, state["tp_group"]), logp=logp)
+
+
 class GBCMegatronMixin(EngineMethods):
     """gbc's forward step on top of verl's ``MegatronEngineWithLMHead``."""
 
     _gbc_state: Optional[dict] = None     # the head of the forward in progress
     _gbc_nthr: Optional[methods.NTHRBatch] = None     # NTHR's pass in progress
     _gbc_fused_requested = False          # use_fused_kernels was set (gbc's head took it)
+    _gbc_keeps_nthr = True      # its forward-only step keeps NTHR's inputs (verl_engine)
 
     # -- start-up and entry points ----------------------------------------------------------
     def initialize(self):
@@ -146,11 +167,19 @@ class GBCMegatronMixin(EngineMethods):
         self._gbc_pending = {}
         return super().forward_backward_batch(data, loss_function, forward_only)
 
+    def _gbc_holds_head(self):
+        from megatron.core import parallel_state as mpu
+        return mpu.is_pipeline_last_stage(ignore_virtual=True)
+
+    def _gbc_nthr_agree_group(self):
+        """Every rank: the pipeline stages, tensor- and context-parallel ranks of a replica
+        run NTHR's own pass together, and the replicas score together."""
+        return "world"
+
     def _gbc_nthr_forward(self, view, batch):
         """verl's forward-only pass over ``view``: each micro-batch's response rows into
         ``batch`` (NTHR's pass, :meth:`EngineMethods.gbc_nthr_pass`) on the last pipeline stage,
         which alone gets the scales (the loss is there)."""
-        from megatron.core import parallel_state as mpu
         from verl.utils import tensordict_utils as tu
 
         tu.assign_non_tensor(view, calculate_entropy=False, calculate_sum_pi_squared=False)
@@ -159,7 +188,7 @@ class GBCMegatronMixin(EngineMethods):
             self.infer_batch(view, loss_function=None)
         finally:
             self._gbc_nthr = None
-        return mpu.is_pipeline_last_stage(ignore_virtual=True)
+        return self._gbc_holds_head()
 
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
         batch = next(batch_iter)
@@ -281,13 +310,11 @@ class GBCMegatronMixin(EngineMethods):
         temp = _temperature(batch)
         backend = self.gbc_options.backend
         certainty = _flag(batch, CERTAINTY_KEY, None)
+        # NTHR's inputs: its own pass, or verl's old-log-prob pass with NTHR on (kept)
+        nthr = self._gbc_nthr
+        if nthr is None and NTHR_ROW_KEY in batch.keys():
+            nthr = self._gbc_keeping
         with torch.no_grad():
-            if self._gbc_nthr is not None:     # NTHR's old-policy pass
-                logp = self._gbc_nthr.add(
-                    batch[NTHR_ROW_KEY], h.transpose(0, 1).contiguous(), y, valid,
-                    types.SimpleNamespace(weight=weight, bias=state["bias"]), None, temp,
-                    vocab_parallel=M.vocab_parallel(weight, state["tp_group"]))
-                return {"log_probs": packed(logp)}
             if certainty is not None:      # the reference pass of critical-token KL
                 st = M.reference_stats(h, weight, y, methods.MethodOptions(**certainty), own,
                                        temperature=temp, backend=backend, **common)
@@ -298,6 +325,8 @@ class GBCMegatronMixin(EngineMethods):
             res = M.logprobs(h, weight, y, own, temperature=temp, backend=backend,
                              return_entropy=bool(calculate_entropy),
                              return_sum_p2=bool(calculate_sum_pi_squared), **common)
+            if nthr is not None:      # the same log-probs, the rows kept (no second head)
+                _nthr_add(nthr, batch[NTHR_ROW_KEY], h, y, res.logp, valid, own, state, temp)
         ret = {"log_probs": packed(res.logp)}
         if calculate_entropy:
             ret["entropy"] = packed(res.entropy)
