@@ -29,9 +29,10 @@ sys.path.insert(0, HERE)
 from conftest import megatron_cpu, spawn_gloo  # noqa: E402
 
 
-def _model(tp, sp, seed=0, dtype=torch.float64, cp=1):
+def _model(tp, sp, seed=0, dtype=torch.float64, cp=1, pp=1):
     """megatron's groups, the shims and a tiny RoPE ``GPTModel`` whose core attention takes
-    packed sequences (bshd batches get the causal mask in place of verl's padding mask)."""
+    packed sequences (bshd batches get the causal mask in place of verl's padding mask); under
+    pipeline parallel ``pp``, this rank's stage (one of the two layers)."""
     import test_verl_megatron as tvm
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules
@@ -39,7 +40,7 @@ def _model(tp, sp, seed=0, dtype=torch.float64, cp=1):
     mc = megatron_cpu()
     mc.install_shims()
     schedules.torch = tvm._CpuTorch()
-    mc.init_parallel(tp, cp=cp)
+    mc.init_parallel(tp, cp=cp, pp=pp)
     group = parallel_state.get_tensor_model_parallel_group()
 
     def causal(module, args, kwargs):
@@ -314,6 +315,74 @@ def _check_cp_1(one, two):
             tvm._close(v, s["infer"][k], 1e-6, f"rank {r} infer {k}")
     for k, g in one["grads"].items():
         tvm._close(g, (two[0]["grads"][k] + two[1]["grads"][k]) / 2, 1e-6, f"grad {k}")
+
+
+def _pp_cp_worker(rank, world, pp, cp):
+    """Pipeline parallel ``pp`` × context parallel ``cp`` in thd (megatron's 1F1B schedule over
+    gloo's point-to-point ops; each stage's CP ranks exchange their own halves of the packed
+    micro-batch): verl's stock engine and gbc's on the same stages — a training step (every
+    parameter's gradient on every stage; the loss, log-probs, entropy and metrics on the last)
+    and a forward-only pass."""
+    import test_verl_megatron as tvm
+    from megatron.core import parallel_state as mpu
+    from test_verl_engine import make_batch, verl_on_cpu
+
+    verl_on_cpu()
+    out = {"train": {}, "infer": {}}
+    for gbc in (False, True):
+        model = _model(1, False, cp=cp, pp=pp)
+        last = mpu.is_pipeline_last_stage(ignore_virtual=True)
+        engine = tvm._engine(model, gbc=gbc, use_remove_padding=True, context_parallel_size=cp)
+        torch.manual_seed(1234)
+        data = make_batch(5, 4, rmpad=False, vocab=tvm.VOCAB)
+        res = engine.forward_backward_batch(data, tvm._loss_fn("gspo", "seq-mean-token-mean"),
+                                            forward_only=False)
+        out["train"][gbc] = dict(grads=tvm._grads(model), keys=sorted(res))
+        if last:
+            out["train"][gbc].update(
+                loss=sum(res["loss"]), logp=tvm._responses(res, "log_probs", data),
+                entropy=tvm._responses(res, "entropy", data),
+                metrics=tvm._metric_values(res["metrics"]))
+        data = make_batch(7, 4, rmpad=False, vocab=tvm.VOCAB)
+        res = tvm._infer(engine, data, calculate_entropy=True)
+        out["infer"][gbc] = ({k: tvm._responses(res, k, data)
+                              for k in ("log_probs", "entropy", "sum_pi_squared")}
+                             if last else sorted(res))
+    out["last"] = last
+    return out
+
+
+@pytest.mark.slow
+def test_pipeline_2_context_parallel_2_equals_verl_stock_engine():
+    """Pipeline parallel 2 × context parallel 2 in thd (four gloo ranks; megatron's 1F1B
+    schedule, each stage's two CP ranks holding every sequence's load-balanced chunks; GSPO's
+    seq-mean-token-mean, the sequence terms reduced over the CP group): on every stage every
+    parameter's gradient equals verl's stock engine's (the first stage's through megatron's
+    point-to-point backward); on the last stage the loss, log-probs, entropy, verl's metrics
+    and the forward-only outputs do."""
+    import test_verl_megatron as tvm
+
+    results = spawn_gloo(4, _pp_cp_worker, 2, 2)
+    assert [out["last"] for out in results] == [False, False, True, True]
+    for r, out in enumerate(results):
+        stock, ours = out["train"][False], out["train"][True]
+        what = f"rank {r}"
+        assert stock["grads"].keys() == ours["grads"].keys() and stock["grads"]
+        assert float(sum(g.abs().sum() for g in ours["grads"].values())) > 0
+        for k in stock["grads"]:
+            tvm._close(stock["grads"][k], ours["grads"][k], 1e-6, f"{what} grad {k}")
+        if not out["last"]:
+            assert stock["keys"] == ours["keys"] and out["infer"][False] == out["infer"][True]
+            continue
+        loss = float(stock["loss"])
+        assert abs(loss - float(ours["loss"])) <= 1e-5 * abs(loss) + 1e-7, what
+        for k in ("logp", "entropy"):
+            tvm._close(stock[k], ours[k], 1e-6, f"{what} {k}")
+        for k, v in stock["metrics"].items():
+            tvm._close(torch.tensor(v), torch.tensor(ours["metrics"][k]), 1e-5, f"{what} {k}")
+        for k, v in out["infer"][False].items():
+            assert float(v.abs().sum()) > 0
+            tvm._close(v, out["infer"][True][k], 1e-6, f"{what} forward-only {k}")
 
 
 @pytest.mark.parametrize("option", ["use_remove_padding", "nthr", "dynamic_context_parallel"])
