@@ -175,6 +175,33 @@ def test_packed_batch_without_cu_seqlens_refused(cu):
         response_rows(packed, "thd", (1, 70), offsets)
 
 
+@pytest.mark.parametrize("lengths,what", [
+    (None, "use_remove_padding.*cu_seqlens_q_padded"),
+    ([8, 6, 4, 8, 4], "context_parallel_size: 2 .* sequence 1 a padded length of 6"),
+    ([8, 4, 2, 8, 4], "context_parallel_size: 2 .* sequence 2 a padded length of 2"),
+    ([8, 4, 0, 8, 4], "context_parallel_size: 2 .* sequence 2 a padded length of 0"),
+    ([8, 4, 4, 8], "use_remove_padding.*cu_seqlens_q_padded.*6 values")])
+def test_context_parallel_packing_refused(lengths, what):
+    """Under context parallelism the packing must split into megatron's ``2·cp`` chunks: a thd
+    batch without ``cu_seqlens_q_padded``, with a padded length that ``2·cp`` does not divide,
+    one shorter than ``2·cp`` chunks, or the wrong number of offsets is refused naming the
+    option, before the head computes anything; verl's own padding (each length a multiple of
+    ``2·cp``) passes."""
+    import test_verl_megatron as tvm
+    from test_verl_engine import make_batch
+
+    from gbc_kernels.integrations.verl_megatron import cp_response_rows
+
+    packed = make_batch(10, 5, rmpad=True, vocab=tvm.VOCAB)
+    cu = None if lengths is None else torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    with pytest.raises(ValueError, match=what):
+        cp_response_rows(packed, cu, 2, 0)
+    n = packed["input_ids"].offsets().diff()            # verl's alignment: up to 2·cp·tp
+    cu = torch.cat([torch.zeros(1), ((n + 3) // 4 * 4).cumsum(0)]).to(torch.int32)
+    rows, valid, own = cp_response_rows(packed, cu, 2, 0)
+    assert own.any() and (valid & ~own).any()
+
+
 @pytest.mark.slow
 def test_stock_engine_context_parallel_2_equals_1():
     """The harness for context parallelism: verl's stock engine in thd at CP 2 (two gloo
@@ -350,11 +377,11 @@ def _cp_modes_worker(rank, world, cp, cases):
 
     model = _model(1, False, cp=cp)
 
-    def step(gbc, mode, agg, kl, seed):
+    def step(gbc, mode, agg, kl, seed, lengths=(6, 7)):
         model.zero_grad(set_to_none=True)
         engine = tvm._engine(model, gbc=gbc, use_remove_padding=True, context_parallel_size=cp)
         torch.manual_seed(1234)
-        data = make_batch(seed, 4, rmpad=False, vocab=tvm.VOCAB)
+        data = make_batch(seed, 4, rmpad=False, vocab=tvm.VOCAB, lengths=lengths)
         out = engine.forward_backward_batch(data, tvm._loss_fn(mode, agg, kl),
                                             forward_only=False)
         return dict(loss=sum(out["loss"]), logp=tvm._responses(out, "log_probs", data),
@@ -362,10 +389,10 @@ def _cp_modes_worker(rank, world, cp, cases):
                     metrics=tvm._metric_values(out["metrics"]), grads=tvm._grads(model))
 
     results = {}
-    for name, (mode, agg, kl, per_token) in cases.items():
+    for name, (mode, agg, kl, per_token, *lengths) in cases.items():
         model.config.calculate_per_token_loss = per_token
         seed = zlib.crc32(f"{mode}{agg}".encode()) % 10_000
-        results[name] = {gbc: step(gbc, mode, agg, kl, seed) for gbc in (False, True)}
+        results[name] = {gbc: step(gbc, mode, agg, kl, seed, *lengths) for gbc in (False, True)}
     model.config.calculate_per_token_loss = False
     name, (mode, agg, kl, _) = next(iter(cases.items()))
     w = model.output_layer.weight
@@ -390,7 +417,8 @@ def _mode_cases():
     """Each of verl's loss modes gbc runs under CP (not Clip-Cov / KL-Cov, refused), its
     aggregations in turn (each at least once), a KL and an entropy term on (geo_mean's
     sequence aggregations: its policy term alone); then megatron's per-token loss regime
-    (``calculate_per_token_loss``) on a token-mean and a sequence-mean case."""
+    (``calculate_per_token_loss``) on a token-mean and a sequence-mean case; and sequences
+    shorter than ``2·cp`` tokens (verl pads each to ``2·cp``: a chunk of one token)."""
     from test_other_trainers import VERL_AGGS, VERL_MODES
 
     modes = [m for m in VERL_MODES if m not in ("clip_cov", "kl_cov")]
@@ -401,6 +429,9 @@ def _mode_cases():
                                                  agg.startswith("seq-mean")), False)
     cases["per_token_vanilla_token_mean"] = ("vanilla", "token-mean", True, True)
     cases["per_token_gspo_seq_mean_token_mean"] = ("gspo", "seq-mean-token-mean", False, True)
+    # every sequence 2 or 3 tokens long, shorter than 2·cp = 4 chunks: verl pads it to 4
+    cases["short_sequences_gspo_seq_mean_token_sum"] = ("gspo", "seq-mean-token-sum", True,
+                                                        False, (1, 2))
     return cases
 
 
@@ -413,7 +444,7 @@ def test_context_parallel_2_every_loss_mode_equals_verl_stock_engine():
     summed over data and context ranks), gbc's loss, log_probs, entropy, verl's metrics and
     every parameter's gradient equal the stock engine's on both CP ranks; with megatron DDP's
     ``main_grad`` on the output weight, gbc's step puts the stock engine's weight gradient
-    there (the weight keeps none)."""
+    there (the weight keeps none); and with every sequence shorter than ``2·cp`` tokens."""
     import test_verl_megatron as tvm
 
     cases = _mode_cases()
