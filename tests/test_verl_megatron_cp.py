@@ -10,7 +10,11 @@ thd at CP 2 equals CP 1); the same stand-in, at CP > 1, all-gathers K/V over the
 masks by each token's position in megatron's load-balanced layout (each sequence in ``2·cp``
 chunks, rank ``r`` holding chunks ``r`` and ``2·cp - 1 - r``). verl packs for CP only in thd
 (its bshd preprocessing asserts CP 1). gbc's engine at CP 2 is then checked against verl's
-stock engine at CP 2 (TP 1, and TP 2 with sequence parallelism), and with AR against CP 1."""
+stock engine at CP 2 (TP 1; TP 2 with sequence parallelism; pipeline parallel 2; every loss
+mode gbc runs under CP; ``calculate_per_token_loss``; megatron DDP's ``main_grad``), and with
+AR, critical-token KL and Lopti against CP 1. The harness's ``finalize_model_grads`` sums the
+sequence-parallel norms' gradients and, in megatron's per-token regime, divides every gradient
+by the token count as megatron's does; there is no DDP (each rank keeps its own gradients)."""
 
 from __future__ import annotations
 
