@@ -310,6 +310,34 @@ def test_ulysses_sp2_equals_sp1(runs):
     assert "gbc_grad_norm_second_phase" in sp1["steps"][1][0]
 
 
+@pytest.mark.slow
+def test_ulysses_dp2_sp2_equals_verl_stock(tmp_path):
+    """Data parallel 2 × Ulysses SP 2 (four gloo ranks: two SP groups of two, each data-parallel
+    rank its own micro-batches and verl's global token and sequence counts): gbc's loss, every
+    metric verl logs and every parameter's gradient (FSDP's reduction over the four ranks)
+    equal verl's stock step on every rank, for four loss modes with the token-mean, token-sum
+    and both seq-mean-token-* aggregations; so do the forward-only outputs. The two SP ranks of
+    a data-parallel rank report the same loss; the two data-parallel ranks' losses differ."""
+    model_dir = make_model_dir(tmp_path / "m")
+    cases = _cases()[:4]
+    assert {c[1] for c in cases} >= {"token-mean", "token-sum", "seq-mean-token-mean"}
+    ranks = spawn_gloo(4, _worker, model_dir, 2, cases, False)
+    for r in ranks:
+        assert r["head_rows"] and max(r["head_rows"]) < max(r["attention"])
+        for case, res in zip(cases, r["cases"]):
+            _check_step(res, case)
+        inf = r["infer"]
+        for k in inf["verl"]:
+            assert inf["verl"][k].abs().max() > 0
+            assert torch.allclose(inf["verl"][k], inf["gbc"][k], rtol=1e-5, atol=1e-5), k
+    for i in range(len(cases)):
+        loss = [float(r["cases"][i]["gbc"][0]) for r in ranks]
+        assert loss[0] == pytest.approx(loss[1], rel=1e-6) and loss[2] == pytest.approx(
+            loss[3], rel=1e-6) and abs(loss[0] - loss[2]) > 1e-4, (cases[i], loss)
+        _close(ranks[0]["cases"][i]["gbc"][2], ranks[3]["cases"][i]["gbc"][2], 1e-6,
+               "gradients on every rank")
+
+
 # -- refusals -----------------------------------------------------------------------------------
 def test_ulysses_size_not_dividing_the_heads_refused():
     """An SP size that does not divide the attention heads is refused before the model is

@@ -395,16 +395,17 @@ class EngineMethods:
         if self.is_mp_src_rank_with_outputs():
             first["metrics"]["grad_norm"] = gn1
             first["metrics"]["gbc_grad_norm_second_phase"] = gn2
-            # the step's grad_share_low (one meaning, docs/methods.md): the low phase's summed
-            # logit-gradient norm over both phases' (each phase alone reports 1 or 0)
-            norms = {}
-            for phase, out in zip(opts.phases, (first, second)):
-                v = out["metrics"].get("actor/gbc_grad_norm_sum")
-                if v is not None:
-                    norms[phase] = float(sum(v) if isinstance(v, list) else v)
-            if len(norms) == 2:
-                first["metrics"]["actor/gbc_grad_share_low"] = methods.share_low(
-                    norms["low"], norms["high"])
+        # the step's grad_share_low (one meaning, docs/methods.md): the low phase's summed
+        # logit-gradient norm over both phases' (each phase alone reports 1 or 0); on every
+        # rank that has the loss's metrics (each context- or tensor-parallel rank alike)
+        norms = {}
+        for phase, out in zip(opts.phases, (first, second)):
+            v = ((out or {}).get("metrics") or {}).get("actor/gbc_grad_norm_sum")
+            if v is not None:
+                norms[phase] = float(sum(v) if isinstance(v, list) else v)
+        if len(norms) == 2:
+            first["metrics"]["actor/gbc_grad_share_low"] = methods.share_low(
+                norms["low"], norms["high"])
         return first
 
 

@@ -95,7 +95,24 @@ def cp_response_rows(batch, cu_seqlens_padded, cp_size, cp_rank):
     sequence ``b``, where ``own`` (that token's position sits on this rank; elsewhere the row
     is 0). megatron's load-balanced layout: sequence ``b``'s padded length, in ``2·cp`` chunks,
     starts at ``cu_seqlens_padded[b] / cp`` on every rank, rank ``r`` holding chunks ``r`` then
-    ``2·cp - 1 - r``. ``valid``: the whole micro-batch's response tokens."""
+    ``2·cp - 1 - r``. ``valid``: the whole micro-batch's response tokens. A packing without
+    ``cu_seqlens_padded``, or whose padded lengths are not positive multiples of ``2·cp``, is
+    refused before anything is computed."""
+    if cu_seqlens_padded is None:
+        raise ValueError(
+            f"use_remove_padding: under context_parallel_size={cp_size} a packed (thd) batch "
+            "needs its packed_seq_params.cu_seqlens_q_padded (each sequence's padded offset), "
+            "got None")
+    lengths = (cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]).long()
+    bad = ((lengths % (2 * cp_size) != 0) | (lengths < 2 * cp_size)).nonzero().flatten()
+    if bad.numel():
+        b = int(bad[0])
+        raise ValueError(
+            f"context_parallel_size: {cp_size} splits each packed sequence into 2·cp = "
+            f"{2 * cp_size} load-balanced chunks, so each padded length must be a positive "
+            f"multiple of {2 * cp_size} (verl pads each sequence so); "
+            f"packed_seq_params.cu_seqlens_q_padded gives sequence {b} a padded length of "
+            f"{int(lengths[b])}")
     pos, valid = response_rows(batch, "thd", None, torch.zeros_like(cu_seqlens_padded))
     cu = cu_seqlens_padded.to(pos.device).long()
     chunk = (cu[1:] - cu[:-1])[:, None] // (2 * cp_size)

@@ -132,3 +132,10 @@ def test_verl_engine_logs_the_steps_grad_share_low(order):
                                functools.partial(ppo_loss, config=None))
     want = sum(norms["low"]) / (sum(norms["low"]) + sum(norms["high"]))
     assert out["metrics"]["actor/gbc_grad_share_low"] == pytest.approx(want)
+    # a rank that does not report verl's outputs (another context- or tensor-parallel rank):
+    # no gradient norms, the same step's grad_share_low
+    Engine.is_mp_src_rank_with_outputs = lambda self: False
+    out = Engine().train_batch(TensorDict({}, batch_size=[]),
+                               functools.partial(ppo_loss, config=None))
+    assert "grad_norm" not in out["metrics"]
+    assert out["metrics"]["actor/gbc_grad_share_low"] == pytest.approx(want)
