@@ -75,8 +75,8 @@ setup(
         "examples": ["transformers>=4.50", "matplotlib", "tqdm"],
     },
     # verl imports its plugins in every process; gbc's switches its engine on when
-    # GBC_VERL_ENGINE=1 (gbc_kernels/integrations/verl_plugin.py)
-    entry_points={"verl.plugins": ["gbc_kernels = gbc_kernels.integrations.verl_plugin"]},
+    # GBC_VERL_ENGINE=1 (gbc_kernels/integrations/verl/plugin.py)
+    entry_points={"verl.plugins": ["gbc_kernels = gbc_kernels.integrations.verl.plugin"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     zip_safe=False,

@@ -66,7 +66,7 @@ def child_time(a):
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     tve = _setup(a)
     from test_other_trainers import verl_actor_config

@@ -1,6 +1,6 @@
 """One actor update in verl 0.9.1's own FSDP2 engine with a real vocabulary: verl's stock step
 (full logits), verl's own fused kernel (``use_fused_kernels`` with its torch backend) and gbc's
-engine (integrations/verl_engine.py). CPU, one gloo rank, a tiny Qwen2 with Qwen2.5's
+engine (integrations/verl/engine.py). CPU, one gloo rank, a tiny Qwen2 with Qwen2.5's
 vocabulary (V = 151936) and a small hidden size, so the head dominates as it does at scale.
 
     python benchmarks/bench_verl.py         # B=4, prompt 64 + response 192, H=64, 2 micro-batches

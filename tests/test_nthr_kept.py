@@ -37,7 +37,7 @@ def _kept_worker(rank, world, model_dir, mode, rows_of):
     from verl.workers.utils.losses import ppo_loss
 
     from gbc_kernels.integrations import hf
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     from gbc_kernels import methods
 

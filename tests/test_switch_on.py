@@ -150,7 +150,7 @@ def assert_stopped(rc, report, stderr, *fragments):
             assert fragment in got["message"], (point, fragment, got["message"])
     assert rc != 0
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("gbc_kernels.integrations.verl_plugin.SwitchOnError"), last
+    assert last.startswith("gbc_kernels.integrations.verl.plugin.SwitchOnError"), last
     assert all(fragment in last for fragment in fragments), last
     assert not report["warnings"], report["warnings"]
 
@@ -169,9 +169,9 @@ def test_verl_missing_dependency_stops_the_run():
     """A module gbc's Megatron engine needs cannot be imported: the run stops (the FSDP
     engine's switch-on went through, but half an engine is not what was asked for)."""
     rc, report, _, stderr = run_verl("1", "ar_alpha=0.3",
-                                     block=["gbc_kernels.integrations.verl_megatron"])
+                                     block=["gbc_kernels.integrations.verl.megatron"])
     assert_stopped(rc, report, stderr, "ModuleNotFoundError: import of "
-                   "gbc_kernels.integrations.verl_megatron halted")
+                   "gbc_kernels.integrations.verl.megatron halted")
 
 
 def test_verl_unsupported_version_stops_the_run():
@@ -210,9 +210,9 @@ def test_verl_on_hands_out_gbc_engines_and_refuses_v1_critical_kl():
     legacy trainer not stopped by gbc; verl's v1 trainer refuses critical-token KL (its
     reference pass does not go through gbc's), naming the option and verl's setting."""
     rc, report, _, stderr = run_verl("1", "ar_alpha=0.3,critical_kl_exponent=2", train=False)
-    assert report["fsdp2"] == {"ok": "gbc_kernels.integrations.verl_fsdp.GBCFSDPEngineWithLMHead"}
+    assert report["fsdp2"] == {"ok": "gbc_kernels.integrations.verl.fsdp.GBCFSDPEngineWithLMHead"}
     assert report["megatron"] == {
-        "ok": "gbc_kernels.integrations.verl_megatron.GBCMegatronEngineWithLMHead"}
+        "ok": "gbc_kernels.integrations.verl.megatron.GBCMegatronEngineWithLMHead"}
     for point in ("training_worker", "actor_rollout_ref_worker", "ray_ppo_trainer"):
         assert report[point].get("type") not in (None, "SwitchOnError"), (point, report[point])
     v1 = report["v1_trainer"]

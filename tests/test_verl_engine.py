@@ -1,4 +1,4 @@
-"""gbc's engine inside verl 0.9.1's own FSDP2 actor engine (integrations/verl_engine.py), against
+"""gbc's engine inside verl 0.9.1's own FSDP2 actor engine (integrations/verl/engine.py), against
 verl's stock engine on the same model, weights and micro-batches.
 
 What runs is verl's: its ``FSDPEngineWithLMHead`` built from its configs (``HFModelConfig``,
@@ -78,7 +78,7 @@ def build_engine(model_dir, gbc=True, rmpad=True, dtype="fp32", lr=1e-2, options
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     mc = HFModelConfig(path=model_dir, use_remove_padding=rmpad,
                        override_config={"attn_implementation": "sdpa"})
@@ -314,7 +314,7 @@ def _steps_worker(rank, world, model_dir, gbc, rmpad, options):
     verl_on_cpu()
     from verl.workers.utils.losses import ppo_loss
 
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     # SGD: the update is linear in the gradient (AdamW would turn float32 rounding of a
     # near-zero gradient entry into a step of up to lr)
@@ -384,7 +384,7 @@ def _lopti_by_hand_worker(rank, world, model_dir):
     cfg = verl_actor_config("vanilla", "token-mean", "low_var_kl", entropy_coeff=0.01)
     loss_fn = functools.partial(ppo_loss, config=cfg)
     base_opts = type(engine).gbc_options
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
     type(engine).gbc_options = ve.EngineOptions(lopti_eta=0.5)
     for step in range(3):
         data = make_batch(100 * step + rank, 6, world=world, confident=0.4)
@@ -439,7 +439,7 @@ def test_engine_forward_only_equals_verl(tmp_path, rmpad, temp, dynamic):
 
 
 def test_options_parse_and_refusals():
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     o = ve.EngineOptions.parse("ar_alpha=0.3, lopti_eta=0.5,backend=torch")
     assert (o.ar_alpha, o.lopti_eta, o.backend) == (0.3, 0.5, "torch")
@@ -477,7 +477,7 @@ def _refusal_worker(rank, world, model_dir, what):
     engine = build_engine(model_dir)
     cfg = verl_actor_config("vanilla", "token-mean")
     data = make_batch(3, 4)
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     if what == "use_fused_kernels":
         tu.assign_non_tensor(data, use_fused_kernels=True)
@@ -513,12 +513,12 @@ def test_plugin_switches_the_registry(monkeypatch):
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    from gbc_kernels.integrations import verl_engine as ve
-    from gbc_kernels.integrations import verl_fsdp
+    from gbc_kernels.integrations.verl import engine as ve
+    from gbc_kernels.integrations.verl import fsdp
 
     monkeypatch.setenv("GBC_VERL_ENGINE", "strict")
     monkeypatch.setenv("GBC_VERL_OPTIONS", "ar_alpha=0.25")
-    import gbc_kernels.integrations.verl_plugin as plugin
+    import gbc_kernels.integrations.verl.plugin as plugin
     try:
         importlib.reload(plugin)
         table = EngineRegistry._engines["language_model"]
@@ -533,7 +533,7 @@ def test_plugin_switches_the_registry(monkeypatch):
         assert all(cls is FSDPEngineWithLMHead
                    for cls in EngineRegistry._engines["language_model"][backend].values())
     from importlib.metadata import entry_points
-    assert any(ep.value == "gbc_kernels.integrations.verl_plugin"
+    assert any(ep.value == "gbc_kernels.integrations.verl.plugin"
                for ep in entry_points(group="verl.plugins"))
 
 
@@ -611,7 +611,7 @@ def _nthr_worker(rank, world, model_dir, rows_of, beta):
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
 
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     engine = build_engine(model_dir, options=ve.EngineOptions(nthr=True, nthr_beta=beta))
     data = make_batch(11, NB, group=GROUP, world=world)
@@ -698,8 +698,8 @@ def test_nthr_hook_runs_before_verl_update(tmp_path):
 
     from verl.workers.utils.losses import ppo_loss
 
-    from gbc_kernels.integrations import verl_engine as ve
-    from gbc_kernels.integrations import verl_fsdp
+    from gbc_kernels.integrations.verl import engine as ve
+    from gbc_kernels.integrations.verl import fsdp
 
     calls = []
 
@@ -738,7 +738,7 @@ def _certainty_worker(rank, world, model_dir, exponent):
     from verl import DataProto
     from verl.utils import tensordict_utils as tu
 
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     opts = ve.EngineOptions(critical_kl_exponent=exponent, critical_kl_temperature=0.25)
     engine = build_engine(model_dir, options=opts)
@@ -786,7 +786,7 @@ def _kl_weight_worker(rank, world, model_dir):
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     engine = build_engine(model_dir, options=ve.EngineOptions(critical_kl_exponent=1.0))
     cfg = verl_actor_config("vanilla", "token-mean", "low_var_kl", entropy_coeff=0.0)
@@ -836,7 +836,7 @@ def test_patch_on_import(tmp_path, monkeypatch):
     import importlib
     import sys
 
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     (tmp_path / "gbc_fake_trainer_mod.py").write_text("VALUE = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -861,7 +861,7 @@ def test_patch_on_import(tmp_path, monkeypatch):
 def test_options_non_finite_refused(item):
     """GBC_VERL_OPTIONS: a float option that is nan or +-inf is refused, naming it (nan and inf
     would pass a "> 0" check or poison the scales)."""
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     name = item.split("=")[0]
     with pytest.raises(ValueError, match=f"^GBC_VERL_OPTIONS: {name}: expected a finite"):
@@ -875,7 +875,7 @@ def test_options_non_finite_refused(item):
 def test_options_repeated_name_refused():
     """GBC_VERL_OPTIONS: an option given twice is refused, naming it and both values (never
     the last one kept silently)."""
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     with pytest.raises(ValueError, match=r"^GBC_VERL_OPTIONS: ar_alpha given twice "
                                          r"\(ar_alpha=0\.1 and ar_alpha=0\.2\)"):

@@ -1,4 +1,4 @@
-"""gbc inside verl 0.9.1's Megatron engine (integrations/verl_megatron.py), against verl's stock
+"""gbc inside verl 0.9.1's Megatron engine (integrations/verl/megatron.py), against verl's stock
 ``MegatronEngineWithLMHead`` on the same tiny megatron-core ``GPTModel`` and micro-batches, on
 CPU: two gloo ranks, tensor parallel 2 (tests/standins/megatron_cpu.py holds the CPU shims);
 pipeline parallel 2, alone, with tensor parallel 2 (four ranks) and with two virtual stages
@@ -97,8 +97,8 @@ def _engine(model, gbc=True, options=None, **config):
     from verl.workers.config import McoreEngineConfig
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
-    from gbc_kernels.integrations import verl_engine as ve
-    from gbc_kernels.integrations import verl_megatron as vm
+    from gbc_kernels.integrations.verl import engine as ve
+    from gbc_kernels.integrations.verl import megatron as vm
 
     cls = vm.GBCMegatronEngineWithLMHead if gbc else MegatronEngineWithLMHead
     engine = object.__new__(cls)
@@ -318,7 +318,7 @@ def _infer(engine, data, **flags):
 def _methods_worker(rank, world, tp, sp):
     """Forward-only passes (stock and gbc), critical-KL weights with the reference rows, a
     dispatch watcher, Lopti's two updates (train_batch and by hand), gbc's training loss."""
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     out = {}
     for gbc in (False, True):
@@ -355,7 +355,7 @@ def _methods_worker(rank, world, tp, sp):
     # gbc's thd rows against verl's own packing (preprocess_thd_engine, TP=2 alignment)
     from verl.models.mcore.util import preprocess_thd_engine
 
-    from gbc_kernels.integrations.verl_megatron import response_rows
+    from gbc_kernels.integrations.verl.megatron import response_rows
     from test_verl_engine import make_batch
     packed = make_batch(10, 5, rmpad=True, vocab=VOCAB)
     labels, psp, _ = preprocess_thd_engine(packed["input_ids"], pre_process=True, need_roll=True)
@@ -373,7 +373,7 @@ def _methods_worker(rank, world, tp, sp):
 def _lopti_two_ways(make_model, batches):
     """Lopti (``lopti_eta=0.5``) from fresh models: the parameters after ``train_batch`` on each
     of ``batches()`` and after its two phases run by hand; ``train_batch``'s metric names."""
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     params, names = [], None
     for by_hand in (False, True):
@@ -468,7 +468,7 @@ def _nthr_worker(rank, world, tp, sp, beta):
     """NTHR's pass (dynamic micro-batches, so verl reorders the rows) with the oracle's inputs:
     the output layer's input rows of the batch from one forward-only pass, and the gathered
     output weight; then the training step with NTHR, by hand, and without."""
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
     from test_verl_engine import verl_on_cpu
 
     verl_on_cpu()           # verl's dynamic micro-batching asks for its device
@@ -533,7 +533,7 @@ def _nthr_rows_worker(rank, world, rows_of):
     parallel 1: with two ranks, data parallel 2."""
     from verl.utils import tensordict_utils as tu
 
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     model = _setup(1, False)
     engine = _engine(model, options=ve.EngineOptions(nthr=True, nthr_beta=0.0))
@@ -569,7 +569,7 @@ def _pipeline_worker(rank, world, tp, sp, vpp=None):
     from megatron.core import parallel_state as mpu
     from verl.utils import tensordict_utils as tu
 
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
     from test_verl_engine import verl_on_cpu
 
     verl_on_cpu()
@@ -646,7 +646,7 @@ def _head_oracle(model, data, tp, sp, last=True):
                                                         gather_from_tensor_model_parallel_region)
     from verl.workers.engine.utils import prepare_micro_batches
 
-    from gbc_kernels.integrations.verl_megatron import response_rows
+    from gbc_kernels.integrations.verl.megatron import response_rows
 
     if not last:
         _infer(_engine(model, gbc=False), data.clone())
@@ -746,8 +746,8 @@ def test_pipeline_parallel_methods(pipelined):
 def _bare_engine(options=None, mtp=False, **config):
     from verl.workers.config import McoreEngineConfig
 
-    from gbc_kernels.integrations import verl_engine as ve
-    from gbc_kernels.integrations import verl_megatron as vm
+    from gbc_kernels.integrations.verl import engine as ve
+    from gbc_kernels.integrations.verl import megatron as vm
 
     engine = object.__new__(vm.GBCMegatronEngineWithLMHead)
     engine.engine_config = McoreEngineConfig(**config)
@@ -857,8 +857,8 @@ def test_enable_registers_the_megatron_engine():
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
-    from gbc_kernels.integrations import verl_engine as ve
-    from gbc_kernels.integrations import verl_megatron as vm
+    from gbc_kernels.integrations.verl import engine as ve
+    from gbc_kernels.integrations.verl import megatron as vm
 
     table = EngineRegistry._engines["language_model"]["megatron"]
     before = dict(table)
@@ -880,7 +880,7 @@ def _options_worker(rank, world, tp):
     the option's two settings of tests/methods/test_options.PAIRS."""
     from verl.utils import tensordict_utils as tu
 
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
     from methods.test_options import PAIRS
 
     out = {}

@@ -171,7 +171,7 @@ def test_packed_batch_without_cu_seqlens_refused(cu):
     import test_verl_megatron as tvm
     from test_verl_engine import make_batch
 
-    from gbc_kernels.integrations.verl_megatron import response_rows
+    from gbc_kernels.integrations.verl.megatron import response_rows
 
     packed = make_batch(10, 5, rmpad=True, vocab=tvm.VOCAB)
     offsets = None if cu is None else torch.arange(5, dtype=torch.int32) * 14   # 5, not 6
@@ -194,7 +194,7 @@ def test_context_parallel_packing_refused(lengths, what):
     import test_verl_megatron as tvm
     from test_verl_engine import make_batch
 
-    from gbc_kernels.integrations.verl_megatron import cp_response_rows
+    from gbc_kernels.integrations.verl.megatron import cp_response_rows
 
     packed = make_batch(10, 5, rmpad=True, vocab=tvm.VOCAB)
     cu = None if lengths is None else torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
@@ -237,7 +237,7 @@ def _cp_gbc_worker(rank, world, cp, cases, tp=1, sp=False):
     import test_verl_megatron as tvm
     from test_verl_engine import make_batch
 
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     results = {}
     for name, (mode, agg, kl, variants) in cases.items():
@@ -481,7 +481,7 @@ def _lopti_cp_worker(rank, world, cp):
     from megatron.core import parallel_state as mpu
     from test_verl_engine import make_batch
 
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     class AveragedSGD(tvm._SGD):
         def step(self):
@@ -602,8 +602,8 @@ def test_context_parallel_refusals(option):
     dynamic_context_parallel (NTHR runs: tests/test_verl_megatron_nthr.py)."""
     import types
 
-    from gbc_kernels.integrations import verl_engine as ve
-    from gbc_kernels.integrations.verl_megatron import _check_config
+    from gbc_kernels.integrations.verl import engine as ve
+    from gbc_kernels.integrations.verl.megatron import _check_config
 
     ec = types.SimpleNamespace(context_parallel_size=2, use_remove_padding=True,
                                dynamic_context_parallel=False, qat=None)
@@ -627,7 +627,7 @@ def test_context_parallel_batch_selecting_loss_modes_refused(mode):
     rank's loss sees its own tokens, so gbc's engine refuses them naming loss_mode."""
     import test_verl_megatron as tvm
 
-    from gbc_kernels.integrations.verl_megatron import _check_cp_loss
+    from gbc_kernels.integrations.verl.megatron import _check_cp_loss
 
     with pytest.raises(ValueError, match="loss_mode.*context_parallel_size=2"):
         _check_cp_loss(tvm._loss_fn(mode), 2)

@@ -45,7 +45,7 @@ def _nthr_worker(rank, world, tp=1, sp=False, pp=1, cp=None, mode="kept"):
 
     import test_verl_megatron as tvm
     from gbc_kernels import methods
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
     from test_verl_engine import verl_on_cpu
 
     verl_on_cpu()

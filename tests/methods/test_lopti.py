@@ -107,7 +107,7 @@ def test_verl_engine_logs_the_steps_grad_share_low(order):
     from tensordict import TensorDict
     from verl.workers.utils.losses import ppo_loss
 
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     norms = {"low": [0.3, 0.5], "high": [1.1, 0.7]}
 

@@ -122,7 +122,7 @@ def test_example_trainer_names_every_option():
 # ------------------------------------------------------------------------------- verl
 def test_verl_engine_options_are_the_method_options():
     pytest.importorskip("verl")
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     assert issubclass(ve.EngineOptions, methods.MethodOptions)
     # the trainer's reference pass hands the worker every critical-KL option

@@ -1,4 +1,4 @@
-"""Every method option on gbc's verl FSDP engine (integrations/verl_fsdp.py, ``GBC_VERL_ENGINE``)
+"""Every method option on gbc's verl FSDP engine (integrations/verl/fsdp.py, ``GBC_VERL_ENGINE``)
 is honoured or refused by name: for each option of tests/methods/test_options.PAIRS, the run
 with B's options against the run with A's, from the same parameters and the same batch, changes
 what the option acts on and then the update — never accepted and ignored.
@@ -62,7 +62,7 @@ def _options_worker(rank, world, model_dir):
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     # SGD: the update is linear in the gradient
     engine = build_engine(model_dir, lr=0.5, optimizer="SGD")
@@ -171,7 +171,7 @@ def _options_worker(rank, world, model_dir):
 
 
 def test_every_field_is_enumerated():
-    from gbc_kernels.integrations import verl_engine as ve
+    from gbc_kernels.integrations.verl import engine as ve
 
     assert set(PAIRS) == FIELDS == set(ve.OPTION_NAMES) - {"backend"}
     for name in PAIRS:

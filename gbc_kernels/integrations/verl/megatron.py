@@ -14,7 +14,7 @@ projects only the response rows. The training loss replaces ``ppo_loss``'s value
 per-token values. Under context parallelism (``thd`` only) each rank's own tokens go into the
 loss, whose sequence terms are reduced over the CP group (docs/megatron.md, "Long context").
 With NTHR on, verl's old-log-prob pass also keeps NTHR's inputs on the last stage (each CP
-rank's response rows summed over the CP group), scored before the update (:mod:`.verl_engine`).
+rank's response rows summed over the CP group), scored before the update (:mod:`.engine`).
 Switched on with the FSDP engine (``GBC_VERL_ENGINE=1``, :func:`enable`).
 """
 
@@ -29,7 +29,7 @@ import torch
 from gbc_kernels import methods
 from gbc_kernels.integrations import megatron as M
 from gbc_kernels.integrations import verl as gv
-from gbc_kernels.integrations.verl_engine import (
+from gbc_kernels.integrations.verl.engine import (
     BATCH_SELECTING_MODES, CERTAINTY_KEY, KL_WEIGHT_KEY, NTHR_ROW_KEY, EngineMethods, _flag,
     _is_ppo_loss, _lengths, _rng_state, _temperature, engine_class)
 from gbc_kernels.sequence_parallel import whole_loss
@@ -155,7 +155,7 @@ class GBCMegatronMixin(EngineMethods):
     _gbc_state: Optional[dict] = None     # the head of the forward in progress
     _gbc_nthr: Optional[methods.NTHRBatch] = None     # NTHR's pass in progress
     _gbc_fused_requested = False          # use_fused_kernels was set (gbc's head took it)
-    _gbc_keeps_nthr = True      # its forward-only step keeps NTHR's inputs (verl_engine)
+    _gbc_keeps_nthr = True      # its forward-only step keeps NTHR's inputs (.engine)
 
     # -- start-up and entry points ----------------------------------------------------------
     def initialize(self):

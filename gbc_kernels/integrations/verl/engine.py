@@ -2,7 +2,7 @@
 :class:`EngineMethods` (the fused loss's inputs, verl's metrics, Lopti's two updates), verl's
 worker and trainer patches (NTHR's pass before the update, the critical-KL reference pass) and
 the engine registry (:func:`enable`, run by the ``verl.plugins`` entry point under
-``GBC_VERL_ENGINE=1``). The engines: :mod:`.verl_fsdp` and :mod:`.verl_megatron`.
+``GBC_VERL_ENGINE=1``). The engines: :mod:`.fsdp` and :mod:`.megatron`.
 """
 from __future__ import annotations
 
@@ -521,9 +521,9 @@ def engine_class(base, mixin=None):
 # "module:class" of gbc's mixin for it)
 ENGINES = [
     (("fsdp", "fsdp2"), "verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead",
-     "gbc_kernels.integrations.verl_fsdp:GBCEngineMixin"),
+     "gbc_kernels.integrations.verl.fsdp:GBCEngineMixin"),
     (("megatron",), "verl.workers.engine.megatron.transformer_impl:MegatronEngineWithLMHead",
-     "gbc_kernels.integrations.verl_megatron:GBCMegatronMixin"),
+     "gbc_kernels.integrations.verl.megatron:GBCMegatronMixin"),
 ]
 _ENABLED = {}           # verl's engine class -> gbc's
 _OPTIONS = {}

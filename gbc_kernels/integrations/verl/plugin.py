@@ -1,5 +1,5 @@
 """verl's plugin entry point (``verl.plugins``, imported by verl in every process): with
-``GBC_VERL_ENGINE`` set it runs :func:`.verl_engine.enable` (docs/verl.md, "Switching it on").
+``GBC_VERL_ENGINE`` set it runs :func:`.engine.enable` (docs/verl.md, "Switching it on").
 
 verl imports its plugins inside ``try: ... except Exception`` and drops the error at debug
 level, so a failure to switch on (a bad ``GBC_VERL_OPTIONS``, a missing dependency, a verl
@@ -67,7 +67,7 @@ def switch_on(raw: str) -> None:
     cause = None
     if value in ON or value == FALLBACK:
         try:
-            from gbc_kernels.integrations.verl_engine import enable
+            from gbc_kernels.integrations.verl.engine import enable
             enable()
             return
         except Exception as exc:        # noqa: BLE001 - raised below, where verl cannot hide it
@@ -94,7 +94,7 @@ def switch_on(raw: str) -> None:
 
 def _undo_partial_enable():
     try:
-        from gbc_kernels.integrations.verl_engine import disable
+        from gbc_kernels.integrations.verl.engine import disable
         disable()
     except Exception:                   # noqa: BLE001 - nothing of gbc's was switched on
         pass

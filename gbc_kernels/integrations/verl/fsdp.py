@@ -1,6 +1,6 @@
 """gbc on verl 0.9.1's FSDP engine (``FSDPEngineWithLMHead``): the lm_head's forward replaced
 by gbc's loss or log-prob pass (docs/verl.md), under Ulysses sequence parallelism too; the rest
-is :mod:`.verl_engine`'s."""
+is :mod:`.engine`'s."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import gbc_kernels as gbc
 from gbc_kernels import methods
 from gbc_kernels.integrations import hf
-from gbc_kernels.integrations.verl_engine import (
+from gbc_kernels.integrations.verl.engine import (
     BATCH_SELECTING_MODES, CERTAINTY_KEY, ENV_ON, KL_WEIGHT_KEY, NTHR_ROW_KEY, EngineMethods,
     _flag, _is_ppo_loss, _rng_state, _Rows, _temperature)
 from gbc_kernels.sequence_parallel import whole_loss
@@ -104,7 +104,7 @@ def _ulysses_loss(share: torch.Tensor, group, size: int) -> torch.Tensor:
 class GBCEngineMixin(EngineMethods):
     """The gbc forward step on top of one of verl's FSDP engines with an lm_head."""
 
-    _gbc_keeps_nthr = True      # its forward-only step keeps NTHR's inputs (verl_engine)
+    _gbc_keeps_nthr = True      # its forward-only step keeps NTHR's inputs (.engine)
 
     def initialize(self):
         _check_ulysses_heads(self)
