@@ -29,7 +29,8 @@ CRIT = dict(critical_kl_exponent=2.0, critical_kl_intercept=0.1,
 
 
 def _params(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
 
 
 def _hidden64(model, seq, attn):
@@ -177,13 +178,13 @@ GROUPS = [0, 0, 0, 1, 1, 1]
 SIGNS = [1.0, -1.0, -1.0, -1.0, 1.0, -1.0]       # row 1's response is empty (make_batch)
 
 
-def nthr_batch(sky, seed=31):
+def nthr_batch(sky, seed=31, groups=GROUPS, signs=SIGNS):
     from gbc_kernels.integrations.skyrl.worker import GROUP_KEY
 
-    d = make_batch(sky, seed, B=6, kl=False)
-    sign = torch.tensor(SIGNS)[:, None]
+    d = make_batch(sky, seed, B=len(groups), kl=False)
+    sign = torch.tensor(signs)[:, None]
     d["advantages"] = d["advantages"].abs() * sign + 0.0
-    d[GROUP_KEY] = torch.tensor(GROUPS)
+    d[GROUP_KEY] = torch.tensor(groups)
     return d
 
 
@@ -282,6 +283,82 @@ def test_nthr_from_skyrls_own_pass_equals_the_method_by_hand(packed):
     for n, p in want["params"].items():
         assert (p - start[n]).abs().sum() > 0
         torch.testing.assert_close(got["params"][n], p, rtol=2e-4, atol=2e-6, msg=n)
+
+
+# two FSDP2 ranks, one mini-batch of 6 rows, 3 per rank: group 1 has rows on both ranks
+GROUPS2 = [0, 0, 1, 1, 1, 2]
+SIGNS2 = [1.0, -1.0, -1.0, 1.0, -1.0, 1.0]
+
+
+def _nthr_two_ranks_worker(rank, world):
+    sky = skyrl_cpu().load()
+    import gbc_reference as ref
+    from torch.distributed.fsdp import fully_shard
+
+    from gbc_kernels import methods
+    from gbc_kernels.integrations.skyrl import fsdp as gfsdp
+    from gbc_kernels.integrations.skyrl.worker import SCALE_KEY
+    from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase
+
+    rows = slice(3 * rank, 3 * rank + 3)
+
+    def sharded():
+        model = tiny_qwen2()
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+
+    opts = methods.MethodOptions(nthr=True, nthr_beta=0.0)
+    model = sharded()
+    w = build_worker(sky, gfsdp.GBCFSDPPolicyWorker, algorithm(sky, "regular", use_kl_loss=False),
+                     world, model, opts)
+    full = nthr_batch(sky, 41, GROUPS2, SIGNS2)
+    data = full[rows]
+    with skyrl_cpu().cpu_device():
+        old = w.forward(data)
+        data["action_log_probs"] = torch.tensor([r["logprobs"] for r in old.loss_fn_outputs])
+        res = w.forward_backward(data)
+        w.optim_step()
+    got = dict(scale=data[SCALE_KEY], metrics=res.metrics, params=_params(model))
+    seq, attn, mask = full["sequences"], full["attention_mask"], full["loss_mask"].bool()
+    h, wt = _hidden64(None, seq, attn)
+    want = ref.nthr_scale(h, wt, seq[:, -T:], mask, torch.tensor(GROUPS2),
+                          methods.correct_from_advantages(full["advantages"], mask),
+                          temperature=TEMPERATURE, beta=0.0)
+    model = sharded()
+    stock = build_worker(sky, FSDPPolicyWorkerBase, algorithm(sky, "regular", use_kl_loss=False),
+                         world, model)
+    d = nthr_batch(sky, 41, GROUPS2, SIGNS2)[rows]
+    d["action_log_probs"] = data["action_log_probs"]
+    d["advantages"] = d["advantages"] * want.scale[rows].float()
+    with skyrl_cpu().cpu_device():
+        ref_res = stock.forward_backward(d)
+        stock.optim_step()
+    return dict(got=got, want=dict(scale=want.scale[rows], selected=want.selected,
+                                   mask=mask[rows], metrics=ref_res.metrics,
+                                   params=_params(model)))
+
+
+def test_nthr_two_fsdp2_ranks_a_group_over_both():
+    """Two FSDP2 ranks (gloo), a group with rows on both: each rank's scales (the kept rows of
+    its own old-log-prob pass, scored over the data-parallel group) equal the float64
+    reference's on the whole batch, and the step equals SkyRL's stock step on the advantages
+    times them."""
+    from conftest import spawn_gloo
+
+    outs = spawn_gloo(2, _nthr_two_ranks_worker)
+    # rank 0's row 2 (group 1, incorrect) is selected through rank 1's correct row 3
+    assert outs[0]["want"]["selected"][2].any()
+    for o in outs:
+        got, want = o["got"], o["want"]
+        m = want["mask"]
+        torch.testing.assert_close(got["scale"][m].double(), want["scale"][m].double(),
+                                   rtol=1e-5, atol=1e-6)
+        for k in want["metrics"]:
+            assert got["metrics"][k] == pytest.approx(want["metrics"][k], rel=2e-4, abs=2e-6), k
+        for n, p in want["params"].items():
+            torch.testing.assert_close(got["params"][n], p, rtol=2e-4, atol=2e-6, msg=n)
 
 
 def test_trainer_adds_nthr_groups_from_skyrls_uids(monkeypatch):
