@@ -78,50 +78,64 @@ def _weight_stock_kl(weights, full_base):
     return lambda: setattr(skw, "compute_approx_kl", orig)
 
 
-# ---- critical-token KL ----------------------------------------------------------------------
-def _critical_worker(rank, world, packed):
-    sky = skyrl_cpu().load()
-    skyrl_cpu().entrypoint_imports()             # skyrl.train.trainer's imports
-    import gbc_reference as ref
+ALGO = dict(use_kl_loss=True, kl_loss_coef=0.2, kl_estimator_type="k3", use_entropy_loss=True,
+            entropy_loss_coef=0.03)
 
+
+def _skyrl_flow(sky, options: dict, batch, packed=False):
+    """One SkyRL step with gbc switched on (``options``: the method options, as enable() sets
+    them): SkyRL's trainer's ``fwd_logprobs_values_reward`` (patched by gbc) on ``batch`` (its
+    sequences, masks, advantages) through gbc's reference and policy workers of this rank
+    (SkyRL's dispatch stood in for), then the policy worker's ``forward_backward`` and
+    ``optim_step``. Returns (the training batch, the step's metrics, the parameters after)."""
+    skyrl_cpu().entrypoint_imports()             # skyrl.train.trainer's imports
     from gbc_kernels import methods
     from gbc_kernels.integrations.skyrl import fsdp as gfsdp
     from gbc_kernels.integrations.skyrl import trainer as gtrainer
-    from gbc_kernels.integrations.skyrl.worker import KL_WEIGHT_KEY
-    from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase
     from skyrl.train.config.config import TrainerConfig
 
-    opts = methods.MethodOptions(**CRIT)
-    _set_options(",".join(f"{k}={v}" for k, v in CRIT.items()))
+    opts = methods.MethodOptions(**options)
+    _set_options(",".join(f"{k}={v}" for k, v in options.items()))
     cls = gtrainer.patch_trainer()
-    algo = dict(use_kl_loss=True, kl_loss_coef=0.2, kl_estimator_type="k3",
-                use_entropy_loss=True, entropy_loss_coef=0.03)
-    policy = build_worker(sky, gfsdp.GBCFSDPPolicyWorker, algorithm(sky, "regular", **algo),
-                          world, tiny_qwen2(), opts, packed=packed)
-    refw = build_worker(sky, gfsdp.GBCFSDPRefWorker, algorithm(sky, "regular", **algo), world,
+    model = tiny_qwen2()
+    policy = build_worker(sky, gfsdp.GBCFSDPPolicyWorker, algorithm(sky, "regular", **ALGO), 1,
+                          model, opts, packed=packed)
+    refw = build_worker(sky, gfsdp.GBCFSDPRefWorker, algorithm(sky, "regular", **ALGO), 1,
                         ref_model(), opts, micro=3, packed=packed)
 
     class Dispatch:              # SkyRL's dispatch to one rank's workers
-        def forward(self, model, data):
-            return {"ref": refw, "policy": policy}[model].forward(data)
+        def forward(self, name, data):
+            return {"ref": refw, "policy": policy}[name].forward(data)
 
         def empty_cache(self, *args):
             pass
 
-    cfg = TrainerConfig()
-    fake = types.SimpleNamespace(cfg=types.SimpleNamespace(trainer=cfg), has_critic=False,
-                                 ref_model=object(), dispatch=Dispatch(), all_metrics={})
+    fake = types.SimpleNamespace(cfg=types.SimpleNamespace(trainer=TrainerConfig()),
+                                 has_critic=False, ref_model=object(), dispatch=Dispatch(),
+                                 all_metrics={})
     fake._execute_forward_pass = functools.partial(cls._execute_forward_pass, fake)
     fake._skip_policy_forward = functools.partial(cls._skip_policy_forward, fake)
-    batch = make_batch(sky, 21, B=5)
     for key in ("action_log_probs", "base_action_log_probs"):
-        batch.pop(key)
+        batch.pop(key, None)
     with skyrl_cpu().cpu_device():
         data = cls.fwd_logprobs_values_reward(fake, batch)     # SkyRL's trainer, gbc's fields
-        got_w = data[KL_WEIGHT_KEY].clone()
         res = policy.forward_backward(data)
         policy.optim_step()
-    got = (res.metrics, _params(policy.model.model))
+    return data, res.metrics, _params(model)
+
+
+# ---- critical-token KL ----------------------------------------------------------------------
+def _critical_worker(rank, world, packed):
+    sky = skyrl_cpu().load()
+    import gbc_reference as ref
+
+    from gbc_kernels.integrations.skyrl.worker import KL_WEIGHT_KEY
+    from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase
+
+    batch = make_batch(sky, 21, B=5)
+    data, metrics, params = _skyrl_flow(sky, CRIT, batch, packed)
+    got_w = data[KL_WEIGHT_KEY]
+    got = (metrics, params)
 
     # the weights by float64 full logits of the reference model
     seq, attn, mask = batch["sequences"], batch["attention_mask"], batch["loss_mask"].bool()
@@ -132,7 +146,7 @@ def _critical_worker(rank, world, packed):
                                     CRIT["critical_kl_intercept"])
     # by hand: SkyRL's stock step, its KL term times the reference weights
     model = tiny_qwen2()
-    stock = build_worker(sky, FSDPPolicyWorkerBase, algorithm(sky, "regular", **algo), world,
+    stock = build_worker(sky, FSDPPolicyWorkerBase, algorithm(sky, "regular", **ALGO), world,
                          model, packed=packed)
     undo = _weight_stock_kl(want_w.float(), data["base_action_log_probs"])
     try:
@@ -389,11 +403,10 @@ def test_enable_refuses_critical_kl_without_skyrls_kl_loss(monkeypatch):
     kl_loss_coef 0) enable(cfg, ...) refuses it naming SkyRL's option; with it, it runs."""
     from test_skyrl import _trainer_cfg
 
-    import gbc_kernels.integrations.skyrl as gsky
-    from skyrl.backends.skyrl_train.workers.fsdp import fsdp_worker
-
     sky = skyrl_cpu().load()
     skyrl_cpu().entrypoint_imports()
+    import gbc_kernels.integrations.skyrl as gsky
+    from skyrl.backends.skyrl_train.workers.fsdp import fsdp_worker
     for name in ("PolicyWorker", "RefWorker"):
         monkeypatch.setattr(fsdp_worker, name, getattr(fsdp_worker, name))
     monkeypatch.setitem(sys.modules, gsky.MEGATRON_WORKER, None)
@@ -406,3 +419,41 @@ def test_enable_refuses_critical_kl_without_skyrls_kl_loss(monkeypatch):
                        critical_kl_exponent=2.0, nthr=True)
     assert opts.nthr and opts.critical_kl_exponent == 2.0
     assert os.environ["GBC_SKYRL_OPTIONS"] == "critical_kl_exponent=2.0,nthr=True"
+
+
+# ---- every option honoured -----------------------------------------------------------------
+def _pairs_worker(rank, world):
+    sky = skyrl_cpu().load()
+    from methods.test_options import PAIRS
+
+    from gbc_kernels.integrations import hf
+    from gbc_kernels.integrations.skyrl.worker import _position_ids
+
+    # Lopti's threshold: the median old probability of this batch (the pairs' 1/40 is above
+    # every token of this tiny model, whose tokens are all near 1/97: no split)
+    d = nthr_batch(sky, 51)
+    seq, attn = d["sequences"], d["attention_mask"]
+    lp, _ = hf.logprobs_through_forward(tiny_qwen2(), seq, attn, T, temperature=TEMPERATURE,
+                                        model_kwargs={"position_ids": _position_ids(attn)})
+    eta = float(lp.exp()[d["loss_mask"].bool()].median())
+    pairs = dict(PAIRS, lopti_eta=({}, dict(lopti_eta=eta)),
+                 lopti_order=(dict(lopti_eta=eta), dict(lopti_eta=eta,
+                                                         lopti_order="high-first")))
+    out = {}
+    for name, (a, b) in pairs.items():
+        out[name] = [_skyrl_flow(sky, opts, nthr_batch(sky, 51))[2] for opts in (a, b)]
+    return out
+
+
+def test_every_method_option_changes_skyrls_step():
+    """Each field of methods.MethodOptions (tests/methods/test_options.py's pairs: two runs that
+    differ only in that option; Lopti's threshold this batch's median) changes the parameters after one SkyRL step through gbc's
+    workers and SkyRL's trainer: none is accepted and ignored."""
+    from conftest import spawn_gloo
+    from methods.test_options import FIELDS, PAIRS
+
+    assert set(PAIRS) == FIELDS
+    out = spawn_gloo(1, _pairs_worker)[0]
+    for name, (pa, pb) in out.items():
+        diff = max(float((pa[n] - pb[n]).abs().max()) for n in pa)
+        assert diff > 1e-7, name

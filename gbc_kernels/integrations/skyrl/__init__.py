@@ -43,8 +43,9 @@ def enable(cfg=None, **method_options):
     process that runs it, which also patches SkyRL's trainer there (:mod:`.trainer`: the
     critical-token KL weights and NTHR's groups in its training batch). ``method_options``:
     the four methods (``ar_alpha=0.3``, ``lopti_eta=0.5``, ``nthr=True``,
-    ``critical_kl_exponent=2.0``, ...), carried to the Ray workers as ``GBC_SKYRL_OPTIONS`` in their runtime environment (a value
-    set in this process's environment is used when none are given). ``cfg``: SkyRL's config
+    ``critical_kl_exponent=2.0``, ...), carried to the Ray workers as ``GBC_SKYRL_OPTIONS``
+    in their runtime environment (a value set in this process's environment is used when
+    none are given). ``cfg``: SkyRL's config
     (its ``trainer`` section is checked now: ``check_config``). A bad option, a loss gbc
     cannot reproduce or a missing dependency stops here, naming SkyRL's option.
     ``trainer.strategy=megatron`` is refused: here when ``cfg`` says so, else where SkyRL's
