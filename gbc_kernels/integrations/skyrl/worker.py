@@ -217,10 +217,9 @@ class GBCPolicyWorkerMixin(_GBCOptions):
             raise ValueError(
                 f"{OPTIONS_ENV}: nthr: a row of this training mini-batch was not in this rank's "
                 f"old-log-prob pass (SkyRL's policy forward before the advantages), whose hidden "
-                f"states NTHR scores. Either SkyRL skipped that pass (a policy_loss_type that "
-                f"reads the rollout log-probs only), or it split the batch over the ranks "
-                f"otherwise than the update: set trainer.recompute_old_logprobs_per_minibatch="
-                f"true (or one mini-batch per step)")
+                f"states NTHR scores: SkyRL split the batch over the ranks otherwise than the "
+                f"update, or ran no such pass for it: set trainer."
+                f"recompute_old_logprobs_per_minibatch=true (SkyRL's default)")
         if GROUP_KEY not in data.keys() or data[GROUP_KEY] is None:
             raise ValueError(f"{OPTIONS_ENV}: nthr: the training batch has no '{GROUP_KEY}' "
                              f"(SkyRL's uids as group ids, added by gbc's trainer: call "
