@@ -288,6 +288,19 @@ def data_parallel_group(group=None):
     return "world" if group is None else group
 
 
+def every_rank(flag: bool, group) -> bool:
+    """``flag`` on every rank of ``group`` (:func:`data_parallel_group`'s form: None, this
+    process only): the ranks take the same branch, as a collective inside it needs."""
+    if group is None:
+        return flag
+    import torch.distributed as dist
+
+    pg = None if group == "world" else group
+    every = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(every, bool(flag), group=pg)
+    return all(every)
+
+
 def union_ids(ids: torch.Tensor, group=None) -> torch.Tensor:
     """The sorted distinct token ids of ``ids`` over the ranks of ``group`` (``"world"``: the
     default group; None: this process only) — a superset of every NTHR group's ``V*``."""

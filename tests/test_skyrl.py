@@ -569,8 +569,12 @@ def _trainer_cfg(sky, **algo):
     ({}, "ar_alpha=2", "GBC_SKYRL_OPTIONS: ar_alpha"),
     ({}, "ar_alpha=x", "GBC_SKYRL_OPTIONS: ar_alpha expects a float"),
     ({}, "arr_alpha=0.1", "GBC_SKYRL_OPTIONS: unknown option 'arr_alpha'"),
-    ({}, "nthr=1", "GBC_SKYRL_OPTIONS: nthr is not run inside SkyRL"),
-    ({}, "critical_kl_exponent=2", "GBC_SKYRL_OPTIONS: critical_kl_exponent is not run"),
+    ({}, "nthr=maybe", "GBC_SKYRL_OPTIONS: nthr expects a 1/0/true/false"),
+    (dict(use_kl_loss=False), "critical_kl_exponent=2",
+     r"GBC_SKYRL_OPTIONS: critical_kl_exponent: the loss has no KL term to weight \(set "
+     r"trainer.algorithm.use_kl_loss=true"),
+    (dict(use_kl_loss=True, kl_loss_coef=0.0), "critical_kl_exponent=2",
+     "GBC_SKYRL_OPTIONS: critical_kl_exponent: the loss has no KL term"),
 ])
 def test_worker_init_refuses_a_bad_switch_on(sky, monkeypatch, algo, env, match):
     """SkyRL builds its policy worker from its trainer config (the Ray actor's __init__): a loss
@@ -598,9 +602,12 @@ def test_enable_swaps_skyrl_workers_and_refuses(sky, monkeypatch):
     for name in ("PolicyWorker", "RefWorker"):
         monkeypatch.setattr(fsdp_worker, name, getattr(fsdp_worker, name))
     monkeypatch.setitem(sys.modules, gsky.MEGATRON_WORKER, None)    # enable() refuses it
+    skyrl_cpu().entrypoint_imports()            # enable() patches skyrl.train.trainer
     monkeypatch.setenv("GBC_SKYRL_OPTIONS", "")
     opts = gsky.enable(_trainer_cfg(sky), ar_alpha=0.25)
     assert opts.ar_alpha == 0.25
+    from skyrl.train.trainer import RayPPOTrainer
+    assert RayPPOTrainer._gbc_patched        # the methods' fields in its training batch
     for name, cls in (("PolicyWorker", gfsdp.GBCFSDPPolicyWorker),
                       ("RefWorker", gfsdp.GBCFSDPRefWorker)):
         actor = getattr(fsdp_worker, name)
@@ -698,28 +705,29 @@ def test_pack_padded_is_skyrls_packing(sky):
 
 
 def test_every_method_option_is_honoured_or_refused(monkeypatch):
-    """Each field of methods.MethodOptions: run by gbc's SkyRL worker (AR, Lopti: their tests
-    above), refused naming it, or acting only under a refused option (NTHR's and critical-token
-    KL's parameters)."""
+    """Each field of methods.MethodOptions is run by gbc's SkyRL worker (AR, Lopti: their tests
+    above; NTHR, critical-token KL: tests/test_skyrl_methods.py) and parsed from
+    GBC_SKYRL_OPTIONS with its type."""
     from gbc_kernels import methods
     from gbc_kernels.integrations.skyrl import worker
 
     fields = {f.name for f in dataclasses.fields(methods.MethodOptions)}
-    honoured = {"ar_alpha", "lopti_eta", "lopti_order"}
-    refused = set(worker.REFUSED)
-    under = {f for f in fields if f.startswith(("nthr_", "critical_kl_"))
-             and f != "critical_kl_exponent"}
-    assert honoured | refused | under == fields
-    for name, text in (("nthr", "nthr=true"), ("critical_kl_exponent", "critical_kl_exponent=1")):
-        with pytest.raises(ValueError, match=f"GBC_SKYRL_OPTIONS: {name} is not run"):
-            worker.method_options(text)
-    assert worker.method_options("ar_alpha=0.5,lopti_eta=0.3,lopti_order=high-first") == \
-        methods.MethodOptions(ar_alpha=0.5, lopti_eta=0.3, lopti_order="high-first")
+    text = ("ar_alpha=0.5,lopti_eta=0.3,lopti_order=high-first,nthr=true,nthr_beta=0.5,"
+            "nthr_eta=0.25,critical_kl_exponent=2,critical_kl_intercept=0.1,"
+            "critical_kl_certainty=entropy,critical_kl_temperature=0.7")
+    want = methods.MethodOptions(
+        ar_alpha=0.5, lopti_eta=0.3, lopti_order="high-first", nthr=True, nthr_beta=0.5,
+        nthr_eta=0.25, critical_kl_exponent=2.0, critical_kl_intercept=0.1,
+        critical_kl_certainty="entropy", critical_kl_temperature=0.7)
+    assert {name for name, _ in methods.parse_items(text, "t").items()} == fields
+    assert worker.method_options(text) == want
+    assert not hasattr(worker, "REFUSED")
 
 
-@pytest.mark.parametrize("option", [dict(ar_alpha=0.5), dict(lopti_eta=0.5)])
+@pytest.mark.parametrize("option", [dict(ar_alpha=0.5), dict(lopti_eta=0.5), dict(nthr=True),
+                                    dict(critical_kl_exponent=2.0)])
 def test_methods_refused_on_the_sft_loss(sky, option):
-    """AR and Lopti on SkyRL's SFT loss (loss_fn="cross_entropy"): refused before any pass."""
+    """The methods on SkyRL's SFT loss (loss_fn="cross_entropy"): refused before any pass."""
     from gbc_kernels import methods
     from gbc_kernels.integrations.skyrl import fsdp as gfsdp
 

@@ -1,6 +1,6 @@
 """SkyRL 0.3.0 (docs/skyrl.md): its registered policy losses as gbc configs (:mod:`.losses`)
 and gbc's fused loss inside its FSDP policy worker (:mod:`.worker`, :mod:`.fsdp`), switched on
-by :func:`enable` in the process that builds SkyRL's models; its Megatron strategy is refused
+by :func:`enable` in the process that runs SkyRL's trainer; its Megatron strategy is refused
 (:data:`MEGATRON_REFUSAL`).
 """
 
@@ -40,9 +40,12 @@ def enable(cfg=None, **method_options):
     """Put gbc's FSDP policy and reference workers in place of SkyRL's
     (``skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker.PolicyWorker`` / ``RefWorker``, the
     names SkyRL's ``BasePPOExp`` builds its models from): call it before ``exp.run()`` in the
-    process that runs it. ``method_options``: AR / Lopti (``ar_alpha=0.3``, ``lopti_eta=0.5``),
-    carried to the Ray workers as ``GBC_SKYRL_OPTIONS`` in their runtime environment (a value
-    set in this process's environment is used when none are given). ``cfg``: SkyRL's config
+    process that runs it, which also patches SkyRL's trainer there (:mod:`.trainer`: the
+    critical-token KL weights and NTHR's groups in its training batch). ``method_options``:
+    the four methods (``ar_alpha=0.3``, ``lopti_eta=0.5``, ``nthr=True``,
+    ``critical_kl_exponent=2.0``, ...), carried to the Ray workers as ``GBC_SKYRL_OPTIONS``
+    in their runtime environment (a value set in this process's environment is used when
+    none are given). ``cfg``: SkyRL's config
     (its ``trainer`` section is checked now: ``check_config``). A bad option, a loss gbc
     cannot reproduce or a missing dependency stops here, naming SkyRL's option.
     ``trainer.strategy=megatron`` is refused: here when ``cfg`` says so, else where SkyRL's
@@ -75,6 +78,8 @@ def enable(cfg=None, **method_options):
     sys.modules[MEGATRON_WORKER] = _RefusedModule(MEGATRON_WORKER)
     env = {"env_vars": {ENV: "1", OPTIONS_ENV: text}}
     os.environ[ENV], os.environ[OPTIONS_ENV] = "1", text
+    from .trainer import patch_trainer
+    patch_trainer()
     fsdp_worker.PolicyWorker = ray.remote(num_gpus=1, runtime_env=env)(fsdp.GBCFSDPPolicyWorker)
     fsdp_worker.RefWorker = ray.remote(num_gpus=1, runtime_env=env)(fsdp.GBCFSDPRefWorker)
     return opts

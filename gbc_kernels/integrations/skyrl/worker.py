@@ -7,13 +7,16 @@ states and the lm_head inside the model's forward (:func:`gbc_kernels.integratio
 policy_loss_through_forward`; no ``[tokens, V]`` logits), and its no-grad log-prob pass
 (old policy; :class:`GBCRefWorkerMixin`: the reference) by gbc's row passes. The loss is SkyRL's
 (the table of :mod:`.losses`); metrics are SkyRL's, from its own functions on gbc's log-probs.
-AR and Lopti (two optimizer steps of SkyRL's own step) run through
-:class:`gbc_kernels.methods.MethodOptions`; NTHR and critical-token KL are refused
-(:data:`REFUSED`).
+The four methods run through :class:`gbc_kernels.methods.MethodOptions`: AR in the loss, Lopti
+as two optimizer steps of SkyRL's own step, critical-token KL from the reference worker's pass
+(its weights travel in SkyRL's training batch as :data:`KL_WEIGHT_KEY`, :mod:`.trainer`),
+NTHR from what SkyRL's own old-log-prob pass keeps (:meth:`GBCPolicyWorkerMixin.forward`),
+scored once the advantages exist, with no second forward.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Optional
 
@@ -27,27 +30,56 @@ from . import losses
 ENV = "GBC_SKYRL"                  # "1" in gbc's workers' runtime environment (set by enable())
 OPTIONS_ENV = "GBC_SKYRL_OPTIONS"  # "ar_alpha=0.3,lopti_eta=0.5": the method options
 
-# the method options SkyRL's flow cannot honour, and why
-REFUSED = {
-    "nthr": "SkyRL computes the old policy's log-probs before the advantages (and in another "
-            "call than the update); NTHR's scores need both in one pass over the old policy's "
-            "hidden states",
-    "critical_kl_exponent": "the reference worker's output reaches the policy worker as "
-                            "base_action_log_probs only; the critical-token KL weights would "
-                            "need a field of their own in SkyRL's training batch",
-}
+# the fields gbc adds to SkyRL's training batch (TrainingInputBatch -> the worker's Experience
+# ``info``, :func:`carry_fields`): critical-token KL's weights (the reference worker's pass),
+# NTHR's group ids (SkyRL's ``uids``) and NTHR's token scales (the policy worker's, per
+# mini-batch)
+KL_WEIGHT_KEY = "gbc_kl_weight"
+GROUP_KEY = "gbc_group"
+SCALE_KEY = "gbc_token_scale"
+CARRIED = (KL_WEIGHT_KEY, SCALE_KEY)
 
 
 def method_options(text: Optional[str] = None) -> methods.MethodOptions:
     """The method options of ``text`` (default: the ``GBC_SKYRL_OPTIONS`` variable), each
-    typed and checked by :meth:`gbc_kernels.methods.MethodOptions.parse`; an option of
-    :data:`REFUSED` is refused naming it."""
+    typed and checked by :meth:`gbc_kernels.methods.MethodOptions.parse`."""
     text = os.environ.get(OPTIONS_ENV, "") if text is None else text
-    opts = methods.MethodOptions.parse(text, OPTIONS_ENV)
-    for option, why in REFUSED.items():
-        if getattr(opts, option) not in (False, None):
-            raise ValueError(f"{OPTIONS_ENV}: {option} is not run inside SkyRL: {why}")
-    return opts
+    return methods.MethodOptions.parse(text, OPTIONS_ENV)
+
+
+def carry_fields():
+    """SkyRL's ``BaseBatchIterator.batch_to_experience`` (the training micro-batch -> its
+    ``Experience``, which keeps a fixed set of fields) that also carries gbc's fields
+    (:data:`CARRIED`) in the experience's ``info``; idempotent."""
+    from skyrl.backends.skyrl_train.workers import worker_utils
+
+    cls = worker_utils.BaseBatchIterator
+    original = cls.__dict__["batch_to_experience"].__func__
+    if getattr(original, "_gbc_carries", False):
+        return
+
+    def batch_to_experience(batch):
+        exp = original(batch)
+        for key in CARRIED:
+            value = batch.get(key) if key in batch.keys() else None
+            if value is not None:
+                exp.info = {**(exp.info or {}), key: value}
+        return exp
+
+    batch_to_experience._gbc_carries = True
+    cls.batch_to_experience = staticmethod(batch_to_experience)
+
+
+def row_keys(sequences: torch.Tensor, attention_mask: torch.Tensor) -> list:
+    """One key per row of a SkyRL batch: its token ids and attention mask. Two rows share a key
+    only when they are the same padded sequence (then their forwards are equal), so the key
+    finds a sample's row of the old-log-prob pass in a training mini-batch."""
+    import hashlib
+
+    seq = sequences.detach().cpu().long().numpy()
+    attn = attention_mask.detach().cpu().to(torch.int8).numpy()
+    return [hashlib.blake2b(seq[i].tobytes() + attn[i].tobytes(), digest_size=16).digest()
+            for i in range(seq.shape[0])]
 
 
 def check_config(cfg, options: Optional[methods.MethodOptions] = None) -> methods.MethodOptions:
@@ -59,7 +91,9 @@ def check_config(cfg, options: Optional[methods.MethodOptions] = None) -> method
     algo = losses.get(cfg, "algorithm")
     if algo is None:
         raise ValueError("cfg: expected SkyRL's trainer config (with .algorithm)")
-    losses.policy_loss_config(algo, kl_entropy_weight=1.0, **opts.loss_options())
+    cfg_loss = losses.policy_loss_config(algo, kl_entropy_weight=1.0, **opts.loss_options())
+    opts.check_loss(cfg_loss.kl_coef, "trainer.algorithm.use_kl_loss=true and kl_loss_coef",
+                    names={"critical_kl_exponent": f"{OPTIONS_ENV}: critical_kl_exponent"})
     sp = losses.get(cfg, "policy.sequence_parallel_size", 1)
     if sp not in (None, 1):
         raise ValueError(f"trainer.policy.sequence_parallel_size={sp}: gbc's SkyRL worker runs "
@@ -91,10 +125,11 @@ def _check_wrapper(wrapper, num_actions, experience=None):
 
 
 def _check_sft(options, loss_type):
-    """AR and Lopti act on RL advantages: refused on SkyRL's SFT loss."""
+    """The methods act on RL advantages (and critical-token KL on the KL term): refused on
+    SkyRL's SFT loss."""
     if loss_type == "cross_entropy":
-        for name in ("ar_alpha", "lopti_eta"):
-            if getattr(options, name) not in (0.0, None):
+        for name in ("ar_alpha", "lopti_eta", "nthr", "critical_kl_exponent"):
+            if getattr(options, name) not in (0.0, None, False):
                 raise ValueError(f"{OPTIONS_ENV}: {name} acts on RL advantages; SkyRL's "
                                  f"cross_entropy (SFT) loss has none")
 
@@ -104,33 +139,118 @@ def _temperature(cfg):
     return 1.0 if t is None else float(t)
 
 
-class GBCPolicyWorkerMixin:
+class _GBCOptions:
+    _gbc_options: Optional[methods.MethodOptions] = None
+
+    @property
+    def gbc_options(self) -> methods.MethodOptions:
+        """The method options (``GBC_SKYRL_OPTIONS`` in the worker's environment)."""
+        if self._gbc_options is None:
+            self._gbc_options = method_options()
+        return self._gbc_options
+
+
+class GBCPolicyWorkerMixin(_GBCOptions):
     """Put before SkyRL's policy worker class (``class W(GBCPolicyWorkerMixin,
     FSDPPolicyWorkerBase)``): its training step and no-grad pass run gbc's."""
 
-    _gbc_options: Optional[methods.MethodOptions] = None
     _gbc_phase: Optional[str] = None
+    # NTHR: the rows being kept during one call of SkyRL's old-log-prob pass
+    # ({"batch": NTHRBatch, "keys": row keys, "device": where computed}), and what the calls
+    # of the current batch kept (one per call: SkyRL runs that pass per mini-batch under
+    # trainer.recompute_old_logprobs_per_minibatch), until a pass after an update
+    _gbc_keeping: Optional[dict] = None
+    _gbc_nthr_kept: Optional[list] = None
+    _gbc_nthr_updated = True
 
     def __init__(self, *args, **kwargs):
         cfg = kwargs.get("cfg", args[0] if args else None)
         self._gbc_options = check_config(cfg)      # before SkyRL's own look-ups
         super().__init__(*args, **kwargs)
 
-    @property
-    def gbc_options(self) -> methods.MethodOptions:
-        if self._gbc_options is None:
-            self._gbc_options = method_options()
-        return self._gbc_options
+    def forward(self, data, loss_fn=None, loss_fn_config=None):
+        """SkyRL's ``forward``. With NTHR on, its old-log-prob pass (no loss: the trainer's
+        ``fwd_logprobs_values_reward``) also keeps NTHR's inputs of each row — the response
+        hidden states, targets and log-probs, and once the head's rows of the batch's token ids
+        (:class:`gbc_kernels.methods.NTHRBatch`) — for the updates of this batch
+        (:meth:`forward_backward`); no second forward."""
+        if loss_fn is not None or not self.gbc_options.nthr:
+            return super().forward(data, loss_fn, loss_fn_config)
+        T = int(data.metadata["response_length"])
+        if self._gbc_nthr_updated or self._gbc_nthr_kept is None:   # a new batch's pass
+            self._gbc_nthr_kept, self._gbc_nthr_updated = [], False
+        self._gbc_keeping = dict(
+            batch=methods.NTHRBatch(data["sequences"][:, -T:], self._gbc_dp_group()),
+            keys=[], device=None)
+        try:
+            out = super().forward(data)
+            self._gbc_nthr_kept.append(self._gbc_keeping)
+        finally:
+            self._gbc_keeping = None
+        return out
+
+    def _gbc_dp_group(self):
+        return methods.data_parallel_group(self.device_mesh.get_group("dp"))
+
+    def offload_to_cpu(self, *args, **kwargs):
+        """SkyRL's offload; what the old-log-prob pass kept for NTHR goes to the CPU too."""
+        for kept in self._gbc_nthr_kept or ():
+            kept["batch"].to("cpu")
+        return super().offload_to_cpu(*args, **kwargs)
+
+    @torch.no_grad()
+    def _gbc_nthr_scales(self, data) -> dict:
+        """NTHR's token scales of this rank's training mini-batch ``data`` from what SkyRL's
+        old-log-prob pass kept (each row found by its :func:`row_keys`), into
+        ``data["gbc_token_scale"]``; groups: ``data["gbc_group"]`` (SkyRL's ``uids``), each
+        group's rows over the data-parallel ranks. Returns NTHR's metrics."""
+        group, keys = self._gbc_dp_group(), row_keys(data["sequences"], data["attention_mask"])
+        self._gbc_nthr_updated = True       # the next old-log-prob pass starts a new batch
+        kept = source = None
+        for entry in self._gbc_nthr_kept or ():      # the pass's call that held these rows
+            where = {k: i for i, k in enumerate(entry["keys"])}
+            source = [where.get(k) for k in keys]
+            if None not in source:
+                kept = entry
+                break
+        if not methods.every_rank(kept is not None, group):
+            raise ValueError(
+                f"{OPTIONS_ENV}: nthr: a row of this training mini-batch was not in this rank's "
+                f"old-log-prob pass (SkyRL's policy forward before the advantages), whose hidden "
+                f"states NTHR scores: SkyRL split the batch over the ranks otherwise than the "
+                f"update, or ran no such pass for it: set trainer."
+                f"recompute_old_logprobs_per_minibatch=true (SkyRL's default)")
+        if GROUP_KEY not in data.keys() or data[GROUP_KEY] is None:
+            raise ValueError(f"{OPTIONS_ENV}: nthr: the training batch has no '{GROUP_KEY}' "
+                             f"(SkyRL's uids as group ids, added by gbc's trainer: call "
+                             f"gbc_kernels.integrations.skyrl.enable() in the process that "
+                             f"runs SkyRL's trainer)")
+        batch = copy.copy(kept["batch"])          # the kept rows serve every mini-batch/epoch
+        batch.temperatures = set(batch.temperatures)
+        batch.take(torch.tensor(source, dtype=torch.long))
+        batch.to(kept["device"])
+        res, metrics = batch.result(data["loss_mask"], data[GROUP_KEY], data["advantages"],
+                                    self.gbc_options)
+        data[SCALE_KEY] = res.scale.float().cpu()
+        out = {f"gbc_{k}": float(v) for k, v in metrics.items()}
+        out["gbc_nthr_kept_mb"] = sum(e["batch"].nbytes() for e in self._gbc_nthr_kept) / 2 ** 20
+        out["gbc_nthr_second_forward"] = 0.0
+        return out
 
     def forward_backward(self, data, loss_fn=None, loss_fn_config=None):
-        """SkyRL's ``forward_backward``; under Lopti, the first phase's forward-backward and
+        """SkyRL's ``forward_backward``; with NTHR on, the mini-batch's token scales first
+        (:meth:`_gbc_nthr_scales`); under Lopti, the first phase's forward-backward and
         optimizer step run here and the second phase's forward-backward returns (SkyRL's
         trainer then takes its optimizer step): two optimizer steps of SkyRL's own step,
         with the old log-probs of the batch fixed for both."""
+        carry_fields()
         _check_sft(self.gbc_options, loss_fn or self.cfg.algorithm.policy_loss_type)
+        nthr = self._gbc_nthr_scales(data) if self.gbc_options.nthr else {}
         phases = self.gbc_options.phases
         if phases == (None,):
-            return super().forward_backward(data, loss_fn, loss_fn_config)
+            out = super().forward_backward(data, loss_fn, loss_fn_config)
+            out.metrics.update(nthr)
+            return out
         first, second = phases
         self._gbc_phase = first
         try:
@@ -141,6 +261,7 @@ class GBCPolicyWorkerMixin:
         finally:
             self._gbc_phase = None
         out2.metrics.update({f"gbc_lopti_{first}/{k}": v for k, v in out1.metrics.items()})
+        out2.metrics.update(nthr)
         return out2
 
     def _forward_backward_micro(self, experience, microbatch_weight, loss_fn=None,
@@ -169,11 +290,12 @@ class GBCPolicyWorkerMixin:
         call, _ = losses.policy_loss_inputs(algo, loss_type, loss_mask, experience.advantages,
                                             experience.action_log_probs,
                                             experience.rollout_logprobs)
+        scale, kl_weight = self._gbc_method_fields(experience, opts, cfg, call["mask"])
         token_out = {}
         loss, _ = _policy_loss(self.model, experience.sequences, experience.attention_mask, T,
                                call, ref_logp=experience.base_action_log_probs
                                if cfg.kl_coef else None, config=cfg, phase=self._gbc_phase,
-                               token_out=token_out)
+                               token_scale=scale, kl_weight=kl_weight, token_out=token_out)
         self.strategy.backward(loss * dp, self.model, self.optimizer)
 
         mask = call["mask"]
@@ -185,6 +307,8 @@ class GBCPolicyWorkerMixin:
 
             adv = experience.advantages if sft else methods.loss_advantages(
                 experience.advantages, experience.action_log_probs, opts, self._gbc_phase)
+            if scale is not None:    # NTHR's scale of a token's loss: of its advantage here
+                adv = adv * scale.to(adv.dtype)
             policy_loss, loss_metrics = PolicyLossRegistry.get(loss_type)(
                 lp0, experience.action_log_probs, adv, config=algo,
                 loss_mask=loss_mask, rollout_logprobs=experience.rollout_logprobs)
@@ -208,6 +332,30 @@ class GBCPolicyWorkerMixin:
         return status
 
     @staticmethod
+    def _gbc_method_fields(experience, opts, cfg, mask):
+        """NTHR's token scales and critical-token KL's weights of the micro-batch (carried in
+        its ``info`` from SkyRL's training batch), None where the method is off."""
+        info = experience.info or {}
+        device = mask.device
+        scale = kl_weight = None
+        if opts.nthr:
+            scale = info.get(SCALE_KEY)
+            if scale is None:
+                raise ValueError(f"{OPTIONS_ENV}: nthr: the micro-batch has no token scales "
+                                 f"('{SCALE_KEY}'; gbc's forward_backward adds them)")
+            scale = scale.to(device)
+        if opts.critical_kl_exponent is not None and cfg.kl_coef:
+            kl_weight = info.get(KL_WEIGHT_KEY)
+            if kl_weight is None:
+                raise ValueError(
+                    f"{OPTIONS_ENV}: critical_kl_exponent: the training batch has no "
+                    f"critical-token KL weights ('{KL_WEIGHT_KEY}', from gbc's reference "
+                    f"worker through gbc's trainer: call gbc_kernels.integrations.skyrl."
+                    f"enable() in the process that runs SkyRL's trainer)")
+            kl_weight = kl_weight.to(device)
+        return scale, kl_weight
+
+    @staticmethod
     def _gbc_outputs(logp, experience, sft, loss_mask):
         """SkyRL's per-sequence ``loss_fn_outputs``; gbc computes no log-prob outside the loss
         mask: NaN there."""
@@ -224,14 +372,38 @@ class GBCPolicyWorkerMixin:
         return out
 
     def _forward_micro_batch(self, micro_batch):
-        return _no_grad_logprobs(self, micro_batch, _temperature(self.cfg))
+        return _no_grad_logprobs(self, micro_batch, _temperature(self.cfg),
+                                 keep=self._gbc_keeping)
 
 
-class GBCRefWorkerMixin:
-    """Put before SkyRL's reference worker class: its log-prob pass runs gbc's."""
+class GBCRefWorkerMixin(_GBCOptions):
+    """Put before SkyRL's reference worker class: its log-prob pass runs gbc's; with
+    critical-token KL on, the same pass gives the KL weights."""
+
+    def forward(self, data):
+        """SkyRL's reference ``forward``; with critical-token KL on, each sample's
+        ``loss_fn_outputs`` also carries its weights under :data:`KL_WEIGHT_KEY` (beside
+        ``logprobs``), from the same pass (:func:`gbc_kernels.methods.reference_stats`)."""
+        if self.gbc_options.critical_kl_exponent is None:
+            return super().forward(data)
+        from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
+        from skyrl.backends.skyrl_train.workers.worker_utils import get_microbatch_iterator
+
+        batches = get_microbatch_iterator(
+            data, micro_batch_size=self.cfg.micro_forward_batch_size_per_gpu,
+            max_tokens_per_microbatch=self.cfg.max_tokens_per_microbatch)
+        out = batches.reorder_and_combine_batches(
+            [self._forward_micro_batch(mb) for mb in batches])
+        lp, w = out["output"].cpu(), out[KL_WEIGHT_KEY].cpu()
+        return WorkerOutput(loss_fn_outputs=[
+            {"logprobs": lp[i].tolist(), KL_WEIGHT_KEY: w[i].tolist()}
+            for i in range(lp.shape[0])], metrics={})
 
     def _forward_micro_batch(self, micro_batch):
-        return _no_grad_logprobs(self, micro_batch, 1.0)
+        opts = self.gbc_options
+        return _no_grad_logprobs(self, micro_batch, 1.0,
+                                 reference=opts if opts.critical_kl_exponent is not None
+                                 else None)
 
 
 def _policy_loss(wrapper, seq, attn, T, call, **kwargs):
@@ -249,11 +421,13 @@ def _policy_loss(wrapper, seq, attn, T, call, **kwargs):
                                                  pk.hidden, seq[:, -T:], **call, **kwargs)
 
 
-def _no_grad_logprobs(worker, micro_batch, temperature):
+def _no_grad_logprobs(worker, micro_batch, temperature, reference=None, keep=None):
     """SkyRL's ``_forward_micro_batch`` by gbc's row passes: ``[B, T]`` log-probs of the
     responses (float32), no logits. Packed (``trainer.remove_microbatch_padding``): SkyRL's
     packed values — the log-prob of the packed stream's next token, 0 where the token before
-    is padding."""
+    is padding. ``reference``: the method options; the critical-token KL weights too
+    (``KL_WEIGHT_KEY``, the same sweep). ``keep``: the old-log-prob pass's NTHR rows
+    (:meth:`GBCPolicyWorkerMixin.forward`), this micro-batch's added."""
     import gbc_kernels as gbc
     from skyrl.backends.skyrl_train.training_batch import TrainingOutputBatch
 
@@ -264,22 +438,44 @@ def _no_grad_logprobs(worker, micro_batch, temperature):
         raise ValueError("model: gbc's SkyRL worker runs text-only causal LMs (vision inputs "
                          "given)")
     seq, attn = micro_batch["sequences"], micro_batch["attention_mask"]
-    if getattr(worker.model, "remove_microbatch_padding", False):
-        hf.check_forward_inputs(hf.unwrap(worker.model.model), seq, attn, T, "response_length")
-        pk = hf.pack_padded(seq, attn, T)
+    targets = seq[:, -T:]
+    inner = hf.unwrap(worker.model.model)
+    hf.check_forward_inputs(inner, seq, attn, T, "response_length")
+    packed = getattr(worker.model, "remove_microbatch_padding", False)
+    pk = hf.pack_padded(seq, attn, T) if packed else None
 
-        def compute(h, head, cap):
-            st = gbc.token_stats(pk.hidden(h), head.weight, pk.rolled, head.bias,
-                                 temperature=temperature, logit_softcap=cap)
-            return st.logp.masked_fill(~pk.valid, 0.0)
+    def compute(h, head, cap):
+        rows, ys = (pk.hidden(h), pk.rolled) if packed else (h, targets)
+        if reference is not None:
+            st = methods.reference_stats(rows, head.weight, ys, reference, head.bias,
+                                         temperature=temperature, logit_softcap=cap)
+            logp, weight = st.ref_logp, st.kl_weight
+        else:
+            logp = gbc.token_stats(rows, head.weight, ys, head.bias, temperature=temperature,
+                                   logit_softcap=cap).logp
+            weight = None
+        if keep is not None:      # the response rows of this pass, for NTHR's scores
+            start = len(keep["keys"])
+            keep["keys"] += row_keys(seq, attn)
+            keep["device"] = rows.device
+            valid = attn[:, -T:].bool() & (pk.valid if packed else True)
+            keep["batch"].add(torch.arange(start, start + seq.shape[0]), rows, targets, valid,
+                              head, cap, temperature, logp=logp)
+        if packed:
+            logp = logp.masked_fill(~pk.valid, 0.0)
+            weight = None if weight is None else weight.masked_fill(~pk.valid, 0.0)
+        return logp, weight
 
-        with torch.no_grad():
-            logp = hf.in_head(worker.model.model, pk.input_ids, None, None,
-                              {"position_ids": pk.position_ids}, compute)
-    else:
-        logp, _ = hf.logprobs_through_forward(
-            worker.model.model, seq, attn, T, temperature=temperature,
-            model_kwargs={"position_ids": _position_ids(attn)})
-    out = TrainingOutputBatch({"output": logp.to("cpu")})
+    with torch.no_grad():
+        if packed:
+            logp, weight = hf.in_head(worker.model.model, pk.input_ids, None, None,
+                                      {"position_ids": pk.position_ids}, compute, inner)
+        else:
+            logp, weight = hf.in_head(worker.model.model, seq, attn, T,
+                                      {"position_ids": _position_ids(attn)}, compute, inner)
+    fields = {"output": logp.float().to("cpu")}
+    if weight is not None:
+        fields[KL_WEIGHT_KEY] = weight.float().to("cpu")
+    out = TrainingOutputBatch(fields)
     out.metadata = micro_batch.metadata
     return out
