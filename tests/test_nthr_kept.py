@@ -30,6 +30,29 @@ from test_verl_engine import (GROUP, NB, _forward_backward, build_engine,  # noq
 PERM = [2, 3, 0, 1, 6, 7, 4, 5]
 
 
+def record_held() -> list:
+    """What each ``NTHRBatch`` holds when it is scored (bytes), appended to the list returned
+    (in this process: a spawned rank's)."""
+    from gbc_kernels import methods
+
+    held, result = [], methods.NTHRBatch.result
+
+    def recorded(self, *args, **kwargs):
+        held.append(self.nbytes())
+        return result(self, *args, **kwargs)
+
+    methods.NTHRBatch.result = recorded
+    return held
+
+
+def count_forwards(modules) -> list:
+    """``[n]``: the forwards of ``modules`` so far (a pre-hook on each; reset it by hand)."""
+    forwards = [0]
+    for m in modules:
+        m.register_forward_pre_hook(lambda *a: forwards.__setitem__(0, forwards[0] + 1))
+    return forwards
+
+
 def _kept_worker(rank, world, model_dir, mode, rows_of):
     from types import SimpleNamespace
 
@@ -39,22 +62,11 @@ def _kept_worker(rank, world, model_dir, mode, rows_of):
     from gbc_kernels.integrations import hf
     from gbc_kernels.integrations.verl import engine as ve
 
-    from gbc_kernels import methods
-
     verl_on_cpu()
-    held = []                  # what each NTHRBatch holds when it is scored (bytes)
-    result = methods.NTHRBatch.result
-
-    def recorded(self, *args, **kwargs):
-        held.append(self.nbytes())
-        return result(self, *args, **kwargs)
-
-    methods.NTHRBatch.result = recorded
+    held = record_held()
     # beta 0: on a random tiny model beta > 0 selects no token (test_verl_engine.py says why)
     engine = build_engine(model_dir, options=ve.EngineOptions(nthr=True, nthr_beta=0.0))
-    forwards = [0]
-    hf.unwrap(engine.module).register_forward_pre_hook(
-        lambda *a: forwards.__setitem__(0, forwards[0] + 1))
+    forwards = count_forwards([hf.unwrap(engine.module)])
     cfg = verl_actor_config("vanilla", "token-mean", "low_var_kl", entropy_coeff=0.01)
     loss_fn = functools.partial(ppo_loss, config=cfg)
     ec = SimpleNamespace(use_dynamic_bsz=False, infer_max_token_len_per_gpu=24,

@@ -514,7 +514,7 @@ def test_plugin_switches_the_registry(monkeypatch):
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
     from gbc_kernels.integrations.verl import engine as ve
-    from gbc_kernels.integrations.verl import fsdp
+    from gbc_kernels.integrations.verl import fsdp as verl_fsdp
 
     monkeypatch.setenv("GBC_VERL_ENGINE", "strict")
     monkeypatch.setenv("GBC_VERL_OPTIONS", "ar_alpha=0.25")
@@ -699,7 +699,7 @@ def test_nthr_hook_runs_before_verl_update(tmp_path):
     from verl.workers.utils.losses import ppo_loss
 
     from gbc_kernels.integrations.verl import engine as ve
-    from gbc_kernels.integrations.verl import fsdp
+    from gbc_kernels.integrations.verl import fsdp as verl_fsdp
 
     calls = []
 

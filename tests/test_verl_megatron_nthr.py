@@ -38,25 +38,16 @@ def _nthr_worker(rank, world, tp=1, sp=False, pp=1, cp=None, mode="kept"):
     none; ``"other"``: the update's samples differ), then the update through gbc's wrapper,
     counting the actor's forwards; then the engine's own pass and the same update. ``cp``:
     the packed ``thd`` layout at that context-parallel size (None: ``bshd``)."""
-    import functools
-
     from megatron.core import parallel_state as mpu
     from verl.utils import tensordict_utils as tu
 
     import test_verl_megatron as tvm
-    from gbc_kernels import methods
     from gbc_kernels.integrations.verl import engine as ve
+    from test_nthr_kept import count_forwards, record_held
     from test_verl_engine import verl_on_cpu
 
     verl_on_cpu()
-    held = []                  # what each NTHRBatch holds when it is scored (bytes)
-    result = methods.NTHRBatch.result
-
-    def recorded(self, *args, **kwargs):
-        held.append(self.nbytes())
-        return result(self, *args, **kwargs)
-
-    methods.NTHRBatch.result = recorded
+    held = record_held()
     if cp is None:
         model = tvm._chunks(tp, sp, pp)
         config = {}
@@ -66,9 +57,7 @@ def _nthr_worker(rank, world, tp=1, sp=False, pp=1, cp=None, mode="kept"):
         config = dict(use_remove_padding=True, context_parallel_size=cp)
     last = mpu.is_pipeline_last_stage(ignore_virtual=True)
     engine = tvm._engine(model, options=ve.EngineOptions(nthr=True, nthr_beta=0.0), **config)
-    forwards = [0]
-    for chunk in model:
-        chunk.register_forward_pre_hook(lambda *a: forwards.__setitem__(0, forwards[0] + 1))
+    forwards = count_forwards(model)
     loss_fn = tvm._loss_fn()
     ec = types.SimpleNamespace(use_dynamic_bsz=False, infer_max_token_len_per_gpu=24,
                                infer_micro_batch_size_per_gpu=2, micro_batch_size_per_gpu=2,
@@ -133,7 +122,6 @@ def _nthr_worker(rank, world, tp=1, sp=False, pp=1, cp=None, mode="kept"):
     out["held"] = held
     if cp == 1:      # gbc_reference's inputs: the output layer's input rows (bshd, float64)
         out["oracle"] = tvm._head_oracle(model, rows(data, PERM), tp, sp)
-    methods.NTHRBatch.result = result
     return out
 
 

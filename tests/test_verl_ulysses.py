@@ -194,6 +194,18 @@ def _worker(rank, world, model_dir, sp, cases, methods=True):
 
 
 # -- the flash-attn stand-in --------------------------------------------------------------------
+def _check_rank(r, cases):
+    """One rank's steps and forward-only outputs against verl's stock Ulysses engine; the
+    lm_head saw fewer rows than the attention (Ulysses ran)."""
+    assert r["head_rows"] and max(r["head_rows"]) < max(r["attention"])
+    for case, res in zip(cases, r["cases"]):
+        _check_step(res, case)
+    inf = r["infer"]
+    for k in inf["verl"]:
+        assert inf["verl"][k].abs().max() > 0
+        assert torch.allclose(inf["verl"][k], inf["gbc"][k], rtol=1e-5, atol=1e-5), k
+
+
 def test_flash_standin_equals_per_sequence_causal_attention():
     """The stand-in's varlen kernel: each packed sequence attends causally to itself only, GQA
     heads shared, against a float64 softmax written out here; odd lengths, a 1-token sequence;
@@ -265,13 +277,7 @@ def test_ulysses_sp2_equals_verl_stock_sp2(runs):
     half the packed rows the attention sees (verl's all-to-all)."""
     cases, sp2, _ = runs
     for r in sp2:
-        assert r["head_rows"] and max(r["head_rows"]) < max(r["attention"])
-        for case, res in zip(cases, r["cases"]):
-            _check_step(res, case)
-        inf = r["infer"]
-        for k in inf["verl"]:
-            assert inf["verl"][k].abs().max() > 0
-            assert torch.allclose(inf["verl"][k], inf["gbc"][k], rtol=1e-5, atol=1e-5), k
+        _check_rank(r, cases)
     # both SP ranks report the same (whole micro-batch) loss and gradients
     for a, b in zip(sp2[0]["cases"], sp2[1]["cases"]):
         _close(a["gbc"][0], b["gbc"][0], 1e-6, "loss on both ranks")
@@ -323,13 +329,7 @@ def test_ulysses_dp2_sp2_equals_verl_stock(tmp_path):
     assert {c[1] for c in cases} >= {"token-mean", "token-sum", "seq-mean-token-mean"}
     ranks = spawn_gloo(4, _worker, model_dir, 2, cases, False)
     for r in ranks:
-        assert r["head_rows"] and max(r["head_rows"]) < max(r["attention"])
-        for case, res in zip(cases, r["cases"]):
-            _check_step(res, case)
-        inf = r["infer"]
-        for k in inf["verl"]:
-            assert inf["verl"][k].abs().max() > 0
-            assert torch.allclose(inf["verl"][k], inf["gbc"][k], rtol=1e-5, atol=1e-5), k
+        _check_rank(r, cases)
     for i in range(len(cases)):
         loss = [float(r["cases"][i]["gbc"][0]) for r in ranks]
         assert loss[0] == pytest.approx(loss[1], rel=1e-6) and loss[2] == pytest.approx(
@@ -344,7 +344,7 @@ def test_ulysses_size_not_dividing_the_heads_refused():
     built, naming ``ulysses_sequence_parallel_size`` (the tiny Qwen2: 4 heads, 2 KV heads)."""
     from types import SimpleNamespace
 
-    from gbc_kernels.integrations.verl import fsdp
+    from gbc_kernels.integrations.verl import fsdp as verl_fsdp
 
     cfg = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
     for sp, ok in ((2, True), (4, True), (3, False), (8, False)):
@@ -370,7 +370,7 @@ def test_ulysses_without_remove_padding_refused():
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
 
-    from gbc_kernels.integrations.verl import fsdp
+    from gbc_kernels.integrations.verl import fsdp as verl_fsdp
 
     td = TensorDict({"x": torch.zeros(2, 1)}, batch_size=[2])
     tu.assign_non_tensor(td, use_remove_padding=False)
@@ -388,7 +388,7 @@ def test_ulysses_batch_selecting_loss_modes_refused(mode):
 
     from verl.workers.utils.losses import ppo_loss
 
-    from gbc_kernels.integrations.verl import fsdp
+    from gbc_kernels.integrations.verl import fsdp as verl_fsdp
 
     loss_fn = functools.partial(ppo_loss, config=verl_actor_config(mode, "token-mean"))
     with pytest.raises(ValueError, match=f"^policy_loss.loss_mode: '{mode}'"):
