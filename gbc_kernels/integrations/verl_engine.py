@@ -84,17 +84,7 @@ def _temperatures(data) -> set:
     return set(t.unique().tolist()) if isinstance(t, torch.Tensor) else {float(t)}
 
 
-def _every_rank(flag: bool, group) -> bool:
-    """``flag`` on every rank of ``group`` (:func:`gbc_kernels.methods.data_parallel_group`'s
-    form): the ranks take the same branch, as a collective inside it needs."""
-    if group is None:
-        return flag
-    import torch.distributed as dist
-
-    pg = None if group == "world" else group
-    every = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(every, bool(flag), group=pg)
-    return all(every)
+_every_rank = methods.every_rank      # the ranks take the same branch
 
 
 def _check_method_fields(opts, cfg, micro_batch):
