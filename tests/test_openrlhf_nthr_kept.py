@@ -59,18 +59,22 @@ def _count_forwards(actor):
 
 
 def flow(packing, rollout_mb, train_mb, keep, nthr_mb=None, rows=None, strategy=None,
-         record=None):
+         ring=None):
     """OpenRLHF's experience maker, replay buffer, ``nthr_pass`` and training steps. ``keep``:
     NTHR on during the experience maker's pass (else on only from the buffer's append: its
     pass keeps nothing, as where the old log-probs come from elsewhere); ``nthr_mb``: the
     buffer's micro-batch during ``nthr_pass`` (default ``train_mb``); ``rows``: this rank's
-    samples. Returns the pass's log-probs, each sample's scales, NTHR's metrics, the forwards
+    samples; ``ring``: the ring-attention group (``ds.ring_attn_size`` 2). Returns the pass's
+    log-probs, each sample's scales, NTHR's metrics, the forwards
     ``nthr_pass`` ran and the parameters after the steps."""
     args = T_._margs()
     args.rollout.n_samples_per_prompt = N
     t = _packed_trainer(args, packing)
     if strategy is not None:
         t.strategy.ds_device_mesh = strategy
+    if ring is not None:
+        args.ds = SimpleNamespace(ring_attn_size=2, packing_samples=True, tensor_parallel_size=1)
+        t.strategy.ring_attn_group, t.strategy.accumulated_gradient = ring, 1
     forwards = _count_forwards(t.actor)
     gorl.disable()
     T_._enable(nthr_beta=0.0, **({"nthr": True} if keep else {}))
@@ -83,7 +87,7 @@ def flow(packing, rollout_mb, train_mb, keep, nthr_mb=None, rows=None, strategy=
         t.actor.eval()
         with torch.no_grad():
             lp = t.actor(exp.sequences, exp.action_mask, exp.attention_mask,
-                         ring_attn_group=None)
+                         ring_attn_group=ring)
         t.actor.train()
         logps.append(lp)
         exp.action_log_probs = lp
@@ -234,6 +238,42 @@ def test_kept_pass_groups_split_over_two_ranks():
         for x, y in zip(k[1], t[1]):
             assert torch.equal(x, y)
     assert any((s != 1).any() for k in kept for s in k[0])
+
+
+def _ring_worker(rank, world):
+    import os
+    import sys
+
+    import torch.distributed as dist
+    from openrlhf.models import ring_attn_utils
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "standins"))
+    from ring_flash_attn import substitute_hf_flash_attn
+
+    group = dist.new_group(list(range(world)))
+    dp = [dist.new_group([r]) for r in range(world)][rank]
+    ring_attn_utils.set_ring_attn_group(group)
+    substitute_hf_flash_attn(group, 1)
+    strategy = {"dp": SimpleNamespace(get_group=lambda: dp)}
+    return [(out.scales, out.forwards, out.metrics["gbc/nthr_second_forward"])
+            for out in (flow(True, 2, 2, keep=k, strategy=strategy, ring=group)
+                        for k in (True, False))]
+
+
+@pytest.mark.slow
+def test_kept_pass_under_ring_attention():
+    """ds.ring_attn_size 2 (2 gloo processes, each a slice of the packed stream): each ring
+    rank keeps whole responses (the hidden states summed over the ring inside the forward);
+    the scales equal today's pass under the ring, with no forward, and the packed pass in one
+    process."""
+    from conftest import spawn_gloo
+
+    one = flow(True, 2, 2, keep=True)
+    for kept, today in spawn_gloo(2, _ring_worker):
+        assert kept[1] == 0 and today[1] == 4 and (kept[2], today[2]) == (0.0, 1.0)
+        for x, y, z in zip(kept[0], today[0], one.scales):
+            assert torch.equal(x, y)
+            assert torch.allclose(x, z, atol=1e-6)
 
 
 def test_head_rows_assembled_exactly():
