@@ -308,7 +308,9 @@ def child_time_openrlhf(a):
             buf.append(exp)
         trainer.replay_buffer = buf
         gorl.check_trainer(trainer)        # the patched ppo_train: NTHR, then the steps
+        t3 = time.process_time()
         extra = gorl.nthr_pass(trainer) if opts.get("nthr") else {}
+        times["nthr_pass"] = time.process_time() - t3
         for k, i in enumerate(range(0, B, mb)):
             batch = make_experience_batch(buf.items[i:i + mb])
             gorl.training_step(trainer, batch, 0.05, k,
@@ -363,6 +365,7 @@ def _rows(V, res, reps, threads, trainer="verl-fsdp"):
                          update_s=round(t["update"], 4), cost=shown, target=target,
                          met="" if ok is None else ("yes" if ok else "no"),
                          second_forward=int(t["second_forward"]),
+                         nthr_pass_s=round(t["nthr_pass"], 4) if "nthr_pass" in t else "",
                          nthr_kept_mb=round(t["nthr_kept_mb"], 2),
                          response_tokens=res["response_tokens"], reps=reps, threads=threads))
     return rows
@@ -378,6 +381,8 @@ def table(rows, trainer="verl-fsdp") -> str:
     rows = [r for r in rows if r["trainer"] == trainer]
     Vs = sorted({r["V"] for r in rows})
     by = {(r["method"], r["V"]): r for r in rows}
+    for r in rows:
+        r["plain_step_s"] = by[("plain", r["V"])]["step_s"]
     head = "| method | target | " + " | ".join(f"V = {V:,}" for V in Vs) + " |"
     out = [head, "|---|---|" + "---|" * len(Vs)]
     for m in METHODS:
@@ -392,7 +397,11 @@ def table(rows, trainer="verl-fsdp") -> str:
             r = by[(m, V)]
             cell = r["cost"] + ({"yes": " ✓", "no": " ✗"}.get(r["met"], ""))
             if m == "nthr" and r["nthr_kept_mb"]:
-                cell += f" (kept {r['nthr_kept_mb']:.1f} MiB)"
+                cell += f" (kept {r['nthr_kept_mb']:.1f} MiB"
+                if r.get("nthr_pass_s"):     # NTHR's scoring, timed alone
+                    cell += (f"; scoring {float(r['nthr_pass_s']):.3f} s = "
+                             f"{float(r['nthr_pass_s']) / r['plain_step_s']:.1%}")
+                cell += ")"
             cells.append(cell)
         out.append(f"| {m} | {by[(m, Vs[0])]['target'] or '(for comparison)'} | "
                    + " | ".join(cells) + " |")
