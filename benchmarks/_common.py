@@ -201,9 +201,24 @@ def cuda_peak_bytes(fn, c):
 
 
 def append_rows(path, rows):
-    new = not os.path.exists(path)
+    """Append ``rows`` (dicts) to the CSV at ``path``; columns new to the file are added (the
+    earlier rows get them empty)."""
+    fields = list(rows[0].keys())
+    if os.path.exists(path):
+        with open(path, newline="") as f:
+            old = list(csv.DictReader(f))
+            f.seek(0)
+            head = next(csv.reader(f), [])
+        if head and set(fields) - set(head):
+            head += [k for k in fields if k not in head]
+            with open(path, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=head)
+                w.writeheader()
+                w.writerows(old)
+        fields = head or fields
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
     with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w = csv.DictWriter(f, fieldnames=fields, restval="")
         if new:
             w.writeheader()
         w.writerows(rows)

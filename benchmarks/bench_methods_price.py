@@ -1,8 +1,9 @@
 """What each gradient-balance method costs inside verl 0.9.1's FSDP2 engine with gbc's engine,
-relative to a plain step of the same engine (CPU, one gloo rank).
+OpenRLHF 0.11.2's flow with gbc's drop-in and TRL's GBCGRPOTrainer, relative to a plain step of
+the same trainer (CPU, one process).
 
-    python benchmarks/bench_methods_price.py            # V = 32,768 and 151,936
-    python benchmarks/bench_methods_price.py --V 32768 --reps 3 --trainers trl
+    python benchmarks/bench_methods_price.py            # V = 32,768 and 151,936, every trainer
+    python benchmarks/bench_methods_price.py --V 32768 --reps 3 --trainers openrlhf
     python benchmarks/bench_methods_price.py --table     # the table again, from the CSV
 
 The model: a tiny Qwen2 (hidden 256, 2 layers, untied head); the batch: 8 sequences (2 groups of
@@ -21,6 +22,13 @@ Methods (each a step with that option on; the same engine, its options switched)
 - ``nthr_second_forward``: NTHR as verl runs it where it skips the old-log-prob pass (bypass
   mode) and as gbc ran it before: its own no-grad forward before the update;
 - ``lopti``: ``lopti_eta=0.5``, two updates; its row compares the update alone (target 2.0x).
+
+OpenRLHF (``--trainers openrlhf``, :func:`child_time_openrlhf`): the same model and batch
+sizes, samples as OpenRLHF's generator makes them; a step is the experience maker's actor
+pass, the reference pass and the update (``nthr_pass`` and ``training_step`` on 2
+micro-batches of 4, each an AdamW step). ``nthr``: NTHR's inputs kept from the experience
+maker's actor pass; ``nthr_second_forward``: that pass keeps nothing and ``nthr_pass`` runs its
+own forward (what ran before).
 
 Time: the process's CPU time (``time.process_time``; one thread: the work itself, not the
 waits of a CPU shared with other jobs), median of ``--reps`` repetitions, the methods' order
@@ -41,6 +49,7 @@ import statistics
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 from _common import append_rows, now, run_child  # noqa: E402
 from bench_verl import _setup  # noqa: E402  (gloo rank, verl on CPU)
@@ -216,6 +225,110 @@ def child_time_trl(a):
     return _timed(a, list(TRL_METHODS), step, int(completion_mask.sum()))
 
 
+def child_time_openrlhf(a):
+    """OpenRLHF 0.11.2's flow with gbc's drop-in (``enable()``): a step is the actor's side of
+    its ``train_step``: the experience maker's actor pass (the patched ``Actor.forward`` over
+    its micro-batches, giving ``action_log_probs``), the reference model's pass, advantages,
+    ``NaiveReplayBuffer.append``, then what the patched ``ppo_train`` runs: NTHR's scoring
+    (``nthr_pass``) and ``training_step`` on each of the buffer's micro-batches (the fused
+    loss, backward, AdamW step through a plain-PyTorch stand-in of its DeepSpeed strategy).
+    Samples as OpenRLHF's generator makes them (one unpadded sequence each), micro-batched
+    by its ``Experience.concat_experiences``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(a.threads)
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import test_openrlhf as T_
+    from openrlhf.trainer.ppo_utils.experience import make_experience_batch
+
+    from gbc_kernels.integrations import openrlhf as gorl
+
+    ORL = T_.ORL
+    args = T_._margs(kl="k3")
+    args.rollout.n_samples_per_prompt = GROUP
+    actor = ORL.Actor(AutoModelForCausalLM.from_pretrained(a.model_dir).float(),
+                      temperature=1.0)
+    actor.packing_samples = False
+    ref = ORL.Actor(AutoModelForCausalLM.from_pretrained(a.model_dir).float(), temperature=1.0)
+    ref.packing_samples, ref.gbc_reference = False, True
+    for m in (actor.model, ref.model):
+        m.config.use_cache = False
+    opt = torch.optim.AdamW(actor.model.parameters(), lr=1e-6)
+    trainer = SimpleNamespace(actor=actor, args=args, strategy=T_.PlainStrategy(),
+                              actor_optim=opt, ema_model=None, ema_beta=0.99,
+                              actor_scheduler=torch.optim.lr_scheduler.LambdaLR(opt,
+                                                                                lambda _: 1.0))
+    g = torch.Generator().manual_seed(7)
+    samples = []
+    for i in range(B):
+        p, r = (int(torch.randint(1, n + 1, (1,), generator=g)) for n in (P, T))
+        seq = torch.randint(2, a.V, (p + r,), generator=g)
+        am = torch.zeros(p + r - 1, dtype=torch.bool)
+        am[p - 1:] = True
+        samples.append(dict(sequences=seq[None], attention_mask=torch.ones(1, p + r,
+                            dtype=torch.long), action_mask=am[None], index=[i]))
+    adv = [1.0, -1.0, 0.5, -0.5] * (B // GROUP)
+    n_resp = int(sum(s["action_mask"].sum() for s in samples))
+    mb = B // 2
+
+    def enable(opts):
+        gorl.disable()
+        gorl.enable(actor_cls=ORL.Actor, trainer_cls=False,
+                    buffer_cls=T_.NaiveReplayBuffer, **opts)
+
+    def step(method):
+        opts = dict(OPENRLHF_METHODS[method])
+        times = {}
+        enable({} if method == "nthr_second_forward" else opts)
+        w0, t0 = time.perf_counter(), time.process_time()
+        batches = [ORL.Experience.concat_experiences(
+            [ORL.Experience(**s, info={}) for s in samples[i:i + mb]], 0)
+            for i in range(0, B, mb)]
+        for exp in batches:                # the experience maker: the actor's pass
+            actor.eval()
+            with torch.no_grad():
+                exp.action_log_probs = actor(exp.sequences, exp.action_mask,
+                                             exp.attention_mask, ring_attn_group=None)
+            actor.train()
+        times["old_pass"] = time.process_time() - t0
+        t1 = time.process_time()
+        for exp in batches:                # the reference model's pass
+            with torch.no_grad():
+                exp.base_action_log_probs = ref(exp.sequences, exp.action_mask,
+                                                exp.attention_mask, ring_attn_group=None)
+            exp.advantages = torch.tensor([adv[i] for i in exp.index])[:, None] * \
+                exp.action_mask
+        times["ref_pass"] = time.process_time() - t1
+        if method == "nthr_second_forward":
+            enable(opts)
+        t2 = time.process_time()
+        buf = T_._buffer(batches[0], mb)
+        for exp in batches[1:]:
+            buf.append(exp)
+        trainer.replay_buffer = buf
+        gorl.check_trainer(trainer)        # the patched ppo_train: NTHR, then the steps
+        t3 = time.process_time()
+        extra = gorl.nthr_pass(trainer) if opts.get("nthr") else {}
+        times["nthr_pass"] = time.process_time() - t3
+        for k, i in enumerate(range(0, B, mb)):
+            batch = make_experience_batch(buf.items[i:i + mb])
+            gorl.training_step(trainer, batch, 0.05, k,
+                               ORL.get_loss_batch_info(None, batch.action_mask))
+        gorl._nthr_forget()
+        times["update"] = time.process_time() - t2
+        times["step"] = time.process_time() - t0
+        times["wall_step"] = time.perf_counter() - w0
+        times["nthr_kept_mb"] = extra.get("gbc/nthr_kept_mb", 0.0)
+        times["second_forward"] = extra.get("gbc/nthr_second_forward", 0.0)
+        return times
+
+    return _timed(a, list(OPENRLHF_METHODS), step, n_resp)
+
+
+OPENRLHF_METHODS = {k: METHODS[k] for k in METHODS}
+
+
 def _timed(a, names, step, n_resp):
     for m in names:                              # warm-up: optimizer state, allocator pools
         step(m)
@@ -252,12 +365,15 @@ def _rows(V, res, reps, threads, trainer="verl-fsdp"):
                          update_s=round(t["update"], 4), cost=shown, target=target,
                          met="" if ok is None else ("yes" if ok else "no"),
                          second_forward=int(t["second_forward"]),
+                         nthr_pass_s=round(t["nthr_pass"], 4) if "nthr_pass" in t else "",
                          nthr_kept_mb=round(t["nthr_kept_mb"], 2),
                          response_tokens=res["response_tokens"], reps=reps, threads=threads))
     return rows
 
 
 PLAIN = {"verl-fsdp": "plain step (old-log-prob pass + reference pass + update), CPU s",
+         "openrlhf": "plain step (experience maker's actor pass + reference pass + update), "
+                     "CPU s",
          "trl": "plain step (gbc's rollout part + TRL's reference pass + update), CPU s"}
 
 
@@ -265,6 +381,8 @@ def table(rows, trainer="verl-fsdp") -> str:
     rows = [r for r in rows if r["trainer"] == trainer]
     Vs = sorted({r["V"] for r in rows})
     by = {(r["method"], r["V"]): r for r in rows}
+    for r in rows:
+        r["plain_step_s"] = by[("plain", r["V"])]["step_s"]
     head = "| method | target | " + " | ".join(f"V = {V:,}" for V in Vs) + " |"
     out = [head, "|---|---|" + "---|" * len(Vs)]
     for m in METHODS:
@@ -279,7 +397,11 @@ def table(rows, trainer="verl-fsdp") -> str:
             r = by[(m, V)]
             cell = r["cost"] + ({"yes": " ✓", "no": " ✗"}.get(r["met"], ""))
             if m == "nthr" and r["nthr_kept_mb"]:
-                cell += f" (kept {r['nthr_kept_mb']:.1f} MiB)"
+                cell += f" (kept {r['nthr_kept_mb']:.1f} MiB"
+                if r.get("nthr_pass_s"):     # NTHR's scoring, timed alone
+                    cell += (f"; scoring {float(r['nthr_pass_s']):.3f} s = "
+                             f"{float(r['nthr_pass_s']) / r['plain_step_s']:.1%}")
+                cell += ")"
             cells.append(cell)
         out.append(f"| {m} | {by[(m, Vs[0])]['target'] or '(for comparison)'} | "
                    + " | ".join(cells) + " |")
@@ -295,8 +417,8 @@ def main():
     ap.add_argument("--V", type=int, nargs="+", default=[32768, 151936])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--trainers", nargs="+", default=["verl-fsdp", "trl"],
-                    choices=["verl-fsdp", "trl"])
+    ap.add_argument("--trainers", nargs="+", default=["verl-fsdp", "openrlhf", "trl"],
+                    choices=["verl-fsdp", "openrlhf", "trl"])
     ap.add_argument("--trainer", default="verl-fsdp", help=argparse.SUPPRESS)
     ap.add_argument("--table", action="store_true",
                     help="only rewrite methods_price.md from methods_price.csv")
@@ -305,7 +427,8 @@ def main():
         return write_table(a)
     if a.child_time:
         a.V = a.V[0]
-        return child_time_trl(a) if a.trainer == "trl" else child_time(a)
+        return {"trl": child_time_trl, "openrlhf": child_time_openrlhf}.get(
+            a.trainer, child_time)(a)
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import test_verl_engine as tve
     rows = []
@@ -336,6 +459,8 @@ def write_table(a):
                  nthr_kept_mb=float(r["nthr_kept_mb"]))
         rows.append(r)
     where = {"verl-fsdp": "Inside verl 0.9.1's FSDP2 engine with gbc's engine",
+             "openrlhf": "In OpenRLHF 0.11.2's flow with gbc's drop-in (experience maker's "
+                         "actor pass, reference pass, replay buffer, training_step)",
              "trl": "In TRL 1.16's GBCGRPOTrainer (on policy, beta 0.04)"}
     md = ""
     for trainer in where:

@@ -289,10 +289,10 @@ def data_parallel_group(group=None):
 
 
 def every_rank(flag: bool, group) -> bool:
-    """``flag`` on every rank of ``group`` (:func:`data_parallel_group`'s form: None, this
-    process only): the ranks take the same branch, as a collective inside it needs."""
+    """``flag`` on every rank of ``group`` (:func:`data_parallel_group`'s form): the ranks take
+    the same branch, as a collective inside it needs."""
     if group is None:
-        return flag
+        return bool(flag)
     import torch.distributed as dist
 
     pg = None if group == "world" else group
@@ -325,6 +325,21 @@ class NTHRBatch:
     def __init__(self, token_ids: torch.Tensor, group=None, backend: str = "auto"):
         self.ids, self.group, self.backend = union_ids(token_ids, group), group, backend
         self.rows, self.head, self.temperatures = [], None, set()
+        self.tokens = []            # (row, columns, hidden, targets, logp) of add_tokens
+
+    def add_kept(self, kept: "list[NTHRKeptRow]", targets, heads: "NTHRHeadRows",
+                 device=None):
+        """What an old-policy pass kept (:class:`NTHRKeptRow`, one per row of the batch, in
+        order; ``targets``: each row's target ids ``[t]``), in place of :meth:`add`; the
+        head's rows of the batch's ids come from ``heads`` over the ranks of the group (a
+        collective). No forward."""
+        device = torch.device("cpu") if device is None else torch.device(device)
+        self.head = heads.assemble(self.ids, self.group, device)
+        self.temperatures.update(heads.temperatures)
+        for i, (k, y) in enumerate(zip(kept, targets)):
+            cols = k.cols.to(device=device, dtype=torch.long)
+            self.tokens.append((i, cols, k.hidden.to(device), y.to(device)[cols],
+                                k.logp.to(device)))
 
     def add(self, index, hidden, targets, valid, head, logit_softcap=None, temperature=1.0,
             vocab_parallel=None, logp=None):
@@ -383,6 +398,7 @@ class NTHRBatch:
     def to(self, device) -> "NTHRBatch":
         """Everything held (the rows and the head's rows) moved to ``device``, in place."""
         self.rows = [tuple(t.to(device, non_blocking=True) for t in row) for row in self.rows]
+        self.tokens = [(i, *(t.to(device) for t in row)) for i, *row in self.tokens]
         if self.head is not None:
             w, b, softcap = self.head
             self.head = (w.to(device), None if b is None else b.to(device), softcap)
@@ -390,7 +406,8 @@ class NTHRBatch:
 
     def nbytes(self) -> int:
         """Bytes held: the micro-batches' rows and the head's rows."""
-        held = [t for row in self.rows for t in row]
+        held = [t for row in self.rows for t in row] + [t for row in self.tokens
+                                                         for t in row[1:]]
         if self.head is not None:
             held += [t for t in self.head[:2] if t is not None]
         return sum(t.numel() * t.element_size() for t in held)
@@ -409,7 +426,7 @@ class NTHRBatch:
         if len(temps) > 1:
             raise ValueError(f"nthr: the rollout temperatures of the batch differ "
                              f"({sorted(temps)[:4]}); NTHR's scores use one temperature")
-        (B, T), h0 = mask.shape, self.rows[0][1]
+        (B, T), h0 = mask.shape, (self.rows[0][1] if self.rows else self.tokens[0][2])
         device = h0.device
         hidden = h0.new_zeros(B, T, h0.shape[-1])
         targets = torch.zeros(B, T, dtype=torch.long, device=device)
@@ -419,6 +436,9 @@ class NTHRBatch:
             i, h, y, v, lp = self.rows.pop()
             t = h.shape[1]
             hidden[i, :t], targets[i, :t], valid[i, :t], logp[i, :t] = h, y, v, lp
+        while self.tokens:               # kept tokens: each at its column
+            i, cols, h, y, lp = self.tokens.pop()
+            hidden[i, cols], targets[i, cols], valid[i, cols], logp[i, cols] = h, y, True, lp
         mask, ids = mask.to(device).bool() & valid, self.ids.to(device)
         compact = torch.where(mask, torch.searchsorted(ids, targets).clamp(max=ids.numel() - 1), 0)
         adv = advantages.to(device).float()
@@ -428,6 +448,100 @@ class NTHRBatch:
                                logit_softcap=softcap, backend=self.backend,
                                data_parallel_group=self.group)
         return res, nthr_metrics(res, adv, mask)
+
+
+class NTHRKeptRow(NamedTuple):
+    """One response's NTHR inputs kept from the trainer's old-policy pass: its valid columns
+    ``cols`` (int32, ascending), their hidden states ``[n, H]`` and log-probs ``[n]``, and the
+    :class:`NTHRHeadRows` of the pass."""
+    cols: torch.Tensor
+    hidden: torch.Tensor
+    logp: torch.Tensor
+    heads: "NTHRHeadRows"
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.cols, self.hidden, self.logp))
+
+
+class NTHRHeadRows:
+    """The lm_head's rows of the token ids an old-policy pass scored, kept a micro-batch at a
+    time inside its forwards (where ZeRO-3 / FSDP hold the head), each id once, on ``device``
+    (default: the CPU), with no collective: the ranks may run different numbers of
+    micro-batches. :meth:`assemble` gives every rank the rows of an update's ids."""
+
+    def __init__(self, device="cpu"):
+        self.device = torch.device(device)
+        self.ids = torch.zeros(0, dtype=torch.long)
+        self.weight = self.bias = self.softcap = None
+        self.temperatures = set()
+        self.stale = False          # set when the parameters change (the rows describe none)
+
+    def add(self, ids, head, logit_softcap=None, temperature=1.0):
+        """Inside the pass's forward: the rows of ``ids`` not yet held; ``head`` (``weight``,
+        ``bias``) as the forward holds it."""
+        w = head.weight.detach()
+        b = None if head.bias is None else head.bias.detach()
+        if self.weight is None:
+            self.weight = w.new_zeros(0, w.shape[1], device=self.device)
+            self.bias = None if b is None else b.new_zeros(0, device=self.device)
+            self.softcap = logit_softcap
+        temps = temperature.unique().tolist() if isinstance(temperature, torch.Tensor) \
+            else [temperature]
+        self.temperatures.update(float(t) for t in temps)
+        new = torch.unique(ids.detach().reshape(-1).cpu()).long()
+        new = new[~torch.isin(new, self.ids)]
+        if not new.numel():
+            return
+        ids = torch.cat([self.ids, new])
+        order = ids.argsort()
+        take = new.to(w.device)
+        self.weight = torch.cat([self.weight, w.index_select(0, take).to(self.device)])[order]
+        if b is not None:
+            self.bias = torch.cat([self.bias, b.index_select(0, take).to(self.device)])[order]
+        self.ids = ids[order]
+
+    def nbytes(self) -> int:
+        held = [t for t in (self.weight, self.bias) if t is not None]
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def assemble(self, ids, group=None, device="cpu"):
+        """``(weight [U, H], bias [U] or None, softcap)``: the rows of the sorted ``ids`` on
+        ``device``; over the ranks of ``group`` (a collective) each row from the lowest rank
+        that holds it (the others add zeros: the same values, exactly). An id no rank holds:
+        ``ValueError``."""
+        ids = torch.as_tensor(ids, dtype=torch.long).cpu()
+        if self.weight is None:
+            raise ValueError("heads: no head rows were kept (the pass ran no forward)")
+        mine = torch.isin(ids, self.ids)
+        owned = mine
+        if group is not None:
+            import torch.distributed as dist
+
+            pg = None if group == "world" else group
+            every = [None] * dist.get_world_size(pg)
+            dist.all_gather_object(every, self.ids.tolist(), group=pg)
+            taken = torch.zeros_like(mine)
+            me = dist.get_rank(pg)
+            for r, held in enumerate(every):
+                has = torch.isin(ids, torch.tensor(held, dtype=torch.long)) & ~taken
+                if r == me:
+                    owned = has
+                taken |= has
+            mine = taken
+        if not bool(mine.all()):
+            raise ValueError(f"heads: token ids {ids[~mine][:8].tolist()} have no kept head "
+                             "rows")
+        pos = torch.searchsorted(self.ids, ids[owned])
+
+        def rows(t):
+            out = t.new_zeros(ids.numel(), *t.shape[1:], device=device)
+            out[owned.to(device)] = t[pos].to(device)
+            if group is not None:
+                import torch.distributed as dist
+                dist.all_reduce(out, group=None if group == "world" else group)
+            return out
+
+        return rows(self.weight), None if self.bias is None else rows(self.bias), self.softcap
 
 
 # ------------------------------------------------------------------------ critical-token KL

@@ -359,36 +359,93 @@ def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_in
 def fused_action_log_probs(actor, sequences, action_mask, attention_mask,
                            temperature: Optional[float] = None, backend: str = "auto",
                            options: Optional[methods.MethodOptions] = None,
-                           ring_attn_group=None, packed_seq_lens=None):
+                           ring_attn_group=None, packed_seq_lens=None,
+                           nthr_keep: Optional[tuple] = None):
     """``Actor.forward``'s no-grad action log-probs without logits: ``[B, T]`` float32, 0 where
     ``action_mask`` is; ``options`` with ``critical_kl_exponent`` (the reference model's
     pass): ``[B, T, 2]``, the log-probs and the critical-token KL weights. Packed samples
     (``actor.packing_samples``) and ring attention (``ring_attn_group``) as ``Actor.forward``
-    runs them: every ring rank returns the whole batch's values."""
+    runs them: every ring rank returns the whole batch's values. ``nthr_keep``: ``(heads,
+    rows)``, a :class:`gbc_kernels.methods.NTHRHeadRows` and a list: the pass also keeps NTHR's
+    inputs, the head's rows of the action tokens' ids into ``heads`` and one
+    :class:`gbc_kernels.methods.NTHRKeptRow` per sample (on ``heads.device``) into ``rows``
+    (under ring attention every ring rank keeps whole responses)."""
     T = action_mask.shape[1]
     temp = getattr(actor, "temperature", 1.0) if temperature is None else temperature
     group = _ring_group(actor, None, ring_attn_group)
+    valid = action_mask.bool()
+    opts = options or methods.MethodOptions()
+    if nthr_keep is not None and opts.critical_kl_exponent is not None:
+        raise ValueError("nthr_keep: the reference model's pass (critical_kl_exponent) keeps "
+                         "nothing for NTHR")
+
+    def keep_head(head, cap):
+        if nthr_keep is not None:
+            nthr_keep[0].add(sequences[:, -T:][valid], head, cap, temp)
+
     if getattr(actor, "packing_samples", False):
         pk = packed_rows(sequences, attention_mask, action_mask, group, packed_seq_lens)
         targets = sequences[:, -T:][pk.b, pk.j][None]
-        ref = hf.in_head(
-            _inner_model(actor), pk.input_ids, None, None, {"position_ids": pk.position_ids},
-            lambda h, head, cap: methods.reference_stats(
-                pk.flat_hidden(h), head.weight, targets, options or methods.MethodOptions(),
-                head.bias, temperature=temp, logit_softcap=cap, backend=backend))
+
+        def compute(h, head, cap):
+            keep_head(head, cap)
+            flat = pk.flat_hidden(h)
+            ref = methods.reference_stats(flat, head.weight, targets, opts, head.bias,
+                                          temperature=temp, logit_softcap=cap, backend=backend)
+            if nthr_keep is None:
+                return ref, None
+            if group is None:
+                return ref, flat[0]
+            full = flat.new_zeros(*action_mask.shape, flat.shape[-1])   # whole responses
+            full[pk.b, pk.j] = flat[0]
+            import torch.distributed as dist
+            dist.all_reduce(full, group=group)
+            return ref, full
+
+        ref, hidden = hf.in_head(_inner_model(actor), pk.input_ids, None, None,
+                                 {"position_ids": pk.position_ids}, compute)
         logp = pk.scatter(ref.ref_logp.float())
+        if nthr_keep is not None:
+            if group is None:            # this rank's tokens are the whole batch's, in order
+                hidden = [hidden[pk.b == b] for b in range(len(valid))]
+            _keep_rows(nthr_keep, valid, hidden, logp)
         return logp if ref.kl_weight is None else torch.stack(
             (logp, pk.scatter(ref.kl_weight.float())), -1)
     if packed_seq_lens is not None:
         raise ValueError("packed_seq_lens: given without ds.packing_samples (OpenRLHF's Actor "
                          "ignores it)")
-    ref = hf.reference_pass(
-        _inner_model(actor), sequences, attention_mask, sequences[:, -T:], temperature=temp,
-        backend=backend, completion_len=T, options=options,
-        model_kwargs={"position_ids": _position_ids(attention_mask)})
+    kwargs = {"position_ids": _position_ids(attention_mask)}
+    if nthr_keep is None:
+        ref = hf.reference_pass(
+            _inner_model(actor), sequences, attention_mask, sequences[:, -T:], temperature=temp,
+            backend=backend, completion_len=T, options=options, model_kwargs=kwargs)
+    else:
+        def compute(h, head, cap):
+            keep_head(head, cap)
+            return methods.reference_stats(h, head.weight, sequences[:, -T:], opts, head.bias,
+                                           temperature=temp, logit_softcap=cap,
+                                           backend=backend), h
+
+        ref, hidden = hf.in_head(_inner_model(actor), sequences, attention_mask, T, kwargs,
+                                 compute)
+        _keep_rows(nthr_keep, valid, hidden, ref.ref_logp)
     m = action_mask.to(ref.ref_logp.dtype)
     return ref.ref_logp * m if ref.kl_weight is None else torch.stack(
         (ref.ref_logp * m, ref.kl_weight * m), -1)
+
+
+def _keep_rows(nthr_keep, valid, hidden, logp):
+    """One :class:`gbc_kernels.methods.NTHRKeptRow` per sample: its valid columns, their
+    hidden states (``hidden``: ``[B, T, H]``, or per sample ``[n, H]``) and log-probs."""
+    heads, out = nthr_keep
+    for b in range(len(valid)):
+        cols = valid[b].nonzero().squeeze(1)
+        h = hidden[b] if isinstance(hidden, list) else hidden[b, cols]
+        if h.shape[0] != cols.numel():
+            raise RuntimeError("nthr_keep: the packed tokens do not match action_mask")
+        out.append(methods.NTHRKeptRow(cols.to(heads.device, torch.int32),
+                                       h.to(heads.device), logp[b, cols].float().to(heads.device),
+                                       heads))
 
 
 ENV_OPTIONS = "GBC_OPENRLHF_OPTIONS"
@@ -397,7 +454,12 @@ METHOD_OPTIONS = tuple(f.name for f in dataclasses.fields(methods.MethodOptions)
 INDEX_KEY, SCALE_KEY, KL_WEIGHT_KEY = "gbc_index", "gbc_nthr_scale", "gbc_kl_weight"
 GBC_INFO_KEYS = (INDEX_KEY, SCALE_KEY, KL_WEIGHT_KEY)
 
-_STATE = SimpleNamespace(options={}, methods=methods.MethodOptions())
+# the attribute of a replay-buffer sample that holds NTHR's inputs kept from the experience
+# maker's actor pass (a methods.NTHRKeptRow; not an Experience field: it stays on the sample)
+KEPT_ATTR = "gbc_nthr_kept"
+
+_STATE = SimpleNamespace(options={}, methods=methods.MethodOptions(), nthr_heads=None,
+                         nthr_pending=[])
 _PATCHES = patching.Patches()
 
 
@@ -455,12 +517,23 @@ def _actor_forward(self, sequences, action_mask=None, attention_mask=None, *args
     rest = {k: v for k, v in kwargs.items() if k not in ("ring_attn_group", "packed_seq_lens")}
     plain = (action_mask is not None and not args and not torch.is_grad_enabled()
              and all(v is None or v is False for v in rest.values()))
-    weights = _STATE.methods.critical_kl_exponent is not None and _is_reference(self)
+    reference = _is_reference(self)
+    weights = _STATE.methods.critical_kl_exponent is not None and reference
     if plain:
-        return fused_action_log_probs(self, sequences, action_mask, attention_mask,
-                                      options=_STATE.methods if weights else None,
-                                      ring_attn_group=kwargs.get("ring_attn_group"),
-                                      packed_seq_lens=kwargs.get("packed_seq_lens"))
+        keep = None
+        if _STATE.methods.nthr and not reference:     # the experience maker's actor pass
+            if _STATE.nthr_heads is None:
+                _STATE.nthr_heads = methods.NTHRHeadRows("cpu")
+            keep = (_STATE.nthr_heads, [])
+        out = fused_action_log_probs(self, sequences, action_mask, attention_mask,
+                                     options=_STATE.methods if weights else None,
+                                     ring_attn_group=kwargs.get("ring_attn_group"),
+                                     packed_seq_lens=kwargs.get("packed_seq_lens"),
+                                     nthr_keep=keep)
+        if keep is not None:                          # until the buffer's append takes it
+            _STATE.nthr_pending.append(([t.detach().cpu() for t in (
+                sequences, action_mask, attention_mask)], keep[1]))
+        return out
     if weights:
         raise ValueError("critical_kl_exponent: the reference model's pass is not the plain "
                          "no-grad one (outputs, entropy or multimodal inputs requested): its "
@@ -482,13 +555,35 @@ def _buffer_append(self, experience):
                          "weights (the reference model's workers must run enable() with the "
                          f"same options, e.g. through {ENV_OPTIONS}; and OpenRLHF must keep "
                          "the reference log-probs: algo.kl.use_loss)")
+    kept = None
     if opts.nthr:
         if experience.index is None:
             raise ValueError("nthr: the experience has no Experience.index (NTHR's groups); "
                              "OpenRLHF drops it when it rebalances samples "
                              "(train.dynamic_batch_enable)")
         experience.info[INDEX_KEY] = torch.as_tensor(experience.index, dtype=torch.long)
-    return _PATCHES.original(type(self), "append")(self, experience)
+        kept = _take_pending(experience)
+    out = _PATCHES.original(type(self), "append")(self, experience)
+    if kept is not None:         # the new samples are the buffer's last ones (its limit aside)
+        new = self.items[max(0, len(self.items) - len(kept)):]
+        for item, row in zip(new, kept[len(kept) - len(new):]):
+            setattr(item, KEPT_ATTR, row)
+    return out
+
+
+def _take_pending(experience):
+    """The rows the actor's pass kept for exactly this experience's samples (its sequences
+    and masks; the experience maker's micro-batch), or None."""
+    seqs = [experience.sequences, experience.action_mask, experience.attention_mask]
+    if any(not isinstance(t, torch.Tensor) for t in seqs):
+        return None
+    seqs = [t.detach().cpu() for t in seqs]
+    for k, (saw, rows) in enumerate(_STATE.nthr_pending):
+        if all(a.shape == b.shape and torch.equal(a.to(b.dtype), b)
+               for a, b in zip(saw, seqs)):
+            del _STATE.nthr_pending[k]
+            return rows
+    return None
 
 
 def check_trainer(trainer) -> None:
@@ -519,11 +614,12 @@ def check_trainer(trainer) -> None:
 @torch.no_grad()
 def nthr_pass(trainer) -> dict:
     """NTHR's token scales for the rank's whole replay buffer, before the update's first step
-    (OpenRLHF shuffles its samples afterwards): the actor's pass, groups ``Experience.index //
-    rollout.n_samples_per_prompt`` merged over data-parallel ranks (docs/openrlhf.md). Each
-    sample's scale goes into its ``info[SCALE_KEY]``; returns NTHR's metrics."""
-    from openrlhf.trainer.ppo_utils.experience import make_experience_batch
-
+    (OpenRLHF shuffles its samples afterwards), groups ``Experience.index //
+    rollout.n_samples_per_prompt`` merged over data-parallel ranks (docs/openrlhf.md). The
+    old policy's hidden states and log-probs are those the experience maker's actor pass kept
+    (no forward) when every sample, on every rank, has them; else one no-grad actor pass over
+    the buffer (metric ``gbc/nthr_second_forward``). Each sample's scale goes into its
+    ``info[SCALE_KEY]``; returns NTHR's metrics."""
     items = trainer.replay_buffer.items
     if not items:
         return {}
@@ -534,12 +630,43 @@ def nthr_pass(trainer) -> dict:
     actor = trainer.actor
     model, temperature = _inner_model(actor), getattr(actor, "temperature", 1.0)
     device = next(model.parameters()).device
-    mb = max(1, int(getattr(trainer.replay_buffer, "sample_batch_size", 0) or len(items)))
     mesh = getattr(trainer.strategy, "ds_device_mesh", None)
     group = methods.data_parallel_group(None if mesh is None else mesh["dp"].get_group())
+    kept = [getattr(it, KEPT_ATTR, None) for it in items]
+    heads = kept[0].heads if kept[0] is not None else None
+    usable = (heads is not None and not heads.stale
+              and heads.temperatures == {float(temperature)}
+              and all(k is not None and k.heads is heads and torch.equal(
+                  k.cols.long(), it.action_mask.reshape(-1).nonzero().squeeze(1).cpu())
+                      for k, it in zip(kept, items)))
+    targets = [it.sequences[-it.action_mask.shape[-1]:] for it in items]
+    extra = {}
+    if methods.every_rank(usable, group):
+        batch = methods.NTHRBatch(torch.cat([y[k.cols.long()] for k, y in zip(kept, targets)]),
+                                  group)
+        batch.add_kept(kept, targets, heads, device)
+        extra["gbc/nthr_kept_mb"] = (heads.nbytes() + sum(k.nbytes() for k in kept)) / 2 ** 20
+    else:
+        batch = methods.NTHRBatch(torch.cat(targets), group)
+        _nthr_forward(trainer, items, batch, group, model, temperature, device)
+    extra["gbc/nthr_second_forward"] = float(not batch.tokens)
+    mask, adv = (pad_sequence([getattr(it, k) for it in items], batch_first=True)
+                 for k in ("action_mask", "advantages"))
+    gids = torch.stack([torch.as_tensor(it.info[INDEX_KEY]).reshape(()) for it in items]) // n
+    res, metrics = batch.result(mask, gids, adv, _STATE.methods)
+    for k, it in enumerate(items):
+        it.info[SCALE_KEY] = res.scale[k, :it.action_mask.shape[-1]].float().to(
+            it.action_mask.device)
+    return {**{f"gbc/{k}": float(v) for k, v in metrics.items()}, **extra}
+
+
+def _nthr_forward(trainer, items, batch, group, model, temperature, device):
+    """NTHR's own no-grad actor pass over the buffer, micro-batched as the buffer samples."""
+    from openrlhf.trainer.ppo_utils.experience import make_experience_batch
+
+    actor = trainer.actor
+    mb = max(1, int(getattr(trainer.replay_buffer, "sample_batch_size", 0) or len(items)))
     ring = _ring_group(actor, trainer.args, getattr(trainer.strategy, "ring_attn_group", None))
-    batch = methods.NTHRBatch(torch.cat([it.sequences[-it.action_mask.shape[-1]:]
-                                         for it in items]), group)
     was_training = actor.training
     actor.eval()
     try:
@@ -570,21 +697,16 @@ def nthr_pass(trainer) -> dict:
             hf.in_head(model, seq, am, T, {"position_ids": _position_ids(am)}, add)
     finally:
         actor.train(was_training)
-    mask, adv = (pad_sequence([getattr(it, k) for it in items], batch_first=True)
-                 for k in ("action_mask", "advantages"))
-    gids = torch.stack([torch.as_tensor(it.info[INDEX_KEY]).reshape(()) for it in items]) // n
-    res, metrics = batch.result(mask, gids, adv, _STATE.methods)
-    for k, it in enumerate(items):
-        it.info[SCALE_KEY] = res.scale[k, :it.action_mask.shape[-1]].float().to(
-            it.action_mask.device)
-    return {f"gbc/{k}": float(v) for k, v in metrics.items()}
 
 
 def _ppo_train(self, kl_ctl: float):
     """``ActorPPOTrainer.ppo_train`` after gbc's start-up checks and NTHR's pass."""
     check_trainer(self)
-    extra = nthr_pass(self) if _STATE.methods.nthr else {}
-    status = _PATCHES.original(type(self), "ppo_train")(self, kl_ctl)
+    try:
+        extra = nthr_pass(self) if _STATE.methods.nthr else {}
+        status = _PATCHES.original(type(self), "ppo_train")(self, kl_ctl)
+    finally:
+        _nthr_forget()               # the update changed the parameters
     status.update(extra)
     return status
 
@@ -652,6 +774,15 @@ def disable() -> None:
     """Undo :func:`enable` (every patched class gets its own method back)."""
     _PATCHES.undo()
     _STATE.methods, _STATE.options = methods.MethodOptions(), {}
+    _nthr_forget()
+
+
+def _nthr_forget():
+    """The parameters change (or gbc is switched off): what the actor's pass kept describes
+    them no longer."""
+    if _STATE.nthr_heads is not None:
+        _STATE.nthr_heads.stale = True
+    _STATE.nthr_heads, _STATE.nthr_pending = None, []
 
 
 def _info_rows(experience, key, T, fill, option, what):

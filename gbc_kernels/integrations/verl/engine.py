@@ -84,7 +84,7 @@ def _temperatures(data) -> set:
     return set(t.unique().tolist()) if isinstance(t, torch.Tensor) else {float(t)}
 
 
-_every_rank = methods.every_rank
+_every_rank = methods.every_rank      # the ranks take the same branch
 
 
 def _check_method_fields(opts, cfg, micro_batch):
