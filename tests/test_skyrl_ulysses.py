@@ -107,6 +107,29 @@ def _ref_pass(sky, sp, dp, gbc_on, options):
             [r[KL_WEIGHT_KEY] for r in rows] if KL_WEIGHT_KEY in rows[0] else None)
 
 
+def _nthr_step(sky, sp, dp):
+    """NTHR through SkyRL's flow: the old-log-prob pass (which keeps NTHR's rows), then the
+    update of the same mini-batch; groups split so that a response sits on both SP ranks."""
+    from test_skyrl_methods import nthr_batch
+
+    from gbc_kernels import methods
+    from gbc_kernels.integrations.skyrl import fsdp as gfsdp
+    from gbc_kernels.integrations.skyrl.worker import SCALE_KEY
+
+    w, model = _worker(sky, gfsdp.GBCFSDPPolicyWorker,
+                       algorithm(sky, "regular", use_kl_loss=False), sp, dp,
+                       methods.MethodOptions(nthr=True, nthr_beta=0.0))
+    data = nthr_batch(sky)
+    with skyrl_cpu().cpu_device():
+        old = w.forward(data)
+        data["action_log_probs"] = torch.tensor([r["logprobs"] for r in old.loss_fn_outputs])
+        res = w.forward_backward(data)
+        grads = _grads(model, sp)
+        fwd = w.forward(data)
+    return dict(metrics=res.metrics, outputs=res.loss_fn_outputs, grads=grads,
+                old=[r["logprobs"] for r in fwd.loss_fn_outputs], scale=data[SCALE_KEY])
+
+
 def _sp_worker(rank, world, cases, methods_cases):
     """Per case: (gbc's SP 2, SkyRL's SP 2, gbc's SP 1) steps; per method case: (gbc's SP 2,
     gbc's SP 1); the reference worker's pass: (gbc's SP 2, SkyRL's SP 2, gbc's SP 2 with
@@ -123,15 +146,15 @@ def _sp_worker(rank, world, cases, methods_cases):
     ref = (_ref_pass(sky, world, dp, True, None), _ref_pass(sky, world, dp, False, None),
            _ref_pass(sky, world, dp, True, crit), _ref_pass(sky, 1, dp, True, crit))
     refused = []
-    for loss_type, opts in (("clip_cov", {}), ("regular", dict(nthr=True))):
-        w, _ = _worker(sky, gfsdp.GBCFSDPPolicyWorker, algorithm(sky, loss_type), world, dp,
-                       methods.MethodOptions(**opts))
-        try:
-            with skyrl_cpu().cpu_device():
-                (w.forward if opts else w.forward_backward)(make_batch(sky, 100))
-        except ValueError as err:
-            refused.append(str(err))
-    return out, meth, ref, list(seen), refused
+    w, _ = _worker(sky, gfsdp.GBCFSDPPolicyWorker, algorithm(sky, "clip_cov"), world, dp,
+                   methods.MethodOptions())
+    try:
+        with skyrl_cpu().cpu_device():
+            w.forward_backward(make_batch(sky, 100))
+    except ValueError as err:
+        refused.append(str(err))
+    nthr = (_nthr_step(sky, world, dp), _nthr_step(sky, 1, dp))
+    return out, meth, ref, list(seen), refused, nthr
 
 
 CASES = [("regular", {}), ("gspo", dict(rollout=True, kl_type="k1")),
@@ -147,20 +170,31 @@ def test_ulysses_sp2_equals_skyrl_sp2_and_sp1():
     per-token log-probs of the step and of the no-grad pass, every parameter's gradient — on
     both SP ranks, for several loss types (GSPO's sequence ratio and the off-policy correction
     among them) and SkyRL's SFT loss; and gbc's SP 2 equals its SP 1 (one rank, unsharded). AR,
-    Lopti and critical-token KL at SP 2 equal gbc's SP 1. The reference worker's pass at SP 2
+    Lopti, critical-token KL and NTHR (its old-log-prob pass keeping the whole micro-batch's
+    rows on every SP rank) at SP 2 equal gbc's SP 1. The reference worker's pass at SP 2
     equals SkyRL's, and with critical-token KL its log-probs and weights equal SP 1's.
-    Clip-Cov's loss and NTHR's pass are refused at SP 2 when they run."""
+    Clip-Cov's loss is refused at SP 2 when it runs."""
     from conftest import spawn_gloo
 
-    for out, meth, ref, seen, refused in spawn_gloo(2, _sp_worker, CASES, METHODS):
-        # at run time: Clip-Cov's loss and NTHR's old-log-prob pass at SP 2, by name
-        assert len(refused) == 2, refused
-        assert refused[0].startswith("trainer.algorithm.policy_loss_type: clip_cov / kl_cov")
-        assert refused[1].startswith("GBC_SKYRL_OPTIONS: nthr with trainer.policy.sequence_"
-                                     "parallel_size=2")
+    for out, meth, ref, seen, refused, nthr in spawn_gloo(2, _sp_worker, CASES, METHODS):
         # SkyRL's Ulysses attention ran (flash-attention's varlen kernel on the packed stream
         # gathered over the SP group: padded to an even length); SP 1 runs another attention
         assert seen and all(n % 2 == 0 for n in seen), seen
+        # at run time: Clip-Cov's loss at SP 2, by name
+        assert len(refused) == 1 and refused[0].startswith(
+            "trainer.algorithm.policy_loss_type: clip_cov / kl_cov"), refused
+        # NTHR: the scales from the whole micro-batch's rows (not all 1), the step, SP 2 == SP 1
+        torch.testing.assert_close(nthr[0]["scale"], nthr[1]["scale"], rtol=1e-5, atol=1e-6)
+        assert (nthr[0]["scale"] != 1).any()
+        got, one = nthr
+        assert set(got["metrics"]) == set(one["metrics"])
+        for k, v in one["metrics"].items():
+            assert got["metrics"][k] == pytest.approx(v, rel=2e-4, abs=2e-6), k
+        torch.testing.assert_close(torch.tensor(got["old"]), torch.tensor(one["old"]),
+                                   rtol=2e-4, atol=2e-6)
+        for name, grad in one["grads"].items():
+            assert grad.abs().sum() > 0, name
+            torch.testing.assert_close(got["grads"][name], grad, rtol=2e-4, atol=2e-6, msg=name)
         for got, sky_ref, one in out:
             _compare(got, sky_ref)
             _compare(got, one)
@@ -190,8 +224,6 @@ def _cfg(sky, **kw):
      "^trainer.policy.sequence_parallel_size=2 with trainer.remove_microbatch_padding=false"),
     (dict(ref__sequence_parallel_size=2, remove_microbatch_padding=False), "",
      "^trainer.ref.sequence_parallel_size=2 with trainer.remove_microbatch_padding=false"),
-    (dict(policy__sequence_parallel_size=2), "nthr=1",
-     "^GBC_SKYRL_OPTIONS: nthr with trainer.policy.sequence_parallel_size=2"),
     (dict(policy__sequence_parallel_size=2, algorithm__policy_loss_type="clip_cov"), "",
      "^trainer.algorithm.policy_loss_type: clip_cov / kl_cov"),
     (dict(policy__sequence_parallel_size=2, algorithm__policy_loss_type="kl_cov"), "",
@@ -199,20 +231,20 @@ def _cfg(sky, **kw):
 ])
 def test_ulysses_refusals_name_skyrls_options(kw, options, match):
     """What gbc's workers do not run under Ulysses SP is refused by name when SkyRL builds
-    them: the padded layout, NTHR, Clip-Cov / KL-Cov; SP 2 on packed micro-batches with a
-    plain loss is accepted."""
+    them: the padded layout, Clip-Cov / KL-Cov; SP 2 on packed micro-batches with a plain loss
+    and the methods is accepted."""
     from gbc_kernels.integrations.skyrl import worker
 
     sky = skyrl_cpu().load()
     with pytest.raises(ValueError, match=match):
         worker.check_config(_cfg(sky, **kw), worker.method_options(options))
     worker.check_config(_cfg(sky, policy__sequence_parallel_size=2, ref__sequence_parallel_size=2),
-                        worker.method_options("ar_alpha=0.3,lopti_eta=0.5"))
+                        worker.method_options("ar_alpha=0.3,lopti_eta=0.5,nthr=1"))
 
 
 def test_ulysses_refusals_at_run_time():
     """A wrapped model at SP 2 on padded micro-batches is refused when it runs, naming the
-    worker's option (Clip-Cov's loss and NTHR's pass at SP 2 when they run: the SP test)."""
+    worker's option (Clip-Cov's loss at SP 2 when it runs: the SP test)."""
     from types import SimpleNamespace
 
     from gbc_kernels.integrations.skyrl import worker

@@ -101,8 +101,6 @@ def check_config(cfg, options: Optional[methods.MethodOptions] = None) -> method
         if not losses.get(cfg, "remove_microbatch_padding", True):
             raise ValueError(SP_PADDED.format(option=f"trainer.{worker}.sequence_parallel_size",
                                               sp=sp))
-        if worker == "policy" and opts.nthr:
-            raise ValueError(SP_NTHR.format(sp=sp))
         if worker == "policy" and algo.policy_loss_type in ("clip_cov", "kl_cov"):
             raise ValueError(SP_COV.format(sp=sp))
     return opts
@@ -113,12 +111,6 @@ SP_PADDED = (
     "Ulysses sequence parallelism on SkyRL's packed micro-batches only (SkyRL's default, "
     "trainer.remove_microbatch_padding=true; SkyRL's own critic requires it too): set "
     "trainer.remove_microbatch_padding=true")
-SP_NTHR = (
-    f"{OPTIONS_ENV}: nthr with trainer.policy.sequence_parallel_size={{sp}}: NTHR scores the "
-    f"whole micro-batch's hidden states, which Ulysses sequence parallelism splits over the SP "
-    f"ranks; gbc's SkyRL worker does not gather them: set trainer.policy."
-    f"sequence_parallel_size=1 or turn nthr off")
-
 SP_COV = (
     "trainer.algorithm.policy_loss_type: clip_cov / kl_cov select tokens from the whole "
     "micro-batch (Clip-Cov at random, KL-Cov by covariance rank), which gbc's loss under "
@@ -552,8 +544,6 @@ def _no_grad_logprobs(worker, micro_batch, temperature, reference=None, keep=Non
     group = _sp_group(worker.model, worker._gbc_sp_option)
     pk = hf.pack_padded(seq, attn, T) if packed else None
     sl = None if group is None else _UlyssesSlice(pk, group, worker.model.sequence_parallel_size)
-    if sl is not None and keep is not None:
-        raise ValueError(SP_NTHR.format(sp=sl.size))
 
     def compute(h, head, cap):
         rows, ys = ((sl.hidden(h) if sl is not None else pk.hidden(h), pk.rolled) if packed
@@ -571,8 +561,11 @@ def _no_grad_logprobs(worker, micro_batch, temperature, reference=None, keep=Non
             keep["keys"] += row_keys(seq, attn)
             keep["device"] = rows.device
             valid = attn[:, -T:].bool() & (pk.valid if packed else True)
-            keep["batch"].add(torch.arange(start, start + seq.shape[0]), rows, targets, valid,
-                              head, cap, temperature, logp=logp)
+            # under Ulysses SP every rank of the group keeps the whole micro-batch's rows (each
+            # position's hidden state and log-prob from the rank that holds it)
+            whole = (lambda v: v) if sl is None else sl.whole
+            keep["batch"].add(torch.arange(start, start + seq.shape[0]), whole(rows), targets,
+                              valid, head, cap, temperature, logp=whole(logp))
         if sl is not None:       # this rank's positions -> every position's
             logp = sl.whole(logp)
             weight = None if weight is None else sl.whole(weight)
