@@ -344,7 +344,7 @@ def test_ulysses_size_not_dividing_the_heads_refused():
     built, naming ``ulysses_sequence_parallel_size`` (the tiny Qwen2: 4 heads, 2 KV heads)."""
     from types import SimpleNamespace
 
-    from gbc_kernels.integrations.verl import fsdp
+    from gbc_kernels.integrations.verl import fsdp as verl_fsdp
 
     cfg = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
     for sp, ok in ((2, True), (4, True), (3, False), (8, False)):
@@ -370,7 +370,7 @@ def test_ulysses_without_remove_padding_refused():
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
 
-    from gbc_kernels.integrations.verl import fsdp
+    from gbc_kernels.integrations.verl import fsdp as verl_fsdp
 
     td = TensorDict({"x": torch.zeros(2, 1)}, batch_size=[2])
     tu.assign_non_tensor(td, use_remove_padding=False)
@@ -388,7 +388,7 @@ def test_ulysses_batch_selecting_loss_modes_refused(mode):
 
     from verl.workers.utils.losses import ppo_loss
 
-    from gbc_kernels.integrations.verl import fsdp
+    from gbc_kernels.integrations.verl import fsdp as verl_fsdp
 
     loss_fn = functools.partial(ppo_loss, config=verl_actor_config(mode, "token-mean"))
     with pytest.raises(ValueError, match=f"^policy_loss.loss_mode: '{mode}'"):
