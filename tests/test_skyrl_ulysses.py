@@ -23,6 +23,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+pytest.importorskip("skyrl")
+pytest.importorskip("verl")      # tests/test_verl_ulysses.py's flash-attention set-up
+
 from test_skyrl import (_compare, _grads, algorithm, make_batch, skyrl_cpu,  # noqa: E402
                         tiny_qwen2)
 

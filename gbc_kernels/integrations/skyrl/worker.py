@@ -11,7 +11,10 @@ The four methods run through :class:`gbc_kernels.methods.MethodOptions`: AR in t
 as two optimizer steps of SkyRL's own step, critical-token KL from the reference worker's pass
 (its weights travel in SkyRL's training batch as :data:`KL_WEIGHT_KEY`, :mod:`.trainer`),
 NTHR from what SkyRL's own old-log-prob pass keeps (:meth:`GBCPolicyWorkerMixin.forward`),
-scored once the advantages exist, with no second forward.
+scored once the advantages exist, with no second forward. Under SkyRL's Ulysses sequence
+parallelism (packed micro-batches) each SP rank runs its slice through the head, the loss's
+sequence terms reduced over the SP group (:class:`_UlyssesSlice`, docs/skyrl.md "Long
+context").
 """
 
 from __future__ import annotations
@@ -85,7 +88,8 @@ def row_keys(sequences: torch.Tensor, attention_mask: torch.Tensor) -> list:
 def check_config(cfg, options: Optional[methods.MethodOptions] = None) -> methods.MethodOptions:
     """Refuse, naming SkyRL's option, a trainer config (``cfg``: SkyRL's ``trainer`` section)
     or method options (default: ``GBC_SKYRL_OPTIONS``) gbc's worker cannot honour: the loss
-    table's refusals (:func:`.losses.policy_loss_config`), sequence parallelism. Returns the
+    table's refusals (:func:`.losses.policy_loss_config`), Ulysses SP on padded micro-batches
+    or with Clip-Cov / KL-Cov. Returns the
     options."""
     opts = method_options() if options is None else options
     algo = losses.get(cfg, "algorithm")
