@@ -150,6 +150,34 @@ def resolve(sp, B: int, device, checks=None) -> Optional[_Group]:
     return _Group(group, same_b)
 
 
+def owned_sum(values: torch.Tensor, owned: torch.Tensor, group) -> torch.Tensor:
+    """``values [B, T, ...]`` of this rank, kept where it ``owned [B, T]`` the position (0
+    elsewhere) and summed over ``group``: every position's value on every rank (each position
+    has one owner). Per-token outputs only (``[B, T]``-sized); no autograd."""
+    own = owned.reshape(owned.shape + (1,) * (values.dim() - owned.dim()))
+    out = torch.where(own, values.detach(), torch.zeros((), dtype=values.dtype,
+                                                        device=values.device))
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def check_heads(hf_config, size: int, option: str) -> None:
+    """Ulysses attention scatters the attention heads over the SP group: ``size`` must divide
+    the model's attention heads, and its key/value heads must divide ``size`` or be divided by
+    it (they are repeated then). Else a ValueError naming the trainer's ``option``."""
+    size = int(size or 1)
+    if size <= 1:
+        return
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads % size or (kv % size and size % kv):
+        raise ValueError(f"{option}: {size} must divide the model's {heads} attention heads "
+                         f"(num_attention_heads), and its {kv} key/value heads "
+                         f"(num_key_value_heads) must divide it or be divided by it; choose a "
+                         f"size that does")
+
+
 def refuse(cfg) -> None:
     """The options the sequence split cannot run exactly, refused by name."""
     if cfg.cov_mode is not None:

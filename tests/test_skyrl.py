@@ -616,10 +616,13 @@ def test_enable_swaps_skyrl_workers_and_refuses(sky, monkeypatch):
         assert env["GBC_SKYRL_OPTIONS"] == "ar_alpha=0.25" and env["GBC_SKYRL"] == "1"
     with pytest.raises(ValueError, match="lopti_eta"):
         gsky.enable(lopti_eta=3.0)
-    with pytest.raises(ValueError, match="trainer.policy.sequence_parallel_size=2"):
-        cfg = _trainer_cfg(sky)
-        cfg.remove_microbatch_padding = True       # runs (packed); Ulysses does not
-        cfg.policy.sequence_parallel_size = 2
+    cfg = _trainer_cfg(sky)
+    cfg.policy.sequence_parallel_size = 2         # Ulysses runs packed (SkyRL's default) ...
+    cfg.remove_microbatch_padding = True
+    gsky.enable(cfg)
+    cfg.remove_microbatch_padding = False         # ... and is refused on padded micro-batches
+    with pytest.raises(ValueError, match="trainer.policy.sequence_parallel_size=2 with "
+                                         "trainer.remove_microbatch_padding=false"):
         gsky.enable(cfg)
     monkeypatch.setitem(sys.modules, "skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker", None)
     monkeypatch.delattr(fsdp_pkg, "fsdp_worker")

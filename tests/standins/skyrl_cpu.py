@@ -100,12 +100,15 @@ def use_packing(model):
 
 
 def policy_worker(cls, algorithm, model, world=1, micro=2, lr=0.5, temperature=0.8,
-                  packed=False):
+                  packed=False, sp=1, groups=None):
     """``cls`` (SkyRL's ``FSDPPolicyWorkerBase`` or a subclass) built around ``model`` (a
     transformers causal LM, FSDP2-sharded or not) for ``world`` data-parallel ranks of the
     default process group: SkyRL's TrainerConfig with ``algorithm`` and ``micro`` sequences per
     micro-batch, HFModelWrapper, FSDPStrategy (no gradient clipping), SGD(lr), a constant
-    scheduler. ``packed``: ``remove_microbatch_padding=True`` (:func:`use_packing`)."""
+    scheduler. ``packed``: ``remove_microbatch_padding=True`` (:func:`use_packing`). ``sp``:
+    SkyRL's Ulysses SP size (``world // sp`` data-parallel ranks; the caller set SkyRL's
+    Ulysses group and attention patch, as its ``init_model`` does); ``groups``: the device
+    mesh's groups by name ("dp", "sp"; default: the default group)."""
     from types import SimpleNamespace
 
     import torch
@@ -125,12 +128,13 @@ def policy_worker(cls, algorithm, model, world=1, micro=2, lr=0.5, temperature=0
     if packed:
         use_packing(model)
     w.model = HFModelWrapper(model, use_flash_attention_2=packed,
-                             remove_microbatch_padding=packed)
+                             remove_microbatch_padding=packed, sequence_parallel_size=sp)
+    w.sequence_parallel_size = sp
     w.optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     w.scheduler = torch.optim.lr_scheduler.LambdaLR(w.optimizer, lambda s: 1.0)
     w.strategy = FSDPStrategy(FSDPConfig(), OptimizerConfig(max_grad_norm=1e9))
     w.strategy.world_size = world
-    w.mesh_rank = SimpleNamespace(dp_size=world)
-    w.device_mesh = SimpleNamespace(get_group=lambda name: None)
+    w.mesh_rank = SimpleNamespace(dp_size=world // sp)
+    w.device_mesh = SimpleNamespace(get_group=lambda name: (groups or {}).get(name))
     w.policy_loss_fn = PolicyLossRegistry.get(algorithm.policy_loss_type)
     return w

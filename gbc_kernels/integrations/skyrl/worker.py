@@ -11,7 +11,10 @@ The four methods run through :class:`gbc_kernels.methods.MethodOptions`: AR in t
 as two optimizer steps of SkyRL's own step, critical-token KL from the reference worker's pass
 (its weights travel in SkyRL's training batch as :data:`KL_WEIGHT_KEY`, :mod:`.trainer`),
 NTHR from what SkyRL's own old-log-prob pass keeps (:meth:`GBCPolicyWorkerMixin.forward`),
-scored once the advantages exist, with no second forward.
+scored once the advantages exist, with no second forward. Under SkyRL's Ulysses sequence
+parallelism (packed micro-batches) each SP rank runs its slice through the head, the loss's
+sequence terms reduced over the SP group (:class:`_UlyssesSlice`, docs/skyrl.md "Long
+context").
 """
 
 from __future__ import annotations
@@ -85,7 +88,8 @@ def row_keys(sequences: torch.Tensor, attention_mask: torch.Tensor) -> list:
 def check_config(cfg, options: Optional[methods.MethodOptions] = None) -> methods.MethodOptions:
     """Refuse, naming SkyRL's option, a trainer config (``cfg``: SkyRL's ``trainer`` section)
     or method options (default: ``GBC_SKYRL_OPTIONS``) gbc's worker cannot honour: the loss
-    table's refusals (:func:`.losses.policy_loss_config`), sequence parallelism. Returns the
+    table's refusals (:func:`.losses.policy_loss_config`), Ulysses SP on padded micro-batches
+    or with Clip-Cov / KL-Cov. Returns the
     options."""
     opts = method_options() if options is None else options
     algo = losses.get(cfg, "algorithm")
@@ -94,11 +98,78 @@ def check_config(cfg, options: Optional[methods.MethodOptions] = None) -> method
     cfg_loss = losses.policy_loss_config(algo, kl_entropy_weight=1.0, **opts.loss_options())
     opts.check_loss(cfg_loss.kl_coef, "trainer.algorithm.use_kl_loss=true and kl_loss_coef",
                     names={"critical_kl_exponent": f"{OPTIONS_ENV}: critical_kl_exponent"})
-    sp = losses.get(cfg, "policy.sequence_parallel_size", 1)
-    if sp not in (None, 1):
-        raise ValueError(f"trainer.policy.sequence_parallel_size={sp}: gbc's SkyRL worker runs "
-                         f"without Ulysses sequence parallelism (set 1)")
+    for worker in ("policy", "ref"):
+        sp = losses.get(cfg, f"{worker}.sequence_parallel_size", 1)
+        if sp in (None, 1):
+            continue
+        if not losses.get(cfg, "remove_microbatch_padding", True):
+            raise ValueError(SP_PADDED.format(option=f"trainer.{worker}.sequence_parallel_size",
+                                              sp=sp))
+        if worker == "policy" and algo.policy_loss_type in ("clip_cov", "kl_cov"):
+            raise ValueError(SP_COV.format(sp=sp))
     return opts
+
+
+SP_PADDED = (
+    "{option}={sp} with trainer.remove_microbatch_padding=false: gbc's SkyRL workers run "
+    "Ulysses sequence parallelism on SkyRL's packed micro-batches only (SkyRL's default, "
+    "trainer.remove_microbatch_padding=true; SkyRL's own critic requires it too): set "
+    "trainer.remove_microbatch_padding=true")
+SP_COV = (
+    "trainer.algorithm.policy_loss_type: clip_cov / kl_cov select tokens from the whole "
+    "micro-batch (Clip-Cov at random, KL-Cov by covariance rank), which gbc's loss under "
+    "Ulysses sequence parallelism (trainer.policy.sequence_parallel_size={sp}) does not "
+    "reproduce: choose another policy_loss_type or set trainer.policy.sequence_parallel_size=1")
+
+
+class _UlyssesSlice:
+    """SkyRL's Ulysses sequence parallelism on a packed micro-batch (``HFModelWrapper.forward``
+    with ``sequence_parallel_size > 1``): the packed stream ``pk`` (:func:`hf.pack_padded`) is
+    padded to a multiple of the SP size and this rank runs its slice (SkyRL's
+    ``ulysses_pad_and_slice_inputs``); :meth:`hidden` maps the slice's hidden states to the
+    ``[B, T]`` rows this rank holds (:attr:`owned`; row 0 elsewhere)."""
+
+    def __init__(self, pk, group, size):
+        import torch.distributed as dist
+        from skyrl.backends.skyrl_train.distributed.ulysses.utils import (
+            ulysses_pad_and_slice_inputs)
+
+        self.group, self.size = group, size
+        self.input_ids, self.position_ids, _, _ = ulysses_pad_and_slice_inputs(
+            pk.input_ids, pk.position_ids, None, size)
+        n = self.input_ids.shape[1]
+        start = dist.get_rank(group) * n
+        here = (pk.index >= start) & (pk.index < start + n)
+        self.owned = pk.valid & here
+        self.index = torch.where(self.owned, pk.index - start, torch.zeros_like(pk.index))
+
+    def hidden(self, h):
+        """The slice's hidden states ``[1, n, H]`` -> ``[B, T, H]`` (row 0 where not owned)."""
+        return h[0, self.index]
+
+    def whole(self, values):
+        """This rank's ``[B, T]`` values at :attr:`owned` -> every position's (SP group sum)."""
+        from gbc_kernels.sequence_parallel import owned_sum
+
+        return owned_sum(values, self.owned, self.group)
+
+
+def _sp_group(wrapper, option):
+    """SkyRL's Ulysses SP group of the wrapped model, or None (size 1). Refuses the padded
+    layout under SP (:data:`SP_PADDED`) naming ``option``."""
+    sp = int(getattr(wrapper, "sequence_parallel_size", 1) or 1)
+    if sp <= 1:
+        return None
+    if not getattr(wrapper, "remove_microbatch_padding", False):
+        raise ValueError(SP_PADDED.format(option=option, sp=sp))
+    from skyrl.backends.skyrl_train.distributed.ulysses.utils import (
+        get_ulysses_sequence_parallel_group)
+
+    group = get_ulysses_sequence_parallel_group()
+    if group is None:
+        raise ValueError(f"{option}={sp}: SkyRL's Ulysses group is not set (its worker's "
+                         f"init_model sets it)")
+    return group
 
 
 def _position_ids(attention_mask):
@@ -108,9 +179,6 @@ def _position_ids(attention_mask):
 
 def _check_wrapper(wrapper, num_actions, experience=None):
     """Refuse what the fused path does not run, naming SkyRL's option; returns T."""
-    if getattr(wrapper, "sequence_parallel_size", 1) > 1:
-        raise ValueError("trainer.policy.sequence_parallel_size: gbc's SkyRL worker runs "
-                         "without Ulysses sequence parallelism (set 1)")
     if getattr(wrapper, "is_vlm", False) or (experience is not None and (
             getattr(experience, "pixel_values", None) is not None
             or getattr(experience, "image_grid_thw", None) is not None)):
@@ -141,6 +209,16 @@ def _temperature(cfg):
 
 class _GBCOptions:
     _gbc_options: Optional[methods.MethodOptions] = None
+    _gbc_sp_option = "trainer.policy.sequence_parallel_size"     # SkyRL's option of the worker
+
+    def _seq_parallel_monkey_patch(self, model, *args, **kwargs):
+        """SkyRL's Ulysses set-up (``init_model``), after gbc's check that the SP size divides
+        the model's heads (SkyRL asserts it there), naming SkyRL's option."""
+        from gbc_kernels.sequence_parallel import check_heads
+
+        check_heads(model.config, self.sequence_parallel_size,
+                    self._gbc_sp_option)
+        return super()._seq_parallel_monkey_patch(model, *args, **kwargs)
 
     @property
     def gbc_options(self) -> methods.MethodOptions:
@@ -292,11 +370,12 @@ class GBCPolicyWorkerMixin(_GBCOptions):
                                             experience.rollout_logprobs)
         scale, kl_weight = self._gbc_method_fields(experience, opts, cfg, call["mask"])
         token_out = {}
-        loss, _ = _policy_loss(self.model, experience.sequences, experience.attention_mask, T,
-                               call, ref_logp=experience.base_action_log_probs
-                               if cfg.kl_coef else None, config=cfg, phase=self._gbc_phase,
-                               token_scale=scale, kl_weight=kl_weight, token_out=token_out)
+        loss, _, whole = _policy_loss(
+            self.model, experience.sequences, experience.attention_mask, T, call,
+            ref_logp=experience.base_action_log_probs if cfg.kl_coef else None, config=cfg,
+            phase=self._gbc_phase, token_scale=scale, kl_weight=kl_weight, token_out=token_out)
         self.strategy.backward(loss * dp, self.model, self.optimizer)
+        token_out = {k: whole(v) for k, v in token_out.items()}
 
         mask = call["mask"]
         lp = token_out["logp"].to(call["advantages"].dtype)
@@ -380,6 +459,8 @@ class GBCRefWorkerMixin(_GBCOptions):
     """Put before SkyRL's reference worker class: its log-prob pass runs gbc's; with
     critical-token KL on, the same pass gives the KL weights."""
 
+    _gbc_sp_option = "trainer.ref.sequence_parallel_size"
+
     def forward(self, data):
         """SkyRL's reference ``forward``; with critical-token KL on, each sample's
         ``loss_fn_outputs`` also carries its weights under :data:`KL_WEIGHT_KEY` (beside
@@ -410,15 +491,37 @@ def _policy_loss(wrapper, seq, attn, T, call, **kwargs):
     """gbc's fused loss inside the wrapped model's forward, on SkyRL's layout: padded rows, or
     (``trainer.remove_microbatch_padding``) the micro-batch packed into one row at its
     per-sequence positions without an attention mask, as ``HFModelWrapper.forward`` runs it
-    (flash-attention's varlen kernels find the sequences' boundaries)."""
+    (flash-attention's varlen kernels find the sequences' boundaries); under Ulysses SP
+    (packed only) this rank's slice of the packed stream, the loss's sequence terms reduced
+    over the SP group (:class:`gbc_kernels.SequenceParallel`). Returns ``(loss, metrics,
+    whole)``: ``whole`` maps a per-token output of the loss (``token_out``) to every
+    position's. Under SP the loss has the whole micro-batch's value and, as SkyRL's gather of
+    the log-probs does, the SP size times the rank's share's gradient."""
     if not getattr(wrapper, "remove_microbatch_padding", False):
-        return hf.policy_loss_through_forward(
+        _sp_group(wrapper, "trainer.policy.sequence_parallel_size")     # refused under SP
+        loss, metrics = hf.policy_loss_through_forward(
             wrapper.model, seq, attn, T, model_kwargs={"position_ids": _position_ids(attn)},
             **call, **kwargs)
+        return loss, metrics, lambda v: v
     hf.check_forward_inputs(hf.unwrap(wrapper.model), seq, attn, T, "response_length")
     pk = hf.pack_padded(seq, attn, T, call["mask"])
-    return hf.packed_policy_loss_through_forward(wrapper.model, pk.input_ids, pk.position_ids,
-                                                 pk.hidden, seq[:, -T:], **call, **kwargs)
+    group = _sp_group(wrapper, "trainer.policy.sequence_parallel_size")
+    if group is None:
+        loss, metrics = hf.packed_policy_loss_through_forward(
+            wrapper.model, pk.input_ids, pk.position_ids, pk.hidden, seq[:, -T:], **call,
+            **kwargs)
+        return loss, metrics, lambda v: v
+    import gbc_kernels as gbc
+    from gbc_kernels.sequence_parallel import whole_loss
+
+    if kwargs["config"].cov_mode is not None:
+        raise ValueError(SP_COV.format(sp=wrapper.sequence_parallel_size))
+    sl = _UlyssesSlice(pk, group, wrapper.sequence_parallel_size)
+    call = dict(call, mask=call["mask"].bool() & sl.owned)
+    loss, metrics = hf.packed_policy_loss_through_forward(
+        wrapper.model, sl.input_ids, sl.position_ids, sl.hidden, seq[:, -T:], **call,
+        sequence_parallel=gbc.SequenceParallel(group), **kwargs)
+    return whole_loss(loss, group, sl.size), metrics, sl.whole
 
 
 def _no_grad_logprobs(worker, micro_batch, temperature, reference=None, keep=None):
@@ -442,10 +545,13 @@ def _no_grad_logprobs(worker, micro_batch, temperature, reference=None, keep=Non
     inner = hf.unwrap(worker.model.model)
     hf.check_forward_inputs(inner, seq, attn, T, "response_length")
     packed = getattr(worker.model, "remove_microbatch_padding", False)
+    group = _sp_group(worker.model, worker._gbc_sp_option)
     pk = hf.pack_padded(seq, attn, T) if packed else None
+    sl = None if group is None else _UlyssesSlice(pk, group, worker.model.sequence_parallel_size)
 
     def compute(h, head, cap):
-        rows, ys = (pk.hidden(h), pk.rolled) if packed else (h, targets)
+        rows, ys = ((sl.hidden(h) if sl is not None else pk.hidden(h), pk.rolled) if packed
+                    else (h, targets))
         if reference is not None:
             st = methods.reference_stats(rows, head.weight, ys, reference, head.bias,
                                          temperature=temperature, logit_softcap=cap)
@@ -459,8 +565,14 @@ def _no_grad_logprobs(worker, micro_batch, temperature, reference=None, keep=Non
             keep["keys"] += row_keys(seq, attn)
             keep["device"] = rows.device
             valid = attn[:, -T:].bool() & (pk.valid if packed else True)
-            keep["batch"].add(torch.arange(start, start + seq.shape[0]), rows, targets, valid,
-                              head, cap, temperature, logp=logp)
+            # under Ulysses SP every rank of the group keeps the whole micro-batch's rows (each
+            # position's hidden state and log-prob from the rank that holds it)
+            whole = (lambda v: v) if sl is None else sl.whole
+            keep["batch"].add(torch.arange(start, start + seq.shape[0]), whole(rows), targets,
+                              valid, head, cap, temperature, logp=whole(logp))
+        if sl is not None:       # this rank's positions -> every position's
+            logp = sl.whole(logp)
+            weight = None if weight is None else sl.whole(weight)
         if packed:
             logp = logp.masked_fill(~pk.valid, 0.0)
             weight = None if weight is None else weight.masked_fill(~pk.valid, 0.0)
@@ -468,8 +580,10 @@ def _no_grad_logprobs(worker, micro_batch, temperature, reference=None, keep=Non
 
     with torch.no_grad():
         if packed:
-            logp, weight = hf.in_head(worker.model.model, pk.input_ids, None, None,
-                                      {"position_ids": pk.position_ids}, compute, inner)
+            ids, pos = (pk.input_ids, pk.position_ids) if sl is None else (sl.input_ids,
+                                                                          sl.position_ids)
+            logp, weight = hf.in_head(worker.model.model, ids, None, None,
+                                      {"position_ids": pos}, compute, inner)
         else:
             logp, weight = hf.in_head(worker.model.model, seq, attn, T,
                                       {"position_ids": _position_ids(attn)}, compute, inner)

@@ -14,7 +14,7 @@ from gbc_kernels.integrations import hf
 from gbc_kernels.integrations.verl.engine import (
     BATCH_SELECTING_MODES, CERTAINTY_KEY, ENV_ON, KL_WEIGHT_KEY, NTHR_ROW_KEY, EngineMethods,
     _flag, _is_ppo_loss, _rng_state, _Rows, _temperature)
-from gbc_kernels.sequence_parallel import whole_loss
+from gbc_kernels.sequence_parallel import check_heads, owned_sum, whole_loss
 
 
 def _check_supported(engine, micro_batch):
@@ -50,17 +50,8 @@ def _check_ulysses_heads(engine):
     """verl's Ulysses attention scatters the heads over the SP group: a size that does not
     divide them is refused before the model is built."""
     sp = int(getattr(engine, "ulysses_sequence_parallel_size", 1) or 1)
-    if sp <= 1:
-        return
-    cfg = engine.model_config.hf_config
-    cfg = getattr(cfg, "text_config", None) or cfg
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    if heads % sp or (kv % sp and sp % kv):
-        raise ValueError(f"ulysses_sequence_parallel_size: {sp} must divide the model's "
-                         f"{heads} attention heads (num_attention_heads), and its {kv} key/value "
-                         "heads (num_key_value_heads) must divide it or be divided by it; "
-                         "choose a size that does")
+    if sp > 1:
+        check_heads(engine.model_config.hf_config, sp, "ulysses_sequence_parallel_size")
 
 
 class _RankRows:
@@ -84,13 +75,7 @@ class _RankRows:
         SP group (each position has one owner; the others give 0). No autograd."""
         if self.group is None:
             return values
-        import torch.distributed as dist
-
-        own = self.valid.reshape(self.valid.shape + (1,) * (values.dim() - 2))
-        out = torch.where(own, values.detach(), torch.zeros((), dtype=values.dtype,
-                                                            device=values.device))
-        dist.all_reduce(out, group=self.group)
-        return out
+        return owned_sum(values, self.valid, self.group)
 
 
 def _ulysses_loss(share: torch.Tensor, group, size: int) -> torch.Tensor:
