@@ -1,0 +1,210 @@
+"""gbc's Megatron head inside SkyRL 0.3.0's MegatronModelWrapper
+(gbc_kernels.integrations.skyrl.megatron, docs/skyrl.md "Megatron") against SkyRL's own wrapper
+on the same tiny megatron-core GPTModel and micro-batches: two gloo ranks, tensor parallel 2,
+with and without sequence parallelism (a float64 model; SkyRL's head casts the logits to
+float32, so the two agree to float32's rounding: 1e-5).
+
+What runs is SkyRL's: its ``forward`` / ``forward_backward_mini_batch`` (micro-batching,
+``forward_step`` with ``remove_left_padding`` / ``recover_left_padding``, its loss scaling),
+megatron's schedule and backward. Bypassed on CPU (said here): SkyRL's Megatron worker (it
+imports megatron-bridge); the model is the CPU-shimmed tiny GPTModel of tests/test_verl_megatron.py
+with SkyRL's ``[B, 1, 1, S]`` padding mask replaced by the causal mask (exact for the valid rows
+of the right-padded rows SkyRL's ``remove_left_padding`` makes, for both wrappers alike), and
+the schedule's ``finalize_model_grads`` is the sequence-parallel norms' gradient all-reduce only
+(SkyRL's wrapper sets megatron's, which needs DDP)."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("skyrl")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from conftest import spawn_gloo  # noqa: E402
+
+VOCAB = 50
+
+
+def _model(tp, sp):
+    """The tiny GPTModel of tests/test_verl_megatron.py (same seed: the same weights), its
+    attention on the causal mask."""
+    from test_verl_megatron import _chunks, _mc
+
+    model = _chunks(tp, sp)[0]
+    mc = _mc()
+
+    def causal(module, args, kwargs):       # SkyRL's [B, 1, 1, S] padding mask -> causal
+        m = args[2] if len(args) > 2 else kwargs.get("attention_mask")
+        if m is not None and m.dim() == 4 and m.shape[2] == 1:
+            mask = mc.causal_mask(m.shape[-1])
+            if len(args) > 2:
+                args = args[:2] + (mask,) + args[3:]
+            else:
+                kwargs["attention_mask"] = mask
+        return args, kwargs
+
+    model.register_forward_pre_hook(causal, with_kwargs=True, prepend=True)
+    return model
+
+
+def _cfg(sky, loss_type, **algo):
+    from test_skyrl import algorithm
+
+    cfg = sky.config.TrainerConfig()
+    cfg.algorithm = algorithm(sky, loss_type, **algo)
+    cfg.remove_microbatch_padding = False
+    return cfg
+
+
+def _micro_batches(seed, n=2, B=3, P=5, T=6):
+    """SkyRL's micro-batches: left-padded prompts, right-padded responses (one response with
+    an empty loss mask), its per-token inputs (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    S = P + T
+    out = []
+    for i in range(n):
+        plen = torch.randint(1, P + 1, (B,), generator=g)
+        rlen = torch.randint(1, T + 1, (B,), generator=g)
+        seq = torch.randint(1, VOCAB, (B, S), generator=g)
+        pos = torch.arange(S)
+        attn = ((pos[None] >= P - plen[:, None]) & (pos[None] < P + rlen[:, None])).long()
+        seq = seq * attn
+        action = (torch.arange(T)[None] < rlen[:, None]).double()
+        loss_mask = action.clone()
+        if i == 0:
+            loss_mask[1] = 0.0                              # an empty row
+        old = -2.0 * torch.rand(B, T, generator=g, dtype=torch.float64) - 4.0
+        out.append(dict(
+            sequences=seq, attention_mask=attn,
+            position_ids=(attn.cumsum(-1) - 1).clamp(min=0), num_actions=T,
+            old_action_log_probs=old,
+            base_action_log_probs=old + 0.3 * torch.randn(B, T, generator=g,
+                                                          dtype=torch.float64),
+            rollout_action_logprobs=old + 0.05 * torch.randn(B, T, generator=g,
+                                                             dtype=torch.float64),
+            advantages=torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, T) * action,
+            loss_mask=loss_mask, action_mask=action, num_microbatches=n,
+            num_real_microbatches=n))
+    return out
+
+
+def _wrapper(sky, cfg, model, gbc):
+    from megatron.core import parallel_state as mpu
+    from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
+    from skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper import (
+        MegatronModelWrapper)
+
+    from gbc_kernels.integrations.skyrl import megatron as sm
+
+    cls = sm.wrapper_class() if gbc else MegatronModelWrapper
+    w = cls(cfg, [model], policy_loss_fn=PolicyLossRegistry.get(cfg.algorithm.policy_loss_type))
+    # SkyRL sets megatron's finalize_model_grads (DDP's grad sync); the bare model: the
+    # sequence-parallel norms' all-reduce
+    from test_verl_megatron import _mc
+    group = mpu.get_tensor_model_parallel_group()
+    model.config.finalize_model_grads_func = (
+        lambda models, *a, **k: [_mc().allreduce_sp_norm_grads(m, group) for m in models])
+    return w
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _step_worker(rank, world, cases):
+    sys.path.insert(0, HERE)
+    from test_skyrl import skyrl_cpu
+
+    sky = skyrl_cpu().load()
+    results = {}
+    for name, (loss_type, sp, temp, options, algo) in cases.items():
+        res = {}
+        for gbc in (False, True):
+            os.environ["GBC_SKYRL_OPTIONS"] = options if gbc else ""
+            model = _model(world, sp)
+            cfg = _cfg(sky, loss_type, **algo)
+            w = _wrapper(sky, cfg, model, gbc)
+            mbs = _micro_batches(11)
+            if not gbc and options:          # AR by hand: SkyRL's loss on AR's advantages
+                from gbc_kernels import methods
+                opts = methods.MethodOptions.parse(options, "GBC_SKYRL_OPTIONS")
+                for mb in mbs:
+                    mb["advantages"] = methods.loss_advantages(
+                        mb["advantages"], mb["old_action_log_probs"], opts)
+            torch.manual_seed(7)
+            metrics = w.forward_backward_mini_batch(
+                mbs, seq_len=mbs[0]["sequences"].shape[1], micro_batch_size=3,
+                temperature=temp)
+            res[gbc] = dict(metrics=metrics, grads=_grads(model))
+            w.eval()
+            res[gbc]["logp"] = w.forward(_micro_batches(11), mbs[0]["sequences"].shape[1], 3,
+                                         temperature=temp)
+        results[name] = res
+    os.environ.pop("GBC_SKYRL_OPTIONS", None)
+    return results
+
+
+CASES = {
+    "regular_kl_entropy": ("regular", False, 1.0, "",
+                           dict(use_kl_loss=True, kl_loss_coef=0.2, kl_estimator_type="k3",
+                                use_entropy_loss=True, entropy_loss_coef=0.03)),
+    "dual_clip_sp_temperature": ("dual_clip", True, 0.7, "",
+                                 dict(use_kl_loss=True, kl_loss_coef=0.1,
+                                      kl_estimator_type="k1")),
+    "gspo": ("gspo", False, 1.0, "", {}),
+    "cispo_sp_ar": ("cispo", True, 1.0, "ar_alpha=0.4", {}),
+    "cross_entropy": ("cross_entropy", True, 1.0, "", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def stepped():
+    return spawn_gloo(2, _step_worker, CASES)
+
+
+def _close(a, b, what, tol=1e-5):
+    assert a.shape == b.shape, what
+    torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol / 10, msg=what)
+
+
+def _same_metric(a, b, what):
+    if isinstance(a, list):               # loss_fn_outputs: gbc's NaN outside the loss mask
+        assert len(a) == len(b), what
+        for i, (ra, rb) in enumerate(zip(a, b)):
+            assert ra.keys() == rb.keys(), what
+            for k in ra:
+                x, y = torch.tensor(ra[k], dtype=torch.float64), torch.tensor(rb[k],
+                                                                             dtype=torch.float64)
+                keep = ~torch.isnan(y)
+                assert x.shape == y.shape, f"{what}[{i}].{k}"
+                _close(x[keep], y[keep], f"{what}[{i}].{k}")
+        return
+    if isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), what
+        return
+    assert a == pytest.approx(b, rel=1e-5, abs=1e-6), what
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_training_step_equals_skyrls_wrapper(stepped, name):
+    """Loss, metrics, log-probs and entropy (SkyRL's metrics), every parameter's gradient and
+    the no-grad forward's log-probs: gbc's wrapper == SkyRL's, on both ranks."""
+    for r, per_rank in enumerate(stepped):
+        stock, ours = per_rank[name][False], per_rank[name][True]
+        assert len(stock["metrics"]) == len(ours["metrics"]) == 2
+        for i, (ms, mg) in enumerate(zip(stock["metrics"], ours["metrics"])):
+            assert ms.keys() == mg.keys(), (r, name, i, ms.keys() ^ mg.keys())
+            for k in ms:
+                _same_metric(ms[k], mg[k], f"rank {r} {name} micro-batch {i} {k}")
+        assert stock["grads"].keys() == ours["grads"].keys()
+        assert len(stock["grads"]) > 0
+        for k in stock["grads"]:
+            _close(stock["grads"][k], ours["grads"][k], f"rank {r} {name} grad {k}")
+        _close(stock["logp"], ours["logp"], f"rank {r} {name} forward log-probs")
