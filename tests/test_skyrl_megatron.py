@@ -208,3 +208,129 @@ def test_training_step_equals_skyrls_wrapper(stepped, name):
         for k in stock["grads"]:
             _close(stock["grads"][k], ours["grads"][k], f"rank {r} {name} grad {k}")
         _close(stock["logp"], ours["logp"], f"rank {r} {name} forward log-probs")
+
+
+def _wrapper_cls_cfg(sky, **trainer):
+    from gbc_kernels.integrations.skyrl import megatron as sm
+
+    cfg = _cfg(sky, "regular")
+    for k, v in trainer.items():
+        obj = cfg
+        *path, last = k.split(".")
+        for p in path:
+            obj = getattr(obj, p)
+        setattr(obj, last, v)
+    return sm.wrapper_class(), cfg
+
+
+REFUSALS = [
+    (dict(fused_lm_head_logprob=True), "", "trainer.fused_lm_head_logprob"),
+    (dict(remove_microbatch_padding=True), "", "trainer.remove_microbatch_padding"),
+    ({"policy.megatron_config.mtp_num_layers": 1}, "",
+     "trainer.policy.megatron_config.mtp_num_layers"),
+    ({"policy.model.lora.rank": 8}, "", "trainer.policy.model.lora.rank=8"),
+    ({"algorithm.policy_loss_type": "rollout_is"}, "", "policy_loss_type='rollout_is'"),
+    ({}, "nthr=true", "GBC_SKYRL_OPTIONS: nthr"),
+    ({}, "critical_kl_exponent=2.0", "GBC_SKYRL_OPTIONS: critical_kl_exponent"),
+    ({}, "lopti_eta=0.5", "GBC_SKYRL_OPTIONS: lopti_eta"),
+    ({}, "ar_alpha=nope", "ar_alpha"),
+]
+
+
+@pytest.mark.parametrize("trainer, options, match", REFUSALS)
+def test_wrapper_refuses_what_it_cannot_honour(trainer, options, match, monkeypatch):
+    """Each option gbc's Megatron wrapper does not run stops its construction, naming
+    SkyRL's option (or gbc's method option), before SkyRL's own __init__ runs."""
+    from test_skyrl import skyrl_cpu
+
+    sky = skyrl_cpu().load()
+    monkeypatch.setenv("GBC_SKYRL_OPTIONS", options)
+    cls, cfg = _wrapper_cls_cfg(sky, **trainer)
+    with pytest.raises(ValueError, match=match.replace(".", r"\.").replace("(", r"\(")):
+        cls(cfg, [])
+
+
+def test_wrapper_refuses_a_vlm_and_per_call_overrides(monkeypatch):
+    from test_skyrl import skyrl_cpu
+
+    sky = skyrl_cpu().load()
+    monkeypatch.setenv("GBC_SKYRL_OPTIONS", "")
+    cls, cfg = _wrapper_cls_cfg(sky)
+    with pytest.raises(ValueError, match="vision-language"):
+        cls(cfg, [], is_vlm=True)
+    w = object.__new__(cls)
+    w.cfg, w.gbc_options = cfg, sm_options()
+    with pytest.raises(ValueError, match="loss_fn_config"):
+        w.forward_backward_mini_batch([], 4, 1, loss_fn_config={"eps_clip_low": 0.1})
+    w.gbc_options = sm_options("ar_alpha=0.5")
+    with pytest.raises(ValueError, match="ar_alpha acts on RL advantages"):
+        w.forward_backward_mini_batch([], 4, 1, loss_fn="cross_entropy")
+
+
+def sm_options(text=""):
+    from gbc_kernels.integrations.skyrl.worker import method_options
+
+    return method_options(text)
+
+
+def test_enable_puts_gbcs_megatron_workers_in_place(monkeypatch):
+    """Under trainer.strategy=megatron, enable() puts gbc's Megatron workers where SkyRL's
+    BasePPOExp imports them from (SkyRL's module as a stand-in here: it imports
+    megatron-bridge), the options in their Ray runtime environment; importing gbc's worker
+    module (as Ray's worker processes do) puts gbc's methods on SkyRL's MegatronModelWrapper;
+    a config gbc's wrapper cannot run stops enable(), naming the option."""
+    import importlib.util
+
+    from test_skyrl import _trainer_cfg, skyrl_cpu
+
+    sky = skyrl_cpu().load()
+    skyrl_cpu().entrypoint_imports()
+    from skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper import (
+        MegatronModelWrapper)
+
+    import gbc_kernels.integrations.skyrl as gsky
+
+    spec = importlib.util.spec_from_file_location(
+        gsky.MEGATRON_WORKER, os.path.join(HERE, "standins", "skyrl_megatron_worker.py"))
+    stand_in = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stand_in)
+    monkeypatch.setitem(sys.modules, gsky.MEGATRON_WORKER, stand_in)
+    monkeypatch.delitem(sys.modules, "gbc_kernels.integrations.skyrl.megatron_worker",
+                        raising=False)
+    for name in ("__init__", "forward", "forward_backward_mini_batch"):
+        monkeypatch.setattr(MegatronModelWrapper, name, MegatronModelWrapper.__dict__[name])
+    monkeypatch.setattr(MegatronModelWrapper, "_gbc_patched", False, raising=False)
+    from skyrl.backends.skyrl_train.workers.fsdp import fsdp_worker
+    for name in ("PolicyWorker", "RefWorker"):
+        monkeypatch.setattr(fsdp_worker, name, getattr(fsdp_worker, name))
+    monkeypatch.setenv("GBC_SKYRL_OPTIONS", "")
+    monkeypatch.setenv("GBC_SKYRL", "")
+    stock_forward = MegatronModelWrapper.forward
+
+    cfg = _trainer_cfg(sky)
+    cfg.strategy = "megatron"
+    cfg.fused_lm_head_logprob = True
+    with pytest.raises(ValueError, match="trainer.fused_lm_head_logprob"):
+        gsky.enable(cfg)
+    assert stand_in.PolicyWorker.__ray_metadata__.modified_class.__mro__[1] is (
+        stand_in.MegatronPolicyWorkerBase)
+    with pytest.raises(ValueError, match="GBC_SKYRL_OPTIONS: nthr"):
+        gsky.enable(_megatron(cfg), nthr=True)
+
+    opts = gsky.enable(_megatron(cfg), ar_alpha=0.25)
+    assert opts.ar_alpha == 0.25
+    from gbc_kernels.integrations.skyrl import megatron_worker as gw
+    for name, cls in (("PolicyWorker", gw.GBCMegatronPolicyWorker),
+                      ("RefWorker", gw.GBCMegatronRefWorker)):
+        actor = getattr(stand_in, name)
+        assert actor.__ray_metadata__.modified_class.__mro__[1] is cls
+        env = actor._default_options["runtime_env"]["env_vars"]
+        assert env["GBC_SKYRL_OPTIONS"] == "ar_alpha=0.25" and env["GBC_SKYRL"] == "1"
+    assert MegatronModelWrapper._gbc_patched
+    assert MegatronModelWrapper.forward is not stock_forward
+    assert MegatronModelWrapper.forward.__qualname__.startswith("_wrapper_methods")
+
+
+def _megatron(cfg):
+    cfg.fused_lm_head_logprob = False
+    return cfg
