@@ -32,12 +32,17 @@ from conftest import spawn_gloo  # noqa: E402
 VOCAB = 50
 
 
-def _model(tp, sp):
+def _model(tp, sp, packed=False):
     """The tiny GPTModel of tests/test_verl_megatron.py (same seed: the same weights), its
-    attention on the causal mask."""
+    attention on the causal mask; ``packed``: tests/test_verl_megatron_cp.py's (rotary
+    positions, packed sequences on the stand-in attention)."""
     from test_verl_megatron import _chunks, _mc
 
-    model = _chunks(tp, sp)[0]
+    if packed:
+        from test_verl_megatron_cp import _model as packed_model
+        model = packed_model(tp, sp)
+    else:
+        model = _chunks(tp, sp)[0]
     mc = _mc()
 
     def causal(module, args, kwargs):       # SkyRL's [B, 1, 1, S] padding mask -> causal
@@ -54,12 +59,12 @@ def _model(tp, sp):
     return model
 
 
-def _cfg(sky, loss_type, **algo):
+def _cfg(sky, loss_type, packed=False, **algo):
     from test_skyrl import algorithm
 
     cfg = sky.config.TrainerConfig()
     cfg.algorithm = algorithm(sky, loss_type, **algo)
-    cfg.remove_microbatch_padding = False
+    cfg.remove_microbatch_padding = packed
     return cfg
 
 
@@ -128,8 +133,9 @@ def _step_worker(rank, world, cases):
         res = {}
         for gbc in (False, True):
             os.environ["GBC_SKYRL_OPTIONS"] = options if gbc else ""
-            model = _model(world, sp)
-            cfg = _cfg(sky, loss_type, **algo)
+            packed = name in PACKED
+            model = _model(world, sp, packed)
+            cfg = _cfg(sky, loss_type, packed, **algo)
             w = _wrapper(sky, cfg, model, gbc)
             mbs = _micro_batches(11)
             if not gbc and options:          # AR by hand: SkyRL's loss on AR's advantages
@@ -161,7 +167,14 @@ CASES = {
     "gspo": ("gspo", False, 1.0, "", {}),
     "cispo_sp_ar": ("cispo", True, 1.0, "ar_alpha=0.4", {}),
     "cross_entropy": ("cross_entropy", True, 1.0, "", {}),
+    "packed_regular_kl_entropy": ("regular", False, 1.0, "",
+                                  dict(use_kl_loss=True, kl_loss_coef=0.2,
+                                       kl_estimator_type="k2", use_entropy_loss=True,
+                                       entropy_loss_coef=0.03)),
+    "packed_sp_dual_clip_temperature": ("dual_clip", True, 0.8, "", {}),
 }
+# trainer.remove_microbatch_padding=true: SkyRL's thd packing
+PACKED = {"packed_regular_kl_entropy", "packed_sp_dual_clip_temperature"}
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +183,7 @@ def stepped():
 
 
 def _close(a, b, what, tol=1e-5):
-    assert a.shape == b.shape, what
+    assert a.shape == b.shape, (what, a.shape, b.shape)
     torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol / 10, msg=what)
 
 
@@ -225,7 +238,6 @@ def _wrapper_cls_cfg(sky, **trainer):
 
 REFUSALS = [
     (dict(fused_lm_head_logprob=True), "", "trainer.fused_lm_head_logprob"),
-    (dict(remove_microbatch_padding=True), "", "trainer.remove_microbatch_padding"),
     ({"policy.megatron_config.mtp_num_layers": 1}, "",
      "trainer.policy.megatron_config.mtp_num_layers"),
     ({"policy.model.lora.rank": 8}, "", "trainer.policy.model.lora.rank=8"),
@@ -334,3 +346,18 @@ def test_enable_puts_gbcs_megatron_workers_in_place(monkeypatch):
 def _megatron(cfg):
     cfg.fused_lm_head_logprob = False
     return cfg
+
+
+def test_mini_batch_packing_refused():
+    """SkyRL's mini-batch packing (``sub_seq_lengths``: several sequences per row) stops gbc's
+    head, naming it."""
+    from types import SimpleNamespace
+
+    from gbc_kernels.integrations.skyrl import megatron as sm
+
+    data = dict(num_actions=2, sequences=torch.ones(1, 4, dtype=torch.long),
+                attention_mask=torch.ones(1, 4, dtype=torch.long),
+                packed_seq_params=SimpleNamespace(cu_seqlens_q_padded=torch.tensor([0, 2, 4])),
+                sub_seq_lengths_list=[[2, 2]])
+    with pytest.raises(ValueError, match="sub_seq_lengths"):
+        sm._rows(torch.zeros(1, 4, 3), data)

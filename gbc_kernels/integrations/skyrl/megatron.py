@@ -42,9 +42,6 @@ def check_megatron_config(cfg, options=None, is_vlm=False):
     if losses.get(cfg, "fused_lm_head_logprob", False):
         raise ValueError("trainer.fused_lm_head_logprob=true: SkyRL's own fused LM head; gbc's "
                          "head already forms no logits (set false)")
-    if losses.get(cfg, "remove_microbatch_padding", False):
-        raise ValueError("trainer.remove_microbatch_padding=true: gbc's SkyRL Megatron wrapper "
-                         "runs the padded layout only (set false)")
     if losses.get(cfg, "policy.megatron_config.mtp_num_layers", None):
         raise ValueError("trainer.policy.megatron_config.mtp_num_layers: SkyRL's MTP draft loss "
                          "needs the main logits, which gbc's head never forms (unset it)")
@@ -99,10 +96,26 @@ def _gbc_head(make_func):
 
 
 def _rows(hidden, data):
-    """The response rows ``[T, B, H]`` of the de-padded hidden states ``[B, S, H]`` (row ``t``
-    predicts token ``t + 1``) and their labels ``[B, T]``."""
+    """The response rows ``[T, B, H]`` of the model's hidden states (row ``t`` predicting token
+    ``t + 1``), their labels ``[B, T]`` and which of them SkyRL computes (``[B, T]`` bool;
+    None: all). Padded: SkyRL's de-padded ``[B, S, H]``. Packed
+    (``trainer.remove_microbatch_padding``): SkyRL's ``[1, N, H]`` stream, sequence ``i`` from
+    ``packed_seq_params.cu_seqlens_q_padded[i]``; SkyRL's packed log-probs exist where both the
+    token and the one before it are real."""
     T = int(data["num_actions"])
-    return hidden[:, -T - 1:-1].transpose(0, 1), data["sequences"][:, -T:]
+    labels = data["sequences"][:, -T:]
+    psp = data.get("packed_seq_params")
+    if psp is None:
+        return hidden[:, -T - 1:-1].transpose(0, 1), labels, None
+    if data.get("sub_seq_lengths_list") is not None:
+        raise ValueError("sub_seq_lengths: SkyRL's mini-batch packing (several sequences per "
+                         "row) is not run by gbc's SkyRL Megatron wrapper")
+    attn = data["attention_mask"].bool()
+    cu = psp.cu_seqlens_q_padded.to(attn.device).long()
+    at = (attn.long().cumsum(-1) - 1)[:, -T - 1:-1]          # [B, T]: offsets in the segments
+    valid = attn[:, -T - 1:-1] & attn[:, -T:]
+    at = torch.where(valid, at, torch.zeros_like(at))
+    return hidden.reshape(-1, hidden.shape[-1])[(cu[:-1, None] + at).t()], labels, valid
 
 
 def _head(state):
@@ -123,11 +136,12 @@ def _wrapper_methods(base):
         """SkyRL's no-grad log-prob pass by gbc's row pass (:func:`gbc_kernels.integrations.
         megatron.logprobs`): the ``[B, T]`` response log-probs, no logits."""
         def collect(hidden, data, state):
-            h, y = _rows(hidden, data)
+            h, y, valid = _rows(hidden, data)
             out = gbc_megatron.logprobs(h.to(state["weight"].dtype), state["weight"], y,
                                         temperature=temperature, return_entropy=False,
                                         **_head(state))
-            return torch.tensor(0.0, device=hidden.device), {"log_probs": out.logp}
+            logp = out.logp if valid is None else out.logp.masked_fill(~valid, 0.0)
+            return torch.tensor(0.0, device=hidden.device), {"log_probs": logp}
 
         with _gbc_head(collect):
             return base["forward"](self, micro_batches, seq_len, micro_batch_size, temperature)
@@ -163,7 +177,7 @@ def _wrapper_methods(base):
             old, base_lp = data["old_action_log_probs"], data["base_action_log_probs"]
             call, _ = losses.policy_loss_inputs(algo, loss_type, loss_mask, data["advantages"],
                                                 old, data["rollout_action_logprobs"])
-            h, y = _rows(hidden, data)
+            h, y, _ = _rows(hidden, data)      # packed: the loss mask's rows are real
             out = gbc_megatron.policy_loss(h.to(state["weight"].dtype), state["weight"], y,
                                            config=cfg, return_entropy=not sft,
                                            ref_logp=base_lp if cfg.kl_coef else None,
