@@ -589,6 +589,16 @@ def test_worker_init_refuses_a_bad_switch_on(sky, monkeypatch, algo, env, match)
                                   sequence_parallel_size=1)
 
 
+def assert_gbc_actors(module, policy, ref, options):
+    """``module``'s ``PolicyWorker`` / ``RefWorker`` are Ray actors of gbc's ``policy`` /
+    ``ref`` classes, with ``options`` and ``GBC_SKYRL=1`` in their runtime environment."""
+    for name, cls in (("PolicyWorker", policy), ("RefWorker", ref)):
+        actor = getattr(module, name)
+        assert actor.__ray_metadata__.modified_class.__mro__[1] is cls
+        env = actor._default_options["runtime_env"]["env_vars"]
+        assert env["GBC_SKYRL_OPTIONS"] == options and env["GBC_SKYRL"] == "1"
+
+
 def test_enable_swaps_skyrl_workers_and_refuses(sky, monkeypatch):
     """enable() puts gbc's workers where SkyRL's BasePPOExp imports them from, the options in
     their Ray runtime environment; bad options, a config gbc cannot run and a missing SkyRL
@@ -608,12 +618,8 @@ def test_enable_swaps_skyrl_workers_and_refuses(sky, monkeypatch):
     assert opts.ar_alpha == 0.25
     from skyrl.train.trainer import RayPPOTrainer
     assert RayPPOTrainer._gbc_patched        # the methods' fields in its training batch
-    for name, cls in (("PolicyWorker", gfsdp.GBCFSDPPolicyWorker),
-                      ("RefWorker", gfsdp.GBCFSDPRefWorker)):
-        actor = getattr(fsdp_worker, name)
-        assert actor.__ray_metadata__.modified_class.__mro__[1] is cls
-        env = actor._default_options["runtime_env"]["env_vars"]
-        assert env["GBC_SKYRL_OPTIONS"] == "ar_alpha=0.25" and env["GBC_SKYRL"] == "1"
+    assert_gbc_actors(fsdp_worker, gfsdp.GBCFSDPPolicyWorker, gfsdp.GBCFSDPRefWorker,
+                      "ar_alpha=0.25")
     with pytest.raises(ValueError, match="lopti_eta"):
         gsky.enable(lopti_eta=3.0)
     with pytest.raises(ValueError, match="trainer.policy.sequence_parallel_size=2"):

@@ -293,7 +293,7 @@ def test_enable_puts_gbcs_megatron_workers_in_place(monkeypatch):
     a config gbc's wrapper cannot run stops enable(), naming the option."""
     import importlib.util
 
-    from test_skyrl import _trainer_cfg, skyrl_cpu
+    from test_skyrl import _trainer_cfg, assert_gbc_actors, skyrl_cpu
 
     sky = skyrl_cpu().load()
     skyrl_cpu().entrypoint_imports()
@@ -332,12 +332,8 @@ def test_enable_puts_gbcs_megatron_workers_in_place(monkeypatch):
     opts = gsky.enable(_megatron(cfg), ar_alpha=0.25)
     assert opts.ar_alpha == 0.25
     from gbc_kernels.integrations.skyrl import megatron_worker as gw
-    for name, cls in (("PolicyWorker", gw.GBCMegatronPolicyWorker),
-                      ("RefWorker", gw.GBCMegatronRefWorker)):
-        actor = getattr(stand_in, name)
-        assert actor.__ray_metadata__.modified_class.__mro__[1] is cls
-        env = actor._default_options["runtime_env"]["env_vars"]
-        assert env["GBC_SKYRL_OPTIONS"] == "ar_alpha=0.25" and env["GBC_SKYRL"] == "1"
+    assert_gbc_actors(stand_in, gw.GBCMegatronPolicyWorker, gw.GBCMegatronRefWorker,
+                      "ar_alpha=0.25")
     assert MegatronModelWrapper._gbc_patched
     assert MegatronModelWrapper.forward is not stock_forward
     assert MegatronModelWrapper.forward.__qualname__.startswith("_wrapper_methods")
