@@ -241,6 +241,8 @@ REFUSALS = [
     ({"policy.megatron_config.mtp_num_layers": 1}, "",
      "trainer.policy.megatron_config.mtp_num_layers"),
     ({"policy.model.lora.rank": 8}, "", "trainer.policy.model.lora.rank=8"),
+    ({"policy.megatron_config.context_parallel_size": 2}, "",
+     "trainer.policy.megatron_config.context_parallel_size=2"),
     ({"algorithm.policy_loss_type": "rollout_is"}, "", "policy_loss_type='rollout_is'"),
     ({}, "nthr=true", "GBC_SKYRL_OPTIONS: nthr"),
     ({}, "critical_kl_exponent=2.0", "GBC_SKYRL_OPTIONS: critical_kl_exponent"),

@@ -45,6 +45,10 @@ def check_megatron_config(cfg, options=None, is_vlm=False):
     if losses.get(cfg, "policy.megatron_config.mtp_num_layers", None):
         raise ValueError("trainer.policy.megatron_config.mtp_num_layers: SkyRL's MTP draft loss "
                          "needs the main logits, which gbc's head never forms (unset it)")
+    cp = losses.get(cfg, "policy.megatron_config.context_parallel_size", 1) or 1
+    if cp > 1:
+        raise ValueError(f"trainer.policy.megatron_config.context_parallel_size={cp}: gbc's "
+                         f"SkyRL Megatron wrapper runs without context parallelism (set 1)")
     rank = losses.get(cfg, "policy.model.lora.rank", 0) or 0
     if rank > 0:
         raise ValueError(f"trainer.policy.model.lora.rank={rank}: LoRA on the Megatron backend "
