@@ -22,6 +22,7 @@ only response rows (``mask``) are projected.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import NamedTuple, Optional
 
@@ -120,6 +121,41 @@ def vocab_parallel(output_weight, tp_group=None, reduce_hidden_grad: bool = True
     rows = output_weight.shape[0]
     return gbc.VocabParallel(group, rank * rows, (rank + 1) * rows,
                              reduce_hidden_grad=reduce_hidden_grad)
+
+
+@contextlib.contextmanager
+def output_layer_hidden(inner):
+    """While open, the output layer of ``inner`` (megatron's ``GPTModel`` of the last pipeline
+    stage) returns its input, sequence-gathered under sequence parallelism with megatron's
+    ``gather_from_sequence_parallel_region`` (its backward reduce-scatters, as the layer's
+    does), in place of the logits: the model's forward gives the final hidden states where
+    it gave ``[.., V/tp]`` logits. Yields a dict filled by each call: ``weight`` (this rank's
+    ``[V/tp, H]`` shard, or the shared embedding of a tied model), ``bias`` (None when the
+    layer skips it), ``tp_group`` and ``gathered`` (pass as :func:`policy_loss`'s
+    ``hidden_gathered``). On any other stage (no ``post_process``) nothing changes and the
+    dict is None."""
+    if not getattr(inner, "post_process", False):
+        yield None
+        return
+    layer = inner.output_layer
+    state = {"tp_group": layer.tp_group, "weight": None, "bias": None,
+             "gathered": bool(getattr(layer, "sequence_parallel", False))}
+
+    def head(hidden, weight=None, runtime_gather_output=None):
+        if state["gathered"]:
+            from megatron.core.tensor_parallel.mappings import (
+                gather_from_sequence_parallel_region)
+            hidden = gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=True, group=layer.tp_group)
+        state["weight"] = layer.weight if weight is None else weight
+        state["bias"] = None if layer.skip_bias_add else layer.bias
+        return hidden, None
+
+    layer.forward = head
+    try:
+        yield state
+    finally:
+        del layer.forward
 
 
 def _refuse_context_parallel():

@@ -1,39 +1,25 @@
-"""SkyRL 0.3.0 (docs/skyrl.md): its registered policy losses as gbc configs (:mod:`.losses`)
-and gbc's fused loss inside its FSDP policy worker (:mod:`.worker`, :mod:`.fsdp`), switched on
-by :func:`enable` in the process that runs SkyRL's trainer; its Megatron strategy is refused
-(:data:`MEGATRON_REFUSAL`).
+"""SkyRL 0.3.0 (docs/skyrl.md): its registered policy losses as gbc configs (:mod:`.losses`),
+gbc's fused loss inside its FSDP policy worker (:mod:`.worker`, :mod:`.fsdp`) and gbc's
+Megatron head inside its Megatron model wrapper (:mod:`.megatron`, :mod:`.megatron_worker`),
+switched on by :func:`enable` in the process that runs SkyRL's trainer.
 """
 
 import os
-import sys
-import types
 
 from .losses import (SKYRL_KL_TYPES, SKYRL_LOSS_TYPES, SKYRL_REFUSED, get, policy_loss_config,
                      policy_loss_inputs, skyrl_loss_metrics)
 
-__all__ = ["MEGATRON_REFUSAL", "SKYRL_KL_TYPES", "SKYRL_LOSS_TYPES", "SKYRL_REFUSED", "enable",
+__all__ = ["MEGATRON_NEEDS", "SKYRL_KL_TYPES", "SKYRL_LOSS_TYPES", "SKYRL_REFUSED", "enable",
            "policy_loss_config", "policy_loss_inputs", "skyrl_loss_metrics"]
 
 
 # SkyRL's Megatron workers: the module its BasePPOExp imports them from under
-# trainer.strategy=megatron, and why gbc refuses that strategy (docs/skyrl.md, "Megatron")
+# trainer.strategy=megatron, and what it needs (docs/skyrl.md, "Megatron")
 MEGATRON_WORKER = "skyrl.backends.skyrl_train.workers.megatron.megatron_worker"
-MEGATRON_REFUSAL = (
-    "trainer.strategy='megatron': gbc's SkyRL workers run on SkyRL's FSDP backend only "
-    "(trainer.strategy=fsdp); SkyRL 0.3.0's Megatron worker imports megatron-bridge, whose "
-    "wheel requires Transformer Engine (CUDA builds only) and transformers<5, and gbc's fused "
-    "loss is not wired into it (docs/skyrl.md)")
-
-
-class _RefusedModule(types.ModuleType):
-    """Stands in ``sys.modules`` for SkyRL's Megatron worker module once gbc is switched on:
-    importing a name from it (``BasePPOExp`` does, under ``trainer.strategy=megatron``)
-    raises :data:`MEGATRON_REFUSAL`, so that strategy never runs SkyRL's own loss silently."""
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise ValueError(MEGATRON_REFUSAL)
+MEGATRON_NEEDS = (
+    "trainer.strategy='megatron': gbc's Megatron workers are SkyRL 0.3.0's own, whose module "
+    "imports megatron-bridge (its wheel requires Transformer Engine, CUDA builds only, and "
+    "transformers<5); install them where SkyRL's Megatron backend runs")
 
 
 def enable(cfg=None, **method_options):
@@ -48,9 +34,11 @@ def enable(cfg=None, **method_options):
     none are given). ``cfg``: SkyRL's config
     (its ``trainer`` section is checked now: ``check_config``). A bad option, a loss gbc
     cannot reproduce or a missing dependency stops here, naming SkyRL's option.
-    ``trainer.strategy=megatron`` is refused: here when ``cfg`` says so, else where SkyRL's
-    ``BasePPOExp`` imports its Megatron workers (:class:`_RefusedModule`). Returns the method
-    options."""
+    Under ``trainer.strategy=megatron``, gbc's Megatron workers go in place of SkyRL's
+    (:mod:`.megatron_worker`: SkyRL's own, its model wrapper carrying gbc's head) wherever
+    SkyRL's Megatron worker module imports, after :func:`.megatron.check_megatron_config`'s
+    refusals when ``cfg`` says so; such a ``cfg`` where that module does not import stops here
+    (:data:`MEGATRON_NEEDS`). Returns the method options."""
     from gbc_kernels import methods
 
     from .worker import ENV, OPTIONS_ENV, check_config, method_options as parse
@@ -70,19 +58,43 @@ def enable(cfg=None, **method_options):
     else:
         text = os.environ.get(OPTIONS_ENV, "")
     opts = parse(text)
+    megatron = False
     if cfg is not None:
         trainer = losses_trainer(cfg)
-        if get(trainer, "strategy", "fsdp") == "megatron":
-            raise ValueError(MEGATRON_REFUSAL)
-        check_config(trainer, opts)
-    sys.modules[MEGATRON_WORKER] = _RefusedModule(MEGATRON_WORKER)
+        megatron = get(trainer, "strategy", "fsdp") == "megatron"
+        if megatron:
+            from .megatron import check_megatron_config
+            check_megatron_config(trainer, opts)
+        else:
+            check_config(trainer, opts)
     env = {"env_vars": {ENV: "1", OPTIONS_ENV: text}}
+    _megatron_workers(ray, env, required=megatron)
     os.environ[ENV], os.environ[OPTIONS_ENV] = "1", text
     from .trainer import patch_trainer
     patch_trainer()
     fsdp_worker.PolicyWorker = ray.remote(num_gpus=1, runtime_env=env)(fsdp.GBCFSDPPolicyWorker)
     fsdp_worker.RefWorker = ray.remote(num_gpus=1, runtime_env=env)(fsdp.GBCFSDPRefWorker)
     return opts
+
+
+def _megatron_workers(ray, env, required):
+    """gbc's Megatron workers in SkyRL's place where its Megatron worker module imports
+    (True); where it does not, False, or an ImportError naming what it needs when
+    ``required``."""
+    import importlib
+
+    try:
+        megatron_worker = importlib.import_module(MEGATRON_WORKER)
+        from . import megatron_worker as gbc_worker
+    except ImportError as err:
+        if required:
+            raise ImportError(f"{MEGATRON_NEEDS}: {err}") from err
+        return False
+    megatron_worker.PolicyWorker = ray.remote(num_gpus=1, runtime_env=env)(
+        gbc_worker.GBCMegatronPolicyWorker)
+    megatron_worker.RefWorker = ray.remote(num_gpus=1, runtime_env=env)(
+        gbc_worker.GBCMegatronRefWorker)
+    return True
 
 
 def losses_trainer(cfg):

@@ -85,11 +85,12 @@ def row_keys(sequences: torch.Tensor, attention_mask: torch.Tensor) -> list:
             for i in range(seq.shape[0])]
 
 
-def check_config(cfg, options: Optional[methods.MethodOptions] = None) -> methods.MethodOptions:
+def check_config(cfg, options: Optional[methods.MethodOptions] = None,
+                 ulysses: bool = True) -> methods.MethodOptions:
     """Refuse, naming SkyRL's option, a trainer config (``cfg``: SkyRL's ``trainer`` section)
     or method options (default: ``GBC_SKYRL_OPTIONS``) gbc's worker cannot honour: the loss
-    table's refusals (:func:`.losses.policy_loss_config`), Ulysses SP on padded micro-batches
-    or with Clip-Cov / KL-Cov. Returns the
+    table's refusals (:func:`.losses.policy_loss_config`) and, with ``ulysses`` (the FSDP
+    worker), Ulysses SP on padded micro-batches or with Clip-Cov / KL-Cov. Returns the
     options."""
     opts = method_options() if options is None else options
     algo = losses.get(cfg, "algorithm")
@@ -100,7 +101,7 @@ def check_config(cfg, options: Optional[methods.MethodOptions] = None) -> method
                     names={"critical_kl_exponent": f"{OPTIONS_ENV}: critical_kl_exponent"})
     for worker in ("policy", "ref"):
         sp = losses.get(cfg, f"{worker}.sequence_parallel_size", 1)
-        if sp in (None, 1):
+        if not ulysses or sp in (None, 1):
             continue
         if not losses.get(cfg, "remove_microbatch_padding", True):
             raise ValueError(SP_PADDED.format(option=f"trainer.{worker}.sequence_parallel_size",
@@ -205,6 +206,66 @@ def _check_sft(options, loss_type):
 def _temperature(cfg):
     t = cfg.algorithm.temperature
     return 1.0 if t is None else float(t)
+
+
+def step_metrics(algo, loss_type, token_out, mask, loss_mask, advantages, old_log_probs,
+                 base_log_probs, rollout_logprobs, options, phase=None, scale=None):
+    """``(logp, metrics)`` of one micro-batch of gbc's step, as SkyRL's workers report them:
+    ``logp`` the ``[B, T]`` log-probs (``token_out["logp"]`` in the advantages' dtype, NaN
+    outside ``mask``); ``policy_loss`` and ``loss_metrics/*`` by SkyRL's registered loss
+    ``loss_type`` on them (the methods' advantages: AR/Lopti's, NTHR's token ``scale``; the
+    random state left as it was), ``policy_entropy`` (masked mean of
+    ``token_out["entropy"]``; RL only), ``policy_kl`` (SkyRL's ``compute_approx_kl``, 0.0
+    without ``use_kl_loss``; RL only) and SkyRL's rollout log-prob diff metrics. Shared by
+    the FSDP worker and the Megatron wrapper (:mod:`.megatron`)."""
+    from skyrl.backends.skyrl_train.utils.ppo_utils import (PolicyLossRegistry,
+                                                            compute_approx_kl)
+    from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean
+    from skyrl.backends.skyrl_train.workers.worker_utils import (
+        compute_minibatch_rollout_logprob_diff_metrics)
+
+    sft = loss_type == "cross_entropy"
+    lp = token_out["logp"].to(advantages.dtype)
+    logp = torch.where(mask, lp, torch.full_like(lp, float("nan")))
+    lp0 = torch.where(mask, logp, torch.zeros_like(logp))
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        adv = advantages if sft else methods.loss_advantages(advantages, old_log_probs,
+                                                             options, phase)
+        if scale is not None:    # NTHR's scale of a token's loss: of its advantage here
+            adv = adv * scale.to(adv.dtype)
+        policy_loss, loss_metrics = PolicyLossRegistry.get(loss_type)(
+            lp0, old_log_probs, adv, config=algo, loss_mask=loss_mask,
+            rollout_logprobs=rollout_logprobs)
+    out = {"policy_loss": policy_loss.item()}
+    if sft:
+        return logp, out
+    out["policy_entropy"] = masked_mean(token_out["entropy"].to(lp0.dtype), loss_mask).item()
+    if losses.get(algo, "use_kl_loss", False):
+        kl = compute_approx_kl(lp0, base_log_probs, loss_mask=loss_mask,
+                               kl_estimator_type=algo.kl_estimator_type)
+        out["policy_kl"] = masked_mean(kl, loss_mask, dim=-1).mean().item()
+    else:
+        out["policy_kl"] = 0.0
+    for k, v in loss_metrics.items():
+        out["loss_metrics/" + k] = v
+    out.update(compute_minibatch_rollout_logprob_diff_metrics(lp0, rollout_logprobs, loss_mask))
+    return logp, out
+
+
+def loss_fn_outputs(logp, action_mask, sft, loss_mask):
+    """SkyRL's per-sequence ``loss_fn_outputs`` (``logprobs``; ``elementwise_loss`` for its
+    SFT loss) of a micro-batch; gbc computes no log-prob outside the loss mask: NaN there."""
+    am = action_mask
+    lens = (am.sum(-1) if am is not None else (loss_mask > 0).sum(-1)).long().tolist()
+    lp = logp.detach().cpu()
+    el = (-lp * loss_mask.cpu()).nan_to_num(0.0) if sft else None
+    out = []
+    for i, n in enumerate(lens):
+        row = {"logprobs": lp[i, -n:].tolist() if n > 0 else []}
+        if sft:
+            row["elementwise_loss"] = el[i, -n:].tolist() if n > 0 else []
+        out.append(row)
+    return out
 
 
 class _GBCOptions:
@@ -344,11 +405,6 @@ class GBCPolicyWorkerMixin(_GBCOptions):
 
     def _forward_backward_micro(self, experience, microbatch_weight, loss_fn=None,
                                 loss_fn_config=None):
-        from skyrl.backends.skyrl_train.utils.ppo_utils import compute_approx_kl
-        from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean
-        from skyrl.backends.skyrl_train.workers.worker_utils import (
-            compute_minibatch_rollout_logprob_diff_metrics)
-
         _check_sft(self.gbc_options, loss_fn or self.cfg.algorithm.policy_loss_type)
         if loss_fn_config is not None:
             raise ValueError("loss_fn_config: per-call loss overrides are not run by gbc's "
@@ -377,37 +433,21 @@ class GBCPolicyWorkerMixin(_GBCOptions):
         self.strategy.backward(loss * dp, self.model, self.optimizer)
         token_out = {k: whole(v) for k, v in token_out.items()}
 
-        mask = call["mask"]
-        lp = token_out["logp"].to(call["advantages"].dtype)
-        logp = torch.where(mask, lp, torch.full_like(lp, float("nan")))
-        lp0 = torch.where(mask, logp, torch.zeros_like(logp))
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
-
-            adv = experience.advantages if sft else methods.loss_advantages(
-                experience.advantages, experience.action_log_probs, opts, self._gbc_phase)
-            if scale is not None:    # NTHR's scale of a token's loss: of its advantage here
-                adv = adv * scale.to(adv.dtype)
-            policy_loss, loss_metrics = PolicyLossRegistry.get(loss_type)(
-                lp0, experience.action_log_probs, adv, config=algo,
-                loss_mask=loss_mask, rollout_logprobs=experience.rollout_logprobs)
-        outputs = self._gbc_outputs(logp, experience, sft, loss_mask)
+        logp, m = step_metrics(algo, loss_type, token_out, call["mask"], loss_mask,
+                               experience.advantages, experience.action_log_probs,
+                               experience.base_action_log_probs, experience.rollout_logprobs,
+                               opts, self._gbc_phase, scale)
+        outputs = loss_fn_outputs(logp, experience.action_mask, sft, loss_mask)
         if sft:
-            return {"loss": policy_loss.item(), "response_length": experience.num_actions,
+            return {"loss": m["policy_loss"], "response_length": experience.num_actions,
                     "lr": self.scheduler.get_last_lr()[0], "loss_fn_outputs": outputs}
-        status = {"final_loss": loss.item(), "policy_loss": policy_loss.item(),
-                  "policy_entropy": masked_mean(token_out["entropy"].to(lp0.dtype),
-                                                loss_mask).item(),
+        status = {"final_loss": loss.item(), "policy_loss": m.pop("policy_loss"),
+                  "policy_entropy": m.pop("policy_entropy"),
                   "response_length": experience.num_actions,
                   "policy_lr": self.scheduler.get_last_lr()[0], "loss_fn_outputs": outputs}
-        for k, v in loss_metrics.items():
-            status["loss_metrics/" + k] = v
-        if algo.use_kl_loss:
-            kl = compute_approx_kl(lp0, experience.base_action_log_probs, loss_mask=loss_mask,
-                                   kl_estimator_type=algo.kl_estimator_type)
-            status["policy_kl"] = masked_mean(kl, loss_mask, dim=-1).mean().item()
-        status.update(compute_minibatch_rollout_logprob_diff_metrics(
-            lp0, experience.rollout_logprobs, loss_mask))
+        if not algo.use_kl_loss:
+            m.pop("policy_kl")
+        status.update(m)
         return status
 
     @staticmethod
@@ -434,21 +474,6 @@ class GBCPolicyWorkerMixin(_GBCOptions):
             kl_weight = kl_weight.to(device)
         return scale, kl_weight
 
-    @staticmethod
-    def _gbc_outputs(logp, experience, sft, loss_mask):
-        """SkyRL's per-sequence ``loss_fn_outputs``; gbc computes no log-prob outside the loss
-        mask: NaN there."""
-        am = experience.action_mask
-        lens = (am.sum(-1) if am is not None else (loss_mask > 0).sum(-1)).long().tolist()
-        lp = logp.detach().cpu()
-        el = (-lp * loss_mask.cpu()).nan_to_num(0.0) if sft else None
-        out = []
-        for i, n in enumerate(lens):
-            row = {"logprobs": lp[i, -n:].tolist() if n > 0 else []}
-            if sft:
-                row["elementwise_loss"] = el[i, -n:].tolist() if n > 0 else []
-            out.append(row)
-        return out
 
     def _forward_micro_batch(self, micro_batch):
         return _no_grad_logprobs(self, micro_batch, _temperature(self.cfg),

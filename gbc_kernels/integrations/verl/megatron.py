@@ -238,40 +238,28 @@ class GBCMegatronMixin(EngineMethods):
         from megatron.core import parallel_state as mpu
         from verl.utils.megatron_utils import unwrap_model
 
+        from gbc_kernels.integrations.megatron import output_layer_hidden
+
         inner = unwrap_model(model)
-        if not getattr(inner, "post_process", False):    # not the last pipeline stage
-            yield
-            return
-        layer = inner.output_layer
-        cp = mpu.get_context_parallel_world_size()
-        state = {"tp_group": layer.tp_group, "cu": None,
-                 "gathered": bool(getattr(layer, "sequence_parallel", False)),
-                 "cp": (mpu.get_context_parallel_group(), cp, mpu.get_context_parallel_rank())
-                 if cp > 1 else None}
+        with output_layer_hidden(inner) as state:
+            if state is None:                            # not the last pipeline stage
+                yield
+                return
+            cp = mpu.get_context_parallel_world_size()
+            state.update(cu=None, cp=(mpu.get_context_parallel_group(), cp,
+                                      mpu.get_context_parallel_rank()) if cp > 1 else None)
 
-        def head(hidden, weight=None, runtime_gather_output=None):
-            if state["gathered"]:       # megatron's gather: its backward reduce-scatters
-                from megatron.core.tensor_parallel.mappings import (
-                    gather_from_sequence_parallel_region)
-                hidden = gather_from_sequence_parallel_region(
-                    hidden, tensor_parallel_output_grad=True, group=layer.tp_group)
-            state["weight"] = layer.weight if weight is None else weight
-            state["bias"] = None if layer.skip_bias_add else layer.bias
-            return hidden, None
+            def packing(module, args, kwargs):
+                psp = kwargs.get("packed_seq_params")
+                state["cu"] = None if psp is None else psp.cu_seqlens_q_padded
 
-        def packing(module, args, kwargs):
-            psp = kwargs.get("packed_seq_params")
-            state["cu"] = None if psp is None else psp.cu_seqlens_q_padded
-
-        hook = inner.register_forward_pre_hook(packing, with_kwargs=True)
-        layer.forward = head
-        self._gbc_state = state
-        try:
-            yield
-        finally:
-            del layer.forward
-            hook.remove()
-            self._gbc_state = None
+            hook = inner.register_forward_pre_hook(packing, with_kwargs=True)
+            self._gbc_state = state
+            try:
+                yield
+            finally:
+                hook.remove()
+                self._gbc_state = None
 
     # -- the head: verl's logits processor, on hidden states --------------------------------
     def _lm_head_logits_processor(self, logits, label, temperature, *, calculate_sum_pi_squared,

@@ -1,0 +1,240 @@
+"""gbc's Megatron head inside SkyRL 0.3.0's ``MegatronModelWrapper`` (docs/skyrl.md, "Megatron").
+
+:class:`GBCMegatronModelWrapper` runs SkyRL's own ``forward`` (the no-grad log-prob pass) and
+``forward_backward_mini_batch`` (the training step): its micro-batching, its ``forward_step``
+(``remove_left_padding``, the model call, ``recover_left_padding``), megatron's schedules and
+backward. Two things change: while SkyRL's ``forward_step`` runs the model, the last stage's
+output layer returns its (sequence-gathered) input in place of the ``[B, S, V/tp]`` logits
+(:func:`gbc_kernels.integrations.megatron.output_layer_hidden`, the mechanism of gbc's verl
+engine); and the function SkyRL hands the schedule for those outputs (its ``loss_func`` /
+``collection_func``) is gbc's: :func:`gbc_kernels.integrations.megatron.policy_loss` /
+``logprobs`` on the response rows and this rank's ``[V/tp, H]`` shard (TP, SP, PP as there).
+The loss is SkyRL's registered loss through gbc's table (:mod:`.losses`), scaled as SkyRL's
+wrapper scales it; the metrics are SkyRL's (:func:`.worker.step_metrics`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from gbc_kernels.integrations import megatron as gbc_megatron
+
+from . import losses
+from .worker import (OPTIONS_ENV, _check_sft, check_config, loss_fn_outputs, method_options,
+                     step_metrics)
+
+WRAPPER_MODULE = "skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper"
+
+
+def check_megatron_config(cfg, options=None, is_vlm=False):
+    """Refuse, naming SkyRL's option, what gbc's Megatron wrapper does not run (``cfg``:
+    SkyRL's ``trainer`` config); then the loss table's checks (:func:`.worker.check_config`).
+    Returns the method options."""
+    opts = method_options() if options is None else options
+    for name in ("nthr", "critical_kl_exponent", "lopti_eta"):
+        if getattr(opts, name) not in (0.0, None, False):
+            raise ValueError(f"{OPTIONS_ENV}: {name}: not wired into gbc's SkyRL Megatron "
+                             f"wrapper (trainer.strategy=megatron); it runs on "
+                             f"trainer.strategy=fsdp")
+    if losses.get(cfg, "fused_lm_head_logprob", False):
+        raise ValueError("trainer.fused_lm_head_logprob=true: SkyRL's own fused LM head; gbc's "
+                         "head already forms no logits (set false)")
+    if losses.get(cfg, "policy.megatron_config.mtp_num_layers", None):
+        raise ValueError("trainer.policy.megatron_config.mtp_num_layers: SkyRL's MTP draft loss "
+                         "needs the main logits, which gbc's head never forms (unset it)")
+    cp = losses.get(cfg, "policy.megatron_config.context_parallel_size", 1) or 1
+    if cp > 1:
+        raise ValueError(f"trainer.policy.megatron_config.context_parallel_size={cp}: gbc's "
+                         f"SkyRL Megatron wrapper runs without context parallelism (set 1)")
+    rank = losses.get(cfg, "policy.model.lora.rank", 0) or 0
+    if rank > 0:
+        raise ValueError(f"trainer.policy.model.lora.rank={rank}: LoRA on the Megatron backend "
+                         f"is not run by gbc's wrapper (set 0)")
+    if is_vlm:
+        raise ValueError("model: gbc's SkyRL Megatron wrapper runs text-only causal LMs "
+                         "(a vision-language model given)")
+    return check_config(cfg, opts, ulysses=False)
+
+
+def _inner(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+@contextlib.contextmanager
+def _gbc_head(make_func):
+    """While open, SkyRL's wrapper's schedule (``get_forward_backward_func`` of its module)
+    runs SkyRL's ``forward_step`` with the output layer giving hidden states, and hands the
+    schedule ``make_func(hidden, data=, state=)`` in place of SkyRL's own function of the
+    logits (on the last pipeline stage)."""
+    import importlib
+
+    module = importlib.import_module(WRAPPER_MODULE)
+    original = module.get_forward_backward_func
+
+    def get_forward_backward_func(*args, **kwargs):
+        schedule = original(*args, **kwargs)
+
+        def run(*a, forward_step_func, **kw):
+            def forward_step(batch_iter, model):
+                with gbc_megatron.output_layer_hidden(_inner(model)) as state:
+                    outputs, func = forward_step_func(batch_iter, model)
+                if state is None:           # not the last stage: the schedule sends outputs
+                    return outputs, func
+                return outputs, functools.partial(make_func, data=func.keywords["data"],
+                                                  state=state)
+
+            return schedule(*a, forward_step_func=forward_step, **kw)
+
+        return run
+
+    module.get_forward_backward_func = get_forward_backward_func
+    try:
+        yield
+    finally:
+        module.get_forward_backward_func = original
+
+
+def _rows(hidden, data):
+    """The response rows ``[T, B, H]`` of the model's hidden states (row ``t`` predicting token
+    ``t + 1``), their labels ``[B, T]`` and which of them SkyRL computes (``[B, T]`` bool;
+    None: all). Padded: SkyRL's de-padded ``[B, S, H]``. Packed
+    (``trainer.remove_microbatch_padding``): SkyRL's ``[1, N, H]`` stream, sequence ``i`` from
+    ``packed_seq_params.cu_seqlens_q_padded[i]``; SkyRL's packed log-probs exist where both the
+    token and the one before it are real."""
+    T = int(data["num_actions"])
+    labels = data["sequences"][:, -T:]
+    psp = data.get("packed_seq_params")
+    if psp is None:
+        return hidden[:, -T - 1:-1].transpose(0, 1), labels, None
+    if data.get("sub_seq_lengths_list") is not None:
+        raise ValueError("sub_seq_lengths: SkyRL's mini-batch packing (several sequences per "
+                         "row) is not run by gbc's SkyRL Megatron wrapper")
+    attn = data["attention_mask"].bool()
+    cu = psp.cu_seqlens_q_padded.to(attn.device).long()
+    at = (attn.long().cumsum(-1) - 1)[:, -T - 1:-1]          # [B, T]: offsets in the segments
+    valid = attn[:, -T - 1:-1] & attn[:, -T:]
+    at = torch.where(valid, at, torch.zeros_like(at))
+    return hidden.reshape(-1, hidden.shape[-1])[(cu[:-1, None] + at).t()], labels, valid
+
+
+def _head(state):
+    return dict(output_bias=state["bias"], tp_group=state["tp_group"],
+                hidden_gathered=state["gathered"])
+
+
+def _wrapper_methods(base):
+    """gbc's ``__init__``, ``forward`` and ``forward_backward_mini_batch`` over SkyRL's
+    (``base``: its ``MegatronModelWrapper`` methods)."""
+
+    def __init__(self, config, actor_module, actor_optimizer=None, policy_loss_fn=None,
+                 is_vlm=False):
+        self.gbc_options = check_megatron_config(config, is_vlm=is_vlm)
+        base["__init__"](self, config, actor_module, actor_optimizer, policy_loss_fn, is_vlm)
+
+    def forward(self, micro_batches, seq_len, micro_batch_size, temperature=1.0):
+        """SkyRL's no-grad log-prob pass by gbc's row pass (:func:`gbc_kernels.integrations.
+        megatron.logprobs`): the ``[B, T]`` response log-probs, no logits."""
+        def collect(hidden, data, state):
+            h, y, valid = _rows(hidden, data)
+            out = gbc_megatron.logprobs(h.to(state["weight"].dtype), state["weight"], y,
+                                        temperature=temperature, return_entropy=False,
+                                        **_head(state))
+            logp = out.logp if valid is None else out.logp.masked_fill(~valid, 0.0)
+            return torch.tensor(0.0, device=hidden.device), {"log_probs": logp}
+
+        with _gbc_head(collect):
+            return base["forward"](self, micro_batches, seq_len, micro_batch_size, temperature)
+
+    def forward_backward_mini_batch(self, micro_batches, seq_len, micro_batch_size,
+                                    temperature=1.0, loss_fn=None, loss_fn_config=None,
+                                    forward_only=False):
+        """SkyRL's training step (or its loss-only pass) with gbc's fused loss in place of
+        SkyRL's ``loss_func``: the same loss value, scaling, metrics and gradients."""
+        from megatron.core import parallel_state as mpu
+
+        algo = self.cfg.algorithm
+        loss_type = loss_fn if loss_fn is not None else algo.policy_loss_type
+        opts = self.gbc_options
+        _check_sft(opts, loss_type)
+        if loss_fn_config is not None:
+            raise ValueError("loss_fn_config: per-call loss overrides are not run by gbc's "
+                             "SkyRL Megatron wrapper; set them in trainer.algorithm")
+        if getattr(gbc_megatron_config(self), "mtp_num_layers", None):
+            raise ValueError("trainer.policy.megatron_config.mtp_num_layers: SkyRL's MTP draft "
+                             "loss needs the main logits, which gbc's head never forms")
+        sft = loss_type == "cross_entropy"
+
+        def loss_func(hidden, data, state):
+            nmb = data["num_microbatches"]
+            nreal = data.get("num_real_microbatches", nmb)
+            dp = mpu.get_data_parallel_world_size(with_context_parallel=False)
+            # SkyRL: policy * nmb * dp + (kl - entropy terms) * nmb / max(1, nreal)
+            cfg = losses.policy_loss_config(
+                algo, loss_type, kl_entropy_weight=None if sft else 1.0 / (dp * max(1, nreal)),
+                temperature=temperature, return_entropy=not sft, **opts.loss_options())
+            loss_mask = data["loss_mask"]
+            old, base_lp = data["old_action_log_probs"], data["base_action_log_probs"]
+            call, _ = losses.policy_loss_inputs(algo, loss_type, loss_mask, data["advantages"],
+                                                old, data["rollout_action_logprobs"])
+            h, y, _ = _rows(hidden, data)      # packed: the loss mask's rows are real
+            out = gbc_megatron.policy_loss(h.to(state["weight"].dtype), state["weight"], y,
+                                           config=cfg, return_entropy=not sft,
+                                           ref_logp=base_lp if cfg.kl_coef else None,
+                                           **call, **_head(state))
+            logp, m = step_metrics(algo, loss_type, {"logp": out.logp, "entropy": out.entropy},
+                                   call["mask"], loss_mask, data["advantages"], old, base_lp,
+                                   data["rollout_action_logprobs"], opts)
+            outputs = loss_fn_outputs(logp, data.get("action_mask"), sft, loss_mask)
+            if sft:
+                metrics = {"loss": m.pop("policy_loss"), "response_length": data["num_actions"],
+                           "loss_fn_outputs": outputs}
+            else:
+                metrics = {"final_loss": out.loss.item(), "loss_fn_outputs": outputs, **m}
+            return out.loss * (nmb * dp), metrics
+
+        with _gbc_head(loss_func):
+            return base["forward_backward_mini_batch"](
+                self, micro_batches, seq_len, micro_batch_size, temperature, loss_fn,
+                loss_fn_config, forward_only)
+
+    return dict(__init__=__init__, forward=forward,
+                forward_backward_mini_batch=forward_backward_mini_batch)
+
+
+def gbc_megatron_config(wrapper):
+    """The megatron ``TransformerConfig`` of the wrapper's first model chunk."""
+    from skyrl.backends.skyrl_train.distributed.megatron.megatron_utils import get_model_config
+
+    return get_model_config(wrapper.actor_module[0])
+
+
+def wrapper_class():
+    """gbc's subclass of SkyRL's ``MegatronModelWrapper`` (its ``__init__``, ``forward`` and
+    ``forward_backward_mini_batch`` gbc's; everything else SkyRL's)."""
+    import importlib
+
+    cls = importlib.import_module(WRAPPER_MODULE).MegatronModelWrapper
+    base = {k: getattr(cls, k) for k in ("__init__", "forward", "forward_backward_mini_batch")}
+    return type("GBCMegatronModelWrapper", (cls,), {
+        "__doc__": "SkyRL's MegatronModelWrapper with gbc's Megatron head (docs/skyrl.md).",
+        **_wrapper_methods(base)})
+
+
+def patch_wrapper():
+    """Put gbc's methods on SkyRL's ``MegatronModelWrapper`` itself (idempotent), so that
+    SkyRL's Megatron workers, which build it by name, run gbc's head. Returns the class."""
+    import importlib
+
+    cls = importlib.import_module(WRAPPER_MODULE).MegatronModelWrapper
+    if getattr(cls, "_gbc_patched", False):
+        return cls
+    base = {k: cls.__dict__[k] for k in ("__init__", "forward", "forward_backward_mini_batch")}
+    for name, fn in _wrapper_methods(base).items():
+        setattr(cls, name, fn)
+    cls._gbc_patched = True
+    return cls
