@@ -20,7 +20,7 @@ sys.path.insert(0, HERE)
 
 pytest.importorskip("skyrl")
 
-from test_skyrl import (T, _grads, algorithm, build_worker, make_batch,  # noqa: E402
+from test_skyrl import (T, algorithm, build_worker, make_batch,  # noqa: E402
                         skyrl_cpu, tiny_qwen2)
 
 TEMPERATURE = 0.8           # the policy worker's (skyrl_cpu.policy_worker's default)
