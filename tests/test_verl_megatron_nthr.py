@@ -26,6 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from conftest import spawn_gloo  # noqa: E402
+from test_nthr_kept import _assert_equal_update, assert_own_pass  # noqa: E402
 
 GROUP, NB = 4, 8          # 2 groups of 4 responses
 # the update batch's rows: verl's balance_batch reorders them (here whole micro-batches of 2
@@ -125,14 +126,6 @@ def _nthr_worker(rank, world, tp=1, sp=False, pp=1, cp=None, mode="kept"):
     return out
 
 
-def _assert_equal_update(a, b):
-    (la, ga), (lb, gb) = a, b
-    assert la == lb
-    assert set(ga) == set(gb) and ga
-    for name in ga:
-        assert torch.equal(ga[name], gb[name]), name
-
-
 def _check_kept(out):
     """No actor forward in the update; today's scales and update exactly; the pass's
     log-probs unchanged by keeping; what is kept is what today's pass holds."""
@@ -180,11 +173,7 @@ def test_nthr_without_old_log_prob_pass_runs_its_own(mode):
     """Where verl ran no old-log-prob pass (bypass mode: rollout log-probs as old ones), or the
     pass saw other samples, the update runs the engine's own pass and says so in its metrics."""
     for out in spawn_gloo(2, _nthr_worker, 2, True, 1, None, mode):
-        assert out["update_forwards"] == out["today_forwards"] == NB // 2
-        assert torch.equal(out["scale"], out["today_scale"])
-        _assert_equal_update(out["update"], out["today_update"])
-        assert out["metrics"]["actor/gbc_nthr_second_forward"] == 1.0
-        assert "actor/gbc_nthr_kept_mb" not in out["metrics"]
+        assert_own_pass(out)
 
 
 @pytest.mark.slow
