@@ -252,17 +252,14 @@ def _grads(model, world):
     return out
 
 
-def _step(sky, rank, world, loss_type, gbc_on, kw):
+def step_setup(sky, loss_type, gbc_on, kw):
+    """A step case's SkyRL algorithm config (KL and entropy terms, the off-policy correction
+    with ``kw["rollout"]``), worker class (gbc's or SkyRL's FSDP policy worker) and method
+    options."""
     from gbc_kernels import methods
     from gbc_kernels.integrations.skyrl import fsdp as gfsdp
     from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase
 
-    model = tiny_qwen2()
-    if world > 1:
-        from torch.distributed.fsdp import fully_shard
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
     a = algorithm(sky, loss_type, use_kl_loss=kw.get("kl", True), kl_loss_coef=0.2,
                   kl_estimator_type=kw.get("kl_type", "k3"),
                   use_entropy_loss=kw.get("ent", True), entropy_loss_coef=0.03)
@@ -271,6 +268,17 @@ def _step(sky, rank, world, loss_type, gbc_on, kw):
             tis_ratio_type="token", token_tis_ratio_clip_high=1.5)
     cls = gfsdp.GBCFSDPPolicyWorker if gbc_on else FSDPPolicyWorkerBase
     opts = methods.MethodOptions(**kw.get("methods", {}))
+    return a, cls, opts
+
+
+def _step(sky, rank, world, loss_type, gbc_on, kw):
+    model = tiny_qwen2()
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    a, cls, opts = step_setup(sky, loss_type, gbc_on, kw)
     w = build_worker(sky, cls, a, world, model, opts if gbc_on else None,
                      packed=kw.get("packed", False))
     data = make_batch(sky, 100 + rank, kl=kw.get("kl", True), rollout=kw.get("rollout", False))

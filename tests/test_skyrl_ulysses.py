@@ -27,7 +27,7 @@ pytest.importorskip("skyrl")
 pytest.importorskip("verl")      # tests/test_verl_ulysses.py's flash-attention set-up
 
 from test_skyrl import (_compare, _grads, algorithm, make_batch, skyrl_cpu,  # noqa: E402
-                        tiny_qwen2)
+                        step_setup, tiny_qwen2)
 
 
 def _setup(rank, world):
@@ -68,19 +68,9 @@ def _worker(sky, cls, a, sp, dp, options=None, micro=2):
 
 
 def _step(sky, sp, dp, loss_type, gbc_on, kw):
-    from gbc_kernels import methods
-    from gbc_kernels.integrations.skyrl import fsdp as gfsdp
     from gbc_kernels.integrations.skyrl.worker import KL_WEIGHT_KEY
-    from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase
 
-    a = algorithm(sky, loss_type, use_kl_loss=kw.get("kl", True), kl_loss_coef=0.2,
-                  kl_estimator_type=kw.get("kl_type", "k3"),
-                  use_entropy_loss=kw.get("ent", True), entropy_loss_coef=0.03)
-    if kw.get("rollout"):
-        a.off_policy_correction = sky.config.OffPolicyCorrectionConfig(
-            tis_ratio_type="token", token_tis_ratio_clip_high=1.5)
-    cls = gfsdp.GBCFSDPPolicyWorker if gbc_on else FSDPPolicyWorkerBase
-    opts = methods.MethodOptions(**kw.get("methods", {}))
+    a, cls, opts = step_setup(sky, loss_type, gbc_on, kw)
     w, model = _worker(sky, cls, a, sp, dp, opts if gbc_on else None)
     data = make_batch(sky, kw.get("seed", 100), B=kw.get("B", 4), kl=kw.get("kl", True),
                       rollout=kw.get("rollout", False))      # the same batch on every SP rank
