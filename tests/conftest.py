@@ -6,6 +6,7 @@ import io
 import os
 import queue
 import socket
+import sys
 
 import pytest
 import torch
@@ -39,6 +40,16 @@ BACKENDS = available_backends()
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_standins():
+    """SkyRL's tests put stand-ins for modules this machine lacks (``torchdata``, ``httpx``)
+    into ``sys.modules``; none outlives its test."""
+    yield
+    standins = sys.modules.get("skyrl_cpu")
+    if standins is not None:
+        standins.remove_entrypoint_standins()
 
 
 @pytest.fixture(autouse=True)

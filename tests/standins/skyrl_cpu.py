@@ -75,7 +75,9 @@ class _Names(types.ModuleType):
 
 
 def entrypoint_imports():
-    """``torchdata`` and ``httpx`` as stand-ins, where they are not installed."""
+    """``torchdata`` and ``httpx`` as stand-ins, where they are not installed, until
+    :func:`remove_entrypoint_standins` (tests/conftest.py calls it after every test: other
+    libraries probe for these modules, and a stand-in without ``__spec__`` breaks them)."""
     import importlib.util
 
     for top, names in (("torchdata", ("torchdata", "torchdata.stateful_dataloader")),
@@ -83,6 +85,12 @@ def entrypoint_imports():
         if top not in sys.modules and importlib.util.find_spec(top) is None:
             for name in names:
                 sys.modules[name] = _Names(name)
+
+
+def remove_entrypoint_standins():
+    """Take :func:`entrypoint_imports`' stand-ins out of ``sys.modules``."""
+    for name in [n for n, m in sys.modules.items() if isinstance(m, _Names)]:
+        del sys.modules[name]
 
 
 def use_packing(model):
