@@ -44,12 +44,15 @@ def backend(request):
 
 @pytest.fixture(autouse=True)
 def no_leftover_standins():
-    """SkyRL's tests put stand-ins for modules this machine lacks (``torchdata``, ``httpx``)
-    into ``sys.modules``; none outlives its test."""
+    """SkyRL's tests put stand-ins for modules this machine lacks (``torchdata``, ``httpx``,
+    megatron-bridge's names) into ``sys.modules``; none outlives its test."""
     yield
     standins = sys.modules.get("skyrl_cpu")
     if standins is not None:
         standins.remove_entrypoint_standins()
+    bridge = sys.modules.get("megatron_bridge_cpu")
+    if bridge is not None:
+        bridge.remove()
 
 
 @pytest.fixture(autouse=True)
@@ -223,13 +226,22 @@ def megatron_cpu():
     """tests/standins/megatron_cpu.py (megatron-core's CPU shims), loaded by path: the standins
     folder also holds a flash-attn stand-in that verl's padding helpers must not find, so it
     never goes on ``sys.path``."""
-    import importlib.util
-    import sys
+    return _standin("megatron_cpu")
 
-    if "megatron_cpu" not in sys.modules:
+
+def megatron_bridge_cpu():
+    """tests/standins/megatron_bridge_cpu.py (megatron-bridge's names for SkyRL's Megatron
+    worker module), loaded by path as :func:`megatron_cpu`."""
+    return _standin("megatron_bridge_cpu")
+
+
+def _standin(name):
+    import importlib.util
+
+    if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(
-            "megatron_cpu", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                         "standins", "megatron_cpu.py"))
-        sys.modules["megatron_cpu"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["megatron_cpu"])
-    return sys.modules["megatron_cpu"]
+            name, os.path.join(os.path.dirname(os.path.abspath(__file__)), "standins",
+                               f"{name}.py"))
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]

@@ -32,17 +32,19 @@ from conftest import spawn_gloo  # noqa: E402
 VOCAB = 50
 
 
-def _model(tp, sp, packed=False):
+def _model(tp, sp, packed=False, pp=1):
     """The tiny GPTModel of tests/test_verl_megatron.py (same seed: the same weights), its
     attention on the causal mask; ``packed``: tests/test_verl_megatron_cp.py's (rotary
-    positions, packed sequences on the stand-in attention)."""
+    positions, packed sequences on the stand-in attention). ``pp``: pipeline parallel size
+    (this rank's stage; not with ``packed``)."""
     from test_verl_megatron import _chunks, _mc
 
     if packed:
+        assert pp == 1, "packed: pipeline parallel 1"
         from test_verl_megatron_cp import _model as packed_model
         model = packed_model(tp, sp)
     else:
-        model = _chunks(tp, sp)[0]
+        model = _chunks(tp, sp, pp)[0]
     mc = _mc()
 
     def causal(module, args, kwargs):       # SkyRL's [B, 1, 1, S] padding mask -> causal

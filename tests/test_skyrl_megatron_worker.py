@@ -1,0 +1,407 @@
+"""gbc's Megatron workers on SkyRL 0.3.0 (``GBCMegatronPolicyWorker`` / ``GBCMegatronRefWorker``,
+gbc_kernels.integrations.skyrl.megatron_worker, docs/skyrl.md "Megatron") against SkyRL's own
+Megatron workers (``MegatronPolicyWorkerBase`` / ``MegatronRefWorkerBase``), each running its
+REAL worker methods on the same tiny megatron-core GPTModel and the same SkyRL
+``TrainingInputBatch``: ``forward_backward`` (its micro-batching by sample count or by tokens,
+``_pad_microbatch_to_size``, metric reduction and all-reduce), ``optim_step``, ``forward`` /
+``_forward_logprobs`` (the token-based reorder). Two gloo ranks at tensor parallel 2; pipeline
+parallel 2 (megatron's 1F1B schedule over gloo's point-to-point ops); a float64 model (SkyRL's
+head casts the logits to float32: agreement to 1e-5).
+
+SkyRL's worker module imports on CPU with megatron-bridge's three names stood in for
+(tests/standins/megatron_bridge_cpu.py). The workers are built without Ray and without
+``init_model`` (it loads HF weights through megatron-bridge's ``AutoBridge``):
+:func:`make_worker` sets by hand what the worker methods read (listed there). The model is
+tests/test_skyrl_megatron.py's (``_model``: the CPU-shimmed GPTModel, SkyRL's padding mask
+replaced by the causal mask, exact for the valid rows). Stand-ins, said here: the chunk is bare
+(no megatron DDP, which ``forward_backward``'s ``chunk.zero_grad_buffer()`` belongs to: the
+bare chunk gets that method, zeroing its gradients); megatron's optimizer needs DDP's grad
+buffers, so the optimizer is :class:`StandInOptimizer` (megatron's optimizer interface as
+SkyRL's worker and strategy call it, over SGD); the schedule's ``finalize_model_grads`` is the
+sequence-parallel norms' gradient all-reduce only (as test_skyrl_megatron.py).
+
+Stock side: SkyRL's worker class with SkyRL's own wrapper methods. gbc side: gbc's worker
+class with SkyRL's ``MegatronModelWrapper`` as gbc's worker module leaves it (gbc's methods put
+on it when that module is imported, the class ``init_model`` builds by name). Both live in one
+process: :func:`skyrl_megatron` keeps SkyRL's own wrapper methods (taken before gbc's module is
+imported) in a subclass for the stock side.
+
+Harness for method tests (run inside a :func:`conftest.spawn_gloo` child): ``cfg =
+worker_cfg(sky, "regular", use_kl_loss=True, ...)``; ``stock, ours = worker_pair(cfg,
+options="ar_alpha=0.3")``; ``data = training_batch(11)``; for the stock side apply the method
+by hand to the batch (e.g. ``data["advantages"] = ...``); ``run_worker_step(stock, data,
+training_batch(12))`` / ``run_worker_step(ours, training_batch(11), training_batch(12))``;
+in the parent ``assert_same_step(stock_result, ours_result, what)``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("skyrl")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from conftest import megatron_bridge_cpu, spawn_gloo  # noqa: E402
+from test_skyrl_megatron import (_cfg, _close, _grads, _micro_batches,  # noqa: E402
+                                 _model, _same_metric)
+
+WRAPPER_METHODS = ("__init__", "forward", "forward_backward_mini_batch")
+_MODULES = None
+
+
+def skyrl_megatron():
+    """SkyRL on CPU (tests/standins/skyrl_cpu.py), megatron-bridge's stand-in, SkyRL's Megatron
+    worker module and gbc's (imported in that order, once per process). Returns a namespace:
+    ``sky`` (skyrl_cpu's modules), ``skyrl`` (SkyRL's megatron_worker module), ``gbc`` (gbc's),
+    ``wrapper`` (SkyRL's ``MegatronModelWrapper``, carrying gbc's methods once gbc's module is
+    imported) and ``stock_wrapper`` (a subclass of it with SkyRL's own ``__init__``,
+    ``forward``, ``forward_backward_mini_batch``, taken before that import)."""
+    global _MODULES
+    if _MODULES is None:
+        from test_skyrl import skyrl_cpu
+
+        sky = skyrl_cpu().load()
+        skyrl_cpu().entrypoint_imports()
+        megatron_bridge_cpu().install()
+        from skyrl.backends.skyrl_train.workers.megatron import megatron_worker as skw
+        from skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper import (
+            MegatronModelWrapper)
+
+        if getattr(MegatronModelWrapper, "_gbc_patched", False):
+            raise RuntimeError("skyrl_megatron: SkyRL's MegatronModelWrapper already carries "
+                               "gbc's methods; call skyrl_megatron() before importing "
+                               "gbc_kernels.integrations.skyrl.megatron_worker")
+        stock = type("SkyRLMegatronModelWrapper", (MegatronModelWrapper,),
+                     {k: MegatronModelWrapper.__dict__[k] for k in WRAPPER_METHODS})
+        from gbc_kernels.integrations.skyrl import megatron_worker as gw
+
+        assert MegatronModelWrapper._gbc_patched
+        _MODULES = types.SimpleNamespace(sky=sky, skyrl=skw, gbc=gw,
+                                         wrapper=MegatronModelWrapper, stock_wrapper=stock)
+    return _MODULES
+
+
+def worker_cfg(sky, loss_type="regular", packed=False, temperature=1.0, micro=4, max_tokens=0,
+               **algo):
+    """SkyRL's ``trainer`` config (``TrainerConfig``: what the Megatron workers read as
+    ``self.cfg``): ``loss_type`` and ``algo`` in its algorithm section (tests/test_skyrl.py's
+    ``algorithm``), ``trainer.remove_microbatch_padding=packed``, ``trainer.algorithm.
+    temperature``, ``micro`` sequences per training and forward micro-batch,
+    ``trainer.max_tokens_per_microbatch=max_tokens`` (> 0: SkyRL's token-based micro-batches)."""
+    cfg = _cfg(sky, loss_type, packed, **algo)
+    cfg.algorithm.temperature = temperature
+    cfg.micro_train_batch_size_per_gpu = micro
+    cfg.micro_forward_batch_size_per_gpu = micro
+    cfg.max_tokens_per_microbatch = max_tokens
+    return cfg
+
+
+def training_batch(seed, n=2, B=3, P=5, T=6):
+    """SkyRL's ``TrainingInputBatch`` as its trainer stages it for the policy worker
+    (``n * B`` sequences: tests/test_skyrl_megatron.py's ``_micro_batches(seed, n, B, P, T)``
+    concatenated, float64): ``sequences``, ``attention_mask`` (left-padded prompts,
+    right-padded responses), ``response_mask``, ``loss_mask`` (one empty row),
+    ``advantages``, ``action_log_probs``, ``base_action_log_probs``, ``rollout_logprobs``;
+    metadata ``response_length=T``. Fields can be edited before a step (a method by hand)."""
+    from test_skyrl import skyrl_cpu
+
+    skyrl_cpu().load()
+    from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
+
+    mbs = _micro_batches(seed, n, B, P, T)
+    fields = {"sequences": "sequences", "attention_mask": "attention_mask",
+              "response_mask": "action_mask", "loss_mask": "loss_mask",
+              "advantages": "advantages", "action_log_probs": "old_action_log_probs",
+              "base_action_log_probs": "base_action_log_probs",
+              "rollout_logprobs": "rollout_action_logprobs"}
+    batch = TrainingInputBatch({k: torch.cat([mb[v] for mb in mbs]).contiguous()
+                                for k, v in fields.items()})
+    batch.metadata = {"response_length": T}
+    return batch
+
+
+class StandInOptimizer:
+    """megatron's optimizer as SkyRL's Megatron worker, wrapper and strategy call it (``step()``
+    → ``(success, grad_norm, num_zeros)``, ``zero_grad``, ``param_groups``, ``scale_loss``),
+    over ``torch.optim.SGD(lr)`` on the chunks' parameters: megatron's own optimizer needs its
+    DDP's grad buffers, which the bare CPU chunks lack. ``grad_norm``: this rank's gradients'
+    2-norm (not reduced over ranks); ``scale_loss``: the identity (megatron's float32
+    optimizers' loss scale is 1)."""
+
+    def __init__(self, chunks, lr=0.5):
+        self.sgd = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=lr)
+        self.param_groups = self.sgd.param_groups
+
+    def scale_loss(self, loss):
+        return loss
+
+    def step(self):
+        grads = [p.grad.norm() for g in self.param_groups for p in g["params"]
+                 if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack(grads)) if grads else None
+        self.sgd.step()
+        return True, norm, None
+
+    def zero_grad(self, set_to_none=True):
+        self.sgd.zero_grad(set_to_none=set_to_none)
+
+
+def _zero_grad_buffer(chunk):
+    """The bare chunk's stand-in for DDP's ``zero_grad_buffer`` (SkyRL's ``forward_backward``
+    calls it on every chunk): its gradients zeroed."""
+    chunk.zero_grad_buffer = lambda: chunk.zero_grad(set_to_none=True)
+
+
+def make_worker(kind, gbc, cfg, chunks, options="", lr=0.5):
+    """A SkyRL Megatron worker object around ``chunks`` (this rank's model chunks), without Ray
+    or ``init_model``. ``kind``: "policy" (SkyRL's ``MegatronPolicyWorkerBase``; gbc's
+    ``GBCMegatronPolicyWorker`` when ``gbc``) or "ref" (``MegatronRefWorkerBase`` /
+    ``GBCMegatronRefWorker``). Set by hand, as ``init_model`` / ``init_worker_process_group``
+    leave them: ``cfg`` (:func:`worker_cfg`), ``actor_module`` (each chunk given
+    ``zero_grad_buffer``), ``model`` (the wrapper: :func:`skyrl_megatron`'s ``stock_wrapper``
+    or, for gbc, SkyRL's ``MegatronModelWrapper`` carrying gbc's methods, built as
+    ``init_model`` builds it, with ``GBC_SKYRL_OPTIONS=options`` set), ``strategy``
+    (SkyRL's ``MegatronStrategy`` over the default process group), ``enable_router_replay``,
+    ``empty_cuda_cache``, ``is_vlm``, ``profiler``; a policy worker also ``optimizer``
+    (:class:`StandInOptimizer`), ``scheduler`` (a constant one), ``policy_loss_fn``. The
+    wrapper's ``finalize_model_grads`` is the sequence-parallel norms' all-reduce."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+    from skyrl.backends.skyrl_train.distributed.megatron.megatron_strategy import (
+        MegatronStrategy)
+    from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
+
+    from test_verl_megatron import _mc
+
+    m = skyrl_megatron()
+    policy = {"policy": True, "ref": False}[kind]
+    if policy:
+        cls = m.gbc.GBCMegatronPolicyWorker if gbc else m.skyrl.MegatronPolicyWorkerBase
+    else:
+        cls = m.gbc.GBCMegatronRefWorker if gbc else m.skyrl.MegatronRefWorkerBase
+    w = object.__new__(cls)
+    w.cfg = cfg
+    w.actor_module = list(chunks)
+    for chunk in w.actor_module:
+        _zero_grad_buffer(chunk)
+    w.enable_router_replay = False
+    w.empty_cuda_cache = False
+    w.is_vlm = False
+    w.profiler = None
+    w._micro_batches_accumulated = 0
+    w.strategy = MegatronStrategy(megatron_config=cfg.policy.megatron_config)
+    w.strategy.world_size = dist.get_world_size()
+    w.gbc_test_options = options if gbc else ""
+    os.environ["GBC_SKYRL_OPTIONS"] = w.gbc_test_options
+    wrapper = m.wrapper if gbc else m.stock_wrapper
+    if policy:
+        w.optimizer = StandInOptimizer(w.actor_module, lr)
+        w.scheduler = types.SimpleNamespace(step=lambda increment=1: None)
+        w.policy_loss_fn = PolicyLossRegistry.get(cfg.algorithm.policy_loss_type)
+        w.model = wrapper(config=cfg, actor_module=w.actor_module, actor_optimizer=w.optimizer,
+                          policy_loss_fn=w.policy_loss_fn, is_vlm=False)
+    else:
+        w.optimizer = w.scheduler = None
+        w.model = wrapper(config=cfg, actor_module=w.actor_module, is_vlm=False)
+    group = mpu.get_tensor_model_parallel_group()
+    for chunk in w.actor_module:    # after the wrapper (it sets megatron's, which needs DDP)
+        chunk.config.finalize_model_grads_func = (
+            lambda models, *a, **k: [_mc().allreduce_sp_norm_grads(c, group) for c in models])
+    return w
+
+
+def worker_pair(cfg, kind="policy", options="", tp=2, sp=False, pp=1, lr=0.5):
+    """(SkyRL's worker, gbc's worker) of ``kind`` (:func:`make_worker`), each on a fresh copy
+    of the same model (tests/test_skyrl_megatron.py's ``_model``: tensor parallel ``tp``,
+    sequence parallel ``sp``, pipeline parallel ``pp``; the packed-attention model when
+    ``cfg.remove_microbatch_padding``); ``options``: gbc's ``GBC_SKYRL_OPTIONS``. Rebuilding
+    the model re-initialises megatron's groups: build a pair, run it, then build the next."""
+    packed = bool(cfg.remove_microbatch_padding)
+    return tuple(make_worker(kind, gbc, cfg, [_model(tp, sp, packed, pp)], options, lr)
+                 for gbc in (False, True))
+
+
+def run_worker_step(worker, data=None, forward_data=None, optim=True):
+    """Run the worker's methods as SkyRL's trainer calls them (``GBC_SKYRL_OPTIONS`` the
+    worker's): a policy worker's ``forward_backward(data)`` (then, with ``optim``,
+    ``optim_step()``), and ``forward(forward_data)`` (the no-grad log-prob pass; a reference
+    worker's only method here). Returns a dict of what ran: ``metrics``, ``loss_fn_outputs``,
+    ``grads`` (every parameter's gradient after the step, by name), ``loss_masks`` (the loss
+    masks of the micro-batches the worker handed its wrapper, in their order: the rows of
+    ``loss_fn_outputs``), ``grad_norm`` and ``params`` (after ``optim_step``), ``logp``
+    (``forward``'s per-sequence log-probs, a list of lists), ``last`` (this rank is the last
+    pipeline stage)."""
+    from megatron.core import parallel_state as mpu
+
+    from test_skyrl import skyrl_cpu
+
+    os.environ["GBC_SKYRL_OPTIONS"] = worker.gbc_test_options
+    out = {"last": mpu.is_pipeline_last_stage(ignore_virtual=True)}
+    with skyrl_cpu().cpu_device():
+        if data is not None:
+            seen = []
+            step = worker.model.forward_backward_mini_batch
+
+            def recording(micro_batches, *args, **kwargs):
+                seen.extend(mb["loss_mask"].detach().cpu() for mb in micro_batches)
+                return step(micro_batches, *args, **kwargs)
+
+            worker.model.forward_backward_mini_batch = recording
+            try:
+                res = worker.forward_backward(data)
+            finally:
+                del worker.model.forward_backward_mini_batch
+            out["loss_masks"] = torch.cat(seen)
+            out.update(metrics=res.metrics, loss_fn_outputs=res.loss_fn_outputs,
+                       grads={n: g for c in worker.actor_module for n, g in _grads(c).items()})
+            if optim:
+                norm = worker.optim_step()
+                out["grad_norm"] = norm
+                out["params"] = {n: p.detach().clone() for c in worker.actor_module
+                                 for n, p in c.named_parameters()}
+        if forward_data is not None:
+            res = worker.forward(forward_data)
+            out["logp"] = [r["logprobs"] for r in res.loss_fn_outputs]
+            assert res.metrics == {}
+    return out
+
+
+def _loss_fn_outputs(stock, ours, loss_masks, what):
+    """SkyRL's per-sequence outputs (row ``i``: the last ``n`` of the ``T`` response positions,
+    ``n`` from its response mask): the same rows and lengths, SkyRL's without NaN; gbc's
+    log-probs NaN exactly outside the loss mask (``loss_masks``: the rows' masks), equal to
+    SkyRL's everywhere else."""
+    assert len(stock) == len(ours) == loss_masks.shape[0] > 0, what
+    for i, (s, o) in enumerate(zip(stock, ours)):
+        assert s.keys() == o.keys(), (what, i)
+        for k in s:
+            y = torch.tensor(s[k], dtype=torch.float64)
+            x = torch.tensor(o[k], dtype=torch.float64)
+            assert x.shape == y.shape and not torch.isnan(y).any(), (what, i, k)
+            keep = ~torch.isnan(x)
+            if k == "logprobs" and len(x):
+                assert torch.equal(keep, loss_masks[i, -len(x):] > 0), (what, i, keep)
+            _close(x[keep], y[keep], f"{what} loss_fn_outputs[{i}].{k}")
+
+
+def assert_same_step(stock, ours, what):
+    """gbc's :func:`run_worker_step` result == SkyRL's: every metric SkyRL's worker returns
+    (same keys), ``loss_fn_outputs``, every parameter's gradient (some nonzero), the optimizer
+    step's gradient norm and parameters, ``forward``'s log-probs (on a stage before the last,
+    SkyRL's placeholder, the same on both)."""
+    assert stock.keys() == ours.keys(), what
+    if "metrics" in stock:
+        ms, mg = stock["metrics"], ours["metrics"]
+        assert ms.keys() == mg.keys(), (what, ms.keys() ^ mg.keys())
+        assert "policy_loss" in ms or "loss" in ms, (what, sorted(ms))
+        for k in ms:
+            _same_metric(ms[k], mg[k], f"{what} metric {k}")
+        assert torch.equal(stock["loss_masks"], ours["loss_masks"]), what
+        _loss_fn_outputs(stock["loss_fn_outputs"], ours["loss_fn_outputs"],
+                         stock["loss_masks"], what)
+        assert stock["grads"].keys() == ours["grads"].keys() and stock["grads"], what
+        assert float(sum(g.abs().sum() for g in ours["grads"].values())) > 0, what
+        for k in stock["grads"]:
+            _close(stock["grads"][k], ours["grads"][k], f"{what} grad {k}")
+    if "params" in stock:
+        _close(stock["grad_norm"] * torch.ones(()), ours["grad_norm"] * torch.ones(()),
+               f"{what} grad_norm")
+        for k in stock["params"]:
+            _close(stock["params"][k], ours["params"][k], f"{what} param {k}")
+    if "logp" in stock:
+        assert len(stock["logp"]) == len(ours["logp"]) > 0, what
+        for i, (s, o) in enumerate(zip(stock["logp"], ours["logp"])):
+            _close(torch.tensor(o, dtype=torch.float64), torch.tensor(s, dtype=torch.float64),
+                   f"{what} forward log-probs [{i}]")
+        if stock["last"]:
+            assert any(abs(v) > 0 for row in stock["logp"] for v in row), what
+
+
+# ---- the cases ---------------------------------------------------------------------------
+
+KL_ENTROPY = dict(use_kl_loss=True, kl_loss_coef=0.2, kl_estimator_type="k3",
+                  use_entropy_loss=True, entropy_loss_coef=0.03)
+# name: (kind, worker_cfg keywords, worker_pair keywords)
+CASES = {
+    "padded": ("policy", dict(micro=4, **KL_ENTROPY), {}),
+    "packed_sp": ("policy", dict(packed=True, micro=4, temperature=0.8, **KL_ENTROPY),
+                  dict(sp=True)),
+    "tokens_padded": ("policy", dict(micro=4, max_tokens=14, **KL_ENTROPY), {}),
+    "tokens_packed": ("policy", dict(packed=True, max_tokens=14, **KL_ENTROPY), {}),
+    "ref": ("ref", dict(micro=4), {}),
+    "ref_tokens_packed": ("ref", dict(packed=True, max_tokens=14, temperature=0.8), {}),
+}
+PIPELINE_CASES = {
+    "pp2": ("policy", dict(micro=3, **KL_ENTROPY), dict(tp=1, pp=2)),
+    "pp2_tokens": ("policy", dict(micro=3, max_tokens=14, **KL_ENTROPY), dict(tp=1, pp=2)),
+    "pp2_ref": ("ref", dict(micro=3), dict(tp=1, pp=2)),
+}
+
+
+def _cases_worker(rank, world, cases):
+    sky = skyrl_megatron().sky
+    out = {}
+    for name, (kind, cfg_kw, pair_kw) in cases.items():
+        cfg = worker_cfg(sky, **cfg_kw)
+        pair = worker_pair(cfg, kind, **pair_kw)
+        train = kind == "policy"
+        out[name] = [run_worker_step(w, training_batch(11) if train else None,
+                                     training_batch(12, n=3)) for w in pair]
+    os.environ.pop("GBC_SKYRL_OPTIONS", None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stepped():
+    return spawn_gloo(2, _cases_worker, CASES)
+
+
+@pytest.fixture(scope="module")
+def pipelined():
+    return spawn_gloo(2, _cases_worker, PIPELINE_CASES)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_worker_step_equals_skyrls_worker(stepped, name):
+    """Tensor parallel 2: SkyRL's worker methods on gbc's workers == on SkyRL's (loss and every
+    metric, loss_fn_outputs, every gradient, the optimizer step, the no-grad forward's
+    log-probs), padded and packed micro-batches, by sample count and by tokens
+    (``trainer.max_tokens_per_microbatch``: padded micro-batches, the forward output
+    reordered); the reference worker's ``forward``."""
+    for r, per_rank in enumerate(stepped):
+        stock, ours = per_rank[name]
+        assert stock["last"]
+        assert_same_step(stock, ours, f"rank {r} {name}")
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINE_CASES))
+def test_pipeline_parallel_worker_step_equals_skyrls_worker(pipelined, name):
+    """Pipeline parallel 2 (SkyRL's wrapper on megatron's 1F1B schedule, gloo point-to-point):
+    the metrics (SkyRL broadcasts the last stage's to every stage) and on the last stage the
+    loss_fn_outputs and forward log-probs, every gradient on both stages (the first stage's
+    through the schedule's backward)."""
+    assert {per_rank[name][0]["last"] for per_rank in pipelined} == {False, True}
+    for r, per_rank in enumerate(pipelined):
+        stock, ours = per_rank[name]
+        assert_same_step(stock, ours, f"rank {r} {name}")
+
+
+def test_token_microbatching_pads_and_reorders():
+    """The token-based cases do what they are for: with ``max_tokens_per_microbatch=14`` SkyRL
+    splits :func:`training_batch` into micro-batches of different sizes (so
+    ``_pad_microbatch_to_size`` pads) in an order other than the batch's (so the forward
+    output is reordered)."""
+    for data in (training_batch(11), training_batch(12, n=3)):
+        from skyrl.backends.skyrl_train.workers.worker_utils import get_microbatch_iterator
+
+        it = get_microbatch_iterator(data, micro_batch_size=4, max_tokens_per_microbatch=14)
+        sizes = [len(mb) for mb in it._microbatches]
+        assert len(set(sizes)) > 1, sizes
+        assert sum(it._microbatches, []) != list(range(data.batch_size)), it._microbatches
