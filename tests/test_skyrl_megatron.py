@@ -291,12 +291,14 @@ def sm_options(text=""):
 
 def test_enable_puts_gbcs_megatron_workers_in_place(monkeypatch):
     """Under trainer.strategy=megatron, enable() puts gbc's Megatron workers where SkyRL's
-    BasePPOExp imports them from (SkyRL's module as a stand-in here: it imports
-    megatron-bridge), the options in their Ray runtime environment; importing gbc's worker
-    module (as Ray's worker processes do) puts gbc's methods on SkyRL's MegatronModelWrapper;
-    a config gbc's wrapper cannot run stops enable(), naming the option."""
-    import importlib.util
+    BasePPOExp imports them from (SkyRL's own module, importable with megatron-bridge's
+    names stood in for: tests/standins/megatron_bridge_cpu.py), the options in their Ray
+    runtime environment; importing gbc's worker module (as Ray's worker processes do) puts
+    gbc's methods on SkyRL's MegatronModelWrapper; a config gbc's wrapper cannot run stops
+    enable(), naming the option."""
+    import importlib
 
+    from conftest import megatron_bridge_cpu
     from test_skyrl import _trainer_cfg, assert_gbc_actors, skyrl_cpu
 
     sky = skyrl_cpu().load()
@@ -306,11 +308,8 @@ def test_enable_puts_gbcs_megatron_workers_in_place(monkeypatch):
 
     import gbc_kernels.integrations.skyrl as gsky
 
-    spec = importlib.util.spec_from_file_location(
-        gsky.MEGATRON_WORKER, os.path.join(HERE, "standins", "skyrl_megatron_worker.py"))
-    stand_in = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(stand_in)
-    monkeypatch.setitem(sys.modules, gsky.MEGATRON_WORKER, stand_in)
+    megatron_bridge_cpu().install()      # conftest removes it, SkyRL's module and gbc's
+    skyrl_module = importlib.import_module(gsky.MEGATRON_WORKER)
     monkeypatch.delitem(sys.modules, "gbc_kernels.integrations.skyrl.megatron_worker",
                         raising=False)
     for name in ("__init__", "forward", "forward_backward_mini_batch"):
@@ -328,15 +327,17 @@ def test_enable_puts_gbcs_megatron_workers_in_place(monkeypatch):
     cfg.fused_lm_head_logprob = True
     with pytest.raises(ValueError, match="trainer.fused_lm_head_logprob"):
         gsky.enable(cfg)
-    assert stand_in.PolicyWorker.__ray_metadata__.modified_class.__mro__[1] is (
-        stand_in.MegatronPolicyWorkerBase)
+    assert skyrl_module.PolicyWorker.__ray_metadata__.modified_class.__mro__[1] is (
+        skyrl_module.MegatronPolicyWorkerBase)
     with pytest.raises(ValueError, match="GBC_SKYRL_OPTIONS: nthr"):
         gsky.enable(_megatron(cfg), nthr=True)
 
     opts = gsky.enable(_megatron(cfg), ar_alpha=0.25)
     assert opts.ar_alpha == 0.25
     from gbc_kernels.integrations.skyrl import megatron_worker as gw
-    assert_gbc_actors(stand_in, gw.GBCMegatronPolicyWorker, gw.GBCMegatronRefWorker,
+    assert issubclass(gw.GBCMegatronPolicyWorker, skyrl_module.MegatronPolicyWorkerBase)
+    assert issubclass(gw.GBCMegatronRefWorker, skyrl_module.MegatronRefWorkerBase)
+    assert_gbc_actors(skyrl_module, gw.GBCMegatronPolicyWorker, gw.GBCMegatronRefWorker,
                       "ar_alpha=0.25")
     assert MegatronModelWrapper._gbc_patched
     assert MegatronModelWrapper.forward is not stock_forward
