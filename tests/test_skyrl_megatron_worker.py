@@ -4,9 +4,11 @@ Megatron workers (``MegatronPolicyWorkerBase`` / ``MegatronRefWorkerBase``), eac
 REAL worker methods on the same tiny megatron-core GPTModel and the same SkyRL
 ``TrainingInputBatch``: ``forward_backward`` (its micro-batching by sample count or by tokens,
 ``_pad_microbatch_to_size``, metric reduction and all-reduce), ``optim_step``, ``forward`` /
-``_forward_logprobs`` (the token-based reorder). Two gloo ranks at tensor parallel 2; pipeline
-parallel 2 (megatron's 1F1B schedule over gloo's point-to-point ops); a float64 model (SkyRL's
-head casts the logits to float32: agreement to 1e-5).
+``_forward_logprobs`` (the token-based reorder). Two gloo ranks at tensor parallel 2 (with and
+without sequence parallelism), pipeline parallel 2 (megatron's 1F1B schedule over gloo's
+point-to-point ops), data parallel 2 (each rank its own batch); four ranks at pipeline 2 ×
+tensor parallel 2. A float64 model (SkyRL's head casts the logits to float32: agreement to
+1e-5, relative to a gradient's largest entry).
 
 SkyRL's worker module imports on CPU with megatron-bridge's three names stood in for
 (tests/standins/megatron_bridge_cpu.py). The workers are built without Ray and without
@@ -273,6 +275,15 @@ def run_worker_step(worker, data=None, forward_data=None, optim=True):
     return out
 
 
+def _close_scaled(a, b, what, tol=1e-5):
+    """:func:`_close` with the absolute tolerance scaled by ``b``'s largest entry (gradients of
+    SkyRL's scaled loss reach tens; SkyRL's float32 logits round relative to that)."""
+    assert a.shape == b.shape, (what, a.shape, b.shape)
+    scale = max(1.0, float(b.abs().max())) if b.numel() else 1.0
+    torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol / 10 * scale,
+                               msg=what)
+
+
 def _loss_fn_outputs(stock, ours, loss_masks, what):
     """SkyRL's per-sequence outputs (row ``i``: the last ``n`` of the ``T`` response positions,
     ``n`` from its response mask): the same rows and lengths, SkyRL's without NaN; gbc's
@@ -309,12 +320,12 @@ def assert_same_step(stock, ours, what):
         assert stock["grads"].keys() == ours["grads"].keys() and stock["grads"], what
         assert float(sum(g.abs().sum() for g in ours["grads"].values())) > 0, what
         for k in stock["grads"]:
-            _close(stock["grads"][k], ours["grads"][k], f"{what} grad {k}")
+            _close_scaled(ours["grads"][k], stock["grads"][k], f"{what} grad {k}")
     if "params" in stock:
         _close(stock["grad_norm"] * torch.ones(()), ours["grad_norm"] * torch.ones(()),
                f"{what} grad_norm")
         for k in stock["params"]:
-            _close(stock["params"][k], ours["params"][k], f"{what} param {k}")
+            _close_scaled(ours["params"][k], stock["params"][k], f"{what} param {k}")
     if "logp" in stock:
         assert len(stock["logp"]) == len(ours["logp"]) > 0, what
         for i, (s, o) in enumerate(zip(stock["logp"], ours["logp"])):
@@ -338,34 +349,51 @@ CASES = {
     "ref": ("ref", dict(micro=4), {}),
     "ref_tokens_packed": ("ref", dict(packed=True, max_tokens=14, temperature=0.8), {}),
 }
+# the comparison's control: gbc's worker runs AR (``ar_alpha``), SkyRL's the plain advantages
+CONTROL_CASES = {
+    "control_ar_not_by_hand": ("policy", dict(micro=4, **KL_ENTROPY),
+                               dict(options="ar_alpha=0.4")),
+}
 PIPELINE_CASES = {
     "pp2": ("policy", dict(micro=3, **KL_ENTROPY), dict(tp=1, pp=2)),
     "pp2_tokens": ("policy", dict(micro=3, max_tokens=14, **KL_ENTROPY), dict(tp=1, pp=2)),
     "pp2_ref": ("ref", dict(micro=3), dict(tp=1, pp=2)),
+}
+# data parallel 2: each rank its own batch (sample-based micro-batches: SkyRL's token-based
+# padding micro-batches draw token ids up to 100, beyond the tiny model's vocabulary)
+DP_CASES = {
+    "dp2": ("policy", dict(micro=2, **KL_ENTROPY), dict(tp=1), dict(per_rank=True)),
+    "dp2_packed": ("policy", dict(packed=True, micro=4, temperature=0.8, **KL_ENTROPY),
+                   dict(tp=1), dict(per_rank=True)),
+}
+PP_TP_CASES = {
+    "pp2_tp2_sp": ("policy", dict(micro=3, **KL_ENTROPY), dict(tp=2, sp=True, pp=2)),
 }
 
 
 def _cases_worker(rank, world, cases):
     sky = skyrl_megatron().sky
     out = {}
-    for name, (kind, cfg_kw, pair_kw) in cases.items():
+    for name, (kind, cfg_kw, pair_kw, *data_kw) in cases.items():
+        seed = 11 + (100 * rank if data_kw and data_kw[0].get("per_rank") else 0)
         cfg = worker_cfg(sky, **cfg_kw)
         pair = worker_pair(cfg, kind, **pair_kw)
         train = kind == "policy"
-        out[name] = [run_worker_step(w, training_batch(11) if train else None,
-                                     training_batch(12, n=3)) for w in pair]
+        out[name] = [run_worker_step(w, training_batch(seed) if train else None,
+                                     training_batch(seed + 1, n=3)) for w in pair]
     os.environ.pop("GBC_SKYRL_OPTIONS", None)
     return out
 
 
 @pytest.fixture(scope="module")
 def stepped():
-    return spawn_gloo(2, _cases_worker, CASES)
+    return spawn_gloo(2, _cases_worker, {**CASES, **CONTROL_CASES})
 
 
 @pytest.fixture(scope="module")
-def pipelined():
-    return spawn_gloo(2, _cases_worker, PIPELINE_CASES)
+def two_ranks():
+    """The pipeline and data-parallel cases: one spawn of two ranks."""
+    return spawn_gloo(2, _cases_worker, {**PIPELINE_CASES, **DP_CASES})
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -381,16 +409,58 @@ def test_worker_step_equals_skyrls_worker(stepped, name):
         assert_same_step(stock, ours, f"rank {r} {name}")
 
 
+def test_comparison_sees_a_different_step(stepped):
+    """The control: gbc's worker with AR on, SkyRL's without AR applied by hand, differ in
+    the loss, the metrics, the loss_fn_outputs' rows being the same (AR leaves the
+    log-probs), and the gradients."""
+    for r, per_rank in enumerate(stepped):
+        stock, ours = per_rank["control_ar_not_by_hand"]
+        with pytest.raises(AssertionError, match="metric"):
+            assert_same_step(stock, ours, f"rank {r}")
+        assert stock["metrics"]["policy_loss"] != pytest.approx(ours["metrics"]["policy_loss"])
+        _loss_fn_outputs(stock["loss_fn_outputs"], ours["loss_fn_outputs"],
+                         stock["loss_masks"], f"rank {r}")
+        assert any(not torch.allclose(stock["grads"][k], ours["grads"][k], rtol=1e-3)
+                   for k in stock["grads"])
+
+
+def _pipeline(results, name):
+    assert {per_rank[name][0]["last"] for per_rank in results} == {False, True}
+    for r, per_rank in enumerate(results):
+        stock, ours = per_rank[name]
+        assert_same_step(stock, ours, f"rank {r} {name}")
+
+
 @pytest.mark.parametrize("name", sorted(PIPELINE_CASES))
-def test_pipeline_parallel_worker_step_equals_skyrls_worker(pipelined, name):
+def test_pipeline_parallel_worker_step_equals_skyrls_worker(two_ranks, name):
     """Pipeline parallel 2 (SkyRL's wrapper on megatron's 1F1B schedule, gloo point-to-point):
     the metrics (SkyRL broadcasts the last stage's to every stage) and on the last stage the
     loss_fn_outputs and forward log-probs, every gradient on both stages (the first stage's
     through the schedule's backward)."""
-    assert {per_rank[name][0]["last"] for per_rank in pipelined} == {False, True}
-    for r, per_rank in enumerate(pipelined):
+    _pipeline(two_ranks, name)
+
+
+@pytest.mark.parametrize("name", sorted(DP_CASES))
+def test_data_parallel_worker_step_equals_skyrls_worker(two_ranks, name):
+    """Data parallel 2, each rank its own batch: gbc's loss scaled by the data-parallel size as
+    SkyRL's, the worker's metrics all-reduced over the ranks (the same on both ranks), each
+    rank's gradients (no DDP: the ranks' own) == SkyRL's."""
+    for r, per_rank in enumerate(two_ranks):
         stock, ours = per_rank[name]
         assert_same_step(stock, ours, f"rank {r} {name}")
+    (s0, _), (s1, _) = two_ranks[0][name], two_ranks[1][name]
+    assert s0["metrics"] == s1["metrics"]
+    assert not torch.equal(s0["loss_masks"], s1["loss_masks"]) or any(
+        not torch.equal(s0["grads"][k], s1["grads"][k]) for k in s0["grads"])
+
+
+@pytest.mark.slow
+def test_pipeline_and_tensor_parallel_worker_step_equals_skyrls_worker():
+    """Pipeline parallel 2 × tensor parallel 2 with sequence parallelism, four ranks: as
+    :func:`test_pipeline_parallel_worker_step_equals_skyrls_worker`."""
+    results = spawn_gloo(4, _cases_worker, PP_TP_CASES)
+    for name in PP_TP_CASES:
+        _pipeline(results, name)
 
 
 def test_token_microbatching_pads_and_reorders():
