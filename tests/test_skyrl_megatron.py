@@ -7,8 +7,8 @@ float32, so the two agree to float32's rounding: 1e-5).
 What runs is SkyRL's: its ``forward`` / ``forward_backward_mini_batch`` (micro-batching,
 ``forward_step`` with ``remove_left_padding`` / ``recover_left_padding``, its loss scaling),
 megatron's schedule and backward. Bypassed here (said here): SkyRL's Megatron worker
-(tests/test_skyrl_megatron_worker.py runs it, megatron-bridge's names stood in for); the model is the CPU-shimmed tiny GPTModel of tests/test_verl_megatron.py
-with SkyRL's ``[B, 1, 1, S]`` padding mask replaced by the causal mask (exact for the valid rows
+(tests/test_skyrl_megatron_worker.py runs it, megatron-bridge's names stood in for); the model
+is the CPU-shimmed tiny GPTModel of tests/test_verl_megatron.py with SkyRL's ``[B, 1, 1, S]`` padding mask replaced by the causal mask (exact for the valid rows
 of the right-padded rows SkyRL's ``remove_left_padding`` makes, for both wrappers alike), and
 the schedule's ``finalize_model_grads`` is the sequence-parallel norms' gradient all-reduce only
 (SkyRL's wrapper sets megatron's, which needs DDP)."""

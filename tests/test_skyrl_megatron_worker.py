@@ -53,6 +53,7 @@ sys.path.insert(0, HERE)
 from conftest import megatron_bridge_cpu, spawn_gloo  # noqa: E402
 from test_skyrl_megatron import (_cfg, _close, _grads, _micro_batches,  # noqa: E402
                                  _model, _same_metric)
+from test_verl_megatron import _SGD  # noqa: E402
 
 WRAPPER_METHODS = ("__init__", "forward", "forward_backward_mini_batch")
 _MODULES = None
@@ -129,30 +130,20 @@ def training_batch(seed, n=2, B=3, P=5, T=6):
     return batch
 
 
-class StandInOptimizer:
-    """megatron's optimizer as SkyRL's Megatron worker, wrapper and strategy call it (``step()``
-    → ``(success, grad_norm, num_zeros)``, ``zero_grad``, ``param_groups``, ``scale_loss``),
-    over ``torch.optim.SGD(lr)`` on the chunks' parameters: megatron's own optimizer needs its
-    DDP's grad buffers, which the bare CPU chunks lack. ``grad_norm``: this rank's gradients'
-    2-norm (not reduced over ranks); ``scale_loss``: the identity (megatron's float32
-    optimizers' loss scale is 1)."""
+class StandInOptimizer(_SGD):
+    """megatron's optimizer as SkyRL's Megatron worker, wrapper and strategy call it: tests/
+    test_verl_megatron.py's ``_SGD`` (``step()`` → ``(success, grad_norm, None)``, the norm of
+    this rank's gradients, ``zero_grad``) with ``param_groups`` (the worker reports the
+    learning rate) and ``scale_loss`` (the wrapper hands it to the schedule; the identity, as
+    megatron's float32 optimizers' loss scale is 1). megatron's own optimizer needs its DDP's
+    grad buffers, which the bare CPU chunks lack."""
 
     def __init__(self, chunks, lr=0.5):
-        self.sgd = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=lr)
-        self.param_groups = self.sgd.param_groups
+        super().__init__(list(chunks), lr)
+        self.param_groups = self.opt.param_groups
 
     def scale_loss(self, loss):
         return loss
-
-    def step(self):
-        grads = [p.grad.norm() for g in self.param_groups for p in g["params"]
-                 if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack(grads)) if grads else None
-        self.sgd.step()
-        return True, norm, None
-
-    def zero_grad(self, set_to_none=True):
-        self.sgd.zero_grad(set_to_none=set_to_none)
 
 
 def _zero_grad_buffer(chunk):
@@ -322,8 +313,7 @@ def assert_same_step(stock, ours, what):
         for k in stock["grads"]:
             _close_scaled(ours["grads"][k], stock["grads"][k], f"{what} grad {k}")
     if "params" in stock:
-        _close(stock["grad_norm"] * torch.ones(()), ours["grad_norm"] * torch.ones(()),
-               f"{what} grad_norm")
+        assert stock["grad_norm"] == pytest.approx(ours["grad_norm"], rel=1e-5), what
         for k in stock["params"]:
             _close_scaled(ours["params"][k], stock["params"][k], f"{what} param {k}")
     if "logp" in stock:

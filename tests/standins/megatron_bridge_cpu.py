@@ -24,6 +24,7 @@ Importing gbc's worker module also puts gbc's methods on SkyRL's ``MegatronModel
 """
 
 import importlib.machinery
+import importlib.util
 import sys
 import types
 
@@ -63,8 +64,6 @@ def installed():
 def install():
     """Put the stand-in modules into ``sys.modules`` (no-op when installed); refuses where a
     real megatron-bridge is importable (nothing to stand in for)."""
-    import importlib.util
-
     import megatron
 
     if installed():
