@@ -221,16 +221,38 @@ def worker_pair(cfg, kind="policy", options="", tp=2, sp=False, pp=1, lr=0.5):
                  for gbc in (False, True))
 
 
-def run_worker_step(worker, data=None, forward_data=None, optim=True):
+def _recording_loss_masks(worker, call):
+    """``call()``'s result and the loss masks of the micro-batches the worker handed its
+    wrapper's ``forward_backward_mini_batch`` (in their order: the rows of its
+    ``loss_fn_outputs``)."""
+    seen = []
+    step = worker.model.forward_backward_mini_batch
+
+    def recording(micro_batches, *args, **kwargs):
+        seen.extend(mb["loss_mask"].detach().cpu() for mb in micro_batches)
+        return step(micro_batches, *args, **kwargs)
+
+    worker.model.forward_backward_mini_batch = recording
+    try:
+        res = call()
+    finally:
+        del worker.model.forward_backward_mini_batch
+    return res, torch.cat(seen)
+
+
+def run_worker_step(worker, data=None, forward_data=None, optim=True, loss_data=None,
+                    loss_fn=None):
     """Run the worker's methods as SkyRL's trainer calls them (``GBC_SKYRL_OPTIONS`` the
     worker's): a policy worker's ``forward_backward(data)`` (then, with ``optim``,
-    ``optim_step()``), and ``forward(forward_data)`` (the no-grad log-prob pass; a reference
-    worker's only method here). Returns a dict of what ran: ``metrics``, ``loss_fn_outputs``,
-    ``grads`` (every parameter's gradient after the step, by name), ``loss_masks`` (the loss
-    masks of the micro-batches the worker handed its wrapper, in their order: the rows of
-    ``loss_fn_outputs``), ``grad_norm`` and ``params`` (after ``optim_step``), ``logp``
-    (``forward``'s per-sequence log-probs, a list of lists), ``last`` (this rank is the last
-    pipeline stage)."""
+    ``optim_step()``), its loss-only pass ``forward(loss_data, loss_fn=loss_fn)`` (SkyRL's
+    ``forward_backward_mini_batch(forward_only=True)``), and ``forward(forward_data)`` (the
+    no-grad log-prob pass; a reference worker's only method here). Returns a dict of what ran:
+    ``metrics``, ``loss_fn_outputs``, ``grads`` (every parameter's gradient after the step, by
+    name), ``loss_masks`` (the loss masks of the micro-batches the worker handed its wrapper,
+    in their order: the rows of ``loss_fn_outputs``), ``grad_norm`` and ``params`` (after
+    ``optim_step``), ``loss_only`` (the loss-only pass's ``metrics``, ``loss_fn_outputs``,
+    ``loss_masks``), ``logp`` (``forward``'s per-sequence log-probs, a list of lists),
+    ``last`` (this rank is the last pipeline stage)."""
     from megatron.core import parallel_state as mpu
 
     from test_skyrl import skyrl_cpu
@@ -239,19 +261,8 @@ def run_worker_step(worker, data=None, forward_data=None, optim=True):
     out = {"last": mpu.is_pipeline_last_stage(ignore_virtual=True)}
     with skyrl_cpu().cpu_device():
         if data is not None:
-            seen = []
-            step = worker.model.forward_backward_mini_batch
-
-            def recording(micro_batches, *args, **kwargs):
-                seen.extend(mb["loss_mask"].detach().cpu() for mb in micro_batches)
-                return step(micro_batches, *args, **kwargs)
-
-            worker.model.forward_backward_mini_batch = recording
-            try:
-                res = worker.forward_backward(data)
-            finally:
-                del worker.model.forward_backward_mini_batch
-            out["loss_masks"] = torch.cat(seen)
+            res, out["loss_masks"] = _recording_loss_masks(
+                worker, lambda: worker.forward_backward(data))
             out.update(metrics=res.metrics, loss_fn_outputs=res.loss_fn_outputs,
                        grads={n: g for c in worker.actor_module for n, g in _grads(c).items()})
             if optim:
@@ -259,6 +270,11 @@ def run_worker_step(worker, data=None, forward_data=None, optim=True):
                 out["grad_norm"] = norm
                 out["params"] = {n: p.detach().clone() for c in worker.actor_module
                                  for n, p in c.named_parameters()}
+        if loss_data is not None:
+            res, masks = _recording_loss_masks(
+                worker, lambda: worker.forward(loss_data, loss_fn=loss_fn))
+            out["loss_only"] = dict(metrics=res.metrics, loss_fn_outputs=res.loss_fn_outputs,
+                                    loss_masks=masks)
         if forward_data is not None:
             res = worker.forward(forward_data)
             out["logp"] = [r["logprobs"] for r in res.loss_fn_outputs]
@@ -293,21 +309,28 @@ def _loss_fn_outputs(stock, ours, loss_masks, what):
             _close(x[keep], y[keep], f"{what} loss_fn_outputs[{i}].{k}")
 
 
+def _same_outputs(stock, ours, what):
+    ms, mg = stock["metrics"], ours["metrics"]
+    assert ms.keys() == mg.keys(), (what, ms.keys() ^ mg.keys())
+    assert "policy_loss" in ms or "loss" in ms, (what, sorted(ms))
+    for k in ms:
+        _same_metric(ms[k], mg[k], f"{what} metric {k}")
+    assert torch.equal(stock["loss_masks"], ours["loss_masks"]), what
+    _loss_fn_outputs(stock["loss_fn_outputs"], ours["loss_fn_outputs"], stock["loss_masks"],
+                     what)
+
+
 def assert_same_step(stock, ours, what):
     """gbc's :func:`run_worker_step` result == SkyRL's: every metric SkyRL's worker returns
     (same keys), ``loss_fn_outputs``, every parameter's gradient (some nonzero), the optimizer
-    step's gradient norm and parameters, ``forward``'s log-probs (on a stage before the last,
+    step's gradient norm and parameters, the loss-only pass's metrics and ``loss_fn_outputs``,
+    ``forward``'s log-probs (on a stage before the last,
     SkyRL's placeholder, the same on both)."""
     assert stock.keys() == ours.keys(), what
+    if "loss_only" in stock:
+        _same_outputs(stock["loss_only"], ours["loss_only"], f"{what} loss-only")
     if "metrics" in stock:
-        ms, mg = stock["metrics"], ours["metrics"]
-        assert ms.keys() == mg.keys(), (what, ms.keys() ^ mg.keys())
-        assert "policy_loss" in ms or "loss" in ms, (what, sorted(ms))
-        for k in ms:
-            _same_metric(ms[k], mg[k], f"{what} metric {k}")
-        assert torch.equal(stock["loss_masks"], ours["loss_masks"]), what
-        _loss_fn_outputs(stock["loss_fn_outputs"], ours["loss_fn_outputs"],
-                         stock["loss_masks"], what)
+        _same_outputs(stock, ours, what)
         assert stock["grads"].keys() == ours["grads"].keys() and stock["grads"], what
         assert float(sum(g.abs().sum() for g in ours["grads"].values())) > 0, what
         for k in stock["grads"]:
@@ -336,6 +359,9 @@ CASES = {
                   dict(sp=True)),
     "tokens_padded": ("policy", dict(micro=4, max_tokens=14, **KL_ENTROPY), {}),
     "tokens_packed": ("policy", dict(packed=True, max_tokens=14, **KL_ENTROPY), {}),
+    "loss_only_cross_entropy": ("policy", dict(micro=4), {}, dict(loss_fn="cross_entropy")),
+    "loss_only_regular_packed": ("policy", dict(packed=True, micro=4, **KL_ENTROPY), {},
+                                 dict(loss_fn="regular")),
     "ref": ("ref", dict(micro=4), {}),
     "ref_tokens_packed": ("ref", dict(packed=True, max_tokens=14, temperature=0.8), {}),
 }
@@ -368,9 +394,12 @@ def _cases_worker(rank, world, cases):
         seed = 11 + (100 * rank if data_kw and data_kw[0].get("per_rank") else 0)
         cfg = worker_cfg(sky, **cfg_kw)
         pair = worker_pair(cfg, kind, **pair_kw)
-        train = kind == "policy"
+        loss_fn = data_kw[0].get("loss_fn") if data_kw else None
+        train = kind == "policy" and loss_fn is None
         out[name] = [run_worker_step(w, training_batch(seed) if train else None,
-                                     training_batch(seed + 1, n=3)) for w in pair]
+                                     training_batch(seed + 1, n=3),
+                                     loss_data=training_batch(seed) if loss_fn else None,
+                                     loss_fn=loss_fn) for w in pair]
     os.environ.pop("GBC_SKYRL_OPTIONS", None)
     return out
 
@@ -392,7 +421,8 @@ def test_worker_step_equals_skyrls_worker(stepped, name):
     metric, loss_fn_outputs, every gradient, the optimizer step, the no-grad forward's
     log-probs), padded and packed micro-batches, by sample count and by tokens
     (``trainer.max_tokens_per_microbatch``: padded micro-batches, the forward output
-    reordered); the reference worker's ``forward``."""
+    reordered); the loss-only pass (``forward(data, loss_fn=...)``: SkyRL's SFT loss and
+    ``regular``); the reference worker's ``forward``."""
     for r, per_rank in enumerate(stepped):
         stock, ours = per_rank[name]
         assert stock["last"]
