@@ -273,6 +273,8 @@ def _methods_worker(rank, world):
         for h in halves:
             want.append(s.forward_backward(hand[h]).metrics)
             s.optim_step()
+        with pytest.raises(ValueError, match="recompute_old_logprobs_per_minibatch"):
+            g.forward_backward(_batch(sky, 7)[0:3])      # rows the pass did not keep
         out["nthr"] = dict(got=got, want=want, params=(_params(gm), _params(sm_), start),
                            scale=torch.cat(scales), oracle=oracle, mask=mask,
                            forwards=forwards[0])
@@ -306,23 +308,17 @@ def _methods_worker(rank, world):
         got = g.forward_backward(data).metrics
         g.optim_step()
         from skyrl.backends.skyrl_train.workers.megatron import megatron_model_wrapper as mmw
+
+        from test_skyrl_methods import _weight_stock_kl
         base_rows = data["base_action_log_probs"]
-        orig = mmw.compute_approx_kl
-
-        def weighted(logp, base, loss_mask=None, kl_estimator_type="k3"):
-            kl = orig(logp, base, loss_mask=loss_mask, kl_estimator_type=kl_estimator_type)
-            idx = [next(i for i in range(len(base_rows)) if torch.equal(base_rows[i], base[r]))
-                   for r in range(base.shape[0])]
-            return kl * oracle[idx].to(kl.dtype)
-
-        mmw.compute_approx_kl = weighted
+        undo = _weight_stock_kl(oracle, base_rows, mmw)
         try:
             hand = _batch(sky, 6)
             hand["base_action_log_probs"] = base_rows
             want = s.forward_backward(hand).metrics
             s.optim_step()
         finally:
-            mmw.compute_approx_kl = orig
+            undo()
         out["critical_kl"] = dict(got=got, want=want, params=(_params(gm), _params(sm_), start),
                                   weight=data[KL_WEIGHT_KEY], oracle=oracle,
                                   mask=data["loss_mask"].bool(),
@@ -374,7 +370,8 @@ def test_nthr_from_skyrls_megatron_pass_equals_reference_and_hand(stepped):
     stage (each TP rank its vocabulary slice of the head); each mini-batch's forward_backward
     scores them, no forward beyond SkyRL's own (2 pass + 2 × 2 update micro-batches);
     the scales equal gbc_reference's (float64, whole output weight) and the steps equal
-    SkyRL's stock steps on the advantages times those scales."""
+    SkyRL's stock steps on the advantages times those scales; a mini-batch the pass did not
+    keep is refused on every rank, naming SkyRL's option."""
     for out in stepped:
         o = out["nthr"]
         m = o["mask"]
