@@ -204,11 +204,12 @@ def _methods_worker(rank, world):
     out = {}
     start = None
 
-    def pair(options, algo=ALGO, temperature=1.0):
+    def pair(options, algo=ALGO, temperature=1.0, max_tokens=0):
         cfg = _cfg(sky, "regular", **algo)
         cfg.algorithm.temperature = temperature
         cfg.micro_train_batch_size_per_gpu = 2
         cfg.micro_forward_batch_size_per_gpu = 3
+        cfg.max_tokens_per_microbatch = max_tokens
         os.environ["GBC_SKYRL_OPTIONS"] = options
         gm, sm_ = _model(world, False), _model(world, False)
         nonlocal start
@@ -246,7 +247,9 @@ def _methods_worker(rank, world):
 
         # NTHR: kept from SkyRL's old-log-prob pass (per mini-batch), scored per update
         opts = methods.MethodOptions(nthr=True, nthr_beta=0.0)
-        g, s, gm, sm_ = pair("nthr=true,nthr_beta=0.0", temperature=0.8)
+        # SkyRL's token-based micro-batching: micro-batches of unequal sizes, padded by
+        # SkyRL's worker (rows with no loss tokens, which gbc's fields are padded for)
+        g, s, gm, sm_ = pair("nthr=true,nthr_beta=0.0", temperature=0.8, max_tokens=20)
         data = _batch(sky, 5)
         rows, weight = _oracle_rows(gm, data["sequences"], data["attention_mask"])
         halves = (slice(0, 3), slice(3, 6))
@@ -273,11 +276,17 @@ def _methods_worker(rank, world):
         for h in halves:
             want.append(s.forward_backward(hand[h]).metrics)
             s.optim_step()
+        from skyrl.backends.skyrl_train.workers.worker_utils import get_microbatch_iterator
+        skyrls = sum(len(get_microbatch_iterator(data[h], micro_batch_size=n,
+                                                 max_tokens_per_microbatch=20))
+                     for h in halves for n in (2, 3))      # SkyRL's pass's and update's
+        sizes = [mb["sequences"].shape[0] for h in halves for mb in get_microbatch_iterator(
+            data[h], micro_batch_size=2, max_tokens_per_microbatch=20)]
         with pytest.raises(ValueError, match="recompute_old_logprobs_per_minibatch"):
             g.forward_backward(_batch(sky, 7)[0:3])      # rows the pass did not keep
         out["nthr"] = dict(got=got, want=want, params=(_params(gm), _params(sm_), start),
                            scale=torch.cat(scales), oracle=oracle, mask=mask,
-                           forwards=forwards[0])
+                           forwards=(forwards[0], skyrls), sizes=sizes)
 
         # critical-token KL: the reference worker's pass gives the weights; SkyRL's KL term
         # weighted by hand on the stock side
@@ -368,14 +377,17 @@ def test_lopti_is_two_optimizer_steps_of_skyrls_step(stepped):
 def test_nthr_from_skyrls_megatron_pass_equals_reference_and_hand(stepped):
     """nthr: SkyRL's Megatron old-log-prob pass (per mini-batch) keeps NTHR's rows on the last
     stage (each TP rank its vocabulary slice of the head); each mini-batch's forward_backward
-    scores them, no forward beyond SkyRL's own (2 pass + 2 × 2 update micro-batches);
+    scores them, no forward beyond SkyRL's own (one per micro-batch of its pass and update,
+    token-based micro-batches of unequal sizes, which SkyRL pads);
     the scales equal gbc_reference's (float64, whole output weight) and the steps equal
     SkyRL's stock steps on the advantages times those scales; a mini-batch the pass did not
     keep is refused on every rank, naming SkyRL's option."""
     for out in stepped:
         o = out["nthr"]
         m = o["mask"]
-        assert o["forwards"] == 2 + 2 * 2
+        forwards, skyrls = o["forwards"]
+        assert forwards == skyrls
+        assert len(set(o["sizes"])) > 1          # SkyRL padded a micro-batch to the others'
         assert o["oracle"].selected.any() and (o["oracle"].scale[m] != 1).any()
         torch.testing.assert_close(o["scale"][m].double(), o["oracle"].scale[m].double(),
                                    rtol=1e-5, atol=1e-6)
