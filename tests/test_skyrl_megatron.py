@@ -246,9 +246,9 @@ REFUSALS = [
     ({"policy.megatron_config.context_parallel_size": 2}, "",
      "trainer.policy.megatron_config.context_parallel_size=2"),
     ({"algorithm.policy_loss_type": "rollout_is"}, "", "policy_loss_type='rollout_is'"),
-    ({}, "nthr=true", "GBC_SKYRL_OPTIONS: nthr"),
-    ({}, "critical_kl_exponent=2.0", "GBC_SKYRL_OPTIONS: critical_kl_exponent"),
-    ({}, "lopti_eta=0.5", "GBC_SKYRL_OPTIONS: lopti_eta"),
+    ({"algorithm.use_kl_loss": False}, "critical_kl_exponent=2.0",
+     "GBC_SKYRL_OPTIONS: critical_kl_exponent: the loss has no KL term"),
+    ({}, "nthr=maybe", "nthr"),
     ({}, "ar_alpha=nope", "ar_alpha"),
 ]
 
@@ -329,8 +329,10 @@ def test_enable_puts_gbcs_megatron_workers_in_place(monkeypatch):
         gsky.enable(cfg)
     assert skyrl_module.PolicyWorker.__ray_metadata__.modified_class.__mro__[1] is (
         skyrl_module.MegatronPolicyWorkerBase)
-    with pytest.raises(ValueError, match="GBC_SKYRL_OPTIONS: nthr"):
-        gsky.enable(_megatron(cfg), nthr=True)
+    cfg.algorithm.use_kl_loss = False
+    with pytest.raises(ValueError, match="critical_kl_exponent: the loss has no KL term"):
+        gsky.enable(_megatron(cfg), critical_kl_exponent=2.0)
+    cfg.algorithm.use_kl_loss = True
 
     opts = gsky.enable(_megatron(cfg), ar_alpha=0.25)
     assert opts.ar_alpha == 0.25

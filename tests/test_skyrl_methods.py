@@ -61,10 +61,12 @@ def _set_options(text):
     os.environ["GBC_SKYRL_OPTIONS"] = text
 
 
-def _weight_stock_kl(weights, full_base):
+def _weight_stock_kl(weights, full_base, skw=None):
     """By hand: SkyRL's stock worker's KL term with each token's KL times its weight (the rows
-    of a micro-batch found by their reference log-probs)."""
-    from skyrl.backends.skyrl_train.workers import worker as skw
+    of a micro-batch found by their reference log-probs); ``skw``: the module whose
+    ``compute_approx_kl`` the step calls (default: SkyRL's worker module, the FSDP step's)."""
+    if skw is None:
+        from skyrl.backends.skyrl_train.workers import worker as skw
 
     orig = skw.compute_approx_kl
 

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 
 import torch
 
 from gbc_kernels.integrations import megatron as gbc_megatron
 
 from . import losses
-from .worker import (OPTIONS_ENV, _check_sft, check_config, loss_fn_outputs, method_options,
-                     step_metrics)
+from .worker import (CARRIED, KL_WEIGHT_KEY, OPTIONS_ENV, _check_sft, check_config, keep_rows,
+                     loss_fn_outputs, method_fields, method_options, row_keys, step_metrics,
+                     take_recorded)
 
 WRAPPER_MODULE = "skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper"
 
@@ -34,11 +36,6 @@ def check_megatron_config(cfg, options=None, is_vlm=False):
     SkyRL's ``trainer`` config); then the loss table's checks (:func:`.worker.check_config`).
     Returns the method options."""
     opts = method_options() if options is None else options
-    for name in ("nthr", "critical_kl_exponent", "lopti_eta"):
-        if getattr(opts, name) not in (0.0, None, False):
-            raise ValueError(f"{OPTIONS_ENV}: {name}: not wired into gbc's SkyRL Megatron "
-                             f"wrapper (trainer.strategy=megatron); it runs on "
-                             f"trainer.strategy=fsdp")
     if losses.get(cfg, "fused_lm_head_logprob", False):
         raise ValueError("trainer.fused_lm_head_logprob=true: SkyRL's own fused LM head; gbc's "
                          "head already forms no logits (set false)")
@@ -127,6 +124,34 @@ def _head(state):
                 hidden_gathered=state["gathered"])
 
 
+def _attach(micro_batches, recorded):
+    """The fields gbc carries (:data:`.worker.CARRIED`: NTHR's scales, critical-token KL's
+    weights), recorded per experience while SkyRL's Megatron worker made its micro-batch dicts
+    (:func:`.worker.recording`), into those dicts (same order): rows SkyRL padded a micro-batch
+    with (``_pad_microbatch_to_size``) and SkyRL's padding micro-batches get zeros, as SkyRL
+    pads its own fields."""
+    if recorded is None:
+        return
+    if len(recorded) != len(micro_batches):
+        raise ValueError(f"{OPTIONS_ENV}: {len(recorded)} micro-batches carried gbc's fields "
+                         f"for SkyRL's {len(micro_batches)}: the micro-batches are not the "
+                         f"worker's experiences")
+    keys = [k for k in CARRIED if any(k in r for r in recorded)]
+    for mb, fields in zip(micro_batches, recorded):
+        B, T = mb["sequences"].shape[0], int(mb["num_actions"])
+        for key in keys:
+            value = fields.get(key)
+            if value is None:
+                if mb["loss_mask"].any():
+                    raise ValueError(f"{OPTIONS_ENV}: a micro-batch with loss tokens carries "
+                                     f"no '{key}'")
+                value = torch.zeros(0, T)
+            value = value.to(mb["sequences"].device)
+            if value.shape[0] < B:
+                value = torch.cat([value, value.new_zeros(B - value.shape[0], T)])
+            mb[key] = value
+
+
 def _wrapper_methods(base):
     """gbc's ``__init__``, ``forward`` and ``forward_backward_mini_batch`` over SkyRL's
     (``base``: its ``MegatronModelWrapper`` methods)."""
@@ -134,17 +159,41 @@ def _wrapper_methods(base):
     def __init__(self, config, actor_module, actor_optimizer=None, policy_loss_fn=None,
                  is_vlm=False):
         self.gbc_options = check_megatron_config(config, is_vlm=is_vlm)
+        # set by gbc's workers for the length of a call: the Lopti phase, NTHR's rows being
+        # kept by the old-log-prob pass, the reference pass's options (critical-token KL) and
+        # the KL weights it gives (row key -> [T])
+        self.gbc_phase = self.gbc_keeping = self.gbc_reference = self.gbc_ref_weights = None
         base["__init__"](self, config, actor_module, actor_optimizer, policy_loss_fn, is_vlm)
 
     def forward(self, micro_batches, seq_len, micro_batch_size, temperature=1.0):
         """SkyRL's no-grad log-prob pass by gbc's row pass (:func:`gbc_kernels.integrations.
-        megatron.logprobs`): the ``[B, T]`` response log-probs, no logits."""
+        megatron.logprobs`): the ``[B, T]`` response log-probs, no logits. With
+        :attr:`gbc_keeping` set (NTHR, the old-log-prob pass) each micro-batch's rows are kept
+        too; with :attr:`gbc_reference` set (critical-token KL, the reference pass) the same
+        sweep gives the KL weights, into :attr:`gbc_ref_weights` by row key."""
         def collect(hidden, data, state):
             h, y, valid = _rows(hidden, data)
-            out = gbc_megatron.logprobs(h.to(state["weight"].dtype), state["weight"], y,
-                                        temperature=temperature, return_entropy=False,
-                                        **_head(state))
-            logp = out.logp if valid is None else out.logp.masked_fill(~valid, 0.0)
+            weight, ref, keep = state["weight"], self.gbc_reference, self.gbc_keeping
+            h = h.to(weight.dtype)
+            seq, attn = data["sequences"], data["attention_mask"]
+            if ref is not None:
+                st = gbc_megatron.reference_stats(h, weight, y, ref, temperature=temperature,
+                                                  **_head(state))
+                logp, kl_weight = st.ref_logp, st.kl_weight
+                if valid is not None:
+                    kl_weight = kl_weight.masked_fill(~valid, 0.0)
+                self.gbc_ref_weights.update(zip(row_keys(seq, attn), kl_weight.float().cpu()))
+            else:
+                logp = gbc_megatron.logprobs(h, weight, y, temperature=temperature,
+                                             return_entropy=False, **_head(state)).logp
+            if keep is not None:
+                real = attn[:, -y.shape[1]:].bool()
+                keep_rows(keep, seq, attn, h.transpose(0, 1), y,
+                          real if valid is None else real & valid,
+                          types.SimpleNamespace(weight=weight, bias=state["bias"]), None,
+                          temperature, logp,
+                          vocab_parallel=gbc_megatron.vocab_parallel(weight, state["tp_group"]))
+            logp = logp if valid is None else logp.masked_fill(~valid, 0.0)
             return torch.tensor(0.0, device=hidden.device), {"log_probs": logp}
 
         with _gbc_head(collect):
@@ -168,6 +217,8 @@ def _wrapper_methods(base):
             raise ValueError("trainer.policy.megatron_config.mtp_num_layers: SkyRL's MTP draft "
                              "loss needs the main logits, which gbc's head never forms")
         sft = loss_type == "cross_entropy"
+        _attach(micro_batches, take_recorded())
+        phase = self.gbc_phase
 
         def loss_func(hidden, data, state):
             nmb = data["num_microbatches"]
@@ -181,14 +232,16 @@ def _wrapper_methods(base):
             old, base_lp = data["old_action_log_probs"], data["base_action_log_probs"]
             call, _ = losses.policy_loss_inputs(algo, loss_type, loss_mask, data["advantages"],
                                                 old, data["rollout_action_logprobs"])
+            scale, kl_weight = method_fields(data, opts, cfg, loss_mask.device)
             h, y, _ = _rows(hidden, data)      # packed: the loss mask's rows are real
             out = gbc_megatron.policy_loss(h.to(state["weight"].dtype), state["weight"], y,
                                            config=cfg, return_entropy=not sft,
                                            ref_logp=base_lp if cfg.kl_coef else None,
+                                           token_scale=scale, kl_weight=kl_weight, phase=phase,
                                            **call, **_head(state))
             logp, m = step_metrics(algo, loss_type, {"logp": out.logp, "entropy": out.entropy},
                                    call["mask"], loss_mask, data["advantages"], old, base_lp,
-                                   data["rollout_action_logprobs"], opts)
+                                   data["rollout_action_logprobs"], opts, phase, scale)
             outputs = loss_fn_outputs(logp, data.get("action_mask"), sft, loss_mask)
             if sft:
                 metrics = {"loss": m.pop("policy_loss"), "response_length": data["num_actions"],
@@ -204,6 +257,36 @@ def _wrapper_methods(base):
 
     return dict(__init__=__init__, forward=forward,
                 forward_backward_mini_batch=forward_backward_mini_batch)
+
+
+def reference_forward(worker, data, options):
+    """SkyRL's Megatron reference ``forward`` (``_forward_logprobs``: its micro-batching,
+    token-based batching and reordering) with critical-token KL's weights from the same sweep
+    (``options``: the method options): each sample's ``loss_fn_outputs`` carries them under
+    :data:`.worker.KL_WEIGHT_KEY` beside ``logprobs``, found by row key. A stage before the
+    last, which SkyRL gives a dummy ``[1, 1]`` of log-probs, gives zeros of that shape."""
+    from megatron.core import parallel_state as mpu
+    from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
+
+    model = worker.model
+    model.gbc_reference, model.gbc_ref_weights = options, {}
+    try:
+        logp = worker._forward_logprobs(data)
+        found = model.gbc_ref_weights
+    finally:
+        model.gbc_reference = model.gbc_ref_weights = None
+    if mpu.is_pipeline_last_stage(ignore_virtual=True):
+        keys = row_keys(data["sequences"], data["attention_mask"])
+        missing = sum(k not in found for k in keys)
+        if missing:
+            raise ValueError(f"{OPTIONS_ENV}: critical_kl_exponent: {missing} rows of the "
+                             f"reference batch got no KL weights from the reference pass")
+        weight = torch.stack([found[k] for k in keys])
+    else:
+        weight = torch.zeros_like(logp, dtype=torch.float32)
+    return WorkerOutput(loss_fn_outputs=[
+        {"logprobs": logp[i].tolist(), KL_WEIGHT_KEY: weight[i].tolist()}
+        for i in range(logp.shape[0])], metrics={})
 
 
 def gbc_megatron_config(wrapper):

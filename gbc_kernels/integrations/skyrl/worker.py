@@ -19,6 +19,7 @@ context").
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from typing import Optional
@@ -63,14 +64,45 @@ def carry_fields():
 
     def batch_to_experience(batch):
         exp = original(batch)
+        fields = {}
         for key in CARRIED:
             value = batch.get(key) if key in batch.keys() else None
             if value is not None:
+                fields[key] = value
                 exp.info = {**(exp.info or {}), key: value}
+        if _RECORDED is not None:
+            _RECORDED.append(fields)
         return exp
 
     batch_to_experience._gbc_carries = True
     cls.batch_to_experience = staticmethod(batch_to_experience)
+
+
+# while gbc's Megatron policy worker runs SkyRL's forward_backward: each micro-batch's carried
+# fields, in the order SkyRL made its experiences (:func:`recording`)
+_RECORDED: Optional[list] = None
+
+
+@contextlib.contextmanager
+def recording():
+    """While open, :func:`carry_fields`' ``batch_to_experience`` also records each
+    experience's carried fields, in order (SkyRL's Megatron worker turns each experience into
+    a micro-batch dict of its own keys: :func:`take_recorded` gives the fields to them)."""
+    global _RECORDED
+    previous, _RECORDED = _RECORDED, []
+    try:
+        yield
+    finally:
+        _RECORDED = previous
+
+
+def take_recorded() -> Optional[list]:
+    """The fields recorded since the last call (None outside :func:`recording`)."""
+    global _RECORDED
+    if _RECORDED is None:
+        return None
+    out, _RECORDED = _RECORDED, []
+    return out
 
 
 def row_keys(sequences: torch.Tensor, attention_mask: torch.Tensor) -> list:
@@ -268,18 +300,47 @@ def loss_fn_outputs(logp, action_mask, sft, loss_mask):
     return out
 
 
-class _GBCOptions:
+def method_fields(fields, opts, cfg, device):
+    """NTHR's token scales and critical-token KL's weights of a micro-batch (``fields``: what
+    it carries from SkyRL's training batch, :data:`CARRIED`), None where the method is off;
+    a method that is on and finds nothing stops, naming it."""
+    scale = kl_weight = None
+    if opts.nthr:
+        scale = fields.get(SCALE_KEY)
+        if scale is None:
+            raise ValueError(f"{OPTIONS_ENV}: nthr: the micro-batch has no token scales "
+                             f"('{SCALE_KEY}'; gbc's forward_backward adds them)")
+        scale = scale.to(device)
+    if opts.critical_kl_exponent is not None and cfg.kl_coef:
+        kl_weight = fields.get(KL_WEIGHT_KEY)
+        if kl_weight is None:
+            raise ValueError(
+                f"{OPTIONS_ENV}: critical_kl_exponent: the training batch has no "
+                f"critical-token KL weights ('{KL_WEIGHT_KEY}', from gbc's reference "
+                f"worker through gbc's trainer: call gbc_kernels.integrations.skyrl."
+                f"enable() in the process that runs SkyRL's trainer)")
+        kl_weight = kl_weight.to(device)
+    return scale, kl_weight
+
+
+def keep_rows(keep, seq, attn, rows, targets, valid, head, logit_softcap, temperature, logp,
+              vocab_parallel=None):
+    """A micro-batch of SkyRL's old-log-prob pass into NTHR's kept rows (``keep``:
+    :attr:`GBCMethodsMixin._gbc_keeping`): each row's key (:func:`row_keys` of ``seq`` /
+    ``attn``) and its response rows ``rows [B, T, H]``, ``targets``, ``valid`` and the pass's
+    ``logp`` ``[B, T]`` (:meth:`gbc_kernels.methods.NTHRBatch.add`; ``vocab_parallel``: the
+    head is this rank's vocabulary slice)."""
+    start = len(keep["keys"])
+    keep["keys"] += row_keys(seq, attn)
+    keep["device"] = rows.device
+    keep["batch"].add(torch.arange(start, start + seq.shape[0]), rows, targets, valid, head,
+                      logit_softcap, temperature, vocab_parallel=vocab_parallel, logp=logp)
+
+
+class GBCOptionsMixin:
+    """The method options of a gbc SkyRL worker (FSDP or Megatron)."""
+
     _gbc_options: Optional[methods.MethodOptions] = None
-    _gbc_sp_option = "trainer.policy.sequence_parallel_size"     # SkyRL's option of the worker
-
-    def _seq_parallel_monkey_patch(self, model, *args, **kwargs):
-        """SkyRL's Ulysses set-up (``init_model``), after gbc's check that the SP size divides
-        the model's heads (SkyRL asserts it there), naming SkyRL's option."""
-        from gbc_kernels.sequence_parallel import check_heads
-
-        check_heads(model.config, self.sequence_parallel_size,
-                    self._gbc_sp_option)
-        return super()._seq_parallel_monkey_patch(model, *args, **kwargs)
 
     @property
     def gbc_options(self) -> methods.MethodOptions:
@@ -289,9 +350,25 @@ class _GBCOptions:
         return self._gbc_options
 
 
-class GBCPolicyWorkerMixin(_GBCOptions):
-    """Put before SkyRL's policy worker class (``class W(GBCPolicyWorkerMixin,
-    FSDPPolicyWorkerBase)``): its training step and no-grad pass run gbc's."""
+class _UlyssesHeads(GBCOptionsMixin):
+    _gbc_sp_option = "trainer.policy.sequence_parallel_size"     # SkyRL's option of the worker
+
+    def _seq_parallel_monkey_patch(self, model, *args, **kwargs):
+        """SkyRL's Ulysses set-up (the FSDP ``init_model``), after gbc's check that the SP
+        size divides the model's heads (SkyRL asserts it there), naming SkyRL's option."""
+        from gbc_kernels.sequence_parallel import check_heads
+
+        check_heads(model.config, self.sequence_parallel_size,
+                    self._gbc_sp_option)
+        return super()._seq_parallel_monkey_patch(model, *args, **kwargs)
+
+
+class GBCMethodsMixin(GBCOptionsMixin):
+    """The method layer of gbc's SkyRL policy workers, FSDP and Megatron alike (put before
+    SkyRL's policy worker class): Lopti's two optimizer steps of SkyRL's own
+    ``forward_backward``, NTHR's rows kept by SkyRL's old-log-prob ``forward`` and scored per
+    training mini-batch. The backend's micro-step reads :attr:`_gbc_phase` and the carried
+    fields; it adds a micro-batch's rows to :attr:`_gbc_keeping` (:func:`keep_rows`)."""
 
     _gbc_phase: Optional[str] = None
     # NTHR: the rows being kept during one call of SkyRL's old-log-prob pass
@@ -302,10 +379,17 @@ class GBCPolicyWorkerMixin(_GBCOptions):
     _gbc_nthr_kept: Optional[list] = None
     _gbc_nthr_updated = True
 
-    def __init__(self, *args, **kwargs):
-        cfg = kwargs.get("cfg", args[0] if args else None)
-        self._gbc_options = check_config(cfg)      # before SkyRL's own look-ups
-        super().__init__(*args, **kwargs)
+    def _gbc_dp_group(self):
+        """The data-parallel group NTHR's groups are gathered over."""
+        raise NotImplementedError
+
+    def _gbc_holds_head(self) -> bool:
+        """Whether this rank computes the loss (Megatron: the last pipeline stage)."""
+        return True
+
+    def _gbc_agree_group(self):
+        """The ranks that take NTHR's fallback branch together."""
+        return self._gbc_dp_group()
 
     def forward(self, data, loss_fn=None, loss_fn_config=None):
         """SkyRL's ``forward``. With NTHR on, its old-log-prob pass (no loss: the trainer's
@@ -313,7 +397,7 @@ class GBCPolicyWorkerMixin(_GBCOptions):
         hidden states, targets and log-probs, and once the head's rows of the batch's token ids
         (:class:`gbc_kernels.methods.NTHRBatch`) — for the updates of this batch
         (:meth:`forward_backward`); no second forward."""
-        if loss_fn is not None or not self.gbc_options.nthr:
+        if loss_fn is not None or not self.gbc_options.nthr or not self._gbc_holds_head():
             return super().forward(data, loss_fn, loss_fn_config)
         T = int(data.metadata["response_length"])
         if self._gbc_nthr_updated or self._gbc_nthr_kept is None:   # a new batch's pass
@@ -328,9 +412,6 @@ class GBCPolicyWorkerMixin(_GBCOptions):
             self._gbc_keeping = None
         return out
 
-    def _gbc_dp_group(self):
-        return methods.data_parallel_group(self.device_mesh.get_group("dp"))
-
     def offload_to_cpu(self, *args, **kwargs):
         """SkyRL's offload; what the old-log-prob pass kept for NTHR goes to the CPU too."""
         for kept in self._gbc_nthr_kept or ():
@@ -343,16 +424,17 @@ class GBCPolicyWorkerMixin(_GBCOptions):
         old-log-prob pass kept (each row found by its :func:`row_keys`), into
         ``data["gbc_token_scale"]``; groups: ``data["gbc_group"]`` (SkyRL's ``uids``), each
         group's rows over the data-parallel ranks. Returns NTHR's metrics."""
-        group, keys = self._gbc_dp_group(), row_keys(data["sequences"], data["attention_mask"])
+        keys = row_keys(data["sequences"], data["attention_mask"])
         self._gbc_nthr_updated = True       # the next old-log-prob pass starts a new batch
+        holds = self._gbc_holds_head()
         kept = source = None
-        for entry in self._gbc_nthr_kept or ():      # the pass's call that held these rows
+        for entry in (self._gbc_nthr_kept or ()) if holds else ():   # the call with these rows
             where = {k: i for i, k in enumerate(entry["keys"])}
             source = [where.get(k) for k in keys]
             if None not in source:
                 kept = entry
                 break
-        if not methods.every_rank(kept is not None, group):
+        if not methods.every_rank(kept is not None or not holds, self._gbc_agree_group()):
             raise ValueError(
                 f"{OPTIONS_ENV}: nthr: a row of this training mini-batch was not in this rank's "
                 f"old-log-prob pass (SkyRL's policy forward before the advantages), whose hidden "
@@ -364,6 +446,8 @@ class GBCPolicyWorkerMixin(_GBCOptions):
                              f"(SkyRL's uids as group ids, added by gbc's trainer: call "
                              f"gbc_kernels.integrations.skyrl.enable() in the process that "
                              f"runs SkyRL's trainer)")
+        if not holds:           # a Megatron stage before the last: no loss, no scales
+            return {}
         batch = copy.copy(kept["batch"])          # the kept rows serve every mini-batch/epoch
         batch.temperatures = set(batch.temperatures)
         batch.take(torch.tensor(source, dtype=torch.long))
@@ -403,6 +487,19 @@ class GBCPolicyWorkerMixin(_GBCOptions):
         out2.metrics.update(nthr)
         return out2
 
+
+class GBCPolicyWorkerMixin(GBCMethodsMixin, _UlyssesHeads):
+    """Put before SkyRL's FSDP policy worker class (``class W(GBCPolicyWorkerMixin,
+    FSDPPolicyWorkerBase)``): its training micro-step and no-grad pass run gbc's."""
+
+    def __init__(self, *args, **kwargs):
+        cfg = kwargs.get("cfg", args[0] if args else None)
+        self._gbc_options = check_config(cfg)      # before SkyRL's own look-ups
+        super().__init__(*args, **kwargs)
+
+    def _gbc_dp_group(self):
+        return methods.data_parallel_group(self.device_mesh.get_group("dp"))
+
     def _forward_backward_micro(self, experience, microbatch_weight, loss_fn=None,
                                 loss_fn_config=None):
         _check_sft(self.gbc_options, loss_fn or self.cfg.algorithm.policy_loss_type)
@@ -424,7 +521,7 @@ class GBCPolicyWorkerMixin(_GBCOptions):
         call, _ = losses.policy_loss_inputs(algo, loss_type, loss_mask, experience.advantages,
                                             experience.action_log_probs,
                                             experience.rollout_logprobs)
-        scale, kl_weight = self._gbc_method_fields(experience, opts, cfg, call["mask"])
+        scale, kl_weight = method_fields(experience.info or {}, opts, cfg, call["mask"].device)
         token_out = {}
         loss, _, whole = _policy_loss(
             self.model, experience.sequences, experience.attention_mask, T, call,
@@ -450,37 +547,12 @@ class GBCPolicyWorkerMixin(_GBCOptions):
         status.update(m)
         return status
 
-    @staticmethod
-    def _gbc_method_fields(experience, opts, cfg, mask):
-        """NTHR's token scales and critical-token KL's weights of the micro-batch (carried in
-        its ``info`` from SkyRL's training batch), None where the method is off."""
-        info = experience.info or {}
-        device = mask.device
-        scale = kl_weight = None
-        if opts.nthr:
-            scale = info.get(SCALE_KEY)
-            if scale is None:
-                raise ValueError(f"{OPTIONS_ENV}: nthr: the micro-batch has no token scales "
-                                 f"('{SCALE_KEY}'; gbc's forward_backward adds them)")
-            scale = scale.to(device)
-        if opts.critical_kl_exponent is not None and cfg.kl_coef:
-            kl_weight = info.get(KL_WEIGHT_KEY)
-            if kl_weight is None:
-                raise ValueError(
-                    f"{OPTIONS_ENV}: critical_kl_exponent: the training batch has no "
-                    f"critical-token KL weights ('{KL_WEIGHT_KEY}', from gbc's reference "
-                    f"worker through gbc's trainer: call gbc_kernels.integrations.skyrl."
-                    f"enable() in the process that runs SkyRL's trainer)")
-            kl_weight = kl_weight.to(device)
-        return scale, kl_weight
-
-
     def _forward_micro_batch(self, micro_batch):
         return _no_grad_logprobs(self, micro_batch, _temperature(self.cfg),
                                  keep=self._gbc_keeping)
 
 
-class GBCRefWorkerMixin(_GBCOptions):
+class GBCRefWorkerMixin(_UlyssesHeads):
     """Put before SkyRL's reference worker class: its log-prob pass runs gbc's; with
     critical-token KL on, the same pass gives the KL weights."""
 
@@ -586,15 +658,12 @@ def _no_grad_logprobs(worker, micro_batch, temperature, reference=None, keep=Non
                                    logit_softcap=cap).logp
             weight = None
         if keep is not None:      # the response rows of this pass, for NTHR's scores
-            start = len(keep["keys"])
-            keep["keys"] += row_keys(seq, attn)
-            keep["device"] = rows.device
             valid = attn[:, -T:].bool() & (pk.valid if packed else True)
             # under Ulysses SP every rank of the group keeps the whole micro-batch's rows (each
             # position's hidden state and log-prob from the rank that holds it)
             whole = (lambda v: v) if sl is None else sl.whole
-            keep["batch"].add(torch.arange(start, start + seq.shape[0]), whole(rows), targets,
-                              valid, head, cap, temperature, logp=whole(logp))
+            keep_rows(keep, seq, attn, whole(rows), targets, valid, head, cap, temperature,
+                      whole(logp))
         if sl is not None:       # this rank's positions -> every position's
             logp = sl.whole(logp)
             weight = None if weight is None else sl.whole(weight)
