@@ -11,7 +11,7 @@ equal gbc_reference's on the model's float64 output-layer inputs and whole outpu
 Bypassed on CPU (said here): SkyRL's ``init_model`` (megatron-bridge's ``AutoBridge`` builds
 the model from Hugging Face weights): the workers are SkyRL's classes with the model, wrapper,
 an SGD optimizer and a strategy whose ``optimizer_step`` steps it set by hand; megatron-bridge
-itself (SkyRL's worker module imports three of its names: tests/standins/megatron_bridge.py);
+itself (SkyRL's worker module imports three of its names: tests/standins/megatron_bridge_cpu.py);
 the model's ``zero_grad_buffer`` (megatron DDP's) is ``zero_grad``."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ pytest.importorskip("skyrl")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from conftest import spawn_gloo  # noqa: E402
+from conftest import megatron_bridge_cpu, spawn_gloo  # noqa: E402
 
 VOCAB = 50
 P, T = 5, 6
@@ -109,28 +109,11 @@ def _worker(cls, wrapper_cls, cfg, model):
     return w
 
 
-def _install_bridge():       # TEMP until the shared stand-in lands
-    import types
-    import megatron
-    bridge = types.ModuleType("megatron.bridge")
-    bridge.__path__ = []
-    bridge.AutoBridge = type("AutoBridge", (), {})
-    peft = types.ModuleType("megatron.bridge.peft")
-    peft.__path__ = []
-    cl = types.ModuleType("megatron.bridge.peft.canonical_lora")
-    cl.CanonicalLoRA = type("CanonicalLoRA", (), {})
-    lo = types.ModuleType("megatron.bridge.peft.lora")
-    lo.LoRA = type("LoRA", (), {})
-    for m in (bridge, peft, cl, lo):
-        sys.modules[m.__name__] = m
-    megatron.bridge = bridge
-
-
 def _classes():
     """SkyRL's wrapper class as SkyRL ships it (importing gbc's worker module puts gbc's
     methods on it, as in a Ray worker process: they are taken off again here), gbc's wrapper
     subclass, and the worker classes."""
-    _install_bridge()
+    megatron_bridge_cpu().install()
     from skyrl.backends.skyrl_train.workers.megatron import megatron_model_wrapper as mmw
     from skyrl.backends.skyrl_train.workers.megatron import megatron_worker as mw
 
