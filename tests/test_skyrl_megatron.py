@@ -315,6 +315,7 @@ def test_enable_puts_gbcs_megatron_workers_in_place(monkeypatch):
     for name in ("__init__", "forward", "forward_backward_mini_batch"):
         monkeypatch.setattr(MegatronModelWrapper, name, MegatronModelWrapper.__dict__[name])
     monkeypatch.setattr(MegatronModelWrapper, "_gbc_patched", False, raising=False)
+    monkeypatch.setattr(MegatronModelWrapper, "_gbc_skyrl_methods", None, raising=False)
     from skyrl.backends.skyrl_train.workers.fsdp import fsdp_worker
     for name in ("PolicyWorker", "RefWorker"):
         monkeypatch.setattr(fsdp_worker, name, getattr(fsdp_worker, name))

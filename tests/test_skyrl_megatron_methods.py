@@ -8,11 +8,9 @@ Each method's step (metrics, every parameter after the optimizer steps) equals S
 worker step with the method applied by hand; NTHR's scales and critical-token KL's weights
 equal gbc_reference's on the model's float64 output-layer inputs and whole output weight.
 
-Bypassed on CPU (said here): SkyRL's ``init_model`` (megatron-bridge's ``AutoBridge`` builds
-the model from Hugging Face weights): the workers are SkyRL's classes with the model, wrapper,
-an SGD optimizer and a strategy whose ``optimizer_step`` steps it set by hand; megatron-bridge
-itself (SkyRL's worker module imports three of its names: tests/standins/megatron_bridge_cpu.py);
-the model's ``zero_grad_buffer`` (megatron DDP's) is ``zero_grad``."""
+The workers are built by tests/test_skyrl_megatron_worker.py's harness (``worker_pair`` /
+``make_worker``: SkyRL's classes without Ray or ``init_model``; what is stood in for on CPU is
+said there)."""
 
 from __future__ import annotations
 
@@ -28,7 +26,7 @@ pytest.importorskip("skyrl")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from conftest import megatron_bridge_cpu, spawn_gloo  # noqa: E402
+from conftest import spawn_gloo  # noqa: E402
 
 VOCAB = 50
 P, T = 5, 6
@@ -68,65 +66,6 @@ def _batch(sky, seed, B=6):
         "rollout_logprobs": None, GROUP_KEY: torch.tensor(GROUPS[:B])})
     d.metadata = {"response_length": T}
     return d
-
-
-class _Strategy:
-    """SkyRL's MegatronStrategy, stood in for: its metric all-reduce (SkyRL's base
-    strategy's) and an optimizer step (SGD, then zero grad)."""
-
-    world_size = 1
-
-    def all_reduce(self, data, op="mean", group=None):
-        from skyrl.backends.skyrl_train.distributed.strategy import DistributedStrategy
-        return DistributedStrategy.all_reduce(self, data, op, group)
-
-    def optimizer_step(self, optimizer, model, scheduler, name="model", **kw):
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-
-def _worker(cls, wrapper_cls, cfg, model):
-    """SkyRL's worker class ``cls`` as its ``init_model`` leaves it (see the docstring)."""
-    from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
-
-    from megatron.core import parallel_state as mpu
-
-    from test_verl_megatron import _mc
-
-    w = object.__new__(cls)
-    w.cfg = cfg
-    w.model = wrapper_cls(cfg, [model],
-                          policy_loss_fn=PolicyLossRegistry.get(cfg.algorithm.policy_loss_type))
-    group = mpu.get_tensor_model_parallel_group()      # as tests/test_skyrl_megatron.py
-    model.config.finalize_model_grads_func = (
-        lambda models, *a, **k: [_mc().allreduce_sp_norm_grads(m, group) for m in models])
-    model.zero_grad_buffer = lambda: model.zero_grad(set_to_none=True)
-    w.actor_module = [model]
-    w.optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    w.scheduler, w.strategy = None, _Strategy()
-    w.enable_router_replay = w.empty_cuda_cache = False
-    w._micro_batches_accumulated = 0
-    return w
-
-
-def _classes():
-    """SkyRL's wrapper class as SkyRL ships it (importing gbc's worker module puts gbc's
-    methods on it, as in a Ray worker process: they are taken off again here), gbc's wrapper
-    subclass, and the worker classes."""
-    megatron_bridge_cpu().install()
-    from skyrl.backends.skyrl_train.workers.megatron import megatron_model_wrapper as mmw
-    from skyrl.backends.skyrl_train.workers.megatron import megatron_worker as mw
-
-    cls = mmw.MegatronModelWrapper
-    stock = {k: cls.__dict__[k] for k in ("__init__", "forward", "forward_backward_mini_batch")}
-    from gbc_kernels.integrations.skyrl import megatron as sm
-    from gbc_kernels.integrations.skyrl import megatron_worker as gw
-    for k, v in stock.items():
-        setattr(cls, k, v)
-    cls._gbc_patched = False
-    return dict(stock_wrapper=cls, gbc_wrapper=sm.wrapper_class(),
-                stock_policy=mw.MegatronPolicyWorkerBase, gbc_policy=gw.GBCMegatronPolicyWorker,
-                stock_ref=mw.MegatronRefWorkerBase, gbc_ref=gw.GBCMegatronRefWorker)
 
 
 def _params(model):
@@ -171,34 +110,38 @@ def _same_metrics(got, want, skip=()):
             assert got[k] == pytest.approx(v, rel=2e-5, abs=1e-6), k
 
 
+def _pair(options, world, pp, algo, temperature=1.0, max_tokens=0):
+    """(gbc's policy worker with ``options``, SkyRL's, the parameters before) on fresh copies
+    of the model, tensor parallel ``world / pp``, pipeline parallel ``pp``; micro-batches of
+    2 (training) and 3 (no-grad pass) rows."""
+    from test_skyrl_megatron_worker import skyrl_megatron, worker_cfg, worker_pair
+
+    cfg = worker_cfg(skyrl_megatron().sky, "regular", temperature=temperature, micro=2,
+                     max_tokens=max_tokens, **algo)
+    cfg.micro_forward_batch_size_per_gpu = 3
+    s, g = worker_pair(cfg, options=options, tp=world // pp, pp=pp, lr=LR)
+    return g, s, _params(g.actor_module[0])
+
+
 def _methods_worker(rank, world):
     """Every case's (gbc, by hand) results on this rank."""
     from test_skyrl import skyrl_cpu
-    from test_skyrl_megatron import _cfg, _model
+    from test_skyrl_megatron import _model
+    from test_skyrl_megatron_worker import make_worker, skyrl_megatron
 
     import gbc_reference as ref
     from gbc_kernels import methods
     from gbc_kernels.integrations.skyrl.worker import KL_WEIGHT_KEY, SCALE_KEY
 
-    sky = skyrl_cpu().load()
-    skyrl_cpu().entrypoint_imports()
-    C = _classes()
+    sky = skyrl_megatron().sky
     ALGO = dict(use_kl_loss=False)
     out = {}
     start = None
 
     def pair(options, algo=ALGO, temperature=1.0, max_tokens=0):
-        cfg = _cfg(sky, "regular", **algo)
-        cfg.algorithm.temperature = temperature
-        cfg.micro_train_batch_size_per_gpu = 2
-        cfg.micro_forward_batch_size_per_gpu = 3
-        cfg.max_tokens_per_microbatch = max_tokens
-        os.environ["GBC_SKYRL_OPTIONS"] = options
-        gm, sm_ = _model(world, False), _model(world, False)
         nonlocal start
-        start = _params(gm)
-        return (_worker(C["gbc_policy"], C["gbc_wrapper"], cfg, gm),
-                _worker(C["stock_policy"], C["stock_wrapper"], cfg, sm_), gm, sm_)
+        g, s, start = _pair(options, world, 1, algo, temperature, max_tokens)
+        return g, s, g.actor_module[0], s.actor_module[0]
 
     with skyrl_cpu().cpu_device():
         # AR: SkyRL's step on AR's advantages
@@ -282,9 +225,8 @@ def _methods_worker(rank, world):
             gen = torch.Generator().manual_seed(9)
             for p in refm.parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-        cfg = g.cfg
-        gref = _worker(C["gbc_ref"], C["gbc_wrapper"], cfg, refm)
-        sref = _worker(C["stock_ref"], C["stock_wrapper"], cfg, refm)
+        sref = make_worker("ref", False, g.cfg, [refm])
+        gref = make_worker("ref", True, g.cfg, [refm], text)
         data = _batch(sky, 6)
         outs = gref.forward(data).loss_fn_outputs
         stock_base = torch.tensor([r["logprobs"] for r in sref.forward(data).loss_fn_outputs],
@@ -396,3 +338,145 @@ def test_critical_kl_from_skyrls_megatron_reference_pass(stepped):
                                    atol=1e-6)
         _same_metrics(o["got"], o["want"], skip=("loss_fn_outputs", "policy_kl"))
         _same_params(o["params"])
+
+
+def _from_last_stage(value):
+    """The last pipeline stage's ``value`` on every rank (SkyRL's trainer takes the last
+    stage's outputs and stages one batch for every rank)."""
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every[-1]
+
+
+def _pp_worker(rank, world):
+    """Lopti, NTHR and critical-token KL at pipeline parallel 2 (one rank per stage): gbc's
+    worker steps and SkyRL's stock steps with the method by hand (NTHR's scales and the KL
+    weights: those gbc's last stage computed, as SkyRL's trainer would carry them)."""
+    from megatron.core import parallel_state as mpu
+
+    from test_skyrl import skyrl_cpu
+    from test_skyrl_megatron import _model
+    from test_skyrl_megatron_worker import make_worker, skyrl_megatron
+
+    from gbc_kernels import methods
+    from gbc_kernels.integrations.skyrl.worker import KL_WEIGHT_KEY, SCALE_KEY
+
+    sky = skyrl_megatron().sky
+    out = {}
+    with skyrl_cpu().cpu_device():
+        opts = methods.MethodOptions(lopti_eta=0.5)
+        g, s, start = _pair("lopti_eta=0.5", world, 2, dict(use_kl_loss=False))
+        last = mpu.is_pipeline_last_stage(ignore_virtual=True)
+        got = g.forward_backward(_batch(sky, 4)).metrics
+        g.optim_step()
+        want = []
+        for phase in ("low", "high"):
+            hand = _batch(sky, 4)
+            hand["advantages"] = methods.loss_advantages(hand["advantages"],
+                                                         hand["action_log_probs"], opts, phase)
+            want.append(s.forward_backward(hand).metrics)
+            s.optim_step()
+        out["lopti"] = dict(got=got, want=want, last=last,
+                            params=(_params(g.actor_module[0]), _params(s.actor_module[0]),
+                                    start))
+
+        g, s, start = _pair("nthr=true,nthr_beta=0.0", world, 2, dict(use_kl_loss=False), 0.8)
+        data = _batch(sky, 5)
+        halves = (slice(0, 3), slice(3, 6))
+        old = [g.forward(data[h]) for h in halves]
+        data["action_log_probs"] = _from_last_stage(torch.cat([torch.tensor(
+            [r["logprobs"] for r in o.loss_fn_outputs], dtype=torch.float64) for o in old]))
+        kept = sum(e["batch"].nbytes() for e in g._gbc_nthr_kept or ())
+        got, scales = [], []
+        for h in halves:
+            mb = data[h]
+            got.append(g.forward_backward(mb).metrics)
+            g.optim_step()
+            scales.append(mb[SCALE_KEY] if last else None)
+        scale = _from_last_stage(torch.cat(scales) if last else None)
+        hand = _batch(sky, 5)
+        hand["action_log_probs"] = data["action_log_probs"]
+        hand["advantages"] = hand["advantages"] * scale
+        want = []
+        for h in halves:
+            want.append(s.forward_backward(hand[h]).metrics)
+            s.optim_step()
+        out["nthr"] = dict(got=got, want=want, last=last, kept=kept, scale=scale,
+                           mask=data["loss_mask"].bool(),
+                           params=(_params(g.actor_module[0]), _params(s.actor_module[0]),
+                                   start))
+
+        text = ",".join(f"{k}={v}" for k, v in CRIT.items())
+        g, s, start = _pair(text, world, 2, dict(use_kl_loss=True, kl_loss_coef=0.2,
+                                                 kl_estimator_type="k3"))
+        refm = _model(1, False, False, 2)
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(9)
+            for p in refm.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        sref = make_worker("ref", False, g.cfg, [refm])
+        gref = make_worker("ref", True, g.cfg, [refm], text)
+        data = _batch(sky, 6)
+        outs = gref.forward(data).loss_fn_outputs
+        stock_base = [r["logprobs"] for r in sref.forward(data).loss_fn_outputs]
+        mine = [r["logprobs"] for r in outs]
+        weights = torch.tensor([r[KL_WEIGHT_KEY] for r in outs])
+        ref_out = dict(rows=len(outs), stock_base=stock_base, base=mine, weights=weights)
+        data["base_action_log_probs"] = _from_last_stage(torch.tensor(mine,
+                                                                      dtype=torch.float64))
+        data[KL_WEIGHT_KEY] = _from_last_stage(weights)
+        got = g.forward_backward(data).metrics
+        g.optim_step()
+        from skyrl.backends.skyrl_train.workers.megatron import megatron_model_wrapper as mmw
+
+        from test_skyrl_methods import _weight_stock_kl
+        undo = _weight_stock_kl(data[KL_WEIGHT_KEY].double(), data["base_action_log_probs"],
+                                mmw)
+        try:
+            hand = _batch(sky, 6)
+            hand["base_action_log_probs"] = data["base_action_log_probs"]
+            want = s.forward_backward(hand).metrics
+            s.optim_step()
+        finally:
+            undo()
+        out["critical_kl"] = dict(got=got, want=want, last=last, ref=ref_out,
+                                  mask=data["loss_mask"].bool(),
+                                  params=(_params(g.actor_module[0]), _params(s.actor_module[0]),
+                                          start))
+    os.environ.pop("GBC_SKYRL_OPTIONS", None)
+    return out
+
+
+def test_methods_at_pipeline_parallel_2():
+    """Lopti, NTHR and critical-token KL through SkyRL's Megatron workers at pipeline parallel
+    2: every stage's parameters after the steps equal SkyRL's stock steps with the method by
+    hand, the last stage's metrics too. NTHR keeps nothing on the first stage (it has no
+    loss); its scales come from the last stage's kept rows, with the refusal branch taken by
+    every stage together. The reference worker's first stage returns zeros beside SkyRL's
+    dummy log-probs; its last stage the weights beside log-probs equal to SkyRL's."""
+    first, last = spawn_gloo(2, _pp_worker)
+    assert not first["lopti"]["last"] and last["lopti"]["last"]
+    for out in (first, last):
+        for name in ("lopti", "nthr", "critical_kl"):
+            _same_params(out[name]["params"])
+    lo = last["lopti"]
+    low, high = lo["want"]
+    _same_metrics(lo["got"], high, skip=("loss_fn_outputs",))
+    _same_metrics({k[len("gbc_lopti_low/"):]: v for k, v in lo["got"].items()
+                   if k.startswith("gbc_lopti_low/")}, low, skip=("loss_fn_outputs", "policy_lr"))
+    n = last["nthr"]
+    assert first["nthr"]["kept"] == 0 and n["kept"] > 0
+    assert (n["scale"][n["mask"]] != 1).any()
+    for got, want in zip(n["got"], n["want"]):
+        assert got["gbc_nthr_second_forward"] == 0.0
+        _same_metrics(got, want, skip=("loss_fn_outputs",))
+    c = last["critical_kl"]
+    _same_metrics(c["got"], c["want"], skip=("loss_fn_outputs", "policy_kl"))
+    m = c["mask"]
+    torch.testing.assert_close(torch.tensor(c["ref"]["base"])[m],
+                               torch.tensor(c["ref"]["stock_base"])[m], rtol=1e-5, atol=1e-6)
+    assert c["ref"]["weights"][m].std() > 1e-3
+    f = first["critical_kl"]["ref"]
+    assert f["rows"] == 1 and (f["weights"] == 0).all()

@@ -193,6 +193,9 @@ def make_worker(kind, gbc, cfg, chunks, options="", lr=0.5):
     w.strategy.world_size = dist.get_world_size()
     w.gbc_test_options = options if gbc else ""
     os.environ["GBC_SKYRL_OPTIONS"] = w.gbc_test_options
+    if gbc:             # its options now, not at its first call (a later worker resets the env)
+        from gbc_kernels.integrations.skyrl.worker import method_options
+        w._gbc_options = method_options(options)
     wrapper = m.wrapper if gbc else m.stock_wrapper
     if policy:
         w.optimizer = StandInOptimizer(w.actor_module, lr)

@@ -296,28 +296,40 @@ def gbc_megatron_config(wrapper):
     return get_model_config(wrapper.actor_module[0])
 
 
+_METHODS = ("__init__", "forward", "forward_backward_mini_batch")
+
+
+def _skyrl_methods(cls):
+    """SkyRL's own ``__init__``, ``forward`` and ``forward_backward_mini_batch`` of its
+    wrapper class (kept aside by :func:`patch_wrapper` when it puts gbc's there)."""
+    kept = cls.__dict__.get("_gbc_skyrl_methods")
+    return dict(kept) if kept is not None else {k: cls.__dict__[k] for k in _METHODS}
+
+
 def wrapper_class():
     """gbc's subclass of SkyRL's ``MegatronModelWrapper`` (its ``__init__``, ``forward`` and
-    ``forward_backward_mini_batch`` gbc's; everything else SkyRL's)."""
+    ``forward_backward_mini_batch`` gbc's over SkyRL's own, also after :func:`patch_wrapper`;
+    everything else SkyRL's)."""
     import importlib
 
     cls = importlib.import_module(WRAPPER_MODULE).MegatronModelWrapper
-    base = {k: getattr(cls, k) for k in ("__init__", "forward", "forward_backward_mini_batch")}
     return type("GBCMegatronModelWrapper", (cls,), {
         "__doc__": "SkyRL's MegatronModelWrapper with gbc's Megatron head (docs/skyrl.md).",
-        **_wrapper_methods(base)})
+        **_wrapper_methods(_skyrl_methods(cls))})
 
 
 def patch_wrapper():
-    """Put gbc's methods on SkyRL's ``MegatronModelWrapper`` itself (idempotent), so that
-    SkyRL's Megatron workers, which build it by name, run gbc's head. Returns the class."""
+    """Put gbc's methods on SkyRL's ``MegatronModelWrapper`` itself (idempotent; SkyRL's own
+    kept as ``_gbc_skyrl_methods``), so that SkyRL's Megatron workers, which build it by name,
+    run gbc's head. Returns the class."""
     import importlib
 
     cls = importlib.import_module(WRAPPER_MODULE).MegatronModelWrapper
     if getattr(cls, "_gbc_patched", False):
         return cls
-    base = {k: cls.__dict__[k] for k in ("__init__", "forward", "forward_backward_mini_batch")}
+    base = _skyrl_methods(cls)
     for name, fn in _wrapper_methods(base).items():
         setattr(cls, name, fn)
+    cls._gbc_skyrl_methods = base
     cls._gbc_patched = True
     return cls
