@@ -345,6 +345,13 @@ def test_enable_puts_gbcs_megatron_workers_in_place(monkeypatch):
     assert MegatronModelWrapper._gbc_patched
     assert MegatronModelWrapper.forward is not stock_forward
     assert MegatronModelWrapper.forward.__qualname__.startswith("_wrapper_methods")
+    # gbc's subclass built after the patch stands on SkyRL's own methods, not on gbc's again
+    from gbc_kernels.integrations.skyrl import megatron as sm
+    assert sm._skyrl_methods(MegatronModelWrapper)["forward"] is stock_forward
+    forward = sm.wrapper_class().forward
+    assert forward is not MegatronModelWrapper.forward
+    base = [c.cell_contents for c in forward.__closure__ if isinstance(c.cell_contents, dict)]
+    assert [b["forward"] for b in base] == [stock_forward]
 
 
 def _megatron(cfg):
