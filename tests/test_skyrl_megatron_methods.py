@@ -123,43 +123,71 @@ def _pair(options, world, pp, algo, temperature=1.0, max_tokens=0):
     return g, s, _params(g.actor_module[0])
 
 
-def _methods_worker(rank, world):
-    """Every case's (gbc, by hand) results on this rank."""
-    from test_skyrl import skyrl_cpu
+def _from_last_stage(value):
+    """The last pipeline stage's ``value`` on every rank (SkyRL's trainer takes the last
+    stage's outputs and stages one batch for every rank)."""
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every[-1]
+
+
+def _ref_model(world, pp):
+    """The reference model: the policy's, perturbed (the same on every rank)."""
     from test_skyrl_megatron import _model
+
+    refm = _model(world // pp, False, False, pp)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(9)
+        for p in refm.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return refm
+
+
+def _methods_worker(rank, world, pp):
+    """Every case's (gbc, by hand) results on this rank, at pipeline parallel ``pp`` (tensor
+    parallel ``world / pp``). At ``pp=1`` the methods' values by hand are gbc_reference's
+    (the oracle: the model's float64 output-layer inputs); at ``pp=2`` (no rank holds the
+    whole model) they are those gbc's last stage computed."""
+    from megatron.core import parallel_state as mpu
+
+    from test_skyrl import skyrl_cpu
     from test_skyrl_megatron_worker import make_worker, skyrl_megatron
+
+    sky = skyrl_megatron().sky           # SkyRL on CPU first: then SkyRL's modules import
+    from skyrl.backends.skyrl_train.workers.megatron import megatron_model_wrapper as mmw
+    from skyrl.backends.skyrl_train.workers.worker_utils import get_microbatch_iterator
 
     import gbc_reference as ref
     from gbc_kernels import methods
     from gbc_kernels.integrations.skyrl.worker import KL_WEIGHT_KEY, SCALE_KEY
+    from test_skyrl_methods import _weight_stock_kl
 
-    sky = skyrl_megatron().sky
-    ALGO = dict(use_kl_loss=False)
-    out = {}
-    start = None
+    no_kl = dict(use_kl_loss=False)
+    out = {"last": None}
 
-    def pair(options, algo=ALGO, temperature=1.0, max_tokens=0):
-        nonlocal start
-        g, s, start = _pair(options, world, 1, algo, temperature, max_tokens)
-        return g, s, g.actor_module[0], s.actor_module[0]
+    def result(g, s, start, **kw):
+        return dict(params=(_params(g.actor_module[0]), _params(s.actor_module[0]), start),
+                    **kw)
 
     with skyrl_cpu().cpu_device():
         # AR: SkyRL's step on AR's advantages
         opts = methods.MethodOptions(ar_alpha=0.4)
-        g, s, gm, sm_ = pair("ar_alpha=0.4")
-        data = _batch(sky, 3)
-        got = g.forward_backward(data).metrics
+        g, s, start = _pair("ar_alpha=0.4", world, pp, no_kl)
+        out["last"] = mpu.is_pipeline_last_stage(ignore_virtual=True)
+        got = g.forward_backward(_batch(sky, 3)).metrics
         g.optim_step()
         hand = _batch(sky, 3)
         hand["advantages"] = methods.loss_advantages(hand["advantages"],
                                                      hand["action_log_probs"], opts)
         want = s.forward_backward(hand).metrics
         s.optim_step()
-        out["ar"] = dict(got=got, want=want, params=(_params(gm), _params(sm_), start))
+        out["ar"] = result(g, s, start, got=got, want=want)
 
         # Lopti: two optimizer steps of SkyRL's step (low, then high), old log-probs fixed
         opts = methods.MethodOptions(lopti_eta=0.5, ar_alpha=0.3)
-        g, s, gm, sm_ = pair("lopti_eta=0.5,ar_alpha=0.3")
+        g, s, start = _pair("lopti_eta=0.5,ar_alpha=0.3", world, pp, no_kl)
         got = g.forward_backward(_batch(sky, 4)).metrics
         g.optim_step()
         want = []
@@ -169,40 +197,43 @@ def _methods_worker(rank, world):
                                                          hand["action_log_probs"], opts, phase)
             want.append(s.forward_backward(hand).metrics)
             s.optim_step()
-        out["lopti"] = dict(got=got, want=want, params=(_params(gm), _params(sm_), start))
+        out["lopti"] = result(g, s, start, got=got, want=want)
 
-        # NTHR: kept from SkyRL's old-log-prob pass (per mini-batch), scored per update
-        opts = methods.MethodOptions(nthr=True, nthr_beta=0.0)
+        # NTHR: kept from SkyRL's old-log-prob pass (per mini-batch), scored per update, on
         # SkyRL's token-based micro-batching: micro-batches of unequal sizes, padded by
         # SkyRL's worker (rows with no loss tokens, which gbc's fields are padded for)
-        g, s, gm, sm_ = pair("nthr=true,nthr_beta=0.0", temperature=0.8, max_tokens=20)
+        g, s, start = _pair("nthr=true,nthr_beta=0.0", world, pp, no_kl, 0.8, max_tokens=20)
+        gm = g.actor_module[0]
         data = _batch(sky, 5)
-        rows, weight = _oracle_rows(gm, data["sequences"], data["attention_mask"])
+        mask = data["loss_mask"].bool()
+        oracle = None
+        if pp == 1:
+            rows, weight = _oracle_rows(gm, data["sequences"], data["attention_mask"])
+            oracle = ref.nthr_scale(rows, weight, data["sequences"][:, -T:], mask,
+                                    torch.tensor(GROUPS),
+                                    methods.correct_from_advantages(data["advantages"], mask),
+                                    temperature=0.8, beta=0.0)
         halves = (slice(0, 3), slice(3, 6))
         forwards = [0]
         gm.register_forward_pre_hook(lambda *a: forwards.__setitem__(0, forwards[0] + 1))
         old = [g.forward(data[h]) for h in halves]
-        data["action_log_probs"] = torch.cat([torch.tensor(
-            [r["logprobs"] for r in o.loss_fn_outputs], dtype=torch.float64) for o in old])
+        data["action_log_probs"] = _from_last_stage(torch.cat([torch.tensor(
+            [r["logprobs"] for r in o.loss_fn_outputs], dtype=torch.float64) for o in old]))
+        kept = sum(e["batch"].nbytes() for e in g._gbc_nthr_kept or ())
         got, scales = [], []
         for h in halves:
             mb = data[h]
             got.append(g.forward_backward(mb).metrics)
             g.optim_step()
-            scales.append(mb[SCALE_KEY])
-        mask = data["loss_mask"].bool()
-        oracle = ref.nthr_scale(rows, weight, data["sequences"][:, -T:], mask,
-                                torch.tensor(GROUPS),
-                                methods.correct_from_advantages(data["advantages"], mask),
-                                temperature=0.8, beta=0.0)
+            scales.append(mb[SCALE_KEY] if out["last"] else None)
+        scale = _from_last_stage(torch.cat(scales) if out["last"] else None)
         hand = _batch(sky, 5)
         hand["action_log_probs"] = data["action_log_probs"]
-        hand["advantages"] = hand["advantages"] * oracle.scale
+        hand["advantages"] = hand["advantages"] * (scale if oracle is None else oracle.scale)
         want = []
         for h in halves:
             want.append(s.forward_backward(hand[h]).metrics)
             s.optim_step()
-        from skyrl.backends.skyrl_train.workers.worker_utils import get_microbatch_iterator
         skyrls = sum(len(get_microbatch_iterator(data[h], micro_batch_size=n,
                                                  max_tokens_per_microbatch=20))
                      for h in halves for n in (2, 3))      # SkyRL's pass's and update's
@@ -210,61 +241,63 @@ def _methods_worker(rank, world):
             data[h], micro_batch_size=2, max_tokens_per_microbatch=20)]
         with pytest.raises(ValueError, match="recompute_old_logprobs_per_minibatch"):
             g.forward_backward(_batch(sky, 7)[0:3])      # rows the pass did not keep
-        out["nthr"] = dict(got=got, want=want, params=(_params(gm), _params(sm_), start),
-                           scale=torch.cat(scales), oracle=oracle, mask=mask,
-                           forwards=(forwards[0], skyrls), sizes=sizes)
+        out["nthr"] = result(g, s, start, got=got, want=want, scale=scale, oracle=oracle,
+                             mask=mask, forwards=(forwards[0], skyrls), sizes=sizes, kept=kept)
 
         # critical-token KL: the reference worker's pass gives the weights; SkyRL's KL term
         # weighted by hand on the stock side
-        opts = methods.MethodOptions(**CRIT)
         text = ",".join(f"{k}={v}" for k, v in CRIT.items())
-        algo = dict(use_kl_loss=True, kl_loss_coef=0.2, kl_estimator_type="k3")
-        g, s, gm, sm_ = pair(text, algo)
-        refm = _model(world, False)
-        with torch.no_grad():
-            gen = torch.Generator().manual_seed(9)
-            for p in refm.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        g, s, start = _pair(text, world, pp, dict(use_kl_loss=True, kl_loss_coef=0.2,
+                                                  kl_estimator_type="k3"))
+        refm = _ref_model(world, pp)
         sref = make_worker("ref", False, g.cfg, [refm])
         gref = make_worker("ref", True, g.cfg, [refm], text)
         data = _batch(sky, 6)
         outs = gref.forward(data).loss_fn_outputs
         stock_base = torch.tensor([r["logprobs"] for r in sref.forward(data).loss_fn_outputs],
                                   dtype=torch.float64)
-        data["base_action_log_probs"] = torch.tensor([r["logprobs"] for r in outs],
-                                                     dtype=torch.float64)
-        data[KL_WEIGHT_KEY] = torch.tensor([r[KL_WEIGHT_KEY] for r in outs])
-        rows, weight = _oracle_rows(refm, data["sequences"], data["attention_mask"])
-        st = ref.token_stats(rows, weight, data["sequences"][:, -T:], certainty="max_prob",
-                             certainty_temperature=CRIT["critical_kl_temperature"])
-        oracle = ref.critical_kl_weight(st.certainty.double(), CRIT["critical_kl_exponent"],
-                                        CRIT["critical_kl_intercept"])
+        base = torch.tensor([r["logprobs"] for r in outs], dtype=torch.float64)
+        weights = torch.tensor([r[KL_WEIGHT_KEY] for r in outs])
+        data["base_action_log_probs"] = _from_last_stage(base)
+        data[KL_WEIGHT_KEY] = _from_last_stage(weights)
+        oracle = oracle_logp = None
+        if pp == 1:
+            rows, weight = _oracle_rows(refm, data["sequences"], data["attention_mask"])
+            st = ref.token_stats(rows, weight, data["sequences"][:, -T:], certainty="max_prob",
+                                 certainty_temperature=CRIT["critical_kl_temperature"])
+            oracle = ref.critical_kl_weight(st.certainty.double(), CRIT["critical_kl_exponent"],
+                                            CRIT["critical_kl_intercept"])
+            oracle_logp = st.logp
         got = g.forward_backward(data).metrics
         g.optim_step()
-        from skyrl.backends.skyrl_train.workers.megatron import megatron_model_wrapper as mmw
-
-        from test_skyrl_methods import _weight_stock_kl
-        base_rows = data["base_action_log_probs"]
-        undo = _weight_stock_kl(oracle, base_rows, mmw)
+        undo = _weight_stock_kl(data[KL_WEIGHT_KEY].double() if oracle is None else oracle,
+                                data["base_action_log_probs"], mmw)
         try:
             hand = _batch(sky, 6)
-            hand["base_action_log_probs"] = base_rows
+            hand["base_action_log_probs"] = data["base_action_log_probs"]
             want = s.forward_backward(hand).metrics
             s.optim_step()
         finally:
             undo()
-        out["critical_kl"] = dict(got=got, want=want, params=(_params(gm), _params(sm_), start),
-                                  weight=data[KL_WEIGHT_KEY], oracle=oracle,
-                                  mask=data["loss_mask"].bool(),
-                                  base=(data["base_action_log_probs"], stock_base,
-                                        st.logp))
+        out["critical_kl"] = result(g, s, start, got=got, want=want, weight=weights,
+                                    oracle=oracle, mask=data["loss_mask"].bool(),
+                                    base=(base, stock_base, oracle_logp))
     os.environ.pop("GBC_SKYRL_OPTIONS", None)
     return out
 
 
-@pytest.fixture(scope="module")
-def stepped():
-    return spawn_gloo(2, _methods_worker)
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp2", "pp2"])
+def stepped(request):
+    """Each rank's results, at tensor parallel 2 (``tp2``) and pipeline parallel 2 (``pp2``,
+    one rank per stage: the checks of the last stage's values run on rank 1)."""
+    return spawn_gloo(2, _methods_worker, request.param), request.param
+
+
+def _ranks(stepped):
+    """(rank results, those on the last pipeline stage) of a :func:`stepped`."""
+    outs, pp = stepped
+    assert [o["last"] for o in outs] == ([True, True] if pp == 1 else [False, True])
+    return outs, [o for o in outs if o["last"]]
 
 
 def _same_params(params):
@@ -278,205 +311,78 @@ def _same_params(params):
 
 
 def test_ar_equals_skyrls_step_on_ars_advantages(stepped):
-    for out in stepped:
-        o = out["ar"]
-        _same_metrics(o["got"], o["want"], skip=("loss_fn_outputs",))
-        _same_params(o["params"])
+    outs, lasts = _ranks(stepped)
+    for out in outs:
+        _same_params(out["ar"]["params"])
+    for out in lasts:
+        _same_metrics(out["ar"]["got"], out["ar"]["want"], skip=("loss_fn_outputs",))
 
 
 def test_lopti_is_two_optimizer_steps_of_skyrls_step(stepped):
     """lopti_eta (with AR): gbc's worker's forward_backward runs SkyRL's step on the low
     tokens, SkyRL's optimizer step, then SkyRL's step on the high tokens (SkyRL's trainer
-    takes the second optimizer step): parameters and both phases' metrics equal SkyRL's
-    stock steps on the phases' advantages by hand."""
-    for out in stepped:
+    takes the second optimizer step): parameters (every stage's) and both phases' metrics
+    equal SkyRL's stock steps on the phases' advantages by hand."""
+    outs, lasts = _ranks(stepped)
+    for out in outs:
+        _same_params(out["lopti"]["params"])
+    for out in lasts:
         o = out["lopti"]
         low, high = o["want"]
         _same_metrics(o["got"], high, skip=("loss_fn_outputs",))
         _same_metrics({k[len("gbc_lopti_low/"):]: v for k, v in o["got"].items()
                        if k.startswith("gbc_lopti_low/")}, low,
                       skip=("loss_fn_outputs", "policy_lr"))
-        _same_params(o["params"])
 
 
-def test_nthr_from_skyrls_megatron_pass_equals_reference_and_hand(stepped):
+def test_nthr_from_skyrls_megatron_pass(stepped):
     """nthr: SkyRL's Megatron old-log-prob pass (per mini-batch) keeps NTHR's rows on the last
-    stage (each TP rank its vocabulary slice of the head); each mini-batch's forward_backward
-    scores them, no forward beyond SkyRL's own (one per micro-batch of its pass and update,
-    token-based micro-batches of unequal sizes, which SkyRL pads);
-    the scales equal gbc_reference's (float64, whole output weight) and the steps equal
-    SkyRL's stock steps on the advantages times those scales; a mini-batch the pass did not
-    keep is refused on every rank, naming SkyRL's option."""
-    for out in stepped:
+    stage only (each TP rank its vocabulary slice of the head); each mini-batch's
+    forward_backward scores them, no forward beyond SkyRL's own (one per micro-batch of its
+    pass and update, token-based micro-batches of unequal sizes, which SkyRL pads); at TP 2
+    the scales equal gbc_reference's (float64, whole output weight); the steps (every
+    stage's parameters) equal SkyRL's stock steps on the advantages times the scales; a
+    mini-batch the pass did not keep is refused on every rank, naming SkyRL's option."""
+    outs, lasts = _ranks(stepped)
+    for out in outs:
         o = out["nthr"]
-        m = o["mask"]
         forwards, skyrls = o["forwards"]
         assert forwards == skyrls
         assert len(set(o["sizes"])) > 1          # SkyRL padded a micro-batch to the others'
-        assert o["oracle"].selected.any() and (o["oracle"].scale[m] != 1).any()
-        torch.testing.assert_close(o["scale"][m].double(), o["oracle"].scale[m].double(),
-                                   rtol=1e-5, atol=1e-6)
+        assert (o["kept"] > 0) == out["last"]
+        _same_params(o["params"])
+    for out in lasts:
+        o = out["nthr"]
+        m = o["mask"]
+        assert (o["scale"][m] != 1).any()
+        if o["oracle"] is not None:
+            assert o["oracle"].selected.any()
+            torch.testing.assert_close(o["scale"][m].double(), o["oracle"].scale[m].double(),
+                                       rtol=1e-5, atol=1e-6)
         for got, want in zip(o["got"], o["want"]):
             assert got["gbc_nthr_second_forward"] == 0.0
             _same_metrics(got, want, skip=("loss_fn_outputs",))
-        _same_params(o["params"])
 
 
 def test_critical_kl_from_skyrls_megatron_reference_pass(stepped):
     """critical_kl_exponent: SkyRL's Megatron reference worker's pass gives the weights beside
-    its log-probs (== SkyRL's stock reference log-probs == gbc_reference's); the weights equal
-    gbc_reference's; the policy step equals SkyRL's stock step with its KL term weighted by
-    hand."""
-    for out in stepped:
+    its log-probs (== SkyRL's stock reference log-probs; at TP 2 both == gbc_reference's and
+    the weights too); a stage before the last gives zeros beside SkyRL's dummy log-probs; the
+    policy step equals SkyRL's stock step with its KL term weighted by hand."""
+    outs, lasts = _ranks(stepped)
+    for out in outs:
+        o = out["critical_kl"]
+        _same_params(o["params"])
+        if not out["last"]:
+            assert o["weight"].shape == (1, 1) and (o["weight"] == 0).all()
+    for out in lasts:
         o = out["critical_kl"]
         m = o["mask"]
         ours, stock, oracle = o["base"]
         torch.testing.assert_close(ours[m], stock[m], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(ours[m], oracle[m].double(), rtol=1e-5, atol=1e-6)
-        assert o["oracle"][m].std() > 1e-3
-        torch.testing.assert_close(o["weight"][m].double(), o["oracle"][m], rtol=1e-4,
-                                   atol=1e-6)
+        assert o["weight"][m].std() > 1e-3
+        if o["oracle"] is not None:
+            torch.testing.assert_close(ours[m], oracle[m].double(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(o["weight"][m].double(), o["oracle"][m], rtol=1e-4,
+                                       atol=1e-6)
         _same_metrics(o["got"], o["want"], skip=("loss_fn_outputs", "policy_kl"))
-        _same_params(o["params"])
-
-
-def _from_last_stage(value):
-    """The last pipeline stage's ``value`` on every rank (SkyRL's trainer takes the last
-    stage's outputs and stages one batch for every rank)."""
-    import torch.distributed as dist
-
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, value)
-    return every[-1]
-
-
-def _pp_worker(rank, world):
-    """Lopti, NTHR and critical-token KL at pipeline parallel 2 (one rank per stage): gbc's
-    worker steps and SkyRL's stock steps with the method by hand (NTHR's scales and the KL
-    weights: those gbc's last stage computed, as SkyRL's trainer would carry them)."""
-    from megatron.core import parallel_state as mpu
-
-    from test_skyrl import skyrl_cpu
-    from test_skyrl_megatron import _model
-    from test_skyrl_megatron_worker import make_worker, skyrl_megatron
-
-    from gbc_kernels import methods
-    from gbc_kernels.integrations.skyrl.worker import KL_WEIGHT_KEY, SCALE_KEY
-
-    sky = skyrl_megatron().sky
-    out = {}
-    with skyrl_cpu().cpu_device():
-        opts = methods.MethodOptions(lopti_eta=0.5)
-        g, s, start = _pair("lopti_eta=0.5", world, 2, dict(use_kl_loss=False))
-        last = mpu.is_pipeline_last_stage(ignore_virtual=True)
-        got = g.forward_backward(_batch(sky, 4)).metrics
-        g.optim_step()
-        want = []
-        for phase in ("low", "high"):
-            hand = _batch(sky, 4)
-            hand["advantages"] = methods.loss_advantages(hand["advantages"],
-                                                         hand["action_log_probs"], opts, phase)
-            want.append(s.forward_backward(hand).metrics)
-            s.optim_step()
-        out["lopti"] = dict(got=got, want=want, last=last,
-                            params=(_params(g.actor_module[0]), _params(s.actor_module[0]),
-                                    start))
-
-        g, s, start = _pair("nthr=true,nthr_beta=0.0", world, 2, dict(use_kl_loss=False), 0.8)
-        data = _batch(sky, 5)
-        halves = (slice(0, 3), slice(3, 6))
-        old = [g.forward(data[h]) for h in halves]
-        data["action_log_probs"] = _from_last_stage(torch.cat([torch.tensor(
-            [r["logprobs"] for r in o.loss_fn_outputs], dtype=torch.float64) for o in old]))
-        kept = sum(e["batch"].nbytes() for e in g._gbc_nthr_kept or ())
-        got, scales = [], []
-        for h in halves:
-            mb = data[h]
-            got.append(g.forward_backward(mb).metrics)
-            g.optim_step()
-            scales.append(mb[SCALE_KEY] if last else None)
-        scale = _from_last_stage(torch.cat(scales) if last else None)
-        hand = _batch(sky, 5)
-        hand["action_log_probs"] = data["action_log_probs"]
-        hand["advantages"] = hand["advantages"] * scale
-        want = []
-        for h in halves:
-            want.append(s.forward_backward(hand[h]).metrics)
-            s.optim_step()
-        out["nthr"] = dict(got=got, want=want, last=last, kept=kept, scale=scale,
-                           mask=data["loss_mask"].bool(),
-                           params=(_params(g.actor_module[0]), _params(s.actor_module[0]),
-                                   start))
-
-        text = ",".join(f"{k}={v}" for k, v in CRIT.items())
-        g, s, start = _pair(text, world, 2, dict(use_kl_loss=True, kl_loss_coef=0.2,
-                                                 kl_estimator_type="k3"))
-        refm = _model(1, False, False, 2)
-        with torch.no_grad():
-            gen = torch.Generator().manual_seed(9)
-            for p in refm.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-        sref = make_worker("ref", False, g.cfg, [refm])
-        gref = make_worker("ref", True, g.cfg, [refm], text)
-        data = _batch(sky, 6)
-        outs = gref.forward(data).loss_fn_outputs
-        stock_base = [r["logprobs"] for r in sref.forward(data).loss_fn_outputs]
-        mine = [r["logprobs"] for r in outs]
-        weights = torch.tensor([r[KL_WEIGHT_KEY] for r in outs])
-        ref_out = dict(rows=len(outs), stock_base=stock_base, base=mine, weights=weights)
-        data["base_action_log_probs"] = _from_last_stage(torch.tensor(mine,
-                                                                      dtype=torch.float64))
-        data[KL_WEIGHT_KEY] = _from_last_stage(weights)
-        got = g.forward_backward(data).metrics
-        g.optim_step()
-        from skyrl.backends.skyrl_train.workers.megatron import megatron_model_wrapper as mmw
-
-        from test_skyrl_methods import _weight_stock_kl
-        undo = _weight_stock_kl(data[KL_WEIGHT_KEY].double(), data["base_action_log_probs"],
-                                mmw)
-        try:
-            hand = _batch(sky, 6)
-            hand["base_action_log_probs"] = data["base_action_log_probs"]
-            want = s.forward_backward(hand).metrics
-            s.optim_step()
-        finally:
-            undo()
-        out["critical_kl"] = dict(got=got, want=want, last=last, ref=ref_out,
-                                  mask=data["loss_mask"].bool(),
-                                  params=(_params(g.actor_module[0]), _params(s.actor_module[0]),
-                                          start))
-    os.environ.pop("GBC_SKYRL_OPTIONS", None)
-    return out
-
-
-def test_methods_at_pipeline_parallel_2():
-    """Lopti, NTHR and critical-token KL through SkyRL's Megatron workers at pipeline parallel
-    2: every stage's parameters after the steps equal SkyRL's stock steps with the method by
-    hand, the last stage's metrics too. NTHR keeps nothing on the first stage (it has no
-    loss); its scales come from the last stage's kept rows, with the refusal branch taken by
-    every stage together. The reference worker's first stage returns zeros beside SkyRL's
-    dummy log-probs; its last stage the weights beside log-probs equal to SkyRL's."""
-    first, last = spawn_gloo(2, _pp_worker)
-    assert not first["lopti"]["last"] and last["lopti"]["last"]
-    for out in (first, last):
-        for name in ("lopti", "nthr", "critical_kl"):
-            _same_params(out[name]["params"])
-    lo = last["lopti"]
-    low, high = lo["want"]
-    _same_metrics(lo["got"], high, skip=("loss_fn_outputs",))
-    _same_metrics({k[len("gbc_lopti_low/"):]: v for k, v in lo["got"].items()
-                   if k.startswith("gbc_lopti_low/")}, low, skip=("loss_fn_outputs", "policy_lr"))
-    n = last["nthr"]
-    assert first["nthr"]["kept"] == 0 and n["kept"] > 0
-    assert (n["scale"][n["mask"]] != 1).any()
-    for got, want in zip(n["got"], n["want"]):
-        assert got["gbc_nthr_second_forward"] == 0.0
-        _same_metrics(got, want, skip=("loss_fn_outputs",))
-    c = last["critical_kl"]
-    _same_metrics(c["got"], c["want"], skip=("loss_fn_outputs", "policy_kl"))
-    m = c["mask"]
-    torch.testing.assert_close(torch.tensor(c["ref"]["base"])[m],
-                               torch.tensor(c["ref"]["stock_base"])[m], rtol=1e-5, atol=1e-6)
-    assert c["ref"]["weights"][m].std() > 1e-3
-    f = first["critical_kl"]["ref"]
-    assert f["rows"] == 1 and (f["weights"] == 0).all()
