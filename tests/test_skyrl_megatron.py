@@ -32,17 +32,17 @@ from conftest import spawn_gloo  # noqa: E402
 VOCAB = 50
 
 
-def _model(tp, sp, packed=False, pp=1):
+def _model(tp, sp, packed=False, pp=1, cp=1):
     """The tiny GPTModel of tests/test_verl_megatron.py (same seed: the same weights), its
     attention on the causal mask; ``packed``: tests/test_verl_megatron_cp.py's (rotary
-    positions, packed sequences on the stand-in attention). ``pp``: pipeline parallel size
-    (this rank's stage; not with ``packed``)."""
+    positions, packed sequences on the stand-in attention; context parallel ``cp``). ``pp``:
+    pipeline parallel size (this rank's stage; not with ``packed``)."""
     from test_verl_megatron import _chunks, _mc
 
     if packed:
         assert pp == 1, "packed: pipeline parallel 1"
         from test_verl_megatron_cp import _model as packed_model
-        model = packed_model(tp, sp)
+        model = packed_model(tp, sp, cp=cp)
     else:
         model = _chunks(tp, sp, pp)[0]
     mc = _mc()
@@ -244,7 +244,10 @@ REFUSALS = [
      "trainer.policy.megatron_config.mtp_num_layers"),
     ({"policy.model.lora.rank": 8}, "", "trainer.policy.model.lora.rank=8"),
     ({"policy.megatron_config.context_parallel_size": 2}, "",
-     "trainer.policy.megatron_config.context_parallel_size=2"),
+     "trainer.policy.megatron_config.context_parallel_size=2 with "
+     "trainer.remove_microbatch_padding=false"),
+    ({"policy.megatron_config.context_parallel_size": 2, "remove_microbatch_padding": True,
+      "algorithm.policy_loss_type": "kl_cov"}, "", "clip_cov / kl_cov"),
     ({"algorithm.policy_loss_type": "rollout_is"}, "", "policy_loss_type='rollout_is'"),
     ({"algorithm.use_kl_loss": False}, "critical_kl_exponent=2.0",
      "GBC_SKYRL_OPTIONS: critical_kl_exponent: the loss has no KL term"),

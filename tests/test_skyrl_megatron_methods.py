@@ -110,16 +110,18 @@ def _same_metrics(got, want, skip=()):
             assert got[k] == pytest.approx(v, rel=2e-5, abs=1e-6), k
 
 
-def _pair(options, world, pp, algo, temperature=1.0, max_tokens=0):
+def _pair(options, world, pp, algo, temperature=1.0, max_tokens=0, cp=1, packed=False):
     """(gbc's policy worker with ``options``, SkyRL's, the parameters before) on fresh copies
-    of the model, tensor parallel ``world / pp``, pipeline parallel ``pp``; micro-batches of
-    2 (training) and 3 (no-grad pass) rows."""
+    of the model, tensor parallel ``world / (pp cp)``, pipeline parallel ``pp``, context
+    parallel ``cp`` (on SkyRL's packed micro-batches); micro-batches of 2 (training) and 3
+    (no-grad pass) rows."""
     from test_skyrl_megatron_worker import skyrl_megatron, worker_cfg, worker_pair
 
-    cfg = worker_cfg(skyrl_megatron().sky, "regular", temperature=temperature, micro=2,
-                     max_tokens=max_tokens, **algo)
+    cfg = worker_cfg(skyrl_megatron().sky, "regular", packed=packed or cp > 1,
+                     temperature=temperature,
+                     micro=2, max_tokens=max_tokens, **algo)
     cfg.micro_forward_batch_size_per_gpu = 3
-    s, g = worker_pair(cfg, options=options, tp=world // pp, pp=pp, lr=LR)
+    s, g = worker_pair(cfg, options=options, tp=world // (pp * cp), pp=pp, lr=LR, cp=cp)
     return g, s, _params(g.actor_module[0])
 
 
@@ -133,11 +135,11 @@ def _from_last_stage(value):
     return every[-1]
 
 
-def _ref_model(world, pp):
+def _ref_model(world, pp, cp, packed):
     """The reference model: the policy's, perturbed (the same on every rank)."""
     from test_skyrl_megatron import _model
 
-    refm = _model(world // pp, False, False, pp)
+    refm = _model(world // (pp * cp), False, packed or cp > 1, pp, cp)
     with torch.no_grad():
         gen = torch.Generator().manual_seed(9)
         for p in refm.parameters():
@@ -145,11 +147,14 @@ def _ref_model(world, pp):
     return refm
 
 
-def _methods_worker(rank, world, pp):
-    """Every case's (gbc, by hand) results on this rank, at pipeline parallel ``pp`` (tensor
-    parallel ``world / pp``). At ``pp=1`` the methods' values by hand are gbc_reference's
-    (the oracle: the model's float64 output-layer inputs); at ``pp=2`` (no rank holds the
-    whole model) they are those gbc's last stage computed."""
+def _methods_worker(rank, world, pp, cp=1, packed=False,
+                    cases=("ar", "lopti", "nthr", "critical_kl")):
+    """Every case's (gbc, by hand) results on this rank, at pipeline parallel ``pp`` and
+    context parallel ``cp`` (tensor parallel the rest of ``world``). At tensor parallel the
+    methods' values by hand are gbc_reference's (the oracle: the model's float64 output-layer
+    inputs); at ``pp=2`` or ``cp=2`` (no rank runs the whole model on a sequence) they are
+    those gbc's last stage computed. ``packed``: SkyRL's packed micro-batches (always under
+    context parallelism); ``cases``: which methods run."""
     from megatron.core import parallel_state as mpu
 
     from test_skyrl import skyrl_cpu
@@ -165,137 +170,149 @@ def _methods_worker(rank, world, pp):
     from test_skyrl_methods import _weight_stock_kl
 
     no_kl = dict(use_kl_loss=False)
-    out = {"last": None}
+    out = {}
+
+    def last():
+        return mpu.is_pipeline_last_stage(ignore_virtual=True)
 
     def result(g, s, start, **kw):
         return dict(params=(_params(g.actor_module[0]), _params(s.actor_module[0]), start),
                     **kw)
 
     with skyrl_cpu().cpu_device():
-        # AR: SkyRL's step on AR's advantages
-        opts = methods.MethodOptions(ar_alpha=0.4)
-        g, s, start = _pair("ar_alpha=0.4", world, pp, no_kl)
-        out["last"] = mpu.is_pipeline_last_stage(ignore_virtual=True)
-        got = g.forward_backward(_batch(sky, 3)).metrics
-        g.optim_step()
-        hand = _batch(sky, 3)
-        hand["advantages"] = methods.loss_advantages(hand["advantages"],
-                                                     hand["action_log_probs"], opts)
-        want = s.forward_backward(hand).metrics
-        s.optim_step()
-        out["ar"] = result(g, s, start, got=got, want=want)
-
-        # Lopti: two optimizer steps of SkyRL's step (low, then high), old log-probs fixed
-        opts = methods.MethodOptions(lopti_eta=0.5, ar_alpha=0.3)
-        g, s, start = _pair("lopti_eta=0.5,ar_alpha=0.3", world, pp, no_kl)
-        got = g.forward_backward(_batch(sky, 4)).metrics
-        g.optim_step()
-        want = []
-        for phase in ("low", "high"):
-            hand = _batch(sky, 4)
-            hand["advantages"] = methods.loss_advantages(hand["advantages"],
-                                                         hand["action_log_probs"], opts, phase)
-            want.append(s.forward_backward(hand).metrics)
-            s.optim_step()
-        out["lopti"] = result(g, s, start, got=got, want=want)
-
-        # NTHR: kept from SkyRL's old-log-prob pass (per mini-batch), scored per update, on
-        # SkyRL's token-based micro-batching: micro-batches of unequal sizes, padded by
-        # SkyRL's worker (rows with no loss tokens, which gbc's fields are padded for)
-        g, s, start = _pair("nthr=true,nthr_beta=0.0", world, pp, no_kl, 0.8, max_tokens=20)
-        gm = g.actor_module[0]
-        data = _batch(sky, 5)
-        mask = data["loss_mask"].bool()
-        oracle = None
-        if pp == 1:
-            rows, weight = _oracle_rows(gm, data["sequences"], data["attention_mask"])
-            oracle = ref.nthr_scale(rows, weight, data["sequences"][:, -T:], mask,
-                                    torch.tensor(GROUPS),
-                                    methods.correct_from_advantages(data["advantages"], mask),
-                                    temperature=0.8, beta=0.0)
-        halves = (slice(0, 3), slice(3, 6))
-        forwards = [0]
-        gm.register_forward_pre_hook(lambda *a: forwards.__setitem__(0, forwards[0] + 1))
-        old = [g.forward(data[h]) for h in halves]
-        data["action_log_probs"] = _from_last_stage(torch.cat([torch.tensor(
-            [r["logprobs"] for r in o.loss_fn_outputs], dtype=torch.float64) for o in old]))
-        kept = sum(e["batch"].nbytes() for e in g._gbc_nthr_kept or ())
-        got, scales = [], []
-        for h in halves:
-            mb = data[h]
-            got.append(g.forward_backward(mb).metrics)
+        if "ar" in cases:
+            # AR: SkyRL's step on AR's advantages
+            opts = methods.MethodOptions(ar_alpha=0.4)
+            g, s, start = _pair("ar_alpha=0.4", world, pp, no_kl, cp=cp, packed=packed)
+            got = g.forward_backward(_batch(sky, 3)).metrics
             g.optim_step()
-            scales.append(mb[SCALE_KEY] if out["last"] else None)
-        scale = _from_last_stage(torch.cat(scales) if out["last"] else None)
-        hand = _batch(sky, 5)
-        hand["action_log_probs"] = data["action_log_probs"]
-        hand["advantages"] = hand["advantages"] * (scale if oracle is None else oracle.scale)
-        want = []
-        for h in halves:
-            want.append(s.forward_backward(hand[h]).metrics)
-            s.optim_step()
-        skyrls = sum(len(get_microbatch_iterator(data[h], micro_batch_size=n,
-                                                 max_tokens_per_microbatch=20))
-                     for h in halves for n in (2, 3))      # SkyRL's pass's and update's
-        sizes = [mb["sequences"].shape[0] for h in halves for mb in get_microbatch_iterator(
-            data[h], micro_batch_size=2, max_tokens_per_microbatch=20)]
-        with pytest.raises(ValueError, match="recompute_old_logprobs_per_minibatch"):
-            g.forward_backward(_batch(sky, 7)[0:3])      # rows the pass did not keep
-        out["nthr"] = result(g, s, start, got=got, want=want, scale=scale, oracle=oracle,
-                             mask=mask, forwards=(forwards[0], skyrls), sizes=sizes, kept=kept)
-
-        # critical-token KL: the reference worker's pass gives the weights; SkyRL's KL term
-        # weighted by hand on the stock side
-        text = ",".join(f"{k}={v}" for k, v in CRIT.items())
-        g, s, start = _pair(text, world, pp, dict(use_kl_loss=True, kl_loss_coef=0.2,
-                                                  kl_estimator_type="k3"))
-        refm = _ref_model(world, pp)
-        sref = make_worker("ref", False, g.cfg, [refm])
-        gref = make_worker("ref", True, g.cfg, [refm], text)
-        data = _batch(sky, 6)
-        outs = gref.forward(data).loss_fn_outputs
-        stock_base = torch.tensor([r["logprobs"] for r in sref.forward(data).loss_fn_outputs],
-                                  dtype=torch.float64)
-        base = torch.tensor([r["logprobs"] for r in outs], dtype=torch.float64)
-        weights = torch.tensor([r[KL_WEIGHT_KEY] for r in outs])
-        data["base_action_log_probs"] = _from_last_stage(base)
-        data[KL_WEIGHT_KEY] = _from_last_stage(weights)
-        oracle = oracle_logp = None
-        if pp == 1:
-            rows, weight = _oracle_rows(refm, data["sequences"], data["attention_mask"])
-            st = ref.token_stats(rows, weight, data["sequences"][:, -T:], certainty="max_prob",
-                                 certainty_temperature=CRIT["critical_kl_temperature"])
-            oracle = ref.critical_kl_weight(st.certainty.double(), CRIT["critical_kl_exponent"],
-                                            CRIT["critical_kl_intercept"])
-            oracle_logp = st.logp
-        got = g.forward_backward(data).metrics
-        g.optim_step()
-        undo = _weight_stock_kl(data[KL_WEIGHT_KEY].double() if oracle is None else oracle,
-                                data["base_action_log_probs"], mmw)
-        try:
-            hand = _batch(sky, 6)
-            hand["base_action_log_probs"] = data["base_action_log_probs"]
+            hand = _batch(sky, 3)
+            hand["advantages"] = methods.loss_advantages(hand["advantages"],
+                                                         hand["action_log_probs"], opts)
             want = s.forward_backward(hand).metrics
             s.optim_step()
-        finally:
-            undo()
-        out["critical_kl"] = result(g, s, start, got=got, want=want, weight=weights,
-                                    oracle=oracle, mask=data["loss_mask"].bool(),
-                                    base=(base, stock_base, oracle_logp))
+            out["ar"] = result(g, s, start, got=got, want=want)
+
+        if "lopti" in cases:
+            # Lopti: two optimizer steps of SkyRL's step (low, then high), old log-probs fixed
+            opts = methods.MethodOptions(lopti_eta=0.5, ar_alpha=0.3)
+            g, s, start = _pair("lopti_eta=0.5,ar_alpha=0.3", world, pp, no_kl, cp=cp,
+                                packed=packed)
+            got = g.forward_backward(_batch(sky, 4)).metrics
+            g.optim_step()
+            want = []
+            for phase in ("low", "high"):
+                hand = _batch(sky, 4)
+                hand["advantages"] = methods.loss_advantages(hand["advantages"],
+                                                             hand["action_log_probs"], opts, phase)
+                want.append(s.forward_backward(hand).metrics)
+                s.optim_step()
+            out["lopti"] = result(g, s, start, got=got, want=want)
+
+        if "nthr" in cases:
+            # NTHR: kept from SkyRL's old-log-prob pass (per mini-batch), scored per update, on
+            # SkyRL's token-based micro-batching: micro-batches of unequal sizes, padded by
+            # SkyRL's worker (rows with no loss tokens, which gbc's fields are padded for)
+            g, s, start = _pair("nthr=true,nthr_beta=0.0", world, pp, no_kl, 0.8, max_tokens=20,
+                                cp=cp, packed=packed)
+            gm = g.actor_module[0]
+            data = _batch(sky, 5)
+            mask = data["loss_mask"].bool()
+            oracle = None
+            if pp == cp == 1 and not packed:
+                rows, weight = _oracle_rows(gm, data["sequences"], data["attention_mask"])
+                oracle = ref.nthr_scale(rows, weight, data["sequences"][:, -T:], mask,
+                                        torch.tensor(GROUPS),
+                                        methods.correct_from_advantages(data["advantages"], mask),
+                                        temperature=0.8, beta=0.0)
+            halves = (slice(0, 3), slice(3, 6))
+            forwards = [0]
+            gm.register_forward_pre_hook(lambda *a: forwards.__setitem__(0, forwards[0] + 1))
+            old = [g.forward(data[h]) for h in halves]
+            data["action_log_probs"] = _from_last_stage(torch.cat([torch.tensor(
+                [r["logprobs"] for r in o.loss_fn_outputs], dtype=torch.float64) for o in old]))
+            kept = sum(e["batch"].nbytes() for e in g._gbc_nthr_kept or ())
+            got, scales = [], []
+            for h in halves:
+                mb = data[h]
+                got.append(g.forward_backward(mb).metrics)
+                g.optim_step()
+                scales.append(mb[SCALE_KEY] if last() else None)
+            scale = _from_last_stage(torch.cat(scales) if last() else None)
+            hand = _batch(sky, 5)
+            hand["action_log_probs"] = data["action_log_probs"]
+            hand["advantages"] = hand["advantages"] * (scale if oracle is None else oracle.scale)
+            want = []
+            for h in halves:
+                want.append(s.forward_backward(hand[h]).metrics)
+                s.optim_step()
+            skyrls = sum(len(get_microbatch_iterator(data[h], micro_batch_size=n,
+                                                     max_tokens_per_microbatch=20))
+                         for h in halves for n in (2, 3))      # SkyRL's pass's and update's
+            sizes = [mb["sequences"].shape[0] for h in halves for mb in get_microbatch_iterator(
+                data[h], micro_batch_size=2, max_tokens_per_microbatch=20)]
+            with pytest.raises(ValueError, match="recompute_old_logprobs_per_minibatch"):
+                g.forward_backward(_batch(sky, 7)[0:3])      # rows the pass did not keep
+            out["nthr"] = result(g, s, start, got=got, want=want, scale=scale, oracle=oracle,
+                                 mask=mask, forwards=(forwards[0], skyrls), sizes=sizes, kept=kept)
+
+        if "critical_kl" in cases:
+            # critical-token KL: the reference worker's pass gives the weights; SkyRL's KL term
+            # weighted by hand on the stock side
+            text = ",".join(f"{k}={v}" for k, v in CRIT.items())
+            g, s, start = _pair(text, world, pp, dict(use_kl_loss=True, kl_loss_coef=0.2,
+                                                      kl_estimator_type="k3"), cp=cp,
+                                packed=packed)
+            refm = _ref_model(world, pp, cp, packed)
+            sref = make_worker("ref", False, g.cfg, [refm])
+            gref = make_worker("ref", True, g.cfg, [refm], text)
+            data = _batch(sky, 6)
+            outs = gref.forward(data).loss_fn_outputs
+            stock_base = torch.tensor([r["logprobs"] for r in sref.forward(data).loss_fn_outputs],
+                                      dtype=torch.float64)
+            base = torch.tensor([r["logprobs"] for r in outs], dtype=torch.float64)
+            weights = torch.tensor([r[KL_WEIGHT_KEY] for r in outs])
+            data["base_action_log_probs"] = _from_last_stage(base)
+            data[KL_WEIGHT_KEY] = _from_last_stage(weights)
+            oracle = oracle_logp = None
+            if pp == cp == 1 and not packed:
+                rows, weight = _oracle_rows(refm, data["sequences"], data["attention_mask"])
+                st = ref.token_stats(rows, weight, data["sequences"][:, -T:], certainty="max_prob",
+                                     certainty_temperature=CRIT["critical_kl_temperature"])
+                oracle = ref.critical_kl_weight(st.certainty.double(), CRIT["critical_kl_exponent"],
+                                                CRIT["critical_kl_intercept"])
+                oracle_logp = st.logp
+            got = g.forward_backward(data).metrics
+            g.optim_step()
+            undo = _weight_stock_kl(data[KL_WEIGHT_KEY].double() if oracle is None else oracle,
+                                    data["base_action_log_probs"], mmw)
+            try:
+                hand = _batch(sky, 6)
+                hand["base_action_log_probs"] = data["base_action_log_probs"]
+                want = s.forward_backward(hand).metrics
+                s.optim_step()
+            finally:
+                undo()
+            out["critical_kl"] = result(g, s, start, got=got, want=want, weight=weights,
+                                        oracle=oracle, mask=data["loss_mask"].bool(),
+                                        base=(base, stock_base, oracle_logp))
     os.environ.pop("GBC_SKYRL_OPTIONS", None)
+    out["last"] = last()
     return out
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp2", "pp2"])
+@pytest.fixture(scope="module", params=[(1, 1), (2, 1), (1, 2)], ids=["tp2", "pp2", "cp2"])
 def stepped(request):
-    """Each rank's results, at tensor parallel 2 (``tp2``) and pipeline parallel 2 (``pp2``,
-    one rank per stage: the checks of the last stage's values run on rank 1)."""
-    return spawn_gloo(2, _methods_worker, request.param), request.param
+    """Each rank's results, at tensor parallel 2 (``tp2``), pipeline parallel 2 (``pp2``, one
+    rank per stage: the checks of the last stage's values run on rank 1) and context parallel
+    2 (``cp2``, SkyRL's packed micro-batches)."""
+    pp, cp = request.param
+    return spawn_gloo(2, _methods_worker, pp, cp), pp, cp
 
 
 def _ranks(stepped):
     """(rank results, those on the last pipeline stage) of a :func:`stepped`."""
-    outs, pp = stepped
+    outs, pp, _ = stepped
     assert [o["last"] for o in outs] == ([True, True] if pp == 1 else [False, True])
     return outs, [o for o in outs if o["last"]]
 
@@ -386,3 +403,23 @@ def test_critical_kl_from_skyrls_megatron_reference_pass(stepped):
             torch.testing.assert_close(o["weight"][m].double(), o["oracle"][m], rtol=1e-4,
                                        atol=1e-6)
         _same_metrics(o["got"], o["want"], skip=("loss_fn_outputs", "policy_kl"))
+
+
+@pytest.mark.parametrize("stepped", [(1, 2)], indirect=True, ids=["cp2"])
+def test_context_parallel_2_scales_and_weights_equal_1s(stepped):
+    """At context parallel 2 each rank holds 2 of every sequence's 4 chunks; NTHR's kept rows
+    and the reference pass's log-probs and KL weights are assembled over the CP group: NTHR's
+    scales, the reference log-probs and the KL weights equal those of the same packed model
+    on one rank."""
+    outs, _, cp = stepped
+    assert cp == 2
+    one = spawn_gloo(1, _methods_worker, 1, 1, True, ("nthr", "critical_kl"))[0]
+    m = one["nthr"]["mask"]
+    assert (one["nthr"]["scale"][m] != 1).any()
+    for out in outs:
+        torch.testing.assert_close(out["nthr"]["scale"], one["nthr"]["scale"], rtol=1e-6,
+                                   atol=1e-7)
+        torch.testing.assert_close(out["critical_kl"]["weight"], one["critical_kl"]["weight"],
+                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out["critical_kl"]["base"][0],
+                                   one["critical_kl"]["base"][0], rtol=1e-6, atol=1e-6)

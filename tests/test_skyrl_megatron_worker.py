@@ -213,14 +213,16 @@ def make_worker(kind, gbc, cfg, chunks, options="", lr=0.5):
     return w
 
 
-def worker_pair(cfg, kind="policy", options="", tp=2, sp=False, pp=1, lr=0.5):
+def worker_pair(cfg, kind="policy", options="", tp=2, sp=False, pp=1, lr=0.5, cp=1):
     """(SkyRL's worker, gbc's worker) of ``kind`` (:func:`make_worker`), each on a fresh copy
     of the same model (tests/test_skyrl_megatron.py's ``_model``: tensor parallel ``tp``,
     sequence parallel ``sp``, pipeline parallel ``pp``; the packed-attention model when
-    ``cfg.remove_microbatch_padding``); ``options``: gbc's ``GBC_SKYRL_OPTIONS``. Rebuilding
+    ``cfg.remove_microbatch_padding``, context parallel ``cp`` there); ``options``: gbc's
+    ``GBC_SKYRL_OPTIONS``. Rebuilding
     the model re-initialises megatron's groups: build a pair, run it, then build the next."""
     packed = bool(cfg.remove_microbatch_padding)
-    return tuple(make_worker(kind, gbc, cfg, [_model(tp, sp, packed, pp)], options, lr)
+    cfg.policy.megatron_config.context_parallel_size = cp
+    return tuple(make_worker(kind, gbc, cfg, [_model(tp, sp, packed, pp, cp)], options, lr)
                  for gbc in (False, True))
 
 
@@ -385,6 +387,14 @@ DP_CASES = {
     "dp2_packed": ("policy", dict(packed=True, micro=4, temperature=0.8, **KL_ENTROPY),
                    dict(tp=1), dict(per_rank=True)),
 }
+# context parallel 2 (packed only): each rank 2 of every sequence's 4 chunks
+CP_CASES = {
+    "cp2_packed": ("policy", dict(packed=True, micro=4, temperature=0.8, **KL_ENTROPY),
+                   dict(tp=1, cp=2)),
+    "cp2_gspo": ("policy", dict(loss_type="gspo", packed=True, micro=4), dict(tp=1, cp=2)),
+    "cp2_tokens": ("policy", dict(packed=True, max_tokens=14, **KL_ENTROPY), dict(tp=1, cp=2)),
+    "cp2_ref": ("ref", dict(packed=True, micro=4), dict(tp=1, cp=2)),
+}
 PP_TP_CASES = {
     "pp2_tp2_sp": ("policy", dict(micro=3, **KL_ENTROPY), dict(tp=2, sp=True, pp=2)),
 }
@@ -475,6 +485,24 @@ def test_data_parallel_worker_step_equals_skyrls_worker(two_ranks, name):
     assert s0["metrics"] == s1["metrics"]
     assert not torch.equal(s0["loss_masks"], s1["loss_masks"]) or any(
         not torch.equal(s0["grads"][k], s1["grads"][k]) for k in s0["grads"])
+
+
+@pytest.fixture(scope="module")
+def context_parallel():
+    return spawn_gloo(2, _cases_worker, CP_CASES)
+
+
+@pytest.mark.parametrize("name", sorted(CP_CASES))
+def test_context_parallel_worker_step_equals_skyrls_worker(context_parallel, name):
+    """Context parallel 2 on SkyRL's packed micro-batches (``trainer.policy.megatron_config.
+    context_parallel_size=2``; SkyRL's ``preprocess_packed_seqs`` gives each rank 2 of every
+    sequence's 4 chunks): gbc's loss over this rank's tokens with the whole micro-batch's
+    normalisers, the whole loss's value; every metric, loss_fn_outputs, each rank's
+    gradients and the no-grad log-probs == SkyRL's (its log-probs all-gathered over the CP
+    group)."""
+    for r, per_rank in enumerate(context_parallel):
+        stock, ours = per_rank[name]
+        assert_same_step(stock, ours, f"rank {r} {name}")
 
 
 @pytest.mark.slow

@@ -19,9 +19,12 @@ import contextlib
 import functools
 import types
 
+from typing import NamedTuple
+
 import torch
 
 from gbc_kernels.integrations import megatron as gbc_megatron
+from gbc_kernels.sequence_parallel import owned_sum, whole_loss
 
 from . import losses
 from .worker import (CARRIED, KL_WEIGHT_KEY, OPTIONS_ENV, _check_sft, check_config, keep_rows,
@@ -29,6 +32,18 @@ from .worker import (CARRIED, KL_WEIGHT_KEY, OPTIONS_ENV, _check_sft, check_conf
                      take_recorded)
 
 WRAPPER_MODULE = "skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper"
+
+
+CP_PADDED = (
+    "trainer.policy.megatron_config.context_parallel_size={cp} with "
+    "trainer.remove_microbatch_padding=false: gbc's SkyRL Megatron wrapper runs context "
+    "parallelism on SkyRL's packed micro-batches only (SkyRL's padded path hands its log-prob "
+    "functions no context-parallel group): set trainer.remove_microbatch_padding=true")
+CP_COV = (
+    "trainer.algorithm.policy_loss_type: clip_cov / kl_cov select tokens from the whole "
+    "micro-batch, which gbc's loss under context parallelism "
+    "(trainer.policy.megatron_config.context_parallel_size={cp}) does not reproduce: choose "
+    "another policy_loss_type or set context_parallel_size=1")
 
 
 def check_megatron_config(cfg, options=None, is_vlm=False):
@@ -44,8 +59,10 @@ def check_megatron_config(cfg, options=None, is_vlm=False):
                          "needs the main logits, which gbc's head never forms (unset it)")
     cp = losses.get(cfg, "policy.megatron_config.context_parallel_size", 1) or 1
     if cp > 1:
-        raise ValueError(f"trainer.policy.megatron_config.context_parallel_size={cp}: gbc's "
-                         f"SkyRL Megatron wrapper runs without context parallelism (set 1)")
+        if not losses.get(cfg, "remove_microbatch_padding", True):
+            raise ValueError(CP_PADDED.format(cp=cp))
+        if losses.get(cfg, "algorithm.policy_loss_type", None) in ("clip_cov", "kl_cov"):
+            raise ValueError(CP_COV.format(cp=cp))
     rank = losses.get(cfg, "policy.model.lora.rank", 0) or 0
     if rank > 0:
         raise ValueError(f"trainer.policy.model.lora.rank={rank}: LoRA on the Megatron backend "
@@ -96,18 +113,31 @@ def _gbc_head(make_func):
         module.get_forward_backward_func = original
 
 
+class _ContextParallel(NamedTuple):
+    group: object            # the context-parallel process group
+    own: torch.Tensor        # [B, T] bool: the response positions this rank holds
+
+
 def _rows(hidden, data):
     """The response rows ``[T, B, H]`` of the model's hidden states (row ``t`` predicting token
-    ``t + 1``), their labels ``[B, T]`` and which of them SkyRL computes (``[B, T]`` bool;
-    None: all). Padded: SkyRL's de-padded ``[B, S, H]``. Packed
+    ``t + 1``), their labels ``[B, T]``, which of them SkyRL computes (``[B, T]`` bool; None:
+    all) and, under context parallelism, the group and the positions this rank holds (else
+    None). Padded: SkyRL's de-padded ``[B, S, H]``. Packed
     (``trainer.remove_microbatch_padding``): SkyRL's ``[1, N, H]`` stream, sequence ``i`` from
     ``packed_seq_params.cu_seqlens_q_padded[i]``; SkyRL's packed log-probs exist where both the
-    token and the one before it are real."""
+    token and the one before it are real. Under context parallelism this rank's stream holds
+    ``N / cp`` positions: 2 of every sequence's ``2 cp`` chunks, placed by SkyRL's own map
+    (``_packed_cp_rank_and_local_indices``); a row it does not hold is row 0 here."""
+    from megatron.core import parallel_state as mpu
+
     T = int(data["num_actions"])
     labels = data["sequences"][:, -T:]
     psp = data.get("packed_seq_params")
+    cp = mpu.get_context_parallel_world_size()
     if psp is None:
-        return hidden[:, -T - 1:-1].transpose(0, 1), labels, None
+        if cp > 1:
+            raise ValueError(CP_PADDED.format(cp=cp))
+        return hidden[:, -T - 1:-1].transpose(0, 1), labels, None, None
     if data.get("sub_seq_lengths_list") is not None:
         raise ValueError("sub_seq_lengths: SkyRL's mini-batch packing (several sequences per "
                          "row) is not run by gbc's SkyRL Megatron wrapper")
@@ -116,7 +146,43 @@ def _rows(hidden, data):
     at = (attn.long().cumsum(-1) - 1)[:, -T - 1:-1]          # [B, T]: offsets in the segments
     valid = attn[:, -T - 1:-1] & attn[:, -T:]
     at = torch.where(valid, at, torch.zeros_like(at))
-    return hidden.reshape(-1, hidden.shape[-1])[(cu[:-1, None] + at).t()], labels, valid
+    at = cu[:-1, None] + at                                   # [B, T]: packed positions
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if cp == 1:
+        return flat[at.t()], labels, valid, None
+    from skyrl.backends.skyrl_train.distributed.megatron.model_utils import (
+        _packed_cp_rank_and_local_indices, _packed_sequence_indices)
+
+    cu, _, seq, offset, lens = _packed_sequence_indices(cu, int(cu[-1]), attn.device)
+    rank, local = _packed_cp_rank_and_local_indices(cu, seq, offset, lens, cp)
+    own = valid & (rank[at] == mpu.get_context_parallel_rank())
+    local = torch.where(own, local[at], torch.zeros_like(at))
+    return flat[local.t()], labels, valid, _ContextParallel(mpu.get_context_parallel_group(),
+                                                            own)
+
+
+def _final_loss(loss, entropy, cp, algo, loss_mask, weight):
+    """SkyRL's ``final_loss`` metric of a micro-batch: the loss's value; under context
+    parallelism SkyRL's per-rank value, whose entropy term is the rank's own tokens' share
+    (SkyRL's packed entropy for the loss; its KL and policy terms are whole): the whole loss
+    with the other ranks' entropy share taken out. ``weight``: the loss's KL / entropy
+    weight."""
+    value = loss.item()
+    if cp is None or not losses.get(algo, "use_entropy_loss", False):
+        return value
+    from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean
+
+    ent = _whole(entropy, cp).to(loss_mask.dtype)
+    others = masked_mean(ent.masked_fill(cp.own, 0.0), loss_mask)
+    return value + float(algo.entropy_loss_coef) * others.item() * weight
+
+
+def _whole(values, cp):
+    """Per-position values of this rank's rows -> every position's (summed over the CP group:
+    each position has one owner); as they are without context parallelism."""
+    if cp is None or values is None:
+        return values
+    return owned_sum(values, cp.own, cp.group)
 
 
 def _head(state):
@@ -172,23 +238,25 @@ def _wrapper_methods(base):
         too; with :attr:`gbc_reference` set (critical-token KL, the reference pass) the same
         sweep gives the KL weights, into :attr:`gbc_ref_weights` by row key."""
         def collect(hidden, data, state):
-            h, y, valid = _rows(hidden, data)
+            h, y, valid, cp = _rows(hidden, data)
             weight, ref, keep = state["weight"], self.gbc_reference, self.gbc_keeping
             h = h.to(weight.dtype)
             seq, attn = data["sequences"], data["attention_mask"]
+            mask = None if cp is None else cp.own
             if ref is not None:
-                st = gbc_megatron.reference_stats(h, weight, y, ref, temperature=temperature,
-                                                  **_head(state))
-                logp, kl_weight = st.ref_logp, st.kl_weight
+                st = gbc_megatron.reference_stats(h, weight, y, ref, mask,
+                                                  temperature=temperature, **_head(state))
+                logp, kl_weight = _whole(st.ref_logp, cp), _whole(st.kl_weight, cp)
                 if valid is not None:
                     kl_weight = kl_weight.masked_fill(~valid, 0.0)
                 self.gbc_ref_weights.update(zip(row_keys(seq, attn), kl_weight.float().cpu()))
             else:
-                logp = gbc_megatron.logprobs(h, weight, y, temperature=temperature,
-                                             return_entropy=False, **_head(state)).logp
-            if keep is not None:
+                logp = _whole(gbc_megatron.logprobs(h, weight, y, mask, temperature=temperature,
+                                                    return_entropy=False, **_head(state)).logp,
+                              cp)
+            if keep is not None:       # every CP rank keeps the whole rows (each from its owner)
                 real = attn[:, -y.shape[1]:].bool()
-                keep_rows(keep, seq, attn, h.transpose(0, 1), y,
+                keep_rows(keep, seq, attn, _whole(h.transpose(0, 1), cp), y,
                           real if valid is None else real & valid,
                           types.SimpleNamespace(weight=weight, bias=state["bias"]), None,
                           temperature, logp,
@@ -233,22 +301,35 @@ def _wrapper_methods(base):
             call, _ = losses.policy_loss_inputs(algo, loss_type, loss_mask, data["advantages"],
                                                 old, data["rollout_action_logprobs"])
             scale, kl_weight = method_fields(data, opts, cfg, loss_mask.device)
-            h, y, _ = _rows(hidden, data)      # packed: the loss mask's rows are real
+            h, y, _, cp = _rows(hidden, data)      # packed: the loss mask's rows are real
+            mask = call["mask"]
+            extra = {}
+            if cp is not None:      # the whole micro-batch's normalisers, this rank's tokens
+                if cfg.cov_mode is not None:
+                    raise ValueError(CP_COV.format(cp=mpu.get_context_parallel_world_size()))
+                call = dict(call, mask=mask.bool() & cp.own)
+                extra["context_parallel"] = cp.group
             out = gbc_megatron.policy_loss(h.to(state["weight"].dtype), state["weight"], y,
                                            config=cfg, return_entropy=not sft,
                                            ref_logp=base_lp if cfg.kl_coef else None,
                                            token_scale=scale, kl_weight=kl_weight, phase=phase,
-                                           **call, **_head(state))
-            logp, m = step_metrics(algo, loss_type, {"logp": out.logp, "entropy": out.entropy},
-                                   call["mask"], loss_mask, data["advantages"], old, base_lp,
+                                           **call, **extra, **_head(state))
+            # under CP: the whole loss's value, the gradient of this rank's tokens (SkyRL's
+            # all-gather of the log-probs gives each rank its own tokens' gradient)
+            loss = out.loss if cp is None else whole_loss(out.loss, cp.group)
+            logp, m = step_metrics(algo, loss_type, {"logp": _whole(out.logp, cp),
+                                                     "entropy": _whole(out.entropy, cp)},
+                                   mask, loss_mask, data["advantages"], old, base_lp,
                                    data["rollout_action_logprobs"], opts, phase, scale)
             outputs = loss_fn_outputs(logp, data.get("action_mask"), sft, loss_mask)
             if sft:
                 metrics = {"loss": m.pop("policy_loss"), "response_length": data["num_actions"],
                            "loss_fn_outputs": outputs}
             else:
-                metrics = {"final_loss": out.loss.item(), "loss_fn_outputs": outputs, **m}
-            return out.loss * (nmb * dp), metrics
+                metrics = {"final_loss": _final_loss(loss, out.entropy, cp, algo, loss_mask,
+                                                     1.0 / (dp * max(1, nreal))),
+                           "loss_fn_outputs": outputs, **m}
+            return loss * (nmb * dp), metrics
 
         with _gbc_head(loss_func):
             return base["forward_backward_mini_batch"](
