@@ -4,6 +4,7 @@ CSV rows. Each provider runs in a fresh process (see bench_cpu.py) so peak memor
 from __future__ import annotations
 
 import csv
+import dataclasses
 import datetime
 import json
 import os
@@ -38,6 +39,14 @@ def setup_case(N, H, V, dtype, seed=0, T=512):
 def plain_torch_loss(c):
     """The textbook way: full logits, log_softmax, then the loss on the log-probs."""
     logits = (c["hidden"] @ c["weight"].T).float()
+    logp = torch.log_softmax(logits, -1).gather(-1, c["targets"].unsqueeze(-1)).squeeze(-1)
+    return loss_from_logp(c, logp)
+
+
+def float32_head_loss(c):
+    """The "float32 LM head" as TRL (``cast_lm_head_to_fp32``), torchtitan and NeMo-RL compute
+    it: hidden states and weight cast to float32, a float32 matmul, float32 ``[N, V]`` logits."""
+    logits = c["hidden"].float() @ c["weight"].float().T
     logp = torch.log_softmax(logits, -1).gather(-1, c["targets"].unsqueeze(-1)).squeeze(-1)
     return loss_from_logp(c, logp)
 
@@ -126,13 +135,18 @@ def objective_config(name):
     return gbc.PolicyLossConfig.preset(lt, **kw)
 
 
-def make_provider(name, c):
-    """A closure running forward+backward of one provider on case ``c``."""
+def make_provider(name, c, logits_dtype=None):
+    """A closure running forward+backward of one provider on case ``c``. ``logits_dtype``: the
+    gbc providers' (``gbc_cpu_f32`` / ``gbc_torch_f32``: float32 whatever it says)."""
+    if name.endswith("_f32") and name.startswith("gbc_"):
+        name, logits_dtype = name[:-4], torch.float32
     cfg = gbc.PolicyLossConfig(epsilon_low=EPS, epsilon_high=EPS, kl_coef=BETA,
-                               kl_estimator="k3", loss_agg="token-mean")
+                               kl_estimator="k3", loss_agg="token-mean",
+                               logits_dtype=logits_dtype)
     if "@" in name:                       # gbc_cpu@gspo: an objective of docs/math.md §10
         name, objective = name.split("@")
         cfg = objective_config(objective)
+        cfg = dataclasses.replace(cfg, logits_dtype=logits_dtype)
     if name == "floor":
         x = c["hidden"].detach().reshape(-1, c["hidden"].shape[-1])
         w = c["weight"].detach()
@@ -153,6 +167,8 @@ def make_provider(name, c):
         return run
     if name == "plain_torch":
         return lambda: plain_torch_loss(c).backward()
+    if name == "float32_head":
+        return lambda: float32_head_loss(c).backward()
     if name == "trl_chunked":
         return lambda: trl_chunked_loss(c).backward()
     if name == "torch_lce":

@@ -11,6 +11,14 @@ memory: each provider in a fresh process (peak RSS beyond inputs and gradients).
                LinearCrossEntropyOptions(): chunked, logits recomputed in backward)
   liger        Liger-Kernel LigerFusedLinearGRPOLoss(compiled=False)  (liger_compiled: =True)
   liger_scaled_ce  Liger's fused linear scaled cross-entropy (verl's default fused head) + loss
+  gbc_cpu_f32  gbc_cpu with logits_dtype=float32 (gbc_torch_f32: the PyTorch path's)
+  float32_head the "float32 LM head" (TRL's cast_lm_head_to_fp32, torchtitan, NeMo-RL): hidden
+               and weight cast to float32, float32 matmul and [N, V] logits, then the loss
+
+--logits-dtype float32 runs every gbc provider in float32 logits mode (docs/kernels.md,
+"Precision"); with --dtype bfloat16, e.g.
+    python benchmarks/bench_cpu.py --Ns 2048 --Hs 1024 --Vs 32768 --dtype bfloat16 \
+        --providers floor,gbc_cpu,gbc_cpu_f32,plain_torch,float32_head
 
     python benchmarks/bench_cpu.py --quick            # N=2048, H=1024, V=32768 (the README table)
     python benchmarks/bench_cpu.py                    # N in 1k..8k, V in 32768/128256/151936, H in 1024/2048
@@ -39,6 +47,8 @@ sys.path.insert(0, HERE)
 
 PROVIDERS = ["floor", "gbc_cpu", "gbc_torch", "plain_torch", "trl_chunked", "torch_lce",
              "liger", "liger_compiled", "liger_scaled_ce"]
+# also accepted by --providers (not in the default grid): the float32 logits mode and head
+EXTRA_PROVIDERS = ["gbc_cpu_f32", "gbc_torch_f32", "float32_head"]
 
 
 def _peak_kb():
@@ -68,7 +78,7 @@ def child_memory(args):
     from _common import make_provider, setup_case
 
     c = setup_case(args.N, args.H, args.V, getattr(torch, args.dtype), T=args.T)
-    fn = make_provider(args.provider, c)
+    fn = make_provider(args.provider, c, _logits_dtype(args))
     base = _reset_peak_kb()
     for _ in range(2):          # a training loop: zero_grad(set_to_none=True) between steps
         c["hidden"].grad = c["weight"].grad = None
@@ -101,7 +111,7 @@ def child_time(args):
     for p in provs:
         t0 = time.perf_counter()
         try:
-            fns[p] = make_provider(p, c)
+            fns[p] = make_provider(p, c, _logits_dtype(args))
             fns[p]()                                    # warm-up (and compile)
             progress(f"warm-up {p}: {time.perf_counter() - t0:.2f} s")
         except Exception as exc:                        # e.g. a baseline that can't run here
@@ -129,10 +139,22 @@ def child_time(args):
     print(json.dumps(out))
 
 
+def _logits_dtype(args):
+    import torch
+    return None if args.logits_dtype is None else getattr(torch, args.logits_dtype)
+
+
+def _dtype_label(args) -> str:
+    """The CSV's dtype column: the inputs', and the gbc providers' logits mode when set."""
+    return args.dtype + ("" if args.logits_dtype is None else f"/logits={args.logits_dtype}")
+
+
 def _child(kind, args, extra):
     cmd = [sys.executable, __file__, f"--child-{kind}", "--N", str(args.N), "--H", str(args.H),
            "--V", str(args.V), "--dtype", args.dtype, "--threads", str(args.threads), "--reps",
            str(args.reps), "--T", str(args.T)] + extra
+    if args.logits_dtype is not None:
+        cmd += ["--logits-dtype", args.logits_dtype]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     # the child's stderr (its progress lines) goes straight to the terminal
     r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, timeout=7200)
@@ -156,7 +178,7 @@ def plot(csv_path, png_path):
     rows = [r for r in rows if r["timestamp"] == latest[r["shape"]] and r["status"] == "ok"]
     shapes = sorted({r["shape"] for r in rows}, key=lambda s: [int(x.split("=")[1])
                                                              for x in s.split(",")])
-    provs = [p for p in PROVIDERS if any(r["provider"] == p for r in rows)]
+    provs = [p for p in PROVIDERS + EXTRA_PROVIDERS if any(r["provider"] == p for r in rows)]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(1, len(provs))
     for i, p in enumerate(provs):
@@ -198,7 +220,7 @@ def objectives(args):
         t = timing[p]
         name = p.split("@")[1]
         row = dict(objective=name, shape=f"N={args.N},H={args.H},V={args.V},T={args.T}",
-                   dtype=args.dtype, threads=args.threads, median_s="", p20_s="", p80_s="",
+                   dtype=_dtype_label(args), threads=args.threads, median_s="", p20_s="", p80_s="",
                    ratio_to_ppo="", ratio_to_floor="", status="ok" if "error" not in t
                    else f"error: {t['error']}", version=timing.get("version", ""),
                    timestamp=stamp)
@@ -224,6 +246,8 @@ def main():
     ap.add_argument("--H", type=int, default=1024)
     ap.add_argument("--V", type=int, default=32768)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--logits-dtype", default=None, choices=["float32"],
+                    help="the gbc providers' logits_dtype (default: the input's dtype)")
     ap.add_argument("--T", type=int, default=512, help="tokens per sequence (B = N / T)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
@@ -273,7 +297,7 @@ def main():
             mem, merr = _child("memory", args, ["--provider", p]) if "error" not in t else \
                 (None, t["error"])
             ok = "error" not in t and mem is not None
-            row = dict(provider=p, mode="fwd+bwd", shape=f"N={N},H={H},V={V}", dtype=args.dtype,
+            row = dict(provider=p, mode="fwd+bwd", shape=f"N={N},H={H},V={V}", dtype=_dtype_label(args),
                        threads=args.threads, status="ok" if ok else f"error: {t.get('error', merr)}",
                        median_s="", p20_s="", p80_s="", peak_extra_mb="", peak_over_logits="",
                        ratio_to_floor="", version=timing.get("version", ""), timestamp=stamp)

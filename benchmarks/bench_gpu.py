@@ -26,6 +26,7 @@ FLOP counts and the H100 roofline these numbers should be judged against.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -55,6 +56,15 @@ def providers(c):
                                                backend="triton")
         loss.backward()
     out["gbc_triton"] = ours
+    cfg32 = dataclasses.replace(cfg, logits_dtype=torch.float32)
+
+    def ours_f32():       # float32 logits mode (docs/kernels.md, "Precision")
+        loss, _ = gbc.fused_linear_policy_loss(c["hidden"], c["weight"], c["targets"], c["mask"],
+                                               c["adv"], c["old"], c["ref"], config=cfg32,
+                                               backend="triton")
+        loss.backward()
+    out["gbc_triton_f32"] = ours_f32
+    out["float32_head"] = make_provider("float32_head", c)   # TRL's cast_lm_head_to_fp32 way
     # a baseline whose package is not installed gets an error row, not a crash
     for key, name in (("liger_chunked", "liger_compiled"), ("trl_chunked", "trl_chunked")):
         try:

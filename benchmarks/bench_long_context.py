@@ -80,11 +80,14 @@ def load_skyrl(path):
         return None
 
 
-def providers(c, chunk_mbs, skyrl_fn):
+def providers(c, chunk_mbs, skyrl_fn, logits_dtype=None):
+    """``logits_dtype``: float32 labels gbc's providers ``gbc_f32`` (float32 logits mode)."""
     import gbc_kernels as gbc
 
     cfg = gbc.PolicyLossConfig(epsilon_low=EPS, epsilon_high=EPS, kl_coef=BETA,
-                               kl_estimator="k3", loss_agg="token-mean")
+                               kl_estimator="k3", loss_agg="token-mean",
+                               logits_dtype=logits_dtype)
+    label = "gbc" if logits_dtype is None else "gbc_f32"
     out = {}
     for mb in chunk_mbs:
         def ours(mb=mb):
@@ -100,7 +103,7 @@ def providers(c, chunk_mbs, skyrl_fn):
                 os.environ.pop("GBC_CHUNK_MB", None)
                 if old_env is not None:
                     os.environ["GBC_CHUNK_MB"] = old_env
-        out["gbc" if mb == "default" else f"gbc@{mb}MB"] = ours
+        out[label if mb == "default" else f"{label}@{mb}MB"] = ours
 
     def eager():
         logits = (c["hidden"] @ c["weight"].T).float()
@@ -108,6 +111,13 @@ def providers(c, chunk_mbs, skyrl_fn):
         del logits
         loss_from_logp(c, logp).backward()
     out["eager"] = eager
+
+    def eager_f32():        # the "float32 LM head": TRL's cast_lm_head_to_fp32, torchtitan
+        logits = c["hidden"].float() @ c["weight"].float().T
+        logp = torch.log_softmax(logits, -1).gather(-1, c["targets"].unsqueeze(-1)).squeeze(-1)
+        del logits
+        loss_from_logp(c, logp).backward()
+    out["eager_f32"] = eager_f32
 
     if skyrl_fn is not None:
         def skyrl():
@@ -217,7 +227,11 @@ def main():
                          "benchmark's)")
     ap.add_argument("--chunk-mb", default="default,256")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--providers", default="gbc,eager,skyrl")
+    ap.add_argument("--providers", default="gbc,eager,skyrl",
+                    help="of gbc, gbc_f32 (with --logits-dtype float32), eager, eager_f32 (the "
+                         "float32-cast head), skyrl")
+    ap.add_argument("--logits-dtype", default=None, choices=["float32"],
+                    help="gbc's logits_dtype: its providers are then labelled gbc_f32")
     ap.add_argument("--skyrl", default=os.environ.get("GBC_SKYRL_FUSED"))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=os.path.join("runs", "bench", "long_context.csv"))
@@ -242,6 +256,10 @@ def main():
     ours = gbc_kernels.fused_linear_logprobs(c["hidden"].detach(), c["weight"].detach(),
                                              c["targets"])[0]
     print(f"check: gbc log-probs vs float64, max abs err {(ours - ref).abs().max().item():.2e}")
+    ours32 = gbc_kernels.fused_linear_logprobs(c["hidden"].detach(), c["weight"].detach(),
+                                               c["targets"], logits_dtype=torch.float32)[0]
+    print(f"check: gbc float32 mode vs float64, max abs err "
+          f"{(ours32 - ref).abs().max().item():.2e}")
     if skyrl_fn is not None:
         sk = skyrl_fn.apply(c["hidden"].detach(), c["weight"].detach(), c["targets"], 0, 1000,
                             1024, None, True)
@@ -261,7 +279,8 @@ def main():
                 c = make_case(S, args.H, Vl, dtype, device)
                 grads = (S * args.H + Vl * args.H) * c["hidden"].element_size()
                 res = {}
-                for name, fn in providers(c, args.chunk_mb.split(","), skyrl_fn).items():
+                ld = None if args.logits_dtype is None else torch.float32
+                for name, fn in providers(c, args.chunk_mb.split(","), skyrl_fn, ld).items():
                     if name.split("@")[0] not in want:
                         continue
                     status = "measured"

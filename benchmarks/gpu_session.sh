@@ -18,9 +18,13 @@ if ! python -c "import gbc_kernels, gbc_reference" 2>/dev/null; then
 fi
 python -c "import gbc_kernels, gbc_reference" || { echo "gpu_session.sh: cannot import gbc_kernels / gbc_reference from $PWD"; exit 1; }
 python -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
-timeout 120 python -m pytest -q -s -x tests/test_gpu.py 2>&1 | tail -15 | tee "$out/gpu_tests.log"
-timeout 210 python benchmarks/bench_long_context.py --out "$out/long_context.csv" 2>&1 \
+timeout 90 python -m pytest -q -s -x tests/test_gpu.py 2>&1 | tail -15 | tee "$out/gpu_tests.log"
+timeout 45 python benchmarks/bench_precision.py 2>&1 | tee "$out/precision.log"
+timeout 150 python benchmarks/bench_long_context.py --out "$out/long_context.csv" 2>&1 \
     | grep -v USDT | tee "$out/long_context.log"
+timeout 75 python benchmarks/bench_long_context.py --logits-dtype float32 --S 32768,131072 \
+    --providers gbc_f32,eager_f32 --out "$out/long_context_f32.csv" 2>&1 \
+    | grep -v USDT | tee "$out/long_context_f32.log"
 timeout 150 python benchmarks/bench_gpu.py --N "$nlist" --out "$out/gpu.csv" 2>&1 | tail -30
 timeout 60 python benchmarks/profile_gpu.py --shape qwen2.5-7b --N 8192 --chunk-mb default,256 \
     2>&1 | tee "$out/profile_qwen.log"

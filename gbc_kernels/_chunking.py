@@ -139,6 +139,71 @@ def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool)
         torch.addmm(acc[v0:v1], a[v0:v1].float(), b32, beta=beta, out=acc[v0:v1])
 
 
+# Float32 logits of low-precision operands (``logits_dtype=torch.float32``, docs/kernels.md,
+# "Precision"). A bf16 x bf16 (or fp16 x fp16) product is exact in float32, so a matmul that
+# accumulates in float32 and writes float32 gives the float32 head's logits (hidden states and
+# weight cast to float32, a float32 matmul) up to summation order, without a float32 copy of
+# the weight: CUDA's ``out_dtype`` matmul (tensor cores, PyTorch >= 2.8); elsewhere float32
+# copies of the weight's rows a block at a time (CPUs without bf16 units run float32 GEMMs
+# faster than bf16 ones: benchmarks/bench_cpu.py --logits-dtype float32).
+_FP32_BLOCK_BYTES = 8 * 2 ** 20
+
+
+def _block_rows(H: int) -> int:
+    """Rows of a float32 weight block of ``_FP32_BLOCK_BYTES`` (at least 256)."""
+    return max(256, _FP32_BLOCK_BYTES // max(1, 4 * H))
+
+
+def logits_dtype_for(dtype: torch.dtype, logits_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """The chunk buffer's dtype: ``logits_dtype`` (float32) for low-precision operands, else
+    the operands' own dtype (float32 and float64 inputs: the option changes nothing)."""
+    if logits_dtype is not None and dtype in LOW_PRECISION:
+        return logits_dtype
+    return dtype
+
+
+_warned_out_dtype = False
+
+
+def _warn_no_out_dtype(exc) -> None:
+    global _warned_out_dtype
+    if not _warned_out_dtype:
+        _warned_out_dtype = True
+        import warnings
+        warnings.warn(f"gbc_kernels: logits_dtype=float32 on CUDA without a bf16 -> float32 "
+                      f"out_dtype matmul in this PyTorch ({exc}); the weight is upcast a block "
+                      f"at a time instead (slower; PyTorch >= 2.8 has it)", RuntimeWarning,
+                      stacklevel=4)
+
+
+def mm_fp32(a: torch.Tensor, b_t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = a @ b_t.T`` into a float32 ``out`` for low-precision ``a`` ``[m, K]`` and
+    ``b_t`` ``[n, K]``, accumulated in float32 and never rounded to their dtype."""
+    if out.device.type == "cuda":
+        try:
+            return torch.mm(a, b_t.t(), out_dtype=torch.float32, out=out)
+        except (TypeError, RuntimeError) as exc:
+            _warn_no_out_dtype(exc)
+    a32 = a.float()
+    step = _block_rows(a.shape[1])
+    for v0 in range(0, b_t.shape[0], step):
+        v1 = min(b_t.shape[0], v0 + step)
+        torch.mm(a32, b_t[v0:v1].float().t(), out=out[:, v0:v1])
+    return out
+
+
+def mm_fp32_right(a32: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a32 @ b`` as float32 for a float32 ``a32`` ``[m, n]`` and a low-precision ``b``
+    ``[n, K]`` (the hidden gradient ``dz W`` of float32 mode off CUDA), ``b`` upcast a block of
+    rows at a time."""
+    out = torch.zeros(a32.shape[0], b.shape[1], device=a32.device, dtype=torch.float32)
+    step = _block_rows(b.shape[1])
+    for v0 in range(0, b.shape[0], step):
+        v1 = min(b.shape[0], v0 + step)
+        out.addmm_(a32[:, v0:v1], b[v0:v1].float())
+    return out
+
+
 def buffer_rows(rows: int) -> int:
     """Rows of the chunk buffer for chunks of ``rows`` rows: at least ``MIN_ROWS``, so that a
     small chunk's matmul can be padded."""
@@ -164,7 +229,18 @@ def project(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             out: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
     """out = h @ weight.T + bias, written into the preallocated chunk buffer; with ``softcap``
     (Gemma's final-logit soft-capping) ``out = c * tanh(out / c)`` in place: the row passes see
-    the capped logits, and the gradient pass multiplies by ``1 - (out / c)^2``."""
+    the capped logits, and the gradient pass multiplies by ``1 - (out / c)^2``.
+
+    A float32 ``out`` for low-precision ``h`` and ``weight`` (``logits_dtype=torch.float32``):
+    the float32 head's ``h.float() @ weight.float().T + bias.float()`` by :func:`mm_fp32`, the
+    bias and the soft-cap applied in float32."""
+    if out.dtype != h.dtype:
+        mm_fp32(h, weight, out)
+        if bias is not None:
+            out.add_(bias.float())
+        if softcap is not None:
+            out.div_(softcap).tanh_().mul_(softcap)
+        return out
     if softcap is None:
         if bias is None:
             return torch.mm(h, weight.t(), out=out)

@@ -191,22 +191,32 @@ def chunk_plan(n: int, rows: int, cfg: PolicyLossConfig, seq: Optional[torch.Ten
     return plan
 
 
-def _chunk_buffer(n: int, hidden2d, weight, backend: Backend, vp=None, grads=(False, False)):
+def _chunk_buffer(n: int, hidden2d, weight, backend: Backend, vp=None, grads=(False, False),
+                  logits_dtype=None):
     """Rows per chunk for ``n`` rows and the reused ``[rows, V_local]`` logits buffer (None when
     there is no row). Vocab parallel sizes by the widest slice, so every rank runs the same
     chunks. ``grads``: whether the call returns (grad_hidden, grad_weight), which count against
-    the CUDA default budget (``_chunking.rows_per_chunk``)."""
+    the CUDA default budget (``_chunking.rows_per_chunk``).
+
+    ``logits_dtype=torch.float32`` with bf16/fp16 operands: a float32 buffer (the logits are
+    the float32 head's, docs/kernels.md "Precision"); the byte budget is the same, so a chunk
+    has fewer rows (on CUDA, with gradients, also the low-precision copy of dL/dlogits that the
+    two gradient matmuls read: 4 + 2 bytes a logit instead of 2)."""
     width = weight.shape[0] if vp is None else vp.width
+    buf_dtype = _chunking.logits_dtype_for(hidden2d.dtype, logits_dtype)
     # counted by the widest slice too: the same on every rank, so the chunks stay in step; a
     # float32 accumulator of a bf16/fp16 weight gradient (_GradMatmuls) adds 4 bytes a weight
     w_bytes = weight.element_size() + 4 * _chunking.accumulate_fp32(weight.dtype)
     grad_bytes = (grads[0] * hidden2d.numel() * hidden2d.element_size()
                   + grads[1] * width * weight.shape[1] * w_bytes)
-    rows = _chunking.rows_per_chunk(n, width, backend.bytes_per_logit(hidden2d.dtype),
-                                    hidden2d.device, grad_bytes)
+    per_logit = backend.bytes_per_logit(buf_dtype)
+    if (buf_dtype != hidden2d.dtype and (grads[0] or grads[1])
+            and hidden2d.device.type in ROUND_DZ_DEVICES):
+        per_logit += hidden2d.element_size()          # _GradMatmuls' rounded copy
+    rows = _chunking.rows_per_chunk(n, width, per_logit, hidden2d.device, grad_bytes)
     # at least MIN_ROWS rows: a smaller chunk's matmul is padded to them (_chunking.project_chunk)
     buf = torch.empty(_chunking.buffer_rows(rows), weight.shape[0], device=hidden2d.device,
-                      dtype=hidden2d.dtype) if n else None
+                      dtype=buf_dtype) if n else None
     return rows, buf
 
 
@@ -231,6 +241,12 @@ def _rows(inv_temp, s, e):
     return inv_temp[s:e] if isinstance(inv_temp, torch.Tensor) else inv_temp
 
 
+# Float32 mode: the devices where dL/dlogits is rounded to the operands' dtype for the two
+# gradient matmuls (tensor cores); elsewhere the products are float32 (tests add "cpu" to run
+# the rounding route without a GPU).
+ROUND_DZ_DEVICES = ("cuda",)
+
+
 class _GradMatmuls:
     """The two gradient matmuls (and the bias sum) of each chunk, shared by the fused loss and
     the log-probs backward: ``grad_h[rows] = G W``, ``grad_w += G^T h`` (the first chunk writes
@@ -244,19 +260,33 @@ class _GradMatmuls:
     ``chunks``: how many chunks will add. ``into``: a float32 tensor of the weight's shape that
     ``grad_w`` is added into in place (megatron's ``main_grad``); the result's ``grad_w`` is
     then None.
+
+    Float32 logits of low-precision operands (``logits_dtype=torch.float32``): the float32
+    dL/dlogits is rounded once to the operands' dtype for the two matmuls on CUDA (tensor
+    cores; float32 accumulation); elsewhere the products are float32 (``_chunking.mm_fp32*``:
+    CPUs without bf16 units run them faster, and nothing is rounded). ``grad_w`` then always
+    sums in float32 and is rounded once.
     """
 
     def __init__(self, hidden2d, weight, bias, need_dh, need_dw, need_db, idx=None, chunks=1,
-                 into=None):
+                 into=None, f32_logits=False):
         dense = idx is None
         self.weight, self.idx, self.bias = weight, idx, bias
+        self.f32 = f32_logits and weight.dtype in _chunking.LOW_PRECISION
+        self.round_dz = self.f32 and weight.device.type in ROUND_DZ_DEVICES
+        self.low = None                             # the rounded copy (CUDA, float32 mode)
         self.grad_h = ((torch.empty_like(hidden2d) if dense else torch.zeros_like(hidden2d))
                        if need_dh else None)
         self.into = into if need_dw else None
         if self.into is not None:                   # accumulated from the first chunk on
             self.acc32, self.grad_w = into.dtype != weight.dtype, into
+            if self.f32 and not self.round_dz and not self.acc32:
+                raise TypeError("weight_grad_into: expected a float32 tensor in float32 "
+                                "logits mode")
         else:
             self.acc32 = need_dw and chunks > 1 and _chunking.accumulate_fp32(weight.dtype)
+            if self.f32 and not self.round_dz and need_dw:
+                self.acc32 = True                   # float32 products: summed in float32
             self.grad_w = None
             if need_dw:
                 self.grad_w = (torch.empty(weight.shape, device=weight.device,
@@ -267,6 +297,13 @@ class _GradMatmuls:
         self.first = self.into is None
 
     def add(self, lg, hc, s, e):
+        if self.f32 and lg.dtype != self.weight.dtype:
+            if self.round_dz:                       # rounded once, for the tensor cores
+                if self.low is None or self.low.shape[0] < lg.shape[0]:
+                    self.low = torch.empty(lg.shape, device=lg.device, dtype=self.weight.dtype)
+                lg = self.low[:lg.shape[0]].copy_(lg)
+            else:
+                return self._add_fp32(lg, hc, s, e)
         if self.grad_h is not None:
             if self.idx is None:
                 torch.mm(lg, self.weight, out=self.grad_h[s:e])
@@ -279,6 +316,20 @@ class _GradMatmuls:
                 torch.mm(lg.t(), hc, out=self.grad_w)
             else:
                 self.grad_w.addmm_(lg.t(), hc)
+        if self.grad_b is not None:
+            self.grad_b += lg.sum(0, dtype=torch.float32)
+        self.first = False
+
+    def _add_fp32(self, lg, hc, s, e):
+        """Float32 products of the float32 dL/dlogits ``lg`` with low-precision operands."""
+        if self.grad_h is not None:
+            gh = _chunking.mm_fp32_right(lg, self.weight)
+            if self.idx is None:
+                self.grad_h[s:e] = gh
+            else:
+                self.grad_h.index_copy_(0, self.idx[s:e], gh.to(self.grad_h.dtype))
+        if self.grad_w is not None:
+            _chunking.addmm_fp32(self.grad_w, lg.t(), hc, self.first)
         if self.grad_b is not None:
             self.grad_b += lg.sum(0, dtype=torch.float32)
         self.first = False
@@ -314,7 +365,8 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     pending = (inp.checks if inp.checks is not None else Checks()).start(mflat.sum())
     early = order = None
     if N and not (cfg.needs_sequence or cfg.needs_batch):
-        rows, buf = _chunk_buffer(N, hidden2d, weight, be, vp, (need_dh, need_dw))
+        rows, buf = _chunk_buffer(N, hidden2d, weight, be, vp, (need_dh, need_dw),
+                                  cfg.logits_dtype)
         order = _first_rows(mflat, N)        # the masked-in rows first (0-padded)
         early = hidden2d.index_select(0, order[:rows])
         _chunking.project_chunk(early, weight, bias, buf, cfg.logit_softcap)
@@ -335,7 +387,8 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
         y = _vp.local_targets(y, vp)
     need_grad = need_dh or need_dw or need_db
     if early is None:
-        rows, buf = _chunk_buffer(n, hidden2d, weight, be, vp, (need_dh, need_dw))
+        rows, buf = _chunk_buffer(n, hidden2d, weight, be, vp, (need_dh, need_dw),
+                                  cfg.logits_dtype)
     # split sequences (sequence parallel): a sequence or batch statistic needs every rank's
     # tokens, so every chunk takes the two-sweep route and the loss of all rows is taken at once
     # between the sweeps (its reductions run in step on every rank, with or without tokens)
@@ -343,7 +396,8 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     plan = ([(s, min(n, s + rows), 0, True) for s in range(0, n, rows)] if sp_whole
             else chunk_plan(n, rows, cfg, ti.seq, ti.seq_lengths))
     grads = _GradMatmuls(hidden2d, weight, bias, need_dh, need_dw, need_db,
-                         None if dense else idx, chunks=len(plan))
+                         None if dense else idx, chunks=len(plan),
+                         f32_logits=cfg.logits_dtype is not None)
     ws = Workspace()
     f32 = dict(device=device, dtype=torch.float32)
     logp, g, sum_p2 = (torch.zeros(n, **f32) for _ in range(3))
@@ -507,13 +561,15 @@ def scale_stored_grads(ctx, grad_loss):
 
 def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature,
                 want_entropy: bool, extra_temperature: Optional[float] = None,
-                softcap: Optional[float] = None, vp=None, want_sum_p2: bool = False):
+                softcap: Optional[float] = None, vp=None, want_sum_p2: bool = False,
+                logits_dtype=None):
     """Row statistics for every row (``vp``: over the split vocabulary, ``targets`` global
-    ids). ``temperature``: a float or a float32 ``[N]`` tensor (per row). Returns
+    ids). ``temperature``: a float or a float32 ``[N]`` tensor (per row). ``logits_dtype``:
+    None or torch.float32 (the chunk's logits, :func:`_chunk_buffer`). Returns
     (logp, entropy, lse, extra RowStats parts, sum_p2)."""
     N = hidden2d.shape[0]
     device = hidden2d.device
-    rows, buf = _chunk_buffer(N, hidden2d, weight, backend, vp)
+    rows, buf = _chunk_buffer(N, hidden2d, weight, backend, vp, logits_dtype=logits_dtype)
     if vp is not None:
         targets = _vp.local_targets(targets, vp)
     ws = Workspace()
@@ -556,19 +612,20 @@ def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature,
 
 def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature, lse,
                      entropy, g_logp, g_entropy, need_dh, need_dw, need_db, softcap=None,
-                     vp=None, grad_w_into=None):
+                     vp=None, grad_w_into=None, logits_dtype=None):
     """Backward of the log-probs: recompute each chunk's logits, overwrite them with dL/dlogits,
     and do the two gradient matmuls (``vp``: this slice's part; the hidden gradient summed over
     the ranks once)."""
     N = hidden2d.shape[0]
     # d weight into the caller's buffer allocates none: not counted against the chunk budget
     rows, buf = _chunk_buffer(N, hidden2d, weight, backend, vp,
-                              (need_dh, need_dw and grad_w_into is None))
+                              (need_dh, need_dw and grad_w_into is None), logits_dtype)
     if vp is not None:
         targets = _vp.local_targets(targets, vp)
     ws = Workspace()
     grads = _GradMatmuls(hidden2d, weight, bias, need_dh, need_dw, need_db,
-                         chunks=-(-N // rows), into=grad_w_into)
+                         chunks=-(-N // rows), into=grad_w_into,
+                         f32_logits=logits_dtype is not None)
     inv_temp = 1.0 / temperature               # a float, or per row once (not once per chunk)
     for s in range(0, N, rows):
         e = min(N, s + rows)
@@ -588,20 +645,22 @@ class FusedLogprobsFunction(torch.autograd.Function):
     """Per-row log-probs, entropy and sum p^2 (the last two empty unless asked); gradients
     through the log-probs and the entropy, recomputed in backward. ``temperature``: a float or
     a float32 ``[N]`` tensor. ``grad_w_into``: the backward adds d weight into it (the weight's
-    own gradient is then None)."""
+    own gradient is then None). ``logits_dtype``: None or torch.float32 (both sweeps)."""
 
     @staticmethod
     def forward(ctx, hidden2d, weight, bias, targets, temperature, return_entropy, backend,
-                softcap=None, vp=None, return_sum_p2=False, grad_w_into=None):
+                softcap=None, vp=None, return_sum_p2=False, grad_w_into=None,
+                logits_dtype=None):
         logp, entropy, lse, _, sum_p2 = stats_sweep(hidden2d, weight, bias, targets, backend,
                                                     temperature, return_entropy, softcap=softcap,
-                                                    vp=vp, want_sum_p2=return_sum_p2)
+                                                    vp=vp, want_sum_p2=return_sum_p2,
+                                                    logits_dtype=logits_dtype)
         empty = logp.new_empty(0)
         ctx.save_for_backward(hidden2d, weight, bias if bias is not None else empty,
                               targets, lse, entropy if entropy is not None else empty)
         ctx.has_bias, ctx.return_entropy = bias is not None, return_entropy
         ctx.temperature, ctx.backend, ctx.softcap, ctx.vp = temperature, backend, softcap, vp
-        ctx.grad_w_into = grad_w_into
+        ctx.grad_w_into, ctx.logits_dtype = grad_w_into, logits_dtype
         entropy = empty if entropy is None else entropy
         sum_p2 = logp.new_empty(0) if sum_p2 is None else sum_p2
         ctx.mark_non_differentiable(sum_p2)
@@ -622,5 +681,5 @@ class FusedLogprobsFunction(torch.autograd.Function):
         gh, gw, gb = logit_grad_sweep(hidden2d, weight, bias, targets, ctx.backend,
                                       ctx.temperature, lse, entropy if gH is not None else None,
                                       g_logp.float(), gH, need_dh, need_dw, need_db,
-                                      ctx.softcap, ctx.vp, ctx.grad_w_into)
-        return gh, gw, gb, None, None, None, None, None, None, None, None
+                                      ctx.softcap, ctx.vp, ctx.grad_w_into, ctx.logits_dtype)
+        return gh, gw, gb, None, None, None, None, None, None, None, None, None

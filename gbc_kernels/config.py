@@ -6,7 +6,10 @@ import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
+import torch
+
 from . import objectives as _table
+from ._validate import check_logits_dtype
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                   "seq-mean-token-sum-norm")
@@ -129,6 +132,12 @@ class PolicyLossConfig:
     return_entropy: compute the entropy (``entropy`` metric) even when no term uses it.
     logit_softcap: final-logit soft-capping ``c`` (Gemma-2/3's ``final_logit_softcapping``):
         the logits are ``c * tanh((h W^T + b) / c)`` before the temperature (None = off).
+    logits_dtype: None (each chunk's logits held in the input's dtype before the row
+        statistics, as the trainers' eager bf16 heads do; the default) or ``torch.float32``
+        (``"float32"``): the float32 head's logits — the exact products of the bf16/fp16
+        operands summed in float32, never rounded before the log-softmax — at the cost of a
+        bf16 matmul, without a float32 ``[N, V]`` (docs/kernels.md, "Precision"). float32
+        inputs: no effect.
 
     The objectives of verl, OpenRLHF and the other trainers (docs/math.md §12):
 
@@ -196,6 +205,7 @@ class PolicyLossConfig:
     entropy_agg: Optional[str] = None
     return_entropy: bool = False
     logit_softcap: Optional[float] = None
+    logits_dtype: Optional[torch.dtype] = None
     # the objectives of verl, OpenRLHF and the other trainers (docs/math.md §12)
     cispo_min: Optional[float] = None
     dppo_divergence: str = "tv"
@@ -212,6 +222,7 @@ class PolicyLossConfig:
     normalise_all_terms: bool = False
 
     def __post_init__(self):
+        object.__setattr__(self, "logits_dtype", check_logits_dtype(self.logits_dtype))
         for f in fields(self):
             if f.name in _FLOAT_FIELDS:
                 v = getattr(self, f.name)

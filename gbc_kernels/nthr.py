@@ -79,7 +79,7 @@ def check_whole_groups(group_ids: torch.Tensor, process_group) -> None:
 def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, temperature=1.0,
                beta=1.0, eta="auto", backend="auto", logp=None,
                vocab_parallel=None, data_parallel_group=None,
-               logit_softcap=None) -> NTHRResult:
+               logit_softcap=None, logits_dtype=None) -> NTHRResult:
     """Per-token advantage scale of NTHR (docs/math.md §4), from the old policy's hidden states.
 
     hidden: [B, T, H]; weight: [V, H]; targets, mask: [B, T]; group_ids: [B] integer (groups
@@ -93,6 +93,10 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
     is the same on every rank.
     ``logit_softcap``: final-logit soft-capping ``c`` (the restricted logits and the LSE are
     those of ``c tanh(x / c)``).
+    ``logits_dtype``: None or ``torch.float32`` / ``"float32"``: the mode of the LSE pass when
+    ``logp`` is not given (docs/kernels.md, "Precision"; the restricted logits are always
+    float32 products of the operands' values). Given ``logp``, it should come from a pass in
+    the same mode.
     ``data_parallel_group``: the process group the batch is split over (data parallelism;
     ``"world"``: the default group); ``group_ids`` are global. A group's responses may sit on
     several ranks (verl's ``balance_batch`` splits groups): its counts and ``V*`` are merged,
@@ -101,6 +105,7 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
     ``vocab_parallel`` too, each group must sit on one rank (else ``ValueError`` on every rank).
     """
     V.check_backend(backend)
+    logits_dtype = V.check_logits_dtype(logits_dtype)
     _check_lm_head(hidden, weight, bias)
     V.check_tensor("hidden", hidden, dims=(3,))
     _check_temperature("temperature", temperature)
@@ -127,7 +132,7 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
             V.check_tensor("logp", logp, shape=(B, T), floating=True, device=device)
         return _nthr_vocab_parallel(hidden, weight, bias, V.check_targets(targets, sl.vocab, m),
                                     m, group_ids, correct, temperature, beta, eta, backend, logp,
-                                    sl, logit_softcap)
+                                    sl, logit_softcap, logits_dtype)
     dp = _DataParallel.of(data_parallel_group)
     safe = V.check_targets(targets, weight.shape[0], m).reshape(-1)
     correct = correct.bool()
@@ -178,7 +183,7 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
             lse = _lse_from_logp(h_all, tok, y, weight, bias, logp, temperature, logit_softcap)
         else:
             lse = stats_sweep(h_all.index_select(0, tok), weight, bias, y, be, temperature,
-                              False, softcap=logit_softcap)[2]
+                              False, softcap=logit_softcap, logits_dtype=logits_dtype)[2]
         # chunk: [rows, |V*|] logits/error and [rows, H] temporaries within a quarter budget
         rows = max(1, _chunking.budget_bytes(device) // (16 * (2 * vstar.numel() + 2 * H)))
         row_of = tok // T
@@ -284,7 +289,7 @@ class _DataParallel:
 
 
 def _nthr_vocab_parallel(hidden, weight, bias, safe_targets, mask, group_ids, correct, temperature,
-                         beta, eta, backend, logp, sl, logit_softcap=None):
+                         beta, eta, backend, logp, sl, logit_softcap=None, logits_dtype=None):
     """NTHR over a split vocabulary: the log-probs over the whole vocabulary (the shared chunk
     loop in vocab-parallel mode, or ``logp``), and the rows of the lm_head its restricted
     matmuls need — the ids that occur in the masked targets — assembled on every rank; then the
@@ -297,7 +302,8 @@ def _nthr_vocab_parallel(hidden, weight, bias, safe_targets, mask, group_ids, co
         logp = stats_sweep(h2, weight.detach(), None if bias is None else bias.detach(),
                            safe_targets.reshape(-1),
                            get_backend(backend, hidden.device, hidden.dtype), float(temperature),
-                           False, softcap=logit_softcap, vp=sl)[0].view(B, T)
+                           False, softcap=logit_softcap, vp=sl,
+                           logits_dtype=logits_dtype)[0].view(B, T)
     used = torch.unique(safe_targets[mask])            # sorted; the same on every rank
     rows, b = gather_rows(used, weight.detach(), None if bias is None else bias.detach(), sl)
     if used.numel() == 0:
@@ -307,4 +313,4 @@ def _nthr_vocab_parallel(hidden, weight, bias, safe_targets, mask, group_ids, co
     compact = torch.where(mask, compact, torch.zeros_like(compact))
     return nthr_scale(hidden, rows, compact, mask, group_ids, correct, bias=b,
                       temperature=temperature, beta=beta, eta=eta, backend=backend, logp=logp,
-                      logit_softcap=logit_softcap)
+                      logit_softcap=logit_softcap, logits_dtype=logits_dtype)

@@ -123,7 +123,8 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
                              config=None, phase=None, num_items_in_batch=None, backend="auto",
                              vocab_parallel=None, is_ratio=None, sampling_logp=None,
                              data_parallel_group=None, num_seqs_in_batch=None,
-                             temperature=None, token_out=None, sequence_parallel=None):
+                             temperature=None, token_out=None, sequence_parallel=None,
+                             logits_dtype=None):
     """GRPO policy loss (docs/math.md §1-§3, §6, §10, §12) from hidden states, without the
     logits.
 
@@ -166,10 +167,13 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     The sequence-level quantities are summed over the group; the loss is this rank's share
     (the ranks' losses and gradients add up to those of the whole sequences) and the metrics
     are the whole batch's, the same on every rank.
+
+    ``logits_dtype``: None (the config's ``logits_dtype``) or ``torch.float32`` / ``"float32"``:
+    the chunks' logits in float32 from the bf16/fp16 operands (docs/kernels.md, "Precision").
     """
     if token_out is not None and not isinstance(token_out, dict):
         raise TypeError(f"token_out: expected None or a dict, got {type(token_out).__name__}")
-    cfg = PolicyLossConfig.coerce(config)
+    cfg = with_logits_dtype(PolicyLossConfig.coerce(config), logits_dtype)
     V.check_backend(backend)
     _check_lm_head(hidden, weight, bias)
     V.check_tensor("hidden", hidden, dims=(3,))
@@ -206,6 +210,18 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
             token_out["entropy"] = inp.entropy
         token_out["sum_p2"] = inp.sum_p2
     return loss, inp.metrics
+
+
+def with_logits_dtype(cfg: PolicyLossConfig, logits_dtype) -> PolicyLossConfig:
+    """``cfg`` with the call's ``logits_dtype`` argument (None: the config's own); a call that
+    asks for another mode than its config's is refused."""
+    ld = V.check_logits_dtype(logits_dtype)
+    if ld is None or ld == cfg.logits_dtype:
+        return cfg
+    if cfg.logits_dtype is not None:
+        raise ValueError(f"logits_dtype: {ld} differs from config.logits_dtype "
+                         f"{cfg.logits_dtype}; set one of them")
+    return dataclasses.replace(cfg, logits_dtype=ld)
 
 
 def _temperature(temperature, shape, device, mask=None, checks=None, name="temperature"):
@@ -253,7 +269,8 @@ def _resolve_sp(sequence_parallel, cfg, B, device, checks):
 
 def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
                           return_entropy=False, backend="auto", vocab_parallel=None,
-                          logit_softcap=None, return_sum_p2=False, weight_grad_into=None):
+                          logit_softcap=None, return_sum_p2=False, weight_grad_into=None,
+                          logits_dtype=None):
     """Per-token ``log_softmax(z)[targets]`` (and the entropy of ``softmax(z)``) without logits.
     ``z = (hidden @ weight.T + bias) / temperature``; with ``logit_softcap = c`` (Gemma-2/3),
     ``z = c tanh((hidden @ weight.T + bias) / c) / temperature``.
@@ -270,8 +287,13 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     ``weight.main_grad``) that the backward adds ``d weight`` into, in place, summed in float32
     over the chunks: no ``[V, H]`` gradient or accumulator is allocated, and ``weight`` itself
     gets no gradient (None).
+
+    ``logits_dtype``: None (the chunks' logits in the input's dtype) or ``torch.float32`` /
+    ``"float32"``: the float32 head's logits from bf16/fp16 operands, in both sweeps
+    (docs/kernels.md, "Precision").
     """
     V.check_backend(backend)
+    logits_dtype = V.check_logits_dtype(logits_dtype)
     _check_lm_head(hidden, weight, bias)
     V.check_tensor("targets", targets, shape=hidden.shape[:-1], integer=True, device=hidden.device)
     for name, flag in (("return_entropy", return_entropy), ("return_sum_p2", return_sum_p2)):
@@ -295,7 +317,7 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     logp, entropy, sum_p2 = FusedLogprobsFunction.apply(
         h2, weight, bias, safe, temp, return_entropy, be,
         None if logit_softcap is None else float(logit_softcap), sl, return_sum_p2,
-        weight_grad_into)
+        weight_grad_into, logits_dtype)
     out = (logp.view(targets.shape),
            entropy.view(targets.shape) if return_entropy else None)
     return out + (sum_p2.view(targets.shape),) if return_sum_p2 else out
@@ -317,13 +339,16 @@ CERTAINTY_KINDS = (None, "entropy", "max_prob")
 
 def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=None,
                 certainty_temperature=1.0, backend="auto", vocab_parallel=None,
-                logit_softcap=None) -> TokenStats:
+                logit_softcap=None, logits_dtype=None) -> TokenStats:
     """No-grad per-token statistics, streaming over the vocabulary (docs/math.md §5, §7).
 
     certainty="entropy":  J = 1 - H(softmax(z_w)) / log V
     certainty="max_prob": J = 1 + log max_v softmax(z_w)_v / log V,  z_w = logits / certainty_temperature
+
+    ``logits_dtype``: None or ``torch.float32`` / ``"float32"`` (docs/kernels.md, "Precision").
     """
     V.check_backend(backend)
+    logits_dtype = V.check_logits_dtype(logits_dtype)
     _check_lm_head(hidden, weight, bias)
     if certainty not in CERTAINTY_KINDS:
         raise ValueError(f"certainty: expected one of {CERTAINTY_KINDS}, got {certainty!r}")
@@ -341,7 +366,8 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
     logp, entropy, _, extra, sum_p2 = stats_sweep(
         h2, weight.detach(), b, safe, get_backend(backend, hidden.device, hidden.dtype),
         temp, True, None if certainty is None else float(certainty_temperature),
-        None if logit_softcap is None else float(logit_softcap), sl, want_sum_p2=True)
+        None if logit_softcap is None else float(logit_softcap), sl, want_sum_p2=True,
+        logits_dtype=logits_dtype)
     cert = None
     if certainty is not None:
         cert = certainty_from_stats(certainty, extra["entropy"], extra["zmax"], extra["lse"],

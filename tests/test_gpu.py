@@ -263,3 +263,52 @@ def test_bf16_weight_grad_fp32_accumulation_on_gpu(monkeypatch):
         (lp * up).sum().backward()
         errs[mb] = float((ww.grad.double() - w64.grad).norm() / w64.grad.norm())
     assert errs["8"] <= 1.05 * errs[None], errs
+
+
+@pytest.mark.parametrize("N,H,V", [(64, 4096, 151936), (16, 8192, 248320)],
+                         ids=["N64-H4096-V151936", "N16-H8192-V248320"])
+def test_float32_logits_mode_on_gpu(N, H, V):
+    """Float32 logits mode on CUDA (the out_dtype matmul into a float32 chunk, Triton's row
+    passes on it): log-probs and entropy within 1e-5 of float64 on the same bf16 values, the
+    default mode worse than 1e-4; the loss's gradients at the rounding route's bound
+    (tests/test_precision.py measures the same on CPU)."""
+    from test_precision import _head, _oracle64
+    h, w, _, y = _head(N, H, V, seed=11)
+    lp64, ent64 = _oracle64(h, w, y)
+    h, w, y = h.cuda(), w.cuda(), y.cuda()
+    err = {}
+    for ld in (None, torch.float32):
+        lp, ent = gbc.fused_linear_logprobs(h, w, y, return_entropy=True, backend="triton",
+                                            logits_dtype=ld)
+        err[ld] = ((lp.double().cpu() - lp64).abs().max().item(),
+                   (ent.double().cpu() - ent64).abs().max().item())
+    assert err[torch.float32][0] < 1e-5 and err[torch.float32][1] < 1e-5, err
+    assert err[None][0] > 1e-4, err
+    print(f"\n[float32 mode, N={N} H={H} V={V}] |logp - f64| default {err[None][0]:.2e}, "
+          f"float32 {err[torch.float32][0]:.2e}")
+
+
+def test_float32_logits_mode_loss_on_gpu():
+    """The fused loss in float32 mode on CUDA (dL/dlogits rounded once to bf16 for the tensor-core
+    gradient matmuls): loss and log-probs within 1e-5 of float64, gradients within 2x the bf16
+    floor (tests/test_precision.py's bound for that route)."""
+    from test_precision import OPTS, _loss_inputs, _rel
+    h, w, b, y, mask, adv, old, refl, lp64 = _loss_inputs()
+    leaves64 = [t.double().requires_grad_(True) for t in (h, w, b)]
+    L64, _ = ref.fused_linear_policy_loss(*leaves64[:2], y, mask, adv, old, refl,
+                                          bias=leaves64[2],
+                                          config=ref.PolicyLossConfig(logits_dtype=torch.float32,
+                                                                      **OPTS))
+    L64.backward()
+    xs = [t.cuda().requires_grad_(True) for t in (h, w, b)]
+    out = {}
+    L, _ = gbc.fused_linear_policy_loss(xs[0], xs[1], y.cuda(), mask.cuda(), adv.cuda(),
+                                        old.cuda(), refl.cuda(), bias=xs[2], backend="triton",
+                                        config=gbc.PolicyLossConfig(logits_dtype=torch.float32,
+                                                                    **OPTS), token_out=out)
+    L.backward()
+    assert abs(L.item() - L64.item()) < 1e-5
+    assert (out["logp"].double().cpu() - lp64).abs()[mask].max().item() < 1e-5
+    for x, t in zip(xs, leaves64):
+        floor = _rel(t.grad.to(torch.bfloat16), t.grad)
+        assert _rel(x.grad.cpu(), t.grad) < 2.0 * floor

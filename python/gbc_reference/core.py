@@ -52,6 +52,7 @@ class PolicyLossConfig:
     entropy_agg: Optional[str] = None
     return_entropy: bool = False               # the entropy metric without an entropy term
     logit_softcap: Optional[float] = None      # Gemma-2/3: logits = c tanh(x / c)
+    logits_dtype: Optional[object] = None      # None | torch.float32: see _logits
     # §12: the objectives of verl, OpenRLHF and the other trainers
     cispo_min: Optional[float] = None          # cispo's weight clamp(r, cispo_min, eps_high)
     dppo_divergence: str = "tv"                # "tv" | "binary_kl"
@@ -118,12 +119,26 @@ def _per_token_temperature(temperature, shape):
     return t.expand(*shape)
 
 
-def _logits(hidden, weight, bias, temperature, softcap=None):
+def _float32_mode(logits_dtype) -> bool:
+    """``logits_dtype`` is torch.float32 (or the trainers' string "float32")."""
+    if logits_dtype is None:
+        return False
+    if logits_dtype is torch.float32 or str(logits_dtype).lower() in ("float32", "torch.float32"):
+        return True
+    raise ValueError(f"logits_dtype: expected None or torch.float32, got {logits_dtype!r}")
+
+
+def _logits(hidden, weight, bias, temperature, softcap=None, logits_dtype=None):
     """z = (hidden @ weight.T + bias) / temperature, in float32 (float64 for float64 inputs).
     With final-logit soft-capping (Gemma-2/3): z = softcap * tanh(x / softcap) / temperature.
     ``temperature``: a float, or per token (a tensor over hidden's leading dims, or a leading
-    part of them)."""
-    dt = _compute_dtype(hidden)
+    part of them).
+
+    ``logits_dtype=torch.float32`` (the "float32 head" of the fast paths): the logits are the
+    exact products of the operands' own (bf16/fp16) values, so this reference evaluates them,
+    and everything after them, in float64 on those same values: what float32 mode is measured
+    against."""
+    dt = torch.float64 if _float32_mode(logits_dtype) else _compute_dtype(hidden)
     z = hidden.to(dt) @ weight.to(dt).T
     if bias is not None:
         z = z + bias.to(dt)
@@ -144,11 +159,11 @@ def _entropy(logprobs_all):
 
 def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
                           return_entropy=False, backend="auto", logit_softcap=None,
-                          return_sum_p2=False):
+                          return_sum_p2=False, logits_dtype=None):
     """logp[n] = log_softmax(z[n])[targets[n]]; entropy[n] = H(softmax(z[n])); with
     return_sum_p2 also sum_v p_v^2 (no gradient). Shapes [...]."""
-    logprobs_all = torch.log_softmax(_logits(hidden, weight, bias, temperature, logit_softcap),
-                                     dim=-1)
+    logprobs_all = torch.log_softmax(_logits(hidden, weight, bias, temperature, logit_softcap,
+                                             logits_dtype), dim=-1)
     logp = _gather(logprobs_all, targets)
     entropy = _entropy(logprobs_all) if return_entropy else None
     if return_sum_p2:
@@ -165,22 +180,23 @@ class TokenStats(NamedTuple):
 
 @torch.no_grad()
 def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=None,
-                certainty_temperature=1.0, backend="auto", logit_softcap=None):
+                certainty_temperature=1.0, backend="auto", logit_softcap=None,
+                logits_dtype=None):
     """Per-token logp and entropy at ``temperature``, and the certainty J of §5 at
     ``certainty_temperature``:
 
         J_entropy  = 1 - H(pi) / log V
         J_max_prob = 1 + log max_v pi(v) / log V
     """
-    logprobs_all = torch.log_softmax(_logits(hidden, weight, bias, temperature, logit_softcap),
-                                     dim=-1)
+    logprobs_all = torch.log_softmax(_logits(hidden, weight, bias, temperature, logit_softcap,
+                                             logits_dtype), dim=-1)
     logp = _gather(logprobs_all, targets)
     entropy = _entropy(logprobs_all)
     cert = None
     if certainty is not None:
         V = weight.shape[0]
         lp_w = torch.log_softmax(_logits(hidden, weight, bias, certainty_temperature,
-                                         logit_softcap), dim=-1)
+                                         logit_softcap, logits_dtype), dim=-1)
         if certainty == "entropy":
             cert = 1.0 - _entropy(lp_w) / math.log(V)
         elif certainty == "max_prob":
@@ -681,8 +697,8 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     m = mask.bool()
     safe_targets = torch.where(m, targets, torch.zeros_like(targets))
     temp = cfg.temperature if temperature is None else temperature     # float, [B] or [B, T]
-    logprobs_all = torch.log_softmax(_logits(hidden, weight, bias, temp, cfg.logit_softcap),
-                                     dim=-1)
+    logprobs_all = torch.log_softmax(_logits(hidden, weight, bias, temp, cfg.logit_softcap,
+                                             cfg.logits_dtype), dim=-1)
     logp = _gather(logprobs_all, safe_targets)
     wants_entropy = (cfg.entropy_coef != 0.0 or cfg.top_entropy_quantile < 1.0
                      or cfg.return_entropy)
@@ -710,7 +726,8 @@ class NTHRResult(NamedTuple):
 
 @torch.no_grad()
 def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, temperature=1.0,
-               beta=1.0, eta="auto", backend="auto", logp=None, logit_softcap=None):
+               beta=1.0, eta="auto", backend="auto", logp=None, logit_softcap=None,
+               logits_dtype=None):
     """§4 Negative Token Hidden Reward, with the full logits.
 
     For every group with both correct and incorrect responses:
@@ -724,14 +741,14 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
     ``logp`` (a shortcut of the fast path for the LSE) is accepted and ignored here.
     """
     B, T, H = hidden.shape
-    dt = _compute_dtype(hidden)
+    dt = torch.float64 if _float32_mode(logits_dtype) else _compute_dtype(hidden)
     m = mask.bool()
     scale = torch.ones(B, T, dtype=torch.float32)
     selected = torch.zeros(B, T, dtype=torch.bool)
     scores = torch.zeros(B, T, dtype=torch.float32)
     thresholds = {}
-    probs = torch.softmax(_logits(hidden, weight, bias, temperature, logit_softcap),
-                          dim=-1)                                              # [B, T, V]
+    probs = torch.softmax(_logits(hidden, weight, bias, temperature, logit_softcap,
+                                  logits_dtype), dim=-1)                       # [B, T, V]
     correct = correct.bool()
     for g in torch.unique(group_ids).tolist():
         rows = (group_ids == g).nonzero().flatten().tolist()
