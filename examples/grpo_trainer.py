@@ -105,6 +105,13 @@ def build_args(argv=None):
                     help="fused: gbc_kernels; reference: gbc_reference (full logits, autograd)")
     rl.add_argument("--backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
                     help="gbc_kernels backend")
+    rl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the policy's (and reference's) parameter dtype for RL")
+    rl.add_argument("--logits-dtype", default=None, choices=["float32"],
+                    help="float32: the fused head's logits in float32 from bf16 operands (the "
+                         "float32 LM head's log-probs, docs/kernels.md 'Precision'), in the loss "
+                         "and the old-policy, reference and NTHR passes; default: the model's "
+                         "dtype")
     rl.add_argument("--loss-agg", default="token-mean",
                     choices=list(gbc.config.LOSS_AGG_MODES) + list(gbc.config.LOSS_AGG_ALIASES),
                     help="aggregation of the per-token loss (docs/math.md)")
@@ -267,7 +274,8 @@ METHOD_FLAGS = {"ar_alpha": "--ar-alpha", "lopti_eta": "--lopti-eta",
                 "lopti_order": "--lopti-order", "nthr": "--nthr", "nthr_beta": "--nthr-beta",
                 "critical_kl_exponent": "--critical-kl-exponent",
                 "critical_kl_certainty": "--critical-kl-certainty",
-                "critical_kl_temperature": "--critical-kl-temperature"}
+                "critical_kl_temperature": "--critical-kl-temperature",
+                "logits_dtype": "--logits-dtype"}
 
 
 def method_options(args) -> methods.MethodOptions:
@@ -287,7 +295,8 @@ def loss_config(args, lib):
                                 entropy_coef=args.entropy_coef, ar_alpha=args.ar_alpha,
                                 lopti_eta=args.lopti_eta,
                                 max_len=args.max_len if args.loss_agg in
-                                ("dr_grpo", "seq-mean-token-sum-norm") else None)
+                                ("dr_grpo", "seq-mean-token-sum-norm") else None,
+                                logits_dtype=method_options(args).logits_dtype)
 
 
 def rollout(model, ref_model, task, tok, args, rng):
@@ -311,16 +320,13 @@ def rollout(model, ref_model, task, tok, args, rng):
     old = hf.old_policy_pass(model, seq, attn, targets, mask, group_ids, advantages=adv,
                              temperature=args.temperature, nthr=opts.nthr,
                              nthr_beta=opts.nthr_beta, nthr_eta=opts.nthr_eta,
-                             backend=args.backend)
+                             backend=args.backend, logits_dtype=opts.logits_dtype)
     extra = {} if old.nthr is None else \
         {k: float(v) for k, v in methods.nthr_metrics(old.nthr, adv, mask).items()}
     ref_logp = kl_weight = None
     if args.kl_coef != 0.0:
         ref = hf.reference_pass(ref_model, seq, attn, targets, temperature=args.temperature,
-                                critical_kl_exponent=opts.critical_kl_exponent,
-                                certainty=opts.critical_kl_certainty,
-                                certainty_temperature=opts.critical_kl_temperature,
-                                backend=args.backend)
+                                options=opts, backend=args.backend)
         ref_logp, kl_weight = ref.ref_logp, ref.kl_weight
         if kl_weight is not None:
             extra["critical_kl_weight_mean"] = float(kl_weight[mask].mean()) if mask.any() \
@@ -444,6 +450,7 @@ def train(args, log=print, model=None, tok=None, tasks=None, hooks=None):
     else:
         sft_task, rl_task = tasks
     args.max_len = rl_task.max_answer_tokens
+    model.to(getattr(torch, args.dtype))
     ref_model = copy.deepcopy(model).eval()
     for p in ref_model.parameters():
         p.requires_grad_(False)

@@ -97,6 +97,11 @@ class MethodOptions:
     critical_kl_exponent: gamma > 0 (None: off); critical_kl_intercept: c in [0, 1];
         critical_kl_certainty: ``"max_prob"`` (the official code's J) or ``"entropy"``;
         critical_kl_temperature: the reference's temperature for J, > 0.
+    logits_dtype: None (each chunk's logits in the head's dtype; the default) or
+        ``torch.float32`` (``"float32"`` in the trainers' option strings): the float32 head's
+        logits from bf16 operands (docs/kernels.md, "Precision"), in the loss and in every pass
+        an adapter runs for it (old policy, reference, NTHR), so that the ratio of an unchanged
+        policy is exactly 1.
     """
 
     ar_alpha: float = 0.0
@@ -109,8 +114,10 @@ class MethodOptions:
     critical_kl_intercept: float = 0.0
     critical_kl_certainty: str = "max_prob"
     critical_kl_temperature: float = 1.0
+    logits_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self):
+        object.__setattr__(self, "logits_dtype", _validate.check_logits_dtype(self.logits_dtype))
         finite_number("ar_alpha", self.ar_alpha, 0.0, 1.0)
         if self.lopti_eta is not None:
             finite_number("lopti_eta", self.lopti_eta, 0.0, 1.0, lo_open=True)
@@ -181,7 +188,8 @@ class MethodOptions:
 
     def loss_options(self) -> dict:
         """The :class:`PolicyLossConfig` fields these options set."""
-        return {"ar_alpha": self.ar_alpha, "lopti_eta": self.lopti_eta}
+        return {"ar_alpha": self.ar_alpha, "lopti_eta": self.lopti_eta,
+                "logits_dtype": self.logits_dtype}
 
     def check_loss(self, kl_coef: float, kl_option: str = "kl_coef",
                    names: Optional[dict] = None) -> None:
@@ -218,6 +226,10 @@ def _flag(text: str) -> bool:
     raise ValueError(text)
 
 
+def _logits_dtype(text: str):
+    return _validate.check_logits_dtype(text)
+
+
 def _auto_or_float(text: str):
     return "auto" if text.strip().lower() == "auto" else float(text)
 
@@ -227,7 +239,8 @@ OPTION_KINDS = {
     **{n: (float, "a float") for n in ("ar_alpha", "lopti_eta", "nthr_beta",
                                        "critical_kl_exponent", "critical_kl_intercept",
                                        "critical_kl_temperature")},
-    "nthr": (_flag, "a 1/0/true/false"), "nthr_eta": (_auto_or_float, "'auto' or a float")}
+    "nthr": (_flag, "a 1/0/true/false"), "nthr_eta": (_auto_or_float, "'auto' or a float"),
+    "logits_dtype": (_logits_dtype, "'float32' or 'none'")}
 
 
 def parse_items(text: Optional[str], source: str) -> dict:
@@ -269,7 +282,8 @@ def nthr_token_scale(hidden, weight, targets, mask, group_ids, advantages,
     return nthr_scale(hidden, weight, targets, mask, group_ids,
                       correct_from_advantages(advantages, mask), bias=bias,
                       temperature=temperature, beta=options.nthr_beta, eta=options.nthr_eta,
-                      backend=backend, logp=logp, logit_softcap=logit_softcap, **parallel)
+                      backend=backend, logp=logp, logit_softcap=logit_softcap,
+                      logits_dtype=options.logits_dtype, **parallel)
 
 
 def nthr_metrics(result: NTHRResult, advantages, mask) -> dict:
@@ -322,8 +336,10 @@ class NTHRBatch:
     the ranks of ``group`` (:func:`union_ids`, a superset of every group's ``V*``);
     :meth:`result` then scores the whole batch, its groups together."""
 
-    def __init__(self, token_ids: torch.Tensor, group=None, backend: str = "auto"):
+    def __init__(self, token_ids: torch.Tensor, group=None, backend: str = "auto",
+                 logits_dtype=None):
         self.ids, self.group, self.backend = union_ids(token_ids, group), group, backend
+        self.logits_dtype = _validate.check_logits_dtype(logits_dtype)
         self.rows, self.head, self.temperatures = [], None, set()
         self.tokens = []            # (row, columns, hidden, targets, logp) of add_tokens
 
@@ -369,7 +385,8 @@ class NTHRBatch:
         if logp is None:
             logp = fused_linear_logprobs(hidden, weight, targets, bias, temperature,
                                          backend=self.backend, logit_softcap=logit_softcap,
-                                         vocab_parallel=vocab_parallel)[0]
+                                         vocab_parallel=vocab_parallel,
+                                         logits_dtype=self.logits_dtype)[0]
         index = torch.as_tensor(index, dtype=torch.long, device=hidden.device)
         # a view would keep the forward's whole hidden states (prompt rows included) alive
         h = hidden.detach()
@@ -562,7 +579,8 @@ def reference_stats(hidden, weight, targets, options: MethodOptions, bias=None,
     st = token_stats(hidden, weight, targets, bias, temperature=temperature,
                      certainty=options.critical_kl_certainty if crit else None,
                      certainty_temperature=options.critical_kl_temperature, backend=backend,
-                     logit_softcap=logit_softcap, **parallel)
+                     logit_softcap=logit_softcap, logits_dtype=options.logits_dtype,
+                     **parallel)
     w = (critical_kl_weight(st.certainty, options.critical_kl_exponent,
                             options.critical_kl_intercept) if crit else None)
     return ReferenceStats(st.logp, w, st.certainty)

@@ -245,3 +245,37 @@ def _standin(name):
         sys.modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sys.modules[name])
     return sys.modules[name]
+
+
+class logits_dtypes_seen:
+    """``with logits_dtypes_seen() as seen:`` — the ``logits_dtype`` of every chunk sweep gbc
+    runs in the block (its loss, log-prob, statistics and NTHR-LSE sweeps all size their chunk
+    buffer by ``_fused._chunk_buffer``), in order. The enumeration tests use it to show that a
+    trainer's ``logits_dtype`` option reaches every pass (with float32 test models the mode
+    changes no number, so a parameter difference cannot show it)."""
+
+    def __enter__(self):
+        from gbc_kernels import _fused
+
+        self._mod, self._real, self.seen = _fused, _fused._chunk_buffer, []
+
+        def spy(*args, **kwargs):
+            self.seen.append(kwargs["logits_dtype"] if "logits_dtype" in kwargs
+                             else (args[6] if len(args) > 6 else None))
+            return self._real(*args, **kwargs)
+
+        _fused._chunk_buffer = spy
+        return self.seen
+
+    def __exit__(self, *exc):
+        self._mod._chunk_buffer = self._real
+        return False
+
+
+def assert_logits_mode_reached(seen_default, seen_float32, at_least=1):
+    """Every sweep of the default run had ``logits_dtype=None`` and every sweep of the float32
+    run ``torch.float32``, both with at least ``at_least`` sweeps (the same passes ran)."""
+    assert len(seen_default) >= at_least and len(seen_float32) >= at_least, \
+        (seen_default, seen_float32)
+    assert set(seen_default) == {None}, seen_default
+    assert set(seen_float32) == {torch.float32}, seen_float32

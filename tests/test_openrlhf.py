@@ -704,6 +704,8 @@ OPTION_CASES = {
     "critical_kl_intercept": (0.5, {"critical_kl_exponent": 2.0}),
     "critical_kl_certainty": ("entropy", {"critical_kl_exponent": 2.0}),
     "critical_kl_temperature": (3.0, {"critical_kl_exponent": 2.0}),
+    # every pass on: float32 test models, so the sweeps are checked to receive the mode
+    "logits_dtype": ("float32", {"nthr": True, "nthr_beta": 0.0, "critical_kl_exponent": 2.0}),
 }
 
 
@@ -713,6 +715,14 @@ def test_every_method_option_changes_the_update(name, methods_off):
     update against the same options without it: none is accepted and ignored."""
     assert set(OPTION_CASES) == set(gorl.METHOD_OPTIONS)
     value, base = OPTION_CASES[name]
+    if name == "logits_dtype":
+        from conftest import assert_logits_mode_reached, logits_dtypes_seen
+        with logits_dtypes_seen() as seen_a:
+            _pipeline(**base)
+        with logits_dtypes_seen() as seen_b:
+            _pipeline(**dict(base, **{name: value}))
+        assert_logits_mode_reached(seen_a, seen_b, at_least=3)
+        return
     assert _differs(_pipeline(**base), _pipeline(**dict(base, **{name: value})))
 
 

@@ -308,10 +308,12 @@ def pack_padded(input_ids, attention_mask, completion_len: int,
 @torch.no_grad()
 def logprobs_through_forward(model, input_ids, attention_mask, completion_len: int,
                              temperature=1.0, return_entropy: bool = False, backend="auto",
-                             unwrapped=None, model_kwargs: Optional[dict] = None):
+                             unwrapped=None, model_kwargs: Optional[dict] = None,
+                             logits_dtype=None):
     """No-grad log-probs (and entropies) of the last ``completion_len`` tokens inside ``model``'s
     forward, by the training loss's row passes (an on-policy ratio is exactly 1): ``(logp,
-    entropy or None)``, ``[B, T]`` float32."""
+    entropy or None)``, ``[B, T]`` float32. ``logits_dtype``: the loss's (docs/kernels.md,
+    "Precision")."""
     import gbc_kernels as gbc
 
     inner = unwrap(model) if unwrapped is None else unwrapped
@@ -320,7 +322,8 @@ def logprobs_through_forward(model, input_ids, attention_mask, completion_len: i
     def compute(h, head, cap):
         with _as_input_ids(input_ids, T, head):
             return gbc.token_stats(h, head.weight, input_ids[:, -T:], head.bias,
-                                   temperature=temperature, backend=backend, logit_softcap=cap)
+                                   temperature=temperature, backend=backend, logit_softcap=cap,
+                                   logits_dtype=logits_dtype)
 
     st = in_head(model, input_ids, attention_mask, T, model_kwargs, compute, inner)
     return st.logp, (st.entropy if return_entropy else None)
@@ -376,7 +379,7 @@ def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=N
                     correct=None, temperature=1.0, nthr=False, nthr_beta=1.0, nthr_eta="auto",
                     backend="auto", completion_len: int = 0,
                     old_logp=None, model_kwargs: Optional[dict] = None,
-                    advantages=None) -> OldPolicyPass:
+                    advantages=None, logits_dtype=None) -> OldPolicyPass:
     """The rollout policy's pass: ``old_logp`` of ``targets`` (the last ``completion_len`` tokens,
     or ``input_ids[:, 1:]``; the trainer's ``old_logp`` used as is) and, with ``nthr``, NTHR's
     token scales from the same hidden states; correct responses: ``correct`` [B], or the method
@@ -385,17 +388,18 @@ def old_policy_pass(model, input_ids, attention_mask, targets, mask, group_ids=N
     if not nthr and old_logp is not None:          # nothing to compute: no forward
         return OldPolicyPass(old_logp, None, None)
     compute = old_policy_head(targets, mask, group_ids, correct, temperature, nthr, nthr_beta,
-                              nthr_eta, backend, old_logp, advantages)
+                              nthr_eta, backend, old_logp, advantages, logits_dtype)
     return in_head(model, input_ids, attention_mask, completion_len, model_kwargs, compute)
 
 
 def old_policy_head(targets, mask, group_ids=None, correct=None, temperature=1.0, nthr=False,
                     nthr_beta=1.0, nthr_eta="auto", backend="auto", old_logp=None,
-                    advantages=None):
+                    advantages=None, logits_dtype=None):
     """The head's part of :func:`old_policy_pass` (same arguments): ``compute(h, head, softcap)
     -> OldPolicyPass`` on the old policy's hidden states ``h [B, T, H]``, no grad. Run inside
     the pass's forward, or inside a forward that already runs on the old policy (the on-policy
-    update's, :func:`policy_loss_through_forward`'s ``old_policy``)."""
+    update's, :func:`policy_loss_through_forward`'s ``old_policy``). ``logits_dtype``: the
+    loss's (docs/kernels.md, "Precision"), for the log-probs and NTHR's LSE alike."""
     import gbc_kernels as gbc
 
     if nthr:
@@ -410,13 +414,14 @@ def old_policy_head(targets, mask, group_ids=None, correct=None, temperature=1.0
         logp = old_logp
         if logp is None:
             logp = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temperature,
-                                   backend=backend, logit_softcap=cap).logp
+                                   backend=backend, logit_softcap=cap,
+                                   logits_dtype=logits_dtype).logp
         with methods.in_callers_words({"beta": "nthr_beta", "eta": "nthr_eta",
                                        "logp": "old_logp"}):
             res = None if not nthr else gbc.nthr_scale(
                 h, head.weight, targets, mask, group_ids, correct, bias=head.bias,
                 temperature=temperature, beta=nthr_beta, eta=nthr_eta, backend=backend,
-                logp=logp, logit_softcap=cap)
+                logp=logp, logit_softcap=cap, logits_dtype=logits_dtype)
         return OldPolicyPass(logp, None if res is None else res.scale, res)
 
     return compute
@@ -426,12 +431,15 @@ def old_policy_head(targets, mask, group_ids=None, correct=None, temperature=1.0
 def reference_pass(ref_model, input_ids, attention_mask, targets, temperature=1.0,
                    critical_kl_exponent=None, certainty="max_prob", certainty_temperature=1.0,
                    intercept=0.0, backend="auto", completion_len: int = 0,
-                   model_kwargs: Optional[dict] = None, options=None, unwrapped=None):
+                   model_kwargs: Optional[dict] = None, options=None, unwrapped=None,
+                   logits_dtype=None):
     """The reference model's pass: ``ref_logp`` and, with ``critical_kl_exponent``, the
     critical-token KL weights, as :func:`gbc_kernels.methods.reference_stats` returns them;
-    ``options``: a ``MethodOptions`` in place of the four critical-KL keywords."""
+    ``options``: a ``MethodOptions`` in place of the four critical-KL keywords (and
+    ``logits_dtype``, the loss's: docs/kernels.md, "Precision")."""
     if options is not None and (critical_kl_exponent is not None or certainty != "max_prob"
-                                or certainty_temperature != 1.0 or intercept != 0.0):
+                                or certainty_temperature != 1.0 or intercept != 0.0
+                                or logits_dtype is not None):
         raise ValueError("options: give the MethodOptions or the critical-KL keywords "
                          "(critical_kl_exponent, certainty, ...), not both")
     with methods.in_callers_words({"critical_kl_intercept": "intercept",
@@ -440,7 +448,8 @@ def reference_pass(ref_model, input_ids, attention_mask, targets, temperature=1.
         opts = options or methods.MethodOptions(critical_kl_exponent=critical_kl_exponent,
                                                 critical_kl_intercept=intercept,
                                                 critical_kl_certainty=certainty,
-                                                critical_kl_temperature=certainty_temperature)
+                                                critical_kl_temperature=certainty_temperature,
+                                                logits_dtype=logits_dtype)
     return in_head(ref_model, input_ids, attention_mask, completion_len, model_kwargs,
                    lambda h, head, cap: methods.reference_stats(
                        h, head.weight, targets, opts, head.bias, temperature=temperature,

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import gbc_kernels as gbc
 from gbc_kernels import methods
 from gbc_kernels.config import PolicyLossConfig
+from gbc_kernels.ops import with_logits_dtype
 
 # gbc's argument names -> this module's, for the errors raised inside gbc's calls
 _NAMES = {"hidden": "hidden_states", "weight": "output_weight", "bias": "output_bias",
@@ -221,7 +222,7 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
                 output_bias=None, tp_group=None, sequence_parallel: bool = False,
                 hidden_gathered: bool = False, return_entropy: bool = True,
                 return_sum_p2: bool = False, backend="auto", main_grad: Optional[bool] = None,
-                context_parallel=None, **loss_kwargs) -> HeadOutput:
+                context_parallel=None, logits_dtype=None, **loss_kwargs) -> HeadOutput:
     """gbc's fused policy loss on megatron-core's output layer (docs/megatron.md).
 
     hidden_states: ``[S, B, H]`` of the last pipeline stage (under sequence parallelism this
@@ -253,6 +254,9 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
     (the logits recomputed in backward, where the upstream gradient is known) and no
     ``[V/tp, H]`` gradient or float32 accumulator; the weight gets megatron's placeholder
     gradient (:class:`_IntoMainGrad`). Otherwise gbc's one-sweep loss (three matmuls).
+
+    logits_dtype: None (the config's) or ``torch.float32`` / ``"float32"``: each chunk's logits
+    in float32 from the bf16 operands, on both routes (docs/kernels.md, "Precision").
     """
     for name in ("vocab_parallel", "token_out", "bias"):
         if name in loss_kwargs:
@@ -265,7 +269,7 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
         _refuse_context_parallel()
     else:
         loss_kwargs["sequence_parallel"] = gbc.SequenceParallel(context_parallel)
-    cfg = PolicyLossConfig.coerce(config)
+    cfg = with_logits_dtype(PolicyLossConfig.coerce(config), logits_dtype)
     if return_entropy and not cfg.wants_entropy:
         cfg = dataclasses.replace(cfg, return_entropy=True)
     hidden, vp = _head(hidden_states, output_weight, output_bias, labels, tp_group,
@@ -298,7 +302,8 @@ def _loss_into_main_grad(hidden, weight, into, labels, mask, advantages, old_log
     m = _check_mask(mask, hidden, labels)
     with methods.in_callers_words(_NAMES):
         logp, entropy, sum_p2 = _rows_stats(hidden, w, bias, labels, m, temp, vp,
-                                            cfg.wants_entropy, True, backend, into)
+                                            cfg.wants_entropy, True, backend, into,
+                                            cfg.logits_dtype)
         loss, metrics = gbc.policy_loss(logp, m, advantages, old_logp, ref_logp,
                                         entropy=entropy, token_scale=token_scale,
                                         kl_weight=kl_weight, config=cfg, phase=phase,
@@ -311,7 +316,7 @@ def _loss_into_main_grad(hidden, weight, into, labels, mask, advantages, old_log
 def logprobs(hidden_states, output_weight, labels, mask=None, *, temperature=1.0,
              output_bias=None, tp_group=None, sequence_parallel: bool = False,
              hidden_gathered: bool = False, return_entropy: bool = True,
-             return_sum_p2: bool = False, backend="auto") -> HeadOutput:
+             return_sum_p2: bool = False, backend="auto", logits_dtype=None) -> HeadOutput:
     """Per-token log-probs (and entropy, ``sum_p2``) on megatron-core's output layer, for the
     log-prob passes (old policy, reference) and verl's ``compute_log_prob``.
 
@@ -319,7 +324,8 @@ def logprobs(hidden_states, output_weight, labels, mask=None, *, temperature=1.0
     rows are projected. temperature: a float, or a tensor ``[B]`` (per sequence) or ``[B, S]``.
     Differentiable through ``logp`` and ``entropy`` when autograd is on (the backward recomputes
     the logits of those rows); ``sum_p2`` has no gradient. Returns :class:`HeadOutput` with
-    ``loss=None``.
+    ``loss=None``. logits_dtype: None or ``torch.float32`` / ``"float32"`` (the mode of the
+    loss these log-probs feed: docs/kernels.md, "Precision").
     """
     for name, flag in (("return_entropy", return_entropy), ("return_sum_p2", return_sum_p2)):
         if not isinstance(flag, bool):
@@ -330,7 +336,7 @@ def logprobs(hidden_states, output_weight, labels, mask=None, *, temperature=1.0
     with methods.in_callers_words(_NAMES):
         logp, entropy, sum_p2 = _rows_stats(hidden, output_weight, output_bias, labels, mask,
                                             temperature, vp, return_entropy, return_sum_p2,
-                                            backend)
+                                            backend, logits_dtype=logits_dtype)
     return HeadOutput(None, {}, logp, entropy, sum_p2)
 
 
@@ -465,13 +471,14 @@ def _check_mask(mask, hidden, labels):
 
 
 def _rows_stats(hidden, weight, bias, labels, mask, temperature, vp, want_entropy, want_sum_p2,
-                backend, weight_grad_into=None):
+                backend, weight_grad_into=None, logits_dtype=None):
     """``(logp, entropy, sum_p2)`` ``[B, S]`` of the rows in ``mask`` (every row when None)."""
     def stats(flat, y, temp):
         out = gbc.fused_linear_logprobs(flat, weight, y, bias=bias, temperature=temp,
                                         return_entropy=want_entropy, backend=backend,
                                         vocab_parallel=vp, return_sum_p2=want_sum_p2,
-                                        weight_grad_into=weight_grad_into)
+                                        weight_grad_into=weight_grad_into,
+                                        logits_dtype=logits_dtype)
         return out[0], out[1], out[2] if want_sum_p2 else None
 
     return _select(hidden, labels, mask, temperature, _vocab(weight, vp), stats)

@@ -360,7 +360,7 @@ def fused_action_log_probs(actor, sequences, action_mask, attention_mask,
                            temperature: Optional[float] = None, backend: str = "auto",
                            options: Optional[methods.MethodOptions] = None,
                            ring_attn_group=None, packed_seq_lens=None,
-                           nthr_keep: Optional[tuple] = None):
+                           nthr_keep: Optional[tuple] = None, logits_dtype=None):
     """``Actor.forward``'s no-grad action log-probs without logits: ``[B, T]`` float32, 0 where
     ``action_mask`` is; ``options`` with ``critical_kl_exponent`` (the reference model's
     pass): ``[B, T, 2]``, the log-probs and the critical-token KL weights. Packed samples
@@ -369,12 +369,13 @@ def fused_action_log_probs(actor, sequences, action_mask, attention_mask,
     rows)``, a :class:`gbc_kernels.methods.NTHRHeadRows` and a list: the pass also keeps NTHR's
     inputs, the head's rows of the action tokens' ids into ``heads`` and one
     :class:`gbc_kernels.methods.NTHRKeptRow` per sample (on ``heads.device``) into ``rows``
-    (under ring attention every ring rank keeps whole responses)."""
+    (under ring attention every ring rank keeps whole responses). ``logits_dtype``: the loss's
+    (docs/kernels.md, "Precision"; ``options``' own when given)."""
     T = action_mask.shape[1]
     temp = getattr(actor, "temperature", 1.0) if temperature is None else temperature
     group = _ring_group(actor, None, ring_attn_group)
     valid = action_mask.bool()
-    opts = options or methods.MethodOptions()
+    opts = options or methods.MethodOptions(logits_dtype=logits_dtype)
     if nthr_keep is not None and opts.critical_kl_exponent is not None:
         raise ValueError("nthr_keep: the reference model's pass (critical_kl_exponent) keeps "
                          "nothing for NTHR")
@@ -418,7 +419,7 @@ def fused_action_log_probs(actor, sequences, action_mask, attention_mask,
     if nthr_keep is None:
         ref = hf.reference_pass(
             _inner_model(actor), sequences, attention_mask, sequences[:, -T:], temperature=temp,
-            backend=backend, completion_len=T, options=options, model_kwargs=kwargs)
+            backend=backend, completion_len=T, options=opts, model_kwargs=kwargs)
     else:
         def compute(h, head, cap):
             keep_head(head, cap)
@@ -529,7 +530,7 @@ def _actor_forward(self, sequences, action_mask=None, attention_mask=None, *args
                                      options=_STATE.methods if weights else None,
                                      ring_attn_group=kwargs.get("ring_attn_group"),
                                      packed_seq_lens=kwargs.get("packed_seq_lens"),
-                                     nthr_keep=keep)
+                                     nthr_keep=keep, logits_dtype=_STATE.methods.logits_dtype)
         if keep is not None:                          # until the buffer's append takes it
             _STATE.nthr_pending.append(([t.detach().cpu() for t in (
                 sequences, action_mask, attention_mask)], keep[1]))
@@ -643,11 +644,12 @@ def nthr_pass(trainer) -> dict:
     extra = {}
     if methods.every_rank(usable, group):
         batch = methods.NTHRBatch(torch.cat([y[k.cols.long()] for k, y in zip(kept, targets)]),
-                                  group)
+                                  group, logits_dtype=_STATE.methods.logits_dtype)
         batch.add_kept(kept, targets, heads, device)
         extra["gbc/nthr_kept_mb"] = (heads.nbytes() + sum(k.nbytes() for k in kept)) / 2 ** 20
     else:
-        batch = methods.NTHRBatch(torch.cat(targets), group)
+        batch = methods.NTHRBatch(torch.cat(targets), group,
+                                  logits_dtype=_STATE.methods.logits_dtype)
         _nthr_forward(trainer, items, batch, group, model, temperature, device)
     extra["gbc/nthr_second_forward"] = float(not batch.tokens)
     mask, adv = (pad_sequence([getattr(it, k) for it in items], batch_first=True)

@@ -57,6 +57,10 @@ class GBCGRPOConfig(GRPOConfig):
         "help": "Intercept c of the weight (1 - c) * J**gamma + c."})
     gbc_backend: str = field(default="auto", metadata={
         "help": "gbc_kernels backend: 'auto', 'triton', 'cpu' or 'torch'."})
+    gbc_logits_dtype: Optional[str] = field(default=None, metadata={
+        "help": "'float32': the fused head's logits in float32 from the bf16 hidden states and "
+                "weight (the float32 LM head's log-probs at bf16 matmul cost); None = the "
+                "head's dtype. TRL's cast_lm_head_to_fp32 makes the head float32 instead."})
 
     def __post_init__(self):
         """TRL's checks, then gbc's: a bad ``gbc_*`` option, or a TRL option the fused loss
@@ -225,7 +229,7 @@ class GBCGRPOTrainer(GRPOTrainer):
             top_entropy_quantile=self.top_entropy_quantile,
             off_policy_mask_threshold=self.off_policy_mask_threshold,
             return_entropy=True,                     # TRL logs the entropy whatever the loss
-            logit_softcap=self._gbc_softcap)
+            logit_softcap=self._gbc_softcap, logits_dtype=self.gbc_methods.logits_dtype)
 
     # ---------------------------------------------------------------- the no-grad passes
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
@@ -255,7 +259,8 @@ class GBCGRPOTrainer(GRPOTrainer):
         logp, entropy = hf.logprobs_through_forward(
             model, input_ids, attention_mask, logits_to_keep, temperature=self._gbc_temperature,
             return_entropy=compute_entropy, backend=self.gbc_args.gbc_backend,
-            unwrapped=self.accelerator.unwrap_model(model))
+            unwrapped=self.accelerator.unwrap_model(model),
+            logits_dtype=self.gbc_methods.logits_dtype)
         if calls is not None:
             calls.append(None)
         return logp, entropy, None
@@ -304,7 +309,7 @@ class GBCGRPOTrainer(GRPOTrainer):
                     self.accelerator.unwrap_model(self.model), input_ids, attention_mask,
                     completion_ids, mask, temperature=self._gbc_temperature,
                     backend=args.gbc_backend, completion_len=T, old_logp=trl_old,
-                    model_kwargs=model_kwargs, **nthr)
+                    model_kwargs=model_kwargs, logits_dtype=opts.logits_dtype, **nthr)
                 if trl_old is None and opts.lopti_eta is not None:
                     out[OLD_LOGP_KEY] = res.old_logp
                 if nthr:
@@ -438,7 +443,7 @@ class GBCGRPOTrainer(GRPOTrainer):
                 completion_ids, mask, group_ids=groups, advantages=inputs["advantages"],
                 temperature=self._gbc_temperature, nthr=True,
                 nthr_beta=self.gbc_methods.nthr_beta, nthr_eta=self.gbc_methods.nthr_eta,
-                backend=args.gbc_backend)
+                backend=args.gbc_backend, logits_dtype=self.gbc_methods.logits_dtype)
 
             def old_policy(h, head, cap):
                 nthr["pass"] = head_fn(h, head, cap)

@@ -32,7 +32,14 @@ PAIRS = {
                               dict(critical_kl_exponent=2.0, critical_kl_certainty="entropy")),
     "critical_kl_temperature": (dict(critical_kl_exponent=2.0),
                                 dict(critical_kl_exponent=2.0, critical_kl_temperature=0.3)),
+    # the head's precision: every pass on (old policy with NTHR, reference with critical KL, the
+    # loss); with float32 test models it changes no number, so the runs' sweeps are checked to
+    # receive the mode (conftest.logits_dtypes_seen), not their parameters
+    "logits_dtype": (dict(nthr=True, nthr_beta=0.0, critical_kl_exponent=2.0),
+                     dict(nthr=True, nthr_beta=0.0, critical_kl_exponent=2.0,
+                          logits_dtype="float32")),
 }
+PRECISION = "logits_dtype"
 
 
 def test_every_field_has_a_case():
@@ -43,7 +50,8 @@ def test_every_field_has_a_case():
     ("ar_alpha", float("nan")), ("lopti_eta", float("inf")), ("lopti_order", "sideways"),
     ("nthr", "yes"), ("nthr_beta", float("nan")), ("nthr_eta", -1.0),
     ("critical_kl_exponent", float("inf")), ("critical_kl_intercept", 2.0),
-    ("critical_kl_certainty", "vibes"), ("critical_kl_temperature", 0.0)])
+    ("critical_kl_certainty", "vibes"), ("critical_kl_temperature", 0.0),
+    ("logits_dtype", "bf16"), ("logits_dtype", torch.float16)])
 def test_bad_values_are_refused_by_the_trainers_name(name, value):
     assert name in FIELDS
     with pytest.raises(ValueError, match=f"^--{name}: .*gbc's {name}"):
@@ -89,6 +97,14 @@ def _initial(tiny):
 @pytest.mark.parametrize("name", sorted(PAIRS))
 def test_trl_honours_every_option(tiny, tmp_path, name):
     a, b = PAIRS[name]
+    if name == PRECISION:
+        from conftest import assert_logits_mode_reached, logits_dtypes_seen
+        with logits_dtypes_seen() as seen_a:
+            _trl_run(tiny, tmp_path / "a", a)
+        with logits_dtypes_seen() as seen_b:
+            _trl_run(tiny, tmp_path / "b", b)
+        assert_logits_mode_reached(seen_a, seen_b, at_least=3)
+        return
     pa = _trl_run(tiny, tmp_path / "a", a)
     pb = _trl_run(tiny, tmp_path / "b", b)
     # more than rounding: a share of the parameters' total change over the two steps
@@ -181,6 +197,9 @@ def test_verl_registry_route_honours_or_refuses_every_option():
                 continue
             for _, _, grad in rb:       # AR's loss, and each Lopti phase's, is not the plain one
                 assert (grad - ra[0][2]).abs().max() > 1e-4, name
+        elif name == PRECISION:         # the registered loss takes verl's own log-probs
+            with pytest.raises(ValueError, match=f"^{name}: not run by the registry route"):
+                gv.register(f"gbc_opt_{name}", logits_dtype="float32")
         else:
             switch = "nthr" if name.startswith("nthr") else "critical_kl_exponent"
             assert switch in PAIRS[name][1]
@@ -229,6 +248,14 @@ def test_example_trainer_honours_every_flag(name):
     a, b = ({k: v for k, v in d.items() if k not in skip} for d in (a, b))
     if name == "nthr_beta":           # the example's NTHR runs with eta 'auto'
         a, b = dict(nthr=True, nthr_beta=0.0), dict(nthr=True, nthr_beta=-1e9)
+    if name == PRECISION:
+        from conftest import assert_logits_mode_reached, logits_dtypes_seen
+        with logits_dtypes_seen() as seen_a:
+            _example_run(a)
+        with logits_dtypes_seen() as seen_b:
+            _example_run(b)
+        assert_logits_mode_reached(seen_a, seen_b, at_least=3)
+        return
     pa, pb, start = _example_run(a), _example_run(b), _example_run(None)
     # more than rounding: a share of the parameters' total change over the two steps
     assert float((pa - pb).abs().max()) > 1e-3 * float((pa - start).abs().max()), name

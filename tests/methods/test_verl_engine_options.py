@@ -47,6 +47,8 @@ def _route(name):
         return "nthr"
     if name.startswith("critical_kl"):
         return "reference"
+    if name == "logits_dtype":      # every pass: the reference pass, NTHR's, the update
+        return "precision"
     raise AssertionError(f"{name}: no route through verl's engine in this test; add one")
 
 
@@ -134,6 +136,19 @@ def _options_worker(rank, world, model_dir):
         ve._OPTIONS["current"] = options
         route = _route(name)
         data = batch()
+        if route == "precision":     # the sweeps' logits_dtype, in place of what it acts on
+            from conftest import logits_dtypes_seen
+            with logits_dtypes_seen() as seen:
+                restore(reference)
+                fields = make_batch(SEED, NB, group=GROUP, confident=0.4, padded=True)
+                out = ve.compute_ref_log_prob(
+                    Trainer(), DataProto.from_dict(tensors=fields,
+                                                   meta_info={"temperature": 0.8}))
+                data["ref_log_prob"] = out.batch["ref_log_prob"]
+                data[ve.KL_WEIGHT_KEY] = out.batch[ve.KL_WEIGHT_KEY]
+                restore(start)
+                hooked(worker, data)
+            return list(seen), _vector(engine), data["ref_log_prob"]
         if route == "reference":
             restore(reference)
             fields = make_batch(SEED, NB, group=GROUP, confident=0.4, padded=True)
@@ -195,6 +210,10 @@ def test_every_method_option_changes_the_update_or_is_refused(tmp_path):
             assert all(r.startswith((f"{name}:", f"{switch}:")) for r in refused), (name, refused)
             continue
         (sa, pa, ref_a), (sb, pb, ref_b) = ra, rb
+        if _route(name) == "precision":   # float32 test model: the mode reached every sweep
+            from conftest import assert_logits_mode_reached
+            assert_logits_mode_reached(sa, sb, at_least=3)
+            continue
         # the same reference log-probs (gbc's reference pass, or verl's without the option):
         # what differs is the option's
         assert torch.allclose(ref_a, ref_b, rtol=1e-5, atol=1e-6), name

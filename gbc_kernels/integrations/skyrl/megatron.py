@@ -252,7 +252,9 @@ def _wrapper_methods(base):
                 self.gbc_ref_weights.update(zip(row_keys(seq, attn), kl_weight.float().cpu()))
             else:
                 logp = _whole(gbc_megatron.logprobs(h, weight, y, mask, temperature=temperature,
-                                                    return_entropy=False, **_head(state)).logp,
+                                                    return_entropy=False,
+                                                    logits_dtype=self.gbc_options.logits_dtype,
+                                                    **_head(state)).logp,
                               cp)
             if keep is not None:       # every CP rank keeps the whole rows (each from its owner)
                 real = attn[:, -y.shape[1]:].bool()

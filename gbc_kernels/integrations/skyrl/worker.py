@@ -655,7 +655,8 @@ def _no_grad_logprobs(worker, micro_batch, temperature, reference=None, keep=Non
             logp, weight = st.ref_logp, st.kl_weight
         else:
             logp = gbc.token_stats(rows, head.weight, ys, head.bias, temperature=temperature,
-                                   logit_softcap=cap).logp
+                                   logit_softcap=cap,
+                                   logits_dtype=worker.gbc_options.logits_dtype).logp
             weight = None
         if keep is not None:      # the response rows of this pass, for NTHR's scores
             valid = attn[:, -T:].bool() & (pk.valid if packed else True)

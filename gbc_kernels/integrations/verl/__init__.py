@@ -372,7 +372,9 @@ REGISTRY_REFUSED = {
             "them in through scale_advantages()",
     "critical_kl_exponent": "verl adds its KL term outside the registered loss: use gbc's "
                             "engine (GBC_VERL_ENGINE=1), or weight verl's KL with "
-                            "weighted_kl_penalty()"}
+                            "weighted_kl_penalty()",
+    "logits_dtype": "the registered loss takes the log-probs verl's own head computed: use "
+                    "gbc's engine (GBC_VERL_ENGINE=1), whose head computes them"}
 
 
 def register(name: str = "gbc", base_loss_mode: str = "vanilla",

@@ -52,6 +52,8 @@ NTHR_ROW_KEY = "gbc_row"               # NTHR's pass: each sample's row of the u
 BATCH_SELECTING_MODES = ("clip_cov", "kl_cov")
 CRITICAL_KL_FIELDS = ("critical_kl_exponent", "critical_kl_intercept", "critical_kl_certainty",
                       "critical_kl_temperature")
+# what the trainer's reference pass hands the worker: critical-KL's options and the head's mode
+REFERENCE_PASS_FIELDS = CRITICAL_KL_FIELDS + ("logits_dtype",)
 
 
 def _stable_id(uid) -> int:
@@ -259,7 +261,7 @@ class EngineMethods:
         self._gbc_keeping = methods.NTHRBatch(
             responses.values() if responses.is_nested else responses,
             methods.data_parallel_group(self.get_data_parallel_group()),
-            self.gbc_options.backend)
+            self.gbc_options.backend, self.gbc_options.logits_dtype)
         return True
 
     def gbc_nthr_keep_end(self, data, completed: bool = True):
@@ -334,7 +336,7 @@ class EngineMethods:
         responses = data["responses"]
         batch = methods.NTHRBatch(responses.values() if responses.is_nested else responses,
                                   methods.data_parallel_group(self.get_data_parallel_group()),
-                                  self.gbc_options.backend)
+                                  self.gbc_options.backend, self.gbc_options.logits_dtype)
         if not self._gbc_nthr_forward(view, batch):
             return None
         return self._gbc_nthr_score(data, batch)
@@ -480,7 +482,7 @@ def compute_ref_log_prob(trainer, batch):
                          "(set actor_rollout_ref.actor.use_kl_loss=True)")
     batch_td = left_right_2_no_padding(batch.to_tensordict())
     metadata = {"calculate_entropy": False, "compute_loss": False,
-                CERTAINTY_KEY: {k: getattr(opts, k) for k in CRITICAL_KL_FIELDS}}
+                CERTAINTY_KEY: {k: getattr(opts, k) for k in REFERENCE_PASS_FIELDS}}
     if trainer.ref_in_actor:
         metadata["no_lora_adapter"] = True
     tu.assign_non_tensor(batch_td, **metadata)

@@ -187,7 +187,8 @@ class GBCEngineMixin(EngineMethods):
                 out = gbc.fused_linear_logprobs(
                     h, head.weight, rows.targets, head.bias,
                     return_entropy=bool(_flag(micro_batch, "calculate_entropy")),
-                    return_sum_p2=bool(_flag(micro_batch, "calculate_sum_pi_squared")), **kw)
+                    return_sum_p2=bool(_flag(micro_batch, "calculate_sum_pi_squared")),
+                    logits_dtype=self.gbc_options.logits_dtype, **kw)
                 if keep is not None:     # under Ulysses SP: the whole micro-batch's rows
                     keep.add(micro_batch[NTHR_ROW_KEY], rows.whole(h), rows.targets,
                              rows.rows.valid, head, kw["logit_softcap"], kw["temperature"],

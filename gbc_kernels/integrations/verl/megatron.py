@@ -328,6 +328,7 @@ class GBCMegatronMixin(EngineMethods):
                     ret[KL_WEIGHT_KEY] = packed(st.kl_weight)
                 return ret
             res = M.logprobs(h, weight, y, own, temperature=temp, backend=backend,
+                             logits_dtype=self.gbc_options.logits_dtype,
                              return_entropy=bool(calculate_entropy),
                              return_sum_p2=bool(calculate_sum_pi_squared), **common)
             if nthr is not None:      # the same log-probs, the rows kept (no second head)
