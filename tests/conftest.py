@@ -178,42 +178,61 @@ def _free_port():
         return s.getsockname()[1]
 
 
+# how long a spawned run may take in all: generous, since a shared CI machine can be many
+# times slower than an idle one (a rank that dies fails the run at once, whatever this is)
+SPAWN_TIMEOUT_S = float(os.environ.get("GBC_TEST_SPAWN_TIMEOUT", "3600"))
+
+
 def spawn_gloo(world, target, *args):
     """Run ``target(rank, world, *args)`` in ``world`` spawned processes joined in a gloo
     process group; return each rank's return value, by rank. ``target`` must be a module-level
-    function of a test module (the children import it)."""
+    function of a test module (the children import it).
+
+    The ranks meet through a file in a fresh temporary folder, not a TCP port: a port picked
+    free here can be taken by another test run on the machine before the ranks bind it (and
+    two runs' ranks could then join one group). A rank that dies fails the run at once; a live
+    one is waited for up to ``GBC_TEST_SPAWN_TIMEOUT`` seconds (default 3600)."""
+    import tempfile
+    import time
+
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_init_and_run, args=(r, world, port, target, args, q))
+    folder = tempfile.mkdtemp(prefix="gbc_gloo_")
+    store, port = os.path.join(folder, "store"), _free_port()
+    procs = [ctx.Process(target=_init_and_run, args=(r, world, port, store, target, args, q))
              for r in range(world)]
-    for p in procs:
-        p.start()
-    got = {}
-    for _ in range(600):            # up to 10 minutes; a rank that died fails the test at once
-        try:
-            got.update([q.get(timeout=1)])
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"spawn_gloo: a rank exited with code {dead[0]} before "
-                                   "returning (its traceback is above)")
-        if len(got) == world:
-            break
-    assert len(got) == world, f"spawn_gloo: {world - len(got)} rank(s) returned nothing in 600 s"
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    try:
+        for p in procs:
+            p.start()
+        got, deadline = {}, time.monotonic() + SPAWN_TIMEOUT_S
+        while len(got) < world and time.monotonic() < deadline:
+            try:
+                got.update([q.get(timeout=1)])
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"spawn_gloo: a rank exited with code {dead[0]} before "
+                                       "returning (its traceback is above)")
+        assert len(got) == world, (f"spawn_gloo: {world - len(got)} rank(s) returned nothing in "
+                                   f"{SPAWN_TIMEOUT_S:.0f} s")
+        for p in procs:               # each has returned: its exit is only teardown
+            p.join(timeout=max(60.0, deadline - time.monotonic()))
+            assert p.exitcode == 0, f"spawn_gloo: a rank exited with {p.exitcode} after returning"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        import shutil
+        shutil.rmtree(folder, ignore_errors=True)
     return [torch.load(io.BytesIO(got[r]), weights_only=False) for r in range(world)]
 
 
-def _init_and_run(rank, world, port, target, args, q):
+def _init_and_run(rank, world, port, store, target, args, q):
+    # MASTER_ADDR / MASTER_PORT for code under test that reads them; the group meets by file
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         buf = io.BytesIO()        # plain bytes: no shared-memory handles outliving the process
         torch.save(target(rank, world, *args), buf)

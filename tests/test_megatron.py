@@ -599,3 +599,47 @@ def test_errors_name_the_callers_arguments():
     for rank, (got, changed) in enumerate(ranks):
         assert got == want, rank
         assert changed == [], (rank, changed)
+
+
+def _cp_batch_worker(rank, world):
+    """Context parallel ``world`` (tensor parallel 1): the ranks pass different batch sizes
+    (3 and 2 sequences) to ``policy_loss(..., context_parallel=group)``, through gbc's
+    one-sweep loss and through the ``main_grad`` route: ``{route: (type, message)}``."""
+    mc = megatron_cpu()
+    mc.install_shims()
+    mc.init_parallel(1, cp=world)
+    from megatron.core import parallel_state
+
+    from gbc_kernels.integrations import megatron as M
+
+    cp = parallel_state.get_context_parallel_group()
+    g = torch.Generator().manual_seed(5)
+    b = 3 if rank == 0 else 2
+    h = torch.randn(S, b, H, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(40, H, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 40, (b, S), generator=g)
+    mask = torch.rand(b, S, generator=g) < 0.6
+    adv = torch.randn(b, generator=g, dtype=torch.float64)
+    out = {}
+    for route, main_grad in (("fused", False), ("main_grad", True)):
+        if main_grad:
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+            w.grad_added_to_main_grad = False
+        try:
+            M.policy_loss(h, w, labels, mask, adv, context_parallel=cp, main_grad=main_grad)
+            out[route] = None
+        except (ValueError, TypeError) as e:
+            out[route] = (type(e).__name__, str(e))
+    return out
+
+
+def test_context_parallel_batch_mismatch_names_context_parallel():
+    """Ranks of the context-parallel group passing different batch sizes are refused on every
+    rank (no hang), naming the caller's ``context_parallel`` (not megatron's
+    ``sequence_parallel`` flag, another argument of the same function)."""
+    ranks = spawn_gloo(2, _cp_batch_worker)
+    for rank, got in enumerate(ranks):
+        b = 3 if rank == 0 else 2
+        want = ("ValueError", "context_parallel: every rank of the group must pass rows for the "
+                f"same B sequences; this rank has B={b}, the group's range is [2, 3]")
+        assert got == {"fused": want, "main_grad": want}, rank

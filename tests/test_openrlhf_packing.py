@@ -443,3 +443,157 @@ def test_ring_attention_equals_openrlhf_ring_step():
         for r in got:
             want, fused = r[seed, "no-grad"]
             assert torch.allclose(fused, want, atol=2e-6)
+
+
+def _refusal(args, exp, packing):
+    """``training_step`` on ``exp`` (packed or padded): the ValueError's message, and whether
+    the parameters, their gradients and the optimizer stayed as they were."""
+    t = _packed_trainer(args, packing)
+    before = [p.detach().clone() for p in t.actor.model.parameters()]
+    lbi = ORL.get_loss_batch_info(None, exp.action_mask)
+    with pytest.raises(ValueError) as err:
+        gorl.training_step(t, exp, 0.05, 0, lbi)
+    untouched = (all(torch.equal(p, q) for p, q in zip(t.actor.model.parameters(), before))
+                 and all(p.grad is None for p in t.actor.model.parameters())
+                 and not t.actor_optim.state)
+    return str(err.value), untouched
+
+
+def _wide(exp):
+    """``exp`` with an ``action_mask`` one column wider than ``sequences[:, 1:]``: its extra
+    column (sequence position 0) an action no position predicts; the per-token fields widened
+    alike."""
+    bad = copy.deepcopy(exp)
+    S = exp.sequences.shape[1]
+    for k in ("action_mask", "action_log_probs", "base_action_log_probs", "rollout_log_probs",
+              "advantages"):
+        v = getattr(exp, k)
+        w = v.new_zeros(v.shape[0], S)
+        w[:, S - v.shape[1]:] = v
+        setattr(bad, k, w)
+    bad.action_mask[:, 0] = True
+    bad.advantages[:, 0] = 1.0
+    return bad
+
+
+def test_packed_malformed_actions_refused_before_anything():
+    """Under packing, as on the padded path and before anything is computed (no forward, no
+    gradient, no step): an ``action_mask`` one column wider than ``sequences[:, 1:]`` and an
+    action where ``attention_mask`` is 0 are refused naming ``experience.action_mask``;
+    ``advantages`` narrower than the action mask with the padded path's own message."""
+    args = T_._margs(kl="k3", entropy_coef=0.01)
+    exp = make_experience(12)
+    (B, S), Ta = exp.sequences.shape, exp.action_mask.shape[1]
+    narrow = copy.deepcopy(exp)
+    narrow.advantages = exp.advantages[:, :-1].contiguous()
+    outside = copy.deepcopy(exp)
+    row = int((exp.action_mask.sum(1) < Ta).nonzero()[0])          # a response shorter than T
+    assert exp.attention_mask[row, -1] == 0
+    outside.action_mask[row, -1] = True
+    want = {
+        "wide": f"experience.action_mask: expected shape [{B}, T] with 1 <= T <= {S - 1}",
+        "narrow": f"experience.advantages: expected shape [{B}] or [{B}x{Ta}], got "
+                  f"[{B}x{Ta - 1}]",
+        "outside": f"experience.action_mask: marks an action outside its sequence at index "
+                   f"[{row}, {Ta - 1}] (attention_mask[{row}, {S - 1}] is 0",
+    }
+    for name, bad in (("wide", _wide(exp)), ("narrow", narrow), ("outside", outside)):
+        got = {packing: _refusal(args, copy.deepcopy(bad), packing) for packing in (True, False)}
+        assert got[True] == got[False], name                 # the same error on both paths
+        message, untouched = got[True]
+        assert message.startswith(want[name]), (name, message)
+        assert untouched, name
+    # the packed no-grad pass names its own argument
+    actor = packed_actor()
+    with pytest.raises(ValueError, match=r"^action_mask: marks an action outside"):
+        gorl.fused_action_log_probs(actor, outside.sequences, outside.action_mask,
+                                    outside.attention_mask)
+    with pytest.raises(ValueError, match=r"^action_mask: expected shape"):
+        w = _wide(exp)
+        gorl.fused_action_log_probs(actor, w.sequences, w.action_mask, w.attention_mask)
+
+
+def _float64_actions(model, exp, temperature=T_.TEMP):
+    """The actions' log-probs and entropies ``[B, T]`` (0 off the action mask) of a float64
+    copy of ``model``, each sequence run alone without its padding (positions from 0, as
+    OpenRLHF's ``Actor.forward`` numbers a left-padded one)."""
+    m64 = copy.deepcopy(model).double()
+    m64.config._attn_implementation = "eager"
+    (B, S), T = exp.sequences.shape, exp.action_mask.shape[1]
+    logp = torch.zeros(B, T, dtype=torch.float64)
+    ent = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        keep = exp.attention_mask[b].bool()
+        where = keep.long().cumsum(0) - 1                 # full position -> compact one
+        with torch.no_grad():
+            z = m64(exp.sequences[b, keep][None]).logits[0].double() / temperature
+        lsm = z.log_softmax(-1)
+        for j in exp.action_mask[b].nonzero().flatten().tolist():
+            s = S - T + j
+            row = lsm[where[s] - 1]
+            logp[b, j] = row[exp.sequences[b, s]]
+            ent[b, j] = -(row.exp() * row).sum()
+    return logp, ent
+
+
+def _openrlhf_terms(logp, entropy, exp, args, kl_ctl, lbi):
+    """``policy_loss``, ``kl`` and ``entropy_loss`` of OpenRLHF's ``training_step`` from its own
+    ``PolicyLoss``, ``compute_approx_kl`` and ``aggregate_loss`` on given per-token values."""
+    a = args.actor
+    loss_fn = ORL.PolicyLoss(clip_eps_low=a.eps_clip_low_high[0],
+                             clip_eps_high=a.eps_clip_low_high[1], dual_clip=a.dual_clip,
+                             token_level_loss=a.loss_agg_mode == "token-mean",
+                             policy_loss_type=a.policy_loss_type)
+    pg = loss_fn(logp, exp.action_log_probs, exp.advantages, action_mask=exp.action_mask,
+                 **lbi)[0]
+    kl = ORL.compute_approx_kl(logp, exp.base_action_log_probs,
+                               log_probs_old=exp.action_log_probs,
+                               kl_estimator=args.algo.kl.estimator,
+                               unbiased_gradient=args.algo.kl.unbiased_gradient)
+    return {"policy_loss": float(pg),
+            "kl": float(ORL.aggregate_loss(kl, exp.action_mask, **lbi)),
+            "entropy_loss": float(ORL.aggregate_loss(entropy, exp.action_mask, **lbi))}
+
+
+@pytest.mark.parametrize("order", ["low-first", "high-first"])
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_lopti_logged_terms_are_the_batchs(packing, order, methods_off):
+    """Under Lopti (two optimizer steps), ``training_step`` logs ``policy_loss``, ``kl`` and
+    ``entropy_loss`` as the batch's terms without Lopti's split — every action token once, the
+    batch's normalisers, at the parameters the batch met — i.e. OpenRLHF's own loss pieces on
+    the same batch without Lopti, in float64; each phase's ``fused_actor_loss`` logs the same at
+    its own parameters (neither counts a token twice nor drops the other phase's tokens)."""
+    args = T_._margs(kl="k3", entropy_coef=0.01)
+    exp = make_experience(31)
+    lbi = ORL.get_loss_batch_info(None, exp.action_mask)
+    low = exp.action_log_probs.exp() < 0.5
+    assert (low & exp.action_mask).any() and (~low & exp.action_mask).any()
+    exp64 = copy.deepcopy(exp)
+    for k in ("action_log_probs", "base_action_log_probs", "rollout_log_probs", "advantages"):
+        setattr(exp64, k, getattr(exp, k).double())
+
+    def oracle(model):                  # OpenRLHF's loss pieces, float64, no Lopti
+        logp, ent = _float64_actions(model, exp)
+        return _openrlhf_terms(logp, ent, exp64, args, 0.05, lbi)
+
+    T_._enable(lopti_eta=0.5, lopti_order=order)
+    t = _packed_trainer(args, packing)
+    want = oracle(t.actor.model)
+    status = gorl.training_step(t, copy.deepcopy(exp), 0.05, 0, lbi)
+    got = {k: float(status["metrics"][k]) for k in want}
+    assert set(want) == {"policy_loss", "kl", "entropy_loss"}
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), (k, got, want)
+    # each phase alone, on a fresh trainer: the batch's terms at that phase's parameters
+    t = _packed_trainer(args, packing)
+    for phase in methods.MethodOptions(lopti_eta=0.5, lopti_order=order).phases:
+        want = oracle(t.actor.model)
+        loss, m = gorl.fused_actor_loss(t.actor, copy.deepcopy(exp), args, 0.05, lbi,
+                                        phase=phase, **methods.MethodOptions(
+                                            lopti_eta=0.5).loss_options())
+        for k in want:
+            assert float(m[k]) == pytest.approx(want[k], rel=1e-5, abs=1e-6), (phase, k)
+        loss.backward()
+        t.actor_optim.step()
+        t.actor_optim.zero_grad()
+    assert oracle(t.actor.model)["policy_loss"] != pytest.approx(want["policy_loss"])

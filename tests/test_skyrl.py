@@ -752,3 +752,41 @@ def test_methods_refused_on_the_sft_loss(sky, option):
     w._gbc_options = methods.MethodOptions(**option)
     with pytest.raises(ValueError, match=f"GBC_SKYRL_OPTIONS: {next(iter(option))} acts on RL"):
         w.forward_backward(make_batch(sky, 1), loss_fn="cross_entropy")
+
+
+@pytest.mark.parametrize("kind", ["binary_tv", "binary_kl"])
+def test_dppo_stays_refused_for_its_value_not_its_gradient(sky, kind):
+    """SkyRL's ``dppo`` (docs/skyrl.md, why it stays refused, measured): gbc's ``dppo``
+    objective (trust region by ``delta_low/high``, no truncation, the log-ratio clamp at 20)
+    gives the gradient of SkyRL's own ``dppo_policy_loss`` (float64 inputs, gbc's float32 token
+    math) but another loss value (``-A sg(r) logp`` against SkyRL's ``-A r``), which the
+    worker would report as its ``final_loss``: refused naming SkyRL's option."""
+    from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
+
+    from gbc_kernels.integrations.skyrl import losses as sl
+
+    c = sky.config
+    algo = c.AlgorithmConfig(policy_loss_type="dppo",
+                             dppo=c.DPPOConfig(dppo_type=kind, delta_low=0.1, delta_high=0.15))
+    g = torch.Generator().manual_seed(3)
+    B, T = 6, 12
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 2 - 0.05
+    logp0 = (old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=-1e-3)
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = torch.rand(B, T, generator=g) < 0.8
+    theirs = logp0.clone().requires_grad_()
+    value, _ = PolicyLossRegistry.get("dppo")(theirs, old, adv, config=algo,
+                                              loss_mask=mask.double())
+    value.backward()
+    ours = logp0.clone().requires_grad_()
+    cfg = gbc.PolicyLossConfig(objective="dppo", epsilon_low=0.1, epsilon_high=0.15,
+                               dppo_divergence="tv" if kind == "binary_tv" else "binary_kl",
+                               log_ratio_clamp=20.0)
+    loss, _ = gbc.policy_loss(ours, mask, adv, old_logp=old, config=cfg, num_items_in_batch=1.0)
+    loss.backward()
+    assert (theirs.grad != 0).any() and (theirs.grad[mask] == 0).any()   # the region acts
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-6, atol=1e-7)
+    assert abs(float(loss) - float(value)) > 0.1 * abs(float(value))
+    with pytest.raises(ValueError, match=r"^trainer.algorithm.policy_loss_type='dppo': not "
+                                         r"reproduced by gbc \(its value is -A r"):
+        sl.policy_loss_config(algo)

@@ -38,6 +38,9 @@ from gbc_kernels.ops import with_logits_dtype
 _NAMES = {"hidden": "hidden_states", "weight": "output_weight", "bias": "output_bias",
           "targets": "labels", "vocab_parallel": "output_weight",
           "vocab_parallel.group": "tp_group", "weight_grad_into": "output_weight.main_grad"}
+# under context parallelism gbc's sequence_parallel is the caller's context_parallel group
+_CP_NAMES = {**_NAMES, "sequence_parallel": "context_parallel",
+             "sequence_parallel.group": "context_parallel"}
 
 
 class HeadOutput(NamedTuple):
@@ -265,10 +268,12 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
     for name, flag in (("return_entropy", return_entropy), ("return_sum_p2", return_sum_p2)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {flag!r}")
+    names = _NAMES
     if context_parallel is None:
         _refuse_context_parallel()
     else:
         loss_kwargs["sequence_parallel"] = gbc.SequenceParallel(context_parallel)
+        names = _CP_NAMES       # gbc's sequence_parallel is the caller's context_parallel
     cfg = with_logits_dtype(PolicyLossConfig.coerce(config), logits_dtype)
     if return_entropy and not cfg.wants_entropy:
         cfg = dataclasses.replace(cfg, return_entropy=True)
@@ -279,9 +284,9 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
         return _loss_into_main_grad(hidden, output_weight, into, labels, mask, advantages,
                                     old_logp, ref_logp, token_scale, kl_weight, cfg, phase,
                                     output_bias, vp, return_entropy, return_sum_p2, backend,
-                                    loss_kwargs)
+                                    loss_kwargs, names)
     tok = {}
-    with methods.in_callers_words(_NAMES):
+    with methods.in_callers_words(names):
         loss, metrics = gbc.fused_linear_policy_loss(
             hidden.transpose(0, 1), output_weight, labels, mask, advantages, old_logp, ref_logp,
             bias=output_bias, token_scale=token_scale, kl_weight=kl_weight, config=cfg,
@@ -292,7 +297,7 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
 
 def _loss_into_main_grad(hidden, weight, into, labels, mask, advantages, old_logp, ref_logp,
                          token_scale, kl_weight, cfg, phase, bias, vp, return_entropy,
-                         return_sum_p2, backend, loss_kwargs):
+                         return_sum_p2, backend, loss_kwargs, names=_NAMES):
     """:func:`policy_loss` with ``d weight`` added into ``into`` (megatron's ``main_grad``):
     the response rows' log-probs, entropy and ``sum_p2`` (gradient recomputed in backward),
     then the loss from them."""
@@ -300,7 +305,7 @@ def _loss_into_main_grad(hidden, weight, into, labels, mask, advantages, old_log
     temp = cfg.temperature if temp is None else temp
     w = _IntoMainGrad.apply(weight)
     m = _check_mask(mask, hidden, labels)
-    with methods.in_callers_words(_NAMES):
+    with methods.in_callers_words(names):
         logp, entropy, sum_p2 = _rows_stats(hidden, w, bias, labels, m, temp, vp,
                                             cfg.wants_entropy, True, backend, into,
                                             cfg.logits_dtype)

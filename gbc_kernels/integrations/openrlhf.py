@@ -204,11 +204,35 @@ class PackedRows(NamedTuple):
         return out
 
 
+def check_actions(sequences, attention_mask, action_mask) -> None:
+    """The actions of a padded batch where OpenRLHF's step puts them: ``action_mask`` ``[B, T]``
+    over the last ``T`` tokens of ``sequences`` ``[B, S]``, each predicted by the position before
+    it (``T <= S - 1``), every marked action a token of its sequence (``attention_mask`` 1 there;
+    a value check, off under ``GBC_VALIDATE=0``). Refused naming ``action_mask``."""
+    if not isinstance(action_mask, torch.Tensor) or action_mask.dim() != 2:
+        got = (list(action_mask.shape) if isinstance(action_mask, torch.Tensor)
+               else type(action_mask).__name__)
+        raise ValueError(f"action_mask: expected a [B, T] tensor, got {got}")
+    (B, S), (b, T) = sequences.shape, action_mask.shape
+    if b != B or not 0 < T < S:
+        raise ValueError(f"action_mask: expected shape [{B}, T] with 1 <= T <= {S - 1} (the "
+                         f"actions are the last T tokens of sequences [{B}, {S}], each "
+                         f"predicted by the position before it: sequences[:, 1:]), got "
+                         f"[{'x'.join(map(str, action_mask.shape))}]")
+    if attention_mask is None or not gbc.value_checks_enabled():
+        return
+    outside = action_mask.bool() & ~attention_mask[:, S - T:].to(action_mask.device).bool()
+    if bool(outside.any()):
+        i, j = (int(x) for x in outside.nonzero()[0])
+        raise ValueError(f"action_mask: marks an action outside its sequence at index [{i}, {j}] "
+                         f"(attention_mask[{i}, {S - T + j}] is 0: no token there)")
+
+
 def packed_rows(sequences, attention_mask, action_mask, ring_attn_group=None,
-                packed_seq_lens=None) -> PackedRows:
+                packed_seq_lens=None, checked: bool = False) -> PackedRows:
     """OpenRLHF's packing of a padded batch (its own ``unpad_and_slice_tensor``, which also
     gives the ring attention the stream's ``cu_seqlens``) and the map of this rank's tokens to
-    the loss's rows."""
+    the loss's rows. ``action_mask`` is checked (:func:`check_actions`) unless ``checked``."""
     if attention_mask is None:
         raise ValueError("attention_mask: ds.packing_samples packs the batch by its attention "
                          "mask (the packed sequences' boundaries); got None")
@@ -219,6 +243,8 @@ def packed_rows(sequences, attention_mask, action_mask, ring_attn_group=None,
     if tuple(attention_mask.shape) != tuple(sequences.shape):
         raise ValueError(f"attention_mask: expected the shape of sequences "
                          f"{list(sequences.shape)}, got {list(attention_mask.shape)}")
+    if not checked:
+        check_actions(sequences, attention_mask, action_mask)
     from openrlhf.models.ring_attn_utils import unpad_and_slice_tensor
 
     (B, S), T = sequences.shape, action_mask.shape[1]
@@ -239,6 +265,28 @@ def packed_rows(sequences, attention_mask, action_mask, ring_attn_group=None,
     c = torch.arange(b.numel(), device=b.device) - torch.searchsorted(b, b)   # b ascends
     width = int(c.max()) + 1 if c.numel() else 1
     return PackedRows(ids, pos, p, b, j, c, width, (B, T), ring_attn_group)
+
+
+def _check_packed_per_token(shape, advantages, **per_token) -> None:
+    """The per-token fields' shapes before the packed path moves them to the loss's rows (an
+    index error there, or a silent misfit): the checks and messages of the padded path's loss
+    (gbc's names, the caller's words outside)."""
+    B, T = shape
+    if not isinstance(advantages, torch.Tensor) or tuple(advantages.shape) not in ((B,), (B, T)):
+        got = ("x".join(map(str, advantages.shape)) if isinstance(advantages, torch.Tensor)
+               else type(advantages).__name__)
+        raise ValueError(f"advantages: expected shape [{B}] or [{B}x{T}], got [{got}]")
+    for name, t in per_token.items():
+        if t is None:
+            continue
+        if name == "is_ratio":
+            if tuple(t.shape) not in ((B, T), (B, 1)):
+                raise ValueError(f"is_ratio: expected shape [{B}x{T}] (per token) or [{B}x1] "
+                                 f"(per sequence), got [{'x'.join(map(str, t.shape))}]")
+        elif tuple(t.shape) != (B, T):
+            word = {"old": "old_logp", "ref": "ref_logp"}.get(name, name)
+            raise ValueError(f"{word}: expected shape [{B}x{T}], got "
+                             f"[{'x'.join(map(str, t.shape))}]")
 
 
 def _ring_group(actor, args, ring_attn_group):
@@ -266,7 +314,8 @@ def _ring_group(actor, args, ring_attn_group):
 # rollout_log_probs)
 EXPERIENCE_NAMES = {"input_ids": "experience.sequences",
                     "attention_mask": "experience.attention_mask",
-                    "mask": "experience.action_mask", "advantages": "experience.advantages",
+                    "mask": "experience.action_mask", "action_mask": "experience.action_mask",
+                    "advantages": "experience.advantages",
                     "ref_logp": "experience.base_action_log_probs"}
 
 
@@ -284,6 +333,7 @@ def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_in
     a dict that receives the per-token ``logp`` (and ``entropy`` when computed), ``[B, T]``
     float32 in OpenRLHF's layout, the whole batch's on every ring rank."""
     seq, am, mask = experience.sequences, experience.attention_mask, experience.action_mask
+    check_actions(seq, am, mask)                # before anything is computed, on both paths
     T = mask.shape[1]
     group = _ring_group(actor, args, ring_attn_group)
     temp = getattr(actor, "temperature", 1.0) if temperature is None else temperature
@@ -301,8 +351,12 @@ def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_in
     model = _inner_model(actor)
     ref = experience.base_action_log_probs if cfg.kl_coef else None
     kl_weight = kl_weight if cfg.kl_coef else None
+    if phase is not None and token_out is None:      # Lopti: the logged terms need them
+        token_out = {}
     if getattr(actor, "packing_samples", False):
-        pk = packed_rows(seq, am, mask, group)
+        pk = packed_rows(seq, am, mask, group, checked=True)
+        _check_packed_per_token(pk.shape, experience.advantages, old=ratio_base, ref=ref,
+                                token_scale=token_scale, kl_weight=kl_weight, is_ratio=coef)
         rows = pk.rows
         if group is not None:
             norms["sequence_parallel"] = gbc.SequenceParallel(group)
@@ -329,6 +383,7 @@ def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_in
         dist.all_reduce(whole, group=group)
         scaled = loss * dist.get_world_size(group=group)
         loss = scaled + (whole - scaled).detach()
+    policy_value = loss.detach().float()          # the batch's policy loss (this phase's)
     if aux:
         loss = loss + out[2].aux_loss * float(_get(args, "actor.aux_loss_coef"))
     # OpenRLHF's logged values, from gbc's per-token means: a term aggregated over the batch
@@ -343,6 +398,16 @@ def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_in
             lr_mean = lr_mean - ((old - ratio_base) * m).sum() / n_local.clamp(min=1)
         om["ppo_kl"] = -lr_mean
         actor_loss = loss.detach().float()
+        if phase is not None:
+            # Lopti: the phase's loss counts its own tokens; the logged terms are the batch's
+            # without the split (every token, the same normalisers) at this call's parameters,
+            # from the per-token values the sweep returned (no vocabulary work)
+            unsplit, _ = gbc.policy_loss(
+                token_out["logp"], m, experience.advantages, old_logp=ratio_base,
+                ref_logp=ref, entropy=token_out.get("entropy"), token_scale=token_scale,
+                kl_weight=kl_weight, config=dataclasses.replace(cfg, lopti_eta=None),
+                is_ratio=coef, **norms)
+            actor_loss = actor_loss + (unsplit.float() - policy_value)
         if cfg.kl_coef:
             om["kl"] = metrics["kl"] * scale
             actor_loss = actor_loss - cfg.kl_coef * om["kl"]
@@ -847,11 +912,10 @@ def training_step(self, experience, kl_ctl: float, step: int, loss_batch_info=No
         return m
 
     results = methods.each_phase(opts, update)
+    # Lopti: each phase logs the batch's terms without the split at its parameters; the step
+    # logs the first update's (the parameters the batch met, as a step without Lopti logs)
     metrics = dict(results[0])
-    if len(results) > 1:         # the loss terms of the two phases add up to the batch's
-        for k in ("policy_loss", "kl", "entropy_loss"):
-            if k in metrics:
-                metrics[k] = results[0][k] + results[1][k]
+    if len(results) > 1:
         share = methods.lopti_grad_share_low([(None, {k[4:]: v for k, v in r.items()
                                                       if k.startswith("gbc/")}) for r in results],
                                              opts.lopti_order)
