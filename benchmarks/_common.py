@@ -147,9 +147,11 @@ def make_provider(name, c, logits_dtype=None):
         name, objective = name.split("@")
         cfg = objective_config(objective)
         cfg = dataclasses.replace(cfg, logits_dtype=logits_dtype)
-    if name == "floor":
+    if name in ("floor", "floor_f32"):
         x = c["hidden"].detach().reshape(-1, c["hidden"].shape[-1])
         w = c["weight"].detach()
+        if name == "floor_f32":           # the same matmuls on float32 copies (made here, untimed)
+            x, w = x.float(), w.float()
 
         def run():
             z = x @ w.T           # logits

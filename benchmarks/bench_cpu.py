@@ -12,6 +12,7 @@ memory: each provider in a fresh process (peak RSS beyond inputs and gradients).
   liger        Liger-Kernel LigerFusedLinearGRPOLoss(compiled=False)  (liger_compiled: =True)
   liger_scaled_ce  Liger's fused linear scaled cross-entropy (verl's default fused head) + loss
   gbc_cpu_f32  gbc_cpu with logits_dtype=float32 (gbc_torch_f32: the PyTorch path's)
+  floor_f32    the floor's three matmuls on float32 copies of bf16 inputs (made untimed)
   float32_head the "float32 LM head" (TRL's cast_lm_head_to_fp32, torchtitan, NeMo-RL): hidden
                and weight cast to float32, float32 matmul and [N, V] logits, then the loss
 
@@ -48,7 +49,7 @@ sys.path.insert(0, HERE)
 PROVIDERS = ["floor", "gbc_cpu", "gbc_torch", "plain_torch", "trl_chunked", "torch_lce",
              "liger", "liger_compiled", "liger_scaled_ce"]
 # also accepted by --providers (not in the default grid): the float32 logits mode and head
-EXTRA_PROVIDERS = ["gbc_cpu_f32", "gbc_torch_f32", "float32_head"]
+EXTRA_PROVIDERS = ["floor_f32", "gbc_cpu_f32", "gbc_torch_f32", "float32_head"]
 
 
 def _peak_kb():
@@ -86,7 +87,7 @@ def child_memory(args):
     peak = _peak_kb()
     esz = c["hidden"].element_size()
     grads_mb = (c["hidden"].numel() + c["weight"].numel()) * esz / 2 ** 20
-    if args.provider == "floor":
+    if args.provider in ("floor", "floor_f32"):
         grads_mb = 0.0      # the floor's matmul outputs are not kept as .grad
     print(json.dumps(dict(peak_extra_mb=max(0.0, (peak - base) / 1024 - grads_mb))))
 
@@ -286,7 +287,8 @@ def main():
         provs = args.providers.split(",")
         timing, err = _child("time", args, ["--providers", ",".join(provs)])
         timing = timing or {p: dict(error=err) for p in provs}
-        floor_t = timing.get("floor", {}).get("median_s")
+        # the floor: the bf16 matmuls, or (floor_f32 alone) their float32 copies
+        floor_t = (timing.get("floor") or timing.get("floor_f32") or {}).get("median_s")
         logits_mb = N * V * 4 / 2 ** 20
         rows = []
         for p in provs:

@@ -730,11 +730,12 @@ def test_every_method_option_is_honoured_or_refused(monkeypatch):
     fields = {f.name for f in dataclasses.fields(methods.MethodOptions)}
     text = ("ar_alpha=0.5,lopti_eta=0.3,lopti_order=high-first,nthr=true,nthr_beta=0.5,"
             "nthr_eta=0.25,critical_kl_exponent=2,critical_kl_intercept=0.1,"
-            "critical_kl_certainty=entropy,critical_kl_temperature=0.7")
+            "critical_kl_certainty=entropy,critical_kl_temperature=0.7,logits_dtype=float32")
     want = methods.MethodOptions(
         ar_alpha=0.5, lopti_eta=0.3, lopti_order="high-first", nthr=True, nthr_beta=0.5,
         nthr_eta=0.25, critical_kl_exponent=2.0, critical_kl_intercept=0.1,
-        critical_kl_certainty="entropy", critical_kl_temperature=0.7)
+        critical_kl_certainty="entropy", critical_kl_temperature=0.7,
+        logits_dtype=torch.float32)
     assert {name for name, _ in methods.parse_items(text, "t").items()} == fields
     assert worker.method_options(text) == want
     assert not hasattr(worker, "REFUSED")
