@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import random
@@ -337,14 +338,31 @@ def rollout(model, ref_model, task, tok, args, rng):
                 kl_weight=kl_weight, rewards=rewards, correct=correct, extra=extra)
 
 
-def policy_loss(model, roll, args, phase, lib):
+def policy_loss(model, roll, args, phase, lib, config=None, **kw):
     head = hf.lm_head(model)
     h = hf.completion_hidden(model, roll["seq"], roll["attn"])
-    kw = {} if lib is gbc_reference else {"backend": args.backend}
+    if lib is not gbc_reference:
+        kw["backend"] = args.backend
     return lib.fused_linear_policy_loss(
         h, head.weight, roll["targets"], roll["mask"], roll["adv"], old_logp=roll["old_logp"],
         ref_logp=roll["ref_logp"], bias=head.bias, token_scale=roll["token_scale"],
-        kl_weight=roll["kl_weight"], config=loss_config(args, lib), phase=phase, **kw)
+        kl_weight=roll["kl_weight"], config=config or loss_config(args, lib), phase=phase, **kw)
+
+
+def unsplit_loss(model, roll, args, lib, token_out):
+    """Lopti: the batch's loss and metrics without the split (every completion token once, the
+    same normaliser) at the parameters of the first update, what the step without Lopti logs.
+    Fused: from the per-token values the first phase's sweep returned (``token_out``; no
+    vocabulary pass); the reference: its plain loss on the whole batch."""
+    cfg = dataclasses.replace(loss_config(args, lib), lopti_eta=None)
+    with torch.no_grad():
+        if token_out:
+            return lib.policy_loss(token_out["logp"], roll["mask"], roll["adv"],
+                                   old_logp=roll["old_logp"], ref_logp=roll["ref_logp"],
+                                   entropy=token_out.get("entropy"),
+                                   token_scale=roll["token_scale"],
+                                   kl_weight=roll["kl_weight"], config=cfg)
+        return policy_loss(model, roll, args, None, lib, config=cfg)
 
 
 def parity_check(model, roll, args, phase, record):
@@ -369,12 +387,19 @@ def parity_check(model, roll, args, phase, record):
 
 def rl_step(model, opt, roll, args, parity_record=None):
     lib = gbc if args.loss == "fused" else gbc_reference
-    results = []
+    results, logged = [], []
 
     def compute(phase):
         if parity_record is not None:
             parity_check(model, roll, args, phase, parity_record)
-        return policy_loss(model, roll, args, phase, lib)
+        if phase is None or logged:
+            return policy_loss(model, roll, args, phase, lib)
+        # Lopti's first phase: the logged terms are the batch's without the split
+        token_out = {} if lib is gbc else None
+        out = policy_loss(model, roll, args, phase, lib,
+                          **({} if token_out is None else {"token_out": token_out}))
+        logged.append(unsplit_loss(model, roll, args, lib, token_out))
+        return out
 
     clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     if args.lopti_eta is None:
@@ -386,8 +411,12 @@ def rl_step(model, opt, roll, args, parity_record=None):
         results.append((loss, metrics))
     else:     # old_logp, and so the split, fixed at the rollout for both updates
         results = methods.run_lopti(compute, opt, order=args.lopti_order, before_step=clip)
-    loss = sum(float(l.detach()) for l, _ in results)
-    metrics = {k: float(v) for k, v in results[0][1].items()}   # phase-independent metrics
+    # Lopti: the first phase's metrics (the parameters the batch met), the loss terms the
+    # batch's without the split (adding the phases' losses counted their KL / entropy twice)
+    loss, unsplit = results[0] if not logged else logged[0]
+    loss = float(loss.detach())
+    metrics = {k: float(v) for k, v in {**results[0][1], **{
+        k: v for k, v in unsplit.items() if not k.startswith("grad_")}}.items()}
     if len(results) == 2:       # Lopti: the step's share over both updates
         share = methods.lopti_grad_share_low(results, args.lopti_order)
         if share is not None:

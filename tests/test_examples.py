@@ -359,3 +359,53 @@ def test_trainer_refuses_conflicting_task_options(argv, named, capsys):
     with pytest.raises(SystemExit):
         gt.build_args(argv)
     assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("loss", ["fused", "reference"])
+def test_lopti_logged_loss_is_the_batchs(loss):
+    """Issue 53, defect 1: under Lopti ``rl_step`` logs the batch's loss without the split (every
+    completion token once, the same normaliser) and its KL / entropy terms, at the parameters
+    before the first update — gbc_reference's loss on the whole batch in float64 — not the sum
+    of the two phases' losses (the old log)."""
+    import dataclasses
+
+    import gbc_reference
+    import grpo_trainer as gt
+
+    torch.manual_seed(3)
+    V, B, S = 20, 4, 10
+    model = gt.tiny_qwen2(V, seed=0, layers=1).float()
+    seq = torch.randint(3, V, (B, S))
+    attn = torch.ones(B, S, dtype=torch.long)
+    mask = torch.zeros(B, S - 1, dtype=torch.bool)
+    mask[:, 4:] = True
+    mask[1, 7:] = False
+    head = model.lm_head.weight
+    with torch.no_grad():
+        h = gt.hf.completion_hidden(model, seq, attn)
+        logp = torch.log_softmax(h @ head.T, -1).gather(-1, seq[:, 1:, None])[..., 0]
+    roll = dict(seq=seq, attn=attn, targets=seq[:, 1:], mask=mask,
+                adv=torch.tensor([1.0, -0.5, 0.8, -1.2]),
+                old_logp=logp + 0.3 * torch.randn(B, S - 1),
+                ref_logp=logp + 0.2 * torch.randn(B, S - 1),
+                token_scale=None, kl_weight=None)
+    eta = float(roll["old_logp"].exp()[mask].median())
+    args = gt.build_args(["--task", "add", "--loss", loss, "--lopti-eta", str(eta),
+                          "--ar-alpha", "0.3", "--kl-coef", "0.05", "--entropy-coef", "0.01",
+                          "--temperature", "1.0"])
+    # float64: the whole batch, no split, at the parameters before the step
+    m64 = __import__("copy").deepcopy(model).double()
+    r64 = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v)
+           for k, v in roll.items()}
+    cfg = dataclasses.replace(gt.loss_config(args, gbc_reference), lopti_eta=None)
+    with torch.no_grad():
+        h64 = gt.hf.completion_hidden(m64, seq, attn)
+        want, want_m = gbc_reference.fused_linear_policy_loss(
+            h64, m64.lm_head.weight, r64["targets"], mask, r64["adv"], old_logp=r64["old_logp"],
+            ref_logp=r64["ref_logp"], config=cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    got, metrics = gt.rl_step(model, opt, roll, args)
+    assert got == pytest.approx(float(want), rel=1e-5, abs=1e-6)
+    for k in ("kl", "entropy", "clip_frac_low", "clip_frac_high"):
+        assert metrics[k] == pytest.approx(float(want_m[k]), rel=1e-5, abs=1e-6), k
+    assert "grad_share_low" in metrics

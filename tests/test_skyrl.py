@@ -532,6 +532,65 @@ def _check_methods(out):
             torch.testing.assert_close(gp[n], rp[n], rtol=2e-4, atol=2e-6, msg=f"{order} {n}")
 
 
+def _lopti_logged_worker(rank, world, packed, order):
+    """(gbc's Lopti step's metrics, SkyRL's stock step's on AR's advantages without the split
+    at the same parameters, SkyRL's stock steps' on each phase's advantages, the rows' p_old
+    split): KL and entropy terms on, AR on, eta at the median p_old."""
+    sky = skyrl_cpu().load()
+    from gbc_kernels import methods
+    from gbc_kernels.integrations.skyrl import fsdp as gfsdp
+    from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase
+
+    a = algorithm(sky, "regular", use_kl_loss=True, kl_loss_coef=0.2, use_entropy_loss=True,
+                  entropy_loss_coef=0.03)
+    d = make_batch(sky, 7)
+    eta = float(d["action_log_probs"].exp()[d["loss_mask"].bool()].median())
+    opts = methods.MethodOptions(lopti_eta=eta, lopti_order=order, ar_alpha=0.3)
+    with skyrl_cpu().cpu_device():
+        w = build_worker(sky, gfsdp.GBCFSDPPolicyWorker, a, world, tiny_qwen2(), opts,
+                         packed=packed)
+        got = w.forward_backward(make_batch(sky, 7)).metrics
+        w.optim_step()
+        want = {}
+        for phase in (None, "low", "high"):
+            w = build_worker(sky, FSDPPolicyWorkerBase, a, world, tiny_qwen2(), packed=packed)
+            hand = make_batch(sky, 7)
+            hand["advantages"] = methods.loss_advantages(hand["advantages"],
+                                                         hand["action_log_probs"], opts, phase)
+            want[phase] = w.forward_backward(hand).metrics
+    return got, want
+
+
+@pytest.mark.parametrize("packed, order", [(False, "low-first"), (True, "high-first")],
+                         ids=["padded-low-first", "packed-high-first"])
+def test_lopti_logged_terms_are_the_batchs(packed, order):
+    """Issue 53, defect 1: under Lopti gbc's FSDP worker logs SkyRL's terms of the batch
+    without the split — ``final_loss``, ``policy_loss``, ``policy_entropy``, ``policy_kl``,
+    ``loss_metrics/*`` equal SkyRL's own stock step on AR's advantages (every loss token once,
+    SkyRL's normalisers) at the parameters before the first update, not the second phase's
+    own (the old log); each phase's own SkyRL metrics stay under ``gbc_lopti_<phase>/``."""
+    from conftest import spawn_gloo
+
+    got, want = spawn_gloo(1, _lopti_logged_worker, packed, order)[0]
+    whole = want[None]
+    for k in ("final_loss", "policy_loss", "policy_entropy", "policy_kl"):
+        assert k in whole, k
+    for k, v in whole.items():
+        if k != "policy_lr":
+            assert got[k] == pytest.approx(v, rel=2e-4, abs=2e-6), k
+    # the first phase's own (at the same parameters): SkyRL's stock step on the phase's
+    # advantages (its KL / entropy over every token, as SkyRL's step on those advantages logs
+    # them; final_loss is gbc's phase loss, whose KL / entropy count the phase's tokens)
+    from gbc_kernels import methods
+
+    for phase in methods.LOPTI_ORDERS[order][:1]:
+        own = {k[len(f"gbc_lopti_{phase}/"):]: v for k, v in got.items()
+               if k.startswith(f"gbc_lopti_{phase}/")}
+        for k in ("policy_loss", "loss_metrics/clip_ratio"):
+            assert own[k] == pytest.approx(want[phase][k], rel=2e-4, abs=2e-6), (phase, k)
+        assert own["policy_loss"] != pytest.approx(whole["policy_loss"], rel=1e-3)
+
+
 # ---- the forward, the switch-on and its refusals (in this process) --------------------------
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_hf_model_wrapper_forward_equals_gbc_passes(sky, temperature):

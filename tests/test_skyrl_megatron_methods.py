@@ -196,8 +196,17 @@ def _methods_worker(rank, world, pp, cp=1, packed=False,
         if "lopti" in cases:
             # Lopti: two optimizer steps of SkyRL's step (low, then high), old log-probs fixed
             opts = methods.MethodOptions(lopti_eta=0.5, ar_alpha=0.3)
+            # the logged terms: SkyRL's stock step without the split (AR's advantages, every
+            # loss token) at the parameters before the first update (a fresh copy, built and
+            # run first: building a model re-initialises megatron's groups)
+            _, s0, start0 = _pair("", world, pp, no_kl, cp=cp, packed=packed)
+            hand = _batch(sky, 4)
+            hand["advantages"] = methods.loss_advantages(hand["advantages"],
+                                                         hand["action_log_probs"], opts)
+            whole = s0.forward_backward(hand).metrics
             g, s, start = _pair("lopti_eta=0.5,ar_alpha=0.3", world, pp, no_kl, cp=cp,
                                 packed=packed)
+            assert all(torch.equal(p, start[n]) for n, p in start0.items())
             got = g.forward_backward(_batch(sky, 4)).metrics
             g.optim_step()
             want = []
@@ -207,7 +216,7 @@ def _methods_worker(rank, world, pp, cp=1, packed=False,
                                                              hand["action_log_probs"], opts, phase)
                 want.append(s.forward_backward(hand).metrics)
                 s.optim_step()
-            out["lopti"] = result(g, s, start, got=got, want=want)
+            out["lopti"] = result(g, s, start, got=got, want=want, whole=whole)
 
         if "nthr" in cases:
             # NTHR: kept from SkyRL's old-log-prob pass (per mini-batch), scored per update, on
@@ -338,18 +347,26 @@ def test_ar_equals_skyrls_step_on_ars_advantages(stepped):
 def test_lopti_is_two_optimizer_steps_of_skyrls_step(stepped):
     """lopti_eta (with AR): gbc's worker's forward_backward runs SkyRL's step on the low
     tokens, SkyRL's optimizer step, then SkyRL's step on the high tokens (SkyRL's trainer
-    takes the second optimizer step): parameters (every stage's) and both phases' metrics
-    equal SkyRL's stock steps on the phases' advantages by hand."""
+    takes the second optimizer step): parameters (every stage's) equal SkyRL's stock steps on
+    the phases' advantages by hand. The logged terms (``final_loss``, ``policy_loss``,
+    ``policy_entropy``, ``policy_kl``, ``loss_metrics/*``) are the batch's without the split:
+    SkyRL's stock step on AR's advantages, every loss token, at the parameters before the
+    first update (issue 53, defect 1: they were the high phase's own); each phase's own
+    metrics, under ``gbc_lopti_<phase>/``, equal SkyRL's stock step on its advantages."""
     outs, lasts = _ranks(stepped)
     for out in outs:
         _same_params(out["lopti"]["params"])
     for out in lasts:
         o = out["lopti"]
         low, high = o["want"]
-        _same_metrics(o["got"], high, skip=("loss_fn_outputs",))
-        _same_metrics({k[len("gbc_lopti_low/"):]: v for k, v in o["got"].items()
-                       if k.startswith("gbc_lopti_low/")}, low,
-                      skip=("loss_fn_outputs", "policy_lr"))
+        _same_metrics(o["got"], o["whole"], skip=("loss_fn_outputs", "policy_lr"))
+        assert o["got"]["policy_lr"] == pytest.approx(high["policy_lr"])
+        for phase, want in (("low", low), ("high", high)):
+            _same_metrics({k[len(f"gbc_lopti_{phase}/"):]: v for k, v in o["got"].items()
+                           if k.startswith(f"gbc_lopti_{phase}/")}, want,
+                          skip=("loss_fn_outputs", "policy_lr"))
+        # the phases' own policy losses are not the batch's (the old log)
+        assert o["got"]["policy_loss"] != pytest.approx(high["policy_loss"], rel=1e-3)
 
 
 def test_nthr_from_skyrls_megatron_pass(stepped):

@@ -820,3 +820,55 @@ def test_config_errors_name_trls_options(tiny, tmp_path, options, said):
         trainer.compute_loss(trainer.model, inputs)
     assert str(info.value).startswith(said)
     assert all(p.grad is None for p in trainer.model.parameters())
+
+
+@pytest.mark.parametrize("loss_type, opts", [
+    ("grpo", dict(beta=0.04, entropy_coef=0.01)),
+    ("dapo", dict(beta=0.04)),
+], ids=["grpo-kl-entropy-bonus", "dapo-kl"])
+def test_lopti_logged_terms_are_the_batchs(tiny, tmp_path, monkeypatch, loss_type, opts):
+    """Issue 53, defect 1: under Lopti one training step logs TRL's terms of the batch without
+    the split — ``kl``, ``entropy``, the clip ratios, ``policy_loss`` (with the entropy bonus)
+    and the Trainer's ``loss`` equal GRPOTrainer's own loss on AR's advantages (every
+    completion token once, TRL's normalisers) at the parameters before the first update: one
+    value each, not one per phase (the old log averaged ``kl`` / ``entropy`` over two
+    parameter sets, summed the phases' losses, and added the all-token entropy to one
+    phase's policy loss)."""
+    from gbc_kernels import methods
+
+    ref = build(trl.GRPOTrainer, tiny, tmp_path / "ref", loss_type=loss_type, **opts)
+    inputs = make_inputs(ref, seed=11)
+    p_old = inputs["old_per_token_logps"].exp()[inputs["completion_mask"].bool()]
+    eta = float(p_old.median())                 # both phases have tokens
+    ours = build(GBCGRPOTrainer, tiny, tmp_path / "ours", loss_type=loss_type,
+                 gbc_lopti_eta=eta, gbc_ar_alpha=0.3, **opts)
+    # TRL's own loss and metrics on AR's advantages, no split, at the start parameters
+    hand = dict(inputs)
+    hand["advantages"] = methods.loss_advantages(
+        inputs["advantages"][:, None].expand(B, T), inputs["old_per_token_logps"],
+        methods.MethodOptions(ar_alpha=0.3)).float()
+    ref.model.train()
+    ref.current_gradient_accumulation_steps = 1
+    with torch.no_grad():
+        want_loss = ref.compute_loss(ref.model, hand).item()
+    want = {k: v[-1] for k, v in ref._metrics["train"].items()}
+    # gbc's Lopti training step on the same micro-batch (TRL's rollout stood in: the batch
+    # is already prepared), one micro-batch per window
+    monkeypatch.setattr(trl.GRPOTrainer, "_prepare_inputs", lambda self, batch: batch)
+    ours.create_optimizer()
+    ours.current_gradient_accumulation_steps = 1
+    steps = []
+    ours.optimizer.register_step_post_hook(lambda *a: steps.append(1))
+    got_loss = ours.training_step(ours.model, dict(inputs)).item()
+    assert len(steps) == 1          # the first phase's step (the Trainer takes the second)
+    keys = ["kl", "entropy"] + [k for k in want if k.startswith(("policy_loss", "cispo", "vespo"))
+                                or k.startswith("clip_ratio/") and k.endswith("_mean")]
+    if "entropy_coef" in opts:
+        assert "policy_loss" in keys
+    for key in keys:
+        values = ours._metrics["train"][key]
+        assert len(values) == 1, (key, values)          # one value per step, not per phase
+        assert values[0] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+    assert got_loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+    # the phases' own diagnostics are still logged, per phase
+    assert {"gbc/low_frac_low", "gbc/low_frac_high"} <= set(ours._metrics["train"])

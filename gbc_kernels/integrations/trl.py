@@ -180,6 +180,7 @@ class GBCGRPOTrainer(GRPOTrainer):
         self._gbc_check_model()
         # Lopti's state: the phase, the window's kept micro-batches, the phases' gradient norms
         self._gbc_phase = self._gbc_reuse_inputs = self._gbc_last_inputs = None
+        self._gbc_logged_loss = None       # Lopti: the first phase's unsplit loss, to log
         self._gbc_ref_calls = None       # critical KL: the rollout's no-grad passes' KL weights
         self._gbc_window, self._gbc_norms, self._gbc_first_norm = [], {}, None
 
@@ -366,7 +367,7 @@ class GBCGRPOTrainer(GRPOTrainer):
         first, second = self.gbc_methods.phases
         try:
             self._gbc_phase = first
-            loss = super().training_step(model, inputs, num_items_in_batch)
+            loss = self._gbc_take_logged(super().training_step(model, inputs, num_items_in_batch))
             self._gbc_window.append((self._gbc_last_inputs, num_items_in_batch))
             if not self.accelerator.sync_gradients:
                 return loss                          # more micro-batches in this window
@@ -386,8 +387,8 @@ class GBCGRPOTrainer(GRPOTrainer):
                 # under DDP, synchronise the gradients once, on the window's last backward
                 sync = k == len(window) - 1
                 ctx = contextlib.nullcontext() if sync else self.accelerator.no_sync(model)
-                with ctx:
-                    loss = loss + super().training_step(model, None, n_items)
+                with ctx:        # logged: the first phase's (the batch's terms, no split)
+                    super().training_step(model, None, n_items)
             low, high = self._gbc_norms.get("low"), self._gbc_norms.get("high")
             if low is not None and high is not None:    # the step's share over both updates
                 self._metrics["train"]["gbc/grad_share_low"].append(methods.share_low(low, high))
@@ -399,6 +400,12 @@ class GBCGRPOTrainer(GRPOTrainer):
             self._gbc_phase = None
             self._gbc_reuse_inputs = None
         return loss
+
+    def _gbc_take_logged(self, returned):
+        """Lopti: the loss the Trainer logs for a micro-batch — the batch's without the split at
+        the first phase's parameters (:meth:`_compute_loss`), not the phase's own."""
+        logged, self._gbc_logged_loss = self._gbc_logged_loss, None
+        return returned if logged is None else logged.to(returned.device, returned.dtype)
 
     # ------------------------------------------------ Lopti: the logged gradient norm of a step
     def _gbc_step_norm(self, second_norm):
@@ -484,32 +491,57 @@ class GBCGRPOTrainer(GRPOTrainer):
         extra = _model_inputs(inputs)           # a vision-language model's images
         if self.aux_loss_enabled:
             extra["output_router_logits"] = True
+        # Lopti: the logged terms are the batch's without the split, from the first phase's
+        # per-token values (the parameters the batch met); the second phase logs none of TRL's
+        first_phase = (self._gbc_phase is not None
+                       and self._gbc_phase == self.gbc_methods.phases[0])
+        token_out = {} if first_phase else None
+        ref_logp = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
+        dp_group = "world" if self.accelerator.num_processes > 1 else None
         with self.accelerator.autocast():
             loss, metrics, outputs = hf.policy_loss_through_forward(
                 model, input_ids, attention_mask, T, mask, inputs["advantages"],
                 old_logp=old_logp,
-                ref_logp=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
+                ref_logp=ref_logp,
                 config=self._gbc_config(coef_in_loss, lopti=self._gbc_phase is not None),
                 unwrapped=self.accelerator.unwrap_model(model), return_outputs=True,
                 model_kwargs=extra, token_scale=token_scale,
                 kl_weight=inputs.get("gbc_kl_weight"), phase=self._gbc_phase,
                 num_items_in_batch=num_items, backend=args.gbc_backend, is_ratio=is_ratio,
-                sampling_logp=sampling, old_policy=old_policy,
-                data_parallel_group="world" if self.accelerator.num_processes > 1 else None)
+                sampling_logp=sampling, old_policy=old_policy, token_out=token_out,
+                data_parallel_group=dp_group)
         if "pass" in nthr:           # the micro-batch carries the scales its loss used
             inputs["gbc_token_scale"] = nthr["pass"].token_scale
             self._gbc_log_nthr(nthr["pass"].nthr, inputs["advantages"], mask)
+        logged, trl_metrics = loss.detach(), metrics        # what TRL's names log
+        if token_out is not None:
+            # every completion token once, TRL's normalisers, no vocabulary work
+            with torch.no_grad():
+                logged, trl_metrics = gbc.policy_loss(
+                    token_out["logp"], mask, inputs["advantages"], old_logp=old_logp,
+                    ref_logp=ref_logp, entropy=token_out.get("entropy"),
+                    token_scale=inputs.get("gbc_token_scale"),
+                    kl_weight=inputs.get("gbc_kl_weight"),
+                    config=self._gbc_config(coef_in_loss, lopti=False),
+                    num_items_in_batch=num_items, is_ratio=is_ratio, sampling_logp=sampling,
+                    data_parallel_group=dp_group)
         if lt not in NUM_ITEMS_LOSS_TYPES:
             loss = loss / accumulation
-        if self._entropy_bonus_enabled:
-            self._gbc_entropy_bonus(mode, loss, metrics, coef_in_loss, accumulation, mask)
+            logged = logged / accumulation
+        log_trl = self._gbc_phase is None or first_phase
+        if self._entropy_bonus_enabled and log_trl:
+            self._gbc_entropy_bonus(mode, logged, trl_metrics, coef_in_loss, accumulation, mask)
         if self.aux_loss_enabled:
             # MoE load balancing, from the same forward, added as TRL adds it
             aux = outputs.aux_loss
             loss = loss + self.router_aux_loss_coef * aux / accumulation
-            self._metrics[mode]["aux_loss"].append(
-                self.accelerator.gather_for_metrics(aux.detach()).mean().item())
-        self._gbc_log(mode, metrics)
+            logged = logged + self.router_aux_loss_coef * aux.detach() / accumulation
+            if log_trl:
+                self._metrics[mode]["aux_loss"].append(
+                    self.accelerator.gather_for_metrics(aux.detach()).mean().item())
+        if first_phase:           # training_step returns it: the Trainer's logged loss
+            self._gbc_logged_loss = logged.detach()
+        self._gbc_log(mode, metrics, trl_metrics if log_trl else None)
         return loss
 
     def _gbc_entropy_bonus(self, mode, loss, metrics, coef_in_loss, accumulation, mask):
@@ -542,24 +574,27 @@ class GBCGRPOTrainer(GRPOTrainer):
         if mode == "train" and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
 
-    def _gbc_log(self, mode, metrics):
-        """The loss's metrics under TRL's names (and ``gbc/...``), one gather per micro-batch."""
+    def _gbc_log(self, mode, metrics, trl_metrics=None):
+        """The loss's metrics under TRL's names (from ``trl_metrics``; none when None: Lopti's
+        second phase) and ``gbc/...`` (``metrics``: the phase's own under Lopti), one gather
+        per micro-batch."""
         suffix = "" if self._gbc_phase is None else f"_{self._gbc_phase}"
         lt = self.gbc_args.loss_type
         named = {}
-        # TRL counts clipped tokens at token level, clipped sequences at sequence level
-        seq = "_seq" if self.gbc_args.importance_sampling_level == "sequence" else ""
-        low, high = metrics["clip_frac_low" + seq], metrics["clip_frac_high" + seq]
-        if lt in PPO_LOSS_TYPES:
-            named.update({"clip_ratio/low_mean": low, "clip_ratio/high_mean": high,
-                          "clip_ratio/region_mean": low + high})
-        elif lt == "cispo":
-            named["cispo_clip_ratio"] = high
-        elif lt == "vespo":
-            named["vespo/phi_seq_mean"] = metrics["phi_mean"]
-        for name in ("kl", "entropy"):
-            if name in metrics:
-                named[name] = metrics[name]
+        if trl_metrics is not None:
+            # TRL counts clipped tokens at token level, clipped sequences at sequence level
+            seq = "_seq" if self.gbc_args.importance_sampling_level == "sequence" else ""
+            low, high = trl_metrics["clip_frac_low" + seq], trl_metrics["clip_frac_high" + seq]
+            if lt in PPO_LOSS_TYPES:
+                named.update({"clip_ratio/low_mean": low, "clip_ratio/high_mean": high,
+                              "clip_ratio/region_mean": low + high})
+            elif lt == "cispo":
+                named["cispo_clip_ratio"] = high
+            elif lt == "vespo":
+                named["vespo/phi_seq_mean"] = trl_metrics["phi_mean"]
+            for name in ("kl", "entropy"):
+                if name in trl_metrics:
+                    named[name] = trl_metrics[name]
         for name in ("grad_share_low", "low_frac", "ar_weight_mean", "entropy_mask_frac",
                      "off_policy_frac", "ratio_mean", "log_ratio_mean"):
             if name in metrics:

@@ -28,8 +28,8 @@ from gbc_kernels.sequence_parallel import owned_sum, whole_loss
 
 from . import losses
 from .worker import (CARRIED, KL_WEIGHT_KEY, OPTIONS_ENV, _check_sft, check_config, keep_rows,
-                     loss_fn_outputs, method_fields, method_options, row_keys, step_metrics,
-                     take_recorded)
+                     loss_fn_outputs, lopti_terms, method_fields, method_options, row_keys,
+                     step_metrics, take_recorded, unsplit_loss_value)
 
 WRAPPER_MODULE = "skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper"
 
@@ -304,7 +304,7 @@ def _wrapper_methods(base):
                                                 old, data["rollout_action_logprobs"])
             scale, kl_weight = method_fields(data, opts, cfg, loss_mask.device)
             h, y, _, cp = _rows(hidden, data)      # packed: the loss mask's rows are real
-            mask = call["mask"]
+            mask, whole_call = call["mask"], call
             extra = {}
             if cp is not None:      # the whole micro-batch's normalisers, this rank's tokens
                 if cfg.cov_mode is not None:
@@ -319,9 +319,9 @@ def _wrapper_methods(base):
             # under CP: the whole loss's value, the gradient of this rank's tokens (SkyRL's
             # all-gather of the log-probs gives each rank its own tokens' gradient)
             loss = out.loss if cp is None else whole_loss(out.loss, cp.group)
-            logp, m = step_metrics(algo, loss_type, {"logp": _whole(out.logp, cp),
-                                                     "entropy": _whole(out.entropy, cp)},
-                                   mask, loss_mask, data["advantages"], old, base_lp,
+            token_out = {"logp": _whole(out.logp, cp), "entropy": _whole(out.entropy, cp)}
+            logp, m = step_metrics(algo, loss_type, token_out, mask, loss_mask,
+                                   data["advantages"], old, base_lp,
                                    data["rollout_action_logprobs"], opts, phase, scale)
             outputs = loss_fn_outputs(logp, data.get("action_mask"), sft, loss_mask)
             if sft:
@@ -331,6 +331,15 @@ def _wrapper_methods(base):
                 metrics = {"final_loss": _final_loss(loss, out.entropy, cp, algo, loss_mask,
                                                      1.0 / (dp * max(1, nreal))),
                            "loss_fn_outputs": outputs, **m}
+                if phase is not None:     # Lopti: the batch's terms without the split
+                    _, whole_m = step_metrics(algo, loss_type, token_out, mask, loss_mask,
+                                              data["advantages"], old, base_lp,
+                                              data["rollout_action_logprobs"], opts, None,
+                                              scale)
+                    final = metrics["final_loss"] + unsplit_loss_value(
+                        token_out, whole_call, cfg, base_lp if cfg.kl_coef else None, scale,
+                        kl_weight) - loss.item()
+                    metrics = lopti_terms(metrics, whole_m, final)
             return loss * (nmb * dp), metrics
 
         with _gbc_head(loss_func):

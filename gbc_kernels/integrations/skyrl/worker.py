@@ -284,6 +284,61 @@ def step_metrics(algo, loss_type, token_out, mask, loss_mask, advantages, old_lo
     return logp, out
 
 
+# Lopti: a phase's micro-step logs the batch's terms without the split under SkyRL's names and
+# its own (the phase's step) under this prefix; gbc's forward_backward sorts them (:func:`lopti_metrics`)
+PHASE_KEY = "gbc_phase/"
+
+
+def unsplit_loss_value(token_out, call, cfg, ref_logp=None, token_scale=None,
+                       kl_weight=None) -> float:
+    """Lopti: the value gbc's loss has without the split (every loss token once, the same
+    normalisers; AR's and NTHR's weights as in the phase), from the per-token values the
+    phase's sweep returned (``token_out``: ``logp``, ``entropy``, every position's), no
+    vocabulary work; the random state left as it was."""
+    import dataclasses
+
+    import gbc_kernels as gbc
+
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        value, _ = gbc.policy_loss(token_out["logp"], **call, ref_logp=ref_logp,
+                                   entropy=token_out.get("entropy"), token_scale=token_scale,
+                                   kl_weight=kl_weight,
+                                   config=dataclasses.replace(cfg, lopti_eta=None))
+    return float(value)
+
+
+def lopti_terms(status, unsplit, final_loss):
+    """A Lopti phase's micro-step metrics: the phase's own terms (``status``) kept under
+    :data:`PHASE_KEY`, SkyRL's names given the batch's terms without the split (``unsplit``:
+    :func:`step_metrics` with no phase; ``final_loss``: :func:`unsplit_loss_value`'s, as SkyRL
+    reports it)."""
+    out = dict(status)
+    for k, v in dict(unsplit, final_loss=final_loss).items():
+        if k in status:
+            out[PHASE_KEY + k] = status[k]
+            out[k] = v
+    return out
+
+
+def lopti_metrics(first, second, m1, m2):
+    """The metrics of gbc's Lopti step of SkyRL's ``forward_backward`` from its phases'
+    (``m1`` then ``m2``, phases ``first`` / ``second``; :func:`lopti_terms`): each logged term
+    the batch's without the split at the parameters before the first update (what the step
+    without Lopti logs: every loss token once, SkyRL's normalisers), computed in the first
+    phase; the rest (``policy_lr``, ...) the second phase's; each phase's own step under
+    ``gbc_lopti_<phase>/``."""
+    def own(m):
+        return {**{k: v for k, v in m.items() if not k.startswith(PHASE_KEY)},
+                **{k[len(PHASE_KEY):]: v for k, v in m.items() if k.startswith(PHASE_KEY)}}
+
+    out = {k: v for k, v in m2.items() if not k.startswith(PHASE_KEY)}
+    out.update({k[len(PHASE_KEY):]: m1[k[len(PHASE_KEY):]] for k in m1
+                if k.startswith(PHASE_KEY)})
+    out.update({f"gbc_lopti_{first}/{k}": v for k, v in own(m1).items()})
+    out.update({f"gbc_lopti_{second}/{k}": v for k, v in own(m2).items()})
+    return out
+
+
 def loss_fn_outputs(logp, action_mask, sft, loss_mask):
     """SkyRL's per-sequence ``loss_fn_outputs`` (``logprobs``; ``elementwise_loss`` for its
     SFT loss) of a micro-batch; gbc computes no log-prob outside the loss mask: NaN there."""
@@ -483,8 +538,9 @@ class GBCMethodsMixin(GBCOptionsMixin):
             out2 = super().forward_backward(data, loss_fn, loss_fn_config)
         finally:
             self._gbc_phase = None
-        out2.metrics.update({f"gbc_lopti_{first}/{k}": v for k, v in out1.metrics.items()})
-        out2.metrics.update(nthr)
+        metrics = lopti_metrics(first, second, out1.metrics, out2.metrics)
+        out2.metrics.clear()                # SkyRL's WorkerOutput is frozen; its dict is not
+        out2.metrics.update(metrics, **nthr)
         return out2
 
 
@@ -545,6 +601,16 @@ class GBCPolicyWorkerMixin(GBCMethodsMixin, _UlyssesHeads):
         if not algo.use_kl_loss:
             m.pop("policy_kl")
         status.update(m)
+        if self._gbc_phase is not None:     # Lopti: the batch's terms without the split
+            _, whole_m = step_metrics(algo, loss_type, token_out, call["mask"], loss_mask,
+                                      experience.advantages, experience.action_log_probs,
+                                      experience.base_action_log_probs,
+                                      experience.rollout_logprobs, opts, None, scale)
+            final = status["final_loss"] + unsplit_loss_value(
+                token_out, call, cfg,
+                experience.base_action_log_probs if cfg.kl_coef else None, scale,
+                kl_weight) - loss.item()
+            status = lopti_terms(status, whole_m, final)
         return status
 
     def _forward_micro_batch(self, micro_batch):
