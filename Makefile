@@ -28,3 +28,12 @@ test: install
 
 bench: install
 	$(PYTHON) benchmarks/bench_cpu.py --quick
+
+# `make compat`: every (trainer, release) of the matrix (issue 51) in its own venv: torch 2.13.0
+# CPU from a shared base venv, that release with its own pins (compat/sets/), gbc_kernels built
+# from the checkout; runs that trainer's tests and writes docs/compatibility.md from the run.
+# Venvs are cached under ~/.cache/gbc_compat by their requirement set.
+# `make compat ONLY=trl==1.14.2` (comma-separated, or a trainer name) runs some rows only.
+.PHONY: compat
+compat:
+	$(PYTHON) compat/run.py --jobs $(or $(JOBS),1) $(if $(ONLY),--only $(ONLY))

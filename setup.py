@@ -69,7 +69,19 @@ setup(
     install_requires=["torch>=2.4"],
     extras_require={
         "triton": ["triton>=3.0"],
-        "trl": ["trl>=0.20", "transformers>=4.50"],
+        # One extra per trainer: the trainer releases gbc is tested on (docs/compatibility.md,
+        # written by `make compat`) and what gbc needs beside them. torch is never pinned here:
+        # the trainer's environment keeps its own. Trainers whose own requirements pull GPU-only
+        # packages (verl's, OpenRLHF's, SkyRL's, AReaL's) install on a CPU machine only as
+        # docs/compatibility.md's "CPU test install" says.
+        "trl": ["trl>=1.14,<1.17", "transformers>=4.56.2"],
+        "verl": ["verl>=0.9,<0.10"],
+        "openrlhf": ["openrlhf>=0.11,<0.12"],
+        "skyrl": ["skyrl>=0.3,<0.4"],
+        # no gbc adapter yet: the extra only holds the AReaL release the matrix records
+        "areal": ["areal>=1.0.4,<1.1"],
+        # gbc_kernels.integrations.megatron (and the verl / SkyRL Megatron workers)
+        "megatron": ["megatron-core>=0.16,<0.17", "packaging>=24.2"],
         # what examples/grpo_trainer.py (make demo) and examples/quickstart.py import
         "demo": ["transformers>=4.50", "matplotlib", "tqdm"],
         "examples": ["transformers>=4.50", "matplotlib", "tqdm"],

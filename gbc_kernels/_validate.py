@@ -305,23 +305,11 @@ def no_double_backward():
                            "the fused losses and log-probs return first-order gradients only")
 
 
-LOGITS_DTYPES = (None, torch.float32)
-
-
 def check_logits_dtype(value, name: str = "logits_dtype"):
-    """``logits_dtype`` as None or ``torch.float32``; the string ``"float32"`` (the trainers'
-    option strings) and ``"none"``/``"default"`` are taken too. Anything else: ``ValueError``
-    naming ``name``."""
-    if value is None or value is torch.float32:
-        return value
-    if isinstance(value, str):
-        v = value.strip().lower()
-        if v in ("float32", "torch.float32", "fp32"):
-            return torch.float32
-        if v in ("none", "default", ""):
-            return None
-    raise ValueError(f"{name}: expected None (the input's dtype) or torch.float32 "
-                     f"(\"float32\"), got {value!r}")
+    """``logits_dtype`` as None or ``torch.float32`` (:func:`gbc_kernels.config.check_logits_dtype`)."""
+    from .config import check_logits_dtype as check
+
+    return check(value, name)
 
 
 def check_backend(backend: str, name: str = "backend"):

@@ -9,7 +9,6 @@ from typing import Optional
 import torch
 
 from . import objectives as _table
-from ._validate import check_logits_dtype
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                   "seq-mean-token-sum-norm")
@@ -399,6 +398,25 @@ _STR_FIELDS = ("loss_agg", "kl_agg", "entropy_agg", "kl_estimator", "importance_
 _OPTIONAL_FIELDS = ("clip_ratio_c", "lopti_eta", "delta", "off_policy_mask_threshold",
                     "logit_softcap", "max_len", "cispo_min", "log_ratio_clamp", "kl_clamp",
                     "kl_log_ratio_clamp")
+
+
+LOGITS_DTYPES = (None, torch.float32)
+
+
+def check_logits_dtype(value, name: str = "logits_dtype"):
+    """``logits_dtype`` as None or ``torch.float32``; the string ``"float32"`` (the trainers'
+    option strings) and ``"none"``/``"default"`` are taken too. Anything else: ``ValueError``
+    naming ``name``."""
+    if value is None or value is torch.float32:
+        return value
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in ("float32", "torch.float32", "fp32"):
+            return torch.float32
+        if v in ("none", "default", ""):
+            return None
+    raise ValueError(f"{name}: expected None (the input's dtype) or torch.float32 "
+                     f"(\"float32\"), got {value!r}")
 
 
 def _is_number(v) -> bool:
