@@ -881,7 +881,8 @@ def _options_worker(rank, world, tp):
     from verl.utils import tensordict_utils as tu
 
     from gbc_kernels.integrations.verl import engine as ve
-    from methods.test_options import PAIRS
+    from conftest import logits_dtypes_seen
+    from methods.test_options import PAIRS, PRECISION
 
     out = {}
     for name, pair in sorted(PAIRS.items()):
@@ -889,11 +890,29 @@ def _options_worker(rank, world, tp):
         for opts in pair:
             model = _setup(tp, False)
             engine = _engine(model, options=ve.EngineOptions(**opts))
-            nthr = name.startswith("nthr")
+            nthr = name.startswith("nthr") or name == PRECISION
             data = (_batch(seed=30, B=NB, group=GROUP) if nthr else
                     _batch(seed=30, confident=0.4))
             try:
-                if name.startswith("critical_kl"):
+                if name == PRECISION:
+                    # every pass, as the worker runs them: the reference pass with the
+                    # certainty options, the NTHR pass, the update; their sweeps' modes
+                    with logits_dtypes_seen() as seen:
+                        ref = data.clone()
+                        tu.assign_non_tensor(ref, **{ve.CERTAINTY_KEY: {
+                            k: getattr(engine.gbc_options, k)
+                            for k in ve.REFERENCE_PASS_FIELDS}})
+                        r = _infer(engine, ref)
+                        data[ve.KL_WEIGHT_KEY] = _responses(r, ve.KL_WEIGHT_KEY, ref).float()
+                        engine.optimizer = _trainable(model)
+                        o = _infer(engine, data.clone())
+                        data["old_log_probs"] = _responses(o, "log_probs", data).float()
+                        with torch.no_grad():
+                            engine.gbc_nthr_pass(data)
+                        data["advantages"] = _padded(data["advantages"])
+                        engine.train_batch(data, _loss_fn())
+                    runs.append(list(seen))
+                elif name.startswith("critical_kl"):
                     tu.assign_non_tensor(data, **{ve.CERTAINTY_KEY: {
                         k: getattr(engine.gbc_options, k) for k in ve.CRITICAL_KL_FIELDS}})
                     res = _infer(engine, data)
@@ -926,8 +945,14 @@ def test_every_method_option_changes_the_update_or_is_refused():
     options change the reference pass's KL weights."""
     from methods.test_options import PAIRS
 
+    from conftest import assert_logits_mode_reached
+    from methods.test_options import PRECISION
+
     out = spawn_gloo(2, _options_worker, 2)[0]
     assert set(out) == set(PAIRS)
     for name, (a, b) in out.items():
         assert not isinstance(a, str) and not isinstance(b, str), (name, a, b)
+        if name == PRECISION:       # float32 test model: the sweeps are checked for the mode
+            assert_logits_mode_reached(a, b, at_least=4)
+            continue
         assert (a - b).abs().max() > 1e-6 * (1 + a.abs().max()), name
