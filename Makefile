@@ -24,7 +24,7 @@ demo: install-demo
 	$(PYTHON) examples/grpo_trainer.py --out runs/demo
 
 test: install
-	$(PYTHON) -m pytest tests
+	$(PYTHON) -m pytest tests --durations=30
 
 bench: install
 	$(PYTHON) benchmarks/bench_cpu.py --quick
