@@ -419,10 +419,33 @@ def parse_junit(path):
     return res
 
 
+def _releases():
+    """gbc_kernels/integrations/releases.py (the releases each adapter is tested on), loaded by
+    path: this script runs outside the rows' venvs."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "gbc_releases", os.path.join(ROOT, "gbc_kernels", "integrations", "releases.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def refused_release(trainer, release) -> bool:
+    """A release the adapter refuses at switch-on (not in ``releases.TESTED``): its row runs
+    only tests/test_releases.py, which checks the refusal by name through the real switch-on."""
+    rel = _releases()
+    return trainer in rel.TESTED and rel.minor(release) not in rel.TESTED[trainer]
+
+
 def run_tests(ctx, venv, trainer, row):
-    files = []
-    for pat in TRAINERS[trainer][1]:
-        files += sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pat)))
+    files, select = [], []
+    if refused_release(trainer, row["release"]):
+        files, select = ["tests/test_releases.py"], ["-k", trainer]
+    else:
+        for pat in TRAINERS[trainer][1]:
+            files += sorted(os.path.relpath(p, ROOT)
+                            for p in glob.glob(os.path.join(ROOT, pat)))
     lg_dir = os.path.join(ctx.cache, "logs")
     os.makedirs(lg_dir, exist_ok=True)
     tag = f"{trainer}-{row['release']}"
@@ -442,10 +465,10 @@ def run_tests(ctx, venv, trainer, row):
     # -P: the checkout's root is not put on sys.path, so gbc_kernels is the installed wheel
     cmd = [vpy(venv), "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
            "--continue-on-collection-errors",
-           "-o", "junit_family=xunit1"] + ctx.args.pytest_args + files
+           "-o", "junit_family=xunit1"] + ctx.args.pytest_args + select + files
     row["command"] = " ".join(["python", "-P", "-m", "pytest", "-q",
                                "--continue-on-collection-errors"] + ctx.args.pytest_args
-                              + files)
+                              + select + files)
     rc, secs = run(cmd, lg, env=env, cwd=ROOT, timeout=ctx.args.test_timeout)
     res = parse_junit(xml)
     res.update({"rc": rc, "test_s": round(secs, 1), "log": lg, "junit": xml})
@@ -511,6 +534,9 @@ def do_row(ctx, trainer, release):
         row["status"] = "incomplete (tests skipped for a missing import, see details)"
     elif t["passed"] == 0:
         row["status"] = "no test ran" + (f" (pytest rc {t['rc']})" if t["rc"] else "")
+    elif refused_release(trainer, release):
+        row["status"] = (f"refused by name at switch-on (gbc's {trainer} drop-in is tested on "
+                         + ", ".join(f"{v}.x" for v in _releases().TESTED[trainer]) + ")")
     else:
         row["status"] = "pass"
     row["total_s"] = round(time.time() - t0, 1)
@@ -596,6 +622,13 @@ def write_doc(rows, argv):
          "trainer's test files under pytest. Venvs are cached under `~/.cache/gbc_compat` by "
          "their requirement set. `make compat ONLY=trl==1.14.2` reruns one row; the other rows "
          "keep their last result (and its date).", "",
+         "Each adapter takes the releases it is tested on and refuses any other by name when "
+         "it is switched on (`gbc_kernels/integrations/releases.py`: "
+         + "; ".join(f"{t} " + ", ".join(f"{v}.x" for v in vs)
+                     for t, vs in _releases().TESTED.items())
+         + "). The row of a refused release installs it all the same and runs "
+         "`tests/test_releases.py` there, which checks that refusal through the adapter's real "
+         "switch-on; its result says \"refused by name\".", "",
          "## CPU test install", "", CPU_INSTALL_NOTE]
     # the newest release of each trainer that gbc's adapter takes and that installs here
     for trainer, newest in (("verl", "0.9.1"), ("openrlhf", "0.11.2"), ("skyrl", "0.3.0")):

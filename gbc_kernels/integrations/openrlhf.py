@@ -16,6 +16,7 @@ from torch.nn.utils.rnn import pad_sequence
 import gbc_kernels as gbc
 from gbc_kernels import methods
 from . import hf, patching
+from .releases import TESTED, check_release, installed
 
 POLICY_LOSS_TYPES = ("ppo", "gspo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
@@ -778,27 +779,20 @@ def _ppo_train(self, kl_ctl: float):
     return status
 
 
-# the OpenRLHF releases the drop-in is written for (major.minor), and where its Ray trainer is
-OPENRLHF_VERSIONS = ("0.11",)
+# the OpenRLHF releases the drop-in is tested on (major.minor), and where its Ray trainer is
+OPENRLHF_VERSIONS = TESTED["openrlhf"]
 TRAINER_MODULE = "openrlhf.trainer.ray.ppo_actor"
 
 
 def check_openrlhf_version(version: Optional[str] = None) -> str:
-    """OpenRLHF's installed version, refused unless :data:`OPENRLHF_VERSIONS` (not installed:
-    an ImportError)."""
-    if version is None:
-        import importlib.metadata
-
-        try:
-            version = importlib.metadata.version("openrlhf")
-        except importlib.metadata.PackageNotFoundError:
-            raise ImportError("openrlhf: not installed; gbc's OpenRLHF drop-in (enable(), "
-                              f"{ENV_OPTIONS}) patches its actor and trainer") from None
-    if ".".join(version.split(".")[:2]) not in OPENRLHF_VERSIONS:
-        raise RuntimeError(f"openrlhf {version}: gbc's drop-in supports OpenRLHF "
-                           f"{', '.join(OPENRLHF_VERSIONS)} (it replaces methods of its Actor, "
-                           "ActorPPOTrainer and replay buffer, which change between releases)")
-    return version
+    """OpenRLHF's installed version, refused by name unless :data:`OPENRLHF_VERSIONS` (not
+    installed: an ImportError)."""
+    if version is None and installed("openrlhf") is None:
+        raise ImportError("openrlhf: not installed; gbc's OpenRLHF drop-in (enable(), "
+                          f"{ENV_OPTIONS}) patches its actor and trainer")
+    return check_release("openrlhf", version,
+                         why="gbc replaces methods of its Actor, ActorPPOTrainer and replay "
+                             "buffer, which change between releases")
 
 
 def _patch_trainer(cls):

@@ -1,4 +1,5 @@
-"""TRL drop-in: ``GBCGRPOTrainer`` is ``trl.GRPOTrainer`` (TRL 1.16) with its loss computed from
+"""TRL drop-in: ``GBCGRPOTrainer`` is ``trl.GRPOTrainer`` (TRL 1.14-1.16,
+refused on another release: :func:`check_trl_version`) with its loss computed from
 the policy's hidden states and ``lm_head``, no logits; TRL's loss with every ``gbc_*`` option
 off, AR, Lopti, NTHR and critical-token KL with them (:class:`GBCGRPOConfig`; docs/trl.md).
 """
@@ -16,6 +17,7 @@ from trl import GRPOConfig, GRPOTrainer
 import gbc_kernels as gbc
 from gbc_kernels import methods
 from . import hf
+from .releases import check_release
 
 SUPPORTED_LOSS_TYPES = tuple(gbc.config.TRL_LOSS_TYPES)
 PPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")     # TRL applies delta to these
@@ -161,6 +163,18 @@ OLD_LOGP_KEY = "gbc_old_logp"
 NTHR_GROUP_KEY = "gbc_nthr_group"
 
 
+def check_trl_version(version: Optional[str] = None) -> str:
+    """TRL's installed version, refused by name unless :data:`releases.TESTED` ["trl"] (every
+    :class:`GBCGRPOTrainer` checks it when built)."""
+    import trl
+
+    return check_release("trl", version or getattr(trl, "__version__", None),
+                         why="GBCGRPOTrainer overrides GRPOTrainer's loss, its batch "
+                             "preparation and its optimizer step, which change between "
+                             "releases",
+                         off="trl.GRPOTrainer runs TRL's own loss")
+
+
 class GBCGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` whose loss is :func:`gbc_kernels.fused_linear_policy_loss`; ``args``:
     a :class:`GBCGRPOConfig` (a plain ``GRPOConfig``: every gbc option off)."""
@@ -170,6 +184,7 @@ class GBCGRPOTrainer(GRPOTrainer):
     _gbc_nthr_in_forward = True
 
     def __init__(self, model, reward_funcs, args: Optional[GRPOConfig] = None, *a, **kw):
+        check_trl_version()
         if args is not None:
             self._gbc_check_args(args)
         super().__init__(model, reward_funcs, args, *a, **kw)

@@ -9,8 +9,8 @@ import os
 from .losses import (SKYRL_KL_TYPES, SKYRL_LOSS_TYPES, SKYRL_REFUSED, get, policy_loss_config,
                      policy_loss_inputs, skyrl_loss_metrics)
 
-__all__ = ["MEGATRON_NEEDS", "SKYRL_KL_TYPES", "SKYRL_LOSS_TYPES", "SKYRL_REFUSED", "enable",
-           "policy_loss_config", "policy_loss_inputs", "skyrl_loss_metrics"]
+__all__ = ["MEGATRON_NEEDS", "SKYRL_KL_TYPES", "SKYRL_LOSS_TYPES", "SKYRL_REFUSED",
+           "check_skyrl_version", "enable", "policy_loss_config", "policy_loss_inputs", "skyrl_loss_metrics"]
 
 
 # SkyRL's Megatron workers: the module its BasePPOExp imports them from under
@@ -50,6 +50,7 @@ def enable(cfg=None, **method_options):
         raise ImportError(f"{ENV}: gbc's SkyRL workers need SkyRL 0.3.0's FSDP worker "
                           f"(pip install --no-deps skyrl==0.3.0, and what it imports: "
                           f"docs/skyrl.md): {err}") from err
+    check_skyrl_version()
     from . import fsdp
 
     if method_options:
@@ -75,6 +76,17 @@ def enable(cfg=None, **method_options):
     fsdp_worker.PolicyWorker = ray.remote(num_gpus=1, runtime_env=env)(fsdp.GBCFSDPPolicyWorker)
     fsdp_worker.RefWorker = ray.remote(num_gpus=1, runtime_env=env)(fsdp.GBCFSDPRefWorker)
     return opts
+
+
+def check_skyrl_version(version=None) -> str:
+    """SkyRL's installed version, refused by name unless ``releases.TESTED["skyrl"]``
+    (:func:`enable` checks it before it patches anything)."""
+    from gbc_kernels.integrations.releases import check_release
+
+    return check_release("skyrl", version,
+                         why="gbc subclasses its FSDP and Megatron workers and patches its "
+                             "trainer, which change between releases",
+                         off="leave enable() out to run SkyRL's own workers")
 
 
 def _megatron_workers(ray, env, required):

@@ -16,6 +16,7 @@ import torch
 import gbc_kernels as gbc
 from gbc_kernels import methods
 from gbc_kernels.integrations import patching
+from gbc_kernels.integrations.releases import TESTED, check_release
 from gbc_kernels.integrations import verl as gv
 
 ENV_ON = "GBC_VERL_ENGINE"
@@ -563,22 +564,21 @@ def _registry_tables():
                 yield table[backend], _load(base), _load(mixin)
 
 
-# the verl releases gbc's engine and patches are written for (major.minor)
-VERL_VERSIONS = ("0.9",)
+# the verl releases gbc's engine and patches are tested on (major.minor)
+VERL_VERSIONS = TESTED["verl"]
 V1_TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
 
 
 def check_verl_version(version: Optional[str] = None) -> str:
-    """verl's version (default: the imported verl's), refused unless :data:`VERL_VERSIONS`."""
+    """verl's version (default: the imported verl's), refused by name unless
+    :data:`VERL_VERSIONS` (:func:`gbc_kernels.integrations.releases.check_release`)."""
     if version is None:
         import verl
         version = getattr(verl, "__version__", None) or "unknown"
-    if ".".join(str(version).split(".")[:2]) not in VERL_VERSIONS:
-        raise RuntimeError(f"verl {version}: gbc's engine supports verl {', '.join(VERL_VERSIONS)}"
-                           " (it replaces verl's engine classes and wraps its worker's and "
-                           "trainer's functions, which change between releases); unset "
-                           f"{ENV_ON} to run verl's own step")
-    return version
+    return check_release("verl", str(version),
+                         why="gbc replaces verl's engine classes and wraps its worker's and "
+                             "trainer's functions, which change between releases",
+                         off=f"unset {ENV_ON} to run verl's own step")
 
 
 def _refuse_v1_critical_kl(original):

@@ -1,0 +1,57 @@
+"""The trainer releases each drop-in is tested on, and the check every switch-on runs.
+
+A drop-in replaces or wraps a trainer's classes and functions, which change between releases;
+one run on a release it was not tested on could train with a method silently missing. So each
+switch-on (TRL's ``GBCGRPOTrainer``, verl's engine, OpenRLHF's and SkyRL's ``enable``) compares
+the installed release's ``major.minor`` with :data:`TESTED` and refuses any other by name.
+``docs/compatibility.md`` lists what ``make compat`` ran on each release.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Optional
+
+# distribution name -> the major.minor releases its drop-in is tested on (docs/compatibility.md)
+TESTED = {
+    "trl": ("1.14", "1.15", "1.16"),
+    "verl": ("0.9",),
+    "openrlhf": ("0.11",),
+    "skyrl": ("0.3",),
+}
+
+
+def installed(dist: str) -> Optional[str]:
+    """The installed version of distribution ``dist``, None when it is not installed."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def minor(version: str) -> str:
+    """``"1.16.0"`` -> ``"1.16"`` (a local or pre-release suffix stays with its minor)."""
+    return ".".join(str(version).split("+")[0].split(".")[:2])
+
+
+def check_release(dist: str, version: Optional[str] = None, *, why: str = "",
+                  off: str = "") -> str:
+    """``version`` (default: the installed one) of ``dist``, refused with a RuntimeError naming
+    it and the tested releases unless its ``major.minor`` is in :data:`TESTED`. ``why``: what
+    the drop-in replaces (why another release may differ); ``off``: how to run the trainer's own
+    step instead."""
+    if version is None:
+        version = installed(dist)
+        if version is None:
+            raise ImportError(f"{dist}: not installed (gbc's {dist} drop-in is tested on "
+                              f"{_tested(dist)})")
+    if minor(version) not in TESTED[dist]:
+        raise RuntimeError(f"{dist} {version}: gbc's drop-in is tested on {_tested(dist)}"
+                           + (f" ({why})" if why else "")
+                           + "; an untested release is refused rather than run"
+                           + (f"; {off}" if off else ""))
+    return version
+
+
+def _tested(dist: str) -> str:
+    return ", ".join(f"{dist} {v}.x" for v in TESTED[dist])

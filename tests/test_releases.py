@@ -1,0 +1,125 @@
+"""Every drop-in's switch-on refuses a trainer release it is not tested on, by name, before it
+patches anything (issue 51; gbc_kernels/integrations/releases.py, docs/compatibility.md); the
+installed (tested) releases pass the same check."""
+
+import os
+import re
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gbc_kernels.integrations import releases  # noqa: E402
+
+UNTESTED = {"trl": "1.13.0", "verl": "0.8.0", "openrlhf": "0.10.4", "skyrl": "0.4.0"}
+
+
+def _refused(dist, version):
+    return pytest.raises(RuntimeError, match=rf"^{dist} {version}: gbc's drop-in is tested on "
+                                             rf"{dist} {releases.TESTED[dist][0]}\.x")
+
+
+@pytest.mark.parametrize("dist", sorted(releases.TESTED))
+def test_check_release(dist):
+    """Every patch release of a tested minor passes; the minor before and after are refused."""
+    assert set(UNTESTED) == set(releases.TESTED)
+    for v in releases.TESTED[dist]:
+        assert releases.check_release(dist, f"{v}.7") == f"{v}.7"
+        assert releases.check_release(dist, f"{v}.0+local") == f"{v}.0+local"
+    with _refused(dist, UNTESTED[dist]):
+        releases.check_release(dist, UNTESTED[dist])
+    major, mid = releases.TESTED[dist][-1].split(".")
+    with _refused(dist, f"{major}.{int(mid) + 1}.0"):       # a newer release too
+        releases.check_release(dist, f"{major}.{int(mid) + 1}.0")
+
+
+def test_a_missing_trainer_is_an_import_error(monkeypatch):
+    monkeypatch.setitem(releases.TESTED, "gbc_no_such_dist", ("1.0",))
+    with pytest.raises(ImportError, match="^gbc_no_such_dist: not installed"):
+        releases.check_release("gbc_no_such_dist")
+
+
+def _switch_on_check(dist):
+    """The version check each adapter's switch-on runs, as it runs it (no stand-in)."""
+    if dist == "trl":
+        from gbc_kernels.integrations.trl import check_trl_version as check
+    elif dist == "verl":
+        from gbc_kernels.integrations.verl.engine import check_verl_version as check
+    elif dist == "openrlhf":
+        from gbc_kernels.integrations.openrlhf import check_openrlhf_version as check
+    else:
+        from gbc_kernels.integrations.skyrl import check_skyrl_version as check
+    return check
+
+
+@pytest.mark.parametrize("dist", sorted(releases.TESTED))
+def test_switch_on_takes_or_refuses_the_installed_release(dist):
+    """The installed release: a tested one passes the switch-on's check, any other is refused
+    by name (``make compat`` runs this file alone on the matrix's untested releases; the test
+    venv holds tested ones)."""
+    version = releases.installed(dist)
+    if version is None:
+        pytest.skip(f"could not import {dist}: not installed")
+    check = _switch_on_check(dist)
+    if releases.minor(version) in releases.TESTED[dist]:
+        assert check() == version
+    else:
+        with _refused(dist, re.escape(version)):
+            check()
+
+
+def test_trl_trainer_refuses_an_untested_release(monkeypatch):
+    import trl
+
+    from gbc_kernels.integrations import trl as gtrl
+
+    assert gtrl.check_trl_version() == trl.__version__
+    monkeypatch.setattr(trl, "__version__", UNTESTED["trl"])
+    with _refused("trl", UNTESTED["trl"]):       # before anything is built (no model needed)
+        gtrl.GBCGRPOTrainer(None, None)
+
+
+def test_verl_enable_refuses_an_untested_release(monkeypatch):
+    import verl
+
+    from gbc_kernels.integrations.verl import engine as ve
+
+    monkeypatch.setattr(verl, "__version__", UNTESTED["verl"])
+    with _refused("verl", UNTESTED["verl"]):
+        ve.enable()
+
+
+def test_openrlhf_enable_refuses_an_untested_release(monkeypatch):
+    from gbc_kernels.integrations import openrlhf as gorl
+
+    class Actor:                     # enable()'s class argument: OpenRLHF's Actor stands here
+        def forward(self):
+            pass
+
+    forward = Actor.forward
+    monkeypatch.setattr(releases, "installed",
+                        lambda d: UNTESTED["openrlhf"] if d == "openrlhf" else None)
+    with _refused("openrlhf", UNTESTED["openrlhf"]):
+        gorl.enable(actor_cls=Actor, trainer_cls=False, nthr=True)
+    assert Actor.forward is forward                    # nothing patched
+    assert not gorl._STATE.methods.nthr
+
+
+def test_skyrl_enable_refuses_an_untested_release(monkeypatch):
+    from conftest import _standin
+
+    _standin("skyrl_cpu").load()              # SkyRL's worker modules import on CPU
+    import skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker as fw
+
+    from gbc_kernels.integrations import skyrl as gsky
+    from gbc_kernels.integrations.skyrl.worker import ENV
+
+    workers = (fw.PolicyWorker, fw.RefWorker)
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(releases, "installed",
+                        lambda d: UNTESTED["skyrl"] if d == "skyrl" else None)
+    with _refused("skyrl", UNTESTED["skyrl"]):
+        gsky.enable(nthr=True)
+    assert (fw.PolicyWorker, fw.RefWorker) == workers  # nothing patched
+    assert ENV not in os.environ
