@@ -740,6 +740,8 @@ def main(argv=None):
     ap.add_argument("--print-install", metavar="TRAINER==RELEASE",
                     help="print the CPU install commands of one row and exit")
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/compatibility.md")
+    ap.add_argument("--strict", action="store_true",
+                    help="exit 1 unless every row passed or was refused by name (CI)")
     ap.add_argument("--doc-only", action="store_true",
                     help="rewrite docs/compatibility.md from its stored results, run nothing")
     args = ap.parse_args(argv)
@@ -781,8 +783,10 @@ def main(argv=None):
         f"{t}=={r}: {done[(t, r)]['status']}" for t, r in rows_sel))
     if not args.no_doc:
         log(f"wrote {os.path.relpath(DOC, ROOT)}")
-    bad = [k for k, r in done.items() if r["status"].startswith(("fail", "install failed",
-                                                                  "timed out", "compat/run"))]
+    ok = ("pass", "refused by name") if args.strict else None
+    bad = [k for k, r in done.items()
+           if (not r["status"].startswith(ok) if ok else
+               r["status"].startswith(("fail", "install failed", "timed out", "compat/run")))]
     return 1 if bad else 0
 
 

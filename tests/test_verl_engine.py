@@ -368,6 +368,16 @@ def test_engine_lopti_two_updates_and_ar(tmp_path):
     assert "gbc_grad_norm_second_phase" in lopti[1][0]
     diff = max(float((lopti[0][n] - plain[0][n]).abs().max()) for n in plain[0])
     assert diff > 1e-4
+    # what the first step logs (docs/methods.md): the batch's terms without the split, at the
+    # parameters before its first update -- the same step without Lopti's (same start, batch)
+    terms = [k for k in plain[1][0] if k.split("/")[-1] in (
+        "pg_loss", "kl_loss", "entropy_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")]
+    assert {"actor/pg_loss", "kl_loss", "actor/entropy_loss"} <= set(terms), sorted(plain[1][0])
+    for k in terms:
+        want, got = plain[1][0][k], lopti[1][0][k]
+        assert len(got) == len(want) and all(
+            abs(a - b) <= 1e-6 * (1 + abs(b)) for a, b in zip(got, want)), (k, got, want)
+    assert plain[1][1]["actor/pg_loss"] != lopti[1][1]["actor/pg_loss"]   # moved apart after
     diff = max(float((ar[0][n] - plain[0][n]).abs().max()) for n in plain[0])
     assert diff > 1e-5
     hand = spawn_gloo(1, _lopti_by_hand_worker, model_dir)[0]
