@@ -176,7 +176,7 @@ def test_verl_missing_dependency_stops_the_run():
 
 def test_verl_unsupported_version_stops_the_run():
     rc, report, _, stderr = run_verl("strict", None, verl_version="0.10.0")
-    assert_stopped(rc, report, stderr, "verl 0.10.0: gbc's engine supports verl 0.9")
+    assert_stopped(rc, report, stderr, "verl 0.10.0: gbc's drop-in is tested on verl 0.9.x")
 
 
 def test_verl_unknown_engine_value_stops_the_run():
@@ -278,8 +278,8 @@ def test_openrlhf_hook_refuses_missing_dependency_and_version():
     report = run_openrlhf_hook("ar_alpha=0.3", block=["openrlhf.models"])
     assert report["error"] and "openrlhf.models" in report["error"], report
     report = run_openrlhf_hook("ar_alpha=0.3", openrlhf_version="0.12.0")
-    assert report["error"] and ("RuntimeError: openrlhf 0.12.0: gbc's drop-in supports "
-                                "OpenRLHF 0.11") in report["error"], report
+    assert report["error"] and ("RuntimeError: openrlhf 0.12.0: gbc's drop-in is tested on "
+                                "openrlhf 0.11.x") in report["error"], report
 
 
 def test_openrlhf_hook_switches_on():
