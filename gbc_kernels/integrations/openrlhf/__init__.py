@@ -15,8 +15,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 import gbc_kernels as gbc
 from gbc_kernels import methods
-from . import hf, patching
-from .releases import TESTED, check_release, installed
+from .. import hf, patching
+from ..releases import TESTED, check_release, installed
 
 POLICY_LOSS_TYPES = ("ppo", "gspo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
