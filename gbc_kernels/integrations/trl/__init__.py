@@ -16,8 +16,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 import gbc_kernels as gbc
 from gbc_kernels import methods
-from . import hf
-from .releases import check_release
+from .. import hf
+from ..releases import check_release
 
 SUPPORTED_LOSS_TYPES = tuple(gbc.config.TRL_LOSS_TYPES)
 PPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")     # TRL applies delta to these
