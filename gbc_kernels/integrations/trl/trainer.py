@@ -1,0 +1,506 @@
+"""``GBCGRPOTrainer``: ``trl.GRPOTrainer`` with its loss computed from the policy's hidden
+states and ``lm_head``, no logits, and AR, Lopti, NTHR and critical-token KL in its step;
+docs/trl.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+
+import gbc_kernels as gbc
+from gbc_kernels import methods
+from .. import hf
+from .config import (NUM_ITEMS_LOSS_TYPES, PPO_LOSS_TYPES, _in_trl_words, _Options,
+                     _unsupported, check_trl_version, method_options)
+
+
+# the inputs of a vision-language model's forward that TRL's batches carry (num_images and
+# num_tiles only slice them into micro-batches; over a whole batch every slice is the whole)
+_MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes",
+                    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+def _model_inputs(batch) -> dict:
+    """The multimodal inputs of ``batch`` for the model's forward over the whole batch, as
+    TRL's ``_get_per_token_logps_and_entropies`` gives them (empty for text)."""
+    return {k: batch[k] for k in _MULTIMODAL_KEYS if batch.get(k) is not None}
+
+
+def _logit_scale(model) -> float:
+    """The factor transformers models multiply their logits by (1.0 for most), read as TRL's
+    fused head reads it; with final-logit soft-capping too, refused (their order is unknown)."""
+    cfg = model.config.get_text_config()
+    scale = next((getattr(cfg, k) for k in ("logit_scale", "output_multiplier",
+                                             "lm_head_multiplier")
+                  if getattr(cfg, k, None) is not None), None)
+    if scale is None and getattr(cfg, "logits_scaling", None) is not None:
+        scale = (cfg.logits_scaling if cfg.model_type == "hyperclovax"
+                 else 1.0 / cfg.logits_scaling)
+    scale = 1.0 if scale is None else float(scale)
+    if not scale > 0:
+        raise ValueError(f"model: logit scale {scale} is not supported (expected > 0)")
+    if scale != 1.0 and hf.logit_softcap(model) is not None:
+        raise ValueError(f"model: a logit scale ({scale}) together with final_logit_softcapping "
+                         "is not supported")
+    return scale
+
+
+# Lopti on-policy: the old policy's log-probs, fixed at the rollout for both updates
+OLD_LOGP_KEY = "gbc_old_logp"
+# NTHR on policy inside the update's forward: each completion's group (num_generations)
+NTHR_GROUP_KEY = "gbc_nthr_group"
+
+
+class GBCGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` whose loss is :func:`gbc_kernels.fused_linear_policy_loss`; ``args``:
+    a :class:`GBCGRPOConfig` (a plain ``GRPOConfig``: every gbc option off)."""
+
+    # NTHR on policy: scored inside the update's forward where it can be (_gbc_nthr_in_update);
+    # False: always by a pass at the rollout (its scales are the same)
+    _gbc_nthr_in_forward = True
+
+    def __init__(self, model, reward_funcs, args: Optional[GRPOConfig] = None, *a, **kw):
+        check_trl_version()
+        if args is not None:
+            self._gbc_check_args(args)
+        super().__init__(model, reward_funcs, args, *a, **kw)
+        if args is None:                 # TRL built its default GRPOConfig
+            self._gbc_check_args(self.args)
+        self.gbc_args = _Options(self.args)
+        self.gbc_methods = method_options(self.args)
+        self._gbc_check_model()
+        # Lopti's state: the phase, the window's kept micro-batches, the phases' gradient norms
+        self._gbc_phase = self._gbc_reuse_inputs = self._gbc_last_inputs = None
+        self._gbc_logged_loss = None       # Lopti: the first phase's unsplit loss, to log
+        self._gbc_ref_calls = None       # critical KL: the rollout's no-grad passes' KL weights
+        self._gbc_window, self._gbc_norms, self._gbc_first_norm = [], {}, None
+
+    # ---------------------------------------------------------------- construction checks
+    @staticmethod
+    def _gbc_check_args(args):
+        bad = _unsupported(args)
+        if bad:
+            raise ValueError("GBCGRPOTrainer: unsupported option(s):\n  " + "\n  ".join(bad))
+
+    def _gbc_check_model(self):
+        args = self.gbc_args
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        hf.lm_head(unwrapped)
+        hf.decoder(unwrapped)
+        self._gbc_temperature = self.temperature / _logit_scale(unwrapped)
+        self._gbc_softcap = hf.logit_softcap(unwrapped)
+        if (args.gbc_critical_kl_exponent is not None and self.ref_model is None
+                and not hasattr(unwrapped, "disable_adapter")):
+            raise ValueError("gbc_critical_kl_exponent: needs a reference model (trainer.ref_model"
+                             " is None and the model is not a PEFT model whose base serves as "
+                             "the reference)")
+        if args.gbc_lopti_eta is not None:
+            from accelerate.utils import DistributedType
+            if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+                raise ValueError("gbc_lopti_eta: not supported under DeepSpeed (its engine steps "
+                                 "the optimizer inside backward)")
+
+    @_in_trl_words()
+    def _gbc_config(self, entropy_coef: float, lopti: bool = True) -> gbc.PolicyLossConfig:
+        """TRL's loss_type as gbc's preset, with TRL's options on the other axes. ``lopti=False``:
+        Lopti's threshold off (an evaluation loss: both phases' terms, no update)."""
+        args = self.gbc_args
+        lt = args.loss_type
+        return gbc.PolicyLossConfig.preset(
+            lt, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+            max_len=args.max_completion_length if lt == "dr_grpo" else None,
+            temperature=self._gbc_temperature, kl_coef=self.beta, kl_estimator="k3",
+            kl_ratio_correction=bool(args.use_bias_correction_kl), entropy_coef=entropy_coef,
+            ar_alpha=args.gbc_ar_alpha, lopti_eta=args.gbc_lopti_eta if lopti else None,
+            importance_sampling_level=args.importance_sampling_level,
+            delta=args.delta if lt in PPO_LOSS_TYPES else None,      # TRL ignores it elsewhere
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos,
+            vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg,
+            top_entropy_quantile=self.top_entropy_quantile,
+            off_policy_mask_threshold=self.off_policy_mask_threshold,
+            return_entropy=True,                     # TRL logs the entropy whatever the loss
+            logit_softcap=self._gbc_softcap, logits_dtype=self.gbc_methods.logits_dtype)
+
+    # ---------------------------------------------------------------- the no-grad passes
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
+                                           logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False,
+                                           **multimodal):
+        """TRL's no-grad old-policy and reference passes by the training loss's row passes
+        (an on-policy ratio is exactly 1), inside the model's forward; with gradients, the MoE
+        aux loss or multimodal inputs: TRL's own pass."""
+        if (torch.is_grad_enabled() or compute_aux_loss
+                or any(v is not None for v in multimodal.values())):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
+                **multimodal)
+        calls = self._gbc_ref_calls
+        if calls is not None and not compute_entropy:
+            # critical-token KL on: this may be TRL's reference pass; take the KL weights from
+            # the same sweep (its log-probs are the same as without them)
+            st = hf.reference_pass(
+                model, input_ids, attention_mask, input_ids[:, -logits_to_keep:],
+                temperature=self._gbc_temperature, backend=self.gbc_args.gbc_backend,
+                completion_len=logits_to_keep, options=self.gbc_methods,
+                unwrapped=self.accelerator.unwrap_model(model))
+            calls.append(st.kl_weight)
+            return st.ref_logp, None, None
+        logp, entropy = hf.logprobs_through_forward(
+            model, input_ids, attention_mask, logits_to_keep, temperature=self._gbc_temperature,
+            return_entropy=compute_entropy, backend=self.gbc_args.gbc_backend,
+            unwrapped=self.accelerator.unwrap_model(model),
+            logits_dtype=self.gbc_methods.logits_dtype)
+        if calls is not None:
+            calls.append(None)
+        return logp, entropy, None
+
+    # ---------------------------------------------------------------- rollout: NTHR, critical KL
+    def _generate_and_score_completions(self, inputs):
+        """TRL's rollout, then gbc's no-grad passes over the whole generation batch: the old
+        policy's (Lopti's fixed ``old_logp``, NTHR's scales). Critical-token KL's weights come
+        from TRL's own reference pass (its last no-grad pass: ``beta != 0`` is checked)."""
+        opts, args = self.gbc_methods, self.gbc_args
+        crit = opts.critical_kl_exponent is not None
+        self._gbc_ref_calls = [] if crit and self.model.training else None
+        try:
+            out = super()._generate_and_score_completions(inputs)
+        finally:
+            ref_calls, self._gbc_ref_calls = self._gbc_ref_calls, None
+        if not self.model.training or not (opts.needs_old_pass or crit):
+            return out
+        model_kwargs = _model_inputs(out)
+        completion_ids = out["completion_ids"]
+        T = completion_ids.size(1)
+        input_ids = torch.cat([out["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+        mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out \
+            else out["completion_mask"]
+        if opts.needs_old_pass:
+            nthr = {}
+            if opts.nthr:
+                B, G = completion_ids.size(0), self.num_generations
+                if B % G:
+                    raise ValueError(f"gbc_nthr: this process holds {B} completions, not a "
+                                     f"multiple of num_generations={G}; NTHR needs whole groups")
+                nthr = dict(group_ids=torch.arange(B, device=completion_ids.device) // G,
+                            advantages=out["advantages"], nthr=True, nthr_beta=opts.nthr_beta,
+                            nthr_eta=opts.nthr_eta)
+            # TRL's own old-policy log-probs when it computed them (num_iterations > 1, vLLM);
+            # on-policy, this pass fixes them before Lopti's first update
+            trl_old = out.get("old_per_token_logps")
+            if self._gbc_nthr_in_update(trl_old, model_kwargs):
+                # the update's one forward runs on this policy, each micro-batch whole groups:
+                # NTHR there, from its hidden states (no pass here)
+                out[NTHR_GROUP_KEY] = nthr["group_ids"]
+                nthr = {}
+            if nthr or opts.lopti_eta is not None:
+                res = hf.old_policy_pass(                          # no-grad passes
+                    self.accelerator.unwrap_model(self.model), input_ids, attention_mask,
+                    completion_ids, mask, temperature=self._gbc_temperature,
+                    backend=args.gbc_backend, completion_len=T, old_logp=trl_old,
+                    model_kwargs=model_kwargs, logits_dtype=opts.logits_dtype, **nthr)
+                if trl_old is None and opts.lopti_eta is not None:
+                    out[OLD_LOGP_KEY] = res.old_logp
+                if nthr:
+                    out["gbc_token_scale"] = res.token_scale
+                    self._gbc_log_nthr(res.nthr, out["advantages"], mask)
+        if crit and ref_calls and ref_calls[-1] is not None:
+            out["gbc_kl_weight"] = ref_calls[-1]          # no pass of our own
+        elif crit:
+            # TRL's reference pass ran its own forward (a vision-language batch): ours, on the
+            # same reference TRL uses (PEFT: the "ref" adapter if loaded, else none)
+            ref_model, ctx = self.ref_model, contextlib.nullcontext()
+            if ref_model is None:
+                from trl.trainer.utils import use_adapter
+                ref_model = self.accelerator.unwrap_model(self.model)
+                ctx = use_adapter(ref_model, "ref" if "ref" in ref_model.peft_config else None)
+            with ctx:
+                ref = hf.reference_pass(
+                    ref_model, input_ids, attention_mask, completion_ids,
+                    temperature=self._gbc_temperature, backend=args.gbc_backend,
+                    completion_len=T, model_kwargs=model_kwargs, options=opts)
+            out["gbc_kl_weight"] = ref.kl_weight
+        return out
+
+    def _gbc_nthr_in_update(self, trl_old, model_kwargs) -> bool:
+        """NTHR inside the update's forward rather than a pass at the rollout: on policy (TRL
+        computed no old log-probs: ``num_iterations == 1``, no vLLM ones), no Lopti (its pass
+        runs anyway and gives NTHR's scales with it), ``steps_per_generation == 1`` (the one
+        micro-batch is this process's whole generation batch, so whole groups: TRL shuffles
+        the rows before splitting them), a text-only batch (a vision-language batch keeps the
+        pass; not done for it yet)."""
+        opts = self.gbc_methods
+        return (self._gbc_nthr_in_forward and opts.nthr and trl_old is None
+                and opts.lopti_eta is None and self.args.steps_per_generation == 1
+                and not model_kwargs)
+
+    def _gbc_log_nthr(self, result, advantages, mask):
+        frac = methods.nthr_metrics(result, advantages, mask)
+        self._metrics["train"]["gbc/nthr_selected"].append(
+            self.accelerator.gather(frac["nthr_selected_frac"]).mean().item())
+
+    # ---------------------------------------------------------------- Lopti: two updates per step
+    def _prepare_inputs(self, generation_batch):
+        if self._gbc_reuse_inputs is not None:      # Lopti's second phase: a kept micro-batch
+            return self._gbc_reuse_inputs
+        inputs = super()._prepare_inputs(generation_batch)
+        self._gbc_last_inputs = inputs
+        return inputs
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Lopti: the first phase on every micro-batch of the accumulation window, an optimizer
+        step at its end, the second phase over the same micro-batches, the Trainer's step."""
+        if self.gbc_methods.lopti_eta is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        first, second = self.gbc_methods.phases
+        try:
+            self._gbc_phase = first
+            loss = self._gbc_take_logged(super().training_step(model, inputs, num_items_in_batch))
+            self._gbc_window.append((self._gbc_last_inputs, num_items_in_batch))
+            if not self.accelerator.sync_gradients:
+                return loss                          # more micro-batches in this window
+            if self.args.max_grad_norm is not None and self.args.max_grad_norm > 0:
+                first_norm = super()._clip_grad_norm(model)
+            else:
+                first_norm = self.accelerator.clip_grad_norm_(model.parameters(), float("inf"))
+            self._gbc_first_norm = float(first_norm)
+            self._metrics["train"][f"gbc/grad_norm_{first}"].append(self._gbc_first_norm)
+            self.optimizer.step()
+            model.zero_grad()
+            self._gbc_phase = second
+            window, self._gbc_window = self._gbc_window, []
+            for k, (prepared, n_items) in enumerate(window):
+                self._gbc_reuse_inputs = prepared
+                self._step -= 1        # GRPOTrainer counts micro-batches; these are re-runs
+                # under DDP, synchronise the gradients once, on the window's last backward
+                sync = k == len(window) - 1
+                ctx = contextlib.nullcontext() if sync else self.accelerator.no_sync(model)
+                with ctx:        # logged: the first phase's (the batch's terms, no split)
+                    super().training_step(model, None, n_items)
+            low, high = self._gbc_norms.get("low"), self._gbc_norms.get("high")
+            if low is not None and high is not None:    # the step's share over both updates
+                self._metrics["train"]["gbc/grad_share_low"].append(methods.share_low(low, high))
+            self._gbc_norms = {}
+        except BaseException:
+            self._gbc_window = []
+            raise
+        finally:
+            self._gbc_phase = None
+            self._gbc_reuse_inputs = None
+        return loss
+
+    def _gbc_take_logged(self, returned):
+        """Lopti: the loss the Trainer logs for a micro-batch — the batch's without the split at
+        the first phase's parameters (:meth:`_compute_loss`), not the phase's own."""
+        logged, self._gbc_logged_loss = self._gbc_logged_loss, None
+        return returned if logged is None else logged.to(returned.device, returned.dtype)
+
+    # ------------------------------------------------ Lopti: the logged gradient norm of a step
+    def _gbc_step_norm(self, second_norm):
+        """Lopti's logged norm, sqrt(|g_first|^2 + |g_second|^2), each pre-clip (docs/trl.md)."""
+        first, self._gbc_first_norm = self._gbc_first_norm, None
+        if first is None or second_norm is None:
+            return second_norm
+        second = float(second_norm)
+        phase = self.gbc_methods.phases[1]
+        self._metrics["train"][f"gbc/grad_norm_{phase}"].append(second)
+        return (first * first + second * second) ** 0.5
+
+    def _clip_grad_norm(self, model):
+        return self._gbc_step_norm(super()._clip_grad_norm(model))
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None and self._gbc_first_norm is not None:   # max_grad_norm = 0
+            grad_norm = self._gbc_step_norm(super()._get_grad_norm(model))
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    # ---------------------------------------------------------------- the loss
+    def _compute_loss(self, model, inputs):
+        args = self.gbc_args
+        mode = "train" if self.model.training else "eval"
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        T = completion_ids.size(1)
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+        mask = completion_mask if "tool_mask" not in inputs \
+            else completion_mask * inputs["tool_mask"]
+
+        token_scale = inputs.get("gbc_token_scale")
+        old_policy, nthr = None, {}
+        groups = inputs.get(NTHR_GROUP_KEY)
+        if mode == "train" and groups is not None and token_scale is None:
+            # NTHR in this forward (the rollout left it here: _gbc_nthr_in_update)
+            counts = torch.unique(groups, return_counts=True)[1]
+            if (counts != self.num_generations).any():
+                raise RuntimeError("gbc_nthr: a micro-batch without whole groups reached "
+                                   "NTHR's in-forward scoring")
+            head_fn = hf.old_policy_head(
+                completion_ids, mask, group_ids=groups, advantages=inputs["advantages"],
+                temperature=self._gbc_temperature, nthr=True,
+                nthr_beta=self.gbc_methods.nthr_beta, nthr_eta=self.gbc_methods.nthr_eta,
+                backend=args.gbc_backend, logits_dtype=self.gbc_methods.logits_dtype)
+
+            def old_policy(h, head, cap):
+                nthr["pass"] = head_fn(h, head, cap)
+                return nthr["pass"]
+        old_logp = inputs.get("old_per_token_logps")
+        if old_logp is None:
+            old_logp = inputs.get(OLD_LOGP_KEY)
+        if mode == "train" and self.gbc_methods.lopti_eta is not None and (
+                self._gbc_phase is None or old_logp is None):
+            raise RuntimeError("gbc_lopti_eta: a training loss outside Lopti's two updates or "
+                               "without the rollout's old log-probs")
+        is_ratio = None
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            is_ratio = inputs["importance_sampling_ratio"].float()   # [B, T] or [B, 1]
+        lt = args.loss_type
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        num_items = None
+        if lt in NUM_ITEMS_LOSS_TYPES:
+            # TRL: num_items_in_batch spans the generation batch; rescale it to one window
+            num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                num_items = num_items * accumulation / args.steps_per_generation
+
+        # the entropy bonus: TRL's coefficient (adaptive: applied only while the entropy of the
+        # last window is at or below the target), a mean over the tokens it acts on, scaled for
+        # accumulation only (the other loss types divide the whole loss below)
+        coef = 0.0
+        if self._entropy_bonus_enabled:
+            coef = self.entropy_coef
+            if self.use_adaptive_entropy and self._last_world_entropy > args.entropy_target:
+                coef = 0.0
+        coef_in_loss = coef / accumulation if lt in NUM_ITEMS_LOSS_TYPES else coef
+        sampling = None
+        if self.off_policy_mask_threshold is not None:
+            sampling = inputs.get("sampling_per_token_logps")
+        # the loss inside the model's forward: DDP, FSDP2, ZeRO-3 and PEFT see an ordinary
+        # forward of the lm_head and route its gradients (hf.policy_loss_through_forward)
+        extra = _model_inputs(inputs)           # a vision-language model's images
+        if self.aux_loss_enabled:
+            extra["output_router_logits"] = True
+        # Lopti: the logged terms are the batch's without the split, from the first phase's
+        # per-token values (the parameters the batch met); the second phase logs none of TRL's
+        first_phase = (self._gbc_phase is not None
+                       and self._gbc_phase == self.gbc_methods.phases[0])
+        token_out = {} if first_phase else None
+        ref_logp = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
+        dp_group = "world" if self.accelerator.num_processes > 1 else None
+        with self.accelerator.autocast():
+            loss, metrics, outputs = hf.policy_loss_through_forward(
+                model, input_ids, attention_mask, T, mask, inputs["advantages"],
+                old_logp=old_logp,
+                ref_logp=ref_logp,
+                config=self._gbc_config(coef_in_loss, lopti=self._gbc_phase is not None),
+                unwrapped=self.accelerator.unwrap_model(model), return_outputs=True,
+                model_kwargs=extra, token_scale=token_scale,
+                kl_weight=inputs.get("gbc_kl_weight"), phase=self._gbc_phase,
+                num_items_in_batch=num_items, backend=args.gbc_backend, is_ratio=is_ratio,
+                sampling_logp=sampling, old_policy=old_policy, token_out=token_out,
+                data_parallel_group=dp_group)
+        if "pass" in nthr:           # the micro-batch carries the scales its loss used
+            inputs["gbc_token_scale"] = nthr["pass"].token_scale
+            self._gbc_log_nthr(nthr["pass"].nthr, inputs["advantages"], mask)
+        logged, trl_metrics = loss.detach(), metrics        # what TRL's names log
+        if token_out is not None:
+            # every completion token once, TRL's normalisers, no vocabulary work
+            with torch.no_grad():
+                logged, trl_metrics = gbc.policy_loss(
+                    token_out["logp"], mask, inputs["advantages"], old_logp=old_logp,
+                    ref_logp=ref_logp, entropy=token_out.get("entropy"),
+                    token_scale=inputs.get("gbc_token_scale"),
+                    kl_weight=inputs.get("gbc_kl_weight"),
+                    config=self._gbc_config(coef_in_loss, lopti=False),
+                    num_items_in_batch=num_items, is_ratio=is_ratio, sampling_logp=sampling,
+                    data_parallel_group=dp_group)
+        if lt not in NUM_ITEMS_LOSS_TYPES:
+            loss = loss / accumulation
+            logged = logged / accumulation
+        log_trl = self._gbc_phase is None or first_phase
+        if self._entropy_bonus_enabled and log_trl:
+            self._gbc_entropy_bonus(mode, logged, trl_metrics, coef_in_loss, accumulation, mask)
+        if self.aux_loss_enabled:
+            # MoE load balancing, from the same forward, added as TRL adds it
+            aux = outputs.aux_loss
+            loss = loss + self.router_aux_loss_coef * aux / accumulation
+            logged = logged + self.router_aux_loss_coef * aux.detach() / accumulation
+            if log_trl:
+                self._metrics[mode]["aux_loss"].append(
+                    self.accelerator.gather_for_metrics(aux.detach()).mean().item())
+        if first_phase:           # training_step returns it: the Trainer's logged loss
+            self._gbc_logged_loss = logged.detach()
+        self._gbc_log(mode, metrics, trl_metrics if log_trl else None)
+        return loss
+
+    def _gbc_entropy_bonus(self, mode, loss, metrics, coef_in_loss, accumulation, mask):
+        """TRL's bookkeeping of the entropy bonus: its metric and adaptive coefficient."""
+        args = self.gbc_args
+        quantile = self.top_entropy_quantile < 1.0
+        h_mean = metrics["entropy_top_mean"] if quantile else metrics["entropy"]
+        total = loss.detach() * (1 if args.loss_type in NUM_ITEMS_LOSS_TYPES else accumulation)
+        policy_loss = total + coef_in_loss * h_mean
+        self._metrics[mode]["policy_loss"].append(
+            self.accelerator.gather(policy_loss).nanmean().item())
+        if self.use_adaptive_entropy and mode == "train":
+            n = mask.sum().float()
+            if quantile:
+                n = n * metrics["entropy_mask_frac"]
+            stats = torch.stack([h_mean * n, n]).detach()
+            self._entropy_window_stats = (stats if self._entropy_window_stats is None
+                                          else self._entropy_window_stats + stats)
+            if self.accelerator.sync_gradients:
+                window = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world_entropy = (window[0] / window[1].clamp(min=1.0)).item()
+                if world_entropy <= args.entropy_target:
+                    self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta,
+                                            args.entropy_coef_max)
+                else:
+                    self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta,
+                                            args.entropy_coef_min)
+                self._last_world_entropy = world_entropy
+                self._entropy_window_stats = None
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+
+    def _gbc_log(self, mode, metrics, trl_metrics=None):
+        """The loss's metrics under TRL's names (from ``trl_metrics``; none when None: Lopti's
+        second phase) and ``gbc/...`` (``metrics``: the phase's own under Lopti), one gather
+        per micro-batch."""
+        suffix = "" if self._gbc_phase is None else f"_{self._gbc_phase}"
+        lt = self.gbc_args.loss_type
+        named = {}
+        if trl_metrics is not None:
+            # TRL counts clipped tokens at token level, clipped sequences at sequence level
+            seq = "_seq" if self.gbc_args.importance_sampling_level == "sequence" else ""
+            low, high = trl_metrics["clip_frac_low" + seq], trl_metrics["clip_frac_high" + seq]
+            if lt in PPO_LOSS_TYPES:
+                named.update({"clip_ratio/low_mean": low, "clip_ratio/high_mean": high,
+                              "clip_ratio/region_mean": low + high})
+            elif lt == "cispo":
+                named["cispo_clip_ratio"] = high
+            elif lt == "vespo":
+                named["vespo/phi_seq_mean"] = trl_metrics["phi_mean"]
+            for name in ("kl", "entropy"):
+                if name in trl_metrics:
+                    named[name] = trl_metrics[name]
+        for name in ("grad_share_low", "low_frac", "ar_weight_mean", "entropy_mask_frac",
+                     "off_policy_frac", "ratio_mean", "log_ratio_mean"):
+            if name in metrics:
+                named[f"gbc/{name}{suffix}"] = metrics[name]
+        if self._gbc_phase is not None and "grad_norm_sum" in metrics:
+            named["grad_norm_sum"] = metrics["grad_norm_sum"]
+        local = torch.stack([v.detach().float().reshape(()) for v in named.values()])
+        values = self.accelerator.gather(local).view(-1, len(named)).mean(0).tolist()
+        for key, value in zip(named, values):
+            if key == "grad_norm_sum":     # summed over the window's micro-batches
+                phase = self._gbc_phase
+                self._gbc_norms[phase] = self._gbc_norms.get(phase, 0.0) + value
+            else:
+                self._metrics[mode][key].append(value)
