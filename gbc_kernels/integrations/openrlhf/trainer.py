@@ -1,0 +1,348 @@
+"""The hooks :func:`gbc_kernels.integrations.openrlhf.enable` patches into OpenRLHF and their
+state: ``Actor.forward``'s no-grad passes, the replay buffer's ``append``,
+``ActorPPOTrainer.ppo_train`` (the start-up checks and NTHR's pass) and its
+``training_step`` (the fused loss and the methods); docs/openrlhf.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from gbc_kernels import methods
+from .. import hf, patching
+from .actor import (_inner_model, _position_ids, _ring_group, fused_action_log_probs,
+                    fused_actor_loss, packed_rows)
+from .losses import ENV_OPTIONS, _get
+
+
+# what the experience carries for gbc, in its ``info`` (split and merged with the samples)
+INDEX_KEY, SCALE_KEY, KL_WEIGHT_KEY = "gbc_index", "gbc_nthr_scale", "gbc_kl_weight"
+GBC_INFO_KEYS = (INDEX_KEY, SCALE_KEY, KL_WEIGHT_KEY)
+
+# the attribute of a replay-buffer sample that holds NTHR's inputs kept from the experience
+# maker's actor pass (a methods.NTHRKeptRow; not an Experience field: it stays on the sample)
+KEPT_ATTR = "gbc_nthr_kept"
+
+_STATE = SimpleNamespace(options={}, methods=methods.MethodOptions(), nthr_heads=None,
+                         nthr_pending=[])
+_PATCHES = patching.Patches()
+
+
+def _is_reference(actor) -> bool:
+    """Whether this ``Actor`` is the reference model: a DeepSpeed engine without an optimizer,
+    or marked ``gbc_reference``."""
+    mark = getattr(actor, "gbc_reference", None)
+    if mark is not None:
+        return bool(mark)
+    engine = getattr(actor, "model", None)
+    return hasattr(engine, "module") and hasattr(engine, "optimizer") and engine.optimizer is None
+
+
+def _actor_forward(self, sequences, action_mask=None, attention_mask=None, *args, **kwargs):
+    """``Actor.forward`` with the no-grad log-prob pass fused (the reference model's, with
+    critical-token KL: ``[B, T, 2]``, unpacked by the buffer's ``append``)."""
+    rest = {k: v for k, v in kwargs.items() if k not in ("ring_attn_group", "packed_seq_lens")}
+    plain = (action_mask is not None and not args and not torch.is_grad_enabled()
+             and all(v is None or v is False for v in rest.values()))
+    reference = _is_reference(self)
+    weights = _STATE.methods.critical_kl_exponent is not None and reference
+    if plain:
+        keep = None
+        if _STATE.methods.nthr and not reference:     # the experience maker's actor pass
+            if _STATE.nthr_heads is None:
+                _STATE.nthr_heads = methods.NTHRHeadRows("cpu")
+            keep = (_STATE.nthr_heads, [])
+        out = fused_action_log_probs(self, sequences, action_mask, attention_mask,
+                                     options=_STATE.methods if weights else None,
+                                     ring_attn_group=kwargs.get("ring_attn_group"),
+                                     packed_seq_lens=kwargs.get("packed_seq_lens"),
+                                     nthr_keep=keep, logits_dtype=_STATE.methods.logits_dtype)
+        if keep is not None:                          # until the buffer's append takes it
+            _STATE.nthr_pending.append(([t.detach().cpu() for t in (
+                sequences, action_mask, attention_mask)], keep[1]))
+        return out
+    if weights:
+        raise ValueError("critical_kl_exponent: the reference model's pass is not the plain "
+                         "no-grad one (outputs, entropy or multimodal inputs requested): its "
+                         "weights cannot be computed there")
+    forward = _PATCHES.original(type(self), "forward")
+    return forward(self, sequences, action_mask, attention_mask, *args, **kwargs)
+
+
+def _buffer_append(self, experience):
+    """``NaiveReplayBuffer.append`` that first keeps NTHR's ``Experience.index`` and the
+    critical-token KL weights in the experience's ``info`` (split with its samples)."""
+    opts = _STATE.methods
+    base = experience.base_action_log_probs
+    if isinstance(base, torch.Tensor) and base.dim() == 3:
+        experience.base_action_log_probs = base[..., 0].contiguous()
+        experience.info[KL_WEIGHT_KEY] = base[..., 1].contiguous()
+    elif opts.critical_kl_exponent is not None:
+        raise ValueError("critical_kl_exponent: the experience carries no critical-token KL "
+                         "weights (the reference model's workers must run enable() with the "
+                         f"same options, e.g. through {ENV_OPTIONS}; and OpenRLHF must keep "
+                         "the reference log-probs: algo.kl.use_loss)")
+    kept = None
+    if opts.nthr:
+        if experience.index is None:
+            raise ValueError("nthr: the experience has no Experience.index (NTHR's groups); "
+                             "OpenRLHF drops it when it rebalances samples "
+                             "(train.dynamic_batch_enable)")
+        experience.info[INDEX_KEY] = torch.as_tensor(experience.index, dtype=torch.long)
+        kept = _take_pending(experience)
+    out = _PATCHES.original(type(self), "append")(self, experience)
+    if kept is not None:         # the new samples are the buffer's last ones (its limit aside)
+        new = self.items[max(0, len(self.items) - len(kept)):]
+        for item, row in zip(new, kept[len(kept) - len(new):]):
+            setattr(item, KEPT_ATTR, row)
+    return out
+
+
+def _take_pending(experience):
+    """The rows the actor's pass kept for exactly this experience's samples (its sequences
+    and masks; the experience maker's micro-batch), or None."""
+    seqs = [experience.sequences, experience.action_mask, experience.attention_mask]
+    if any(not isinstance(t, torch.Tensor) for t in seqs):
+        return None
+    seqs = [t.detach().cpu() for t in seqs]
+    for k, (saw, rows) in enumerate(_STATE.nthr_pending):
+        if all(a.shape == b.shape and torch.equal(a.to(b.dtype), b)
+               for a, b in zip(saw, seqs)):
+            del _STATE.nthr_pending[k]
+            return rows
+    return None
+
+
+def check_trainer(trainer) -> None:
+    """Refuse, naming them, the OpenRLHF settings the enabled methods cannot run with."""
+    opts, args, strategy = _STATE.methods, trainer.args, trainer.strategy
+    dynamic = bool(_get(args, "train.dynamic_batch_enable", False))
+    if opts.lopti_eta is not None:
+        gas = int(getattr(strategy, "accumulated_gradient", 1) or 1)
+        if gas > 1:
+            raise ValueError(f"lopti_eta: DeepSpeed steps only every train.batch_size / "
+                             f"(train.micro_batch_size x data-parallel size) = {gas} > 1 "
+                             f"micro-batches, which merges Lopti's two steps (set "
+                             f"train.micro_batch_size so that it is 1)")
+        if dynamic:
+            raise ValueError("lopti_eta: train.dynamic_batch_enable chooses its own optimizer "
+                             "steps; Lopti needs one per phase")
+    if dynamic and (opts.nthr or opts.critical_kl_exponent is not None):
+        name = "nthr" if opts.nthr else "critical_kl_exponent"
+        raise ValueError(f"{name}: train.dynamic_batch_enable rebalances the samples and drops "
+                         f"what the method carries on the experience")
+    if opts.nthr and int(_get(args, "ds.tensor_parallel_size", 1) or 1) > 1:
+        raise ValueError("nthr: ds.tensor_parallel_size > 1: NTHR's pass takes the whole "
+                         "lm_head on one rank")
+    opts.check_loss(bool(_get(args, "algo.kl.use_loss", False))
+                    and _get(args, "algo.kl.init_coef", 0.0), "algo.kl.use_loss and init_coef")
+
+
+@torch.no_grad()
+def nthr_pass(trainer) -> dict:
+    """NTHR's token scales for the rank's whole replay buffer, before the update's first step
+    (OpenRLHF shuffles its samples afterwards), groups ``Experience.index //
+    rollout.n_samples_per_prompt`` merged over data-parallel ranks (docs/openrlhf.md). The
+    old policy's hidden states and log-probs are those the experience maker's actor pass kept
+    (no forward) when every sample, on every rank, has them; else one no-grad actor pass over
+    the buffer (metric ``gbc/nthr_second_forward``). Each sample's scale goes into its
+    ``info[SCALE_KEY]``; returns NTHR's metrics."""
+    items = trainer.replay_buffer.items
+    if not items:
+        return {}
+    if any(INDEX_KEY not in it.info for it in items):
+        raise ValueError("nthr: the replay buffer's samples carry no Experience.index (enable() "
+                         "must run in this process before the experience is appended)")
+    n = int(_get(trainer.args, "rollout.n_samples_per_prompt", 1) or 1)
+    actor = trainer.actor
+    model, temperature = _inner_model(actor), getattr(actor, "temperature", 1.0)
+    device = next(model.parameters()).device
+    mesh = getattr(trainer.strategy, "ds_device_mesh", None)
+    group = methods.data_parallel_group(None if mesh is None else mesh["dp"].get_group())
+    kept = [getattr(it, KEPT_ATTR, None) for it in items]
+    heads = kept[0].heads if kept[0] is not None else None
+    usable = (heads is not None and not heads.stale
+              and heads.temperatures == {float(temperature)}
+              and all(k is not None and k.heads is heads and torch.equal(
+                  k.cols.long(), it.action_mask.reshape(-1).nonzero().squeeze(1).cpu())
+                      for k, it in zip(kept, items)))
+    targets = [it.sequences[-it.action_mask.shape[-1]:] for it in items]
+    extra = {}
+    if methods.every_rank(usable, group):
+        batch = methods.NTHRBatch(torch.cat([y[k.cols.long()] for k, y in zip(kept, targets)]),
+                                  group, logits_dtype=_STATE.methods.logits_dtype)
+        batch.add_kept(kept, targets, heads, device)
+        extra["gbc/nthr_kept_mb"] = (heads.nbytes() + sum(k.nbytes() for k in kept)) / 2 ** 20
+    else:
+        batch = methods.NTHRBatch(torch.cat(targets), group,
+                                  logits_dtype=_STATE.methods.logits_dtype)
+        _nthr_forward(trainer, items, batch, group, model, temperature, device)
+    extra["gbc/nthr_second_forward"] = float(not batch.tokens)
+    mask, adv = (pad_sequence([getattr(it, k) for it in items], batch_first=True)
+                 for k in ("action_mask", "advantages"))
+    gids = torch.stack([torch.as_tensor(it.info[INDEX_KEY]).reshape(()) for it in items]) // n
+    res, metrics = batch.result(mask, gids, adv, _STATE.methods)
+    for k, it in enumerate(items):
+        it.info[SCALE_KEY] = res.scale[k, :it.action_mask.shape[-1]].float().to(
+            it.action_mask.device)
+    return {**{f"gbc/{k}": float(v) for k, v in metrics.items()}, **extra}
+
+
+def _nthr_forward(trainer, items, batch, group, model, temperature, device):
+    """NTHR's own no-grad actor pass over the buffer, micro-batched as the buffer samples."""
+    from openrlhf.trainer.ppo_utils.experience import make_experience_batch
+
+    actor = trainer.actor
+    mb = max(1, int(getattr(trainer.replay_buffer, "sample_batch_size", 0) or len(items)))
+    ring = _ring_group(actor, trainer.args, getattr(trainer.strategy, "ring_attn_group", None))
+    was_training = actor.training
+    actor.eval()
+    try:
+        for i in range(0, len(items), mb):
+            exp = make_experience_batch(items[i:i + mb])
+            seq, am = exp.sequences.to(device), exp.attention_mask.to(device)
+            T = exp.action_mask.shape[1]
+            rows, valid = range(i, i + len(seq)), exp.action_mask.to(device).bool()
+
+            if getattr(actor, "packing_samples", False):
+                pk = packed_rows(seq, am, exp.action_mask.to(device), ring)
+
+                def add(h, head, softcap):      # packed: each token back at its column
+                    full = h.new_zeros(len(seq), T, h.shape[-1])
+                    full[pk.b, pk.j] = h[0, pk.p]
+                    if ring is not None:        # NTHR compares whole responses: every ring
+                        import torch.distributed as dist          # rank gets them all
+                        dist.all_reduce(full, group=ring)
+                    batch.add(rows, full, seq[:, -T:], valid, head, softcap, temperature)
+
+                hf.in_head(model, pk.input_ids, None, None, {"position_ids": pk.position_ids},
+                           add)
+                continue
+
+            def add(h, head, softcap):
+                batch.add(rows, h, seq[:, -T:], valid, head, softcap, temperature)
+
+            hf.in_head(model, seq, am, T, {"position_ids": _position_ids(am)}, add)
+    finally:
+        actor.train(was_training)
+
+
+def _ppo_train(self, kl_ctl: float):
+    """``ActorPPOTrainer.ppo_train`` after gbc's start-up checks and NTHR's pass."""
+    check_trainer(self)
+    try:
+        extra = nthr_pass(self) if _STATE.methods.nthr else {}
+        status = _PATCHES.original(type(self), "ppo_train")(self, kl_ctl)
+    finally:
+        _nthr_forget()               # the update changed the parameters
+    status.update(extra)
+    return status
+
+
+def _nthr_forget():
+    """The parameters change (or gbc is switched off): what the actor's pass kept describes
+    them no longer."""
+    if _STATE.nthr_heads is not None:
+        _STATE.nthr_heads.stale = True
+    _STATE.nthr_heads, _STATE.nthr_pending = None, []
+
+
+def _info_rows(experience, key, T, fill, option, what):
+    """``experience.info[key]``'s per-sample rows as ``[B, T]`` float32 (missing: refused)."""
+    rows = experience.info.get(key)
+    if rows is None:
+        raise ValueError(f"{option}: the experience carries no {what}")
+    out = pad_sequence([torch.as_tensor(r)[:T].float() for r in rows], batch_first=True,
+                       padding_value=fill)
+    return torch.nn.functional.pad(out, (0, T - out.shape[1]), value=fill).to(
+        experience.action_mask.device)
+
+
+def training_step(self, experience, kl_ctl: float, step: int, loss_batch_info=None):
+    """``ActorPPOTrainer.training_step`` with the fused loss (OpenRLHF's normalisation,
+    strategy, EMA and status) and the methods: Lopti's two optimizer steps, NTHR's scales and
+    the critical-token KL weights from the experience (docs/openrlhf.md)."""
+    from openrlhf.utils.loss_utils import get_loss_batch_info
+
+    opts = _STATE.methods
+    check_trainer(self)
+    self.actor.train()
+    dynamic = bool(_get(self.args, "train.dynamic_batch_enable", False))
+    if loss_batch_info is None:
+        loss_batch_info = get_loss_batch_info(self.strategy, experience.action_mask,
+                                              replay_buffer=self.replay_buffer, step=step,
+                                              dynamic_batch=dynamic)
+    if getattr(experience, "mm_train_inputs", None) and getattr(self.actor, "is_vlm", False):
+        raise ValueError("experience.mm_train_inputs: multimodal inputs are not supported by the "
+                         "fused OpenRLHF loss yet")
+    T = experience.action_mask.shape[1]
+    token_scale = _info_rows(experience, SCALE_KEY, T, 1.0, "nthr", (
+        "NTHR scales (computed by the patched ActorPPOTrainer.ppo_train, or nthr_pass(trainer), "
+        "before the update)")) if opts.nthr else None
+    kl_weight = _info_rows(experience, KL_WEIGHT_KEY, T, 0.0, "critical_kl_exponent", (
+        "critical-token KL weights (the reference pass stores them; see enable())")) \
+        if opts.critical_kl_exponent is not None else None
+    for key in GBC_INFO_KEYS:
+        experience.info.pop(key, None)
+    if dynamic and float(_get(self.args, "actor.aux_loss_coef", 0.0) or 0.0) > 1e-8:
+        raise ValueError("train.dynamic_batch_enable with actor.aux_loss_coef: the MoE loss's "
+                         "dynamic scale is not supported by the fused OpenRLHF loss")
+    do_step = not dynamic or self.replay_buffer.dynamic_optimizer_step[step]
+    sched = self.actor_scheduler
+
+    def update(phase):
+        loss, m = fused_actor_loss(self.actor, experience, self.args, kl_ctl, loss_batch_info,
+                                   token_scale=token_scale, kl_weight=kl_weight, phase=phase,
+                                   ring_attn_group=getattr(self.strategy, "ring_attn_group",
+                                                           None),
+                                   **opts.loss_options(), **_STATE.options)
+        self.strategy.backward(loss, self.actor, self.actor_optim)
+        if do_step:
+            keep = None if phase == opts.phases[-1] or sched is None else sched.state_dict()
+            self.strategy.optimizer_step(self.actor_optim, self.actor, sched, name="actor")
+            if keep is not None:                 # one scheduler step per batch: put it back
+                sched.load_state_dict(keep)
+                for group, lr in zip(sched.optimizer.param_groups, sched.get_last_lr()):
+                    group["lr"] = lr
+        return m
+
+    results = methods.each_phase(opts, update)
+    # Lopti: each phase logs the batch's terms without the split at its parameters; the step
+    # logs the first update's (the parameters the batch met, as a step without Lopti logs)
+    metrics = dict(results[0])
+    if len(results) > 1:
+        share = methods.lopti_grad_share_low([(None, {k[4:]: v for k, v in r.items()
+                                                      if k.startswith("gbc/")}) for r in results],
+                                             opts.lopti_order)
+        if share is not None:
+            metrics["gbc/lopti_grad_share_low"] = torch.tensor(share)
+    if do_step and self.ema_model:
+        self.strategy.moving_average(self.actor, self.ema_model, self.ema_beta, "cuda")
+    for k in ("ppo_clip_ratio", "ppo_kl", "vllm_kl", "is_filter_ratio", "kl"):
+        if k in metrics:
+            experience.info[k] = metrics[k].detach()
+    # OpenRLHF's status: 0-d tensors weighted by token, per-sample tensors by sample, meta as is
+    out, weights = {"actor_lr": sched.get_last_lr()[0]}, {"actor_lr": None}
+    if do_step:
+        out["actor_grad_norm"] = self.strategy.get_grad_norm(self.actor)
+        weights["actor_grad_norm"] = None
+    logged = [(k, metrics[k]) for k in ("policy_loss", "entropy_loss") if k in metrics]
+    for k, v in logged + list(experience.info.items()) + [
+            (k, v) for k, v in metrics.items() if k.startswith("gbc/")]:
+        if isinstance(v, torch.Tensor):
+            out[k], weights[k] = v, "token" if v.dim() == 0 else "sample"
+        elif isinstance(v, list):
+            out[k], weights[k] = torch.tensor(v, dtype=torch.float), "sample"
+    cls = type(experience)
+    for f in dataclasses.fields(cls):
+        value = getattr(experience, f.name)
+        if (f.name not in {"rewards", "scores"} and cls.is_episode_tensor_field(f.name)
+                and isinstance(value, torch.Tensor) and f.name not in out):
+            out[f.name], weights[f.name] = value, "sample"
+    mask = experience.action_mask
+    return {"metrics": out, "weights": weights, "num_samples": float(mask.shape[0]),
+            "num_action_tokens": float(mask.sum().item())}
