@@ -183,6 +183,30 @@ def _free_port():
 SPAWN_TIMEOUT_S = float(os.environ.get("GBC_TEST_SPAWN_TIMEOUT", "3600"))
 
 
+# The ranks' start method. A spawned rank is a fresh interpreter that imports torch,
+# transformers' model code, and the trainer (verl, megatron-core) again: 5-10 s per run, most of
+# a short test. A forkserver imports them once (the preload below) and forks every rank from it,
+# so each rank starts with them imported, in a process that has run nothing else (no threads, no
+# process group, no test's patches: the same clean start as a spawned one). The rank takes the
+# test's environment as it is at the call (a spawned one inherits it; a forked one would have
+# the forkserver's).
+# GBC_TEST_START_METHOD=spawn restores spawning.
+_START_METHOD = os.environ.get("GBC_TEST_START_METHOD", "forkserver")
+_PRELOAD = ("torch", "torch.distributed", "transformers",
+            "transformers.models.qwen2.modeling_qwen2", "gbc_kernels", "gbc_reference",
+            "verl", "megatron.core")
+
+
+def _spawn_context():
+    ctx = mp.get_context(_START_METHOD)
+    if _START_METHOD == "forkserver":
+        import importlib.util
+
+        ctx.set_forkserver_preload([m for m in _PRELOAD
+                                    if importlib.util.find_spec(m.split(".")[0]) is not None])
+    return ctx
+
+
 def spawn_gloo(world, target, *args):
     """Run ``target(rank, world, *args)`` in ``world`` spawned processes joined in a gloo
     process group; return each rank's return value, by rank. ``target`` must be a module-level
@@ -195,11 +219,12 @@ def spawn_gloo(world, target, *args):
     import tempfile
     import time
 
-    ctx = mp.get_context("spawn")
+    ctx = _spawn_context()
     q = ctx.Queue()
     folder = tempfile.mkdtemp(prefix="gbc_gloo_")
     store, port = os.path.join(folder, "store"), _free_port()
-    procs = [ctx.Process(target=_init_and_run, args=(r, world, port, store, target, args, q))
+    env = dict(os.environ)        # a forked rank has the forkserver's environment: give it ours
+    procs = [ctx.Process(target=_init_and_run, args=(r, world, port, store, target, args, q, env))
              for r in range(world)]
     try:
         for p in procs:
@@ -227,11 +252,14 @@ def spawn_gloo(world, target, *args):
     return [torch.load(io.BytesIO(got[r]), weights_only=False) for r in range(world)]
 
 
-def _init_and_run(rank, world, port, store, target, args, q):
+def _init_and_run(rank, world, port, store, target, args, q, env):
+    os.environ.clear()
+    os.environ.update(env)
     # MASTER_ADDR / MASTER_PORT for code under test that reads them; the group meets by file
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)      # a forked rank imported torch before OMP_NUM_THREADS was set
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         buf = io.BytesIO()        # plain bytes: no shared-memory handles outliving the process
