@@ -57,7 +57,8 @@ TRAINERS = {
                  ["openrlhf", "transformers", "deepspeed", "ray", "peft"]),
     "skyrl": ("skyrl", ["tests/test_skyrl*.py"],
               ["skyrl", "transformers", "peft", "ray", "tensordict", "megatron-core"]),
-    "areal": ("areal", [], ["areal", "transformers"]),
+    "areal": ("areal", ["tests/test_areal.py"],
+              ["areal", "transformers", "peft", "ray", "omegaconf", "hydra-core"]),
 }
 # the releases users hold (issue 51); a row per (trainer, release)
 MATRIX = [
@@ -67,7 +68,7 @@ MATRIX = [
     ("skyrl", "0.3.0"), ("skyrl", "0.4.0"),
     ("areal", "1.0.4"),
 ]
-NO_ADAPTER = {"areal": "no adapter yet: gbc_kernels has no AReaL integration"}
+NO_ADAPTER = {}
 
 CPU_INSTALL_NOTE = """\
 verl, OpenRLHF, SkyRL and AReaL pull GPU-only packages through their own requirements (vLLM,

@@ -12,7 +12,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gbc_kernels.integrations import releases  # noqa: E402
 
-UNTESTED = {"trl": "1.13.0", "verl": "0.8.0", "openrlhf": "0.10.4", "skyrl": "0.4.0"}
+UNTESTED = {"trl": "1.13.0", "verl": "0.8.0", "openrlhf": "0.10.4", "skyrl": "0.4.0",
+            "areal": "1.1.0"}
 
 
 def _refused(dist, version):
@@ -48,6 +49,8 @@ def _switch_on_check(dist):
         from gbc_kernels.integrations.verl.engine import check_verl_version as check
     elif dist == "openrlhf":
         from gbc_kernels.integrations.openrlhf import check_openrlhf_version as check
+    elif dist == "areal":
+        from gbc_kernels.integrations.areal import check_areal_version as check
     else:
         from gbc_kernels.integrations.skyrl import check_skyrl_version as check
     return check
@@ -123,3 +126,4 @@ def test_skyrl_enable_refuses_an_untested_release(monkeypatch):
         gsky.enable(nthr=True)
     assert (fw.PolicyWorker, fw.RefWorker) == workers  # nothing patched
     assert ENV not in os.environ
+

@@ -2,8 +2,9 @@
 
 A drop-in replaces or wraps a trainer's classes and functions, which change between releases;
 one run on a release it was not tested on could train with a method silently missing. So each
-switch-on (TRL's ``GBCGRPOTrainer``, verl's engine, OpenRLHF's and SkyRL's ``enable``) compares
-the installed release's ``major.minor`` with :data:`TESTED` and refuses any other by name.
+switch-on (TRL's ``GBCGRPOTrainer``, verl's engine, OpenRLHF's, SkyRL's and AReaL's
+``enable``) compares the installed release's ``major.minor`` with :data:`TESTED` and refuses
+any other by name.
 ``docs/compatibility.md`` lists what ``make compat`` ran on each release.
 """
 
@@ -18,6 +19,7 @@ TESTED = {
     "verl": ("0.9",),
     "openrlhf": ("0.11",),
     "skyrl": ("0.3",),
+    "areal": ("1.0",),
 }
 
 

@@ -1,0 +1,106 @@
+"""AReaL 1.0.4 (docs/areal.md): gbc's head inside AReaL's FSDP PPO actor
+(:class:`.engine.GBCFSDPPPOActor`: the log-probs and entropy of every pass from the hidden
+states and the lm_head's weight, no ``[N, V]`` logits; AReaL's own loss on them), the method
+options as AReaL's engine takes them (:mod:`.losses`), switched on by :func:`enable` in the
+script that builds AReaL's ``PPOTrainer``.
+
+This package imports without AReaL; :class:`GBCFSDPPPOActor` imports it when first used.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .losses import ENV, OPTIONS_ENV, REFUSED_METHODS, check_options, options_from_env
+
+__all__ = ["ENV", "OPTIONS_ENV", "REFUSED_METHODS", "GBCFSDPPPOActor", "check_areal_version",
+           "enable", "disable"]
+
+_SAVED = {}
+
+
+def enable(config=None, **method_options):
+    """Make AReaL's trainer build gbc's actor: ``areal.engine.FSDPPPOActor`` (the name
+    ``PPOTrainer._create_train_engine`` imports for the actor, the reference model and a
+    train-type teacher under ``backend=fsdp``) becomes :class:`GBCFSDPPPOActor`. Call it
+    before ``PPOTrainer(...)``; under AReaL's SPMD launcher every rank runs the script, so
+    every rank switches on; under its single controller the workers import the class by its
+    path and get the options through the actor's scheduling specs
+    (:meth:`GBCFSDPPPOActor.as_controller`).
+
+    ``method_options``: ``ar_alpha=0.3``, ``logits_dtype="float32"`` (the method layer's
+    names; a value set in ``GBC_AREAL_OPTIONS`` is used when none are given). ``config``:
+    AReaL's experiment config (its ``actor`` section, or the actor config itself), checked
+    now (:func:`.losses.check_options`). A bad option, an option AReaL's flow cannot run, an
+    untested AReaL release or a missing AReaL stops here, naming it. Returns the options."""
+    from gbc_kernels import methods
+
+    try:
+        import areal.engine as areal_engine
+        from areal.engine import fsdp_engine
+    except ImportError as err:
+        raise ImportError(f"{ENV}: gbc's AReaL engine needs AReaL 1.0.4's FSDP engine "
+                          f"(pip install --no-deps areal==1.0.4, and what it imports: "
+                          f"docs/areal.md): {err}") from err
+    check_areal_version()
+    if method_options:
+        text = ",".join(f"{k}={_text(v)}" for k, v in method_options.items())
+    else:
+        text = os.environ.get(OPTIONS_ENV, "")
+    opts = methods.MethodOptions.parse(text, OPTIONS_ENV)
+    check_options(None if config is None else getattr(config, "actor", None) or config, opts)
+    from .engine import GBCFSDPPPOActor
+
+    if not _SAVED:
+        _SAVED.update(engine=areal_engine.__dict__.get("FSDPPPOActor"),
+                      fsdp=fsdp_engine.FSDPPPOActor,
+                      env={k: os.environ.get(k) for k in (ENV, OPTIONS_ENV)})
+    os.environ[ENV], os.environ[OPTIONS_ENV] = "1", text
+    areal_engine.FSDPPPOActor = GBCFSDPPPOActor      # areal.engine's lazy name, cached
+    fsdp_engine.FSDPPPOActor = GBCFSDPPPOActor
+    return opts
+
+
+def disable():
+    """Undo :func:`enable` in this process (AReaL's own actor again)."""
+    if not _SAVED:
+        return
+    import areal.engine as areal_engine
+    from areal.engine import fsdp_engine
+
+    if _SAVED["engine"] is None:
+        areal_engine.__dict__.pop("FSDPPPOActor", None)
+    else:
+        areal_engine.FSDPPPOActor = _SAVED["engine"]
+    fsdp_engine.FSDPPPOActor = _SAVED["fsdp"]
+    for k, v in _SAVED["env"].items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    _SAVED.clear()
+
+
+def _text(value) -> str:
+    if value is True or value is False:
+        return str(value).lower()
+    return "float32" if str(value) == "torch.float32" else str(value)
+
+
+def check_areal_version(version=None) -> str:
+    """AReaL's installed version, refused by name unless ``releases.TESTED["areal"]``
+    (:func:`enable` checks it before it patches anything)."""
+    from gbc_kernels.integrations.releases import check_release
+
+    return check_release("areal", version,
+                         why="gbc subclasses its FSDP actor and replaces its engine's "
+                             "micro-batch loop, which change between releases",
+                         off="leave enable() out to run AReaL's own actor")
+
+
+def __getattr__(name):
+    if name == "GBCFSDPPPOActor":
+        from .engine import GBCFSDPPPOActor
+
+        return GBCFSDPPPOActor
+    raise AttributeError(name)

@@ -1,0 +1,130 @@
+"""gbc's head inside AReaL 1.0.4's FSDP PPO actor (docs/areal.md).
+
+:class:`GBCFSDPPPOActor` is AReaL's ``FSDPPPOActor`` with one change: the model runs to its
+final norm, and the lm_head's forward computes, from the hidden states and the head's weight,
+the log-probs (and entropy) of the packed micro-batch's rolled labels with gbc's fused pass
+(:func:`gbc_kernels.fused_linear_logprobs`), chunk by chunk: no ``[N, V]`` logits. AReaL's
+own code does everything else — micro-batching and packing, Ulysses sequence parallelism, its
+loss functions (``grpo_loss_fn`` and what it calls, with every ``PPOActorConfig`` option), its
+token-mean scaling, its metrics — on those log-probs, so the update and the ``compute_logp``
+passes (old policy, proximal policy, reference) equal AReaL's on the same batch.
+
+The method options (``GBC_AREAL_OPTIONS``, :func:`gbc_kernels.integrations.areal.enable`)
+act on the advantages AReaL's loss receives (:mod:`.losses`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from areal.engine.fsdp_engine import FSDPPPOActor
+
+from gbc_kernels import fused_linear_logprobs
+from gbc_kernels.integrations import hf
+
+from .losses import (OPTIONS_ENV, check_engine, check_options, method_loss_fn, options_from_env)
+
+
+class GBCFSDPPPOActor(FSDPPPOActor):
+    """AReaL's FSDP PPO actor with gbc's head (module docstring). Reads its method options
+    from ``GBC_AREAL_OPTIONS`` when built (AReaL's single controller builds it in its worker
+    processes, which :meth:`as_controller` gives the options)."""
+
+    def __init__(self, config):
+        self.gbc_options = options_from_env()
+        check_options(config, self.gbc_options)
+        super().__init__(config)
+
+    @classmethod
+    def as_controller(cls, config, scheduler):
+        """AReaL's controller for this class, with this process's ``GBC_AREAL_OPTIONS`` put
+        into every scheduling spec's ``env_vars``: the worker processes that build the engine
+        read the options the controller was switched on with."""
+        check_options(config, options_from_env())
+        text = os.environ.get(OPTIONS_ENV, "")
+        for spec in getattr(config, "scheduling_spec", ()) or ():
+            spec.env_vars = {**(spec.env_vars or {}), OPTIONS_ENV: text}
+        return super().as_controller(config, scheduler)
+
+    def initialize(self, *args, **kwargs):
+        check_engine(self)
+        return super().initialize(*args, **kwargs)
+
+    # -- AReaL's loop over micro-batches, with gbc's head --------------------------------------
+    def forward_backward_batch(self, mb_list, process_output_fn, forward_only=False):
+        """AReaL's ``FSDPEngine.forward_backward_batch`` (tree training refused at
+        :meth:`initialize`), the model's forward run with the lm_head's forward replaced by
+        gbc's fused log-prob pass over this rank's rows; ``process_output_fn`` receives
+        ``[N, 1]`` zeros tied to that pass in place of the logits, and the log-probs come from
+        :meth:`_gbc_rows`."""
+        from areal.utils.perf_tracer import trace_scope
+
+        for mb_item in mb_list:
+            inputs, ctx = self._prepare_mb_inputs(mb_item)
+            labels = inputs.get("rolled_input_ids",
+                                torch.roll(inputs["input_ids"], shifts=-1, dims=-1))
+            labels = labels.reshape(-1)
+            inner = hf.unwrap(self.model)
+            captured = {}
+
+            def head_forward(hidden, *args, **kwargs):
+                head = hf.lm_head(inner)          # as FSDP2 holds it during this forward
+                h = hidden.reshape(-1, hidden.shape[-1]).to(head.weight.dtype)
+                logp, entropy = fused_linear_logprobs(
+                    h, head.weight, labels.to(h.device), head.bias,
+                    temperature=self.config.temperature, return_entropy=not forward_only,
+                    logit_softcap=hf.logit_softcap(inner),
+                    logits_dtype=self.gbc_options.logits_dtype)
+                captured["rows"] = (logp, entropy)
+                stand_in = hidden[..., :1] * 0
+                return stand_in + (logp.sum() * 0).to(hidden.dtype) if logp.requires_grad \
+                    else stand_in
+
+            with trace_scope("fsdp_engine.forward"), hf.replaced_head_forward(inner,
+                                                                               head_forward):
+                outputs = self.model(**inputs)
+            if "rows" not in captured:
+                raise RuntimeError("model: its forward did not call its lm_head")
+            self._gbc_captured = captured["rows"]
+            loss = process_output_fn(outputs.logits.squeeze(0), ctx.to_dict())
+            self._gbc_captured = None
+            if not forward_only and loss is not None:
+                with trace_scope("fsdp_engine.backward"):
+                    loss.backward()
+
+    def _gbc_rows(self, ctx):
+        """This micro-batch's log-probs and entropy as AReaL's ``_compute_logprobs_entropy``
+        returns them: gathered over the Ulysses group, its padding and the micro-batch's
+        padding removed."""
+        logp, entropy = self._gbc_captured
+        if self.parallel_helper.sp_size > 1:
+            logp = self._sp_all_gather(logp)
+            entropy = None if entropy is None else self._sp_all_gather(entropy)
+            if ctx.ulysses_pad_size > 0:
+                logp = logp[:-ctx.ulysses_pad_size]
+                entropy = None if entropy is None else entropy[:-ctx.ulysses_pad_size]
+        if ctx.pad_length > 0:
+            logp = logp[:-ctx.pad_length]
+            entropy = None if entropy is None else entropy[:-ctx.pad_length]
+        return logp, entropy
+
+    def _compute_logprobs_and_loss(self, logits, ctx, loss_fn, loss_weight_fn,
+                                   total_loss_weight, loss_multiplier=1.0):
+        """AReaL's (same scaling: the micro-batch's loss weight over the batch's, times
+        ``loss_multiplier``), on gbc's log-probs; the loss function gets no per-token min/max
+        logits (``vocab_min_logits`` / ``vocab_max_logits``: None, so AReaL logs neither)."""
+        local_weight = loss_weight_fn(ctx.mb_input)
+        if local_weight == 0:
+            return logits.mean() * 0.0
+        logp, entropy = self._gbc_rows(ctx)
+        loss_fn = method_loss_fn(loss_fn, self.gbc_options)
+        loss = loss_fn(logp, entropy, ctx.mb_input, vocab_min_logits=None,
+                       vocab_max_logits=None)
+        # the stand-in keeps FSDP2's hooks on the forward's output in the backward graph
+        loss = loss + logits.float().sum() * 0
+        return loss * (local_weight / total_loss_weight * loss_multiplier)
+
+    def _compute_forward_result(self, logits, ctx):
+        """``compute_logp``'s rows: gbc's log-probs of the micro-batch."""
+        return self._gbc_rows(ctx)[0]

@@ -1,0 +1,366 @@
+"""gbc's AReaL engine (gbc_kernels.integrations.areal, docs/areal.md) against AReaL 1.0.4's own
+FSDP PPO actor: the same checkpoint, the same RLVR-shaped batch, AReaL's own compute_logp ->
+compute_advantages -> ppo_update, on gloo with FSDP2 and ``attn_impl="sdpa"``; the proximal
+log-probs, every metric AReaL logs and every parameter after the update must agree.
+
+AReaL pins torch<2.11 and transformers<=5.3: its tests run in its own venv (``make compat
+ONLY=areal``, compat/sets/areal-1.0.4.txt; CI runs that row); where AReaL is not installed
+this file is skipped.
+"""
+
+from __future__ import annotations
+
+import os
+
+# AReaL wraps its log-prob gathers in torch.compile at import; on a CPU machine without a
+# warm inductor cache that compiles C++ for minutes. Eager runs the same math.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+areal = pytest.importorskip("areal", reason="AReaL runs in its own venv: make compat ONLY=areal")
+
+from conftest import logits_dtypes_seen, spawn_gloo  # noqa: E402
+
+V = 1000
+SKIP_STATS = ("time", "perf", "vocab_min_logits", "vocab_max_logits")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny untied Qwen2 and a word-level tokenizer (AReaL loads both from ``path``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    path = str(tmp_path_factory.mktemp("tiny_areal"))
+    vocab = {f"t{i}": i for i in range(V - 2)}
+    vocab["<pad>"], vocab["<eos>"] = V - 2, V - 1
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>",
+                            eos_token="<eos>").save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False, eos_token_id=V - 1, pad_token_id=V - 2)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def make_config(path, **kw):
+    from areal.api.cli_args import MicroBatchSpec, NormConfig, OptimizerConfig, PPOActorConfig
+
+    base = dict(experiment_name="gbc", trial_name="t0", path=path, attn_impl="sdpa",
+                dtype="float32", optimizer_dtype="float32", backend="fsdp:d1",
+                optimizer=OptimizerConfig(type="sgd", lr=0.5, weight_decay=0.0,
+                                          gradient_clipping=1e9,
+                                          lr_scheduler_type="constant"),
+                mb_spec=MicroBatchSpec(n_mbs=2), ppo_n_minibatches=1, eps_clip=0.2,
+                kl_ctl=0.0, reward_norm=NormConfig(mean_level="group", std_level="group",
+                                                   group_size=4),
+                adv_norm=NormConfig(mean_level="batch", std_level="batch"))
+    base.update(kw)
+    return PPOActorConfig(**base)
+
+
+def make_batch(seed, n=8):
+    """``n`` trajectories with the keys of AReaL's RLVRWorkflow: prompt then response, the
+    behaviour policy's (stale) log-probs on the response, versions, a 0/1 reward."""
+    g = torch.Generator().manual_seed(seed)
+    batch = []
+    for i in range(n):
+        P, R = 3 + i % 3, 5 + (3 * i) % 6
+        ids = torch.randint(0, V - 2, (P + R,), generator=g, dtype=torch.int32)
+        lp = torch.zeros(P + R)
+        lp[P:] = torch.randn(R, generator=g) - 6.9       # about log(1/V), spread
+        ver = torch.full((P + R,), -1, dtype=torch.int32)
+        ver[P:] = 0
+        traj = dict(input_ids=ids, loss_mask=torch.cat([torch.zeros(P), torch.ones(R)]).int(),
+                    logprobs=lp, versions=ver, attention_mask=torch.ones(P + R, dtype=torch.bool),
+                    rewards=torch.tensor(float((i * 7 + seed) % 3 == 0)))
+        batch.append({k: v.unsqueeze(0) for k, v in traj.items()})
+    return batch
+
+
+def _rs(**kw):
+    from areal.api.cli_args import RejectionSamplingConfig
+
+    return RejectionSamplingConfig(**kw)
+
+
+# AReaL's loss options, each run through its own grpo_loss_fn on both engines
+VARIANTS = {
+    "decoupled-clamp-dual-clip-2-minibatches": dict(
+        use_decoupled_loss=True, eps_clip_higher=0.28, c_clip=2.0, ppo_n_minibatches=2,
+        rejection_sampling=_rs(level="token", action="clamp", metric="ratio", upper=2.0)),
+    "decoupled-token-mask-kl3": dict(
+        use_decoupled_loss=True, prox_logp_method="metrics",
+        rejection_sampling=_rs(level="token", action="mask", metric="kl_k3", upper=0.5)),
+    "decoupled-gspo-sequence-mask": dict(
+        use_decoupled_loss=True, importance_sampling_level="sequence",
+        rejection_sampling=_rs(level="sequence", action="mask", metric="ratio", upper=1.5)),
+    "decoupled-loglinear": dict(use_decoupled_loss=True, prox_logp_method="loglinear"),
+    "coupled-recompute-m2po": dict(recompute_logprob=True, m2_threshold=0.04),
+    "coupled-sapo": dict(use_sapo_loss=True, sapo_tau_pos=1.0, sapo_tau_neg=1.05),
+    "coupled-clip-temperature": dict(eps_clip=0.1, temperature=0.7),
+}
+
+
+def _params(engine):
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in engine.model.named_parameters()}
+
+
+def _step(cls, path, cfg_kw, seed, prox_shift=0.0, ar_alpha=None, options=""):
+    """One AReaL RL step (compute_logp, compute_advantages, ppo_update) with actor class
+    ``cls``; ``prox_shift`` moves the proximal log-probs (a stale proximal policy: clips and
+    dual clips fire); ``ar_alpha``: AR applied by hand to the advantages (the oracle)."""
+    from areal.api.io_struct import FinetuneSpec
+    from areal.utils import stats_tracker
+
+    from gbc_kernels.integrations.areal import OPTIONS_ENV
+
+    os.environ[OPTIONS_ENV] = options
+    eng = cls(make_config(path, **cfg_kw))
+    eng.create_process_group()
+    eng.initialize(addr=None, ft_spec=FinetuneSpec(total_train_epochs=1, dataset_size=8,
+                                                   train_batch_size=8))
+    batch = make_batch(seed)
+    with logits_dtypes_seen() as seen:
+        prox = eng.compute_logp(batch)
+    g = torch.Generator().manual_seed(99)
+    for traj, lp in zip(batch, prox):
+        traj["prox_logp"] = lp + prox_shift * torch.randn(lp.shape, generator=g)
+    adv = eng.compute_advantages(batch)
+    if ar_alpha is not None:
+        for traj in adv:
+            p = torch.exp(traj["prox_logp"])
+            traj["advantages"] = traj["advantages"] * (ar_alpha * p + 1 - ar_alpha)
+    stats_tracker.export_all(reset=True)
+    with logits_dtypes_seen() as seen_update:
+        eng.ppo_update(adv)
+    stats = stats_tracker.export_all(reset=True)
+    params = _params(eng)
+    eng.destroy()
+    return dict(prox=[p.clone() for p in prox], stats=stats, params=params,
+                seen=seen + seen_update)
+
+
+def _compare(ours, theirs, start=None, skip=()):
+    worst = max((a - b).abs().max().item() for a, b in zip(ours["prox"], theirs["prox"]))
+    assert worst < 1e-5, worst
+    s0, s1 = theirs["stats"], ours["stats"]
+    want = {k for k in s0 if not any(x in k for x in SKIP_STATS + skip)}
+    have = {k for k in s1 if not any(x in k for x in SKIP_STATS + skip)}
+    assert want == have, (sorted(want - have), sorted(have - want))
+    bad = {k: (s0[k], s1[k]) for k in want
+           if abs(s0[k] - s1[k]) > 1e-4 * max(1.0, abs(s0[k]))}
+    assert not bad, bad
+    assert not [k for k in s1 if "vocab_m" in k]      # documented: not logged by gbc
+    for n, p in theirs["params"].items():
+        torch.testing.assert_close(ours["params"][n], p, rtol=1e-4, atol=1e-6, msg=n)
+    if start is not None:
+        moved = max((theirs["params"][n] - start[n]).abs().max().item() for n in start)
+        assert moved > 1e-3, moved
+
+
+def _worker_variants(rank, world, path, cfg_kw, seed, prox_shift):
+    from areal.engine.fsdp_engine import FSDPPPOActor
+
+    from gbc_kernels.integrations.areal.engine import GBCFSDPPPOActor
+
+    theirs = _step(FSDPPPOActor, path, cfg_kw, seed, prox_shift)
+    ours = _step(GBCFSDPPPOActor, path, cfg_kw, seed, prox_shift)
+    return theirs, ours
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_update_equals_areals_own(tiny, variant):
+    """Every loss option through AReaL's own grpo_loss_fn: the proximal log-probs, every
+    metric AReaL logs (but its per-token min/max logits) and every parameter after the update
+    equal AReaL's stock actor's; the update moved the parameters."""
+    from transformers import AutoModelForCausalLM
+
+    shift = 0.7 if VARIANTS[variant].get("use_decoupled_loss") else 0.0
+    theirs, ours = spawn_gloo(1, _worker_variants, tiny, VARIANTS[variant], 1, shift)[0]
+    start = dict(AutoModelForCausalLM.from_pretrained(tiny).named_parameters())
+    _compare(ours, theirs, {n: p.detach() for n, p in start.items()})
+    s = theirs["stats"]
+    if variant.startswith("decoupled-clamp"):      # the clip, the dual clip and RS all acted
+        assert s["ppo_actor/update/clip_ratio/avg"] > 0
+        assert s["ppo_actor/update/dual_clip_ratio/avg"] > 0
+    if "mask" in variant:
+        assert s["ppo_actor/update/rs_filtered_fraction"] > 0
+    assert set(ours["seen"]) == {None} and len(ours["seen"]) >= 2
+
+
+def _worker_ar(rank, world, path):
+    from areal.engine.fsdp_engine import FSDPPPOActor
+
+    from gbc_kernels.integrations.areal.engine import GBCFSDPPPOActor
+
+    cfg = dict(use_decoupled_loss=True, eps_clip_higher=0.28,
+               rejection_sampling=_rs(level="token", action="clamp", metric="ratio", upper=2.0))
+    by_hand = _step(FSDPPPOActor, path, cfg, 3, 0.5, ar_alpha=0.3)
+    plain = _step(FSDPPPOActor, path, cfg, 3, 0.5)
+    ours = _step(GBCFSDPPPOActor, path, cfg, 3, 0.5, options="ar_alpha=0.3")
+    return by_hand, plain, ours
+
+
+def test_ar_equals_areals_step_on_ars_advantages(tiny):
+    """AR through gbc's engine = AReaL's stock step on advantages times
+    ``0.3 exp(prox_logp) + 0.7`` (applied by hand); and it acts (differs from the plain
+    step). AReaL's ``advantages`` metric (logged before the loss) stays the advantages
+    AReaL computed: gbc weights them inside the loss."""
+    by_hand, plain, ours = spawn_gloo(1, _worker_ar, tiny)[0]
+    _compare(ours, by_hand, skip=("ppo_actor/advantages/",))
+    for k in ("ppo_actor/advantages/max", "ppo_actor/advantages/min"):
+        assert ours["stats"][k] == plain["stats"][k]
+    diff = max((plain["params"][n] - ours["params"][n]).abs().max().item()
+               for n in plain["params"])
+    assert diff > 1e-4, diff
+
+
+def _worker_float32(rank, world, path):
+    from gbc_kernels.integrations.areal.engine import GBCFSDPPPOActor
+
+    cfg = dict(recompute_logprob=True)
+    return (_step(GBCFSDPPPOActor, path, cfg, 5)["seen"],
+            _step(GBCFSDPPPOActor, path, cfg, 5, options="logits_dtype=float32")["seen"])
+
+
+def test_logits_dtype_reaches_every_pass(tiny):
+    """``logits_dtype=float32`` reaches compute_logp and every micro-batch of the update (a
+    float32 model: the numbers cannot show it, the sweeps' mode does)."""
+    default, float32 = spawn_gloo(1, _worker_float32, tiny)[0]
+    assert set(default) == {None} and set(float32) == {torch.float32}
+    assert len(default) == len(float32) >= 4
+
+
+def _worker_parallel(rank, world, path, backend):
+    from areal.engine.fsdp_engine import FSDPPPOActor
+
+    from gbc_kernels.integrations.areal.engine import GBCFSDPPPOActor
+
+    seed = 1 + (rank if backend == "fsdp:d2" else 0)      # Ulysses ranks share a batch
+    cfg = dict(backend=backend, use_decoupled_loss=True, c_clip=2.0,
+               rejection_sampling=_rs(level="token", action="clamp", metric="ratio", upper=2.0))
+    return (_step(FSDPPPOActor, path, cfg, seed, 0.5),
+            _step(GBCFSDPPPOActor, path, cfg, seed, 0.5))
+
+
+@pytest.mark.parametrize("backend", ["fsdp:d2", "fsdp:d1c2"])
+def test_two_ranks_equal_areals_own(tiny, backend):
+    """2 gloo ranks, data parallel (each rank its own batch) and Ulysses sequence parallel
+    (AReaL's ``c`` dimension: each rank a slice of every packed micro-batch, the log-probs
+    all-gathered): gbc's step equals AReaL's on every rank; the ranks end in sync."""
+    ranks = spawn_gloo(2, _worker_parallel, tiny, backend)
+    for theirs, ours in ranks:
+        _compare(ours, theirs)
+    for n, p in ranks[0][1]["params"].items():
+        assert torch.equal(p, ranks[1][1]["params"][n]), n
+
+
+# ---- the switch-on, through AReaL's own loading path ----------------------------------------
+
+@pytest.fixture
+def switched(monkeypatch):
+    from gbc_kernels.integrations import areal as gbc_areal
+
+    monkeypatch.setenv("AREAL_SPMD_MODE", "1")
+    yield gbc_areal
+    gbc_areal.disable()
+
+
+def _worker_trainer_path(rank, world, path, options):
+    from areal.api.alloc_mode import ModelAllocation
+    from areal.trainer.rl_trainer import PPOTrainer
+
+    from gbc_kernels.integrations import areal as gbc_areal
+
+    os.environ["AREAL_SPMD_MODE"] = "1"
+    gbc_areal.enable(**options)
+    actor = PPOTrainer._create_train_engine(None, make_config(path),
+                                            ModelAllocation.from_str("fsdp:d1", name="actor"))
+    out = (type(actor).__module__, type(actor).__name__, actor.gbc_options.ar_alpha)
+    gbc_areal.disable()
+    return out
+
+
+def test_enable_makes_areals_trainer_build_gbcs_actor(tiny):
+    """``enable()`` then AReaL's own ``PPOTrainer._create_train_engine`` (the function that
+    builds the actor and the reference engine) builds gbc's actor, with the options."""
+    mod, name, alpha = spawn_gloo(1, _worker_trainer_path, tiny, dict(ar_alpha=0.25))[0]
+    assert (mod, name, alpha) == ("gbc_kernels.integrations.areal.engine", "GBCFSDPPPOActor",
+                                  0.25)
+
+
+def test_single_controller_workers_get_the_class_and_the_options(tiny, switched):
+    """AReaL's single controller sends its workers the class's import path and the actor
+    config's scheduling specs: the path imports gbc's class (AReaL's own import_from_string)
+    and the specs carry the options."""
+    from areal.utils.dynamic_import import import_from_string
+
+    switched.enable(ar_alpha=0.2)
+    from areal.engine import FSDPPPOActor
+
+    cfg = make_config(tiny)
+    ctl = FSDPPPOActor.as_controller(cfg, None)
+    cls = ctl.train_engine
+    assert import_from_string(f"{cls.__module__}.{cls.__name__}") is cls
+    assert cls.__name__ == "GBCFSDPPPOActor"
+    assert all(s.env_vars[switched.OPTIONS_ENV] == "ar_alpha=0.2" for s in cfg.scheduling_spec)
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(ar_alpha=2.0), "GBC_AREAL_OPTIONS: ar_alpha: expected a float >= 0.0 and <= 1.0"),
+    (dict(lopti_eta=0.5), "GBC_AREAL_OPTIONS: lopti_eta=0.5 is refused in AReaL"),
+    (dict(nthr=True), "GBC_AREAL_OPTIONS: nthr=True is refused in AReaL"),
+    (dict(critical_kl_exponent=2.0), "critical_kl_exponent=2.0 is refused in AReaL"),
+    (dict(logits_dtype="float16"), "logits_dtype"),
+])
+def test_bad_or_refused_option_stops_enable(switched, options, match):
+    with pytest.raises(ValueError, match=match):
+        switched.enable(**options)
+
+
+@pytest.mark.parametrize("cfg_kw,match", [
+    (dict(importance_sampling_level="sequence"), "importance_sampling_level='sequence'"),
+    (dict(use_decoupled_loss=True, prox_logp_method="loglinear"), "loglinear"),
+    (dict(enable_tree_training=True), "enable_tree_training"),
+])
+def test_option_ar_cannot_run_under_is_refused_by_the_engine(tiny, cfg_kw, match, monkeypatch):
+    """Refused where the engine is built (AReaL's workers build it from the env), naming
+    AReaL's option, before any model is loaded."""
+    from gbc_kernels.integrations.areal import OPTIONS_ENV
+    from gbc_kernels.integrations.areal.engine import GBCFSDPPPOActor
+
+    monkeypatch.setenv(OPTIONS_ENV, "ar_alpha=0.3")
+    with pytest.raises(ValueError, match=match):
+        GBCFSDPPPOActor(make_config(tiny, **cfg_kw))
+
+
+def test_untested_release_is_refused_by_name(switched):
+    from gbc_kernels.integrations.areal import check_areal_version
+
+    import importlib.metadata
+
+    assert importlib.metadata.version("areal").startswith("1.0.")
+    assert check_areal_version() == importlib.metadata.version("areal")
+    with pytest.raises(RuntimeError, match=r"areal 1\.1\.0: gbc's drop-in is tested on areal "
+                                           r"1\.0\.x"):
+        check_areal_version("1.1.0")
+
+
+def test_enable_refuses_an_untested_release_before_patching(switched, monkeypatch):
+    import areal.engine as areal_engine
+
+    from gbc_kernels.integrations import releases
+
+    before = areal_engine.FSDPPPOActor
+    monkeypatch.setattr(releases, "installed", lambda d: "1.1.0" if d == "areal" else None)
+    with pytest.raises(RuntimeError, match=r"^areal 1\.1\.0: gbc's drop-in is tested on"):
+        switched.enable(ar_alpha=0.3)
+    assert areal_engine.FSDPPPOActor is before          # nothing patched
+    assert switched.ENV not in os.environ
