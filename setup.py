@@ -78,7 +78,7 @@ setup(
         "verl": ["verl>=0.9,<0.10"],
         "openrlhf": ["openrlhf>=0.11,<0.12"],
         "skyrl": ["skyrl>=0.3,<0.4"],
-        # no gbc adapter yet: the extra only holds the AReaL release the matrix records
+        # gbc_kernels.integrations.areal (docs/areal.md)
         "areal": ["areal>=1.0.4,<1.1"],
         # gbc_kernels.integrations.megatron (and the verl / SkyRL Megatron workers)
         "megatron": ["megatron-core>=0.16,<0.17", "packaging>=24.2"],
