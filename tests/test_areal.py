@@ -222,6 +222,87 @@ def test_ar_equals_areals_step_on_ars_advantages(tiny):
     assert diff > 1e-4, diff
 
 
+def _lopti_by_hand(path, cfg_kw, seed, shift, eta):
+    """AReaL's stock actor, Lopti applied by hand: two ppo_update calls on the same batch and
+    proximal log-probs, the advantages zeroed outside the low tokens (``exp(prox_logp) <
+    eta``), then outside the high ones."""
+    import copy
+
+    from areal.api.io_struct import FinetuneSpec
+    from areal.engine.fsdp_engine import FSDPPPOActor
+    from areal.utils import stats_tracker
+
+    eng = FSDPPPOActor(make_config(path, **cfg_kw))
+    eng.create_process_group()
+    eng.initialize(addr=None, ft_spec=FinetuneSpec(1, 8, 8))
+    batch = make_batch(seed)
+    prox = eng.compute_logp(batch)
+    g = torch.Generator().manual_seed(99)
+    for traj, lp in zip(batch, prox):
+        traj["prox_logp"] = lp + shift * torch.randn(lp.shape, generator=g)
+    adv = eng.compute_advantages(batch)
+    counts = {}
+    stats_tracker.export_all(reset=True)
+    for phase in ("low", "high"):
+        data = copy.deepcopy(adv)
+        counts[phase] = 0
+        for traj in data:
+            low = torch.exp(traj["prox_logp"]) < eta
+            keep = low if phase == "low" else ~low
+            counts[phase] += int((keep & (traj["loss_mask"] > 0)).sum())
+            traj["advantages"] = torch.where(keep, traj["advantages"],
+                                             torch.zeros_like(traj["advantages"]))
+        eng.ppo_update(data)
+    stats_tracker.export_all(reset=True)
+    params = _params(eng)
+    eng.destroy()
+    return dict(params=params, counts=counts)
+
+
+LOPTI_CFG = dict(use_decoupled_loss=True, eps_clip_higher=0.28, c_clip=2.0,
+                 rejection_sampling=_rs(level="token", action="clamp", metric="ratio", upper=2.0))
+
+
+def _worker_lopti(rank, world, path, order):
+    from areal.engine.fsdp_engine import FSDPPPOActor
+
+    from gbc_kernels.integrations.areal.engine import GBCFSDPPPOActor
+
+    eta = 0.001                      # about the tiny model's median token probability
+    by_hand = _lopti_by_hand(path, LOPTI_CFG, 4, 0.5, eta) if order == "low-first" else None
+    plain = _step(FSDPPPOActor, path, LOPTI_CFG, 4, 0.5)
+    ours = _step(GBCFSDPPPOActor, path, LOPTI_CFG, 4, 0.5,
+                 options=f"lopti_eta={eta},lopti_order={order}")
+    return by_hand, plain, ours
+
+
+def test_lopti_two_updates_equal_areals_stock_updates_by_hand(tiny):
+    """Lopti through gbc's actor (low first) = AReaL's stock ppo_update twice, on the low then
+    the high tokens' advantages (both groups non-empty); the metrics AReaL logs are the
+    batch's terms, equal to the step without Lopti (but the gradient norms); the parameters
+    differ from that step's."""
+    by_hand, plain, ours = spawn_gloo(1, _worker_lopti, tiny, "low-first")[0]
+    assert min(by_hand["counts"].values()) > 10, by_hand["counts"]
+    for n, p in by_hand["params"].items():
+        torch.testing.assert_close(ours["params"][n], p, rtol=1e-4, atol=1e-6, msg=n)
+    _compare(dict(ours, params=plain["params"]), plain, skip=("grad_norm", "lopti_"))
+    s = ours["stats"]
+    assert s["ppo_actor/update/lopti_low_grad_norm"] > 0
+    assert s["ppo_actor/update/lopti_high_grad_norm"] > 0
+    diff = max((plain["params"][n] - ours["params"][n]).abs().max().item()
+               for n in plain["params"])
+    assert diff > 1e-4, diff
+
+
+def test_lopti_order_is_honoured(tiny):
+    """``lopti_order=high-first`` runs the high tokens' update first: another result."""
+    _, _, low_first = spawn_gloo(1, _worker_lopti, tiny, "low-first")[0]
+    _, _, high_first = spawn_gloo(1, _worker_lopti, tiny, "high-first")[0]
+    diff = max((low_first["params"][n] - high_first["params"][n]).abs().max().item()
+               for n in low_first["params"])
+    assert diff > 1e-6, diff
+
+
 def _worker_float32(rank, world, path):
     from gbc_kernels.integrations.areal.engine import GBCFSDPPPOActor
 
@@ -315,7 +396,6 @@ def test_single_controller_workers_get_the_class_and_the_options(tiny, switched)
 
 @pytest.mark.parametrize("options,match", [
     (dict(ar_alpha=2.0), "GBC_AREAL_OPTIONS: ar_alpha: expected a float >= 0.0 and <= 1.0"),
-    (dict(lopti_eta=0.5), "GBC_AREAL_OPTIONS: lopti_eta=0.5 is refused in AReaL"),
     (dict(nthr=True), "GBC_AREAL_OPTIONS: nthr=True is refused in AReaL"),
     (dict(critical_kl_exponent=2.0), "critical_kl_exponent=2.0 is refused in AReaL"),
     (dict(logits_dtype="float16"), "logits_dtype"),

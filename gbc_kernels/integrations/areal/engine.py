@@ -10,7 +10,8 @@ token-mean scaling, its metrics — on those log-probs, so the update and the ``
 passes (old policy, proximal policy, reference) equal AReaL's on the same batch.
 
 The method options (``GBC_AREAL_OPTIONS``, :func:`gbc_kernels.integrations.areal.enable`)
-act on the advantages AReaL's loss receives (:mod:`.losses`).
+act on the advantages AReaL's loss receives (:mod:`.losses`); Lopti runs two of AReaL's
+``train_batch`` updates per minibatch (:meth:`GBCFSDPPPOActor.train_batch`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from areal.engine.fsdp_engine import FSDPPPOActor
 from gbc_kernels import fused_linear_logprobs
 from gbc_kernels.integrations import hf
 
-from .losses import (OPTIONS_ENV, check_engine, check_options, method_loss_fn, options_from_env)
+from .losses import (OPTIONS_ENV, check_engine, check_options, lopti_train_stats, method_loss_fn,
+                     options_from_env, silent_stats)
 
 
 class GBCFSDPPPOActor(FSDPPPOActor):
@@ -50,6 +52,26 @@ class GBCFSDPPPOActor(FSDPPPOActor):
     def initialize(self, *args, **kwargs):
         check_engine(self)
         return super().initialize(*args, **kwargs)
+
+    # -- Lopti: two updates per AReaL minibatch ----------------------------------------------
+    def train_batch(self, input_, loss_fn, loss_weight_fn):
+        """AReaL's ``train_batch`` (one optimizer step on ``input_``, a minibatch of AReaL's
+        ``ppo_update``); under Lopti, one per phase (low then high by default), each on the
+        same minibatch with the same proximal log-probs (the split stays fixed, the second
+        update's ratio carries the first's drift). AReaL's metrics of the minibatch are logged
+        once, from the unsplit loss at the first update's parameters (the batch's terms, as
+        without Lopti); the statistics returned: :func:`.losses.lopti_train_stats`."""
+        phases = self.gbc_options.phases
+        if phases == (None,) or not isinstance(input_, dict) or "advantages" not in input_:
+            return super().train_batch(input_, loss_fn, loss_weight_fn)
+        stats = []
+        for i, phase in enumerate(phases):
+            self._gbc_phase = (phase, i == 0)
+            try:
+                stats.append(super().train_batch(dict(input_), loss_fn, loss_weight_fn))
+            finally:
+                self._gbc_phase = None
+        return lopti_train_stats(phases, stats)
 
     # -- AReaL's loop over micro-batches, with gbc's head --------------------------------------
     def forward_backward_batch(self, mb_list, process_output_fn, forward_only=False):
@@ -118,9 +140,18 @@ class GBCFSDPPPOActor(FSDPPPOActor):
         if local_weight == 0:
             return logits.mean() * 0.0
         logp, entropy = self._gbc_rows(ctx)
-        loss_fn = method_loss_fn(loss_fn, self.gbc_options)
-        loss = loss_fn(logp, entropy, ctx.mb_input, vocab_min_logits=None,
-                       vocab_max_logits=None)
+        kw = dict(vocab_min_logits=None, vocab_max_logits=None)
+        phase, log = getattr(self, "_gbc_phase", None) or (None, True)
+        if phase is None:
+            loss = method_loss_fn(loss_fn, self.gbc_options)(logp, entropy, ctx.mb_input, **kw)
+        else:
+            if log:         # AReaL's metrics: the batch's terms, once per minibatch
+                with torch.no_grad():
+                    method_loss_fn(loss_fn, self.gbc_options)(logp.detach(), entropy,
+                                                              ctx.mb_input, **kw)
+            with silent_stats():
+                loss = method_loss_fn(loss_fn, self.gbc_options, phase)(
+                    logp, entropy, ctx.mb_input, **kw)
         # the stand-in keeps FSDP2's hooks on the forward's output in the backward graph
         loss = loss + logits.float().sum() * 0
         return loss * (local_weight / total_loss_weight * loss_multiplier)

@@ -5,13 +5,14 @@ unchanged on gbc's log-probs, so every ``PPOActorConfig`` loss option is AReaL's
 construction. The method options (:class:`gbc_kernels.methods.MethodOptions`, the text of
 ``GBC_AREAL_OPTIONS``) act on the advantages that loss receives, the way the method layer
 defines them for every objective (``methods.loss_advantages``: AR's weight
-``alpha p_old + 1 - alpha`` with ``p_old = exp(prox_logp)``, the policy the ratio is taken
-against); what cannot run inside AReaL's flow yet is refused by name here, before anything
+``alpha p_old + 1 - alpha`` and Lopti's split ``p_old < lopti_eta``, with
+``p_old = exp(prox_logp)``, the policy the ratio is taken against); what cannot run inside AReaL's flow yet is refused by name here, before anything
 is built.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -22,8 +23,6 @@ OPTIONS_ENV = "GBC_AREAL_OPTIONS"      # the method options, "ar_alpha=0.3,logit
 
 # the method options gbc's AReaL engine refuses, and why (docs/areal.md, "What is refused")
 REFUSED_METHODS = {
-    "lopti_eta": "Lopti's two optimizer steps per batch are not wired into AReaL's ppo_update "
-                 "yet (its minibatch loop calls train_batch once per minibatch)",
     "nthr": "NTHR's token scales need the old-policy pass's hidden states per prompt group "
             "inside AReaL's compute_logp; not wired yet",
     "critical_kl_exponent": "AReaL puts the KL penalty in the reward (kl_ctl * "
@@ -60,20 +59,21 @@ def check_options(config, options: methods.MethodOptions) -> None:
     if _cfg(config, "is_critic", False):
         raise ValueError("is_critic: gbc's AReaL engine is the actor's (and the reference's); "
                          "the critic has no lm_head")
-    if options.ar_alpha:
+    acting = [f"{name}={getattr(options, name)}" for name in ("ar_alpha", "lopti_eta")
+              if getattr(options, name)]
+    if acting and config is not None:
         level = _cfg(config, "importance_sampling_level", "token")
         if level != "token":
-            raise ValueError(f"{OPTIONS_ENV}: ar_alpha={options.ar_alpha} with "
-                             f"importance_sampling_level={level!r}: AReaL's sequence-level "
-                             "losses replace each token's advantage by its sequence's mean, "
-                             "so AR's per-token weight would be averaged away (use "
-                             "importance_sampling_level='token')")
+            raise ValueError(f"{OPTIONS_ENV}: {acting[0]} with importance_sampling_level="
+                             f"{level!r}: AReaL's sequence-level losses replace each token's "
+                             "advantage by its sequence's mean, so a per-token weight or split "
+                             "would be averaged away (use importance_sampling_level='token')")
         if _cfg(config, "use_decoupled_loss", False) and \
                 _cfg(config, "prox_logp_method", "recompute") == "loglinear":
-            raise ValueError(f"{OPTIONS_ENV}: ar_alpha={options.ar_alpha} with "
-                             "prox_logp_method='loglinear': the proximal policy is then "
-                             "interpolated from the current one inside the loss, so AR's "
-                             "p_old is not fixed before the update (use 'recompute')")
+            raise ValueError(f"{OPTIONS_ENV}: {acting[0]} with prox_logp_method='loglinear': "
+                             "the proximal policy is then interpolated from the current one "
+                             "inside the loss, so p_old is not fixed before the update (use "
+                             "'recompute')")
 
 
 def check_engine(engine) -> None:
@@ -87,11 +87,13 @@ def check_engine(engine) -> None:
     check_options(engine.config, getattr(engine, "gbc_options", methods.MethodOptions()))
 
 
-def method_loss_fn(loss_fn, options: methods.MethodOptions):
+def method_loss_fn(loss_fn, options: methods.MethodOptions, phase=None):
     """AReaL's ``loss_fn(logprobs, entropy, input_data, **kw)`` with the method options applied
-    to ``input_data["advantages"]`` (AR: times ``alpha exp(prox_logp) + 1 - alpha``); the same
-    function when no method acts on the advantages."""
-    if not options.ar_alpha:
+    to ``input_data["advantages"]`` (``methods.loss_advantages``: AR times
+    ``alpha exp(prox_logp) + 1 - alpha``; a Lopti ``phase`` zeroes them outside its tokens,
+    ``exp(prox_logp) < lopti_eta`` for ``"low"``, and AReaL's normaliser keeps the whole mask);
+    the same function when nothing acts on the advantages."""
+    if not options.ar_alpha and phase is None:
         return loss_fn
 
     @functools.wraps(loss_fn)
@@ -100,11 +102,46 @@ def method_loss_fn(loss_fn, options: methods.MethodOptions):
             return loss_fn(logprobs, entropy, input_data, **kwargs)
         base = input_data.get("prox_logp")
         if base is None:
-            raise ValueError(f"{OPTIONS_ENV}: ar_alpha needs the proximal log-probs "
+            raise ValueError(f"{OPTIONS_ENV}: ar_alpha and lopti_eta need the proximal "
+                             "log-probs "
                              "(prox_logp) in AReaL's batch; it has none")
         data = dict(input_data)
         data["advantages"] = methods.loss_advantages(input_data["advantages"],
-                                                     base.float(), options)
+                                                     base.float(), options, phase)
         return loss_fn(logprobs, entropy, data, **kwargs)
 
     return with_methods
+
+
+@contextlib.contextmanager
+def silent_stats():
+    """AReaL's loss functions log through ``areal.trainer.ppo.actor.stats_tracker``; inside
+    the block they log nothing (a Lopti phase's loss: its logged terms are the batch's, from
+    the unsplit loss)."""
+    from areal.trainer.ppo import actor
+
+    real = actor.stats_tracker
+    actor.stats_tracker = _Silent()
+    try:
+        yield
+    finally:
+        actor.stats_tracker = real
+
+
+class _Silent:
+    def __getattr__(self, name):
+        if name in ("scope", "disable_scope", "record_timing"):
+            return lambda *a, **k: contextlib.nullcontext()
+        return lambda *a, **k: None
+
+
+def lopti_train_stats(phases, stats) -> dict:
+    """One dict of ``train_batch`` statistics for Lopti's updates (``stats``: AReaL's dict of
+    each, in ``phases`` order): the first update's, ``update_successful`` only if every update
+    succeeded, and each update's gradient norm as ``lopti_<phase>_grad_norm``."""
+    out = dict(stats[0])
+    out["update_successful"] = float(all(s.get("update_successful", 1.0) for s in stats))
+    for phase, s in zip(phases, stats):
+        if "grad_norm" in s:
+            out[f"lopti_{phase}_grad_norm"] = s["grad_norm"]
+    return out
