@@ -303,6 +303,165 @@ def test_lopti_order_is_honoured(tiny):
     assert diff > 1e-6, diff
 
 
+def _init(engine):
+    from areal.api.io_struct import FinetuneSpec
+
+    engine.initialize(addr=None, ft_spec=FinetuneSpec(1, 8, 8))
+    return engine
+
+
+@torch.no_grad()
+def _certainty_by_hand(path, batch, gamma):
+    """``J^gamma``, ``J = 1 + log max softmax(z) / log V``, in float64 from the full logits of
+    each trajectory run alone, aligned as AReaL's rolled log-probs (row t: the logits that
+    predict token t + 1)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    out = []
+    for traj in batch:
+        z = model(traj["input_ids"].long()).logits[0]
+        J = 1 + (z.max(-1).values - torch.logsumexp(z, -1)) / torch.log(torch.tensor(V * 1.0))
+        out.append((J ** gamma).float()[None])
+    return out
+
+
+def _reference_model(path):
+    """A reference model unlike the policy (the policy's weights plus noise, a sharper head),
+    saved beside it with the same tokenizer."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    ref_path = path.rstrip("/") + "_ref"
+    if not os.path.exists(os.path.join(ref_path, "config.json")):
+        shutil.copytree(path, ref_path, dirs_exist_ok=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+            model.lm_head.weight.mul_(3.0)
+        model.save_pretrained(ref_path)
+    return ref_path
+
+
+def _worker_critical(rank, world, path, gamma):
+    """AReaL's stock ref and actor, the KL reward weighted by hand (k1: a reference
+    ``old - w (old - ref)`` gives ``w (old - ref)``), against gbc's ref and actor built by
+    AReaL's own ``_create_train_engine`` after ``enable(experiment, critical_kl_exponent)``;
+    and the stock step unweighted."""
+    import copy
+    import types
+
+    from areal.api.alloc_mode import ModelAllocation
+    from areal.api.cli_args import MicroBatchSpec
+    from areal.engine.fsdp_engine import FSDPPPOActor
+    from areal.trainer.rl_trainer import PPOTrainer
+    from areal.utils import stats_tracker
+
+    from gbc_kernels.integrations import areal as gbc_areal
+
+    os.environ["AREAL_SPMD_MODE"] = "1"
+    ref_path = _reference_model(path)
+    # one trajectory per micro-batch: each runs alone, as the float64 oracle runs it
+    kw = dict(recompute_logprob=True, kl_ctl=0.1, kl_estimator="k1",
+              mb_spec=MicroBatchSpec(n_mbs=8))
+    batch0 = make_batch(6)
+    w_hand = _certainty_by_hand(ref_path, batch0, gamma)
+    results = {}
+    for name in ("plain", "by_hand", "gbc"):
+        batch = copy.deepcopy(batch0)
+        if name == "gbc":
+            exp = types.SimpleNamespace(actor=make_config(path, **kw),
+                                        ref=make_config(ref_path, **kw))
+            gbc_areal.enable(exp, critical_kl_exponent=gamma)
+            alloc = ModelAllocation.from_str("fsdp:d1", name="actor")
+            ref = _init(PPOTrainer._create_train_engine(None, exp.ref, alloc))
+            actor = _init(PPOTrainer._create_train_engine(None, exp.actor, alloc))
+        else:
+            ref, actor = (FSDPPPOActor(make_config(p, **kw)) for p in (ref_path, path))
+            for e in (ref, actor):
+                e.create_process_group()
+                _init(e)
+        for traj, lp in zip(batch, ref.compute_logp(batch)):
+            traj["ref_logp"] = lp
+        for traj, lp in zip(batch, actor.compute_logp(batch)):
+            traj["prox_logp"] = lp
+        if name == "by_hand":
+            for traj, w in zip(batch, w_hand):
+                old = traj["prox_logp"]
+                traj["ref_logp"] = old - w * (old - traj["ref_logp"])
+        stats_tracker.export_all(reset=True)
+        actor.ppo_update(actor.compute_advantages(batch))
+        results[name] = dict(stats=stats_tracker.export_all(reset=True), params=_params(actor),
+                             prox=[t["prox_logp"] for t in batch],
+                             w=[t.get(gbc_areal.KL_WEIGHT_KEY) for t in batch])
+        ref.destroy()
+        actor.destroy()
+        if name == "gbc":
+            gbc_areal.disable()
+    return results, w_hand
+
+
+def test_critical_kl_weights_areals_kl_reward(tiny):
+    """Critical-token KL in AReaL: the reference engine's compute_logp gives the weights
+    (``J^2``, max-prob certainty) beside ``ref_logp``, equal to a float64 full-logits
+    evaluation; the actor's compute_advantages weights AReaL's KL reward by them: the step
+    equals AReaL's stock step with the weighting applied by hand, and differs from the
+    unweighted step."""
+    res, w_hand = spawn_gloo(1, _worker_critical, tiny, 2.0)[0]
+    for w, ref in zip(res["gbc"]["w"], w_hand):
+        m = ref > 0
+        torch.testing.assert_close(w[:, :ref.shape[1]], ref, rtol=0, atol=1e-5)
+        assert m.all()
+    spread = torch.cat([w.flatten() for w in w_hand])
+    assert spread.max() > 1.5 * spread.min(), spread       # the weights differ by token
+    _compare(res["gbc"], res["by_hand"])
+    diff = max((res["plain"]["params"][n] - res["gbc"]["params"][n]).abs().max().item()
+               for n in res["gbc"]["params"])
+    assert diff > 1e-5, diff
+    k = "ppo_actor/kl_rewards/avg"
+    assert res["gbc"]["stats"][k] != res["plain"]["stats"][k]
+
+
+def test_critical_kl_is_refused_without_its_kl_term_or_under_the_single_controller(tiny,
+                                                                                  switched,
+                                                                                  monkeypatch):
+    import types
+
+    exp = types.SimpleNamespace(actor=make_config(tiny, kl_ctl=0.0), ref=make_config(tiny))
+    with pytest.raises(ValueError, match="no KL term to weight"):
+        switched.enable(exp, critical_kl_exponent=2.0)
+    exp = types.SimpleNamespace(actor=make_config(tiny, kl_ctl=0.1), ref=None)
+    with pytest.raises(ValueError, match="no KL term to weight"):
+        switched.enable(exp, critical_kl_exponent=2.0)
+    monkeypatch.delenv("AREAL_SPMD_MODE")
+    exp = types.SimpleNamespace(actor=make_config(tiny, kl_ctl=0.1), ref=make_config(tiny))
+    with pytest.raises(ValueError, match="single controller"):
+        switched.enable(exp, critical_kl_exponent=2.0)
+
+
+def test_single_controller_refuses_critical_kl(tiny, monkeypatch):
+    from gbc_kernels.integrations.areal import OPTIONS_ENV
+    from gbc_kernels.integrations.areal.engine import GBCFSDPPPOActor
+
+    monkeypatch.setenv(OPTIONS_ENV, "critical_kl_exponent=2.0")
+    with pytest.raises(ValueError, match="single controller"):
+        GBCFSDPPPOActor.as_controller(make_config(tiny, kl_ctl=0.1), None)
+
+
+def test_critical_kl_actor_refuses_trajectories_without_weights(tiny, monkeypatch):
+    """The actor never runs an unweighted KL reward when critical-token KL is on."""
+    from gbc_kernels.integrations.areal import OPTIONS_ENV
+    from gbc_kernels.integrations.areal.engine import GBCFSDPPPOActor
+
+    monkeypatch.setenv(OPTIONS_ENV, "critical_kl_exponent=2.0")
+    actor = GBCFSDPPPOActor(make_config(tiny, kl_ctl=0.1))
+    with pytest.raises(ValueError, match="trajectory 0 has no certainty weights"):
+        actor.compute_advantages(make_batch(1))
+
+
 def _worker_float32(rank, world, path):
     from gbc_kernels.integrations.areal.engine import GBCFSDPPPOActor
 
@@ -397,7 +556,7 @@ def test_single_controller_workers_get_the_class_and_the_options(tiny, switched)
 @pytest.mark.parametrize("options,match", [
     (dict(ar_alpha=2.0), "GBC_AREAL_OPTIONS: ar_alpha: expected a float >= 0.0 and <= 1.0"),
     (dict(nthr=True), "GBC_AREAL_OPTIONS: nthr=True is refused in AReaL"),
-    (dict(critical_kl_exponent=2.0), "critical_kl_exponent=2.0 is refused in AReaL"),
+    (dict(critical_kl_exponent=2.0), "critical_kl_exponent=2.0 needs enable\\(config"),
     (dict(logits_dtype="float16"), "logits_dtype"),
 ])
 def test_bad_or_refused_option_stops_enable(switched, options, match):

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 
-from .losses import ENV, OPTIONS_ENV, REFUSED_METHODS, check_options, options_from_env
+from .losses import (ENV, KL_WEIGHT_KEY, OPTIONS_ENV, REFUSED_METHODS, check_critical_kl,
+                     check_options, mark_reference, options_from_env)
 
-__all__ = ["ENV", "OPTIONS_ENV", "REFUSED_METHODS", "GBCFSDPPPOActor", "check_areal_version",
-           "enable", "disable"]
+__all__ = ["ENV", "KL_WEIGHT_KEY", "OPTIONS_ENV", "REFUSED_METHODS", "GBCFSDPPPOActor",
+           "check_areal_version", "enable", "disable", "mark_reference"]
 
 _SAVED = {}
 
@@ -28,11 +29,14 @@ def enable(config=None, **method_options):
     path and get the options through the actor's scheduling specs
     (:meth:`GBCFSDPPPOActor.as_controller`).
 
-    ``method_options``: ``ar_alpha=0.3``, ``logits_dtype="float32"`` (the method layer's
-    names; a value set in ``GBC_AREAL_OPTIONS`` is used when none are given). ``config``:
-    AReaL's experiment config (its ``actor`` section, or the actor config itself), checked
-    now (:func:`.losses.check_options`). A bad option, an option AReaL's flow cannot run, an
-    untested AReaL release or a missing AReaL stops here, naming it. Returns the options."""
+    ``method_options``: ``ar_alpha=0.3``, ``lopti_eta=0.5``, ``critical_kl_exponent=2.0``,
+    ``logits_dtype="float32"`` (the method layer's names; a value set in ``GBC_AREAL_OPTIONS``
+    is used when none are given). ``config``: AReaL's experiment config (its ``actor``
+    section, or the actor config itself), checked now (:func:`.losses.check_options`);
+    critical-token KL needs the experiment config (:func:`.losses.check_critical_kl`), whose
+    ``ref`` section it marks as the reference engine's. A bad option, an option AReaL's flow
+    cannot run, an untested AReaL release or a missing AReaL stops here, naming it. Returns
+    the options."""
     from gbc_kernels import methods
 
     try:
@@ -49,6 +53,9 @@ def enable(config=None, **method_options):
         text = os.environ.get(OPTIONS_ENV, "")
     opts = methods.MethodOptions.parse(text, OPTIONS_ENV)
     check_options(None if config is None else getattr(config, "actor", None) or config, opts)
+    check_critical_kl(config, opts)
+    if opts.critical_kl_exponent is not None:
+        mark_reference(config.ref)
     from .engine import GBCFSDPPPOActor
 
     if not _SAVED:

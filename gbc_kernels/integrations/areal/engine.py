@@ -21,11 +21,11 @@ import os
 import torch
 from areal.engine.fsdp_engine import FSDPPPOActor
 
-from gbc_kernels import fused_linear_logprobs
+from gbc_kernels import fused_linear_logprobs, methods
 from gbc_kernels.integrations import hf
 
-from .losses import (OPTIONS_ENV, check_engine, check_options, lopti_train_stats, method_loss_fn,
-                     options_from_env, silent_stats)
+from .losses import (KL_WEIGHT_KEY, OPTIONS_ENV, check_engine, check_options, is_reference,
+                     lopti_train_stats, method_loss_fn, options_from_env, silent_stats)
 
 
 class GBCFSDPPPOActor(FSDPPPOActor):
@@ -36,14 +36,94 @@ class GBCFSDPPPOActor(FSDPPPOActor):
     def __init__(self, config):
         self.gbc_options = options_from_env()
         check_options(config, self.gbc_options)
+        # the reference engine (AReaL's ref config, marked by enable(config)) gives
+        # critical-token KL's weights in its compute_logp
+        self._gbc_certainty = (self.gbc_options.critical_kl_exponent is not None
+                               and is_reference(config))
+        self._gbc_side = None
         super().__init__(config)
+
+    # -- critical-token KL: the reference pass's weights, the reward's KL term ---------------
+    def compute_logp(self, data, *args, **kwargs):
+        """AReaL's ``compute_logp``; in the reference engine under critical-token KL, each
+        trajectory of ``data`` also receives ``gbc_kl_weight`` (``[1, S]``, aligned as the
+        log-probs): ``(1 - c) J^gamma + c`` from the same streaming pass (docs/methods.md)."""
+        if not self._gbc_certainty or not isinstance(data, list):
+            return super().compute_logp(data, *args, **kwargs)
+        from areal.utils.data import concat_batch, split_batch
+
+        logps = super().compute_logp(data, *args, **kwargs)
+        weights = split_batch(self._gbc_kl_weights, concat_batch(data)[1])
+        for traj, w in zip(data, weights):
+            traj[KL_WEIGHT_KEY] = w
+        return logps
+
+    def forward_batch(self, input_, output_seqlens=None, aggregate_fn=torch.cat):
+        """AReaL's ``forward_batch``; with the certainty weights wanted, they are collected
+        beside the log-probs and reordered and padded the same way (AReaL's own
+        ``reorder_and_pad_outputs``), into ``self._gbc_kl_weights``."""
+        if not self._gbc_certainty:
+            return super().forward_batch(input_, output_seqlens, aggregate_fn)
+        from areal.engine import fsdp_engine
+
+        real, got = fsdp_engine.reorder_and_pad_outputs, {}
+        self._gbc_side = []
+
+        def both(outputs, seqlens, mb_list, agg=torch.cat):
+            got["w"] = real(self._gbc_side, seqlens, mb_list, agg)
+            return real(outputs, seqlens, mb_list, agg)
+
+        fsdp_engine.reorder_and_pad_outputs = both
+        try:
+            result = super().forward_batch(input_, output_seqlens, aggregate_fn)
+        finally:
+            fsdp_engine.reorder_and_pad_outputs = real
+            self._gbc_side = None
+        self._gbc_kl_weights = got["w"]
+        return result
+
+    def compute_advantages(self, data, *args, **kwargs):
+        """AReaL's ``compute_advantages``; under critical-token KL its per-token KL reward
+        ``-kl_ctl * kl_estimator(old_logp, ref_logp)`` is multiplied by the reference pass's
+        weights (``gbc_kl_weight`` in every trajectory: refused by name when a trajectory has
+        none, never an unweighted KL)."""
+        if self.gbc_options.critical_kl_exponent is None:
+            return super().compute_advantages(data, *args, **kwargs)
+        missing = [i for i, t in enumerate(data) if KL_WEIGHT_KEY not in t]
+        if missing:
+            raise ValueError(f"{OPTIONS_ENV}: critical_kl_exponent: trajectory {missing[0]} "
+                             "has no certainty weights from the reference engine's "
+                             "compute_logp (AReaL's trainer runs it when actor.kl_ctl > 0 "
+                             "and a ref config is set; enable(config) marks that engine)")
+        actor = self.actor
+        real_fn, real_est = actor._compute_advantages, actor.kl_estimator
+
+        def weighted(batch):
+            w = batch[KL_WEIGHT_KEY].float()
+            actor.kl_estimator = lambda logp, base: real_est(logp, base) * w.to(logp.device)
+            try:
+                return real_fn(batch)
+            finally:
+                actor.kl_estimator = real_est
+
+        actor._compute_advantages = weighted
+        try:
+            return super().compute_advantages(data, *args, **kwargs)
+        finally:
+            del actor._compute_advantages
 
     @classmethod
     def as_controller(cls, config, scheduler):
         """AReaL's controller for this class, with this process's ``GBC_AREAL_OPTIONS`` put
         into every scheduling spec's ``env_vars``: the worker processes that build the engine
         read the options the controller was switched on with."""
-        check_options(config, options_from_env())
+        options = options_from_env()
+        check_options(config, options)
+        if options.critical_kl_exponent is not None:
+            raise ValueError(f"{OPTIONS_ENV}: critical_kl_exponent="
+                             f"{options.critical_kl_exponent}: the certainty weights travel "
+                             "in the trajectories, which AReaL's single controller serialises "
+                             "to its workers; run under AReaL's SPMD launcher")
         text = os.environ.get(OPTIONS_ENV, "")
         for spec in getattr(config, "scheduling_spec", ()) or ():
             spec.env_vars = {**(spec.env_vars or {}), OPTIONS_ENV: text}
@@ -93,6 +173,14 @@ class GBCFSDPPPOActor(FSDPPPOActor):
             def head_forward(hidden, *args, **kwargs):
                 head = hf.lm_head(inner)          # as FSDP2 holds it during this forward
                 h = hidden.reshape(-1, hidden.shape[-1]).to(head.weight.dtype)
+                if self._gbc_side is not None:    # the reference pass, with its weights
+                    st = methods.reference_stats(
+                        h, head.weight, labels.to(h.device), self.gbc_options, head.bias,
+                        temperature=self.config.temperature,
+                        logit_softcap=hf.logit_softcap(inner))
+                    captured["rows"] = (st.ref_logp, None)
+                    captured["kl_weight"] = st.kl_weight
+                    return hidden[..., :1] * 0
                 logp, entropy = fused_linear_logprobs(
                     h, head.weight, labels.to(h.device), head.bias,
                     temperature=self.config.temperature, return_entropy=not forward_only,
@@ -109,8 +197,9 @@ class GBCFSDPPPOActor(FSDPPPOActor):
             if "rows" not in captured:
                 raise RuntimeError("model: its forward did not call its lm_head")
             self._gbc_captured = captured["rows"]
+            self._gbc_captured_weight = captured.get("kl_weight")
             loss = process_output_fn(outputs.logits.squeeze(0), ctx.to_dict())
-            self._gbc_captured = None
+            self._gbc_captured = self._gbc_captured_weight = None
             if not forward_only and loss is not None:
                 with trace_scope("fsdp_engine.backward"):
                     loss.backward()
@@ -157,5 +246,11 @@ class GBCFSDPPPOActor(FSDPPPOActor):
         return loss * (local_weight / total_loss_weight * loss_multiplier)
 
     def _compute_forward_result(self, logits, ctx):
-        """``compute_logp``'s rows: gbc's log-probs of the micro-batch."""
+        """``compute_logp``'s rows: gbc's log-probs of the micro-batch (and, in the reference
+        pass under critical-token KL, its weights, trimmed the same way, collected aside)."""
+        if self._gbc_side is not None:
+            logp, weight = self._gbc_captured
+            self._gbc_captured = (self._gbc_captured_weight, None)
+            self._gbc_side.append(self._gbc_rows(ctx)[0])
+            self._gbc_captured = (logp, weight)
         return self._gbc_rows(ctx)[0]

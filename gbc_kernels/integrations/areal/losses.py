@@ -6,8 +6,9 @@ construction. The method options (:class:`gbc_kernels.methods.MethodOptions`, th
 ``GBC_AREAL_OPTIONS``) act on the advantages that loss receives, the way the method layer
 defines them for every objective (``methods.loss_advantages``: AR's weight
 ``alpha p_old + 1 - alpha`` and Lopti's split ``p_old < lopti_eta``, with
-``p_old = exp(prox_logp)``, the policy the ratio is taken against); what cannot run inside AReaL's flow yet is refused by name here, before anything
-is built.
+``p_old = exp(prox_logp)``, the policy the ratio is taken against); critical-token KL weights
+the KL term of AReaL's reward (the engine's ``compute_advantages``); what cannot run inside
+AReaL's flow yet is refused by name here, before anything is built.
 """
 
 from __future__ import annotations
@@ -25,11 +26,51 @@ OPTIONS_ENV = "GBC_AREAL_OPTIONS"      # the method options, "ar_alpha=0.3,logit
 REFUSED_METHODS = {
     "nthr": "NTHR's token scales need the old-policy pass's hidden states per prompt group "
             "inside AReaL's compute_logp; not wired yet",
-    "critical_kl_exponent": "AReaL puts the KL penalty in the reward (kl_ctl * "
-                            "kl_estimator(old_logp, ref_logp) in compute_advantages), not in "
-                            "the loss; the certainty weights of the reference pass do not "
-                            "reach it yet",
 }
+
+
+KL_WEIGHT_KEY = "gbc_kl_weight"        # the reference pass's weights, in each trajectory
+REFERENCE_MARK = "_gbc_reference"      # set on AReaL's ref config by enable(config)
+
+
+def mark_reference(ref_config) -> None:
+    """Mark AReaL's ``ref`` engine config: the engine built from it is the reference engine,
+    whose ``compute_logp`` also gives critical-token KL's weights (``enable(config)`` does
+    this; AReaL's trainer builds the reference engine from this very object)."""
+    object.__setattr__(ref_config, REFERENCE_MARK, True)
+
+
+def is_reference(config) -> bool:
+    return bool(getattr(config, REFERENCE_MARK, False))
+
+
+def check_critical_kl(experiment, options: methods.MethodOptions) -> None:
+    """Critical-token KL in AReaL weights the KL term of its reward, ``-kl_ctl *
+    kl_estimator(old_logp, ref_logp)`` per token in ``compute_advantages``, by the reference
+    pass's certainty weights, which travel in the trajectories from the reference engine's
+    ``compute_logp`` to the actor's ``compute_advantages``. Refused, naming what is missing,
+    without AReaL's experiment config (``enable(config, ...)``: its ``ref`` section marks the
+    reference engine), without a KL term (``actor.kl_ctl > 0`` and a ``ref`` config: AReaL
+    builds no reference engine otherwise), or under AReaL's single controller (its workers get
+    the trajectories serialised, so the weights would not come back)."""
+    if options.critical_kl_exponent is None:
+        return
+    name = f"{OPTIONS_ENV}: critical_kl_exponent={options.critical_kl_exponent}"
+    actor = getattr(experiment, "actor", None)
+    if experiment is None or actor is None or not hasattr(experiment, "ref"):
+        raise ValueError(f"{name} needs enable(config, ...) with AReaL's experiment config "
+                         "(its ref section is the reference engine whose pass gives the "
+                         "certainty weights)")
+    if experiment.ref is None or not _cfg(actor, "kl_ctl", 0.0):
+        raise ValueError(f"{name}: AReaL's reward has no KL term to weight (set actor.kl_ctl "
+                         "> 0 and a ref config)")
+    from areal.utils.environ import is_single_controller
+
+    if is_single_controller():
+        raise ValueError(f"{name}: the certainty weights travel in the trajectories from the "
+                         "reference engine to the actor, which AReaL's single controller "
+                         "serialises to its workers; run under AReaL's SPMD launcher "
+                         "(AREAL_SPMD_MODE=1, python -m areal.infra.launcher.local)")
 
 
 def options_from_env() -> methods.MethodOptions:
