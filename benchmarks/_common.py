@@ -330,3 +330,24 @@ def interleaved_medians(steps: dict, reps: int) -> dict:
                                                     for n, t in times.items()),
               file=sys.stderr, flush=True)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def write_step_table(out, rows, base, reps, logits_label):
+    """Write one-step benchmark ``rows`` (dicts with ``path``, ``time_s``, ``time_x_<base>``,
+    ``peak_mib``, ``peak_x_<base>``, ``peak_x_micro_logits``) to the CSV ``out`` and print them
+    as a markdown table (``base``: the trainer's own path, the ratios' denominator)."""
+    import csv
+
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    key = base.split()[0].lower()
+    print(f"| path | time (s), median of {reps} | × {base} | peak memory beyond the inputs "
+          f"(MiB) | × {base} | × {logits_label} |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['path']} | {r['time_s']:.3f} | {r[f'time_x_{key}']:.2f} | "
+              f"{r['peak_mib']:.0f} | {r[f'peak_x_{key}']:.2f} | {r['peak_x_micro_logits']:.2f} |")
+    print(f"wrote {out}")

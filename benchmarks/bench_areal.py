@@ -22,14 +22,14 @@ benchmarks/results/areal.csv and prints a markdown table.
 from __future__ import annotations
 
 import copy
-import csv
 import json
 import os
 import tempfile
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
-from _common import interleaved_medians, step_child, step_parser, step_peak_mb  # noqa: E402
+from _common import (interleaved_medians, step_child, step_parser,  # noqa: E402
+                     step_peak_mb, write_step_table)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "benchmarks", "results", "areal.csv")
@@ -141,18 +141,8 @@ def main():
                      "peak_x_areal": round(mem[p]["step_peak_mb"]
                                            / mem["areal"]["step_peak_mb"], 3),
                      "peak_x_micro_logits": round(mem[p]["step_peak_mb"] / logits_mb, 3)})
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
-    print(f"| path | time (s), median of {a.reps} | × AReaL | peak memory beyond the inputs "
-          f"(MiB) | × AReaL | × one padded micro-batch's fp32 [N, V] ({logits_mb:.0f} MiB) |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['path']} | {r['time_s']:.3f} | {r['time_x_areal']:.2f} | "
-              f"{r['peak_mib']:.0f} | {r['peak_x_areal']:.2f} | {r['peak_x_micro_logits']:.2f} |")
-    print(f"wrote {a.out}")
+    write_step_table(a.out, rows, "AReaL", a.reps,
+                     f"one padded micro-batch's fp32 [N, V] ({logits_mb:.0f} MiB)")
 
 
 if __name__ == "__main__":
