@@ -75,7 +75,7 @@ setup(
         # packages (verl's, OpenRLHF's, SkyRL's, AReaL's) install on a CPU machine only as
         # docs/compatibility.md's "CPU test install" says.
         "trl": ["trl>=1.14,<1.17", "transformers>=4.56.2"],
-        "verl": ["verl>=0.9,<0.10"],
+        "verl": ["verl>=0.9.1,<0.10"],
         "openrlhf": ["openrlhf>=0.11,<0.12"],
         "skyrl": ["skyrl>=0.3,<0.4"],
         # gbc_kernels.integrations.areal (docs/areal.md)

@@ -436,7 +436,13 @@ def refused_release(trainer, release) -> bool:
     """A release the adapter refuses at switch-on (not in ``releases.TESTED``): its row runs
     only tests/test_releases.py, which checks the refusal by name through the real switch-on."""
     rel = _releases()
-    return trainer in rel.TESTED and rel.minor(release) not in rel.TESTED[trainer]
+    if trainer not in rel.TESTED:
+        return False
+    try:
+        rel.check_release(trainer, release)
+    except RuntimeError:
+        return True
+    return False
 
 
 def run_tests(ctx, venv, trainer, row):
@@ -536,8 +542,12 @@ def do_row(ctx, trainer, release):
     elif t["passed"] == 0:
         row["status"] = "no test ran" + (f" (pytest rc {t['rc']})" if t["rc"] else "")
     elif refused_release(trainer, release):
+        oldest = _releases().OLDEST.get(trainer)
+        if oldest and _releases().minor(oldest[0]) != _releases().minor(release):
+            oldest = None
         row["status"] = (f"refused by name at switch-on (gbc's {trainer} drop-in is tested on "
-                         + ", ".join(f"{v}.x" for v in _releases().TESTED[trainer]) + ")")
+                         + ", ".join(f"{v}.x" for v in _releases().TESTED[trainer])
+                         + (f" from {oldest[0]} on: {oldest[1]}" if oldest else "") + ")")
     else:
         row["status"] = "pass"
     row["total_s"] = round(time.time() - t0, 1)
@@ -626,6 +636,7 @@ def write_doc(rows, argv):
          "Each adapter takes the releases it is tested on and refuses any other by name when "
          "it is switched on (`gbc_kernels/integrations/releases.py`: "
          + "; ".join(f"{t} " + ", ".join(f"{v}.x" for v in vs)
+                     + (f" from {_releases().OLDEST[t][0]}" if t in _releases().OLDEST else "")
                      for t, vs in _releases().TESTED.items())
          + "). The row of a refused release installs it all the same and runs "
          "`tests/test_releases.py` there, which checks that refusal through the adapter's real "

@@ -27,7 +27,10 @@ def test_check_release(dist):
     assert set(UNTESTED) == set(releases.TESTED)
     for v in releases.TESTED[dist]:
         assert releases.check_release(dist, f"{v}.7") == f"{v}.7"
-        assert releases.check_release(dist, f"{v}.0+local") == f"{v}.0+local"
+        first = releases.OLDEST.get(dist, (f"{v}.0",))[0]
+        if releases.minor(first) != v:
+            first = f"{v}.0"
+        assert releases.check_release(dist, f"{first}+local") == f"{first}+local"
     with _refused(dist, UNTESTED[dist]):
         releases.check_release(dist, UNTESTED[dist])
     major, mid = releases.TESTED[dist][-1].split(".")
@@ -65,7 +68,11 @@ def test_switch_on_takes_or_refuses_the_installed_release(dist):
     if version is None:
         pytest.skip(f"could not import {dist}: not installed")
     check = _switch_on_check(dist)
-    if releases.minor(version) in releases.TESTED[dist]:
+    try:
+        tested = releases.check_release(dist, version) == version
+    except RuntimeError:
+        tested = False
+    if tested:
         assert check() == version
     else:
         with _refused(dist, re.escape(version)):
@@ -127,3 +134,14 @@ def test_skyrl_enable_refuses_an_untested_release(monkeypatch):
     assert (fw.PolicyWorker, fw.RefWorker) == workers  # nothing patched
     assert ENV not in os.environ
 
+
+
+def test_an_older_patch_that_differs_is_refused_by_name():
+    """verl 0.9.0's GSPO differs from 0.9.1's (which gbc follows): 0.9.0 is refused, with the
+    reason; 0.9.1 and later patches pass."""
+    assert releases.OLDEST["verl"][0] == "0.9.1"
+    with pytest.raises(RuntimeError, match=r"^verl 0\.9\.0: gbc's drop-in is tested on verl "
+                                           r"0\.9\.x from 0\.9\.1 on \(verl 0\.9\.0's GSPO"):
+        releases.check_release("verl", "0.9.0")
+    for ok in ("0.9.1", "0.9.2", "0.9.10+local"):
+        assert releases.check_release("verl", ok) == ok

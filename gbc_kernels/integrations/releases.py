@@ -23,6 +23,15 @@ TESTED = {
 }
 
 
+# distribution name -> (its oldest patch release gbc runs on, why an older patch of that minor is
+# refused): a patch release whose behaviour differs from the one gbc's drop-in follows
+OLDEST = {
+    "verl": ("0.9.1", "verl 0.9.0's GSPO loss (policy_loss.loss_mode=gspo) gives another value "
+                      "than 0.9.1's, which gbc's mapping follows: measured by "
+                      "tests/test_verl_engine.py in `make compat`'s verl 0.9.0 venv"),
+}
+
+
 def installed(dist: str) -> Optional[str]:
     """The installed version of distribution ``dist``, None when it is not installed."""
     try:
@@ -52,7 +61,20 @@ def check_release(dist: str, version: Optional[str] = None, *, why: str = "",
                            + (f" ({why})" if why else "")
                            + "; an untested release is refused rather than run"
                            + (f"; {off}" if off else ""))
+    if dist in OLDEST and _patch(version) < _patch(OLDEST[dist][0]) \
+            and minor(version) == minor(OLDEST[dist][0]):
+        raise RuntimeError(f"{dist} {version}: gbc's drop-in is tested on {_tested(dist)} from "
+                           f"{OLDEST[dist][0]} on ({OLDEST[dist][1]}); an untested release is "
+                           "refused rather than run" + (f"; {off}" if off else ""))
     return version
+
+
+def _patch(version: str) -> tuple:
+    """``"0.9.1rc1+local"`` -> ``(0, 9, 1)``: the numeric release, for ordering patches."""
+    import re
+
+    return tuple(int(re.match(r"\d+", p).group()) if re.match(r"\d+", p) else 0
+                 for p in str(version).split("+")[0].split(".")[:3])
 
 
 def _tested(dist: str) -> str:
