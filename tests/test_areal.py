@@ -502,6 +502,208 @@ def test_two_ranks_equal_areals_own(tiny, backend):
         assert torch.equal(p, ranks[1][1]["params"][n]), n
 
 
+# ---- NTHR: scored from the actor's own compute_logp pass --------------------------------
+
+def _one_row_per_mb():
+    """make_batch's rows hold 8 to 15 tokens: at most 15 per micro-batch runs each alone, as
+    the float64 oracle runs it (AReaL's packed micro-batches under sdpa on CPU let attention
+    cross rows: the stock engine's numbers too)."""
+    from areal.api.cli_args import MicroBatchSpec
+
+    return MicroBatchSpec(max_tokens_per_mb=15)
+
+
+NTHR_CFG = dict(recompute_logprob=True, ppo_n_minibatches=2, temperature=0.8)
+
+
+def _grouped_batch(seed, groups=2, size=4):
+    """AReaL's RLVR batch as its ``GroupedRolloutWorkflow`` gives it: one trajectory per
+    prompt holding that prompt's ``size`` answers (rows padded to the longest)."""
+    from areal.utils.data import concat_padded_tensors
+
+    rows = make_batch(seed, n=groups * size)
+    return [concat_padded_tensors(rows[i * size:(i + 1) * size]) for i in range(groups)]
+
+
+@torch.no_grad()
+def _nthr_by_hand(path, adv):
+    """NTHR's scales in float64 from full logits (gbc_reference), of AReaL's stock
+    ``compute_advantages`` output ``adv``: each row run alone through the checkpoint's model
+    (the parameters of the compute_logp pass), its final hidden states, the rolled targets
+    and loss mask, the trajectories as groups, correct = advantages averaging above 0."""
+    import gbc_reference as ref
+    from areal.utils.data import concat_padded_tensors
+    from transformers import AutoModelForCausalLM
+
+    from gbc_kernels import methods
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    seen = []
+    model.lm_head.register_forward_pre_hook(lambda m, a: seen.append(a[0][0]))
+    data = concat_padded_tensors(adv)
+    ids, mask = data["input_ids"].long(), data["loss_mask"].bool()
+    B, S = ids.shape
+    hidden = torch.zeros(B, S, model.config.hidden_size, dtype=torch.float64)
+    for b in range(B):
+        n = int(data["attention_mask"][b].sum())
+        model(ids[b:b + 1, :n])
+        hidden[b, :n] = seen.pop()
+    targets = torch.roll(ids, -1, -1)
+    groups = torch.repeat_interleave(torch.arange(len(adv)),
+                                     torch.tensor([t["input_ids"].shape[0] for t in adv]))
+    correct = methods.correct_from_advantages(data["advantages"], mask)
+    want = ref.nthr_scale(hidden, model.lm_head.weight, targets, mask, groups, correct,
+                          temperature=NTHR_CFG["temperature"], beta=0.0)
+    return want, mask
+
+
+def _nthr_step(cls, path, backend, batch, options="", scale_by_hand=False):
+    from areal.utils import stats_tracker
+    from areal.utils.data import concat_padded_tensors
+
+    from gbc_kernels.integrations.areal import NTHR_SCALE_KEY, OPTIONS_ENV
+
+    os.environ[OPTIONS_ENV] = options
+    eng = cls(make_config(path, backend=backend, mb_spec=_one_row_per_mb(), **NTHR_CFG))
+    eng.create_process_group()
+    _init(eng)
+    for traj, lp in zip(batch, eng.compute_logp(batch)):
+        traj["prox_logp"] = lp
+    adv = eng.compute_advantages(batch)
+    want = mask = None
+    if scale_by_hand:
+        want, mask = _nthr_by_hand(path, adv)
+        first = 0
+        for traj in adv:
+            g, s = traj["advantages"].shape
+            traj["advantages"] = traj["advantages"] * want.scale[first:first + g, :s].float()
+            first += g
+    scales = concat_padded_tensors(adv)[NTHR_SCALE_KEY] if options else None
+    before = stats_tracker.export_all(reset=True)   # compute_advantages's (NTHR's metrics)
+    eng.ppo_update(adv)
+    out = dict(stats=stats_tracker.export_all(reset=True), before=before, params=_params(eng),
+               prox=[t["prox_logp"] for t in batch], scales=scales, want=want, mask=mask)
+    eng.destroy()
+    return out
+
+
+def _worker_nthr(rank, world, path, backend):
+    import copy
+
+    from areal.engine.fsdp_engine import FSDPPPOActor
+
+    from gbc_kernels.integrations.areal.engine import GBCFSDPPPOActor
+
+    batch = _grouped_batch(2)                 # both prompts' groups mixed (rewards 0 and 1)
+    return dict(
+        by_hand=_nthr_step(FSDPPPOActor, path, backend, copy.deepcopy(batch),
+                           scale_by_hand=True),
+        plain=_nthr_step(FSDPPPOActor, path, backend, copy.deepcopy(batch)),
+        gbc=_nthr_step(GBCFSDPPPOActor, path, backend, copy.deepcopy(batch),
+                       options="nthr=true,nthr_beta=0"))
+
+
+@pytest.mark.parametrize("backend,world", [("fsdp:d1", 1), ("fsdp:d1c2", 2)])
+def test_nthr_from_areals_compute_logp_equals_the_method_by_hand(tiny, backend, world):
+    """NTHR in AReaL: the actor's own compute_logp pass keeps the response tokens' hidden
+    states (no other forward; under Ulysses gathered over the ranks), compute_advantages
+    scores AReaL's trajectories as the groups once the advantages exist: the scales equal a
+    float64 full-logits NTHR on the same batch (beta 0: on a random tiny model beta > 0
+    selects no token), and the step (two minibatches) equals AReaL's stock step on the
+    advantages times those scales, and differs from the plain step. AReaL's ``advantages``
+    metric stays the advantages AReaL computed: gbc scales them inside the loss."""
+    for res in spawn_gloo(world, _worker_nthr, tiny, backend):
+        got, by_hand, plain = res["gbc"], res["by_hand"], res["plain"]
+        want, m = by_hand["want"], by_hand["mask"]
+        assert want.selected.any() and (want.scale[m] != 1).any()
+        S = got["scales"].shape[1]
+        torch.testing.assert_close(got["scales"][m[:, :S]].double(),
+                                   want.scale[:, :S][m[:, :S]].double(), rtol=1e-5, atol=1e-5)
+        _compare(got, by_hand, skip=("nthr_", "ppo_actor/advantages/"))
+        for k in ("ppo_actor/advantages/avg", "ppo_actor/advantages/min"):
+            assert got["stats"][k] == plain["stats"][k]    # AReaL's own, logged unscaled
+        s = got["before"]
+        assert 0 < s["ppo_actor/nthr_selected_frac"] <= 1
+        assert s["ppo_actor/nthr_eta_mean"] == pytest.approx(
+            want.scale[want.selected].mean().item(), rel=1e-5)
+        diff = max((plain["params"][n] - got["params"][n]).abs().max().item()
+                   for n in plain["params"])
+        assert diff > 1e-5, diff
+
+
+def _worker_nthr_refusals(rank, world, path):
+    from gbc_kernels.integrations.areal import OPTIONS_ENV
+    from gbc_kernels.integrations.areal.engine import GBCFSDPPPOActor
+
+    os.environ[OPTIONS_ENV] = "nthr=true,nthr_beta=0"
+    eng = GBCFSDPPPOActor(make_config(path, **NTHR_CFG))
+    eng.create_process_group()
+    _init(eng)
+    errors = {}
+
+    def attempt(name, trained, scored=None, bump=False):
+        for traj, lp in zip(trained, eng.compute_logp(trained)):
+            traj["prox_logp"] = lp
+        scored = trained if scored is None else scored
+        for traj in scored:
+            traj.setdefault("prox_logp", torch.zeros(traj["input_ids"].shape))
+        if bump:
+            eng.set_version(eng.get_version() + 1)
+        try:
+            eng.compute_advantages(scored)
+        except ValueError as err:
+            errors[name] = str(err)
+
+    attempt("other batch", _grouped_batch(2), _grouped_batch(3))
+    attempt("one answer each", make_batch(2))
+    attempt("parameters changed", _grouped_batch(2), bump=True)
+    b = _grouped_batch(2)
+    attempt("first scoring", b)              # the pass's own batch: scored
+    try:                                     # again, with no new pass: the rows were freed
+        eng.compute_advantages(b)
+    except ValueError as err:
+        errors["scored twice"] = str(err)
+    eng.destroy()
+    return errors
+
+
+def test_nthr_refuses_rows_its_pass_did_not_keep(tiny):
+    """NTHR's rows must belong to the samples being trained: trajectories another
+    compute_logp pass (or none) kept, trajectories of one answer each (no group), and
+    parameters changed since the pass are each refused by name."""
+    errors = spawn_gloo(1, _worker_nthr_refusals, tiny)[0]
+    assert "trajectory 0 was not in this actor's last compute_logp pass" in \
+        errors["other batch"]
+    assert "every trajectory holds one answer" in errors["one answer each"]
+    assert "the parameters changed (version 0 -> 1)" in errors["parameters changed"]
+    assert "first scoring" not in errors
+    assert "kept no compute_logp pass" in errors["scored twice"]
+
+
+@pytest.mark.parametrize("cfg_kw,match", [
+    (dict(), "recompute_logprob=false without use_decoupled_loss"),
+    (dict(use_decoupled_loss=True, prox_logp_method="loglinear"), "which this config skips"),
+    (dict(recompute_logprob=True, importance_sampling_level="sequence"),
+     "nthr=True with importance_sampling_level='sequence'"),
+])
+def test_nthr_config_without_its_pass_is_refused_by_the_engine(tiny, cfg_kw, match,
+                                                               monkeypatch):
+    """NTHR where AReaL runs no actor compute_logp pass (its default: the rollout's
+    log-probs are used), where the proximal policy is interpolated, or under sequence-level
+    importance sampling (a per-token scale averaged away): refused where the engine is built,
+    naming AReaL's option; and under the single controller (the rows are tagged in the
+    trajectories, which it serialises)."""
+    from gbc_kernels.integrations.areal import OPTIONS_ENV
+    from gbc_kernels.integrations.areal.engine import GBCFSDPPPOActor
+
+    monkeypatch.setenv(OPTIONS_ENV, "nthr=true")
+    with pytest.raises(ValueError, match=match):
+        GBCFSDPPPOActor(make_config(tiny, **cfg_kw))
+    with pytest.raises(ValueError, match="nthr=True: NTHR's rows are tagged in the "
+                                         "trajectories, which AReaL's single controller"):
+        GBCFSDPPPOActor.as_controller(make_config(tiny, recompute_logprob=True), None)
+
+
 # ---- the switch-on, through AReaL's own loading path ----------------------------------------
 
 @pytest.fixture
@@ -555,7 +757,6 @@ def test_single_controller_workers_get_the_class_and_the_options(tiny, switched)
 
 @pytest.mark.parametrize("options,match", [
     (dict(ar_alpha=2.0), "GBC_AREAL_OPTIONS: ar_alpha: expected a float >= 0.0 and <= 1.0"),
-    (dict(nthr=True), "GBC_AREAL_OPTIONS: nthr=True is refused in AReaL"),
     (dict(critical_kl_exponent=2.0), "critical_kl_exponent=2.0 needs enable\\(config"),
     (dict(logits_dtype="float16"), "logits_dtype"),
 ])

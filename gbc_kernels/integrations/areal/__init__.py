@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 
-from .losses import (ENV, KL_WEIGHT_KEY, OPTIONS_ENV, REFUSED_METHODS, check_critical_kl,
-                     check_options, mark_reference, options_from_env)
+from .losses import (ENV, KL_WEIGHT_KEY, NTHR_ROW_KEY, NTHR_SCALE_KEY, OPTIONS_ENV,
+                     check_critical_kl, check_options, mark_reference, options_from_env)
 
-__all__ = ["ENV", "KL_WEIGHT_KEY", "OPTIONS_ENV", "REFUSED_METHODS", "GBCFSDPPPOActor",
-           "check_areal_version", "enable", "disable", "mark_reference"]
+__all__ = ["ENV", "KL_WEIGHT_KEY", "NTHR_ROW_KEY", "NTHR_SCALE_KEY", "OPTIONS_ENV",
+           "GBCFSDPPPOActor", "check_areal_version", "enable", "disable", "mark_reference"]
 
 _SAVED = {}
 
@@ -29,7 +29,8 @@ def enable(config=None, **method_options):
     path and get the options through the actor's scheduling specs
     (:meth:`GBCFSDPPPOActor.as_controller`).
 
-    ``method_options``: ``ar_alpha=0.3``, ``lopti_eta=0.5``, ``critical_kl_exponent=2.0``,
+    ``method_options``: ``ar_alpha=0.3``, ``lopti_eta=0.5``, ``nthr=True``,
+    ``critical_kl_exponent=2.0``,
     ``logits_dtype="float32"`` (the method layer's names; a value set in ``GBC_AREAL_OPTIONS``
     is used when none are given). ``config``: AReaL's experiment config (its ``actor``
     section, or the actor config itself), checked now (:func:`.losses.check_options`);

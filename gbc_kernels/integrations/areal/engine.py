@@ -11,7 +11,10 @@ passes (old policy, proximal policy, reference) equal AReaL's on the same batch.
 
 The method options (``GBC_AREAL_OPTIONS``, :func:`gbc_kernels.integrations.areal.enable`)
 act on the advantages AReaL's loss receives (:mod:`.losses`); Lopti runs two of AReaL's
-``train_batch`` updates per minibatch (:meth:`GBCFSDPPPOActor.train_batch`).
+``train_batch`` updates per minibatch (:meth:`GBCFSDPPPOActor.train_batch`); NTHR keeps its
+inputs in the actor's ``compute_logp`` pass and scores the batch in ``compute_advantages``
+(:meth:`GBCFSDPPPOActor.compute_advantages`); critical-token KL weights come from the
+reference engine's ``compute_logp``.
 """
 
 from __future__ import annotations
@@ -24,8 +27,11 @@ from areal.engine.fsdp_engine import FSDPPPOActor
 from gbc_kernels import fused_linear_logprobs, methods
 from gbc_kernels.integrations import hf
 
-from .losses import (KL_WEIGHT_KEY, OPTIONS_ENV, check_engine, check_options, is_reference,
-                     lopti_train_stats, method_loss_fn, options_from_env, silent_stats)
+from .losses import (KL_WEIGHT_KEY, NTHR_ROW_KEY, NTHR_SCALE_KEY, OPTIONS_ENV, check_engine,
+                     check_options, is_reference, lopti_train_stats, method_loss_fn,
+                     options_from_env, silent_stats)
+
+_ROW_BITS = 32          # NTHR_ROW_KEY: pass id << 32 | the row in that pass
 
 
 class GBCFSDPPPOActor(FSDPPPOActor):
@@ -40,37 +46,82 @@ class GBCFSDPPPOActor(FSDPPPOActor):
         # critical-token KL's weights in its compute_logp
         self._gbc_certainty = (self.gbc_options.critical_kl_exponent is not None
                                and is_reference(config))
-        self._gbc_side = None
+        # NTHR: the actor (not the reference engine) keeps its compute_logp pass's inputs
+        self._gbc_keep_nthr = self.gbc_options.nthr and not is_reference(config)
+        self._gbc_side = None           # {name: [per micro-batch tensor]} during forward_batch
+        self._gbc_nthr = None           # what the last compute_logp pass kept for NTHR
+        self._gbc_passes = 0
         super().__init__(config)
 
-    # -- critical-token KL: the reference pass's weights, the reward's KL term ---------------
+    # -- the passes that keep more than log-probs: critical-token KL's weights, NTHR's rows --
     def compute_logp(self, data, *args, **kwargs):
-        """AReaL's ``compute_logp``; in the reference engine under critical-token KL, each
-        trajectory of ``data`` also receives ``gbc_kl_weight`` (``[1, S]``, aligned as the
-        log-probs): ``(1 - c) J^gamma + c`` from the same streaming pass (docs/methods.md)."""
-        if not self._gbc_certainty or not isinstance(data, list):
+        """AReaL's ``compute_logp``. In the reference engine under critical-token KL, each
+        trajectory of ``data`` also receives ``gbc_kl_weight`` (``[g, S]``, aligned as the
+        log-probs): ``(1 - c) J^gamma + c`` from the same streaming pass (docs/methods.md).
+        In the actor under NTHR, the pass keeps each response token's hidden state and
+        log-prob and the head's rows of the batch's ids, and tags each trajectory with its
+        rows (``gbc_nthr_row``): :meth:`compute_advantages` scores exactly these samples."""
+        sides = (["kl_weight"] if self._gbc_certainty else []) + \
+            (["nthr"] if self._gbc_keep_nthr else [])
+        if not sides or not isinstance(data, list):
             return super().compute_logp(data, *args, **kwargs)
         from areal.utils.data import concat_batch, split_batch
 
-        logps = super().compute_logp(data, *args, **kwargs)
-        weights = split_batch(self._gbc_kl_weights, concat_batch(data)[1])
-        for traj, w in zip(data, weights):
-            traj[KL_WEIGHT_KEY] = w
+        self._gbc_nthr = None           # a new pass: what an earlier one kept is stale
+        if "nthr" in sides:
+            self._gbc_keeping = dict(heads=methods.NTHRHeadRows(self.device), hidden=[],
+                                     logp=[], n=0)
+        try:
+            self._gbc_side_names = sides
+            logps = super().compute_logp(data, *args, **kwargs)
+        finally:
+            self._gbc_side_names = None
+        meta = concat_batch(data)[1]
+        if "kl_weight" in sides:
+            for traj, w in zip(data, split_batch(self._gbc_side_out["kl_weight"], meta)):
+                traj[KL_WEIGHT_KEY] = w
+        if "nthr" in sides:
+            self._gbc_keep_rows(data, self._gbc_side_out["nthr"])
+        self._gbc_side_out = None
         return logps
 
+    def _gbc_keep_rows(self, data, where):
+        """NTHR's kept rows of the pass: ``where`` ``[B, S]`` holds, per response token, 1 +
+        its index in the kept hidden states (0 elsewhere), rows in ``data``'s order."""
+        keeping, self._gbc_keeping = self._gbc_keeping, None
+        hidden = torch.cat(keeping["hidden"]) if keeping["hidden"] else None
+        logp = torch.cat(keeping["logp"]) if keeping["logp"] else None
+        rows = []
+        for b in range(where.shape[0]):
+            cols = where[b].nonzero().reshape(-1)
+            at = (where[b, cols] - 1).to(self.device)
+            rows.append(methods.NTHRKeptRow(cols.to(self.device, torch.int32), hidden[at],
+                                            logp[at], keeping["heads"]))
+        self._gbc_passes += 1
+        self._gbc_nthr = dict(pass_id=self._gbc_passes, rows=rows, heads=keeping["heads"],
+                              version=self.get_version())
+        first = 0
+        for traj in data:
+            g = traj["attention_mask"].shape[0]
+            traj[NTHR_ROW_KEY] = (self._gbc_passes << _ROW_BITS) + \
+                torch.arange(first, first + g, dtype=torch.long)
+            first += g
+
     def forward_batch(self, input_, output_seqlens=None, aggregate_fn=torch.cat):
-        """AReaL's ``forward_batch``; with the certainty weights wanted, they are collected
-        beside the log-probs and reordered and padded the same way (AReaL's own
-        ``reorder_and_pad_outputs``), into ``self._gbc_kl_weights``."""
-        if not self._gbc_certainty:
+        """AReaL's ``forward_batch``; with side outputs wanted (:meth:`compute_logp`), they
+        are collected beside the log-probs and reordered and padded the same way (AReaL's own
+        ``reorder_and_pad_outputs``), into ``self._gbc_side_out``."""
+        names = getattr(self, "_gbc_side_names", None)
+        if not names:
             return super().forward_batch(input_, output_seqlens, aggregate_fn)
         from areal.engine import fsdp_engine
 
         real, got = fsdp_engine.reorder_and_pad_outputs, {}
-        self._gbc_side = []
+        self._gbc_side = {name: [] for name in names}
 
         def both(outputs, seqlens, mb_list, agg=torch.cat):
-            got["w"] = real(self._gbc_side, seqlens, mb_list, agg)
+            for name, side in self._gbc_side.items():
+                got[name] = real(side, seqlens, mb_list, torch.cat)
             return real(outputs, seqlens, mb_list, agg)
 
         fsdp_engine.reorder_and_pad_outputs = both
@@ -79,38 +130,104 @@ class GBCFSDPPPOActor(FSDPPPOActor):
         finally:
             fsdp_engine.reorder_and_pad_outputs = real
             self._gbc_side = None
-        self._gbc_kl_weights = got["w"]
+        self._gbc_side_out = got
         return result
 
     def compute_advantages(self, data, *args, **kwargs):
-        """AReaL's ``compute_advantages``; under critical-token KL its per-token KL reward
-        ``-kl_ctl * kl_estimator(old_logp, ref_logp)`` is multiplied by the reference pass's
-        weights (``gbc_kl_weight`` in every trajectory: refused by name when a trajectory has
-        none, never an unweighted KL)."""
-        if self.gbc_options.critical_kl_exponent is None:
+        """AReaL's ``compute_advantages``, then the methods that need its output:
+
+        * critical-token KL: its per-token KL reward ``-kl_ctl * kl_estimator(old_logp,
+          ref_logp)`` is multiplied by the reference pass's weights (``gbc_kl_weight`` in every
+          trajectory: refused by name when a trajectory has none, never an unweighted KL);
+        * NTHR: the batch is scored from what the actor's last ``compute_logp`` kept for
+          these very trajectories (:meth:`_gbc_nthr_rows` refuses any other), its groups
+          AReaL's trajectories (one prompt's answers each) and its correct answers those
+          whose advantages AReaL just computed average above 0; the token scales go into the
+          batch as ``gbc_nthr_scale`` for the loss, and ``nthr_selected_frac`` /
+          ``nthr_eta_mean`` into AReaL's ``ppo_actor`` statistics."""
+        kl = self.gbc_options.critical_kl_exponent is not None
+        nthr = self.gbc_options.nthr
+        if not kl and not nthr:
             return super().compute_advantages(data, *args, **kwargs)
-        missing = [i for i, t in enumerate(data) if KL_WEIGHT_KEY not in t]
+        missing = [i for i, t in enumerate(data) if KL_WEIGHT_KEY not in t] if kl else []
         if missing:
             raise ValueError(f"{OPTIONS_ENV}: critical_kl_exponent: trajectory {missing[0]} "
                              "has no certainty weights from the reference engine's "
                              "compute_logp (AReaL's trainer runs it when actor.kl_ctl > 0 "
                              "and a ref config is set; enable(config) marks that engine)")
+        kept = self._gbc_nthr_rows(data) if nthr else None
         actor = self.actor
         real_fn, real_est = actor._compute_advantages, actor.kl_estimator
 
-        def weighted(batch):
-            w = batch[KL_WEIGHT_KEY].float()
-            actor.kl_estimator = lambda logp, base: real_est(logp, base) * w.to(logp.device)
+        def with_methods(batch):
+            if kl:
+                w = batch[KL_WEIGHT_KEY].float()
+                actor.kl_estimator = lambda logp, base: real_est(logp, base) * w.to(logp.device)
             try:
-                return real_fn(batch)
+                out = real_fn(batch)
             finally:
                 actor.kl_estimator = real_est
+            if nthr:
+                out = self._gbc_nthr_score(out, *kept)
+            return out
 
-        actor._compute_advantages = weighted
+        actor._compute_advantages = with_methods
         try:
             return super().compute_advantages(data, *args, **kwargs)
         finally:
             del actor._compute_advantages
+            self._gbc_nthr = None       # scored once: the kept rows are freed
+
+    def _gbc_nthr_rows(self, data):
+        """``(rows, group_ids)``: the kept row of every row of ``data`` (its trajectories, in
+        order) and its group (its trajectory's index). Refused by name: no kept pass, a
+        trajectory without rows from it (another batch, an earlier pass), parameters changed
+        since, or trajectories of one answer each (no group to compare within)."""
+        store = self._gbc_nthr
+        if store is None:
+            raise ValueError(f"{OPTIONS_ENV}: nthr=true: this actor kept no compute_logp pass "
+                             "to score (NTHR takes the hidden states of AReaL's actor "
+                             "compute_logp, run on the same trajectories before "
+                             "compute_advantages; recompute_logprob=true)")
+        codes = []
+        for i, traj in enumerate(data):
+            code = traj.get(NTHR_ROW_KEY)
+            if code is None or bool(((code >> _ROW_BITS) != store["pass_id"]).any()):
+                raise ValueError(f"{OPTIONS_ENV}: nthr=true: trajectory {i} was not in this "
+                                 "actor's last compute_logp pass; NTHR scores only the samples "
+                                 "whose hidden states that pass kept (run compute_logp on the "
+                                 "batch being trained)")
+            codes.append(code.reshape(-1))
+        if self.get_version() != store["version"]:
+            raise ValueError(f"{OPTIONS_ENV}: nthr=true: the parameters changed (version "
+                             f"{store['version']} -> {self.get_version()}) since the "
+                             "compute_logp pass NTHR would score")
+        sizes = [int(traj["attention_mask"].shape[0]) for traj in data]
+        if max(sizes) < 2:
+            raise ValueError(f"{OPTIONS_ENV}: nthr=true: every trajectory holds one answer, so "
+                             "NTHR has no group to compare within; AReaL gives a prompt's "
+                             "answers as one trajectory when gconfig.n_samples > 1 "
+                             "(GroupedRolloutWorkflow)")
+        rows = [store["rows"][int(r)] for r in torch.cat(codes) & ((1 << _ROW_BITS) - 1)]
+        groups = torch.repeat_interleave(torch.arange(len(data)), torch.tensor(sizes))
+        return rows, groups
+
+    def _gbc_nthr_score(self, out, rows, groups):
+        """NTHR's token scales of AReaL's ``_compute_advantages`` output ``out`` (rolled
+        ``loss_mask`` and ``advantages``), into ``out[gbc_nthr_scale]``."""
+        from areal.utils import stats_tracker
+
+        mask, adv = out["loss_mask"].bool(), out["advantages"]
+        targets = torch.roll(out["input_ids"].long(), shifts=-1, dims=-1)
+        batch = methods.NTHRBatch(targets[mask], None,
+                                  logits_dtype=self.gbc_options.logits_dtype)
+        batch.add_kept(rows, list(targets), self._gbc_nthr["heads"], device=self.device)
+        result, metrics = batch.result(mask, groups, adv, self.gbc_options)
+        out[NTHR_SCALE_KEY] = result.scale.to(adv.device, torch.float32)
+        out.pop(NTHR_ROW_KEY, None)
+        with stats_tracker.scope("ppo_actor"):
+            stats_tracker.scalar(**{k: float(v) for k, v in metrics.items()})
+        return out
 
     @classmethod
     def as_controller(cls, config, scheduler):
@@ -119,11 +236,12 @@ class GBCFSDPPPOActor(FSDPPPOActor):
         read the options the controller was switched on with."""
         options = options_from_env()
         check_options(config, options)
-        if options.critical_kl_exponent is not None:
-            raise ValueError(f"{OPTIONS_ENV}: critical_kl_exponent="
-                             f"{options.critical_kl_exponent}: the certainty weights travel "
-                             "in the trajectories, which AReaL's single controller serialises "
-                             "to its workers; run under AReaL's SPMD launcher")
+        for name, what in (("critical_kl_exponent", "the certainty weights travel"),
+                           ("nthr", "NTHR's rows are tagged")):
+            if getattr(options, name) not in (None, False):
+                raise ValueError(f"{OPTIONS_ENV}: {name}={getattr(options, name)}: {what} in "
+                                 "the trajectories, which AReaL's single controller serialises "
+                                 "to its workers; run under AReaL's SPMD launcher")
         text = os.environ.get(OPTIONS_ENV, "")
         for spec in getattr(config, "scheduling_spec", ()) or ():
             spec.env_vars = {**(spec.env_vars or {}), OPTIONS_ENV: text}
@@ -170,10 +288,17 @@ class GBCFSDPPPOActor(FSDPPPOActor):
             inner = hf.unwrap(self.model)
             captured = {}
 
+            side = self._gbc_side or {}
+
             def head_forward(hidden, *args, **kwargs):
                 head = hf.lm_head(inner)          # as FSDP2 holds it during this forward
                 h = hidden.reshape(-1, hidden.shape[-1]).to(head.weight.dtype)
-                if self._gbc_side is not None:    # the reference pass, with its weights
+                if "nthr" in side:                # NTHR's inputs: hidden states, head rows
+                    captured["hidden"] = h.detach()
+                    self._gbc_keeping["heads"].add(
+                        ctx.mb_input["input_ids"], head, hf.logit_softcap(inner),
+                        self.config.temperature)
+                if "kl_weight" in side:           # the reference pass, with its weights
                     st = methods.reference_stats(
                         h, head.weight, labels.to(h.device), self.gbc_options, head.bias,
                         temperature=self.config.temperature,
@@ -197,9 +322,9 @@ class GBCFSDPPPOActor(FSDPPPOActor):
             if "rows" not in captured:
                 raise RuntimeError("model: its forward did not call its lm_head")
             self._gbc_captured = captured["rows"]
-            self._gbc_captured_weight = captured.get("kl_weight")
+            self._gbc_captured_side = captured
             loss = process_output_fn(outputs.logits.squeeze(0), ctx.to_dict())
-            self._gbc_captured = self._gbc_captured_weight = None
+            self._gbc_captured = self._gbc_captured_side = None
             if not forward_only and loss is not None:
                 with trace_scope("fsdp_engine.backward"):
                     loss.backward()
@@ -209,16 +334,28 @@ class GBCFSDPPPOActor(FSDPPPOActor):
         returns them: gathered over the Ulysses group, its padding and the micro-batch's
         padding removed."""
         logp, entropy = self._gbc_captured
+        return self._gbc_trim(logp, ctx), self._gbc_trim(entropy, ctx)
+
+    def _gbc_trim(self, t, ctx):
+        """A per-token tensor of this rank's rows (``[n]``, or ``[n, H]``) as AReaL trims its
+        log-probs: gathered over the Ulysses group (AReaL's own gather for ``[n]``), the
+        Ulysses padding and the micro-batch's padding removed."""
+        if t is None:
+            return None
         if self.parallel_helper.sp_size > 1:
-            logp = self._sp_all_gather(logp)
-            entropy = None if entropy is None else self._sp_all_gather(entropy)
+            if t.dim() == 1:
+                t = self._sp_all_gather(t)
+            else:                       # hidden states: no gradient, along the tokens
+                import torch.distributed as dist
+
+                parts = [torch.empty_like(t) for _ in range(self.parallel_helper.sp_size)]
+                dist.all_gather(parts, t.contiguous(), group=self.sp_group)
+                t = torch.cat(parts)
             if ctx.ulysses_pad_size > 0:
-                logp = logp[:-ctx.ulysses_pad_size]
-                entropy = None if entropy is None else entropy[:-ctx.ulysses_pad_size]
+                t = t[:-ctx.ulysses_pad_size]
         if ctx.pad_length > 0:
-            logp = logp[:-ctx.pad_length]
-            entropy = None if entropy is None else entropy[:-ctx.pad_length]
-        return logp, entropy
+            t = t[:-ctx.pad_length]
+        return t
 
     def _compute_logprobs_and_loss(self, logits, ctx, loss_fn, loss_weight_fn,
                                    total_loss_weight, loss_multiplier=1.0):
@@ -246,11 +383,39 @@ class GBCFSDPPPOActor(FSDPPPOActor):
         return loss * (local_weight / total_loss_weight * loss_multiplier)
 
     def _compute_forward_result(self, logits, ctx):
-        """``compute_logp``'s rows: gbc's log-probs of the micro-batch (and, in the reference
-        pass under critical-token KL, its weights, trimmed the same way, collected aside)."""
-        if self._gbc_side is not None:
-            logp, weight = self._gbc_captured
-            self._gbc_captured = (self._gbc_captured_weight, None)
-            self._gbc_side.append(self._gbc_rows(ctx)[0])
-            self._gbc_captured = (logp, weight)
-        return self._gbc_rows(ctx)[0]
+        """``compute_logp``'s rows: gbc's log-probs of the micro-batch; with side outputs
+        wanted (:meth:`compute_logp`), critical-token KL's weights trimmed the same way, and
+        NTHR's kept tokens (:meth:`_gbc_keep_micro_batch`), collected aside."""
+        logp = self._gbc_rows(ctx)[0]
+        side = self._gbc_side
+        if side is not None and "kl_weight" in side:
+            side["kl_weight"].append(self._gbc_trim(self._gbc_captured_side["kl_weight"], ctx))
+        if side is not None and "nthr" in side:
+            side["nthr"].append(self._gbc_keep_micro_batch(ctx, logp))
+        return logp
+
+    def _gbc_keep_micro_batch(self, ctx, logp):
+        """Keep NTHR's inputs of this micro-batch's response tokens (those AReaL's
+        ``compute_advantages`` puts in its rolled ``loss_mask``): hidden state and log-prob.
+        Returns ``[n]``: 1 + each kept token's index in what the pass keeps, 0 elsewhere."""
+        mb = ctx.mb_input
+        if "loss_mask" not in mb:
+            raise ValueError(f"{OPTIONS_ENV}: nthr=true: the batch has no loss_mask (NTHR "
+                             "scores the response tokens AReaL's loss_mask marks)")
+        mask, cu = mb["loss_mask"].reshape(-1), mb["cu_seqlens"].long()
+        if mask.numel() != logp.numel():
+            raise RuntimeError(f"nthr: the micro-batch's loss_mask has {mask.numel()} tokens "
+                               f"and its log-probs {logp.numel()}")
+        # AReaL's roll of each row by one (its last token takes its row's first)
+        rolled = torch.roll(mask, -1)
+        rolled[cu[1:] - 1] = mask[cu[:-1]]
+        keep = rolled.bool().to(logp.device)
+        hidden = self._gbc_trim(self._gbc_captured_side["hidden"], ctx)
+        keeping = self._gbc_keeping
+        n = int(keep.sum())
+        where = torch.zeros(logp.numel(), dtype=torch.long, device=logp.device)
+        where[keep] = torch.arange(keeping["n"] + 1, keeping["n"] + 1 + n, device=logp.device)
+        keeping["hidden"].append(hidden[keep])
+        keeping["logp"].append(logp[keep].float())
+        keeping["n"] += n
+        return where

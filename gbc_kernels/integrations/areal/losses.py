@@ -6,9 +6,10 @@ construction. The method options (:class:`gbc_kernels.methods.MethodOptions`, th
 ``GBC_AREAL_OPTIONS``) act on the advantages that loss receives, the way the method layer
 defines them for every objective (``methods.loss_advantages``: AR's weight
 ``alpha p_old + 1 - alpha`` and Lopti's split ``p_old < lopti_eta``, with
-``p_old = exp(prox_logp)``, the policy the ratio is taken against); critical-token KL weights
-the KL term of AReaL's reward (the engine's ``compute_advantages``); what cannot run inside
-AReaL's flow yet is refused by name here, before anything is built.
+``p_old = exp(prox_logp)``, the policy the ratio is taken against; NTHR's token scales, from
+the actor's own ``compute_logp`` pass, in the batch as ``gbc_nthr_scale``); critical-token KL
+weights the KL term of AReaL's reward (the engine's ``compute_advantages``); what cannot run
+inside AReaL's flow is refused by name here, before anything is built.
 """
 
 from __future__ import annotations
@@ -22,14 +23,10 @@ from gbc_kernels import methods
 ENV = "GBC_AREAL"                      # set by enable(): gbc's engine is switched on
 OPTIONS_ENV = "GBC_AREAL_OPTIONS"      # the method options, "ar_alpha=0.3,logits_dtype=float32"
 
-# the method options gbc's AReaL engine refuses, and why (docs/areal.md, "What is refused")
-REFUSED_METHODS = {
-    "nthr": "NTHR's token scales need the old-policy pass's hidden states per prompt group "
-            "inside AReaL's compute_logp; not wired yet",
-}
-
-
 KL_WEIGHT_KEY = "gbc_kl_weight"        # the reference pass's weights, in each trajectory
+NTHR_ROW_KEY = "gbc_nthr_row"          # [g] int64 per trajectory: its rows in the actor's
+                                       # compute_logp pass (pass id << 32 | row)
+NTHR_SCALE_KEY = "gbc_nthr_scale"      # [g, S] float32: NTHR's token scales (1 off-selection)
 REFERENCE_MARK = "_gbc_reference"      # set on AReaL's ref config by enable(config)
 
 
@@ -86,12 +83,8 @@ def check_options(config, options: methods.MethodOptions) -> None:
     """Refuse, naming the option, what gbc's AReaL engine cannot run under AReaL's actor
     ``config`` (a ``PPOActorConfig``, a ``TrainEngineConfig`` for the reference engine, or
     None: the options alone):
-    the methods of :data:`REFUSED_METHODS`, AR where its weight is not defined per token, and
-    AReaL's tree training."""
-    for name, why in REFUSED_METHODS.items():
-        value = getattr(options, name)
-        if value not in (None, False):
-            raise ValueError(f"{OPTIONS_ENV}: {name}={value} is refused in AReaL: {why}")
+    NTHR without the actor's ``compute_logp`` pass, AR, Lopti and NTHR where a per-token
+    weight is not defined, and AReaL's tree training."""
     if _cfg(config, "enable_tree_training", False):
         raise ValueError("enable_tree_training: gbc's AReaL engine computes the log-probs of "
                          "AReaL's packed rows; tree training's trie-packed logits "
@@ -100,7 +93,15 @@ def check_options(config, options: methods.MethodOptions) -> None:
     if _cfg(config, "is_critic", False):
         raise ValueError("is_critic: gbc's AReaL engine is the actor's (and the reference's); "
                          "the critic has no lm_head")
-    acting = [f"{name}={getattr(options, name)}" for name in ("ar_alpha", "lopti_eta")
+    if options.nthr and config is not None and hasattr(config, "should_compute_prox_logp") \
+            and not config.should_compute_prox_logp():
+        raise ValueError(f"{OPTIONS_ENV}: nthr=true: NTHR scores the batch from the hidden "
+                         "states of AReaL's actor compute_logp pass (the proximal policy: this "
+                         "step's parameters, before the update), which this config skips "
+                         "(recompute_logprob=false without use_decoupled_loss, or "
+                         "prox_logp_method='loglinear'); set recompute_logprob=true, or "
+                         "use_decoupled_loss with prox_logp_method='recompute'")
+    acting = [f"{name}={getattr(options, name)}" for name in ("ar_alpha", "lopti_eta", "nthr")
               if getattr(options, name)]
     if acting and config is not None:
         level = _cfg(config, "importance_sampling_level", "token")
@@ -130,24 +131,37 @@ def check_engine(engine) -> None:
 
 def method_loss_fn(loss_fn, options: methods.MethodOptions, phase=None):
     """AReaL's ``loss_fn(logprobs, entropy, input_data, **kw)`` with the method options applied
-    to ``input_data["advantages"]`` (``methods.loss_advantages``: AR times
-    ``alpha exp(prox_logp) + 1 - alpha``; a Lopti ``phase`` zeroes them outside its tokens,
-    ``exp(prox_logp) < lopti_eta`` for ``"low"``, and AReaL's normaliser keeps the whole mask);
-    the same function when nothing acts on the advantages."""
-    if not options.ar_alpha and phase is None:
+    to ``input_data["advantages"]``: NTHR's token scales (``gbc_nthr_scale``, put in the batch
+    by the engine's ``compute_advantages``; a token's scale times its advantage is its loss
+    term times the scale, as every AReaL loss is linear in a positive factor of the
+    advantage), then ``methods.loss_advantages`` (AR times ``alpha exp(prox_logp) + 1 - alpha``;
+    a Lopti ``phase`` zeroes them outside its tokens, ``exp(prox_logp) < lopti_eta`` for
+    ``"low"``, and AReaL's normaliser keeps the whole mask); the same function when nothing
+    acts on the advantages."""
+    if not options.ar_alpha and not options.nthr and phase is None:
         return loss_fn
 
     @functools.wraps(loss_fn)
     def with_methods(logprobs, entropy, input_data, **kwargs):
         if "advantages" not in input_data:
             return loss_fn(logprobs, entropy, input_data, **kwargs)
+        data = dict(input_data)
+        if options.nthr:
+            scale = input_data.get(NTHR_SCALE_KEY)
+            if scale is None:
+                raise ValueError(f"{OPTIONS_ENV}: nthr=true: the batch has no NTHR token "
+                                 f"scales ({NTHR_SCALE_KEY}); they come from gbc's actor "
+                                 "compute_advantages after its compute_logp pass")
+            data["advantages"] = input_data["advantages"] * scale.to(
+                input_data["advantages"].dtype)
+        if not options.ar_alpha and phase is None:
+            return loss_fn(logprobs, entropy, data, **kwargs)
         base = input_data.get("prox_logp")
         if base is None:
             raise ValueError(f"{OPTIONS_ENV}: ar_alpha and lopti_eta need the proximal "
                              "log-probs "
                              "(prox_logp) in AReaL's batch; it has none")
-        data = dict(input_data)
-        data["advantages"] = methods.loss_advantages(input_data["advantages"],
+        data["advantages"] = methods.loss_advantages(data["advantages"],
                                                      base.float(), options, phase)
         return loss_fn(logprobs, entropy, data, **kwargs)
 
