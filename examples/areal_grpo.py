@@ -12,7 +12,7 @@ docs/example-trainer.md): sampled at temperature 3 it is right ~20% of the time.
 
 Run where AReaL is installed (``make compat ONLY=areal`` builds that venv):
 
-    python examples/areal_grpo.py                       # 8 steps, AR and Lopti on
+    python examples/areal_grpo.py                       # 8 steps, AR, Lopti and NTHR on
     python examples/areal_grpo.py --options ""          # gbc's head alone
 """
 
@@ -54,7 +54,11 @@ def save_for_areal(model, tok, path):
 @torch.no_grad()
 def rollout(sampler, task, tok, rng, prompts, group, temperature):
     """AReaL trajectories (its RLVRWorkflow's keys) for ``prompts`` x ``group`` samples, with
-    the sampler's log-probs at ``temperature``; and the mean reward."""
+    the sampler's log-probs at ``temperature``, one trajectory per prompt holding its
+    ``group`` answers (as AReaL's GroupedRolloutWorkflow concatenates them: NTHR's groups);
+    and the mean reward."""
+    from areal.utils.data import concat_padded_tensors
+
     batch = task.sample(prompts, rng)
     ids = batch.prompts.repeat_interleave(group, 0)
     out = sampler.generate(ids, attention_mask=(ids != tok.PAD).long(),
@@ -77,6 +81,7 @@ def rollout(sampler, task, tok, rng, prompts, group, temperature):
             versions=torch.where(torch.arange(len(seq)) >= P, 0, -1).int(),
             attention_mask=torch.ones(len(seq), dtype=torch.bool),
             rewards=torch.tensor(float(rewards[i]))).items()})
+    trajs = [concat_padded_tensors(trajs[i:i + group]) for i in range(0, len(trajs), group)]
     return trajs, float(torch.as_tensor(rewards).float().mean())
 
 
@@ -88,7 +93,7 @@ def main(argv=None):
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=3.0)
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--options", default="ar_alpha=0.3,lopti_eta=0.5",
+    ap.add_argument("--options", default="ar_alpha=0.3,lopti_eta=0.5,nthr=true",
                     help="gbc's method options (GBC_AREAL_OPTIONS); '' for none")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -143,7 +148,8 @@ def main(argv=None):
         print(f"step {step + 1}/{args.steps}: sampled reward {reward:.3f}, "
               f"actor_loss {stats.get('ppo_actor/update/actor_loss/avg', float('nan')):+.4f}, "
               f"entropy {stats.get('ppo_actor/update/entropy/avg', float('nan')):.3f}, "
-              f"clip_ratio {stats.get('ppo_actor/update/clip_ratio/avg', float('nan')):.3f} "
+              f"clip_ratio {stats.get('ppo_actor/update/clip_ratio/avg', float('nan')):.3f}, "
+              f"nthr_selected_frac {stats.get('ppo_actor/nthr_selected_frac', float('nan')):.3f} "
               f"({time.time() - t0:.1f} s)", flush=True)
     actor.destroy()
     gbc_areal.disable()

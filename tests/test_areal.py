@@ -808,7 +808,7 @@ def test_enable_refuses_an_untested_release_before_patching(switched, monkeypatc
 
 def test_example_runs_gbcs_actor_through_areals_name(tmp_path):
     """examples/areal_grpo.py: two GRPO steps with AReaL's actor as AReaL's trainer names it
-    (gbc's after enable()), AR and Lopti on; every step logs finite metrics."""
+    (gbc's after enable()), AR, Lopti and NTHR on; every step logs finite metrics."""
     import re
     import subprocess
     import sys
@@ -819,8 +819,9 @@ def test_example_runs_gbcs_actor_through_areals_name(tmp_path):
                          capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "actor: gbc_kernels.integrations.areal.engine.GBCFSDPPPOActor; options: " \
-           "ar_alpha=0.3,lopti_eta=0.5" in out.stdout, out.stdout
+           "ar_alpha=0.3,lopti_eta=0.5,nthr=true" in out.stdout, out.stdout
     steps = re.findall(r"step (\d)/2: sampled reward ([\d.]+), actor_loss ([-+\d.e]+), "
-                       r"entropy ([\d.]+)", out.stdout)
+                       r"entropy ([\d.]+), clip_ratio [\d.]+, nthr_selected_frac ([\d.]+)",
+                       out.stdout)
     assert [s[0] for s in steps] == ["1", "2"], out.stdout
     assert all(torch.isfinite(torch.tensor([float(x) for x in s[1:]])).all() for s in steps)
