@@ -664,13 +664,24 @@ def _worker_nthr_refusals(rank, world, path):
     except ValueError as err:
         errors["scored twice"] = str(err)
     eng.destroy()
+    # the reference engine (a PPOActorConfig without an optimizer, AReaL's default
+    # recompute_logprob=false): built, its compute_logp keeps and tags nothing
+    ref = GBCFSDPPPOActor(make_config(path, optimizer=None))
+    ref.create_process_group()
+    _init(ref)
+    b = _grouped_batch(2)
+    ref.compute_logp(b)
+    errors["reference kept"] = ref._gbc_nthr is not None or any(
+        "gbc_nthr_row" in t for t in b)
+    ref.destroy()
     return errors
 
 
 def test_nthr_refuses_rows_its_pass_did_not_keep(tiny):
     """NTHR's rows must belong to the samples being trained: trajectories another
     compute_logp pass (or none) kept, trajectories of one answer each (no group), and
-    parameters changed since the pass are each refused by name."""
+    parameters changed since the pass are each refused by name. An engine that does not
+    train (the reference: no optimizer) is built under NTHR and keeps nothing."""
     errors = spawn_gloo(1, _worker_nthr_refusals, tiny)[0]
     assert "trajectory 0 was not in this actor's last compute_logp pass" in \
         errors["other batch"]
@@ -678,6 +689,7 @@ def test_nthr_refuses_rows_its_pass_did_not_keep(tiny):
     assert "the parameters changed (version 0 -> 1)" in errors["parameters changed"]
     assert "first scoring" not in errors
     assert "kept no compute_logp pass" in errors["scored twice"]
+    assert errors["reference kept"] is False
 
 
 @pytest.mark.parametrize("cfg_kw,match", [

@@ -29,7 +29,7 @@ from gbc_kernels.integrations import hf
 
 from .losses import (KL_WEIGHT_KEY, NTHR_ROW_KEY, NTHR_SCALE_KEY, OPTIONS_ENV, check_engine,
                      check_options, is_reference, lopti_train_stats, method_loss_fn,
-                     options_from_env, silent_stats)
+                     options_from_env, silent_stats, trains)
 
 _ROW_BITS = 32          # NTHR_ROW_KEY: pass id << 32 | the row in that pass
 
@@ -46,8 +46,9 @@ class GBCFSDPPPOActor(FSDPPPOActor):
         # critical-token KL's weights in its compute_logp
         self._gbc_certainty = (self.gbc_options.critical_kl_exponent is not None
                                and is_reference(config))
-        # NTHR: the actor (not the reference engine) keeps its compute_logp pass's inputs
-        self._gbc_keep_nthr = self.gbc_options.nthr and not is_reference(config)
+        # NTHR: the actor (not the reference or a teacher engine) keeps its compute_logp
+        # pass's inputs
+        self._gbc_keep_nthr = self.gbc_options.nthr and trains(config)
         self._gbc_side = None           # {name: [per micro-batch tensor]} during forward_batch
         self._gbc_nthr = None           # what the last compute_logp pass kept for NTHR
         self._gbc_passes = 0

@@ -41,6 +41,15 @@ def is_reference(config) -> bool:
     return bool(getattr(config, REFERENCE_MARK, False))
 
 
+def trains(config) -> bool:
+    """Whether an engine built from ``config`` updates its model: not the reference engine,
+    and an optimizer configured (AReaL's reference and teacher engines, ``PPOActorConfig``s
+    too, have none: their ``train_batch`` cannot run). Only such an engine's loss options are
+    checked, and only it keeps NTHR's rows."""
+    return config is None or (not is_reference(config)
+                              and getattr(config, "optimizer", None) is not None)
+
+
 def check_critical_kl(experiment, options: methods.MethodOptions) -> None:
     """Critical-token KL in AReaL weights the KL term of its reward, ``-kl_ctl *
     kl_estimator(old_logp, ref_logp)`` per token in ``compute_advantages``, by the reference
@@ -84,7 +93,8 @@ def check_options(config, options: methods.MethodOptions) -> None:
     ``config`` (a ``PPOActorConfig``, a ``TrainEngineConfig`` for the reference engine, or
     None: the options alone):
     NTHR without the actor's ``compute_logp`` pass, AR, Lopti and NTHR where a per-token
-    weight is not defined, and AReaL's tree training."""
+    weight is not defined (these for an engine that :func:`trains` only), and AReaL's tree
+    training."""
     if _cfg(config, "enable_tree_training", False):
         raise ValueError("enable_tree_training: gbc's AReaL engine computes the log-probs of "
                          "AReaL's packed rows; tree training's trie-packed logits "
@@ -93,6 +103,8 @@ def check_options(config, options: methods.MethodOptions) -> None:
     if _cfg(config, "is_critic", False):
         raise ValueError("is_critic: gbc's AReaL engine is the actor's (and the reference's); "
                          "the critic has no lm_head")
+    if config is not None and not trains(config):
+        return                  # the reference / a teacher: log-probs only, no loss
     if options.nthr and config is not None and hasattr(config, "should_compute_prox_logp") \
             and not config.should_compute_prox_logp():
         raise ValueError(f"{OPTIONS_ENV}: nthr=true: NTHR scores the batch from the hidden "
