@@ -130,13 +130,16 @@ def tail_error(log_path, n=1):
 
 
 def parse_set(path):
-    """A requirement set: '[resolve]' and '[no-deps]' sections of pip requirement lines."""
-    sections, cur = {"resolve": [], "no-deps": []}, "resolve"
+    """A requirement set: '[resolve]' and '[no-deps]' sections of pip requirement lines, and
+    '[outside-requires-python]': like '[no-deps]', with ``--ignore-requires-python`` (a trainer
+    release whose Requires-Python excludes this machine's Python, run here all the same; its
+    row says so)."""
+    sections, cur = {"resolve": [], "no-deps": [], "outside-requires-python": []}, "resolve"
     for line in read(path).splitlines():
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
-        m = re.fullmatch(r"\[(resolve|no-deps)\]", line)
+        m = re.fullmatch(r"\[(resolve|no-deps|outside-requires-python)\]", line)
         if m:
             cur = m.group(1)
         else:
@@ -245,6 +248,16 @@ def ensure_wheel(ctx):
     return found[0]
 
 
+def outside_requires_python(name, release) -> bool:
+    """Whether the row's set installs the trainer release outside its Requires-Python."""
+    for trainer, (pypi, _, _) in TRAINERS.items():
+        path = os.path.join(HERE, "sets", f"{trainer}-{release}.txt")
+        if pypi == name and os.path.exists(path):
+            return any(re.match(rf"{re.escape(name)}\s*==", line, re.I)
+                       for line in parse_set(path)["outside-requires-python"])
+    return False
+
+
 def trainer_pins(ctx, name, release):
     """The release's own Requires-Dist (from its wheel's METADATA), or why it won't download."""
     d = os.path.join(ctx.cache, "metadata", f"{name}-{release}")
@@ -253,8 +266,10 @@ def trainer_pins(ctx, name, release):
         os.makedirs(d, exist_ok=True)
         lg = os.path.join(d, "download.log")
         open(lg, "w").close()
-        rc, _ = run([vpy(ctx.base), "-m", "pip", "download", "-q", "--no-deps",
-                     f"{name}=={release}", "-d", d], lg, env=pip_env())
+        outside = ["--ignore-requires-python"] if outside_requires_python(name, release) \
+            else []
+        rc, _ = run([vpy(ctx.base), "-m", "pip", "download", "-q", "--no-deps"] + outside
+                    + [f"{name}=={release}", "-d", d], lg, env=pip_env())
         whl = glob.glob(os.path.join(d, "*.whl"))
         if rc or not whl:
             text = read(lg)
@@ -314,6 +329,10 @@ def install_commands(ctx, venv, sections):
     if sections["no-deps"]:
         cmds.append([py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                      "-c", ctx.constraints] + sections["no-deps"])
+    if sections["outside-requires-python"]:
+        cmds.append([py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                     "--ignore-requires-python", "-c", ctx.constraints]
+                    + sections["outside-requires-python"])
     return cmds
 
 
@@ -550,6 +569,10 @@ def do_row(ctx, trainer, release):
                          + (f" from {oldest[0]} on: {oldest[1]}" if oldest else "") + ")")
     else:
         row["status"] = "pass"
+    py = row["pins"].get("python")
+    if outside_requires_python(name, release) and py:
+        row["status"] += (f" (on Python {ctx.pyver}, outside its Requires-Python {py}: "
+                          f"installed with --ignore-requires-python)")
     row["total_s"] = round(time.time() - t0, 1)
     log(f"{trainer} {release}: {row['status']}: {t['passed']} passed, {t['failed']} failed, "
         f"{t['errors']} errors, {t['skipped']} skipped in {t['test_s']} s")
@@ -619,6 +642,9 @@ def install_lines(trainer, release):
     if sections["no-deps"]:
         out.append("DS_BUILD_OPS=0 pip install --no-deps --no-build-isolation "
                    "-c compat/constraints.txt " + q(sections["no-deps"]))
+    if sections["outside-requires-python"]:
+        out.append("pip install --no-deps --no-build-isolation --ignore-requires-python "
+                   "-c compat/constraints.txt " + q(sections["outside-requires-python"]))
     out.append("pip install --no-build-isolation --no-deps -e .")
     return out
 

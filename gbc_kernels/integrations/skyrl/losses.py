@@ -84,6 +84,17 @@ def _bool(algorithm, name):
     return v
 
 
+def check_algorithm(algorithm):
+    """Refuse, by SkyRL's option, what SkyRL 0.4 added to ``trainer.algorithm`` that changes the
+    log-probs themselves and gbc does not run: ``enable_sample_support_replay`` (the policy's
+    log-probs renormalised over the sampler's recorded top-k/top-p support, not the whole
+    vocabulary)."""
+    if get(algorithm, "enable_sample_support_replay", False):
+        raise ValueError("trainer.algorithm.enable_sample_support_replay=true: gbc's SkyRL "
+                         "workers compute log-probs over the whole vocabulary; the sampler's "
+                         "restricted support is not replayed (set it to false)")
+
+
 def policy_loss_config(algorithm, loss_type: Optional[str] = None,
                        kl_entropy_weight: Optional[float] = None,
                        **gbc_options) -> "gbc.PolicyLossConfig":
@@ -103,6 +114,11 @@ def policy_loss_config(algorithm, loss_type: Optional[str] = None,
     if loss_type not in SKYRL_LOSS_TYPES:
         raise ValueError(f"trainer.algorithm.policy_loss_type: gbc reproduces SkyRL's "
                          f"{tuple(SKYRL_LOSS_TYPES)}, got {loss_type!r}")
+    if loss_type == "cispo" and get(algorithm, "cispo.cispo_anchor", "old") != "old":
+        raise ValueError(f"trainer.algorithm.cispo.cispo_anchor="
+                         f"{get(algorithm, 'cispo.cispo_anchor')!r}: gbc's cispo anchors the "
+                         f"ratio on the old policy's log-probs (SkyRL's default 'old'), which "
+                         f"AR and Lopti read as p_old too; set cispo_anchor='old'")
     names = {}
     opts = dict(SKYRL_LOSS_TYPES[loss_type])
     for option, field in LOSS_OPTIONS.get(loss_type, ()):

@@ -128,6 +128,7 @@ def check_config(cfg, options: Optional[methods.MethodOptions] = None,
     algo = losses.get(cfg, "algorithm")
     if algo is None:
         raise ValueError("cfg: expected SkyRL's trainer config (with .algorithm)")
+    losses.check_algorithm(algo)
     cfg_loss = losses.policy_loss_config(algo, kl_entropy_weight=1.0, **opts.loss_options())
     opts.check_loss(cfg_loss.kl_coef, "trainer.algorithm.use_kl_loss=true and kl_loss_coef",
                     names={"critical_kl_exponent": f"{OPTIONS_ENV}: critical_kl_exponent"})
@@ -339,9 +340,22 @@ def lopti_metrics(first, second, m1, m2):
     return out
 
 
-def loss_fn_outputs(logp, action_mask, sft, loss_mask):
+def response_mask(experience):
+    """An experience's response mask: SkyRL 0.4's ``response_mask``, 0.3's ``action_mask``."""
+    for name in ("response_mask", "action_mask"):
+        value = getattr(experience, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def loss_fn_outputs(logp, action_mask, sft, loss_mask, per_token=True):
     """SkyRL's per-sequence ``loss_fn_outputs`` (``logprobs``; ``elementwise_loss`` for its
-    SFT loss) of a micro-batch; gbc computes no log-prob outside the loss mask: NaN there."""
+    SFT loss) of a micro-batch; gbc computes no log-prob outside the loss mask: NaN there.
+    ``per_token=False`` (SkyRL 0.4's ``return_per_token_outputs=False``): one empty dict per
+    row, as SkyRL's own worker gives."""
+    if not per_token:
+        return [{} for _ in range(logp.shape[0])]
     am = action_mask
     lens = (am.sum(-1) if am is not None else (loss_mask > 0).sum(-1)).long().tolist()
     lp = logp.detach().cpu()
@@ -446,14 +460,14 @@ class GBCMethodsMixin(GBCOptionsMixin):
         """The ranks that take NTHR's fallback branch together."""
         return self._gbc_dp_group()
 
-    def forward(self, data, loss_fn=None, loss_fn_config=None):
-        """SkyRL's ``forward``. With NTHR on, its old-log-prob pass (no loss: the trainer's
+    def forward(self, data, loss_fn=None, loss_fn_config=None, **kwargs):
+        """SkyRL's ``forward`` (``kwargs``: SkyRL 0.4's ``return_per_token_outputs``). With NTHR on, its old-log-prob pass (no loss: the trainer's
         ``fwd_logprobs_values_reward``) also keeps NTHR's inputs of each row — the response
         hidden states, targets and log-probs, and once the head's rows of the batch's token ids
         (:class:`gbc_kernels.methods.NTHRBatch`) — for the updates of this batch
         (:meth:`forward_backward`); no second forward."""
         if loss_fn is not None or not self.gbc_options.nthr or not self._gbc_holds_head():
-            return super().forward(data, loss_fn, loss_fn_config)
+            return super().forward(data, loss_fn, loss_fn_config, **kwargs)
         T = int(data.metadata["response_length"])
         if self._gbc_nthr_updated or self._gbc_nthr_kept is None:   # a new batch's pass
             self._gbc_nthr_kept, self._gbc_nthr_updated = [], False
@@ -515,8 +529,8 @@ class GBCMethodsMixin(GBCOptionsMixin):
         out["gbc_nthr_second_forward"] = 0.0
         return out
 
-    def forward_backward(self, data, loss_fn=None, loss_fn_config=None):
-        """SkyRL's ``forward_backward``; with NTHR on, the mini-batch's token scales first
+    def forward_backward(self, data, loss_fn=None, loss_fn_config=None, **kwargs):
+        """SkyRL's ``forward_backward`` (``kwargs``: SkyRL 0.4's ``return_per_token_outputs``); with NTHR on, the mini-batch's token scales first
         (:meth:`_gbc_nthr_scales`); under Lopti, the first phase's forward-backward and
         optimizer step run here and the second phase's forward-backward returns (SkyRL's
         trainer then takes its optimizer step): two optimizer steps of SkyRL's own step,
@@ -526,16 +540,16 @@ class GBCMethodsMixin(GBCOptionsMixin):
         nthr = self._gbc_nthr_scales(data) if self.gbc_options.nthr else {}
         phases = self.gbc_options.phases
         if phases == (None,):
-            out = super().forward_backward(data, loss_fn, loss_fn_config)
+            out = super().forward_backward(data, loss_fn, loss_fn_config, **kwargs)
             out.metrics.update(nthr)
             return out
         first, second = phases
         self._gbc_phase = first
         try:
-            out1 = super().forward_backward(data, loss_fn, loss_fn_config)
+            out1 = super().forward_backward(data, loss_fn, loss_fn_config, **kwargs)
             self.optim_step()
             self._gbc_phase = second
-            out2 = super().forward_backward(data, loss_fn, loss_fn_config)
+            out2 = super().forward_backward(data, loss_fn, loss_fn_config, **kwargs)
         finally:
             self._gbc_phase = None
         metrics = lopti_metrics(first, second, out1.metrics, out2.metrics)
@@ -557,9 +571,9 @@ class GBCPolicyWorkerMixin(GBCMethodsMixin, _UlyssesHeads):
         return methods.data_parallel_group(self.device_mesh.get_group("dp"))
 
     def _forward_backward_micro(self, experience, microbatch_weight, loss_fn=None,
-                                loss_fn_config=None):
+                                loss_fn_config=None, return_per_token_outputs=True):
         _check_sft(self.gbc_options, loss_fn or self.cfg.algorithm.policy_loss_type)
-        if loss_fn_config is not None:
+        if loss_fn_config:
             raise ValueError("loss_fn_config: per-call loss overrides are not run by gbc's "
                              "SkyRL worker; set them in trainer.algorithm")
         self.model.train()
@@ -590,7 +604,8 @@ class GBCPolicyWorkerMixin(GBCMethodsMixin, _UlyssesHeads):
                                experience.advantages, experience.action_log_probs,
                                experience.base_action_log_probs, experience.rollout_logprobs,
                                opts, self._gbc_phase, scale)
-        outputs = loss_fn_outputs(logp, experience.action_mask, sft, loss_mask)
+        outputs = loss_fn_outputs(logp, response_mask(experience), sft, loss_mask,
+                                  return_per_token_outputs)
         if sft:
             return {"loss": m["policy_loss"], "response_length": experience.num_actions,
                     "lr": self.scheduler.get_last_lr()[0], "loss_fn_outputs": outputs}
