@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gbc_kernels.integrations import releases  # noqa: E402
 
-UNTESTED = {"trl": "1.13.0", "verl": "0.8.0", "openrlhf": "0.10.4", "skyrl": "0.4.0",
+UNTESTED = {"trl": "1.13.0", "verl": "0.8.0", "openrlhf": "0.10.4", "skyrl": "0.2.0",
             "areal": "1.1.0"}
 
 

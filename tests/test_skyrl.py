@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 import sys
 
 import pytest
@@ -113,6 +114,22 @@ def test_every_registered_loss_and_reduction_equals_skyrl(sky, loss_type):
                                    msg=f"{loss_type} {reduction}")
         if loss_type == "clip_cov":              # the selection acts (else the test is idle)
             assert metrics["clip_ratio"] > 0
+
+
+def test_cispo_at_the_installed_releases_defaults_equals_skyrl(sky):
+    """CISPO with the installed SkyRL's own ``CISPOConfig()`` defaults (0.3: clip low 0, high 5;
+    0.4: low 1, i.e. a lower bound of 0 on the ratio, high 4): loss and gradient equal SkyRL's;
+    the installed defaults are the ones gbc maps (not copied from one release)."""
+    c = sky.config
+    a = algorithm(sky, "cispo")
+    a.cispo = c.CISPOConfig()
+    x = inputs(5)
+    adv = scaled(sky, x, "token_mean")
+    ref_loss, ref_grad, _, _ = _sky_loss(sky, a, "cispo", x, adv)
+    loss, grad, _ = _gbc_loss(sky, a, "cispo", x, adv)
+    assert abs(ref_grad).sum() > 0
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("kl_type", ("k1", "k2", "k3", "abs"))
@@ -624,6 +641,9 @@ def _trainer_cfg(sky, **algo):
     cfg.algorithm.temperature = 1.0
     cfg.remove_microbatch_padding = False      # SkyRL's default packs (flash-attn only)
     for k, v in algo.items():
+        if k == "cispo" and isinstance(v, str):     # cispo="rollout": the anchor
+            setattr(cfg.algorithm.cispo, "cispo_anchor", v)
+            continue
         setattr(cfg.algorithm, k, v)
     return cfg
 
@@ -642,6 +662,12 @@ def _trainer_cfg(sky, **algo):
      r"trainer.algorithm.use_kl_loss=true"),
     (dict(use_kl_loss=True, kl_loss_coef=0.0), "critical_kl_exponent=2",
      "GBC_SKYRL_OPTIONS: critical_kl_exponent: the loss has no KL term"),
+    # SkyRL 0.4's options that change the log-probs or the ratio's anchor (set as attributes
+    # here, so the refusal is checked on 0.3's config too)
+    (dict(enable_sample_support_replay=True), "",
+     "trainer.algorithm.enable_sample_support_replay=true"),
+    (dict(policy_loss_type="cispo", cispo="rollout"), "",
+     "trainer.algorithm.cispo.cispo_anchor='rollout'"),
 ])
 def test_worker_init_refuses_a_bad_switch_on(sky, monkeypatch, algo, env, match):
     """SkyRL builds its policy worker from its trainer config (the Ray actor's __init__): a loss
@@ -654,6 +680,51 @@ def test_worker_init_refuses_a_bad_switch_on(sky, monkeypatch, algo, env, match)
         gfsdp.GBCFSDPPolicyWorker(cfg=_trainer_cfg(sky, **algo), world_size=1, rank=0,
                                   local_rank=0, master_addr="127.0.0.1", master_port=1,
                                   sequence_parallel_size=1)
+
+
+def test_megatron_path_refused_by_name_on_skyrl_04(sky, monkeypatch):
+    """gbc's Megatron workers are tested on SkyRL 0.3 only: on 0.4 (the installed one, or 0.3
+    reported as 0.4) ``enable(cfg)`` under ``trainer.strategy=megatron``, the wrapper's config
+    check and the patch Ray's Megatron worker processes run refuse by name, naming
+    ``trainer.strategy``; where SkyRL's Megatron worker module imports, ``enable()`` puts
+    workers there that refuse to be built (never SkyRL's own head with gbc switched on);
+    ``trainer.strategy=fsdp`` runs."""
+    import types
+
+    import gbc_kernels.integrations.skyrl as gsky
+    from gbc_kernels.integrations import releases
+    from gbc_kernels.integrations.skyrl import megatron as gmeg
+    from skyrl.backends.skyrl_train.workers.fsdp import fsdp_worker
+
+    real = releases.installed
+    monkeypatch.setattr(releases, "installed",
+                        lambda d: "0.4.0" if d == "skyrl" and real(d).startswith("0.3")
+                        else real(d))
+    version = releases.installed("skyrl")
+    match = rf"trainer.strategy='megatron' with skyrl {re.escape(version)}: gbc's Megatron"
+    for name in ("PolicyWorker", "RefWorker"):
+        monkeypatch.setattr(fsdp_worker, name, getattr(fsdp_worker, name))
+    monkeypatch.setenv("GBC_SKYRL_OPTIONS", "")
+    monkeypatch.setenv("GBC_SKYRL", "")
+    skyrl_cpu().entrypoint_imports()
+    fake = types.ModuleType(gsky.MEGATRON_WORKER)     # SkyRL's Megatron worker module
+    fake.PolicyWorker = fake.RefWorker = object
+    monkeypatch.setitem(sys.modules, gsky.MEGATRON_WORKER, fake)
+    cfg = _trainer_cfg(sky)
+    cfg.strategy = "megatron"
+    with pytest.raises(RuntimeError, match=match):
+        gsky.enable(cfg, ar_alpha=0.25)
+    with pytest.raises(RuntimeError, match=match):
+        gmeg.check_megatron_config(cfg)
+    with pytest.raises(RuntimeError, match=match):
+        gmeg.patch_wrapper()
+    assert fake.PolicyWorker is object                 # nothing put in place
+    cfg.strategy = "fsdp"
+    assert gsky.enable(cfg, ar_alpha=0.25).ar_alpha == 0.25
+    for name in ("PolicyWorker", "RefWorker"):
+        cls = getattr(fake, name).__ray_metadata__.modified_class
+        with pytest.raises(RuntimeError, match=match):
+            cls()
 
 
 def assert_gbc_actors(module, policy, ref, options):
