@@ -669,7 +669,8 @@ def write_doc(rows, argv):
          "switch-on; its result says \"refused by name\".", "",
          "## CPU test install", "", CPU_INSTALL_NOTE]
     # the newest release of each trainer that gbc's adapter takes and that installs here
-    for trainer, newest in (("verl", "0.9.1"), ("openrlhf", "0.11.2"), ("skyrl", "0.3.0")):
+    for trainer, newest in (("verl", "0.9.1"), ("openrlhf", "0.11.2"), ("skyrl", "0.3.0"),
+                            ("skyrl", "0.4.0")):
         L += [f"{trainer} {newest} (`compat/sets/{trainer}-{newest}.txt`):", "", "```bash"]
         L += install_lines(trainer, newest) + ["```", ""]
     L += ["## Matrix", "",

@@ -1,4 +1,5 @@
-"""SkyRL 0.3.0 (docs/skyrl.md): its registered policy losses as gbc configs (:mod:`.losses`),
+"""SkyRL 0.3 and 0.4 (docs/skyrl.md; the Megatron path: 0.3 only): its registered policy
+losses as gbc configs (:mod:`.losses`),
 gbc's fused loss inside its FSDP policy worker (:mod:`.worker`, :mod:`.fsdp`) and gbc's
 Megatron head inside its Megatron model wrapper (:mod:`.megatron`, :mod:`.megatron_worker`),
 switched on by :func:`enable` in the process that runs SkyRL's trainer.
@@ -47,8 +48,8 @@ def enable(cfg=None, **method_options):
         import ray
         from skyrl.backends.skyrl_train.workers.fsdp import fsdp_worker
     except ImportError as err:
-        raise ImportError(f"{ENV}: gbc's SkyRL workers need SkyRL 0.3.0's FSDP worker "
-                          f"(pip install --no-deps skyrl==0.3.0, and what it imports: "
+        raise ImportError(f"{ENV}: gbc's SkyRL workers need SkyRL's FSDP worker "
+                          f"(pip install --no-deps skyrl==0.4.0 or 0.3.0, and what it imports: "
                           f"docs/skyrl.md): {err}") from err
     check_skyrl_version()
     from . import fsdp

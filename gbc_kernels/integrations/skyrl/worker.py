@@ -461,7 +461,8 @@ class GBCMethodsMixin(GBCOptionsMixin):
         return self._gbc_dp_group()
 
     def forward(self, data, loss_fn=None, loss_fn_config=None, **kwargs):
-        """SkyRL's ``forward`` (``kwargs``: SkyRL 0.4's ``return_per_token_outputs``). With NTHR on, its old-log-prob pass (no loss: the trainer's
+        """SkyRL's ``forward`` (``kwargs``: SkyRL 0.4's ``return_per_token_outputs``). With
+        NTHR on, its old-log-prob pass (no loss: the trainer's
         ``fwd_logprobs_values_reward``) also keeps NTHR's inputs of each row — the response
         hidden states, targets and log-probs, and once the head's rows of the batch's token ids
         (:class:`gbc_kernels.methods.NTHRBatch`) — for the updates of this batch
@@ -530,7 +531,8 @@ class GBCMethodsMixin(GBCOptionsMixin):
         return out
 
     def forward_backward(self, data, loss_fn=None, loss_fn_config=None, **kwargs):
-        """SkyRL's ``forward_backward`` (``kwargs``: SkyRL 0.4's ``return_per_token_outputs``); with NTHR on, the mini-batch's token scales first
+        """SkyRL's ``forward_backward`` (``kwargs``: SkyRL 0.4's ``return_per_token_outputs``);
+        with NTHR on, the mini-batch's token scales first
         (:meth:`_gbc_nthr_scales`); under Lopti, the first phase's forward-backward and
         optimizer step run here and the second phase's forward-backward returns (SkyRL's
         trainer then takes its optimizer step): two optimizer steps of SkyRL's own step,
