@@ -25,13 +25,6 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("skyrl")
 
-from gbc_kernels.integrations import releases as _releases  # noqa: E402
-from gbc_kernels.integrations.skyrl import MEGATRON_TESTED as _MEGATRON_TESTED  # noqa: E402
-
-if _releases.minor(_releases.installed("skyrl") or "0.3") not in _MEGATRON_TESTED:
-    pytest.skip(f"SkyRL {_releases.installed('skyrl')}: gbc's Megatron path is refused by name "
-                f"on it (tests/test_skyrl.py::test_megatron_path_refused_by_name_on_skyrl_04)",
-                allow_module_level=True)
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
@@ -105,12 +98,17 @@ def _micro_batches(seed, n=2, B=3, P=5, T=6):
             rollout_action_logprobs=old + 0.05 * torch.randn(B, T, generator=g,
                                                              dtype=torch.float64),
             advantages=torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, T) * action,
-            loss_mask=loss_mask, action_mask=action, num_microbatches=n,
+            loss_mask=loss_mask, action_mask=action, response_mask=action, num_microbatches=n,
+            rollout_expert_indices=None,
             num_real_microbatches=n))
     return out
 
 
 def _wrapper(sky, cfg, model, gbc):
+    from conftest import megatron_bridge_cpu
+
+    megatron_bridge_cpu().install()      # SkyRL 0.4's wrapper module imports megatron-bridge
+    megatron_bridge_cpu().packed_seq_params_total_tokens()
     from megatron.core import parallel_state as mpu
     from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
     from skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper import (
@@ -234,6 +232,9 @@ def test_training_step_equals_skyrls_wrapper(stepped, name):
 
 
 def _wrapper_cls_cfg(sky, **trainer):
+    from conftest import megatron_bridge_cpu
+
+    megatron_bridge_cpu().install()
     from gbc_kernels.integrations.skyrl import megatron as sm
 
     cfg = _cfg(sky, "regular")
@@ -314,12 +315,12 @@ def test_enable_puts_gbcs_megatron_workers_in_place(monkeypatch):
 
     sky = skyrl_cpu().load()
     skyrl_cpu().entrypoint_imports()
+    megatron_bridge_cpu().install()      # conftest removes it, SkyRL's module and gbc's
     from skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper import (
         MegatronModelWrapper)
 
     import gbc_kernels.integrations.skyrl as gsky
 
-    megatron_bridge_cpu().install()      # conftest removes it, SkyRL's module and gbc's
     skyrl_module = importlib.import_module(gsky.MEGATRON_WORKER)
     monkeypatch.delitem(sys.modules, "gbc_kernels.integrations.skyrl.megatron_worker",
                         raising=False)

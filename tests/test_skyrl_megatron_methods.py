@@ -24,13 +24,6 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("skyrl")
 
-from gbc_kernels.integrations import releases as _releases  # noqa: E402
-from gbc_kernels.integrations.skyrl import MEGATRON_TESTED as _MEGATRON_TESTED  # noqa: E402
-
-if _releases.minor(_releases.installed("skyrl") or "0.3") not in _MEGATRON_TESTED:
-    pytest.skip(f"SkyRL {_releases.installed('skyrl')}: gbc's Megatron path is refused by name "
-                f"on it (tests/test_skyrl.py::test_megatron_path_refused_by_name_on_skyrl_04)",
-                allow_module_level=True)
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 

@@ -48,13 +48,6 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("skyrl")
 
-from gbc_kernels.integrations import releases as _releases  # noqa: E402
-from gbc_kernels.integrations.skyrl import MEGATRON_TESTED as _MEGATRON_TESTED  # noqa: E402
-
-if _releases.minor(_releases.installed("skyrl") or "0.3") not in _MEGATRON_TESTED:
-    pytest.skip(f"SkyRL {_releases.installed('skyrl')}: gbc's Megatron path is refused by name "
-                f"on it (tests/test_skyrl.py::test_megatron_path_refused_by_name_on_skyrl_04)",
-                allow_module_level=True)
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
@@ -81,6 +74,7 @@ def skyrl_megatron():
         sky = skyrl_cpu().load()
         skyrl_cpu().entrypoint_imports()
         megatron_bridge_cpu().install()
+        megatron_bridge_cpu().packed_seq_params_total_tokens()
         from skyrl.backends.skyrl_train.workers.megatron import megatron_worker as skw
         from skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper import (
             MegatronModelWrapper)
@@ -193,6 +187,7 @@ def make_worker(kind, gbc, cfg, chunks, options="", lr=0.5):
     for chunk in w.actor_module:
         _zero_grad_buffer(chunk)
     w.enable_router_replay = False
+    w.enable_sample_support_replay = False
     w.empty_cuda_cache = False
     w.is_vlm = False
     w.profiler = None
@@ -215,9 +210,13 @@ def make_worker(kind, gbc, cfg, chunks, options="", lr=0.5):
         w.optimizer = w.scheduler = None
         w.model = wrapper(config=cfg, actor_module=w.actor_module, is_vlm=False)
     group = mpu.get_tensor_model_parallel_group()
-    for chunk in w.actor_module:    # after the wrapper (it sets megatron's, which needs DDP)
-        chunk.config.finalize_model_grads_func = (
-            lambda models, *a, **k: [_mc().allreduce_sp_norm_grads(c, group) for c in models])
+    sync = lambda models, *a, **k: [_mc().allreduce_sp_norm_grads(c, group) for c in models]
+    if hasattr(w.model, "run_pending_grad_sync"):     # SkyRL 0.4: deferred to optim_step
+        import sys as _s
+        _s.modules[type(w.model).__module__].finalize_model_grads_with_expert_adapter_sync = sync
+    else:
+        for chunk in w.actor_module:    # after the wrapper (it sets megatron's, which needs DDP)
+            chunk.config.finalize_model_grads_func = sync
     return w
 
 
@@ -278,6 +277,8 @@ def run_worker_step(worker, data=None, forward_data=None, optim=True, loss_data=
                 worker, lambda: worker.forward_backward(data))
             out.update(metrics=res.metrics, loss_fn_outputs=res.loss_fn_outputs,
                        grads={n: g for c in worker.actor_module for n, g in _grads(c).items()})
+            if len(res.loss_fn_outputs) != out["loss_masks"].shape[0]:   # 0.4: input order
+                out["output_masks"] = data["loss_mask"].detach().cpu()
             if optim:
                 norm = worker.optim_step()
                 out["grad_norm"] = norm
@@ -329,8 +330,8 @@ def _same_outputs(stock, ours, what):
     for k in ms:
         _same_metric(ms[k], mg[k], f"{what} metric {k}")
     assert torch.equal(stock["loss_masks"], ours["loss_masks"]), what
-    _loss_fn_outputs(stock["loss_fn_outputs"], ours["loss_fn_outputs"], stock["loss_masks"],
-                     what)
+    masks = stock.get("output_masks", stock["loss_masks"])
+    _loss_fn_outputs(stock["loss_fn_outputs"], ours["loss_fn_outputs"], masks, what)
 
 
 def assert_same_step(stock, ours, what):

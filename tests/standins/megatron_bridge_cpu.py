@@ -1,5 +1,9 @@
-"""megatron-bridge on this CPU test machine: a stand-in for the three names SkyRL 0.3.0's
-Megatron worker module imports (loaded by path, as skyrl_cpu.py).
+"""megatron-bridge on this CPU test machine: a stand-in for the names SkyRL's Megatron worker
+and (0.4) model wrapper modules import (loaded by path, as skyrl_cpu.py). SkyRL 0.4's wrapper
+imports ``megatron.bridge.peft.utils``: its two gradient-finalisation functions are megatron-
+core's ``finalize_model_grads`` (no expert adapters on CPU) and a no-op, and its
+``ParallelLinearAdapter`` a refusing class marked as already patched (SkyRL's worker module
+patches it at import).
 
 * ``skyrl.backends.skyrl_train.workers.megatron.megatron_worker`` imports
   ``megatron.bridge.AutoBridge``, ``megatron.bridge.peft.canonical_lora.CanonicalLoRA`` and
@@ -29,11 +33,12 @@ import sys
 import types
 
 MODULES = ("megatron.bridge", "megatron.bridge.peft", "megatron.bridge.peft.canonical_lora",
-           "megatron.bridge.peft.lora")
+           "megatron.bridge.peft.lora", "megatron.bridge.peft.utils")
 NAMES = {"megatron.bridge": "AutoBridge", "megatron.bridge.peft.canonical_lora": "CanonicalLoRA",
          "megatron.bridge.peft.lora": "LoRA"}
 # modules that import the stand-ins' names: dropped with them
 DEPENDENTS = ("skyrl.backends.skyrl_train.workers.megatron.megatron_worker",
+              "skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper",
               "gbc_kernels.integrations.skyrl.megatron_worker")
 
 
@@ -78,6 +83,15 @@ def install():
         mod.__path__ = []
         if name in NAMES:
             setattr(mod, NAMES[name], _Refusing(NAMES[name], (), {"__module__": name}))
+        if name == "megatron.bridge.peft.utils":
+            mod.enable_expert_parallel_grad_sync_in_finalize = lambda modules: None
+            def finalize_model_grads_with_expert_adapter_sync(models, num_tokens=None):
+                from megatron.core.distributed import finalize_model_grads
+                return finalize_model_grads(models, num_tokens)
+            mod.finalize_model_grads_with_expert_adapter_sync = (
+                finalize_model_grads_with_expert_adapter_sync)
+            mod.ParallelLinearAdapter = _Refusing("ParallelLinearAdapter", (), {
+                "__module__": name, "_skyrl_shared_expert_lora_tp_patch": True})
         sys.modules[name] = mod
         parent, _, child = name.rpartition(".")
         setattr(sys.modules[parent] if parent != "megatron" else megatron, child, mod)
@@ -98,3 +112,19 @@ def remove():
     megatron = sys.modules.get("megatron")
     if isinstance(getattr(megatron, "bridge", None), _StandIn):
         del megatron.bridge
+
+
+def packed_seq_params_total_tokens():
+    """SkyRL 0.4's ``preprocess_packed_seqs`` passes ``PackedSeqParams(total_tokens=...)``, a
+    field of megatron-core 0.17+ (Python >= 3.12; 0.16.1 is the newest on this machine's 3.11)
+    that only Mamba layers read: SkyRL's ``megatron_utils`` gets a subclass with that field
+    (default None) where megatron-core's lacks it; nothing else changes."""
+    import dataclasses
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from skyrl.backends.skyrl_train.distributed.megatron import megatron_utils
+
+    if "total_tokens" not in {f.name for f in dataclasses.fields(PackedSeqParams)}:
+        megatron_utils.PackedSeqParams = dataclasses.make_dataclass(
+            "PackedSeqParams", [("total_tokens", int, dataclasses.field(default=None))],
+            bases=(PackedSeqParams,))

@@ -1,5 +1,5 @@
-"""SkyRL 0.3 and 0.4 (docs/skyrl.md; the Megatron path: 0.3 only): its registered policy
-losses as gbc configs (:mod:`.losses`),
+"""SkyRL 0.3 and 0.4 (docs/skyrl.md): its registered policy losses as gbc configs
+(:mod:`.losses`),
 gbc's fused loss inside its FSDP policy worker (:mod:`.worker`, :mod:`.fsdp`) and gbc's
 Megatron head inside its Megatron model wrapper (:mod:`.megatron`, :mod:`.megatron_worker`),
 switched on by :func:`enable` in the process that runs SkyRL's trainer.
@@ -18,7 +18,7 @@ __all__ = ["MEGATRON_NEEDS", "SKYRL_KL_TYPES", "SKYRL_LOSS_TYPES", "SKYRL_REFUSE
 # trainer.strategy=megatron, and what it needs (docs/skyrl.md, "Megatron")
 MEGATRON_WORKER = "skyrl.backends.skyrl_train.workers.megatron.megatron_worker"
 MEGATRON_NEEDS = (
-    "trainer.strategy='megatron': gbc's Megatron workers are SkyRL 0.3.0's own, whose module "
+    "trainer.strategy='megatron': gbc's Megatron workers are SkyRL's own, whose module "
     "imports megatron-bridge (its wheel requires Transformer Engine, CUDA builds only, and "
     "transformers<5); install them where SkyRL's Megatron backend runs")
 
@@ -65,7 +65,6 @@ def enable(cfg=None, **method_options):
         trainer = losses_trainer(cfg)
         megatron = get(trainer, "strategy", "fsdp") == "megatron"
         if megatron:
-            check_megatron_release()
             from .megatron import check_megatron_config
             check_megatron_config(trainer, opts)
         else:
@@ -91,40 +90,12 @@ def check_skyrl_version(version=None) -> str:
                          off="leave enable() out to run SkyRL's own workers")
 
 
-# the SkyRL releases (major.minor) gbc's Megatron workers are tested on: a subset of
-# releases.TESTED["skyrl"] (SkyRL 0.4 rewrote the Megatron model wrapper gbc's head patches)
-MEGATRON_TESTED = ("0.3",)
-
-
 def check_megatron_release(version=None) -> str:
-    """SkyRL's installed version, refused by name (a RuntimeError naming
-    ``trainer.strategy``) unless gbc's Megatron workers are tested on its minor
-    (:data:`MEGATRON_TESTED`); checked by :func:`enable` under ``trainer.strategy=megatron``,
-    by :func:`.megatron.check_megatron_config` and by :func:`.megatron.patch_wrapper` (the
-    Megatron worker processes' loading path)."""
-    from gbc_kernels.integrations.releases import minor
-
-    version = check_skyrl_version(version)
-    if minor(version) not in MEGATRON_TESTED:
-        raise RuntimeError(
-            f"trainer.strategy='megatron' with skyrl {version}: gbc's Megatron workers are "
-            f"tested on SkyRL " + ", ".join(f"{v}.x" for v in MEGATRON_TESTED)
-            + f" only (SkyRL {minor(version)} rewrote the MegatronModelWrapper that gbc's head "
-            f"replaces: packing, its own fused head, megatron-bridge's gradient finalisation); "
-            f"an untested path is refused rather than run: use trainer.strategy=fsdp (gbc runs "
-            f"there on skyrl {version}), or leave enable() out to run SkyRL's own Megatron "
-            f"workers")
-    return version
-
-
-def _refusing_worker(name, why):
-    """A worker class whose construction raises ``why`` (a RuntimeError): what SkyRL builds
-    under ``trainer.strategy=megatron`` where gbc's Megatron workers are refused, so that a
-    run with gbc switched on never trains with SkyRL's own head instead."""
-    def __init__(self, *args, **kwargs):
-        raise RuntimeError(why)
-
-    return type(name, (), {"__init__": __init__, "__doc__": why})
+    """:func:`check_skyrl_version`, run where SkyRL's Megatron worker processes load gbc's
+    head too (:func:`.megatron.check_megatron_config`, :func:`.megatron.patch_wrapper`): a
+    worker process on an untested SkyRL release refuses by name even when it was not started
+    through :func:`enable`."""
+    return check_skyrl_version(version)
 
 
 def _megatron_workers(ray, env, required):
@@ -135,18 +106,6 @@ def _megatron_workers(ray, env, required):
 
     try:
         megatron_worker = importlib.import_module(MEGATRON_WORKER)
-    except ImportError as err:
-        if required:
-            raise ImportError(f"{MEGATRON_NEEDS}: {err}") from err
-        return False
-    try:
-        check_megatron_release()
-    except RuntimeError as err:       # SkyRL's Megatron workers would run without gbc: refused
-        for name in ("PolicyWorker", "RefWorker"):
-            setattr(megatron_worker, name, ray.remote(num_gpus=1, runtime_env=env)(
-                _refusing_worker(f"GBCRefusedMegatron{name}", str(err))))
-        return False
-    try:
         from . import megatron_worker as gbc_worker
     except ImportError as err:
         if required:

@@ -1,4 +1,4 @@
-"""gbc's Megatron head inside SkyRL 0.3.0's ``MegatronModelWrapper`` (docs/skyrl.md, "Megatron").
+"""gbc's Megatron head inside SkyRL's ``MegatronModelWrapper`` (0.3, 0.4) (docs/skyrl.md, "Megatron").
 
 :class:`GBCMegatronModelWrapper` runs SkyRL's own ``forward`` (the no-grad log-prob pass) and
 ``forward_backward_mini_batch`` (the training step): its micro-batching, its ``forward_step``
@@ -274,16 +274,17 @@ def _wrapper_methods(base):
 
     def forward_backward_mini_batch(self, micro_batches, seq_len, micro_batch_size,
                                     temperature=1.0, loss_fn=None, loss_fn_config=None,
-                                    forward_only=False):
+                                    forward_only=False, **kwargs):
         """SkyRL's training step (or its loss-only pass) with gbc's fused loss in place of
-        SkyRL's ``loss_func``: the same loss value, scaling, metrics and gradients."""
+        SkyRL's ``loss_func``: the same loss value, scaling, metrics and gradients
+        (``kwargs``: SkyRL 0.4's ``return_per_token_outputs``)."""
         from megatron.core import parallel_state as mpu
 
         algo = self.cfg.algorithm
         loss_type = loss_fn if loss_fn is not None else algo.policy_loss_type
         opts = self.gbc_options
         _check_sft(opts, loss_type)
-        if loss_fn_config is not None:
+        if loss_fn_config:
             raise ValueError("loss_fn_config: per-call loss overrides are not run by gbc's "
                              "SkyRL Megatron wrapper; set them in trainer.algorithm")
         if getattr(gbc_megatron_config(self), "mtp_num_layers", None):
@@ -326,7 +327,10 @@ def _wrapper_methods(base):
             logp, m = step_metrics(algo, loss_type, token_out, mask, loss_mask,
                                    data["advantages"], old, base_lp,
                                    data["rollout_action_logprobs"], opts, phase, scale)
-            outputs = loss_fn_outputs(logp, data.get("action_mask"), sft, loss_mask)
+            rmask = data.get("response_mask")            # SkyRL 0.4; 0.3: "action_mask"
+            rmask = data.get("action_mask") if rmask is None else rmask
+            outputs = loss_fn_outputs(logp, rmask, sft, loss_mask,
+                                      kwargs.get("return_per_token_outputs", True))
             if sft:
                 metrics = {"loss": m.pop("policy_loss"), "response_length": data["num_actions"],
                            "loss_fn_outputs": outputs}
@@ -348,7 +352,7 @@ def _wrapper_methods(base):
         with _gbc_head(loss_func):
             return base["forward_backward_mini_batch"](
                 self, micro_batches, seq_len, micro_batch_size, temperature, loss_fn,
-                loss_fn_config, forward_only)
+                loss_fn_config, forward_only, **kwargs)
 
     return dict(__init__=__init__, forward=forward,
                 forward_backward_mini_batch=forward_backward_mini_batch)

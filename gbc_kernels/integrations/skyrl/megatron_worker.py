@@ -44,11 +44,11 @@ class GBCMegatronPolicyWorker(GBCMethodsMixin, MegatronPolicyWorkerBase):
     def _gbc_agree_group(self):
         return methods.data_parallel_group()      # every stage and TP rank: one branch
 
-    def forward_backward(self, data, loss_fn=None, loss_fn_config=None):
+    def forward_backward(self, data, loss_fn=None, loss_fn_config=None, **kwargs):
         """gbc's method layer over SkyRL's ``forward_backward``; the fields gbc carries in
         the batch reach SkyRL's micro-batch dicts (:func:`.worker.recording`)."""
         with recording():
-            return super().forward_backward(data, loss_fn, loss_fn_config)
+            return super().forward_backward(data, loss_fn, loss_fn_config, **kwargs)
 
 
 class GBCMegatronRefWorker(GBCOptionsMixin, MegatronRefWorkerBase):
