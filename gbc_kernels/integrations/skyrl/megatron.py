@@ -1,4 +1,4 @@
-"""gbc's Megatron head inside SkyRL's ``MegatronModelWrapper`` (0.3, 0.4) (docs/skyrl.md, "Megatron").
+"""gbc's Megatron head inside SkyRL 0.3 / 0.4's ``MegatronModelWrapper`` (docs/skyrl.md).
 
 :class:`GBCMegatronModelWrapper` runs SkyRL's own ``forward`` (the no-grad log-prob pass) and
 ``forward_backward_mini_batch`` (the training step): its micro-batching, its ``forward_step``
