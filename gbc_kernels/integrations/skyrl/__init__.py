@@ -7,11 +7,12 @@ switched on by :func:`enable` in the process that runs SkyRL's trainer.
 
 import os
 
-from .losses import (SKYRL_KL_TYPES, SKYRL_LOSS_TYPES, SKYRL_REFUSED, get, policy_loss_config,
-                     policy_loss_inputs, skyrl_loss_metrics)
+from .losses import (SKYRL_KL_TYPES, SKYRL_LOSS_TYPES, SKYRL_REFUSED, check_skyrl_version, get,
+                     policy_loss_config, policy_loss_inputs, skyrl_loss_metrics)
 
 __all__ = ["MEGATRON_NEEDS", "SKYRL_KL_TYPES", "SKYRL_LOSS_TYPES", "SKYRL_REFUSED",
-           "check_skyrl_version", "enable", "policy_loss_config", "policy_loss_inputs", "skyrl_loss_metrics"]
+           "check_skyrl_version", "enable", "policy_loss_config", "policy_loss_inputs",
+           "skyrl_loss_metrics"]
 
 
 # SkyRL's Megatron workers: the module its BasePPOExp imports them from under
@@ -77,25 +78,6 @@ def enable(cfg=None, **method_options):
     fsdp_worker.PolicyWorker = ray.remote(num_gpus=1, runtime_env=env)(fsdp.GBCFSDPPolicyWorker)
     fsdp_worker.RefWorker = ray.remote(num_gpus=1, runtime_env=env)(fsdp.GBCFSDPRefWorker)
     return opts
-
-
-def check_skyrl_version(version=None) -> str:
-    """SkyRL's installed version, refused by name unless ``releases.TESTED["skyrl"]``
-    (:func:`enable` checks it before it patches anything)."""
-    from gbc_kernels.integrations.releases import check_release
-
-    return check_release("skyrl", version,
-                         why="gbc subclasses its FSDP and Megatron workers and patches its "
-                             "trainer, which change between releases",
-                         off="leave enable() out to run SkyRL's own workers")
-
-
-def check_megatron_release(version=None) -> str:
-    """:func:`check_skyrl_version`, run where SkyRL's Megatron worker processes load gbc's
-    head too (:func:`.megatron.check_megatron_config`, :func:`.megatron.patch_wrapper`): a
-    worker process on an untested SkyRL release refuses by name even when it was not started
-    through :func:`enable`."""
-    return check_skyrl_version(version)
 
 
 def _megatron_workers(ray, env, required):

@@ -84,6 +84,19 @@ def _bool(algorithm, name):
     return v
 
 
+def check_skyrl_version(version=None) -> str:
+    """SkyRL's installed version, refused by name unless ``releases.TESTED["skyrl"]``:
+    :func:`gbc_kernels.integrations.skyrl.enable` checks it before it patches anything, and the
+    Megatron worker processes where they load gbc's head (:func:`.megatron.patch_wrapper`, the
+    wrapper's config check), also when they were not started through ``enable()``."""
+    from gbc_kernels.integrations.releases import check_release
+
+    return check_release("skyrl", version,
+                         why="gbc subclasses its FSDP and Megatron workers and patches its "
+                             "trainer, which change between releases",
+                         off="leave enable() out to run SkyRL's own workers")
+
+
 def check_algorithm(algorithm):
     """Refuse, by SkyRL's option, what SkyRL 0.4 added to ``trainer.algorithm`` that changes the
     log-probs themselves and gbc does not run: ``enable_sample_support_replay`` (the policy's

@@ -50,9 +50,7 @@ def check_megatron_config(cfg, options=None, is_vlm=False):
     """Refuse, naming SkyRL's option, what gbc's Megatron wrapper does not run (``cfg``:
     SkyRL's ``trainer`` config); then the loss table's checks (:func:`.worker.check_config`).
     Returns the method options."""
-    from . import check_megatron_release
-
-    check_megatron_release()
+    losses.check_skyrl_version()
     opts = method_options() if options is None else options
     if losses.get(cfg, "fused_lm_head_logprob", False):
         raise ValueError("trainer.fused_lm_head_logprob=true: SkyRL's own fused LM head; gbc's "
@@ -421,12 +419,10 @@ def patch_wrapper():
     """Put gbc's methods on SkyRL's ``MegatronModelWrapper`` itself (idempotent; SkyRL's own
     kept as ``_gbc_skyrl_methods``), so that SkyRL's Megatron workers, which build it by name,
     run gbc's head. Returns the class. Refused by name on a SkyRL release gbc's Megatron path
-    is not tested on (:func:`check_megatron_release`)."""
+    is not tested on (:func:`.losses.check_skyrl_version`)."""
     import importlib
 
-    from . import check_megatron_release
-
-    check_megatron_release()
+    losses.check_skyrl_version()
     cls = importlib.import_module(WRAPPER_MODULE).MegatronModelWrapper
     if getattr(cls, "_gbc_patched", False):
         return cls
