@@ -73,13 +73,15 @@ setup(
         # written by `make compat`) and what gbc needs beside them. torch is never pinned here:
         # the trainer's environment keeps its own. Trainers whose own requirements pull GPU-only
         # packages (verl's, OpenRLHF's, SkyRL's, AReaL's) install on a CPU machine only as
-        # docs/compatibility.md's "CPU test install" says.
+        # docs/compatibility.md's "CPU test install" says. Each trainer's range is exactly what
+        # gbc_kernels/integrations/releases.py's TESTED accepts and OLDEST refuses (checked by
+        # tests/test_releases.py, which reads this dict).
         "trl": ["trl>=1.14,<1.17", "transformers>=4.56.2"],
         "verl": ["verl>=0.9.1,<0.10"],
         "openrlhf": ["openrlhf>=0.11,<0.12"],
-        "skyrl": ["skyrl>=0.3,<0.4"],
+        "skyrl": ["skyrl>=0.3,<0.5"],
         # gbc_kernels.integrations.areal (docs/areal.md)
-        "areal": ["areal>=1.0.4,<1.1"],
+        "areal": ["areal>=1.0,<1.1"],
         # gbc_kernels.integrations.megatron (and the verl / SkyRL Megatron workers)
         "megatron": ["megatron-core>=0.16,<0.17", "packaging>=24.2"],
         # what examples/grpo_trainer.py (make demo) and examples/quickstart.py import

@@ -145,3 +145,45 @@ def test_an_older_patch_that_differs_is_refused_by_name():
         releases.check_release("verl", "0.9.0")
     for ok in ("0.9.1", "0.9.2", "0.9.10+local"):
         assert releases.check_release("verl", ok) == ok
+
+
+def _setup_extras() -> dict:
+    """setup.py's ``extras_require``, read from its source (setup() is not run)."""
+    import ast
+
+    tree = ast.parse(open(os.path.join(os.path.dirname(__file__), "..", "setup.py")).read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "extras_require":
+            return ast.literal_eval(node.value)
+    raise AssertionError("setup.py: no extras_require")
+
+
+@pytest.mark.parametrize("dist", sorted(releases.TESTED))
+def test_each_trainer_extra_accepts_exactly_the_tested_releases(dist):
+    """``pip install "gbc_kernels[<trainer>]"`` installs what the drop-in's switch-on accepts and
+    nothing it refuses (issue 59): the extra's requirement on the trainer has the range
+    ``>=`` the oldest tested minor (or :data:`releases.OLDEST`'s patch) ``, <`` the minor after
+    the newest tested one, and every release the range takes passes
+    :func:`releases.check_release` while those around it are refused."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    reqs = [Requirement(r) for r in _setup_extras()[dist]]
+    own = [r for r in reqs if r.name == dist]
+    assert len(own) == 1, f"setup.py's {dist!r} extra: expected one requirement on {dist}"
+    spec = own[0].specifier
+    minors = sorted(releases.TESTED[dist], key=Version)
+    low = releases.OLDEST[dist][0] if dist in releases.OLDEST else minors[0]
+    major, last = Version(minors[-1]).release[:2]
+    assert str(spec) == str(type(spec)(f">={low},<{major}.{last + 1}")), (dist, str(spec))
+    # every tested minor's first patches are installable and accepted; the releases around not
+    for m in minors:
+        for patch in ("0", "1", "7"):
+            v = f"{m}.{patch}"
+            if Version(v) >= Version(low):
+                assert v in spec, (dist, v)
+                assert releases.check_release(dist, v) == v
+    for outside in (f"{major}.{last + 1}.0", UNTESTED[dist]):
+        assert outside not in spec, (dist, outside)
+        with pytest.raises(RuntimeError, match=rf"^{dist} {re.escape(outside)}:"):
+            releases.check_release(dist, outside)
