@@ -478,7 +478,8 @@ def _wide(exp):
 
 def test_packed_malformed_actions_refused_before_anything():
     """Under packing, as on the padded path and before anything is computed (no forward, no
-    gradient, no step): an ``action_mask`` one column wider than ``sequences[:, 1:]`` and an
+    gradient, no step): an ``attention_mask`` one column narrower than ``sequences``, refused
+    naming ``experience.attention_mask`` and the expected shape; an ``action_mask`` one column wider than ``sequences[:, 1:]`` and an
     action where ``attention_mask`` is 0 are refused naming ``experience.action_mask``;
     ``advantages`` narrower than the action mask with the padded path's own message."""
     args = T_._margs(kl="k3", entropy_coef=0.01)
@@ -490,14 +491,19 @@ def test_packed_malformed_actions_refused_before_anything():
     row = int((exp.action_mask.sum(1) < Ta).nonzero()[0])          # a response shorter than T
     assert exp.attention_mask[row, -1] == 0
     outside.action_mask[row, -1] = True
+    short = copy.deepcopy(exp)
+    short.attention_mask = exp.attention_mask[:, 1:].contiguous()      # one column short
     want = {
+        "short": f"experience.attention_mask: expected the shape of sequences [{B}, {S}], got "
+                 f"[{B}, {S - 1}]",
         "wide": f"experience.action_mask: expected shape [{B}, T] with 1 <= T <= {S - 1}",
         "narrow": f"experience.advantages: expected shape [{B}] or [{B}x{Ta}], got "
                   f"[{B}x{Ta - 1}]",
         "outside": f"experience.action_mask: marks an action outside its sequence at index "
                    f"[{row}, {Ta - 1}] (attention_mask[{row}, {S - 1}] is 0",
     }
-    for name, bad in (("wide", _wide(exp)), ("narrow", narrow), ("outside", outside)):
+    for name, bad in (("short", short), ("wide", _wide(exp)), ("narrow", narrow),
+                      ("outside", outside)):
         got = {packing: _refusal(args, copy.deepcopy(bad), packing) for packing in (True, False)}
         assert got[True] == got[False], name                 # the same error on both paths
         message, untouched = got[True]
@@ -508,6 +514,9 @@ def test_packed_malformed_actions_refused_before_anything():
     with pytest.raises(ValueError, match=r"^action_mask: marks an action outside"):
         gorl.fused_action_log_probs(actor, outside.sequences, outside.action_mask,
                                     outside.attention_mask)
+    with pytest.raises(ValueError, match=r"^attention_mask: expected the shape of sequences"):
+        gorl.fused_action_log_probs(actor, short.sequences, short.action_mask,
+                                    short.attention_mask)
     with pytest.raises(ValueError, match=r"^action_mask: expected shape"):
         w = _wide(exp)
         gorl.fused_action_log_probs(actor, w.sequences, w.action_mask, w.attention_mask)

@@ -82,7 +82,9 @@ def check_actions(sequences, attention_mask, action_mask) -> None:
     """The actions of a padded batch where OpenRLHF's step puts them: ``action_mask`` ``[B, T]``
     over the last ``T`` tokens of ``sequences`` ``[B, S]``, each predicted by the position before
     it (``T <= S - 1``), every marked action a token of its sequence (``attention_mask`` 1 there;
-    a value check, off under ``GBC_VALIDATE=0``). Refused naming ``action_mask``."""
+    a value check, off under ``GBC_VALIDATE=0``). Refused naming ``action_mask``; an
+    ``attention_mask`` of another shape than ``sequences`` (always checked) naming
+    ``attention_mask``."""
     if not isinstance(action_mask, torch.Tensor) or action_mask.dim() != 2:
         got = (list(action_mask.shape) if isinstance(action_mask, torch.Tensor)
                else type(action_mask).__name__)
@@ -93,6 +95,11 @@ def check_actions(sequences, attention_mask, action_mask) -> None:
                          f"actions are the last T tokens of sequences [{B}, {S}], each "
                          f"predicted by the position before it: sequences[:, 1:]), got "
                          f"[{'x'.join(map(str, action_mask.shape))}]")
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or tuple(attention_mask.shape) != (B, S)):
+        got = (list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor)
+               else type(attention_mask).__name__)
+        raise ValueError(f"attention_mask: expected the shape of sequences {[B, S]}, got {got}")
     if attention_mask is None or not gbc.value_checks_enabled():
         return
     outside = action_mask.bool() & ~attention_mask[:, S - T:].to(action_mask.device).bool()
