@@ -6,6 +6,9 @@ docs/trl.md.
 from __future__ import annotations
 
 import contextlib
+import sys
+from pathlib import PurePath
+from types import ModuleType
 from typing import Optional
 
 import torch
@@ -49,6 +52,75 @@ def _logit_scale(model) -> float:
     return scale
 
 
+def _unsloth_name(name) -> bool:
+    """A module or directory of Unsloth's: ``unsloth``, ``unsloth_zoo``, the compiled cache
+    (``unsloth_compiled_cache``) and the trainers generated there (``UnslothGRPOTrainer``)."""
+    return str(name or "").lower().startswith("unsloth")
+
+
+def _from_unsloth(obj) -> bool:
+    """``obj`` (a class, a function, an instance) was defined by Unsloth: its module, or for a
+    function its file (a ``functools.wraps`` wrapper keeps TRL's ``__module__``), is Unsloth's."""
+    if isinstance(obj, ModuleType):     # a lazy module's __getattr__ may import on a lookup
+        return False
+    try:
+        if _unsloth_name(str(getattr(obj, "__module__", None) or "").split(".")[0]):
+            return True
+        code = getattr(getattr(obj, "__func__", obj), "__code__", None)
+        return code is not None and any(map(_unsloth_name,
+                                            PurePath(code.co_filename).parts[:-1]))
+    except Exception:                   # a lazy object that cannot answer is not Unsloth's
+        return False
+
+
+def _unsloth_patches(trainer_cls, args=None) -> list:
+    """What shows that Unsloth has patched TRL or transformers in this process (empty: nothing):
+    ``unsloth`` imported; a class of Unsloth's among ``trainer_cls``'s or the config's bases, or
+    an attribute of those bases (transformers' ``Trainer`` and ``TrainingArguments`` among them)
+    replaced by Unsloth's; a name of a loaded ``trl`` module now bound to Unsloth's object."""
+    found = []
+    if sys.modules.get("unsloth") is not None:
+        found.append("the unsloth package is imported")
+    trl_base = next((c for c in trainer_cls.__mro__ if c.__name__.endswith("GRPOTrainer")
+                     and not issubclass(c, GBCGRPOTrainer)), None)
+    if trl_base is not None and trl_base.__module__ != "trl.trainer.grpo_trainer":
+        found.append(f"{trainer_cls.__name__}'s base is {trl_base.__module__}."
+                     f"{trl_base.__qualname__}, not TRL's GRPOTrainer")
+    for cls in (trainer_cls, GRPOConfig if args is None else type(args)):
+        base = next((c for c in cls.__mro__ if _from_unsloth(c)), None)
+        if base is not None:
+            found.append(f"{cls.__name__} subclasses {base.__module__}.{base.__qualname__}")
+        found += [f"{c.__module__}.{c.__qualname__}.{key}" for c in cls.__mro__
+                  if c is not object and not _from_unsloth(c)
+                  for key, value in list(vars(c).items()) if _from_unsloth(value)]
+    for name, module in list(sys.modules.items()):
+        if module is not None and (name == "trl" or name.startswith("trl.")):
+            found += [f"{name}.{key}" for key, value in list(vars(module).items())
+                      if _from_unsloth(value)]
+    return list(dict.fromkeys(found))
+
+
+def check_no_unsloth(trainer_cls=None, args=None):
+    """Raises ``RuntimeError`` when Unsloth has patched TRL in this process (docs/trl.md,
+    "Unsloth"): whatever the import order, gbc's loss or the step around it would not be
+    TRL's."""
+    found = _unsloth_patches(GBCGRPOTrainer if trainer_cls is None else trainer_cls, args)
+    if not found:
+        return
+    shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+    raise RuntimeError(
+        f"GBCGRPOTrainer: Unsloth has patched TRL in this process ({shown}). Unsloth replaces "
+        "trl.GRPOTrainer by its own rewritten trainer (UnslothGRPOTrainer, with its own "
+        "compute_loss and log-prob passes): a GBCGRPOTrainer on it would run Unsloth's loss, "
+        "and gbc's fused loss and every gbc_* option (AR, Lopti, NTHR, critical-token KL) "
+        "would be bypassed. Importing gbc before unsloth does not help: Unsloth still replaces "
+        "TRL's generation unwrap and gradient-checkpointing toggle and, once a model is loaded "
+        "through FastLanguageModel, transformers.Trainer's training_step and training loop, "
+        "which scale the loss gbc computes (on its CPU backend: GRPOConfig's __post_init__ and "
+        "TRL's fused head). No import order works: use GBCGRPOTrainer in a process that does "
+        "not import unsloth (the model loaded with transformers, LoRA with PEFT).")
+
+
 # Lopti on-policy: the old policy's log-probs, fixed at the rollout for both updates
 OLD_LOGP_KEY = "gbc_old_logp"
 # NTHR on policy inside the update's forward: each completion's group (num_generations)
@@ -64,6 +136,7 @@ class GBCGRPOTrainer(GRPOTrainer):
     _gbc_nthr_in_forward = True
 
     def __init__(self, model, reward_funcs, args: Optional[GRPOConfig] = None, *a, **kw):
+        check_no_unsloth(type(self), args)       # before anything is built (docs/trl.md)
         check_trl_version()
         if args is not None:
             self._gbc_check_args(args)
