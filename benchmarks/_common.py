@@ -85,6 +85,80 @@ def liger_scaled_ce_loss(c):
     return loss_from_logp(c, -nll.float().view_as(c["old"]))
 
 
+# unsloth_zoo (issue 59): an optional peer, called and never copied (its metadata says LGPL-3.0-or-
+# later, its source comments "All Unsloth Zoo code licensed under AGPL3"); not in requirements-dev.txt
+# nor CI. bench_cpu.py lists these providers only where unsloth_zoo is installed.
+UNSLOTH_PROVIDERS = ["unsloth_recompute", "unsloth_grpo", "unsloth_chunked"]
+
+# The gbc options giving a provider's loss where it is not the base case's: bench_cpu.py's
+# same-loss check holds the provider against gbc_cpu with these. Unsloth's grpo_compute_loss
+# clamps the KL's log-ratio ref - logp to [-20, 20] and the k3 value to [-10, 10] (as verl's
+# low_var_kl), which the benchmark's inputs reach (old/ref are not the model's log-probs).
+REFERENCE_OPTIONS = {"unsloth_grpo": dict(kl_clamp=10.0, kl_log_ratio_clamp=20.0)}
+
+
+def unsloth_rl():
+    """``unsloth_zoo.rl_replacements``, or ImportError saying why not. unsloth_zoo's ``__init__``
+    refuses to load without the ``unsloth`` package ("Please install Unsloth via `pip install
+    unsloth`!") and, with it, without an accelerator; its own switch
+    ``UNSLOTH_ZOO_DISABLE_GPU_INIT=1`` skips that device set-up (its ``DEVICE_TYPE`` is then
+    "cpu"; its fused head still picks its Triton kernels on a CUDA tensor), which the head and
+    loss functions do not need. Set here unless the caller set it."""
+    import importlib.util
+
+    if importlib.util.find_spec("unsloth_zoo") is None:
+        raise ImportError("unsloth_zoo is not installed (optional peer: pip install --no-deps "
+                          "unsloth_zoo)")
+    os.environ.setdefault("UNSLOTH_ZOO_DISABLE_GPU_INIT", "1")
+    import unsloth_zoo.rl_replacements as rl
+    return rl
+
+
+def _unsloth_chunks(rl, c):
+    """The row chunks Unsloth's GRPO trainer asks for: rows x its autotuned multiplier
+    (``autotune_batch_and_chunks``: max(4, T // 4096))."""
+    B, T = c["targets"].shape
+    V, H = c["weight"].shape
+    dtype_bytes = 16 if c["hidden"].dtype in (torch.bfloat16, torch.float16) else 32
+    _, multiplier = rl.autotune_batch_and_chunks(B, T, H, V, dtype_bytes)
+    return B * multiplier
+
+
+def unsloth_recompute_loss(c):
+    """unsloth_zoo's plain-PyTorch chunked head with recompute:
+    ``chunked_hidden_states_selective_log_softmax_recompute(..., fused_linear=False)`` keeps each
+    row's logsumexp and recomputes the chunk's logits in backward (four matmuls), then the loss."""
+    rl = unsloth_rl()
+    logp = rl.chunked_hidden_states_selective_log_softmax_recompute(
+        c["hidden"], c["weight"], c["targets"], _unsloth_chunks(rl, c), fused_linear=False)
+    return loss_from_logp(c, logp.float())
+
+
+def unsloth_chunked_loss(c):
+    """unsloth_zoo's torch.compile'd chunked head without recompute:
+    ``chunked_hidden_states_selective_log_softmax(..., fused_linear=False)`` (autograd keeps each
+    chunk's logits for backward), then the loss."""
+    rl = unsloth_rl()
+    logp = rl.chunked_hidden_states_selective_log_softmax(
+        c["hidden"], c["weight"], c["targets"], _unsloth_chunks(rl, c), fused_linear=False)
+    return loss_from_logp(c, logp.float())
+
+
+def unsloth_grpo_loss(c):
+    """What Unsloth's ``grpo_accumulated_loss`` runs on the head's output by default: its scorer
+    ``grpo_chunked_hidden_states_logprobs`` (the fused linear log-probs: Triton on CUDA, its
+    PyTorch bodies elsewhere) and ``UnslothEfficientGRPO`` (``grpo_compute_loss`` under
+    torch.compile, ``loss_type="bnpo"``: PPO clip + k3 KL, token-mean, the same loss)."""
+    rl = unsloth_rl()
+    logp = rl.grpo_chunked_hidden_states_logprobs(c["hidden"], c["weight"], c["targets"],
+                                                  _unsloth_chunks(rl, c))
+    opts = dict(loss_type="bnpo", epsilon_low=EPS, epsilon_high=EPS)
+    out = rl.UnslothEfficientGRPO.apply(logp, c["old"], c["ref"], None, c["weight"],
+                                        c["targets"], c["mask"], c["adv"], BETA, None, 1, opts,
+                                        None)
+    return out[0]
+
+
 def loss_from_logp(c, logp):
     """Per-token PPO-clip + k3 KL, token-mean (TRL's bnpo)."""
     r = torch.exp(logp - c["old"])
@@ -135,14 +209,21 @@ def objective_config(name):
     return gbc.PolicyLossConfig.preset(lt, **kw)
 
 
-def make_provider(name, c, logits_dtype=None):
-    """A closure running forward+backward of one provider on case ``c``. ``logits_dtype``: the
-    gbc providers' (``gbc_cpu_f32`` / ``gbc_torch_f32``: float32 whatever it says)."""
+def _backward(loss):
+    loss.backward()
+    return loss.detach()
+
+
+def make_provider(name, c, logits_dtype=None, **options):
+    """A closure running forward+backward of one provider on case ``c`` and returning the loss
+    (detached; ``None`` for the floor). ``logits_dtype``: the gbc providers' (``gbc_cpu_f32`` /
+    ``gbc_torch_f32``: float32 whatever it says); ``options``: more of the gbc providers'
+    ``PolicyLossConfig`` fields (``REFERENCE_OPTIONS``)."""
     if name.endswith("_f32") and name.startswith("gbc_"):
         name, logits_dtype = name[:-4], torch.float32
     cfg = gbc.PolicyLossConfig(epsilon_low=EPS, epsilon_high=EPS, kl_coef=BETA,
                                kl_estimator="k3", loss_agg="token-mean",
-                               logits_dtype=logits_dtype)
+                               logits_dtype=logits_dtype, **options)
     if "@" in name:                       # gbc_cpu@gspo: an objective of docs/math.md §10
         name, objective = name.split("@")
         cfg = objective_config(objective)
@@ -165,18 +246,18 @@ def make_provider(name, c, logits_dtype=None):
             loss, _ = gbc.fused_linear_policy_loss(c["hidden"], c["weight"], c["targets"],
                                                    c["mask"], c["adv"], c["old"], c["ref"],
                                                    config=cfg, backend=backend)
-            loss.backward()
+            return _backward(loss)
         return run
     if name == "plain_torch":
-        return lambda: plain_torch_loss(c).backward()
+        return lambda: _backward(plain_torch_loss(c))
     if name == "float32_head":
-        return lambda: float32_head_loss(c).backward()
+        return lambda: _backward(float32_head_loss(c))
     if name == "trl_chunked":
-        return lambda: trl_chunked_loss(c).backward()
+        return lambda: _backward(trl_chunked_loss(c))
     if name == "torch_lce":
-        return lambda: torch_lce_loss(c).backward()
+        return lambda: _backward(torch_lce_loss(c))
     if name == "liger_scaled_ce":
-        return lambda: liger_scaled_ce_loss(c).backward()
+        return lambda: _backward(liger_scaled_ce_loss(c))
     if name.startswith("liger"):
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
         mod = LigerFusedLinearGRPOLoss(beta=BETA, compiled=name == "liger_compiled",
@@ -186,9 +267,13 @@ def make_provider(name, c, logits_dtype=None):
         def run():
             out = mod(c["hidden"], c["weight"], c["targets"], c["mask"].long(), c["adv"],
                       ref_per_token_logps=c["ref"], old_per_token_logps=c["old"])
-            loss = out[0] if isinstance(out, tuple) else out
-            loss.backward()
+            return _backward(out[0] if isinstance(out, tuple) else out)
         return run
+    if name in UNSLOTH_PROVIDERS:
+        fn = dict(unsloth_recompute=unsloth_recompute_loss, unsloth_grpo=unsloth_grpo_loss,
+                  unsloth_chunked=unsloth_chunked_loss)[name]
+        unsloth_rl()            # not installed: ImportError here, an error row in the benchmark
+        return lambda: _backward(fn(c))
     raise ValueError(f"unknown provider {name!r}")
 
 

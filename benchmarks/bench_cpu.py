@@ -15,6 +15,19 @@ memory: each provider in a fresh process (peak RSS beyond inputs and gradients).
   floor_f32    the floor's three matmuls on float32 copies of bf16 inputs (made untimed)
   float32_head the "float32 LM head" (TRL's cast_lm_head_to_fp32, torchtitan, NeMo-RL): hidden
                and weight cast to float32, float32 matmul and [N, V] logits, then the loss
+  unsloth_recompute  unsloth_zoo's plain-PyTorch chunked head with recompute
+               (chunked_hidden_states_selective_log_softmax_recompute, fused_linear=False) + loss
+  unsloth_grpo  what unsloth_zoo's grpo_accumulated_loss runs: its scorer
+               grpo_chunked_hidden_states_logprobs, then UnslothEfficientGRPO (loss_type="bnpo")
+  unsloth_chunked  unsloth_zoo's compiled chunked head without recompute (fused_linear=False) + loss
+               (the unsloth_* providers: only where unsloth_zoo is installed, never a requirement:
+               pip install --no-deps unsloth_zoo; benchmarks/_common.unsloth_rl)
+
+Same loss: each provider's warm-up call (from no gradients) is held against gbc_cpu's on the same
+inputs; the CSV's loss_diff, dhidden_diff, dweight_diff are the max abs differences of the loss and
+of the two gradients (printed on each warm-up line), same_loss_as the gbc configuration held
+against: gbc_cpu, or gbc_cpu with _common.REFERENCE_OPTIONS where a provider's loss differs by
+design (unsloth_grpo: its KL clamps), computed untimed.
 
 --logits-dtype float32 runs every gbc provider in float32 logits mode (docs/kernels.md,
 "Precision"); with --dtype bfloat16, e.g.
@@ -37,6 +50,7 @@ reference results are regenerated only on request: --out benchmarks/results/cpu.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -48,8 +62,15 @@ sys.path.insert(0, HERE)
 
 PROVIDERS = ["floor", "gbc_cpu", "gbc_torch", "plain_torch", "trl_chunked", "torch_lce",
              "liger", "liger_compiled", "liger_scaled_ce"]
+UNSLOTH_PROVIDERS = ["unsloth_recompute", "unsloth_grpo", "unsloth_chunked"]  # _common's
+if importlib.util.find_spec("unsloth_zoo") is not None:       # an optional peer: only if installed
+    PROVIDERS += UNSLOTH_PROVIDERS[:2]
 # also accepted by --providers (not in the default grid): the float32 logits mode and head
-EXTRA_PROVIDERS = ["floor_f32", "gbc_cpu_f32", "gbc_torch_f32", "float32_head"]
+EXTRA_PROVIDERS = ["floor_f32", "gbc_cpu_f32", "gbc_torch_f32", "float32_head"] + \
+    [p for p in UNSLOTH_PROVIDERS if p not in PROVIDERS]
+# torch.compile on the first call: one untimed call before the memory measurement, so the
+# compiler's own memory is not counted as the step's
+COMPILES = ("liger_compiled", "unsloth_grpo", "unsloth_chunked")
 
 
 def _peak_kb():
@@ -80,6 +101,9 @@ def child_memory(args):
 
     c = setup_case(args.N, args.H, args.V, getattr(torch, args.dtype), T=args.T)
     fn = make_provider(args.provider, c, _logits_dtype(args))
+    if args.provider in COMPILES:
+        fn()
+        c["hidden"].grad = c["weight"].grad = None
     base = _reset_peak_kb()
     for _ in range(2):          # a training loop: zero_grad(set_to_none=True) between steps
         c["hidden"].grad = c["weight"].grad = None
@@ -98,7 +122,7 @@ def child_time(args):
     import torch
     torch.set_num_threads(args.threads)
     import gbc_kernels
-    from _common import make_provider, setup_case
+    from _common import REFERENCE_OPTIONS, make_provider, setup_case
     import statistics, time
 
     c = setup_case(args.N, args.H, args.V, getattr(torch, args.dtype), T=args.T)
@@ -109,15 +133,45 @@ def child_time(args):
     def progress(msg):
         print(f"  [{shape}] {msg}", file=sys.stderr, flush=True)
 
-    for p in provs:
+    def result():
+        """The loss and the gradients of the call just made (float32 copies)."""
+        return [None if t is None else t.detach().float().clone()
+                for t in (loss, c["hidden"].grad, c["weight"].grad)]
+
+    ref, diffs, refs = None, {}, {}
+    for p in provs:                     # the references of the providers with another loss
+        if p in REFERENCE_OPTIONS:
+            c["hidden"].grad = c["weight"].grad = None
+            loss = make_provider("gbc_cpu", c, **REFERENCE_OPTIONS[p])()
+            refs[p] = result()
+    if "gbc_cpu" not in provs and any(p != "floor" and "@" not in p for p in provs):
+        # the same-loss check's reference, untimed (not for --objectives: other losses)
+        c["hidden"].grad = c["weight"].grad = None
+        loss = make_provider("gbc_cpu", c)()
+        ref = result()
+    for p in sorted(provs, key=lambda p: p != "gbc_cpu"):     # gbc_cpu first: the reference
         t0 = time.perf_counter()
         try:
             fns[p] = make_provider(p, c, _logits_dtype(args))
-            fns[p]()                                    # warm-up (and compile)
-            progress(f"warm-up {p}: {time.perf_counter() - t0:.2f} s")
+            c["hidden"].grad = c["weight"].grad = None
+            loss = fns[p]()                             # warm-up (and compile)
+            msg = f"warm-up {p}: {time.perf_counter() - t0:.2f} s"
+            if loss is not None:                        # the same loss as gbc_cpu's?
+                got = result()
+                ref = got if p == "gbc_cpu" else ref
+                diffs[p] = {k: float((a - b).abs().max()) if a is not None and b is not None
+                            else float("nan") for k, a, b in
+                            zip(("loss_diff", "dhidden_diff", "dweight_diff"), got,
+                                refs.get(p, ref) or [None] * 3)}
+                diffs[p]["same_loss_as"] = "gbc_cpu" + "".join(
+                    f",{k}={v}" for k, v in REFERENCE_OPTIONS.get(p, {}).items())
+                msg += f", max abs diff vs {diffs[p]['same_loss_as']}: " + ", ".join(
+                    f"{k[:-5]} {v:.2e}" for k, v in diffs[p].items() if k.endswith("_diff"))
+            progress(msg)
         except Exception as exc:                        # e.g. a baseline that can't run here
             errors[p] = f"{type(exc).__name__}: {exc}"[:200]
             progress(f"warm-up {p}: {errors[p][:80]}")
+    fns = {p: fns[p] for p in provs if p in fns}                 # round-robin in --providers order
     for i in range(args.reps):
         for p in fns:
             if p in errors:
@@ -135,7 +189,7 @@ def child_time(args):
             continue
         ts = sorted(times[p])
         q = statistics.quantiles(ts, n=5) if len(ts) >= 2 else [ts[0]] * 4
-        out[p] = dict(median_s=statistics.median(ts), p20_s=q[0], p80_s=q[3])
+        out[p] = dict(median_s=statistics.median(ts), p20_s=q[0], p80_s=q[3], **diffs.get(p, {}))
     out["version"] = gbc_kernels.__version__
     print(json.dumps(out))
 
@@ -302,8 +356,12 @@ def main():
             row = dict(provider=p, mode="fwd+bwd", shape=f"N={N},H={H},V={V}", dtype=_dtype_label(args),
                        threads=args.threads, status="ok" if ok else f"error: {t.get('error', merr)}",
                        median_s="", p20_s="", p80_s="", peak_extra_mb="", peak_over_logits="",
-                       ratio_to_floor="", version=timing.get("version", ""), timestamp=stamp)
+                       ratio_to_floor="", loss_diff="", dhidden_diff="", dweight_diff="",
+                       same_loss_as=t.get("same_loss_as", ""), version=timing.get("version", ""),
+                       timestamp=stamp)
             if ok:
+                row.update({k: f"{t[k]:.2e}" for k in ("loss_diff", "dhidden_diff",
+                                                       "dweight_diff") if k in t})
                 row.update(median_s=f"{t['median_s']:.4f}", p20_s=f"{t['p20_s']:.4f}",
                            p80_s=f"{t['p80_s']:.4f}",
                            peak_extra_mb=f"{mem['peak_extra_mb']:.1f}",
@@ -312,7 +370,9 @@ def main():
             rows.append(row)
             print(f"{row['shape']:>24} {p:>15} {row['status'][:40]:>5} t={row['median_s']:>8}s "
                   f"x floor={row['ratio_to_floor']:>6} peak+={row['peak_extra_mb']:>8} MiB "
-                  f"({row['peak_over_logits']} of one [N,V] fp32)", flush=True)
+                  f"({row['peak_over_logits']} of one [N,V] fp32) vs {row['same_loss_as'] or 'gbc_cpu'}: loss "
+                  f"{row['loss_diff'] or '-'} dh {row['dhidden_diff'] or '-'} "
+                  f"dw {row['dweight_diff'] or '-'}", flush=True)
         append_rows(args.out, rows)
     plot(args.out, args.out.replace(".csv", ".png"))
 
