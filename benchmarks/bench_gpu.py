@@ -11,6 +11,8 @@ Providers on the same inputs (bf16 by default):
   liger_scaled_ce Liger's fused linear scaled cross-entropy (verl's default fused head)
   verl_fused      verl 0.9.1's fused head (verl/utils/kernel/linear_cross_entropy.py)
   quack_lce       quack's chunked linear cross-entropy, where it installs
+  unsloth_recompute  unsloth_zoo's chunked head with recompute (fused_linear=False), where installed
+  unsloth_grpo    unsloth_zoo's GRPO scorer + UnslothEfficientGRPO (its KL clamps), where installed
   (each baseline with the same loss on top of its per-token log-probs)
 Shapes: Qwen2.5-7B (H=3584, V=151936) and Llama-3-8B (H=4096, V=128256), N in {4096, 8192}.
 
@@ -66,7 +68,9 @@ def providers(c):
     out["gbc_triton_f32"] = ours_f32
     out["float32_head"] = make_provider("float32_head", c)   # TRL's cast_lm_head_to_fp32 way
     # a baseline whose package is not installed gets an error row, not a crash
-    for key, name in (("liger_chunked", "liger_compiled"), ("trl_chunked", "trl_chunked")):
+    for key, name in (("liger_chunked", "liger_compiled"), ("trl_chunked", "trl_chunked"),
+                      ("unsloth_recompute", "unsloth_recompute"),    # optional: _common.unsloth_rl
+                      ("unsloth_grpo", "unsloth_grpo")):
         try:
             out[key] = make_provider(name, c)
         except ImportError as exc:
