@@ -23,7 +23,9 @@ if os.environ.get("GBC_NO_EXTENSION", "0") != "1":
             ext_modules.append(CppExtension(
                 name="gbc_kernels._C",
                 sources=sources,
-                extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off",
+                # -g0: Python's CFLAGS carry -g, and debug info for the torch headers was a
+                # third of the compile time; the kernels' code is the same without it
+                extra_compile_args=["-O3", "-g0", "-fopenmp", "-ffp-contract=off",
                                     "-fno-trapping-math"],
                 extra_link_args=["-fopenmp"],
             ))

@@ -20,8 +20,13 @@
 // with `omp simd` reductions and a polynomial exp, compiled for AVX-512, AVX2 and baseline x86-64
 // (GCC target_clones picks one at load time; no hardware probing at install time).
 
-#include <torch/extension.h>
+// Only the ATen headers used (the Tensor type and its methods, at::empty, the dtype dispatch,
+// at::parallel_for), no Python: the bindings are csrc/bindings.cpp, compiled beside this file.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <cstdint>
@@ -29,6 +34,7 @@
 #include <limits>
 #include <vector>
 
+#include "gbc_cpu.h"
 #include "policy_math.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -198,6 +204,10 @@ at::Tensor rows_f32(const c10::optional<at::Tensor>& t, int64_t rows, const char
   return t->to(at::kFloat).contiguous();
 }
 
+}  // namespace
+
+namespace gbc {
+
 std::vector<at::Tensor> row_stats(at::Tensor logits, at::Tensor targets, double inv_temp,
                                   bool want_entropy, bool want_sum_p2,
                                   c10::optional<at::Tensor> inv_temp_rows) {
@@ -234,6 +244,10 @@ std::vector<at::Tensor> row_stats(at::Tensor logits, at::Tensor targets, double 
   return {lse, zmax, tz, ent, sp2};
 }
 
+}  // namespace gbc
+
+namespace {
+
 // One row's gradient, the one-hot term folded in before rounding to the storage dtype.
 // y = -1: the target is not in this vocabulary slice (vocab parallel): no one-hot term.
 inline void grad_row(float* x, int64_t V, int64_t y, float it, float lse, float H, float g,
@@ -247,6 +261,10 @@ inline void grad_row(float* x, int64_t V, int64_t y, float it, float lse, float 
   const float t = sy * inv_cap;
   x[y] += it * g * (inv_cap > 0.f ? 1.f - t * t : 1.f);
 }
+
+}  // namespace
+
+namespace gbc {
 
 at::Tensor logit_grad_(at::Tensor logits, at::Tensor targets, double inv_temp, at::Tensor lse,
                        c10::optional<at::Tensor> entropy, at::Tensor g_logp,
@@ -358,22 +376,4 @@ std::vector<at::Tensor> policy_rows_(at::Tensor logits, at::Tensor targets, doub
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "gbc_kernels CPU kernels: streaming row statistics and in-place logit gradients";
-  m.def("row_stats", &row_stats, "per-row max, LSE, target logit, entropy, sum p^2",
-        py::arg("logits"), py::arg("targets"), py::arg("inv_temp"), py::arg("want_entropy"),
-        py::arg("want_sum_p2"), py::arg("inv_temp_rows") = py::none());
-  m.def("logit_grad_", &logit_grad_, "overwrite logits with dL/dlogits", py::arg("logits"),
-        py::arg("targets"), py::arg("inv_temp"), py::arg("lse"), py::arg("entropy"),
-        py::arg("g_logp"), py::arg("g_entropy"), py::arg("inv_cap") = 0.0,
-        py::arg("inv_temp_rows") = py::none());
-  m.def("policy_rows_", &policy_rows_, "fused per-row statistics, policy loss and logit gradient",
-        py::arg("logits"), py::arg("targets"), py::arg("inv_temp"), py::arg("w"), py::arg("adv"),
-        py::arg("old_logp"), py::arg("ref_logp"), py::arg("token_scale"), py::arg("kl_weight"),
-        py::arg("eps_low"), py::arg("eps_high"), py::arg("clip_c"), py::arg("kl_coef"),
-        py::arg("kl_estimator"), py::arg("entropy_coef"), py::arg("ar_alpha"), py::arg("phase"),
-        py::arg("eta"), py::arg("kl_ratio"), py::arg("need_grad"), py::arg("inv_cap") = 0.0);
-  m.def("num_threads", []() { return at::get_num_threads(); });
-}
+}  // namespace gbc
