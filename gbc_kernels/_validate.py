@@ -306,7 +306,8 @@ def no_double_backward():
 
 
 def check_logits_dtype(value, name: str = "logits_dtype"):
-    """``logits_dtype`` as None or ``torch.float32`` (:func:`gbc_kernels.config.check_logits_dtype`)."""
+    """``logits_dtype`` as None, ``torch.float32`` or ``"input"``
+    (:func:`gbc_kernels.config.check_logits_dtype`)."""
     from .config import check_logits_dtype as check
 
     return check(value, name)

@@ -131,12 +131,14 @@ class PolicyLossConfig:
     return_entropy: compute the entropy (``entropy`` metric) even when no term uses it.
     logit_softcap: final-logit soft-capping ``c`` (Gemma-2/3's ``final_logit_softcapping``):
         the logits are ``c * tanh((h W^T + b) / c)`` before the temperature (None = off).
-    logits_dtype: None (each chunk's logits held in the input's dtype before the row
-        statistics, as the trainers' eager bf16 heads do; the default) or ``torch.float32``
-        (``"float32"``): the float32 head's logits — the exact products of the bf16/fp16
-        operands summed in float32, never rounded before the log-softmax — at the cost of a
-        bf16 matmul, without a float32 ``[N, V]`` (docs/kernels.md, "Precision"). float32
-        inputs: no effect.
+    logits_dtype: ``torch.float32`` (``"float32"``): the float32 head's logits — the exact
+        products of the bf16/fp16 operands summed in float32, never rounded before the
+        log-softmax — at the cost of a bf16 matmul, without a float32 ``[N, V]``
+        (docs/kernels.md, "Precision"); ``"input"``: each chunk's logits held in the input's
+        dtype before the row statistics, as the trainers' eager bf16 heads do; None (the
+        default): per device — float32 on a CPU without bf16/fp16 matmul units, the input's
+        dtype on one with them and on a GPU (:func:`resolve_logits_dtype`). float32 inputs:
+        no effect.
 
     The objectives of verl, OpenRLHF and the other trainers (docs/math.md §12):
 
@@ -400,23 +402,79 @@ _OPTIONAL_FIELDS = ("clip_ratio_c", "lopti_eta", "delta", "off_policy_mask_thres
                     "kl_log_ratio_clamp")
 
 
-LOGITS_DTYPES = (None, torch.float32)
+# None: resolved per device at each call (:func:`resolve_logits_dtype`); "input": the operands'
+# own dtype everywhere (the eager bf16 head's logits)
+LOGITS_DTYPES = (None, torch.float32, "input")
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def check_logits_dtype(value, name: str = "logits_dtype"):
-    """``logits_dtype`` as None or ``torch.float32``; the string ``"float32"`` (the trainers'
-    option strings) and ``"none"``/``"default"`` are taken too. Anything else: ``ValueError``
-    naming ``name``."""
+    """``logits_dtype`` as None, ``torch.float32`` or ``"input"``; the strings ``"float32"``
+    (the trainers' option strings), ``"input"`` and ``"none"``/``"default"``/``"auto"`` (None)
+    are taken too. Anything else: ``ValueError`` naming ``name``."""
     if value is None or value is torch.float32:
         return value
     if isinstance(value, str):
         v = value.strip().lower()
         if v in ("float32", "torch.float32", "fp32"):
             return torch.float32
-        if v in ("none", "default", ""):
+        if v == "input":
+            return "input"
+        if v in ("none", "default", "auto", ""):
             return None
-    raise ValueError(f"{name}: expected None (the input's dtype) or torch.float32 "
-                     f"(\"float32\"), got {value!r}")
+    raise ValueError(f"{name}: expected None (per device: float32 logits for bf16/fp16 "
+                     f"operands on CPU, the input's dtype elsewhere), torch.float32 "
+                     f"(\"float32\") or \"input\" (the input's dtype), got {value!r}")
+
+
+# a CPU's matmul units for a low-precision dtype (Linux /proc/cpuinfo flags)
+_CPU_UNITS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"),
+              torch.float16: ("avx512_fp16", "amx_fp16")}
+_cpu_flags: Optional[frozenset] = None
+
+
+def cpu_flags() -> frozenset:
+    """This CPU's feature flags (``/proc/cpuinfo``; empty where it cannot be read)."""
+    global _cpu_flags
+    if _cpu_flags is None:
+        flags = set()
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("flags"):
+                        flags.update(line.partition(":")[2].split())
+                        break
+        except OSError:
+            pass
+        _cpu_flags = frozenset(flags)
+    return _cpu_flags
+
+
+def cpu_has_units(dtype: torch.dtype) -> bool:
+    """Whether this CPU has matmul units for ``dtype`` (bf16: ``avx512_bf16`` or ``amx_bf16``;
+    fp16: ``avx512_fp16`` or ``amx_fp16``)."""
+    return any(f in cpu_flags() for f in _CPU_UNITS.get(dtype, ()))
+
+
+def resolve_logits_dtype(value, dtype: torch.dtype, device) -> Optional[torch.dtype]:
+    """The mode a call runs in, from its ``logits_dtype`` (checked) and its operands' ``dtype``
+    and ``device``: ``torch.float32`` (float32 logits of bf16/fp16 operands) or None (each
+    chunk's logits in the operands' dtype).
+
+    ``"input"`` -> None and ``torch.float32`` -> float32 on every device. ``None`` resolves per
+    device (docs/kernels.md, "Precision"): on a CPU without matmul units for the operands'
+    dtype (:func:`cpu_has_units`), bf16/fp16 operands get float32 logits — such a CPU runs
+    bf16 GEMMs ~90x slower than float32 ones, and the float32 route is also the precise one;
+    on a CPU with them, and on a GPU (SPEC section 15's default), the operands' dtype.
+    float32/float64 operands: no effect either way."""
+    value = check_logits_dtype(value)
+    if value == "input":
+        return None
+    if value is None:
+        dev = torch.device(device) if not isinstance(device, torch.device) else device
+        return (torch.float32 if dev.type == "cpu" and dtype in _LOW_PRECISION
+                and not cpu_has_units(dtype) else None)
+    return value
 
 
 def _is_number(v) -> bool:

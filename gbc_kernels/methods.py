@@ -97,10 +97,11 @@ class MethodOptions:
     critical_kl_exponent: gamma > 0 (None: off); critical_kl_intercept: c in [0, 1];
         critical_kl_certainty: ``"max_prob"`` (the official code's J) or ``"entropy"``;
         critical_kl_temperature: the reference's temperature for J, > 0.
-    logits_dtype: None (each chunk's logits in the head's dtype; the default) or
-        ``torch.float32`` (``"float32"`` in the trainers' option strings): the float32 head's
-        logits from bf16 operands (docs/kernels.md, "Precision"), in the loss and in every pass
-        an adapter runs for it (old policy, reference, NTHR), so that the ratio of an unchanged
+    logits_dtype: ``torch.float32`` (``"float32"`` in the trainers' option strings): the
+        float32 head's logits from bf16 operands (docs/kernels.md, "Precision"); ``"input"``:
+        each chunk's logits in the head's dtype; None (the default): per device, float32 on a
+        CPU and the head's dtype on a GPU. The same mode in the loss and in every pass an
+        adapter runs for it (old policy, reference, NTHR), so that the ratio of an unchanged
         policy is exactly 1.
     """
 
@@ -240,7 +241,7 @@ OPTION_KINDS = {
                                        "critical_kl_exponent", "critical_kl_intercept",
                                        "critical_kl_temperature")},
     "nthr": (_flag, "a 1/0/true/false"), "nthr_eta": (_auto_or_float, "'auto' or a float"),
-    "logits_dtype": (_logits_dtype, "'float32' or 'none'")}
+    "logits_dtype": (_logits_dtype, "'float32', 'input' or 'none'")}
 
 
 def parse_items(text: Optional[str], source: str) -> dict:

@@ -12,6 +12,7 @@ import torch
 
 from . import _chunking
 from . import _validate as V
+from .config import resolve_logits_dtype
 from ._fused import stats_sweep
 from .backends import get_backend
 from ._validate import as_mask as _mask, check_lm_head as _check_lm_head
@@ -107,6 +108,7 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
     V.check_backend(backend)
     logits_dtype = V.check_logits_dtype(logits_dtype)
     _check_lm_head(hidden, weight, bias)
+    logits_dtype = resolve_logits_dtype(logits_dtype, hidden.dtype, hidden.device)
     V.check_tensor("hidden", hidden, dims=(3,))
     _check_temperature("temperature", temperature)
     B, T, H = hidden.shape

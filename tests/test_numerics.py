@@ -62,7 +62,9 @@ def _rel_err(backend, chunks, mode, monkeypatch, fn):
 
 
 def _logprobs(h, w, y, up, backend):
-    lp, _ = gbc.fused_linear_logprobs(h, w, y, backend=backend)
+    # the operands' dtype mode (bf16 logits and gradient products), where the accumulator
+    # matters: the CPU default is float32 mode, whose products are float32 already
+    lp, _ = gbc.fused_linear_logprobs(h, w, y, backend=backend, logits_dtype="input")
     return (lp * up).sum()
 
 
@@ -72,7 +74,7 @@ def _fused_loss(h, w, y, up, backend):
     cfg = gbc.PolicyLossConfig(loss_agg="seq-mean-token-sum", epsilon_low=0.5, epsilon_high=0.5)
     mask = torch.ones(1, N, dtype=torch.bool)
     loss, _ = gbc.fused_linear_policy_loss(h[None], w, y[None], mask, -up[None], config=cfg,
-                                           backend=backend)
+                                           backend=backend, logits_dtype="input")
     return loss
 
 
@@ -113,7 +115,7 @@ def test_triton_weight_grad_fp32_accumulation(monkeypatch):
         else:
             monkeypatch.delenv("GBC_CHUNK_MB", raising=False)
         ww = w.clone().requires_grad_(True)
-        lp, _ = gbc.fused_linear_logprobs(h, ww, y, backend="triton")
+        lp, _ = gbc.fused_linear_logprobs(h, ww, y, backend="triton", logits_dtype="input")
         (lp * up).sum().backward()
         errs[(mode, mb)] = float((ww.grad.double() - w64.grad).norm() / w64.grad.norm())
     assert errs[("float32", "0.005")] <= 1.05 * errs[("float32", None)], errs

@@ -65,14 +65,14 @@ def test_logprobs_float32_mode_within_1e5(backend, bias):
     h, w, b, y = _head(37, 1024, 5003, seed=1, bias=bias)
     lp64, ent64 = _oracle64(h, w, y, b)
     err = {}
-    for ld in (None, F32):
+    for ld in ("input", F32):
         lp, ent = gbc.fused_linear_logprobs(h, w, y, bias=b, return_entropy=True,
                                             backend=backend, logits_dtype=ld)
         assert lp.dtype == F32 and ent.dtype == F32
         err[ld] = ((lp.double() - lp64).abs().max().item(),
                    (ent.double() - ent64).abs().max().item())
     assert err[F32][0] < 1e-5 and err[F32][1] < 1e-5, err
-    assert err[None][0] > 1e-4 and err[None][1] > 1e-4, err
+    assert err["input"][0] > 1e-4 and err["input"][1] > 1e-4, err
 
 
 @pytest.mark.slow
@@ -85,13 +85,13 @@ def test_logprobs_float32_mode_realistic_heads(N, H, V):
     lp64, ent64 = _oracle64(h, w, y)
     for be in BACKENDS:
         err = {}
-        for ld in (None, F32):
+        for ld in ("input", F32):
             lp, ent = gbc.fused_linear_logprobs(h, w, y, return_entropy=True, backend=be,
                                                 logits_dtype=ld)
             err[ld] = ((lp.double() - lp64).abs().max().item(),
                        (ent.double() - ent64).abs().max().item())
         assert err[F32][0] < 1e-5 and err[F32][1] < 1e-5, (be, err)
-        assert err[None][0] > 1e-4, (be, err)
+        assert err["input"][0] > 1e-4, (be, err)
 
 
 def _loss_inputs(seed=0, B=3, T=7, H=512, V=3001):
@@ -138,7 +138,7 @@ def test_policy_loss_float32_mode(backend, rounded, small_chunks, monkeypatch):
     (L64 * up).backward()
     floor = [_rel(t.grad.to(torch.bfloat16), t.grad) for t in leaves64]
     err = {}
-    for ld in (None, F32):
+    for ld in ("input", F32):
         xs = [t.clone().requires_grad_(True) for t in (h, w, b)]
         out = {}
         L, _ = gbc.fused_linear_policy_loss(xs[0], xs[1], y, mask, adv, old, refl, bias=xs[2],
@@ -154,14 +154,14 @@ def test_policy_loss_float32_mode(backend, rounded, small_chunks, monkeypatch):
     # mode 2.8-5.4x (docs/kernels.md, "Precision")
     bound = 2.0 if rounded else 1.1
     assert max(err[F32]["grads"]) < bound, err
-    assert err[None]["logp"] > 1e-4 and max(err[None]["grads"]) > bound, err
+    assert err["input"]["logp"] > 1e-4 and max(err["input"]["grads"]) > bound, err
 
 
 def test_float32_inputs_unchanged(backend):
     """float32 operands: the option changes nothing (bitwise)."""
     h, w, b, y, mask, adv, old, refl, _ = _loss_inputs(seed=3)
     res = []
-    for ld in (None, F32):
+    for ld in ("input", F32):
         xs = [t.float().clone().requires_grad_(True) for t in (h, w, b)]
         out = {}
         L, _ = gbc.fused_linear_policy_loss(xs[0], xs[1], y, mask, adv, old, refl, bias=xs[2],
@@ -202,12 +202,12 @@ def test_token_stats_and_nthr_float32_mode(backend):
     r = ref.token_stats(h3, w, y2, bias=b, certainty="entropy", certainty_temperature=2.0,
                         logits_dtype=F32)
     err = {}
-    for ld in (None, F32):
+    for ld in ("input", F32):
         s = gbc.token_stats(h3, w, y2, bias=b, certainty="entropy", certainty_temperature=2.0,
                             backend=backend, logits_dtype=ld)
         err[ld] = max((s.logp.double() - r.logp).abs().max().item(),
                       (s.certainty.double() - r.certainty).abs().max().item())
-    assert err[F32] < 1e-5 < 1e-4 < err[None], err
+    assert err[F32] < 1e-5 < 1e-4 < err["input"], err
     mask = torch.ones(B, T, dtype=torch.bool)
     gid = torch.tensor([0, 0, 1, 1])
     correct = torch.tensor([True, False, False, True])
@@ -235,15 +235,63 @@ def test_bad_logits_dtype_refused(bad):
 
 def test_config_and_argument_agree():
     """``"float32"`` is taken as torch.float32; a call asking for float32 under a config that
-    says float32 runs; the argument sets the mode of a default config."""
+    says float32 runs; the argument sets the mode of a default config; ``"input"`` is today's
+    bf16 path and differs; a call that asks for another mode than its config is refused."""
     assert gbc.PolicyLossConfig(logits_dtype="float32").logits_dtype is F32
+    assert gbc.PolicyLossConfig(logits_dtype="input").logits_dtype == "input"
     h, w, b, y, mask, adv, old, refl, _ = _loss_inputs(seed=7)
     a, _ = gbc.fused_linear_policy_loss(h, w, y, mask, adv, old, refl, bias=b,
                                         config=gbc.PolicyLossConfig(logits_dtype=F32))
     c, _ = gbc.fused_linear_policy_loss(h, w, y, mask, adv, old, refl, bias=b,
                                         logits_dtype="float32")
-    d, _ = gbc.fused_linear_policy_loss(h, w, y, mask, adv, old, refl, bias=b)
-    assert torch.equal(a, c) and not torch.equal(a, d)
+    d, _ = gbc.fused_linear_policy_loss(h, w, y, mask, adv, old, refl, bias=b,
+                                        logits_dtype="input")
+    e, _ = gbc.fused_linear_policy_loss(h, w, y, mask, adv, old, refl, bias=b,
+                                        config=gbc.PolicyLossConfig(logits_dtype="input"))
+    assert torch.equal(a, c) and not torch.equal(a, d) and torch.equal(d, e)
+    with pytest.raises(ValueError, match="^logits_dtype: input differs from config"):
+        gbc.fused_linear_policy_loss(h, w, y, mask, adv, old, refl, bias=b,
+                                     config=gbc.PolicyLossConfig(logits_dtype=F32),
+                                     logits_dtype="input")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_default_resolves_per_device(dtype):
+    """``logits_dtype=None`` (the default) resolves per device (issue 59): bf16/fp16 operands on
+    a CPU get float32 logits, bit for bit the explicit float32 mode, in the loss, its
+    gradients, the log-probs, the token statistics and NTHR; ``"input"`` keeps the operands'
+    dtype; float32 operands are untouched by either; on a GPU device None is the input's
+    dtype (checked on the resolution rule, the kernels need no GPU for it). A CPU with matmul
+    units for the dtype keeps it (docs/kernels.md, "Precision")."""
+    from gbc_kernels import config
+
+    resolve = config.resolve_logits_dtype
+    if config.cpu_has_units(dtype):      # the rule's other branch: this CPU's own default
+        assert resolve(None, dtype, "cpu") is None
+        pytest.skip(f"this CPU has {dtype} matmul units: the default is the input's dtype")
+    assert resolve(None, dtype, "cpu") is F32 and resolve("input", dtype, "cpu") is None
+    assert resolve(None, dtype, torch.device("cuda", 0)) is None
+    assert resolve(F32, dtype, "cuda") is F32 and resolve(None, F32, "cpu") is None
+    h, w, b, y, mask, adv, old, refl, _ = _loss_inputs(seed=9)
+    h, w, b = h.to(dtype), w.to(dtype), b.to(dtype)
+    out = {}
+    for ld in (None, F32, "input"):
+        xs = [t.detach().clone().requires_grad_() for t in (h, w, b)]
+        L, _ = gbc.fused_linear_policy_loss(xs[0], xs[1], y, mask, adv, old, refl, bias=xs[2],
+                                            logits_dtype=ld)
+        L.backward()
+        lp = gbc.fused_linear_logprobs(h, w, y, bias=b, return_entropy=True, logits_dtype=ld)
+        st = gbc.token_stats(h, w, y, bias=b, certainty="entropy", logits_dtype=ld)
+        out[ld] = [L.detach(), *(x.grad for x in xs), *lp, st.logp, st.certainty]
+    assert all(torch.equal(p, q) for p, q in zip(out[None], out[F32]))
+    assert not any(torch.equal(p, q) for p, q in zip(out[None][4:], out["input"][4:]))
+    B, T = y.shape
+    nthr = {ld: gbc.nthr_scale(h, w, y, mask, torch.arange(B) // 2, torch.arange(B) % 2 == 0,
+                               bias=b, logits_dtype=ld).scores for ld in (None, F32)}
+    assert torch.equal(nthr[None], nthr[F32])
+    h32, w32 = h.float(), w.float()
+    assert torch.equal(gbc.fused_linear_logprobs(h32, w32, y)[0],
+                       gbc.fused_linear_logprobs(h32, w32, y, logits_dtype="input")[0])
 
 
 def _vp_worker(rank, world):
@@ -276,3 +324,20 @@ def test_vocab_parallel_float32_mode():
         assert (ent.double() - ent64).abs().max() < 1e-5
         assert abs(L.item() - L64.item()) < 1e-5
         assert (tok_lp.double() - lp64).abs()[mask].max() < 1e-5
+
+
+def test_cpu_units_rule(monkeypatch):
+    """The default's CPU rule on both kinds of CPU: with bf16 (fp16) matmul units the operands'
+    dtype, without them float32; GPUs and float32 operands unaffected."""
+    from gbc_kernels import config
+
+    for flags, bf16, fp16 in ((set(), F32, F32), ({"avx512_bf16"}, None, F32),
+                              ({"amx_bf16", "amx_fp16"}, None, None),
+                              ({"avx512_fp16"}, F32, None)):
+        monkeypatch.setattr(config, "_cpu_flags", frozenset(flags | {"avx2", "fma"}))
+        assert config.resolve_logits_dtype(None, torch.bfloat16, "cpu") is bf16, flags
+        assert config.resolve_logits_dtype(None, torch.float16, "cpu") is fp16, flags
+        assert config.resolve_logits_dtype(None, torch.bfloat16, "cuda") is None
+        assert config.resolve_logits_dtype(None, F32, "cpu") is None
+        assert config.resolve_logits_dtype(F32, torch.bfloat16, "cpu") is F32
+        assert config.resolve_logits_dtype("input", torch.bfloat16, "cpu") is None

@@ -50,8 +50,9 @@ class GBCGRPOConfig(GRPOConfig):
         "help": "gbc_kernels backend: 'auto', 'triton', 'cpu' or 'torch'."})
     gbc_logits_dtype: Optional[str] = field(default=None, metadata={
         "help": "'float32': the fused head's logits in float32 from the bf16 hidden states and "
-                "weight (the float32 LM head's log-probs at bf16 matmul cost); None = the "
-                "head's dtype. TRL's cast_lm_head_to_fp32 makes the head float32 instead."})
+                "weight (the float32 LM head's log-probs at bf16 matmul cost); 'input': the "
+                "head's dtype; None = per device (float32 on a CPU, the head's dtype on a GPU). "
+                "TRL's cast_lm_head_to_fp32 makes the head float32 instead."})
 
     def __post_init__(self):
         """TRL's checks, then gbc's: a bad ``gbc_*`` option, or a TRL option the fused loss
