@@ -102,17 +102,33 @@ def build_args(argv=None):
     rl.add_argument("--temperature", type=float, default=None,
                     help="sampling temperature, the loss uses the same (None: 3 for "
                          "scratchpad, 1 otherwise)")
+    rl.add_argument("--top-k", type=int, default=0,
+                    help="sample from the k most likely tokens (0: off); the sampler records "
+                         "each token's kept ids and its processed log-prob")
+    rl.add_argument("--top-p", type=float, default=1.0,
+                    help="sample from the smallest set of tokens of mass >= top_p (1: off)")
+    rl.add_argument("--min-p", type=float, default=0.0,
+                    help="drop tokens below min_p times the most likely one's probability "
+                         "(0: off)")
+    rl.add_argument("--tis-cap", type=float, default=None,
+                    help="vLLM-style truncated importance sampling: the policy term times "
+                         "min(exp(old_logp - sampling_logp), cap) (None: off)")
+    rl.add_argument("--support-replay", action="store_true",
+                    help="the old-policy, reference and loss log-probs over each token's "
+                         "recorded support (the sampler's kept ids: docs/math.md, 'The "
+                         "sampler's support') instead of the whole vocabulary")
     rl.add_argument("--loss", choices=["fused", "reference"], default="fused",
                     help="fused: gbc_kernels; reference: gbc_reference (full logits, autograd)")
     rl.add_argument("--backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
                     help="gbc_kernels backend")
     rl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="the policy's (and reference's) parameter dtype for RL")
-    rl.add_argument("--logits-dtype", default=None, choices=["float32"],
+    rl.add_argument("--logits-dtype", default=None, choices=["float32", "input"],
                     help="float32: the fused head's logits in float32 from bf16 operands (the "
                          "float32 LM head's log-probs, docs/kernels.md 'Precision'), in the loss "
-                         "and the old-policy, reference and NTHR passes; default: the model's "
-                         "dtype")
+                         "and the old-policy, reference and NTHR passes; input: in the model's "
+                         "dtype; default: per device (float32 on a CPU, the model's dtype on a "
+                         "GPU)")
     rl.add_argument("--loss-agg", default="token-mean",
                     choices=list(gbc.config.LOSS_AGG_MODES) + list(gbc.config.LOSS_AGG_ALIASES),
                     help="aggregation of the per-token loss (docs/math.md)")
@@ -174,7 +190,27 @@ def build_args(argv=None):
         args.sft_steps = 100 if args.parity else 1500
     if args.prompts is None:
         args.prompts = 4 if args.parity else 16
+    if args.top_k < 0:
+        ap.error(f"--top-k: expected an int >= 0 (0: off), got {args.top_k}")
+    if not 0.0 < args.top_p <= 1.0:
+        ap.error(f"--top-p: expected a float in (0, 1], got {args.top_p}")
+    if not 0.0 <= args.min_p < 1.0:
+        ap.error(f"--min-p: expected a float in [0, 1), got {args.min_p}")
+    if args.tis_cap is not None and not args.tis_cap > 0:
+        ap.error(f"--tis-cap: expected a float > 0, got {args.tis_cap}")
+    if args.support_replay:
+        for flag, on in (("--nthr", args.nthr),
+                         ("--critical-kl-exponent", args.critical_kl_exponent is not None)):
+            if on:
+                ap.error(f"--support-replay with {flag}: that method over the support is not "
+                         f"yet computed (docs/math.md, 'The sampler's support')")
     return args
+
+
+def records_support(args) -> bool:
+    """Whether the sampler records each token's kept ids and processed log-prob."""
+    return (args.top_k > 0 or args.top_p < 1.0 or args.min_p > 0.0 or args.support_replay
+            or args.tis_cap is not None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,14 +230,29 @@ def tiny_qwen2(vocab_size: int, seed: int, layers: int = 3):
 
 
 @torch.no_grad()
-def sample(model, prompts, group, max_new, temperature, eos, pad, greedy=False):
+def sample(model, prompts, group, max_new, temperature, eos, pad, greedy=False,
+           top_k=0, top_p=1.0, min_p=0.0, record=False):
+    """``(prompt ids, completions)``; with ``record`` also ``(kept, sampling_logp)``: each
+    completion token's kept ids ``[B, steps, K]`` (-1 padded) and its log-prob under the
+    sampler's processed distribution (temperature, then top-k / top-p / min-p as transformers'
+    sampler applies them; the softmax over the ids it kept)."""
     model.eval()
     ids = prompts.repeat_interleave(group, 0)
     out = model.generate(ids, attention_mask=(ids != pad).long(), max_new_tokens=max_new,
                          do_sample=not greedy, temperature=temperature if not greedy else None,
-                         top_k=0 if not greedy else None, top_p=None, eos_token_id=eos,
-                         pad_token_id=pad)
-    return ids, out[:, ids.shape[1]:]
+                         top_k=(top_k if not greedy else None), top_p=top_p if top_p < 1 else None,
+                         min_p=min_p if min_p > 0 else None, eos_token_id=eos,
+                         pad_token_id=pad, output_scores=record, return_dict_in_generate=record)
+    if not record:
+        return ids, out[:, ids.shape[1]:]
+    comp = out.sequences[:, ids.shape[1]:]
+    scores = torch.stack(out.scores, 1).float()              # processed: -inf where dropped
+    kept = torch.isfinite(scores)
+    sampling_logp = torch.log_softmax(scores, -1).gather(-1, comp.unsqueeze(-1)).squeeze(-1)
+    K = int(kept.sum(-1).max())
+    vocab = torch.arange(scores.shape[-1]).expand_as(scores)
+    kept_ids = torch.where(kept, vocab, -1).sort(-1, descending=True).values[..., :K]
+    return ids, comp, (kept_ids, sampling_logp)
 
 
 def completion_mask(completions, eos, pad):
@@ -303,8 +354,11 @@ def loss_config(args, lib):
 def rollout(model, ref_model, task, tok, args, rng):
     """Sample, score, and run the old-policy and reference passes (no grad)."""
     batch = task.sample(args.prompts, rng)
-    prompt_ids, comp = sample(model, batch.prompts, args.group, task.max_answer_tokens,
-                              args.temperature, tok.eos_token_id, tok.pad_token_id)
+    record = records_support(args)
+    out = sample(model, batch.prompts, args.group, task.max_answer_tokens, args.temperature,
+                 tok.eos_token_id, tok.pad_token_id, top_k=args.top_k, top_p=args.top_p,
+                 min_p=args.min_p, record=record)
+    prompt_ids, comp = out[:2]
     texts = [tok.decode(c) for c in comp]
     rewards, correct = task.score(texts, batch, args.group)
     group_ids = torch.arange(args.prompts).repeat_interleave(args.group)
@@ -316,6 +370,13 @@ def rollout(model, ref_model, task, tok, args, rng):
     targets = seq[:, 1:]
     mask = torch.zeros_like(targets, dtype=torch.bool)
     mask[:, Lp - 1:] = completion_mask(comp, tok.eos_token_id, tok.pad_token_id)
+    support_ids = sampling_logp = None
+    if record:            # the sampler's record, in the targets' layout
+        kept, lp = out[2]
+        support_ids = torch.full(targets.shape + (kept.shape[-1],), -1, dtype=torch.long)
+        support_ids[:, Lp - 1:] = kept
+        sampling_logp = torch.zeros(targets.shape)
+        sampling_logp[:, Lp - 1:] = lp
     model.eval()
     opts = method_options(args)
     old = hf.old_policy_pass(model, seq, attn, targets, mask, group_ids, advantages=adv,
@@ -332,10 +393,56 @@ def rollout(model, ref_model, task, tok, args, rng):
         if kl_weight is not None:
             extra["critical_kl_weight_mean"] = float(kl_weight[mask].mean()) if mask.any() \
                 else 0.0
+    old_logp, is_ratio = old.old_logp, None
+    if record:
+        old_logp, ref_logp, is_ratio = sampler_ratios(model, ref_model, seq, attn, targets, mask,
+                                                      support_ids, sampling_logp, old_logp,
+                                                      ref_logp, args, extra)
     model.train()
     return dict(seq=seq, attn=attn, targets=targets, mask=mask, adv=adv,
-                old_logp=old.old_logp, ref_logp=ref_logp, token_scale=old.token_scale,
-                kl_weight=kl_weight, rewards=rewards, correct=correct, extra=extra)
+                old_logp=old_logp, ref_logp=ref_logp, token_scale=old.token_scale,
+                kl_weight=kl_weight, rewards=rewards, correct=correct, extra=extra,
+                support_ids=support_ids if args.support_replay else None, is_ratio=is_ratio)
+
+
+def ratio_stats(log_ratio, mask) -> dict:
+    """The sampler ratio ``exp(logp - sampling_logp)`` over the completion tokens: its mean,
+    median and the share outside [0.9, 1.1] (TRL PR #7269's table)."""
+    r = log_ratio[mask].double().exp()
+    if r.numel() == 0:
+        return dict(mean=1.0, median=1.0, outside=0.0)
+    return dict(mean=float(r.mean()), median=float(r.median()),
+                outside=float(((r < 0.9) | (r > 1.1)).double().mean()))
+
+
+def sampler_ratios(model, ref_model, seq, attn, targets, mask, support_ids, sampling_logp,
+                   old_full, ref_full, args, extra):
+    """The policy's log-probs against the sampler's, over the whole vocabulary and over the
+    recorded support (both measured, logged as ``sampler_ratio_*``); with ``--support-replay``
+    the old-policy and reference log-probs over the support; with ``--tis-cap`` the truncated
+    importance weights."""
+    def over_support(m):
+        h = hf.completion_hidden(m, seq, attn)
+        head = hf.lm_head(m)
+        return gbc.fused_linear_logprobs(h, head.weight, targets, bias=head.bias,
+                                         temperature=args.temperature, backend=args.backend,
+                                         support_ids=torch.where(mask.unsqueeze(-1),
+                                                                 support_ids, -1))[0].detach()
+
+    old_sup = over_support(model)
+    for name, lp in (("full", old_full), ("replay", old_sup)):
+        for k, v in ratio_stats(lp - sampling_logp, mask).items():
+            extra[f"sampler_ratio_{k}_{name}"] = v
+    old_logp, ref_logp = old_full, ref_full
+    if args.support_replay:
+        old_logp = old_sup
+        if ref_full is not None:          # the reference over the same support (SkyRL's rule)
+            ref_logp = over_support(ref_model)
+    is_ratio = None
+    if args.tis_cap is not None:
+        is_ratio = torch.where(mask, (old_logp - sampling_logp).exp().clamp(max=args.tis_cap),
+                               1.0)
+    return old_logp, ref_logp, is_ratio
 
 
 def policy_loss(model, roll, args, phase, lib, config=None, **kw):
@@ -346,7 +453,8 @@ def policy_loss(model, roll, args, phase, lib, config=None, **kw):
     return lib.fused_linear_policy_loss(
         h, head.weight, roll["targets"], roll["mask"], roll["adv"], old_logp=roll["old_logp"],
         ref_logp=roll["ref_logp"], bias=head.bias, token_scale=roll["token_scale"],
-        kl_weight=roll["kl_weight"], config=config or loss_config(args, lib), phase=phase, **kw)
+        kl_weight=roll["kl_weight"], config=config or loss_config(args, lib), phase=phase,
+        support_ids=roll.get("support_ids"), is_ratio=roll.get("is_ratio"), **kw)
 
 
 def unsplit_loss(model, roll, args, lib, token_out):

@@ -19,7 +19,7 @@ from ._validate import no_double_backward as _no_double_backward
 from ._validate import check_lm_head as _check_lm_head, check_temperature as _check_temperature
 from ._validate import as_mask as _mask
 from .backends import get_backend
-from .config import PHASES, PolicyLossConfig
+from .config import PHASES, PolicyLossConfig, resolve_logits_dtype
 
 
 # docs/math.md §3, §13: a loss with Lopti on and no phase would be a plain update
@@ -124,7 +124,7 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
                              vocab_parallel=None, is_ratio=None, sampling_logp=None,
                              data_parallel_group=None, num_seqs_in_batch=None,
                              temperature=None, token_out=None, sequence_parallel=None,
-                             logits_dtype=None):
+                             logits_dtype=None, support_ids=None):
     """GRPO policy loss (docs/math.md §1-§3, §6, §10, §12) from hidden states, without the
     logits.
 
@@ -168,14 +168,25 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     (the ranks' losses and gradients add up to those of the whole sequences) and the metrics
     are the whole batch's, the same on every rank.
 
-    ``logits_dtype``: None (the config's ``logits_dtype``) or ``torch.float32`` / ``"float32"``:
-    the chunks' logits in float32 from the bf16/fp16 operands (docs/kernels.md, "Precision").
+    ``support_ids``: None (the whole vocabulary), or the sampler's kept ids of each token,
+    ``[B, T, k]`` integer, ``-1`` padded (docs/math.md, "The sampler's support"): the
+    log-probs, entropy and gradients over each token's support (its target always a member);
+    the metric ``support_forced_frac`` (the share of masked-in tokens whose target was missing
+    from its ids) and ``token_out["log_kept_mass"]`` (``LSE_S - LSE_V`` per token, no
+    gradient). Not yet with ``vocab_parallel`` or ``sequence_parallel``: refused by name.
+
+    ``logits_dtype``: None (the config's ``logits_dtype``), ``torch.float32`` / ``"float32"``
+    (the chunks' logits in float32 from the bf16/fp16 operands) or ``"input"`` (in the
+    operands' dtype); a config's None resolves per device: float32 on a CPU, the operands'
+    dtype on a GPU (docs/kernels.md, "Precision").
     """
     if token_out is not None and not isinstance(token_out, dict):
         raise TypeError(f"token_out: expected None or a dict, got {type(token_out).__name__}")
     cfg = with_logits_dtype(PolicyLossConfig.coerce(config), logits_dtype)
     V.check_backend(backend)
     _check_lm_head(hidden, weight, bias)
+    cfg = _resolved(cfg, hidden)
+    _support_refusals(vocab_parallel, support_ids, sequence_parallel)
     V.check_tensor("hidden", hidden, dims=(3,))
     B, T, H = hidden.shape
     device = hidden.device
@@ -198,18 +209,63 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
             cfg = dataclasses.replace(cfg, temperature=temp)
     sl, vocab = _vp.resolve(vocab_parallel, weight, bias, device)
     safe_targets = V.check_targets(targets, vocab, m, checks=checks)
-    inp = LossInputs(safe_targets.reshape(-1), m, adv, old_logp, ref_logp, token_scale,
+    be = get_backend(backend, device, hidden.dtype)
+    flat_targets, forced = safe_targets.reshape(-1), None
+    if support_ids is not None:
+        be, flat_targets, forced = _support(support_ids, safe_targets, vocab, m, checks, sl, be,
+                                            kept_mass=token_out is not None)
+    inp = LossInputs(flat_targets, m, adv, old_logp, ref_logp, token_scale,
                      kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase, norms,
-                     get_backend(backend, device, hidden.dtype), is_ratio, sampling_logp,
+                     be, is_ratio, sampling_logp,
                      threshold_fn, checks, sl, inv_temp, want_sum_p2=token_out is not None,
                      sp=sp)
     loss = FusedPolicyLossFunction.apply(hidden.reshape(B * T, H), weight, bias, inp)
+    metrics = inp.metrics
+    if forced is not None:
+        metrics = dict(metrics, support_forced_frac=(
+            (forced & m.reshape(-1)).sum() / m.sum().clamp(min=1)).float())
     if token_out is not None:
         token_out["logp"] = inp.logp
         if inp.entropy is not None:
             token_out["entropy"] = inp.entropy
         token_out["sum_p2"] = inp.sum_p2
-    return loss, inp.metrics
+        if forced is not None:
+            token_out["log_kept_mass"] = be.log_kept_mass.view(B, T) * m
+    return loss, metrics
+
+
+def _support_refusals(vocab_parallel, support_ids, sequence_parallel=None) -> None:
+    """What ``support_ids`` does not run with yet, refused by name before anything else."""
+    if support_ids is not None and sequence_parallel is not None:
+        raise ValueError("support_ids: not yet supported with sequence_parallel (the "
+                         "support's metrics would be this rank's alone); refused rather than "
+                         "run")
+    if support_ids is not None and vocab_parallel is not None:
+        raise ValueError("support_ids: not yet supported with vocab_parallel (each shard would "
+                         "need the support's statistics in the all-gather); refused rather "
+                         "than computed over the whole vocabulary")
+
+
+def _support(support_ids, targets, vocab, mask=None, checks=None, vp=None, backend=None,
+             kept_mass=True):
+    """``(backend, flat targets, forced)`` of a call with ``support_ids``
+    (:mod:`gbc_kernels.support`): the backend wrapped to score each row over its support, the
+    ``[N, 2 + K]`` rows it reads, and ``forced`` ``[N]`` (the target missing from its ids)."""
+    from . import support as _S
+
+    _support_refusals(vp, support_ids)
+    ids = _S.check_support_ids(support_ids, targets, vocab, mask, checks)
+    y = targets.reshape(-1)
+    cols, forced = _S.members(ids.reshape(y.shape[0], -1), y)
+    return (_S.SupportBackend(backend, y.shape[0], y.device, kept_mass),
+            _S.flat_targets(y, cols), forced)
+
+
+def _resolved(cfg: PolicyLossConfig, hidden) -> PolicyLossConfig:
+    """``cfg`` with its ``logits_dtype`` resolved for ``hidden``'s dtype and device
+    (:func:`gbc_kernels.config.resolve_logits_dtype`: None or torch.float32)."""
+    ld = resolve_logits_dtype(cfg.logits_dtype, hidden.dtype, hidden.device)
+    return cfg if ld is cfg.logits_dtype else dataclasses.replace(cfg, logits_dtype=ld)
 
 
 def with_logits_dtype(cfg: PolicyLossConfig, logits_dtype) -> PolicyLossConfig:
@@ -270,7 +326,7 @@ def _resolve_sp(sequence_parallel, cfg, B, device, checks):
 def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
                           return_entropy=False, backend="auto", vocab_parallel=None,
                           logit_softcap=None, return_sum_p2=False, weight_grad_into=None,
-                          logits_dtype=None):
+                          logits_dtype=None, support_ids=None, return_log_kept_mass=False):
     """Per-token ``log_softmax(z)[targets]`` (and the entropy of ``softmax(z)``) without logits.
     ``z = (hidden @ weight.T + bias) / temperature``; with ``logit_softcap = c`` (Gemma-2/3),
     ``z = c tanh((hidden @ weight.T + bias) / c) / temperature``.
@@ -288,13 +344,20 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     over the chunks: no ``[V, H]`` gradient or accumulator is allocated, and ``weight`` itself
     gets no gradient (None).
 
-    ``logits_dtype``: None (the chunks' logits in the input's dtype) or ``torch.float32`` /
-    ``"float32"``: the float32 head's logits from bf16/fp16 operands, in both sweeps
-    (docs/kernels.md, "Precision").
+    ``logits_dtype``: ``torch.float32`` / ``"float32"`` (the float32 head's logits from
+    bf16/fp16 operands, in both sweeps), ``"input"`` (the chunks' logits in the input's dtype)
+    or None: per device, float32 on a CPU and the input's dtype on a GPU (docs/kernels.md,
+    "Precision").
+
+    ``support_ids``: None, or the sampler's kept ids ``targets.shape + (k,)``, ``-1`` padded:
+    log-probs, entropy, ``sum_p2`` and gradients over each token's support, the target always
+    a member (docs/math.md, "The sampler's support"). ``return_log_kept_mass=True``: a last
+    output, ``LSE_S - LSE_V`` per token (no gradient; 0 without ``support_ids``).
     """
     V.check_backend(backend)
     logits_dtype = V.check_logits_dtype(logits_dtype)
     _check_lm_head(hidden, weight, bias)
+    logits_dtype = resolve_logits_dtype(logits_dtype, hidden.dtype, hidden.device)
     V.check_tensor("targets", targets, shape=hidden.shape[:-1], integer=True, device=hidden.device)
     for name, flag in (("return_entropy", return_entropy), ("return_sum_p2", return_sum_p2)):
         if not isinstance(flag, bool):
@@ -303,10 +366,17 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     if isinstance(temp, torch.Tensor):
         temp = temp.reshape(-1)
     _check_softcap(logit_softcap)
+    if not isinstance(return_log_kept_mass, bool):
+        raise TypeError(f"return_log_kept_mass: expected a bool, got "
+                        f"{type(return_log_kept_mass).__name__} {return_log_kept_mass!r}")
+    _support_refusals(vocab_parallel, support_ids)
     sl, vocab = _vp.resolve(vocab_parallel, weight, bias, hidden.device)
     safe = V.check_targets(targets, vocab).reshape(-1)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     be = get_backend(backend, hidden.device, hidden.dtype)
+    if support_ids is not None:
+        be, safe, _ = _support(support_ids, safe.view(targets.shape), vocab, vp=sl, backend=be,
+                               kept_mass=return_log_kept_mass)
     if weight_grad_into is not None:
         V.check_tensor("weight_grad_into", weight_grad_into, shape=tuple(weight.shape),
                        device=weight.device)
@@ -320,7 +390,12 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
         weight_grad_into, logits_dtype)
     out = (logp.view(targets.shape),
            entropy.view(targets.shape) if return_entropy else None)
-    return out + (sum_p2.view(targets.shape),) if return_sum_p2 else out
+    if return_sum_p2:
+        out += (sum_p2.view(targets.shape),)
+    if return_log_kept_mass:
+        out += (be.log_kept_mass.view(targets.shape) if support_ids is not None
+                else torch.zeros(targets.shape, device=hidden.device),)
+    return out
 
 
 class TokenStats(NamedTuple):
@@ -339,17 +414,23 @@ CERTAINTY_KINDS = (None, "entropy", "max_prob")
 
 def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=None,
                 certainty_temperature=1.0, backend="auto", vocab_parallel=None,
-                logit_softcap=None, logits_dtype=None) -> TokenStats:
+                logit_softcap=None, logits_dtype=None, support_ids=None) -> TokenStats:
     """No-grad per-token statistics, streaming over the vocabulary (docs/math.md §5, §7).
 
     certainty="entropy":  J = 1 - H(softmax(z_w)) / log V
     certainty="max_prob": J = 1 + log max_v softmax(z_w)_v / log V,  z_w = logits / certainty_temperature
 
-    ``logits_dtype``: None or ``torch.float32`` / ``"float32"`` (docs/kernels.md, "Precision").
+    ``logits_dtype``: None (per device), ``torch.float32`` / ``"float32"`` or ``"input"``
+    (docs/kernels.md, "Precision").
+
+    ``support_ids``: None, or the sampler's kept ids ``targets.shape + (k,)`` (``-1``
+    padded): ``logp``, ``entropy`` and ``sum_p2`` over each token's support (docs/math.md,
+    "The sampler's support"). With ``certainty``: not yet, refused by name.
     """
     V.check_backend(backend)
     logits_dtype = V.check_logits_dtype(logits_dtype)
     _check_lm_head(hidden, weight, bias)
+    logits_dtype = resolve_logits_dtype(logits_dtype, hidden.dtype, hidden.device)
     if certainty not in CERTAINTY_KINDS:
         raise ValueError(f"certainty: expected one of {CERTAINTY_KINDS}, got {certainty!r}")
     if certainty is not None:
@@ -359,12 +440,21 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
     if isinstance(temp, torch.Tensor):
         temp = temp.reshape(-1)
     _check_softcap(logit_softcap)
+    _support_refusals(vocab_parallel, support_ids)
     sl, vocab = _vp.resolve(vocab_parallel, weight, bias, hidden.device)
     safe = V.check_targets(targets, vocab).reshape(-1)
     h2 = hidden.detach().reshape(-1, hidden.shape[-1])
     b = None if bias is None else bias.detach()
+    be = get_backend(backend, hidden.device, hidden.dtype)
+    if support_ids is not None:
+        if certainty is not None:
+            raise ValueError("support_ids: the certainty over the support (critical-token KL, "
+                             "docs/math.md §16) is not yet computed; refused rather than taken "
+                             "over the whole vocabulary (certainty=None runs)")
+        be, safe, _ = _support(support_ids, safe.view(targets.shape), vocab, vp=sl, backend=be,
+                               kept_mass=False)
     logp, entropy, _, extra, sum_p2 = stats_sweep(
-        h2, weight.detach(), b, safe, get_backend(backend, hidden.device, hidden.dtype),
+        h2, weight.detach(), b, safe, be,
         temp, True, None if certainty is None else float(certainty_temperature),
         None if logit_softcap is None else float(logit_softcap), sl, want_sum_p2=True,
         logits_dtype=logits_dtype)

@@ -52,7 +52,7 @@ class PolicyLossConfig:
     entropy_agg: Optional[str] = None
     return_entropy: bool = False               # the entropy metric without an entropy term
     logit_softcap: Optional[float] = None      # Gemma-2/3: logits = c tanh(x / c)
-    logits_dtype: Optional[object] = None      # None | torch.float32: see _logits
+    logits_dtype: Optional[object] = None      # None | torch.float32 | "input": see _logits
     # §12: the objectives of verl, OpenRLHF and the other trainers
     cispo_min: Optional[float] = None          # cispo's weight clamp(r, cispo_min, eps_high)
     dppo_divergence: str = "tv"                # "tv" | "binary_kl"
@@ -119,13 +119,32 @@ def _per_token_temperature(temperature, shape):
     return t.expand(*shape)
 
 
-def _float32_mode(logits_dtype) -> bool:
-    """``logits_dtype`` is torch.float32 (or the trainers' string "float32")."""
-    if logits_dtype is None:
+def _cpu_flags() -> set:
+    """This CPU's feature flags, from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.partition(":")[2].split()) for line in f
+                         if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def _float32_mode(logits_dtype, hidden: torch.Tensor) -> bool:
+    """Whether the logits are the float32 head's: ``logits_dtype`` torch.float32 (or the
+    trainers' string "float32"); ``"input"``: no; None: per device — yes for bf16/fp16
+    ``hidden`` on a CPU without matmul units for that dtype (avx512_bf16 / amx_bf16,
+    avx512_fp16 / amx_fp16), no on one with them and on a GPU."""
+    if isinstance(logits_dtype, str) and logits_dtype.strip().lower() == "input":
         return False
+    if logits_dtype is None:
+        units = {torch.bfloat16: ("avx512_bf16", "amx_bf16"),
+                 torch.float16: ("avx512_fp16", "amx_fp16")}.get(hidden.dtype)
+        return (hidden.device.type == "cpu" and units is not None
+                and not any(f in _cpu_flags() for f in units))
     if logits_dtype is torch.float32 or str(logits_dtype).lower() in ("float32", "torch.float32"):
         return True
-    raise ValueError(f"logits_dtype: expected None or torch.float32, got {logits_dtype!r}")
+    raise ValueError(f"logits_dtype: expected None, torch.float32 or \"input\", "
+                     f"got {logits_dtype!r}")
 
 
 def _logits(hidden, weight, bias, temperature, softcap=None, logits_dtype=None):
@@ -138,7 +157,7 @@ def _logits(hidden, weight, bias, temperature, softcap=None, logits_dtype=None):
     exact products of the operands' own (bf16/fp16) values, so this reference evaluates them,
     and everything after them, in float64 on those same values: what float32 mode is measured
     against."""
-    dt = torch.float64 if _float32_mode(logits_dtype) else _compute_dtype(hidden)
+    dt = torch.float64 if _float32_mode(logits_dtype, hidden) else _compute_dtype(hidden)
     z = hidden.to(dt) @ weight.to(dt).T
     if bias is not None:
         z = z + bias.to(dt)
@@ -157,18 +176,66 @@ def _entropy(logprobs_all):
     return -(logprobs_all.exp() * logprobs_all).sum(-1)
 
 
+def support_members(support_ids, targets, V):
+    """§16: the sampler's support as a ``[..., V]`` bool mask: the ids of ``support_ids``
+    (``targets.shape + (k,)``, ``-1`` padding, duplicates counting once) and the target
+    itself (always a member); and ``forced``: whether the target was missing from its row."""
+    if support_ids.shape[:-1] != targets.shape:
+        raise ValueError(f"support_ids: expected shape {list(targets.shape)} + [k], "
+                         f"got {list(support_ids.shape)}")
+    if bool(((support_ids < -1) | (support_ids >= V)).any()):
+        raise ValueError(f"support_ids: expected ids in [-1, {V}), got one outside")
+    ids = support_ids.long()
+    members = torch.zeros(*targets.shape, V + 1, dtype=torch.bool, device=targets.device)
+    members.scatter_(-1, torch.where(ids < 0, V, ids), True)        # -1 -> a spare column
+    members = members[..., :V]
+    forced = ~members.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    members.scatter_(-1, targets.long().unsqueeze(-1), True)
+    return members, forced
+
+
+def _over_support(z, members):
+    """log q over the support (``-inf`` off it): ``z`` restricted to the members, softmaxed."""
+    return torch.log_softmax(z.masked_fill(~members, float("-inf")), dim=-1)
+
+
+def _entropy_on(logq, members):
+    """-sum_{j in S} q_j log q_j (the terms off the support are 0, not 0 * -inf, and so are
+    their gradients)."""
+    logq = torch.where(members, logq, torch.zeros_like(logq))
+    return -torch.where(members, logq.exp() * logq, torch.zeros_like(logq)).sum(-1)
+
+
 def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
                           return_entropy=False, backend="auto", logit_softcap=None,
-                          return_sum_p2=False, logits_dtype=None):
+                          return_sum_p2=False, logits_dtype=None, support_ids=None,
+                          return_log_kept_mass=False):
     """logp[n] = log_softmax(z[n])[targets[n]]; entropy[n] = H(softmax(z[n])); with
-    return_sum_p2 also sum_v p_v^2 (no gradient). Shapes [...]."""
-    logprobs_all = torch.log_softmax(_logits(hidden, weight, bias, temperature, logit_softcap,
-                                             logits_dtype), dim=-1)
+    return_sum_p2 also sum_v p_v^2 (no gradient). Shapes [...].
+
+    ``support_ids`` (§16): the softmax over each row's support ``S`` (the target always a
+    member) instead of the vocabulary; entropy and sum_p2 over ``S`` too.
+    ``return_log_kept_mass``: also ``LSE_S - LSE_V`` (no gradient; 0 without a support), the
+    last output."""
+    z = _logits(hidden, weight, bias, temperature, logit_softcap, logits_dtype)
+    logprobs_all = torch.log_softmax(z, dim=-1)
+    if support_ids is not None:
+        members, _ = support_members(support_ids, targets, weight.shape[0])
+        full = logprobs_all
+        logprobs_all = _over_support(z, members)
+        entropy = _entropy_on(logprobs_all, members) if return_entropy else None
+        kept = (full.detach() - logprobs_all.detach())      # LSE_S - LSE_V at any member
+        kept = _gather(kept, targets)
+    else:
+        entropy = _entropy(logprobs_all) if return_entropy else None
+        kept = torch.zeros(targets.shape, dtype=z.dtype, device=z.device)
     logp = _gather(logprobs_all, targets)
-    entropy = _entropy(logprobs_all) if return_entropy else None
+    out = (logp, entropy)
     if return_sum_p2:
-        return logp, entropy, (logprobs_all.detach().exp() ** 2).sum(-1)
-    return logp, entropy
+        out += ((logprobs_all.detach().exp() ** 2).sum(-1),)
+    if return_log_kept_mass:
+        out += (kept,)
+    return out
 
 
 class TokenStats(NamedTuple):
@@ -686,30 +753,51 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
                              ref_logp=None, bias=None, token_scale=None, kl_weight=None,
                              config=None, phase=None, num_items_in_batch=None, backend="auto",
                              is_ratio=None, sampling_logp=None, num_seqs_in_batch=None,
-                             temperature=None):
+                             temperature=None, support_ids=None, token_out=None):
     """The GRPO loss from hidden states [B, T, H] and lm_head weight [V, H], plainly:
 
         z = (hidden @ weight.T + bias) / temperature           # [B, T, V]
         logp = log_softmax(z).gather(targets)
         loss = policy_loss(logp, mask, advantages, ...)
+
+    ``support_ids`` (§16): the softmax over each token's support instead (entropy too); the
+    metric ``support_forced_frac``. ``token_out``: a dict that receives ``logp`` and, with
+    ``support_ids``, ``log_kept_mass`` (0 on masked-out tokens).
     """
     cfg = config or PolicyLossConfig()
     m = mask.bool()
     safe_targets = torch.where(m, targets, torch.zeros_like(targets))
     temp = cfg.temperature if temperature is None else temperature     # float, [B] or [B, T]
-    logprobs_all = torch.log_softmax(_logits(hidden, weight, bias, temp, cfg.logit_softcap,
-                                             cfg.logits_dtype), dim=-1)
-    logp = _gather(logprobs_all, safe_targets)
+    z = _logits(hidden, weight, bias, temp, cfg.logit_softcap, cfg.logits_dtype)
+    logprobs_all = torch.log_softmax(z, dim=-1)
     wants_entropy = (cfg.entropy_coef != 0.0 or cfg.top_entropy_quantile < 1.0
                      or cfg.return_entropy)
-    entropy = _entropy(logprobs_all) if wants_entropy else None
+    forced = kept = None
+    if support_ids is not None:
+        safe_ids = torch.where(m.unsqueeze(-1), support_ids, torch.full_like(support_ids, -1))
+        members, forced = support_members(safe_ids, safe_targets, weight.shape[0])
+        full = logprobs_all
+        logprobs_all = _over_support(z, members)
+        kept = torch.where(m, _gather(full.detach() - logprobs_all.detach(), safe_targets), 0.0)
+        entropy = _entropy_on(logprobs_all, members) if wants_entropy else None
+    else:
+        entropy = _entropy(logprobs_all) if wants_entropy else None
+    logp = _gather(logprobs_all, safe_targets)
+    if token_out is not None:
+        token_out["logp"] = torch.where(m, logp.detach(), 0.0).float()
+        if kept is not None:
+            token_out["log_kept_mass"] = kept.float()
     args = (mask, advantages, old_logp, ref_logp, token_scale, kl_weight, cfg, phase,
             num_items_in_batch, is_ratio, sampling_logp, num_seqs_in_batch)
     loss, parts = _loss(logp, entropy, *args)
     # the gradient pass of §6: the same random selection (Clip-Cov / KL-Cov)
     sum_p2 = (logprobs_all.detach().exp() ** 2).sum(-1)
     share, total = _grad_share_low(logp, entropy, args + (parts["cov_sel"],), sum_p2, temp)
-    return loss, _metrics(parts, logp, entropy, mask, cfg, share, total)
+    metrics = _metrics(parts, logp, entropy, mask, cfg, share, total)
+    if forced is not None:
+        n = m.sum().clamp(min=1).to(torch.float32)
+        metrics["support_forced_frac"] = ((forced & m).sum() / n).float()
+    return loss, metrics
 
 
 # ----------------------------------------------------------------------------------------------
@@ -741,7 +829,7 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
     ``logp`` (a shortcut of the fast path for the LSE) is accepted and ignored here.
     """
     B, T, H = hidden.shape
-    dt = torch.float64 if _float32_mode(logits_dtype) else _compute_dtype(hidden)
+    dt = torch.float64 if _float32_mode(logits_dtype, hidden) else _compute_dtype(hidden)
     m = mask.bool()
     scale = torch.ones(B, T, dtype=torch.float32)
     selected = torch.zeros(B, T, dtype=torch.bool)

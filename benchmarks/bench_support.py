@@ -1,0 +1,134 @@
+"""The sampler's support (issue 60): the replayed step against the plain step, and against the
+two ways SkyRL 0.4 replays it, on the same inputs.
+
+Providers (forward + backward of the GRPO loss, PPO clip + k3 KL, through the log-probs):
+
+* ``plain``: gbc's fused loss over the whole vocabulary (today's step);
+* ``support``: gbc's fused loss with ``support_ids`` (k ids a token);
+* ``full_logits``: what SkyRL's FSDP path does — the ``[N, V]`` logits, the k columns gathered,
+  ``logsumexp`` over them, autograd;
+* ``pair_projection``: what SkyRL's Megatron path does — each (token, id) pair projected from
+  the hidden state and its weight row (``N·k·H`` gathered rows), autograd.
+
+Each provider runs in a fresh process (peak RSS clean); rounds alternate the providers, the
+median is reported, and the ratios are to ``plain`` of the same run.
+
+    python benchmarks/bench_support.py [--N 2048 --H 1024 --V 32768 --ks 20,512 --rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import gbc_kernels as gbc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def setup(N, H, V, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B, T = max(1, N // 512), min(N, 512)
+    hidden = (torch.randn(B, T, H, generator=g) * 0.5).requires_grad_(True)
+    weight = (torch.randn(V, H, generator=g) / H ** 0.5).requires_grad_(True)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    ids = torch.randint(0, V, (B, T, k), generator=g)
+    ids[..., 0] = targets                      # the sampled token is in its support
+    old = -torch.rand(B, T, generator=g) * 2
+    return dict(hidden=hidden, weight=weight, targets=targets, ids=ids,
+                mask=torch.ones(B, T, dtype=torch.bool), adv=torch.randn(B, generator=g),
+                old=old, ref=(old + 0.1 * torch.randn(B, T, generator=g)).clamp(max=0))
+
+
+def loss_from_logp(c, logp):
+    ratio = torch.exp(logp - c["old"])
+    adv = c["adv"][:, None]
+    pg = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv)
+    d = c["ref"] - logp
+    kl = torch.exp(d) - d - 1
+    return (pg + 0.04 * kl).mean()
+
+
+def run(provider, c):
+    cfg = gbc.PolicyLossConfig(kl_coef=0.04, epsilon_high=0.28)
+    if provider in ("plain", "support"):
+        sup = c["ids"] if provider == "support" else None
+        loss, _ = gbc.fused_linear_policy_loss(c["hidden"], c["weight"], c["targets"],
+                                               c["mask"], c["adv"], c["old"], c["ref"],
+                                               config=cfg, support_ids=sup)
+    elif provider == "full_logits":
+        z = c["hidden"] @ c["weight"].T                                     # [B, T, V]
+        zs = z.gather(-1, c["ids"])
+        logp = z.gather(-1, c["targets"].unsqueeze(-1)).squeeze(-1) - zs.logsumexp(-1)
+        loss = loss_from_logp(c, logp)
+    elif provider == "pair_projection":
+        rows = c["weight"][c["ids"]]                                        # [B, T, k, H]
+        zs = torch.einsum("btkh,bth->btk", rows, c["hidden"])
+        logp = zs[..., 0] - zs.logsumexp(-1)                                # id 0: the target
+        loss = loss_from_logp(c, logp)
+    else:
+        raise ValueError(provider)
+    loss.backward()
+    return loss
+
+
+def one(provider, N, H, V, k, reps):
+    c = setup(N, H, V, k)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    run(provider, c)                          # warm-up (its peak counts)
+    times = []
+    for _ in range(reps):
+        for t in (c["hidden"], c["weight"]):
+            t.grad = None
+        t0 = time.perf_counter()
+        run(provider, c)
+        times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"time": statistics.median(times), "peak_mib": max(0, peak - base) / 1024}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--N", type=int, default=2048)
+    ap.add_argument("--H", type=int, default=1024)
+    ap.add_argument("--V", type=int, default=32768)
+    ap.add_argument("--ks", default="20,512")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--providers", default="plain,support,full_logits,pair_projection")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--k", type=int, default=20, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one, args.N, args.H, args.V, args.k, 2)))
+        return
+    print(f"# N={args.N} H={args.H} V={args.V} float32, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}; median of {args.rounds} rounds, each provider in a fresh "
+          f"process; peak = RSS growth beyond the inputs")
+    print("| k | provider | time (s) | × plain | peak (MiB) |")
+    print("|---|---|---|---|---|")
+    for k in (int(x) for x in args.ks.split(",")):
+        res = {p: [] for p in args.providers.split(",")}
+        for _ in range(args.rounds):
+            for p in res:
+                out = subprocess.run([sys.executable, __file__, "--one", p, "--N", str(args.N),
+                                      "--H", str(args.H), "--V", str(args.V), "--k", str(k)],
+                                     capture_output=True, text=True, check=True)
+                res[p].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        plain = statistics.median(r["time"] for r in res["plain"]) if "plain" in res else None
+        for p, rs in res.items():
+            t = statistics.median(r["time"] for r in rs)
+            peak = max(r["peak_mib"] for r in rs)
+            ratio = f"{t / plain:.2f}" if plain else "-"
+            print(f"| {k} | {p} | {t:.3f} | {ratio} | {peak:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

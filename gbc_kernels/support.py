@@ -1,0 +1,150 @@
+"""The sampler's support (SPEC §16, docs/math.md "The sampler's support"): log-probs, entropy
+and gradients over each token's kept ids ``S`` instead of the whole vocabulary.
+
+The chunk loop is unchanged: each chunk's logits are formed as always. :class:`SupportBackend`
+wraps the backend of the call: it gathers each row's ``k + 1`` member logits from the chunk
+buffer and takes the support's statistics over them (``O(k)`` a row, no extra matmul); only
+when ``log_kept_mass`` is asked for does the backend's own row pass (C++, Triton or PyTorch)
+run over the chunk, for ``LSE_V``. Its gradient pass writes ``(δ − q)/T`` (and the entropy's
+term) on the members and 0 elsewhere.
+
+The targets the chunk loop hands a backend become ``[rows, 2 + K]`` integer rows: column 0 the
+target, column 1 the row's flat position (where its ``log_kept_mass`` goes), columns ``2:``
+the members — the support's ids deduplicated, the target forced in, ``-1`` padding.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _validate as V
+from .backends.base import Backend, RowStats, Workspace
+
+
+def check_support_ids(support_ids, targets: torch.Tensor, vocab: int, mask=None,
+                      checks: Optional[V.Checks] = None):
+    """``support_ids`` of shape ``targets.shape + (k,)``, integer, on the targets' device,
+    ids in ``[-1, vocab)`` (a value check on the masked-in tokens: deferred to ``checks``'
+    one host transfer when given). Refused naming ``support_ids``."""
+    if not isinstance(support_ids, torch.Tensor):
+        raise TypeError(f"support_ids: expected None or an integer tensor of shape "
+                        f"{list(targets.shape)} + [k], got {type(support_ids).__name__}")
+    if (support_ids.dim() != targets.dim() + 1 or support_ids.shape[:-1] != targets.shape
+            or support_ids.shape[-1] < 1):
+        raise ValueError(f"support_ids: expected shape {list(targets.shape)} + [k] with k >= 1 "
+                         f"(the kept ids of each target token, -1 padded), got "
+                         f"{list(support_ids.shape)}")
+    if support_ids.dtype.is_floating_point or support_ids.dtype.is_complex \
+            or support_ids.dtype == torch.bool:
+        raise TypeError(f"support_ids: expected an integer tensor, got {support_ids.dtype}")
+    if support_ids.device != targets.device:
+        raise ValueError(f"support_ids: expected a tensor on {targets.device}, got "
+                         f"{support_ids.device}")
+    ids = support_ids.long()
+    if mask is not None:
+        ids = torch.where(mask.bool().unsqueeze(-1), ids, torch.full_like(ids, -1))
+    if not V.value_checks_enabled():           # GBC_VALIDATE=0: clamped, never out of range
+        return ids.clamp(-1, vocab - 1)
+
+    def bad():
+        return (ids < -1) | (ids >= vocab)
+
+    def fail():
+        first = V._first(bad())
+        raise ValueError(f"support_ids: expected ids in [-1, {vocab}) (-1: padding) on "
+                         f"masked-in tokens, got {int(ids[first])} at index {list(first)}")
+    V._defer_or_raise(checks, bad, fail)
+    return ids
+
+
+def members(ids: torch.Tensor, targets: torch.Tensor):
+    """``(cols, forced)`` for ``ids`` ``[N, k]`` (checked, -1 padded) and ``targets`` ``[N]``:
+    ``cols`` ``[N, k + 1]`` the distinct members of each row with the target forced in, -1
+    elsewhere; ``forced`` ``[N]`` bool, the target was not among the row's ids."""
+    y = targets.long().unsqueeze(1)
+    forced = ~(ids == y).any(1)
+    cols = torch.cat([ids.clamp(min=-1), y], 1).sort(1).values
+    dup = torch.zeros_like(cols, dtype=torch.bool)
+    dup[:, 1:] = cols[:, 1:] == cols[:, :-1]
+    return cols.masked_fill_(dup, -1), forced
+
+
+def flat_targets(targets: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """The ``[N, 2 + K]`` rows the chunk loop hands :class:`SupportBackend`."""
+    pos = torch.arange(targets.shape[0], device=targets.device).unsqueeze(1)
+    return torch.cat([targets.long().unsqueeze(1), pos, cols], 1)
+
+
+def _col(inv_temp):
+    return inv_temp.unsqueeze(1) if isinstance(inv_temp, torch.Tensor) else inv_temp
+
+
+class SupportBackend(Backend):
+    """A backend whose row statistics and gradient are the support's (module docstring).
+    ``log_kept_mass`` ``[n]`` float32 receives ``LSE_S − LSE_V`` of every row it scores, at
+    the row's position (column 1 of its targets)."""
+
+    def __init__(self, inner: Backend, n: int, device, kept_mass: bool = True):
+        self.inner = inner
+        self.name = inner.name
+        self.buffers_per_chunk = inner.buffers_per_chunk
+        # without log_kept_mass the whole vocabulary's row pass is not needed at all
+        self.log_kept_mass = (torch.zeros(n, device=device, dtype=torch.float32) if kept_mass
+                              else None)
+
+    def bytes_per_logit(self, dtype):
+        return self.inner.bytes_per_logit(dtype)
+
+    @staticmethod
+    def _gather(logits, cols, inv_temp):
+        """The members' logits ``l = z / T`` ``[rows, K]`` (in float32, float64 for float64
+        logits), the capped logits ``s`` they came from, and the members' mask."""
+        ct = torch.promote_types(logits.dtype, torch.float32)
+        valid = cols >= 0
+        s = logits.gather(1, cols.clamp(min=0)).to(ct)
+        return s * _col(inv_temp), s, valid
+
+    def row_stats(self, logits, targets, inv_temp, want_entropy, want_sum_p2, ws: Workspace):
+        y, pos, cols = targets[:, 0].contiguous(), targets[:, 1], targets[:, 2:]
+        l, _, valid = self._gather(logits, cols, inv_temp)
+        l = l.masked_fill(~valid, float("-inf"))
+        zmax = l.amax(1)
+        e = torch.exp(l - zmax.unsqueeze(1))            # 0 off the members
+        se = e.sum(1)
+        lse = zmax + torch.log(se)
+        q = e / se.unsqueeze(1)
+        entropy = sum_p2 = None
+        if want_entropy:
+            entropy = -torch.where(valid, q * (l - lse.unsqueeze(1)), 0.0).sum(1)
+        if want_sum_p2:
+            sum_p2 = (q * q).sum(1)
+        target_z = l.gather(1, (cols == y.unsqueeze(1)).to(torch.int64).argmax(1, keepdim=True))
+        if self.log_kept_mass is not None:
+            full = self.inner.row_stats(logits, y, inv_temp, False, False, ws)
+            self.log_kept_mass.index_copy_(0, pos, (lse - full.lse).clamp(max=0.0).float())
+        f32 = lambda t: None if t is None else t.float()      # noqa: E731
+        return RowStats(f32(lse), f32(zmax), f32(target_z.squeeze(1)), f32(entropy),
+                        f32(sum_p2))
+
+    def logit_grad_(self, logits, targets, inv_temp, lse, entropy, g_logp, g_entropy,
+                    ws: Workspace, softcap=None):
+        y, cols = targets[:, 0], targets[:, 2:]
+        l, s, valid = self._gather(logits, cols, inv_temp)
+        logq = l - lse.to(l.dtype).unsqueeze(1)
+        q = torch.where(valid, torch.exp(logq), 0.0)
+        g = g_logp.to(l.dtype).unsqueeze(1)
+        if g_entropy is not None:
+            # dH_S/dz_j = -q_j (log q_j + H_S) on the members
+            grad = -q * (g + g_entropy.to(l.dtype).unsqueeze(1)
+                         * (logq + entropy.to(l.dtype).unsqueeze(1)))
+        else:
+            grad = -q * g
+        grad = grad + torch.where(cols == y.unsqueeze(1), g, 0.0)
+        if softcap is not None:
+            grad = grad * (1.0 - (s / softcap) ** 2)
+        grad = torch.where(valid, grad * _col(inv_temp), 0.0)
+        logits.zero_()
+        logits.scatter_add_(1, cols.clamp(min=0), grad.to(logits.dtype))
+        return logits

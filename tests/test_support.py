@@ -1,0 +1,250 @@
+"""The sampler's support (SPEC §16, docs/math.md "The sampler's support"), issue 60's core:
+``support_ids`` on ``fused_linear_logprobs``, ``fused_linear_policy_loss`` and
+``token_stats``, on every backend, against a float64 oracle that forms the logits, masks them
+to the support and differentiates with autograd (``gbc_reference``).
+
+The rows of every batch mix the cases: a support holding its target, one lacking it (forced
+in, counted by ``support_forced_frac``), duplicate ids, ``-1`` padding inside a row, a row of
+padding only, and masked-out tokens whose ids are garbage.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gbc_kernels as gbc
+import gbc_reference as ref
+from conftest import as64, leaves, make_batch, max_rel_err
+
+CFGS = {
+    "grpo": dict(),
+    "kl-entropy-ar": dict(kl_coef=0.05, entropy_coef=0.01, ar_alpha=0.3, epsilon_high=0.28),
+    "lopti-low": dict(lopti_eta=0.5),
+}
+
+
+def err(got, want) -> float:
+    """max |got - want| / (1 + |want|): float32 outputs against a float64 oracle."""
+    return float(((got.double() - want.double()).abs() / (1 + want.double().abs())).max())
+
+
+def support_for(targets, V, k=6, seed=0, mask=None):
+    """``[B, T, k]`` ids mixing the cases of the module docstring (rows by position)."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = targets.shape
+    y = targets.clamp(min=0)
+    ids = torch.randint(0, V, (B, T, k), generator=g)
+    ids[..., 0] = y                                          # most rows hold their target ...
+    ids[:, ::3, 0] = (y[:, ::3] + 1) % V                     # ... every third does not
+    ids[:, 1::4, 2] = -1                                      # padding inside a row
+    ids[:, 2::5, 1] = ids[:, 2::5, 0]                         # a duplicate
+    ids[:, 3::7, :] = -1                                      # padding only: the target alone
+    if mask is not None:                                      # masked-out ids are never read
+        ids = torch.where(mask.unsqueeze(-1), ids, torch.full_like(ids, 10 ** 6))
+    return ids
+
+
+def _logprobs(lib, b, ids, backend=None, temperature=0.7, **kw):
+    x = leaves(b)
+    extra = {} if backend is None else {"backend": backend}
+    lp, ent, kept = lib.fused_linear_logprobs(
+        x["hidden"], x["weight"], b["targets"].clamp(min=0), bias=x["bias"],
+        temperature=temperature, return_entropy=True, support_ids=ids,
+        return_log_kept_mass=True, **extra, **kw)
+    g = torch.Generator().manual_seed(5)
+    u1 = torch.randn(lp.shape, generator=g, dtype=torch.float64)
+    u2 = torch.randn(lp.shape, generator=g, dtype=torch.float64)
+    (lp.double() * u1 + ent.double() * u2).sum().backward()
+    return lp, ent, kept, [x[k].grad for k in ("hidden", "weight", "bias")]
+
+
+@pytest.mark.parametrize("softcap", [None, 4.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("temp", ["scalar", "per-token"])
+def test_logprobs_over_the_support_match_float64(backend, softcap, temp, small_chunks):
+    """Log-probs, entropy, log_kept_mass and the gradients (random upstream gradients through
+    the log-prob and the entropy) over the support, several chunks, an odd vocabulary."""
+    b = make_batch(B=3, T=11, H=24, V=97, logit_scale=3.0)
+    ids = support_for(b["targets"], 97)
+    t = 0.7 if temp == "scalar" else torch.rand(3, 11, generator=torch.Generator()
+                                                .manual_seed(1)) + 0.5
+    lp, ent, kept, grads = _logprobs(gbc, b, ids, backend, temperature=t, logit_softcap=softcap)
+    want = _logprobs(ref, as64(b), ids, temperature=t, logit_softcap=softcap)
+    for got, exp in zip((lp, ent, kept), want[:3]):
+        assert got.dtype == torch.float32
+        assert err(got, exp) < 1e-6
+    for got, exp in zip(grads, want[3]):
+        assert max_rel_err(got, exp) < 2e-5
+    assert (kept <= 0).all() and (kept < -1e-3).any()
+    # the support changed the numbers: the whole vocabulary's log-probs differ
+    full = gbc.fused_linear_logprobs(b["hidden"], b["weight"], b["targets"].clamp(min=0),
+                                     bias=b["bias"], temperature=t, logit_softcap=softcap,
+                                     backend=backend)[0]
+    assert torch.allclose(full, lp + kept, atol=2e-6)
+    assert (lp - full).abs().max() > 1e-2
+
+
+def test_full_row_and_k1(backend):
+    """Every id in the support: the whole vocabulary's numbers, log_kept_mass 0. ``k = 1``
+    holding the target: log-prob 0, entropy 0, no gradient."""
+    b = make_batch(B=2, T=5, H=16, V=41)
+    y = b["targets"].clamp(min=0)
+    every = torch.arange(41).flip(0).expand(2, 5, 41).contiguous()
+    lp, ent, kept, _ = _logprobs(gbc, b, every, backend)
+    lp0, ent0 = gbc.fused_linear_logprobs(b["hidden"], b["weight"], y, bias=b["bias"],
+                                          temperature=0.7, return_entropy=True, backend=backend)
+    assert torch.allclose(lp, lp0, atol=1e-6) and torch.allclose(ent, ent0, atol=1e-6)
+    assert kept.abs().max() < 1e-6
+    lp, ent, kept, grads = _logprobs(gbc, b, y.unsqueeze(-1), backend)
+    assert lp.abs().max() == 0 and ent.abs().max() < 1e-7
+    assert all(g.abs().max() < 1e-6 for g in grads)
+
+
+@pytest.mark.parametrize("cfg", list(CFGS))
+def test_policy_loss_over_the_support_matches_float64(backend, cfg, small_chunks):
+    """The fused loss with ``support_ids``: loss, gradients, metrics, ``token_out``'s logp and
+    log_kept_mass against the oracle; ``support_forced_frac`` counts the forced tokens."""
+    b = make_batch(B=4, T=9, H=16, V=37, logit_scale=2.0)
+    ids = support_for(b["targets"], 37, mask=b["mask"])
+    phase = "low" if cfg == "lopti-low" else None
+    out = {}
+    for lib, batch in ((gbc, b), (ref, as64(b))):
+        x, tok = leaves(batch), {}
+        extra = {"backend": backend} if lib is gbc else {}
+        L, m = lib.fused_linear_policy_loss(
+            x["hidden"], x["weight"], batch["targets"], batch["mask"], batch["advantages"],
+            batch["old_logp"], batch["ref_logp"], bias=x["bias"],
+            config=lib.PolicyLossConfig(**CFGS[cfg]), phase=phase, temperature=0.9,
+            support_ids=ids, token_out=tok, **extra)
+        (L * 1.7).backward()
+        out[lib] = L, m, tok, [x[k].grad for k in ("hidden", "weight", "bias")]
+    (L, m, tok, grads), (L64, m64, tok64, grads64) = out[gbc], out[ref]
+    assert abs(L.item() - L64.item()) < 1e-5 * max(1.0, abs(L64.item()))
+    for got, exp in zip(grads, grads64):
+        assert max_rel_err(got, exp) < 1e-4
+    for k, v in m64.items():
+        assert abs(float(m[k]) - float(v)) < 1e-4, k
+    m_in = b["mask"]
+    y = b["targets"].clamp(min=0)
+    forced = ~(ids == y.unsqueeze(-1)).any(-1) & m_in
+    assert float(m["support_forced_frac"]) == pytest.approx(forced.sum().item() / m_in.sum().item())
+    assert 0 < float(m["support_forced_frac"]) < 1
+    assert err(tok["logp"], tok64["logp"]) < 1e-6
+    assert err(tok["log_kept_mass"], tok64["log_kept_mass"]) < 1e-6
+    assert (tok["log_kept_mass"][~m_in] == 0).all()
+    # without token_out the whole row is never read (no log_kept_mass): the same loss and grads
+    x = leaves(b)
+    L2, _ = gbc.fused_linear_policy_loss(
+        x["hidden"], x["weight"], b["targets"], b["mask"], b["advantages"], b["old_logp"],
+        b["ref_logp"], bias=x["bias"], config=gbc.PolicyLossConfig(**CFGS[cfg]), phase=phase,
+        temperature=0.9, support_ids=ids, backend=backend)
+    (L2 * 1.7).backward()
+    assert torch.equal(L2, L)
+    assert all(torch.equal(x[k].grad, g) for k, g in zip(("hidden", "weight", "bias"), grads))
+
+
+def test_bf16_float32_logits_over_the_support():
+    """bf16 hidden states and weight, ``logits_dtype=float32``: the support's log-probs
+    within 1e-5 of float64 on the same bf16 values."""
+    b = make_batch(B=3, T=7, H=64, V=301, dtype=torch.bfloat16, logit_scale=3.0)
+    ids = support_for(b["targets"], 301, k=20)
+    for be in ("torch", "cpu") if gbc.backends.cpu_available() else ("torch",):
+        lp, ent, kept = gbc.fused_linear_logprobs(
+            b["hidden"], b["weight"], b["targets"].clamp(min=0), bias=b["bias"],
+            return_entropy=True, support_ids=ids, return_log_kept_mass=True,
+            logits_dtype="float32", backend=be)
+        want = ref.fused_linear_logprobs(
+            b["hidden"], b["weight"], b["targets"].clamp(min=0), bias=b["bias"],
+            return_entropy=True, support_ids=ids, return_log_kept_mass=True,
+            logits_dtype="float32")
+        for got, exp in zip((lp, ent, kept), want):
+            assert err(got, exp) < 1e-6, be
+
+
+def test_token_stats_over_the_support(backend):
+    b = make_batch(B=2, T=6, H=16, V=53)
+    ids = support_for(b["targets"], 53)
+    y = b["targets"].clamp(min=0)
+    st = gbc.token_stats(b["hidden"], b["weight"], y, bias=b["bias"], temperature=0.8,
+                         support_ids=ids, backend=backend)
+    lp, ent, p2 = ref.fused_linear_logprobs(*[as64(b)[k] for k in ("hidden", "weight")], y,
+                                            bias=as64(b)["bias"], temperature=0.8,
+                                            return_entropy=True, return_sum_p2=True,
+                                            support_ids=ids)
+    for got, exp in zip((st.logp, st.entropy, st.sum_p2), (lp, ent, p2)):
+        assert err(got, exp) < 1e-6
+    with pytest.raises(ValueError, match="^support_ids: the certainty over the support"):
+        gbc.token_stats(b["hidden"], b["weight"], y, certainty="entropy", support_ids=ids)
+
+
+def test_without_support_is_todays_path(backend):
+    """``support_ids=None`` is today's path bit for bit (the same calls without the
+    argument)."""
+    b = make_batch(B=3, T=5, H=16, V=29)
+    y = b["targets"].clamp(min=0)
+    a = gbc.fused_linear_logprobs(b["hidden"], b["weight"], y, bias=b["bias"],
+                                  return_entropy=True, backend=backend)
+    c = gbc.fused_linear_logprobs(b["hidden"], b["weight"], y, bias=b["bias"],
+                                  return_entropy=True, backend=backend, support_ids=None)
+    assert all(torch.equal(p, q) for p, q in zip(a, c))
+    kept = gbc.fused_linear_logprobs(b["hidden"], b["weight"], y, bias=b["bias"],
+                                     return_log_kept_mass=True, backend=backend)[-1]
+    assert torch.equal(kept, torch.zeros_like(kept))
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("high", r"^support_ids: expected ids in \[-1, 29\) \(-1: padding\) on masked-in tokens, "
+             r"got 29 at index \[0, 2, 1\]"),
+    ("low", r"^support_ids: expected ids in \[-1, 29\).*got -2"),
+    ("shape", r"^support_ids: expected shape \[3, 5\] \+ \[k\]"),
+    ("empty-k", r"^support_ids: expected shape"),
+    ("float", r"^support_ids: expected an integer tensor"),
+    ("list", r"^support_ids: expected None or an integer tensor"),
+])
+def test_bad_support_ids_refused_by_name(bad, match):
+    b = make_batch(B=3, T=5, H=16, V=29)
+    y = b["targets"].clamp(min=0)
+    ids = support_for(y, 29, k=3)
+    ids = {"high": lambda: ids.index_put((torch.tensor(0), torch.tensor(2), torch.tensor(1)),
+                                         torch.tensor(29)),
+           "low": lambda: ids.index_put((torch.tensor(2), torch.tensor(4), torch.tensor(0)),
+                                        torch.tensor(-2)),
+           "shape": lambda: ids[:, :4], "empty-k": lambda: ids[..., :0],
+           "float": lambda: ids.float(), "list": lambda: ids.tolist()}[bad]()
+    err = TypeError if bad in ("float", "list") else ValueError
+    with pytest.raises(err, match=match):
+        gbc.fused_linear_logprobs(b["hidden"], b["weight"], y, support_ids=ids)
+    with pytest.raises(err, match=match):
+        gbc.token_stats(b["hidden"], b["weight"], y, support_ids=ids)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    with pytest.raises(err, match=match):
+        gbc.fused_linear_policy_loss(b["hidden"], b["weight"], y, mask, b["advantages"],
+                                     b["old_logp"], support_ids=ids)
+
+
+def test_masked_out_ids_are_not_read():
+    """Ids of masked-out tokens are never checked or read (as targets there are not)."""
+    b = make_batch(B=3, T=5, H=16, V=29)
+    ids = support_for(b["targets"], 29, k=3, mask=b["mask"])
+    assert (ids[~b["mask"]] == 10 ** 6).all()
+    L, m = gbc.fused_linear_policy_loss(b["hidden"], b["weight"], b["targets"], b["mask"],
+                                        b["advantages"], b["old_logp"], support_ids=ids)
+    assert torch.isfinite(L)
+
+
+def test_vocab_parallel_with_support_is_refused():
+    b = make_batch(B=2, T=3, H=8, V=20)
+    y = b["targets"].clamp(min=0)
+    vp = gbc.VocabParallel(None, 0, 20)
+    with pytest.raises(ValueError, match="^support_ids: not yet supported with vocab_parallel"):
+        gbc.fused_linear_logprobs(b["hidden"], b["weight"], y, vocab_parallel=vp,
+                                  support_ids=support_for(y, 20, k=3))
+
+
+def test_sequence_parallel_with_support_is_refused():
+    b = make_batch(B=2, T=3, H=8, V=20)
+    y = b["targets"].clamp(min=0)
+    with pytest.raises(ValueError, match="^support_ids: not yet supported with sequence_parallel"):
+        gbc.fused_linear_policy_loss(b["hidden"], b["weight"], y, b["mask"], b["advantages"],
+                                     sequence_parallel=gbc.SequenceParallel(None),
+                                     support_ids=support_for(y, 20, k=3))
