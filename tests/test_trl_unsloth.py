@@ -1,14 +1,16 @@
 """GBCGRPOTrainer under Unsloth: refused at construction, whatever the import order.
 
-Unsloth (unsloth/models/rl.py, ``_patch_trl_rl_trainers``) generates its own GRPO trainer in a
-module ``unsloth_compiled_cache.UnslothGRPOTrainer`` and rebinds ``trl.GRPOTrainer``,
-``trl.trainer.GRPOTrainer`` and ``trl.trainer.grpo_trainer.GRPOTrainer`` to it; its
-``compute_loss`` is its own (rl_replacements.py, ``grpo_trainer_compute_loss``). Unsloth does not
-import on this CPU machine with its GPU path (its CPU backend rewrites no GRPO trainer; docs/trl.md,
-"Unsloth"), so these tests apply the same rebinding with a stand-in, each in a fresh process so
-that no other test sees the patched TRL: gbc imported after it (gbc's class inherits the stand-in),
-gbc imported before it, the smaller patches Unsloth leaves when it rewrites no trainer, and the
-control (no patch: built and trained by gbc's loss as always).
+Unsloth (unsloth/models/rl.py, ``_patch_trl_rl_trainers``) rewrites TRL's GRPO trainer as
+``UnslothGRPOTrainer`` (a module of that name, its file in ``unsloth_compiled_cache/``) and
+rebinds ``trl.GRPOTrainer``, ``trl.trainer.GRPOTrainer`` and
+``trl.trainer.grpo_trainer.GRPOTrainer`` to it; its ``compute_loss`` is its own
+(rl_replacements.py, ``grpo_trainer_compute_loss``). Its import runs that rewrite only on its GPU
+path, so the default tests apply the same rebinding with a stand-in, each in a fresh process so
+that no other test sees the patched TRL: gbc imported after it (gbc's class inherits it), gbc
+imported before it, the smaller patches Unsloth leaves where it rewrites no trainer, and the
+control (no patch: built, and its loss is gbc's). With ``GBC_UNSLOTH_PYTHON`` (an interpreter
+with Unsloth installed) the same checks run against Unsloth itself: its CPU backend, and its GPU
+path on CPU (``UNSLOTH_ALLOW_CPU=1``) with its own rewrite (docs/trl.md, "Unsloth").
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 SCRIPT = r'''
-import functools, json, sys, types
+import functools, json, pathlib, sys, types
 args = json.loads(sys.argv[1])
 sys.path.insert(0, args["tests"])
 calls = []
@@ -77,8 +79,22 @@ def wrap_post_init():
     GRPOConfig.__post_init__ = space["__post_init__"]
 
 
+def import_unsloth():
+    """Unsloth itself: on a machine without a GPU, its CPU backend (no trainer rewritten)."""
+    import unsloth  # noqa: F401
+
+
+def unsloth_rewrite():
+    """Unsloth itself with UNSLOTH_ALLOW_CPU=1 (its GPU path on CPU, which skips the rewrite),
+    then the rewrite its import runs on a GPU: unsloth/models/rl.py's patch_trl_rl_trainers."""
+    import unsloth  # noqa: F401
+    from unsloth.models.rl import patch_trl_rl_trainers
+    patch_trl_rl_trainers()
+
+
 PATCHES = {"rebind": rebind_grpo_trainer, "unwrap": rebind_unwrap, "post_init": wrap_post_init,
-           "imported": lambda: sys.modules.setdefault("unsloth", types.ModuleType("unsloth"))}
+           "imported": lambda: sys.modules.setdefault("unsloth", types.ModuleType("unsloth")),
+           "unsloth": import_unsloth, "unsloth_rewrite": unsloth_rewrite}
 patch = PATCHES.get(args["patch"])
 if patch is not None and args["order"] == "unsloth-first":
     patch()
@@ -98,14 +114,17 @@ def compute_loss(self, model, inputs):
 
 
 GBCGRPOTrainer._compute_loss = compute_loss
-import pathlib
 try:
     trainer = build(GBCGRPOTrainer, args["tiny"], pathlib.Path(args["out"]))
 except RuntimeError as e:
     report["error"] = str(e)
 else:
-    loss = trainer.compute_loss(trainer.model, make_inputs(trainer, seed=0))
-    loss.backward()
+    report["compute_loss_file"] = type(trainer).compute_loss.__code__.co_filename
+    try:
+        trainer.compute_loss(trainer.model, make_inputs(trainer, seed=0)).backward()
+    except Exception as e:            # Unsloth's own loss on inputs it does not expect
+        import traceback
+        report["loss_error"] = "".join(traceback.format_exception(e))[-6000:]
     report["calls"] = calls
 print("REPORT " + json.dumps(report))
 '''
@@ -118,17 +137,20 @@ def tiny(tmp_path_factory):
     return str(path)
 
 
-def run(tiny, tmp_path, patch, order="unsloth-first", no_check=False):
-    """A fresh process: ``patch`` applied before or after gbc's trainer is imported, then a
+def run(tiny, tmp_path, patch, order="unsloth-first", no_check=False, python=sys.executable,
+        **variables):
+    """A fresh process of ``python`` (in ``tmp_path``: Unsloth writes its compiled cache in the
+    working directory): ``patch`` applied before or after gbc's trainer is imported, then a
     GBCGRPOTrainer built and one loss taken; returns its report (``error``: the refusal,
     ``calls``: which loss ran, ``base``: the module of gbc's class's base)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GBC_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GBC_", "UNSLOTH_"))}
     env.update(PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "python"),
-                                           env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+                                           env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
+               **variables)
     args = dict(tests=HERE, tiny=tiny, out=str(tmp_path / "run"), patch=patch, order=order,
                 no_check=no_check)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(args)], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run([python, "-c", SCRIPT, json.dumps(args)], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     line = [x for x in proc.stdout.splitlines() if x.startswith("REPORT ")]
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     return json.loads(line[0].split(" ", 1)[1])
@@ -161,6 +183,7 @@ def test_without_the_check_unsloths_loss_would_run(tiny, tmp_path):
     loss is Unsloth's compute_loss, gbc's never called."""
     report = run(tiny, tmp_path, patch="rebind", order="unsloth-first", no_check=True)
     assert "error" not in report and report["calls"] == ["unsloth compute_loss"], report
+    assert report["compute_loss_file"].endswith("unsloth_compiled_cache/UnslothGRPOTrainer.py")
 
 
 def test_gbc_imported_before_unsloth_is_refused(tiny, tmp_path):
@@ -179,3 +202,45 @@ def test_unsloths_other_patches_are_refused(tiny, tmp_path, patch, evidence):
     """Where Unsloth rewrites no trainer (its CPU backend, UNSLOTH_ALLOW_CPU=1) its import still
     patches TRL: each patch alone is refused, naming it."""
     assert_refused(run(tiny, tmp_path, patch=patch, order="gbc-first"), evidence)
+
+
+# ------------------------------------------------------------------ Unsloth itself (opt-in)
+# GBC_UNSLOTH_PYTHON: the interpreter of a venv with unsloth==2026.10.9 and unsloth_zoo, trl
+# 1.15.0 (Unsloth pins trl<=1.15.0), the CPU torch and no torchvision (docs/trl.md, "Unsloth")
+UNSLOTH_PYTHON = os.environ.get("GBC_UNSLOTH_PYTHON")
+needs_unsloth = pytest.mark.skipif(not UNSLOTH_PYTHON,
+                                   reason="GBC_UNSLOTH_PYTHON: no interpreter with Unsloth")
+
+
+@needs_unsloth
+@pytest.mark.parametrize("order", ["unsloth-first", "gbc-first"])
+def test_real_unsloth_cpu_backend_is_refused(tiny, tmp_path, order):
+    """Unsloth's import on a machine without a GPU: its CPU backend rewrites no trainer but
+    patches GRPOConfig's __post_init__ (the user's bf16, optim, ... changed) and TRL's head."""
+    report = run(tiny, tmp_path, patch="unsloth", order=order, python=UNSLOTH_PYTHON)
+    assert report["base"] == "trl.trainer.grpo_trainer"
+    assert_refused(report, "the unsloth package is imported",
+                   "trl.trainer.grpo_config.GRPOConfig.__post_init__")
+
+
+@needs_unsloth
+@pytest.mark.parametrize("order, evidence", [
+    ("unsloth-first", "GBCGRPOTrainer's base is UnslothGRPOTrainer.UnslothGRPOTrainer, not "
+                      "TRL's GRPOTrainer"),
+    ("gbc-first", "trl.trainer.grpo_trainer.GRPOTrainer")])
+def test_real_unsloth_rewrite_is_refused(tiny, tmp_path, order, evidence):
+    """Unsloth's GPU path (UNSLOTH_ALLOW_CPU=1) and its rewrite of TRL's GRPOTrainer."""
+    report = run(tiny, tmp_path, patch="unsloth_rewrite", order=order, python=UNSLOTH_PYTHON,
+                 UNSLOTH_ALLOW_CPU="1")
+    assert_refused(report, evidence, "trl.GRPOTrainer")
+
+
+@needs_unsloth
+def test_real_unsloth_without_the_check_runs_its_own_loss(tiny, tmp_path):
+    """gbc's class on Unsloth's rewritten trainer builds and its loss goes into Unsloth's
+    compiled grpo_compute_loss, never gbc's _compute_loss."""
+    report = run(tiny, tmp_path, patch="unsloth_rewrite", no_check=True, python=UNSLOTH_PYTHON,
+                 UNSLOTH_ALLOW_CPU="1")
+    assert "error" not in report and "gbc _compute_loss" not in report["calls"], report
+    assert report["compute_loss_file"].endswith("unsloth_compiled_cache/UnslothGRPOTrainer.py")
+    assert "UnslothGRPOTrainer.py" in report.get("loss_error", "UnslothGRPOTrainer.py"), report

@@ -6,7 +6,8 @@ off, AR, Lopti, NTHR and critical-token KL with them (:class:`GBCGRPOConfig`; do
 The parts, as every trainer's adapter has them: :mod:`.config` (TRL's options as gbc's, the
 ``gbc_*`` options, and the release check), :mod:`.trainer` (the ``GRPOTrainer`` subclass: the
 step with the fused loss and the methods). The switch-on is building a
-:class:`GBCGRPOTrainer`, which checks TRL's release first.
+:class:`GBCGRPOTrainer`, which first refuses a TRL that Unsloth has patched
+(:func:`check_no_unsloth`) and checks TRL's release.
 """
 
 from __future__ import annotations
@@ -29,4 +30,4 @@ from .config import (METHOD_NAMES, NUM_ITEMS_LOSS_TYPES, PPO_LOSS_TYPES,  # noqa
                      SUPPORTED_LOSS_TYPES, TRL_NAMES, GBCGRPOConfig, _in_trl_words, _Options,
                      _unsupported, check_trl_version, method_options)
 from .trainer import (_MULTIMODAL_KEYS, NTHR_GROUP_KEY, OLD_LOGP_KEY,  # noqa: F401
-                      GBCGRPOTrainer, _logit_scale, _model_inputs)
+                      GBCGRPOTrainer, _logit_scale, _model_inputs, check_no_unsloth)

@@ -97,7 +97,9 @@ def _unsloth_patches(trainer_cls, args=None) -> list:
         if module is not None and (name == "trl" or name.startswith("trl.")):
             found += [f"{name}.{key}" for key, value in list(vars(module).items())
                       if _from_unsloth(value)]
-    return list(dict.fromkeys(found))
+    found = list(dict.fromkeys(found))
+    found.sort(key=lambda f: "GRPOTrainer" not in f)  # the trainer's rebinding first
+    return found
 
 
 def check_no_unsloth(trainer_cls=None, args=None):
