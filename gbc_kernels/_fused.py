@@ -353,7 +353,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     (loss, grad_hidden2d, grad_weight, grad_bias)."""
     cfg, be, vp = inp.config, inp.backend, inp.vp
     device = hidden2d.device
-    combine = _vp.combiner(vp)
+    combine = None if getattr(be, "combines", False) else _vp.combiner(vp)
     want_entropy = cfg.wants_entropy
     mflat = inp.mask.reshape(-1)
     N = mflat.numel()
@@ -383,7 +383,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     # no [n, H] copies: each chunk gathers its rows and scatters its hidden gradient
     dense = n == hidden2d.shape[0]          # nothing masked out: chunks are plain views
     y = inp.targets.index_select(0, idx)
-    if vp is not None:
+    if vp is not None and not getattr(be, "combines", False):
         y = _vp.local_targets(y, vp)
     need_grad = need_dh or need_dw or need_db
     if early is None:
@@ -570,7 +570,7 @@ def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature,
     N = hidden2d.shape[0]
     device = hidden2d.device
     rows, buf = _chunk_buffer(N, hidden2d, weight, backend, vp, logits_dtype=logits_dtype)
-    if vp is not None:
+    if vp is not None and not getattr(backend, "combines", False):
         targets = _vp.local_targets(targets, vp)
     ws = Workspace()
     logp = torch.empty(N, device=device, dtype=torch.float32)
@@ -584,7 +584,7 @@ def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature,
     inv_temp = 1.0 / temperature
     same_temp = not isinstance(temperature, torch.Tensor) and extra_temperature == temperature
 
-    combine = _vp.combiner(vp)
+    combine = None if getattr(backend, "combines", False) else _vp.combiner(vp)
 
     def stats(lg, y, it, entropy_too, p2_too):
         st = backend.row_stats(lg, y, it, entropy_too, p2_too, ws)
@@ -620,7 +620,7 @@ def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperat
     # d weight into the caller's buffer allocates none: not counted against the chunk budget
     rows, buf = _chunk_buffer(N, hidden2d, weight, backend, vp,
                               (need_dh, need_dw and grad_w_into is None), logits_dtype)
-    if vp is not None:
+    if vp is not None and not getattr(backend, "combines", False):
         targets = _vp.local_targets(targets, vp)
     ws = Workspace()
     grads = _GradMatmuls(hidden2d, weight, bias, need_dh, need_dw, need_db,

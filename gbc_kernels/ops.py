@@ -173,7 +173,9 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     log-probs, entropy and gradients over each token's support (its target always a member);
     the metric ``support_forced_frac`` (the share of masked-in tokens whose target was missing
     from its ids) and ``token_out["log_kept_mass"]`` (``LSE_S - LSE_V`` per token, no
-    gradient). Not yet with ``vocab_parallel`` or ``sequence_parallel``: refused by name.
+    gradient). Under ``vocab_parallel`` the members may lie on any rank (the support's
+    statistics join the per-chunk all_gather). Not yet with ``sequence_parallel``: refused by
+    name.
 
     ``logits_dtype``: None (the config's ``logits_dtype``), ``torch.float32`` / ``"float32"``
     (the chunks' logits in float32 from the bf16/fp16 operands) or ``"input"`` (in the
@@ -186,7 +188,7 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     V.check_backend(backend)
     _check_lm_head(hidden, weight, bias)
     cfg = _resolved(cfg, hidden)
-    _support_refusals(vocab_parallel, support_ids, sequence_parallel)
+    _support_refusals(support_ids, sequence_parallel)
     V.check_tensor("hidden", hidden, dims=(3,))
     B, T, H = hidden.shape
     device = hidden.device
@@ -234,16 +236,12 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     return loss, metrics
 
 
-def _support_refusals(vocab_parallel, support_ids, sequence_parallel=None) -> None:
+def _support_refusals(support_ids, sequence_parallel) -> None:
     """What ``support_ids`` does not run with yet, refused by name before anything else."""
     if support_ids is not None and sequence_parallel is not None:
         raise ValueError("support_ids: not yet supported with sequence_parallel (the "
                          "support's metrics would be this rank's alone); refused rather than "
                          "run")
-    if support_ids is not None and vocab_parallel is not None:
-        raise ValueError("support_ids: not yet supported with vocab_parallel (each shard would "
-                         "need the support's statistics in the all-gather); refused rather "
-                         "than computed over the whole vocabulary")
 
 
 def _support(support_ids, targets, vocab, mask=None, checks=None, vp=None, backend=None,
@@ -253,11 +251,10 @@ def _support(support_ids, targets, vocab, mask=None, checks=None, vp=None, backe
     ``[N, 2 + K]`` rows it reads, and ``forced`` ``[N]`` (the target missing from its ids)."""
     from . import support as _S
 
-    _support_refusals(vp, support_ids)
     ids = _S.check_support_ids(support_ids, targets, vocab, mask, checks)
     y = targets.reshape(-1)
     cols, forced = _S.members(ids.reshape(y.shape[0], -1), y)
-    return (_S.SupportBackend(backend, y.shape[0], y.device, kept_mass),
+    return (_S.SupportBackend(backend, y.shape[0], y.device, kept_mass, vp),
             _S.flat_targets(y, cols), forced)
 
 
@@ -369,7 +366,6 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     if not isinstance(return_log_kept_mass, bool):
         raise TypeError(f"return_log_kept_mass: expected a bool, got "
                         f"{type(return_log_kept_mass).__name__} {return_log_kept_mass!r}")
-    _support_refusals(vocab_parallel, support_ids)
     sl, vocab = _vp.resolve(vocab_parallel, weight, bias, hidden.device)
     safe = V.check_targets(targets, vocab).reshape(-1)
     h2 = hidden.reshape(-1, hidden.shape[-1])
@@ -440,7 +436,6 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
     if isinstance(temp, torch.Tensor):
         temp = temp.reshape(-1)
     _check_softcap(logit_softcap)
-    _support_refusals(vocab_parallel, support_ids)
     sl, vocab = _vp.resolve(vocab_parallel, weight, bias, hidden.device)
     safe = V.check_targets(targets, vocab).reshape(-1)
     h2 = hidden.detach().reshape(-1, hidden.shape[-1])

@@ -86,8 +86,12 @@ class SupportBackend(Backend):
     ``log_kept_mass`` ``[n]`` float32 receives ``LSE_S − LSE_V`` of every row it scores, at
     the row's position (column 1 of its targets)."""
 
-    def __init__(self, inner: Backend, n: int, device, kept_mass: bool = True):
+    def __init__(self, inner: Backend, n: int, device, kept_mass: bool = True, vp=None):
         self.inner = inner
+        # vocab parallel: this backend localises the ids and combines its statistics over the
+        # ranks itself (support and whole-row LSE in one all_gather); the chunk loop does not
+        self.vp = vp
+        self.combines = vp is not None
         self.name = inner.name
         self.buffers_per_chunk = inner.buffers_per_chunk
         # without log_kept_mass the whole vocabulary's row pass is not needed at all
@@ -96,6 +100,17 @@ class SupportBackend(Backend):
 
     def bytes_per_logit(self, dtype):
         return self.inner.bytes_per_logit(dtype)
+
+    def _local(self, targets):
+        """``(y, cols)``: the target and members as ids into this rank's slice (-1: elsewhere
+        or padding)."""
+        y, cols = targets[:, 0], targets[:, 2:]
+        if self.vp is None:
+            return y, cols
+        from .vocab_parallel import local_targets
+
+        return (local_targets(y, self.vp),
+                torch.where(cols >= 0, local_targets(cols, self.vp), -1))
 
     @staticmethod
     def _gather(logits, cols, inv_temp):
@@ -107,30 +122,41 @@ class SupportBackend(Backend):
         return s * _col(inv_temp), s, valid
 
     def row_stats(self, logits, targets, inv_temp, want_entropy, want_sum_p2, ws: Workspace):
-        y, pos, cols = targets[:, 0].contiguous(), targets[:, 1], targets[:, 2:]
+        pos = targets[:, 1]
+        y, cols = self._local(targets)
+        y = y.contiguous()
         l, _, valid = self._gather(logits, cols, inv_temp)
         l = l.masked_fill(~valid, float("-inf"))
         zmax = l.amax(1)
-        e = torch.exp(l - zmax.unsqueeze(1))            # 0 off the members
+        # a row may have no member in this slice (vocab parallel): LSE -inf, nothing else
+        e = torch.exp(l - torch.where(torch.isfinite(zmax), zmax, 0.0).unsqueeze(1))
         se = e.sum(1)
-        lse = zmax + torch.log(se)
-        q = e / se.unsqueeze(1)
+        lse = torch.where(se > 0, zmax + torch.log(se), float("-inf"))
+        q = torch.where(se.unsqueeze(1) > 0, e / se.clamp(min=1e-30).unsqueeze(1), 0.0)
         entropy = sum_p2 = None
         if want_entropy:
             entropy = -torch.where(valid, q * (l - lse.unsqueeze(1)), 0.0).sum(1)
         if want_sum_p2:
             sum_p2 = (q * q).sum(1)
-        target_z = l.gather(1, (cols == y.unsqueeze(1)).to(torch.int64).argmax(1, keepdim=True))
-        if self.log_kept_mass is not None:
-            full = self.inner.row_stats(logits, y, inv_temp, False, False, ws)
-            self.log_kept_mass.index_copy_(0, pos, (lse - full.lse).clamp(max=0.0).float())
+        at = ((cols == y.unsqueeze(1)) & valid).to(torch.int64).argmax(1, keepdim=True)
+        target_z = torch.where(y >= 0, l.gather(1, at).squeeze(1), 0.0)
         f32 = lambda t: None if t is None else t.float()      # noqa: E731
-        return RowStats(f32(lse), f32(zmax), f32(target_z.squeeze(1)), f32(entropy),
-                        f32(sum_p2))
+        st = RowStats(f32(lse), f32(zmax), f32(target_z), f32(entropy), f32(sum_p2))
+        full = None
+        if self.log_kept_mass is not None:
+            full = self.inner.row_stats(logits, y, inv_temp, False, False, ws).lse
+        if self.vp is not None:
+            from .vocab_parallel import combine
+
+            out = combine(st, self.vp, full)
+            st, full = out if full is not None else (out, None)
+        if full is not None:
+            self.log_kept_mass.index_copy_(0, pos, (st.lse - full).clamp(max=0.0).float())
+        return st
 
     def logit_grad_(self, logits, targets, inv_temp, lse, entropy, g_logp, g_entropy,
                     ws: Workspace, softcap=None):
-        y, cols = targets[:, 0], targets[:, 2:]
+        y, cols = self._local(targets)
         l, s, valid = self._gather(logits, cols, inv_temp)
         logq = l - lse.to(l.dtype).unsqueeze(1)
         q = torch.where(valid, torch.exp(logq), 0.0)
@@ -141,7 +167,7 @@ class SupportBackend(Backend):
                          * (logq + entropy.to(l.dtype).unsqueeze(1)))
         else:
             grad = -q * g
-        grad = grad + torch.where(cols == y.unsqueeze(1), g, 0.0)
+        grad = grad + torch.where((cols == y.unsqueeze(1)) & valid, g, 0.0)
         if softcap is not None:
             grad = grad * (1.0 - (s / softcap) ** 2)
         grad = torch.where(valid, grad * _col(inv_temp), 0.0)

@@ -107,13 +107,20 @@ def local_targets(y: torch.Tensor, sl: _Slice) -> torch.Tensor:
     return torch.where(inside, local, torch.full_like(local, -1))
 
 
-def combine(st: RowStats, sl: _Slice) -> RowStats:
-    """The global row statistics from every rank's statistics of its slice (one all_gather)."""
+def combine(st: RowStats, sl: _Slice, lse_full: Optional[torch.Tensor] = None):
+    """The global row statistics from every rank's statistics of its slice (one all_gather).
+
+    A slice may hold none of a row's terms (the sampler's support, docs/math.md §16: ``LSE_r =
+    -inf``): its mass is 0 and it adds nothing. ``lse_full``: this slice's whole-row LSE beside
+    the support's statistics, combined in the same all_gather; then ``(RowStats, lse_full)``
+    is returned."""
     parts = [st.lse, st.target_z, st.zmax]
     if st.entropy is not None:
         parts.append(st.entropy)
     if st.sum_p2 is not None:
         parts.append(st.sum_p2)
+    if lse_full is not None:
+        parts.append(lse_full)
     local = torch.stack(parts)                                     # [k, rows]
     every = [torch.empty_like(local) for _ in range(dist.get_world_size(sl.group))]
     dist.all_gather(every, local, group=sl.group)
@@ -125,11 +132,13 @@ def combine(st: RowStats, sl: _Slice) -> RowStats:
     entropy = sum_p2 = None
     k = 3
     if st.entropy is not None:
-        entropy = (w * (every[:, k] - log_w)).sum(0)
+        entropy = torch.where(w > 0, w * (every[:, k] - log_w), 0.0).sum(0)
         k += 1
     if st.sum_p2 is not None:
         sum_p2 = (w * w * every[:, k]).sum(0)
-    return RowStats(lse, every[:, 2].amax(0), every[:, 1].sum(0), entropy, sum_p2)
+        k += 1
+    out = RowStats(lse, every[:, 2].amax(0), every[:, 1].sum(0), entropy, sum_p2)
+    return out if lse_full is None else (out, torch.logsumexp(every[:, k], 0))
 
 
 def combiner(sl: Optional[_Slice]):
