@@ -139,11 +139,12 @@ def test_nan_hidden_state_propagates_into_the_loss(backend):
 
 
 def test_torch_backend_bf16_temperature_in_float32():
-    """z / tau is formed in float32 from bf16 logits (not rounded to bf16 first)."""
+    """z / tau is formed in float32 from bf16 logits (not rounded to bf16 first), in the
+    operands' dtype mode (``logits_dtype="input"``: the CPU default is float32 logits)."""
     batch = make_batch(B=2, T=8, H=32, V=300, dtype=torch.bfloat16, seed=5, logit_scale=8.0)
     y = batch["targets"].clamp(min=0)
     got, _ = gbc.fused_linear_logprobs(batch["hidden"], batch["weight"], y, temperature=0.7,
-                                       backend="torch")
+                                       backend="torch", logits_dtype="input")
     z = (batch["hidden"] @ batch["weight"].T).float() / 0.7    # bf16 logits, fp32 after
     want = torch.log_softmax(z, -1).gather(-1, y[..., None])[..., 0]
     assert (got - want).abs().max() < 1e-3
