@@ -217,10 +217,13 @@ def _backward(loss):
 def make_provider(name, c, logits_dtype=None, **options):
     """A closure running forward+backward of one provider on case ``c`` and returning the loss
     (detached; ``None`` for the floor). ``logits_dtype``: the gbc providers' (``gbc_cpu_f32`` /
-    ``gbc_torch_f32``: float32 whatever it says); ``options``: more of the gbc providers'
+    ``gbc_torch_f32``: float32 whatever it says; ``gbc_cpu_in`` / ``gbc_torch_in``: ``"input"``,
+    the operands' dtype); ``options``: more of the gbc providers'
     ``PolicyLossConfig`` fields (``REFERENCE_OPTIONS``)."""
     if name.endswith("_f32") and name.startswith("gbc_"):
         name, logits_dtype = name[:-4], torch.float32
+    if name.endswith("_in") and name.startswith("gbc_"):    # the operands' dtype mode
+        name, logits_dtype = name[:-3], "input"
     cfg = gbc.PolicyLossConfig(epsilon_low=EPS, epsilon_high=EPS, kl_coef=BETA,
                                kl_estimator="k3", loss_agg="token-mean",
                                logits_dtype=logits_dtype, **options)

@@ -12,6 +12,8 @@ memory: each provider in a fresh process (peak RSS beyond inputs and gradients).
   liger        Liger-Kernel LigerFusedLinearGRPOLoss(compiled=False)  (liger_compiled: =True)
   liger_scaled_ce  Liger's fused linear scaled cross-entropy (verl's default fused head) + loss
   gbc_cpu_f32  gbc_cpu with logits_dtype=float32 (gbc_torch_f32: the PyTorch path's)
+  gbc_cpu_in   gbc_cpu with logits_dtype="input": the operands' dtype (the CPU default for
+               bf16 is float32 logits on a CPU without bf16 units; gbc_torch_in likewise)
   floor_f32    the floor's three matmuls on float32 copies of bf16 inputs (made untimed)
   float32_head the "float32 LM head" (TRL's cast_lm_head_to_fp32, torchtitan, NeMo-RL): hidden
                and weight cast to float32, float32 matmul and [N, V] logits, then the loss
@@ -66,7 +68,8 @@ UNSLOTH_PROVIDERS = ["unsloth_recompute", "unsloth_grpo", "unsloth_chunked"]  # 
 if importlib.util.find_spec("unsloth_zoo") is not None:       # an optional peer: only if installed
     PROVIDERS += UNSLOTH_PROVIDERS[:2]
 # also accepted by --providers (not in the default grid): the float32 logits mode and head
-EXTRA_PROVIDERS = ["floor_f32", "gbc_cpu_f32", "gbc_torch_f32", "float32_head"] + \
+EXTRA_PROVIDERS = ["floor_f32", "gbc_cpu_f32", "gbc_torch_f32", "gbc_cpu_in", "gbc_torch_in",
+                   "float32_head"] + \
     [p for p in UNSLOTH_PROVIDERS if p not in PROVIDERS]
 # torch.compile on the first call: one untimed call before the memory measurement, so the
 # compiler's own memory is not counted as the step's
@@ -196,7 +199,9 @@ def child_time(args):
 
 def _logits_dtype(args):
     import torch
-    return None if args.logits_dtype is None else getattr(torch, args.logits_dtype)
+    if args.logits_dtype in (None, "input"):
+        return args.logits_dtype
+    return getattr(torch, args.logits_dtype)
 
 
 def _dtype_label(args) -> str:
@@ -301,8 +306,9 @@ def main():
     ap.add_argument("--H", type=int, default=1024)
     ap.add_argument("--V", type=int, default=32768)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--logits-dtype", default=None, choices=["float32"],
-                    help="the gbc providers' logits_dtype (default: the input's dtype)")
+    ap.add_argument("--logits-dtype", default=None, choices=["float32", "input"],
+                    help="the gbc providers' logits_dtype (default: None, per device: float32 "
+                         "logits for bf16 operands on a CPU without bf16 units)")
     ap.add_argument("--T", type=int, default=512, help="tokens per sequence (B = N / T)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)

@@ -104,8 +104,10 @@ def check_algorithm(algorithm):
     vocabulary)."""
     if get(algorithm, "enable_sample_support_replay", False):
         raise ValueError("trainer.algorithm.enable_sample_support_replay=true: gbc's SkyRL "
-                         "workers compute log-probs over the whole vocabulary; the sampler's "
-                         "restricted support is not replayed (set it to false)")
+                         "workers do not yet read SkyRL's rollout_sample_support (gbc's head "
+                         "takes a support, support_ids, but the workers' passes are over the "
+                         "whole vocabulary), so the sampler's support would not be replayed "
+                         "(set it to false)")
 
 
 def policy_loss_config(algorithm, loss_type: Optional[str] = None,
