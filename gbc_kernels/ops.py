@@ -174,8 +174,8 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     the metric ``support_forced_frac`` (the share of masked-in tokens whose target was missing
     from its ids) and ``token_out["log_kept_mass"]`` (``LSE_S - LSE_V`` per token, no
     gradient). Under ``vocab_parallel`` the members may lie on any rank (the support's
-    statistics join the per-chunk all_gather). Not yet with ``sequence_parallel``: refused by
-    name.
+    statistics join the per-chunk all_gather); under ``sequence_parallel``
+    ``support_forced_frac`` is the whole sequences', the same on every rank.
 
     ``logits_dtype``: None (the config's ``logits_dtype``), ``torch.float32`` / ``"float32"``
     (the chunks' logits in float32 from the bf16/fp16 operands) or ``"input"`` (in the
@@ -188,7 +188,6 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     V.check_backend(backend)
     _check_lm_head(hidden, weight, bias)
     cfg = _resolved(cfg, hidden)
-    _support_refusals(support_ids, sequence_parallel)
     V.check_tensor("hidden", hidden, dims=(3,))
     B, T, H = hidden.shape
     device = hidden.device
@@ -224,8 +223,10 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     loss = FusedPolicyLossFunction.apply(hidden.reshape(B * T, H), weight, bias, inp)
     metrics = inp.metrics
     if forced is not None:
-        metrics = dict(metrics, support_forced_frac=(
-            (forced & m.reshape(-1)).sum() / m.sum().clamp(min=1)).float())
+        counts = torch.stack([(forced & m.reshape(-1)).sum(), m.sum()]).float()
+        if sp is not None:                        # the whole sequences' share, on every rank
+            counts = sp.sum(counts)
+        metrics = dict(metrics, support_forced_frac=counts[0] / counts[1].clamp(min=1))
     if token_out is not None:
         token_out["logp"] = inp.logp
         if inp.entropy is not None:
@@ -234,14 +235,6 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
         if forced is not None:
             token_out["log_kept_mass"] = be.log_kept_mass.view(B, T) * m
     return loss, metrics
-
-
-def _support_refusals(support_ids, sequence_parallel) -> None:
-    """What ``support_ids`` does not run with yet, refused by name before anything else."""
-    if support_ids is not None and sequence_parallel is not None:
-        raise ValueError("support_ids: not yet supported with sequence_parallel (the "
-                         "support's metrics would be this rank's alone); refused rather than "
-                         "run")
 
 
 def _support(support_ids, targets, vocab, mask=None, checks=None, vp=None, backend=None,

@@ -305,10 +305,53 @@ def test_vocab_parallel_support_matches_float64(backend):
         assert max_rel_err(o["gw2"], w2.grad[lo:hi]) < 1e-4
 
 
-def test_sequence_parallel_with_support_is_refused():
+def _sp_worker(rank, world, backend):
+    """Sequence parallel: every rank holds the same sequences, each token masked in on one
+    rank (alternate positions)."""
+    b = make_batch(B=3, T=8, H=16, V=33, logit_scale=2.0)
+    ids = support_for(b["targets"], 33, mask=b["mask"])
+    own = b["mask"] & (torch.arange(8) % world == rank)
+    x = leaves(b)
+    tok = {}
+    L, m = gbc.fused_linear_policy_loss(
+        x["hidden"], x["weight"], b["targets"], own, b["advantages"], b["old_logp"],
+        b["ref_logp"], bias=x["bias"], config=gbc.PolicyLossConfig(**CFGS["kl-entropy-ar"]),
+        temperature=0.9, support_ids=ids, token_out=tok, backend=backend,
+        sequence_parallel=gbc.SequenceParallel("world"))
+    L.backward()
+    return dict(L=L.detach(), m={k: float(v) for k, v in m.items()}, own=own,
+                kept=tok["log_kept_mass"], grads=[x[k].grad for k in ("hidden", "weight", "bias")])
+
+
+def test_sequence_parallel_support_matches_float64():
+    """The ranks' losses and gradients add up to the whole sequences'; the metrics (with
+    ``support_forced_frac``) are the whole batch's on every rank."""
+    from conftest import spawn_gloo
+
+    out = spawn_gloo(2, _sp_worker, "torch")
+    b = make_batch(B=3, T=8, H=16, V=33, logit_scale=2.0)
+    ids = support_for(b["targets"], 33, mask=b["mask"])
+    x, tok = leaves(as64(b)), {}
+    L64, m64 = ref.fused_linear_policy_loss(
+        x["hidden"], x["weight"], b["targets"], b["mask"], b["advantages"], b["old_logp"],
+        b["ref_logp"], bias=x["bias"], config=ref.PolicyLossConfig(**CFGS["kl-entropy-ar"]),
+        temperature=0.9, support_ids=ids, token_out=tok)
+    L64.backward()
+    assert abs(sum(o["L"].item() for o in out) - L64.item()) < 1e-5 * max(1, abs(L64.item()))
+    for o in out:
+        for k, v in m64.items():
+            assert abs(o["m"][k] - float(v)) < 1e-4 * max(1.0, abs(float(v))), k
+        own = o["own"]
+        assert err(o["kept"][own], tok["log_kept_mass"][own]) < 1e-6
+    for i, k in enumerate(("hidden", "weight", "bias")):
+        assert max_rel_err(sum(o["grads"][i] for o in out), x[k].grad) < 1e-4
+
+
+def test_gbc_mcore_refuses_support_ids():
+    from gbc_kernels.integrations import megatron as M
+
     b = make_batch(B=2, T=3, H=8, V=20)
     y = b["targets"].clamp(min=0)
-    with pytest.raises(ValueError, match="^support_ids: not yet supported with sequence_parallel"):
-        gbc.fused_linear_policy_loss(b["hidden"], b["weight"], y, b["mask"], b["advantages"],
-                                     sequence_parallel=gbc.SequenceParallel(None),
-                                     support_ids=support_for(y, 20, k=3))
+    with pytest.raises(ValueError, match="^support_ids: gbc_mcore does not yet"):
+        M.policy_loss(b["hidden"].transpose(0, 1), b["weight"], y, b["mask"], b["advantages"],
+                      support_ids=support_for(y, 20, k=3))

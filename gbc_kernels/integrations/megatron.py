@@ -265,6 +265,10 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
         if name in loss_kwargs:
             raise ValueError(f"{name}: set by the megatron processor (from output_weight, "
                              f"output_bias and tp_group), got it as a loss argument")
+    if loss_kwargs.get("support_ids") is not None:
+        raise ValueError("support_ids: gbc_mcore does not yet take the sampler's support "
+                         "(megatron's [S, B] layout and its main_grad route); refused rather "
+                         "than scored over the whole vocabulary")
     for name, flag in (("return_entropy", return_entropy), ("return_sum_p2", return_sum_p2)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {flag!r}")
