@@ -348,7 +348,27 @@ def test_pretraining_auxiliary_documents():
     assert longest == 5                                  # operands up to --aux-digits
 
 
+@pytest.mark.parametrize("loss", ["fused", "reference"])
+def test_sampler_support_replay(tmp_path, loss):
+    """Top-p sampling recorded by the trainer's own sampler (issue 60): the policy's ratio
+    against the sampler's processed log-probs is off by the kept mass over the whole
+    vocabulary (mean < 1, most tokens outside [0.9, 1.1]) and 1 within float32 noise over the
+    recorded support; the update replays the support, with truncated importance sampling."""
+    rows = run_trainer(tmp_path, "--task", "scratchpad", "--top-p", "0.7", "--support-replay",
+                       "--tis-cap", "3", "--kl-coef", "0.05", "--loss", loss)
+    for r in rows:
+        assert r["sampler_ratio_mean_full"] < 0.95 and r["sampler_ratio_outside_full"] > 0.5
+        assert abs(r["sampler_ratio_mean_replay"] - 1) < 1e-4
+        assert r["sampler_ratio_outside_replay"] == 0.0
+    assert rows[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)    # the update's own ratio
+
+
 @pytest.mark.parametrize("argv, named", [
+    (["--top-k", "-1"], "--top-k: expected an int >= 0"),
+    (["--top-p", "0"], "--top-p: expected a float in (0, 1]"),
+    (["--min-p", "1"], "--min-p: expected a float in [0, 1)"),
+    (["--tis-cap", "0"], "--tis-cap: expected a float > 0"),
+    (["--support-replay", "--nthr"], "--support-replay with --nthr"),
     (["--paper-mix", "--longest-only"], "--paper-mix and --longest-only"),
     (["--task", "add", "--final-carry"], "--final-carry needs --task scratchpad"),
     (["--parity", "--paper-mix"], "--paper-mix needs --task scratchpad"),
