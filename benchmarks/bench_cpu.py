@@ -71,9 +71,6 @@ if importlib.util.find_spec("unsloth_zoo") is not None:       # an optional peer
 EXTRA_PROVIDERS = ["floor_f32", "gbc_cpu_f32", "gbc_torch_f32", "gbc_cpu_in", "gbc_torch_in",
                    "float32_head"] + \
     [p for p in UNSLOTH_PROVIDERS if p not in PROVIDERS]
-# torch.compile on the first call: one untimed call before the memory measurement, so the
-# compiler's own memory is not counted as the step's
-COMPILES = ("liger_compiled", "unsloth_grpo", "unsloth_chunked")
 
 
 def _peak_kb():
@@ -104,9 +101,6 @@ def child_memory(args):
 
     c = setup_case(args.N, args.H, args.V, getattr(torch, args.dtype), T=args.T)
     fn = make_provider(args.provider, c, _logits_dtype(args))
-    if args.provider in COMPILES:
-        fn()
-        c["hidden"].grad = c["weight"].grad = None
     base = _reset_peak_kb()
     for _ in range(2):          # a training loop: zero_grad(set_to_none=True) between steps
         c["hidden"].grad = c["weight"].grad = None
