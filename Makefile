@@ -14,10 +14,13 @@ install:
 	DS_BUILD_OPS=0 $(PYTHON) -m pip install -q --no-build-isolation --no-deps deepspeed==0.19.8
 	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
 
+# --no-compile: pip's byte-compiling of every installed module (torch's and transformers'
+# thousands) was the largest part of the install; Python compiles what the demo imports on
+# first import instead. The same packages are installed.
 install-demo:
 	@echo "== make demo: installing torch (CPU), the library and its demo extra"
-	$(PYTHON) -m pip install --progress-bar on torch==2.13.0 "setuptools>=64" wheel
-	$(PYTHON) -m pip install --progress-bar on --no-build-isolation -e ".[demo]"
+	$(PYTHON) -m pip install --progress-bar on --no-compile torch==2.13.0 "setuptools>=64" wheel
+	$(PYTHON) -m pip install --progress-bar on --no-compile --no-build-isolation -e ".[demo]"
 
 demo: install-demo
 	@echo "== make demo: GRPO from the shipped scratchpad checkpoint (progress bar below; outputs in runs/demo)"
