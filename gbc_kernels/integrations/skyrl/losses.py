@@ -97,17 +97,42 @@ def check_skyrl_version(version=None) -> str:
                          off="leave enable() out to run SkyRL's own workers")
 
 
-def check_algorithm(algorithm):
+def sample_support_replay(algorithm) -> bool:
+    """Whether SkyRL 0.4's ``trainer.algorithm.enable_sample_support_replay`` is on."""
+    return _bool(algorithm, "enable_sample_support_replay")
+
+
+def skyrl_replays_support() -> bool:
+    """Whether the installed SkyRL replays the sampler's support (from 0.4: its
+    ``sample_support_replay`` module, the ``rollout_sample_support`` field)."""
+    from gbc_kernels.integrations import releases
+
+    version = releases.installed("skyrl")
+    return version is not None and releases._patch(version) >= (0, 4, 0)
+
+
+REPLAY_MEGATRON = (
+    "trainer.algorithm.enable_sample_support_replay=true with trainer.strategy=megatron: gbc "
+    "replays the sampler's support (SkyRL's rollout_sample_support) on SkyRL's FSDP strategy "
+    "only for now; gbc's Megatron head does not read it yet (use trainer.strategy=fsdp, or set "
+    "enable_sample_support_replay=false)")
+
+
+def check_algorithm(algorithm, strategy: str = "fsdp"):
     """Refuse, by SkyRL's option, what SkyRL 0.4 added to ``trainer.algorithm`` that changes the
     log-probs themselves and gbc does not run: ``enable_sample_support_replay`` (the policy's
     log-probs renormalised over the sampler's recorded top-k/top-p support, not the whole
-    vocabulary)."""
-    if get(algorithm, "enable_sample_support_replay", False):
-        raise ValueError("trainer.algorithm.enable_sample_support_replay=true: gbc's SkyRL "
-                         "workers do not yet read SkyRL's rollout_sample_support (gbc's head "
-                         "takes a support, support_ids, but the workers' passes are over the "
-                         "whole vocabulary), so the sampler's support would not be replayed "
-                         "(set it to false)")
+    vocabulary) under ``strategy="megatron"`` (gbc's FSDP workers replay it, docs/skyrl.md
+    "The sampler's support"), and where the installed SkyRL has no support to replay (0.3)."""
+    if not sample_support_replay(algorithm):
+        return
+    if strategy == "megatron":
+        raise ValueError(REPLAY_MEGATRON)
+    if not skyrl_replays_support():
+        raise ValueError("trainer.algorithm.enable_sample_support_replay=true: the installed "
+                         "SkyRL records no rollout_sample_support for gbc's workers to replay "
+                         "(SkyRL 0.4 adds it, and gbc's FSDP workers replay it there); set it "
+                         "to false")
 
 
 def policy_loss_config(algorithm, loss_type: Optional[str] = None,

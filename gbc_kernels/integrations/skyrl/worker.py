@@ -14,7 +14,10 @@ NTHR from what SkyRL's own old-log-prob pass keeps (:meth:`GBCPolicyWorkerMixin.
 scored once the advantages exist, with no second forward. Under SkyRL's Ulysses sequence
 parallelism (packed micro-batches) each SP rank runs its slice through the head, the loss's
 sequence terms reduced over the SP group (:class:`_UlyssesSlice`, docs/skyrl.md "Long
-context").
+context"). Under SkyRL 0.4's ``trainer.algorithm.enable_sample_support_replay`` every pass
+(the update, the old policy's, the reference's at the policy's temperature) is over each
+token's recorded support (:func:`replay_support_ids`: SkyRL's ``rollout_sample_support`` as
+gbc's ``support_ids``; docs/skyrl.md "The sampler's support").
 """
 
 from __future__ import annotations
@@ -128,7 +131,14 @@ def check_config(cfg, options: Optional[methods.MethodOptions] = None,
     algo = losses.get(cfg, "algorithm")
     if algo is None:
         raise ValueError("cfg: expected SkyRL's trainer config (with .algorithm)")
-    losses.check_algorithm(algo)
+    # ulysses=False: the Megatron wrapper's check (.megatron.check_megatron_config)
+    megatron = not ulysses or losses.get(cfg, "strategy", "fsdp") == "megatron"
+    losses.check_algorithm(algo, "megatron" if megatron else "fsdp")
+    if losses.sample_support_replay(algo):
+        for name, on in (("nthr", opts.nthr),
+                         ("critical_kl_exponent", opts.critical_kl_exponent is not None)):
+            if on:
+                raise ValueError(REPLAY_METHOD.format(name=name))
     cfg_loss = losses.policy_loss_config(algo, kl_entropy_weight=1.0, **opts.loss_options())
     opts.check_loss(cfg_loss.kl_coef, "trainer.algorithm.use_kl_loss=true and kl_loss_coef",
                     names={"critical_kl_exponent": f"{OPTIONS_ENV}: critical_kl_exponent"})
@@ -142,6 +152,72 @@ def check_config(cfg, options: Optional[methods.MethodOptions] = None,
         if worker == "policy" and algo.policy_loss_type in ("clip_cov", "kl_cov"):
             raise ValueError(SP_COV.format(sp=sp))
     return opts
+
+
+REPLAY_METHOD = (
+    "{option_env}: {{name}} with trainer.algorithm.enable_sample_support_replay=true: gbc's "
+    "{{name}} reads the policy's (or the reference's) distribution over the whole vocabulary, "
+    "not over the sampler's support, in SkyRL's worker (docs/skyrl.md, \"The sampler's "
+    "support\"): turn {{name}} off or set enable_sample_support_replay=false").format(
+        option_env=OPTIONS_ENV)
+
+# SkyRL 0.4's sample-support replay (trainer.algorithm.enable_sample_support_replay): the
+# batch's field, and its messages (skyrl.backends.skyrl_train.utils.sample_support_replay,
+# workers/model_wrapper.py)
+SUPPORT_FIELD = "rollout_sample_support"
+SUPPORT_NO_LOSS_MASK = "sample-support replay is enabled but the microbatch has no loss mask"
+SUPPORT_MISSING_ROW = ("sample-support replay requires captured support for every loss-active "
+                       "token")
+
+
+def replay_support_ids(support, loss_mask, attention_mask, T: int) -> torch.Tensor:
+    """SkyRL's ``rollout_sample_support`` of a micro-batch (a ``PackedTensor``: ``values`` int32
+    ``[sum_b len_b, k]``, ``-1`` padded, one segment of ``len_b`` rows per sequence, row ``j``
+    the sampler's support of response token ``j``) as gbc's ``support_ids [B, T, k]`` (int64)
+    of the worker's ``[B, T]`` response columns: SkyRL's alignment
+    (``align_sample_support_row_ids`` in its left-padded batch) puts row ``j`` of sequence ``b``
+    at the logit that predicts column ``T - len_b + j``; columns without a row get ``-1``.
+    Refused as SkyRL refuses: no support or no ``loss_mask`` given, a sequence whose support
+    covers all its real tokens, and a loss-active token (``loss_mask != 0``) whose row holds no
+    id (SkyRL's ``valid_mask``; its message). The padded and the packed layouts share the
+    ``[B, T]`` columns, so one map serves both."""
+    from skyrl.backends.skyrl_train.utils.sample_support_replay import (
+        missing_sample_support_message)
+
+    if support is None:
+        raise ValueError(missing_sample_support_message("FSDP"))
+    if loss_mask is None:
+        raise ValueError(SUPPORT_NO_LOSS_MASK)
+    B = attention_mask.shape[0]
+    device = attention_mask.device
+    values = support.values.to(device)
+    cu = support.cu_seqlens.to(device=device, dtype=torch.long)
+    lens = cu[1:] - cu[:-1]
+    if lens.numel() != B:
+        raise ValueError(f"{SUPPORT_FIELD}: {lens.numel()} segments for a micro-batch of {B} "
+                         f"sequences")
+    real = attention_mask.long().sum(-1)
+    if B and bool((lens >= real).any()):
+        raise ValueError(
+            f"{SUPPORT_FIELD}: a trajectory whose support covers all of its real tokens has no "
+            f"position that predicts its first response token, got lengths {lens.tolist()} "
+            f"for trajectories {real.tolist()}")
+    k = values.shape[1]
+    j = torch.arange(T, device=device)[None] - (T - lens[:, None])      # [B, T] row in segment
+    have = j >= 0
+    if values.shape[0]:
+        rows = (cu[:-1, None] + j).clamp(min=0, max=values.shape[0] - 1)
+        ids = values.index_select(0, rows.reshape(-1)).reshape(B, T, k).long()
+        ids = ids.masked_fill(~have[..., None], -1)
+    else:
+        ids = torch.full((B, T, k), -1, dtype=torch.long, device=device)
+    if bool(((loss_mask.to(device) != 0) & ~(ids >= 0).any(-1)).any()):
+        raise ValueError(SUPPORT_MISSING_ROW)
+    return ids
+
+
+def _replays(cfg) -> bool:
+    return losses.sample_support_replay(cfg.algorithm)
 
 
 SP_PADDED = (
@@ -594,11 +670,17 @@ class GBCPolicyWorkerMixin(GBCMethodsMixin, _UlyssesHeads):
                                             experience.action_log_probs,
                                             experience.rollout_logprobs)
         scale, kl_weight = method_fields(experience.info or {}, opts, cfg, call["mask"].device)
+        replay = {}
+        if _replays(self.cfg):          # SkyRL 0.4: log-probs and entropy over the support
+            replay["support_ids"] = replay_support_ids(
+                getattr(experience, SUPPORT_FIELD, None), loss_mask, experience.attention_mask,
+                T)
         token_out = {}
-        loss, _, whole = _policy_loss(
+        loss, loss_m, whole = _policy_loss(
             self.model, experience.sequences, experience.attention_mask, T, call,
             ref_logp=experience.base_action_log_probs if cfg.kl_coef else None, config=cfg,
-            phase=self._gbc_phase, token_scale=scale, kl_weight=kl_weight, token_out=token_out)
+            phase=self._gbc_phase, token_scale=scale, kl_weight=kl_weight, token_out=token_out,
+            **replay)
         self.strategy.backward(loss * dp, self.model, self.optimizer)
         token_out = {k: whole(v) for k, v in token_out.items()}
 
@@ -618,6 +700,8 @@ class GBCPolicyWorkerMixin(GBCMethodsMixin, _UlyssesHeads):
         if not algo.use_kl_loss:
             m.pop("policy_kl")
         status.update(m)
+        if replay:      # the share of loss tokens whose target the sampler's row lacked
+            status["gbc_support_forced_frac"] = float(loss_m["support_forced_frac"])
         if self._gbc_phase is not None:     # Lopti: the batch's terms without the split
             _, whole_m = step_metrics(algo, loss_type, token_out, call["mask"], loss_mask,
                                       experience.advantages, experience.action_log_probs,
@@ -632,7 +716,7 @@ class GBCPolicyWorkerMixin(GBCMethodsMixin, _UlyssesHeads):
 
     def _forward_micro_batch(self, micro_batch):
         return _no_grad_logprobs(self, micro_batch, _temperature(self.cfg),
-                                 keep=self._gbc_keeping)
+                                 keep=self._gbc_keeping, replay=_replays(self.cfg))
 
 
 class GBCRefWorkerMixin(_UlyssesHeads):
@@ -662,9 +746,12 @@ class GBCRefWorkerMixin(_UlyssesHeads):
 
     def _forward_micro_batch(self, micro_batch):
         opts = self.gbc_options
-        return _no_grad_logprobs(self, micro_batch, 1.0,
+        # under SkyRL 0.4's replay the reference is scored over the sampler's support at the
+        # policy's temperature (SkyRL's "support-conditioned KL"); else at temperature 1
+        replay = _replays(self.cfg)
+        return _no_grad_logprobs(self, micro_batch, _temperature(self.cfg) if replay else 1.0,
                                  reference=opts if opts.critical_kl_exponent is not None
-                                 else None)
+                                 else None, replay=replay)
 
 
 def _policy_loss(wrapper, seq, attn, T, call, **kwargs):
@@ -704,13 +791,16 @@ def _policy_loss(wrapper, seq, attn, T, call, **kwargs):
     return whole_loss(loss, group, sl.size), metrics, sl.whole
 
 
-def _no_grad_logprobs(worker, micro_batch, temperature, reference=None, keep=None):
+def _no_grad_logprobs(worker, micro_batch, temperature, reference=None, keep=None,
+                      replay=False):
     """SkyRL's ``_forward_micro_batch`` by gbc's row passes: ``[B, T]`` log-probs of the
     responses (float32), no logits. Packed (``trainer.remove_microbatch_padding``): SkyRL's
     packed values — the log-prob of the packed stream's next token, 0 where the token before
     is padding. ``reference``: the method options; the critical-token KL weights too
     (``KL_WEIGHT_KEY``, the same sweep). ``keep``: the old-log-prob pass's NTHR rows
-    (:meth:`GBCPolicyWorkerMixin.forward`), this micro-batch's added."""
+    (:meth:`GBCPolicyWorkerMixin.forward`), this micro-batch's added. ``replay`` (SkyRL 0.4's
+    ``enable_sample_support_replay``): over each token's support, the micro-batch's
+    ``rollout_sample_support`` (:func:`replay_support_ids`)."""
     import gbc_kernels as gbc
     from skyrl.backends.skyrl_train.training_batch import TrainingOutputBatch
 
@@ -726,6 +816,10 @@ def _no_grad_logprobs(worker, micro_batch, temperature, reference=None, keep=Non
     hf.check_forward_inputs(inner, seq, attn, T, "response_length")
     packed = getattr(worker.model, "remove_microbatch_padding", False)
     group = _sp_group(worker.model, worker._gbc_sp_option)
+    support = None
+    if replay:
+        support = replay_support_ids(micro_batch.get(SUPPORT_FIELD, None),
+                                     micro_batch.get("loss_mask", None), attn, T)
     pk = hf.pack_padded(seq, attn, T) if packed else None
     sl = None if group is None else _UlyssesSlice(pk, group, worker.model.sequence_parallel_size)
 
@@ -739,7 +833,8 @@ def _no_grad_logprobs(worker, micro_batch, temperature, reference=None, keep=Non
         else:
             logp = gbc.token_stats(rows, head.weight, ys, head.bias, temperature=temperature,
                                    logit_softcap=cap,
-                                   logits_dtype=worker.gbc_options.logits_dtype).logp
+                                   logits_dtype=worker.gbc_options.logits_dtype,
+                                   support_ids=support).logp
             weight = None
         if keep is not None:      # the response rows of this pass, for NTHR's scores
             valid = attn[:, -T:].bool() & (pk.valid if packed else True)
