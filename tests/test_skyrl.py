@@ -673,7 +673,10 @@ def test_worker_init_refuses_a_bad_switch_on(sky, monkeypatch, algo, env, match)
     gbc cannot reproduce or a bad method option stops it there, naming SkyRL's option or the
     variable."""
     from gbc_kernels.integrations.skyrl import fsdp as gfsdp
+    from gbc_kernels.integrations.skyrl.losses import skyrl_replays_support
 
+    if algo.get("enable_sample_support_replay") and skyrl_replays_support():
+        pytest.skip("SkyRL 0.4: the support is replayed on FSDP (tests/test_skyrl_support.py)")
     monkeypatch.setenv("GBC_SKYRL_OPTIONS", env)
     with pytest.raises(ValueError, match=match):
         gfsdp.GBCFSDPPolicyWorker(cfg=_trainer_cfg(sky, **algo), world_size=1, rank=0,
