@@ -14,6 +14,11 @@ Each provider runs in a fresh process (peak RSS clean); rounds alternate the pro
 median is reported, and the ratios are to ``plain`` of the same run.
 
     python benchmarks/bench_support.py [--N 2048 --H 1024 --V 32768 --ks 20,512 --rounds 3]
+    python benchmarks/bench_support.py --device cuda --dtype bfloat16 --N 8192 --H 3584 \
+        --V 151936 --ks 20,512                  # a GPU (benchmarks/gpu_session.sh)
+
+On CUDA the time is CUDA-event-synchronised and the peak is ``torch.cuda.max_memory_allocated``
+beyond the inputs.
 """
 
 from __future__ import annotations
@@ -34,18 +39,19 @@ import gbc_kernels as gbc
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def setup(N, H, V, k, seed=0):
+def setup(N, H, V, k, seed=0, device="cpu", dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     B, T = max(1, N // 512), min(N, 512)
-    hidden = (torch.randn(B, T, H, generator=g) * 0.5).requires_grad_(True)
-    weight = (torch.randn(V, H, generator=g) / H ** 0.5).requires_grad_(True)
+    hidden = (torch.randn(B, T, H, generator=g) * 0.5).to(device, dtype).requires_grad_(True)
+    weight = (torch.randn(V, H, generator=g) / H ** 0.5).to(device, dtype).requires_grad_(True)
     targets = torch.randint(0, V, (B, T), generator=g)
     ids = torch.randint(0, V, (B, T, k), generator=g)
     ids[..., 0] = targets                      # the sampled token is in its support
     old = -torch.rand(B, T, generator=g) * 2
-    return dict(hidden=hidden, weight=weight, targets=targets, ids=ids,
-                mask=torch.ones(B, T, dtype=torch.bool), adv=torch.randn(B, generator=g),
-                old=old, ref=(old + 0.1 * torch.randn(B, T, generator=g)).clamp(max=0))
+    c = dict(targets=targets, ids=ids, mask=torch.ones(B, T, dtype=torch.bool),
+             adv=torch.randn(B, generator=g), old=old,
+             ref=(old + 0.1 * torch.randn(B, T, generator=g)).clamp(max=0))
+    return dict(hidden=hidden, weight=weight, **{n: t.to(device) for n, t in c.items()})
 
 
 def loss_from_logp(c, logp):
@@ -65,13 +71,13 @@ def run(provider, c):
                                                c["mask"], c["adv"], c["old"], c["ref"],
                                                config=cfg, support_ids=sup)
     elif provider == "full_logits":
-        z = c["hidden"] @ c["weight"].T                                     # [B, T, V]
+        z = (c["hidden"] @ c["weight"].T).float()                           # [B, T, V]
         zs = z.gather(-1, c["ids"])
         logp = z.gather(-1, c["targets"].unsqueeze(-1)).squeeze(-1) - zs.logsumexp(-1)
         loss = loss_from_logp(c, logp)
     elif provider == "pair_projection":
         rows = c["weight"][c["ids"]]                                        # [B, T, k, H]
-        zs = torch.einsum("btkh,bth->btk", rows, c["hidden"])
+        zs = torch.einsum("btkh,bth->btk", rows, c["hidden"]).float()
         logp = zs[..., 0] - zs.logsumexp(-1)                                # id 0: the target
         loss = loss_from_logp(c, logp)
     else:
@@ -80,19 +86,32 @@ def run(provider, c):
     return loss
 
 
-def one(provider, N, H, V, k, reps):
-    c = setup(N, H, V, k)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def one(provider, N, H, V, k, reps, device="cpu", dtype=torch.float32):
+    c = setup(N, H, V, k, device=device, dtype=dtype)
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     run(provider, c)                          # warm-up (its peak counts)
     times = []
     for _ in range(reps):
         for t in (c["hidden"], c["weight"]):
             t.grad = None
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         run(provider, c)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"time": statistics.median(times), "peak_mib": max(0, peak - base) / 1024}
+    if cuda:
+        peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    else:
+        peak = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+    return {"time": statistics.median(times), "peak_mib": peak}
 
 
 def main():
@@ -103,13 +122,17 @@ def main():
     ap.add_argument("--ks", default="20,512")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--providers", default="plain,support,full_logits,pair_projection")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--k", type=int, default=20, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.N, args.H, args.V, args.k, 2)))
+        print(json.dumps(one(args.one, args.N, args.H, args.V, args.k, 2 if args.device == "cpu"
+                             else 5, args.device, getattr(torch, args.dtype))))
         return
-    print(f"# N={args.N} H={args.H} V={args.V} float32, {torch.get_num_threads()} threads, "
+    print(f"# N={args.N} H={args.H} V={args.V} {args.dtype} on {args.device}, "
+          f"{torch.get_num_threads()} threads, "
           f"torch {torch.__version__}; median of {args.rounds} rounds, each provider in a fresh "
           f"process; peak = RSS growth beyond the inputs")
     print("| k | provider | time (s) | × plain | peak (MiB) |")
@@ -119,7 +142,8 @@ def main():
         for _ in range(args.rounds):
             for p in res:
                 out = subprocess.run([sys.executable, __file__, "--one", p, "--N", str(args.N),
-                                      "--H", str(args.H), "--V", str(args.V), "--k", str(k)],
+                                      "--H", str(args.H), "--V", str(args.V), "--k", str(k),
+                                      "--device", args.device, "--dtype", args.dtype],
                                      capture_output=True, text=True, check=True)
                 res[p].append(json.loads(out.stdout.strip().splitlines()[-1]))
         plain = statistics.median(r["time"] for r in res["plain"]) if "plain" in res else None

@@ -26,5 +26,8 @@ timeout 75 python benchmarks/bench_long_context.py --logits-dtype float32 --S 32
     --providers gbc_f32,eager_f32 --out "$out/long_context_f32.csv" 2>&1 \
     | grep -v USDT | tee "$out/long_context_f32.log"
 timeout 150 python benchmarks/bench_gpu.py --N "$nlist" --out "$out/gpu.csv" 2>&1 | tail -30
+# the sampler's support (issue 60): the replayed step against the plain one and SkyRL's routes
+timeout 150 python benchmarks/bench_support.py --device cuda --dtype bfloat16 --N 8192 \
+    --H 3584 --V 151936 --ks 20,512 --rounds 1 2>&1 | tee "$out/support.log"
 timeout 60 python benchmarks/profile_gpu.py --shape qwen2.5-7b --N 8192 --chunk-mb default,256 \
     2>&1 | tee "$out/profile_qwen.log"
