@@ -413,8 +413,8 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
     (docs/kernels.md, "Precision").
 
     ``support_ids``: None, or the sampler's kept ids ``targets.shape + (k,)`` (``-1``
-    padded): ``logp``, ``entropy`` and ``sum_p2`` over each token's support (docs/math.md,
-    "The sampler's support"). With ``certainty``: not yet, refused by name.
+    padded): ``logp``, ``entropy``, ``sum_p2`` and the certainty over each token's support
+    (docs/math.md, "The sampler's support": J normalised by ``log |S|``, 1 where ``|S| = 1``).
     """
     V.check_backend(backend)
     logits_dtype = V.check_logits_dtype(logits_dtype)
@@ -434,22 +434,25 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
     h2 = hidden.detach().reshape(-1, hidden.shape[-1])
     b = None if bias is None else bias.detach()
     be = get_backend(backend, hidden.device, hidden.dtype)
+    size = None
     if support_ids is not None:
-        if certainty is not None:
-            raise ValueError("support_ids: the certainty over the support (critical-token KL, "
-                             "docs/math.md §16) is not yet computed; refused rather than taken "
-                             "over the whole vocabulary (certainty=None runs)")
         be, safe, _ = _support(support_ids, safe.view(targets.shape), vocab, vp=sl, backend=be,
                                kept_mass=False)
+        size = (safe[:, 2:] >= 0).sum(1)          # |S| of each row, the target included
     logp, entropy, _, extra, sum_p2 = stats_sweep(
         h2, weight.detach(), b, safe, be,
         temp, True, None if certainty is None else float(certainty_temperature),
         None if logit_softcap is None else float(logit_softcap), sl, want_sum_p2=True,
         logits_dtype=logits_dtype)
     cert = None
-    if certainty is not None:
+    if certainty is not None and size is None:
         cert = certainty_from_stats(certainty, extra["entropy"], extra["zmax"], extra["lse"],
                                     vocab).view(targets.shape)
+    elif certainty is not None:    # over the support: normalised by log |S|, 1 where |S| = 1
+        log_s = torch.log(size.clamp(min=2).float())
+        j = (1.0 - extra["entropy"] / log_s if certainty == "entropy"
+             else 1.0 + (extra["zmax"] - extra["lse"]) / log_s)
+        cert = torch.where(size > 1, j, 1.0).view(targets.shape)
     shape = targets.shape
     return TokenStats(logp.view(shape), entropy.view(shape), cert, sum_p2.view(shape))
 

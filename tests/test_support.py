@@ -173,8 +173,20 @@ def test_token_stats_over_the_support(backend):
                                             support_ids=ids)
     for got, exp in zip((st.logp, st.entropy, st.sum_p2), (lp, ent, p2)):
         assert err(got, exp) < 1e-6
-    with pytest.raises(ValueError, match="^support_ids: the certainty over the support"):
-        gbc.token_stats(b["hidden"], b["weight"], y, certainty="entropy", support_ids=ids)
+    # the certainty over the support (critical-token KL): J normalised by log |S|, 1 at |S| = 1
+    for kind in ("entropy", "max_prob"):
+        got = gbc.token_stats(b["hidden"], b["weight"], y, bias=b["bias"], temperature=0.8,
+                              certainty=kind, certainty_temperature=1.3, support_ids=ids,
+                              backend=backend)
+        want = ref.token_stats(*[as64(b)[k] for k in ("hidden", "weight")], y,
+                               bias=as64(b)["bias"], temperature=0.8, certainty=kind,
+                               certainty_temperature=1.3, support_ids=ids)
+        assert err(got.certainty, want.certainty) < 1e-6, kind
+        assert (got.certainty[:, 3::7] == 1).all()          # padding only: |S| = 1
+        assert ((got.certainty >= -1e-6) & (got.certainty <= 1 + 1e-6)).all()
+        whole = gbc.token_stats(b["hidden"], b["weight"], y, bias=b["bias"], certainty=kind,
+                                certainty_temperature=1.3, backend=backend).certainty
+        assert (whole - got.certainty).abs().max() > 1e-2
 
 
 def test_without_support_is_todays_path(backend):

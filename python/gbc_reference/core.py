@@ -248,28 +248,44 @@ class TokenStats(NamedTuple):
 @torch.no_grad()
 def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=None,
                 certainty_temperature=1.0, backend="auto", logit_softcap=None,
-                logits_dtype=None):
+                logits_dtype=None, support_ids=None):
     """Per-token logp and entropy at ``temperature``, and the certainty J of §5 at
     ``certainty_temperature``:
 
         J_entropy  = 1 - H(pi) / log V
         J_max_prob = 1 + log max_v pi(v) / log V
+
+    ``support_ids`` (§16): everything over each token's support ``S``, J normalised by
+    ``log |S|`` (1 where ``|S| = 1``).
     """
-    logprobs_all = torch.log_softmax(_logits(hidden, weight, bias, temperature, logit_softcap,
-                                             logits_dtype), dim=-1)
+    z = _logits(hidden, weight, bias, temperature, logit_softcap, logits_dtype)
+    members = None
+    if support_ids is not None:
+        members, _ = support_members(support_ids, targets, weight.shape[0])
+        logprobs_all = _over_support(z, members)
+        entropy = _entropy_on(logprobs_all, members)
+    else:
+        logprobs_all = torch.log_softmax(z, dim=-1)
+        entropy = _entropy(logprobs_all)
     logp = _gather(logprobs_all, targets)
-    entropy = _entropy(logprobs_all)
     cert = None
     if certainty is not None:
-        V = weight.shape[0]
-        lp_w = torch.log_softmax(_logits(hidden, weight, bias, certainty_temperature,
-                                         logit_softcap, logits_dtype), dim=-1)
+        z_w = _logits(hidden, weight, bias, certainty_temperature, logit_softcap, logits_dtype)
+        if members is None:
+            lp_w, h_w = torch.log_softmax(z_w, dim=-1), None
+            log_n = math.log(weight.shape[0])
+        else:
+            lp_w = _over_support(z_w, members)
+            h_w = _entropy_on(lp_w, members)
+            log_n = torch.log(members.sum(-1).clamp(min=2).to(z_w.dtype))
         if certainty == "entropy":
-            cert = 1.0 - _entropy(lp_w) / math.log(V)
+            cert = 1.0 - (_entropy(lp_w) if h_w is None else h_w) / log_n
         elif certainty == "max_prob":
-            cert = 1.0 + lp_w.max(dim=-1).values / math.log(V)
+            cert = 1.0 + lp_w.max(dim=-1).values / log_n
         else:
             raise ValueError(f"certainty: expected None, 'entropy' or 'max_prob', got {certainty!r}")
+        if members is not None:
+            cert = torch.where(members.sum(-1) > 1, cert, torch.ones_like(cert))
     sum_p2 = (logprobs_all.exp() ** 2).sum(-1)
     return TokenStats(logp.float(), entropy.float(), None if cert is None else cert.float(),
                       sum_p2.float())
