@@ -469,7 +469,8 @@ def unsplit_loss(model, roll, args, lib, token_out):
                                    old_logp=roll["old_logp"], ref_logp=roll["ref_logp"],
                                    entropy=token_out.get("entropy"),
                                    token_scale=roll["token_scale"],
-                                   kl_weight=roll["kl_weight"], config=cfg)
+                                   kl_weight=roll["kl_weight"], config=cfg,
+                                   is_ratio=roll.get("is_ratio"))
         return policy_loss(model, roll, args, None, lib, config=cfg)
 
 
