@@ -198,12 +198,9 @@ def build_args(argv=None):
         ap.error(f"--min-p: expected a float in [0, 1), got {args.min_p}")
     if args.tis_cap is not None and not args.tis_cap > 0:
         ap.error(f"--tis-cap: expected a float > 0, got {args.tis_cap}")
-    if args.support_replay:
-        for flag, on in (("--nthr", args.nthr),
-                         ("--critical-kl-exponent", args.critical_kl_exponent is not None)):
-            if on:
-                ap.error(f"--support-replay with {flag}: that method over the support is not "
-                         f"yet computed (docs/math.md, 'The sampler's support')")
+    if args.support_replay and args.nthr:
+        ap.error("--support-replay with --nthr: NTHR over the support is not yet computed "
+                 "(docs/math.md, 'The sampler's support')")
     return args
 
 
@@ -395,9 +392,13 @@ def rollout(model, ref_model, task, tok, args, rng):
                 else 0.0
     old_logp, is_ratio = old.old_logp, None
     if record:
-        old_logp, ref_logp, is_ratio = sampler_ratios(model, ref_model, seq, attn, targets, mask,
-                                                      support_ids, sampling_logp, old_logp,
-                                                      ref_logp, args, extra)
+        old_logp, ref_logp, is_ratio, sup_kl_weight = sampler_ratios(
+            model, ref_model, seq, attn, targets, mask, support_ids, sampling_logp, old_logp,
+            ref_logp, args, extra)
+        if sup_kl_weight is not None:
+            kl_weight = sup_kl_weight
+            extra["critical_kl_weight_mean"] = float(kl_weight[mask].mean()) if mask.any() \
+                else 0.0
     model.train()
     return dict(seq=seq, attn=attn, targets=targets, mask=mask, adv=adv,
                 old_logp=old_logp, ref_logp=ref_logp, token_scale=old.token_scale,
@@ -419,30 +420,35 @@ def sampler_ratios(model, ref_model, seq, attn, targets, mask, support_ids, samp
                    old_full, ref_full, args, extra):
     """The policy's log-probs against the sampler's, over the whole vocabulary and over the
     recorded support (both measured, logged as ``sampler_ratio_*``); with ``--support-replay``
-    the old-policy and reference log-probs over the support; with ``--tis-cap`` the truncated
-    importance weights."""
-    def over_support(m):
-        h = hf.completion_hidden(m, seq, attn)
-        head = hf.lm_head(m)
-        return gbc.fused_linear_logprobs(h, head.weight, targets, bias=head.bias,
-                                         temperature=args.temperature, backend=args.backend,
-                                         support_ids=torch.where(mask.unsqueeze(-1),
-                                                                 support_ids, -1))[0].detach()
+    the old-policy and reference log-probs (and critical-token KL's weights: the reference's
+    certainty over the support) over the support; with ``--tis-cap`` the truncated importance
+    weights. Returns ``(old_logp, ref_logp, is_ratio, kl_weight or None)``."""
+    ids = torch.where(mask.unsqueeze(-1), support_ids, -1)
 
-    old_sup = over_support(model)
+    def head_of(m):
+        return hf.completion_hidden(m, seq, attn), hf.lm_head(m)
+
+    h, head = head_of(model)
+    old_sup = gbc.fused_linear_logprobs(h, head.weight, targets, bias=head.bias,
+                                        temperature=args.temperature, backend=args.backend,
+                                        support_ids=ids)[0].detach()
     for name, lp in (("full", old_full), ("replay", old_sup)):
         for k, v in ratio_stats(lp - sampling_logp, mask).items():
             extra[f"sampler_ratio_{k}_{name}"] = v
-    old_logp, ref_logp = old_full, ref_full
+    old_logp, ref_logp, kl_weight = old_full, ref_full, None
     if args.support_replay:
         old_logp = old_sup
         if ref_full is not None:          # the reference over the same support (SkyRL's rule)
-            ref_logp = over_support(ref_model)
+            h, head = head_of(ref_model)
+            ref = methods.reference_stats(h, head.weight, targets, method_options(args),
+                                          head.bias, temperature=args.temperature,
+                                          backend=args.backend, support_ids=ids)
+            ref_logp, kl_weight = ref.ref_logp, ref.kl_weight
     is_ratio = None
     if args.tis_cap is not None:
         is_ratio = torch.where(mask, (old_logp - sampling_logp).exp().clamp(max=args.tis_cap),
                                1.0)
-    return old_logp, ref_logp, is_ratio
+    return old_logp, ref_logp, is_ratio, kl_weight
 
 
 def policy_loss(model, roll, args, phase, lib, config=None, **kw):

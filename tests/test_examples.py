@@ -355,12 +355,15 @@ def test_sampler_support_replay(tmp_path, loss):
     vocabulary (mean < 1, most tokens outside [0.9, 1.1]) and 1 within float32 noise over the
     recorded support; the update replays the support, with truncated importance sampling."""
     rows = run_trainer(tmp_path, "--task", "scratchpad", "--top-p", "0.7", "--support-replay",
-                       "--tis-cap", "3", "--kl-coef", "0.05", "--loss", loss)
+                       "--tis-cap", "3", "--kl-coef", "0.05", "--critical-kl-exponent", "2",
+                       "--loss", loss)
     for r in rows:
         assert r["sampler_ratio_mean_full"] < 0.95 and r["sampler_ratio_outside_full"] > 0.5
         assert abs(r["sampler_ratio_mean_replay"] - 1) < 1e-4
         assert r["sampler_ratio_outside_replay"] == 0.0
     assert rows[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)    # the update's own ratio
+    # critical-token KL's weights from the reference's certainty over the support (in (0, 1])
+    assert all(0 < r["critical_kl_weight_mean"] <= 1 for r in rows)
 
 
 @pytest.mark.parametrize("argv, named", [
