@@ -47,13 +47,16 @@ class HeadOutput(NamedTuple):
     """What the processor returns. ``loss``: 0-d float32 (None for :func:`logprobs`);
     ``metrics``: gbc's detached metrics (empty for :func:`logprobs`); ``logp``, ``entropy``,
     ``sum_p2``: float32 ``[B, S]``, 0 outside ``mask`` (``entropy``/``sum_p2`` None unless
-    asked)."""
+    asked). ``log_kept_mass``: ``LSE_S - LSE_V`` ``[B, S]`` (no gradient, 0 outside ``mask``)
+    with ``support_ids`` (:func:`policy_loss` always, :func:`logprobs` when asked), else
+    None."""
 
     loss: Optional[torch.Tensor]
     metrics: dict
     logp: torch.Tensor
     entropy: Optional[torch.Tensor]
     sum_p2: Optional[torch.Tensor]
+    log_kept_mass: Optional[torch.Tensor] = None
 
 
 @dataclasses.dataclass
@@ -260,15 +263,18 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
 
     logits_dtype: None (the config's) or ``torch.float32`` / ``"float32"``: each chunk's logits
     in float32 from the bf16 operands, on both routes (docs/kernels.md, "Precision").
+
+    support_ids (a loss argument): None, or the sampler's kept ids ``[B, S, k]``, batch-first
+    as ``labels``, ``-1`` padded (docs/math.md, "The sampler's support"): the log-probs,
+    entropy, ``sum_p2`` and gradients over each token's support, on both routes, with tensor,
+    sequence and context parallelism (under context parallelism each rank's rows carry their
+    own tokens' ids, as its labels); the metric ``support_forced_frac`` (the whole sequences'
+    under context parallelism) and ``log_kept_mass`` in the output.
     """
     for name in ("vocab_parallel", "token_out", "bias"):
         if name in loss_kwargs:
             raise ValueError(f"{name}: set by the megatron processor (from output_weight, "
                              f"output_bias and tp_group), got it as a loss argument")
-    if loss_kwargs.get("support_ids") is not None:
-        raise ValueError("support_ids: gbc_mcore does not yet take the sampler's support "
-                         "(megatron's [S, B] layout and its main_grad route); refused rather "
-                         "than scored over the whole vocabulary")
     for name, flag in (("return_entropy", return_entropy), ("return_sum_p2", return_sum_p2)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {flag!r}")
@@ -296,7 +302,7 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
             bias=output_bias, token_scale=token_scale, kl_weight=kl_weight, config=cfg,
             phase=phase, backend=backend, vocab_parallel=vp, token_out=tok, **loss_kwargs)
     return HeadOutput(loss, metrics, tok["logp"], tok.get("entropy") if return_entropy else None,
-                      tok["sum_p2"] if return_sum_p2 else None)
+                      tok["sum_p2"] if return_sum_p2 else None, tok.get("log_kept_mass"))
 
 
 def _loss_into_main_grad(hidden, weight, into, labels, mask, advantages, old_logp, ref_logp,
@@ -307,25 +313,41 @@ def _loss_into_main_grad(hidden, weight, into, labels, mask, advantages, old_log
     then the loss from them."""
     temp = loss_kwargs.pop("temperature", None)
     temp = cfg.temperature if temp is None else temp
+    support_ids = loss_kwargs.pop("support_ids", None)
     w = _IntoMainGrad.apply(weight)
     m = _check_mask(mask, hidden, labels)
     with methods.in_callers_words(names):
-        logp, entropy, sum_p2 = _rows_stats(hidden, w, bias, labels, m, temp, vp,
-                                            cfg.wants_entropy, True, backend, into,
-                                            cfg.logits_dtype)
+        logp, entropy, sum_p2, kept = _rows_stats(hidden, w, bias, labels, m, temp, vp,
+                                                  cfg.wants_entropy, True, backend, into,
+                                                  cfg.logits_dtype, support_ids, True)
         loss, metrics = gbc.policy_loss(logp, m, advantages, old_logp, ref_logp,
                                         entropy=entropy, token_scale=token_scale,
                                         kl_weight=kl_weight, config=cfg, phase=phase,
                                         sum_p2=sum_p2, temperature=temp, **loss_kwargs)
+    if support_ids is not None:
+        metrics = dict(metrics, support_forced_frac=_forced_frac(
+            support_ids, labels, m, loss_kwargs.get("sequence_parallel")))
     return HeadOutput(loss, metrics, logp.detach(),
                       entropy.detach() if return_entropy else None,
-                      sum_p2 if return_sum_p2 else None)
+                      sum_p2 if return_sum_p2 else None, kept)
+
+
+def _forced_frac(support_ids, labels, mask, sp):
+    """``support_forced_frac`` as the one-sweep loss gives it: the share of masked-in tokens
+    whose target is not among their ids (under context parallelism the whole sequences')."""
+    m = torch.ones_like(labels, dtype=torch.bool) if mask is None else mask
+    forced = ~(support_ids == labels.unsqueeze(-1)).any(-1) & m
+    counts = torch.stack([forced.sum(), m.sum()]).float()
+    if sp is not None:
+        dist.all_reduce(counts, group=None if isinstance(sp.group, str) else sp.group)
+    return counts[0] / counts[1].clamp(min=1)
 
 
 def logprobs(hidden_states, output_weight, labels, mask=None, *, temperature=1.0,
              output_bias=None, tp_group=None, sequence_parallel: bool = False,
              hidden_gathered: bool = False, return_entropy: bool = True,
-             return_sum_p2: bool = False, backend="auto", logits_dtype=None) -> HeadOutput:
+             return_sum_p2: bool = False, backend="auto", logits_dtype=None,
+             support_ids=None, return_log_kept_mass: bool = False) -> HeadOutput:
     """Per-token log-probs (and entropy, ``sum_p2``) on megatron-core's output layer, for the
     log-prob passes (old policy, reference) and verl's ``compute_log_prob``.
 
@@ -335,18 +357,24 @@ def logprobs(hidden_states, output_weight, labels, mask=None, *, temperature=1.0
     the logits of those rows); ``sum_p2`` has no gradient. Returns :class:`HeadOutput` with
     ``loss=None``. logits_dtype: None or ``torch.float32`` / ``"float32"`` (the mode of the
     loss these log-probs feed: docs/kernels.md, "Precision").
+
+    support_ids: None, or the sampler's kept ids ``[B, S, k]`` (``-1`` padded; docs/math.md,
+    "The sampler's support"): everything over each token's support (the target always a
+    member); ``return_log_kept_mass=True`` fills ``log_kept_mass`` ``[B, S]``.
     """
-    for name, flag in (("return_entropy", return_entropy), ("return_sum_p2", return_sum_p2)):
+    for name, flag in (("return_entropy", return_entropy), ("return_sum_p2", return_sum_p2),
+                       ("return_log_kept_mass", return_log_kept_mass)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {flag!r}")
     hidden, vp = _head(hidden_states, output_weight, output_bias, labels, tp_group,
                        sequence_parallel, hidden_gathered)
     mask = _check_mask(mask, hidden, labels)
     with methods.in_callers_words(_NAMES):
-        logp, entropy, sum_p2 = _rows_stats(hidden, output_weight, output_bias, labels, mask,
-                                            temperature, vp, return_entropy, return_sum_p2,
-                                            backend, logits_dtype=logits_dtype)
-    return HeadOutput(None, {}, logp, entropy, sum_p2)
+        logp, entropy, sum_p2, kept = _rows_stats(
+            hidden, output_weight, output_bias, labels, mask, temperature, vp, return_entropy,
+            return_sum_p2, backend, logits_dtype=logits_dtype, support_ids=support_ids,
+            want_kept=return_log_kept_mass)
+    return HeadOutput(None, {}, logp, entropy, sum_p2, kept)
 
 
 def output_processor(*, hidden_states, output_layer, labels, output_weight=None, context=None,
@@ -451,22 +479,29 @@ def use_in_verl_fused_forward(sequence_parallel: bool):
 def reference_stats(hidden_states, output_weight, labels, options, mask=None, *,
                     temperature=1.0, output_bias=None, tp_group=None,
                     sequence_parallel: bool = False, hidden_gathered: bool = False,
-                    backend="auto"):
+                    backend="auto", support_ids=None):
     """The reference pass of critical-token KL (docs/math.md §5) on megatron-core's output
     layer: :func:`gbc_kernels.methods.reference_stats` over the vocab-parallel path, no grad.
     Same inputs as :func:`logprobs`; ``options``: a :class:`gbc_kernels.methods.MethodOptions`
     (its ``critical_kl_*``). Returns ``methods.ReferenceStats`` with ``ref_logp``,
     ``kl_weight`` and ``certainty`` ``[B, S]`` (0 outside ``mask``; the last two None when
     ``critical_kl_exponent`` is None). The certainty's ``log V`` is over megatron's padded
-    vocabulary (its padded rows are real logits)."""
+    vocabulary (its padded rows are real logits). support_ids: None, or the sampler's kept
+    ids ``[B, S, k]``: the reference over each token's support (SkyRL's replay), the certainty
+    normalised by ``log |S|`` (docs/math.md, "The sampler's support")."""
     hidden, vp = _head(hidden_states, output_weight, output_bias, labels, tp_group,
                        sequence_parallel, hidden_gathered)
     mask = _check_mask(mask, hidden, labels)
+
+    def stats(flat, y, temp, ids=None):
+        extra = {} if ids is None else {"support_ids": ids}
+        return methods.reference_stats(flat.detach(), output_weight, y, options, output_bias,
+                                       temperature=temp, backend=backend, vocab_parallel=vp,
+                                       **extra)
+
     with methods.in_callers_words(_NAMES):
-        st = _select(hidden, labels, mask, temperature, _vocab(output_weight, vp),
-                     lambda flat, y, temp: methods.reference_stats(
-                         flat.detach(), output_weight, y, options, output_bias,
-                         temperature=temp, backend=backend, vocab_parallel=vp))
+        st = _select(hidden, labels, mask, temperature, _vocab(output_weight, vp), stats,
+                     support_ids)
     return methods.ReferenceStats(*st)
 
 
@@ -480,17 +515,24 @@ def _check_mask(mask, hidden, labels):
 
 
 def _rows_stats(hidden, weight, bias, labels, mask, temperature, vp, want_entropy, want_sum_p2,
-                backend, weight_grad_into=None, logits_dtype=None):
-    """``(logp, entropy, sum_p2)`` ``[B, S]`` of the rows in ``mask`` (every row when None)."""
-    def stats(flat, y, temp):
+                backend, weight_grad_into=None, logits_dtype=None, support_ids=None,
+                want_kept=False):
+    """``(logp, entropy, sum_p2, log_kept_mass)`` ``[B, S]`` of the rows in ``mask`` (every row
+    when None); ``log_kept_mass`` None unless ``support_ids`` and ``want_kept``."""
+    want_kept = want_kept and support_ids is not None
+
+    def stats(flat, y, temp, ids=None):
+        extra = {} if ids is None else {"support_ids": ids,
+                                        "return_log_kept_mass": want_kept}
         out = gbc.fused_linear_logprobs(flat, weight, y, bias=bias, temperature=temp,
                                         return_entropy=want_entropy, backend=backend,
                                         vocab_parallel=vp, return_sum_p2=want_sum_p2,
                                         weight_grad_into=weight_grad_into,
-                                        logits_dtype=logits_dtype)
-        return out[0], out[1], out[2] if want_sum_p2 else None
+                                        logits_dtype=logits_dtype, **extra)
+        return (out[0], out[1], out[2] if want_sum_p2 else None,
+                out[-1].detach() if want_kept else None)
 
-    return _select(hidden, labels, mask, temperature, _vocab(weight, vp), stats)
+    return _select(hidden, labels, mask, temperature, _vocab(weight, vp), stats, support_ids)
 
 
 def _vocab(weight, vp):
@@ -500,15 +542,21 @@ def _vocab(weight, vp):
     return dist.get_world_size(vp.group) * (vp.end - vp.start)
 
 
-def _select(hidden, labels, mask, temperature, vocab, stats):
+def _select(hidden, labels, mask, temperature, vocab, stats, support_ids=None):
     """``stats(rows [N, H], labels [N], temperature)`` on the rows in ``mask`` (every row when
     None), selected in megatron's ``[S, B]`` order (no copy of the whole hidden states); its
     per-row outputs back as ``[B, S]`` (0 outside ``mask``; None stays None). A failed value
     check of the selected labels or temperatures is raised from the same check on the caller's
-    ``[B, S]`` tensor (``vocab``: V), whose indices are the caller's."""
+    ``[B, S]`` tensor (``vocab``: V), whose indices are the caller's. ``support_ids``
+    ``[B, S, k]`` (or None): its rows travel with their labels, as ``stats``' fourth argument
+    ``[N, k]``."""
     S, B, H = hidden.shape
     flat = hidden.reshape(S * B, H)
     y = labels.t().reshape(S * B)
+    ids = None
+    if support_ids is not None:
+        _check_support_layout(support_ids, labels)
+        ids = support_ids.transpose(0, 1).reshape(S * B, support_ids.shape[-1])
     temp = temperature
     if isinstance(temperature, torch.Tensor):
         t = temperature.to(labels.device)
@@ -524,6 +572,8 @@ def _select(hidden, labels, mask, temperature, vocab, stats):
         flat, y = flat.index_select(0, idx), y.index_select(0, idx)
         if isinstance(temp, torch.Tensor):
             temp = temp.index_select(0, idx)
+        if ids is not None:
+            ids = ids.index_select(0, idx)
 
     def back(v):
         if v is None:
@@ -542,7 +592,30 @@ def _select(hidden, labels, mask, temperature, vocab, stats):
     if isinstance(temperature, torch.Tensor):
         recheck["temperature"] = lambda: methods.check_temperatures(
             "temperature", temperature_bs(), rows)
-    with methods.in_callers_words({"targets": "labels", "temperature": "temperature"},
-                                  recheck):
-        out = stats(flat, y, temp)
+    if ids is not None:
+        from gbc_kernels.support import check_support_ids
+
+        recheck["support_ids"] = lambda: check_support_ids(support_ids, labels, vocab, rows)
+    with methods.in_callers_words({"targets": "labels", "temperature": "temperature",
+                                   "support_ids": "support_ids"}, recheck):
+        out = stats(flat, y, temp) if ids is None else stats(flat, y, temp, ids)
     return tuple(back(v) for v in out)
+
+
+def _check_support_layout(support_ids, labels):
+    """``support_ids``: an integer tensor ``[B, S, k]`` (``labels.shape + (k,)``) on the labels'
+    device; its values are checked where the selected rows are scored."""
+    if not isinstance(support_ids, torch.Tensor):
+        raise TypeError(f"support_ids: expected None or an integer tensor of shape "
+                        f"{list(labels.shape)} + [k], got {type(support_ids).__name__}")
+    if (support_ids.dim() != 3 or support_ids.shape[:2] != labels.shape
+            or support_ids.shape[2] < 1):
+        raise ValueError(f"support_ids: expected shape {list(labels.shape)} + [k] with k >= 1 "
+                         f"([B, S, k], batch-first as labels; -1 padded), got "
+                         f"{list(support_ids.shape)}")
+    if support_ids.dtype.is_floating_point or support_ids.dtype.is_complex \
+            or support_ids.dtype == torch.bool:
+        raise TypeError(f"support_ids: expected an integer tensor, got {support_ids.dtype}")
+    if support_ids.device != labels.device:
+        raise ValueError(f"support_ids: expected a tensor on {labels.device}, got "
+                         f"{support_ids.device}")
