@@ -12,6 +12,7 @@ import torch
 
 from . import _chunking
 from . import _validate as V
+from . import support as _S
 from .config import resolve_logits_dtype
 from ._fused import stats_sweep
 from .backends import get_backend
@@ -38,10 +39,18 @@ class NTHRResult(NamedTuple):
         }
 
 
-def _error_chunks(h_all, tok, w_v, b_v, lse, col, inv_temp, rows, softcap=None):
+def _error_chunks(h_all, tok, w_v, b_v, lse, col, inv_temp, rows, softcap=None,
+                  members=None, vstar=None, from_logp=False):
     """Yield (start, end, h, e) over the tokens ``tok`` a chunk at a time: the chunk's hidden
     states (float32, gathered here: no [n, H] copy) and the restricted error
-    e = onehot_{V*}(y) - q (float32, [rows, |V*|])."""
+    e = onehot_{V*}(y) - q (float32, [rows, |V*|]).
+
+    ``members`` ``[n, K]`` (the tokens' supports, -1 padded) with ``vstar`` (sorted): e is 0
+    on the ids of ``V*`` off each token's support, and ``LSE_S`` is formed here from the
+    chunk's own restricted logits, so that a support inside ``V*`` is normalised exactly
+    (k = 1: q_y = 1, e = 0): ``from_logp``: ``lse`` holds ``logp_S``, ``LSE_S = l_y - logp_S``;
+    else ``lse`` holds the LSE of the members outside ``V*`` (-inf: none), joined to that of
+    those inside."""
     n = tok.numel()
     for s in range(0, n, rows):
         e_ = min(n, s + rows)
@@ -51,9 +60,59 @@ def _error_chunks(h_all, tok, w_v, b_v, lse, col, inv_temp, rows, softcap=None):
             z += b_v
         if softcap is not None:
             z = z.div_(softcap).tanh_().mul_(softcap)
-        err = torch.exp(z.mul_(inv_temp).sub_(lse[s:e_].unsqueeze(1))).neg_()
+        if members is None:
+            err = torch.exp(z.mul_(inv_temp).sub_(lse[s:e_].unsqueeze(1))).neg_()
+        else:
+            l = z.mul_(inv_temp)
+            on = _on_support(members[s:e_], vstar)
+            if from_logp:
+                lse_s = l[torch.arange(e_ - s, device=h.device), col[s:e_]] - lse[s:e_]
+            else:
+                lse_s = torch.logaddexp(torch.logsumexp(l.masked_fill(~on, float("-inf")), 1),
+                                        lse[s:e_])
+            err = torch.exp(l.sub_(lse_s.unsqueeze(1)).masked_fill_(~on, float("-inf"))).neg_()
         err[torch.arange(e_ - s, device=h.device), col[s:e_]] += 1.0
         yield s, e_, h, err
+
+
+def _on_support(members, vstar):
+    """``[rows, |V*|]`` bool: which ids of ``vstar`` (sorted) each row's ``members``
+    (``[rows, K]``, -1 padded) hold."""
+    nv = vstar.numel()
+    at = torch.searchsorted(vstar, members.clamp(min=0)).clamp_(max=nv - 1)
+    hit = (vstar[at] == members) & (members >= 0)
+    on = torch.zeros(members.shape[0], nv + 1, device=members.device, dtype=torch.bool)
+    return on.scatter_(1, torch.where(hit, at, nv), True)[:, :nv]
+
+
+def _support_lse(h_all, tok, members, weight, bias, temperature, logit_softcap, vstar):
+    """The LSE of the tokens ``tok`` over the members of their supports (``members``
+    ``[n, K]``, -1 padded) outside ``vstar`` (-inf where none): each token's member logits
+    from its hidden state and the gathered weight rows (float32 products of the operands'
+    values; O(K H) a token, a chunk of tokens at a time, never the [n, V] logits).
+    :func:`_error_chunks` joins the members inside ``vstar`` from its restricted logits."""
+    device = h_all.device
+    n, K = members.shape
+    H = h_all.shape[1]
+    rows = max(1, _chunking.budget_bytes(device) // (12 * K * (H + 4)))
+    lse = torch.empty(n, device=device, dtype=torch.float32)
+    for s in range(0, n, rows):
+        e = min(n, s + rows)
+        c = members[s:e]
+        flat = c.clamp(min=0).reshape(-1)
+        w = weight.index_select(0, flat).float().view(e - s, K, H)
+        h = h_all.index_select(0, tok[s:e]).float()
+        z = torch.bmm(w, h.unsqueeze(2)).squeeze(2)
+        del w
+        if bias is not None:
+            z += bias.index_select(0, flat).float().view(e - s, K)
+        if logit_softcap is not None:
+            z = z.div_(logit_softcap).tanh_().mul_(logit_softcap)
+        inside = (vstar[torch.searchsorted(vstar, c.clamp(min=0)).clamp_(max=vstar.numel() - 1)]
+                  == c)
+        z = z.mul_(1.0 / temperature).masked_fill_((c < 0) | inside, float("-inf"))
+        lse[s:e] = torch.logsumexp(z, 1)
+    return lse
 
 
 @torch.no_grad()
@@ -80,7 +139,7 @@ def check_whole_groups(group_ids: torch.Tensor, process_group) -> None:
 def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, temperature=1.0,
                beta=1.0, eta="auto", backend="auto", logp=None,
                vocab_parallel=None, data_parallel_group=None,
-               logit_softcap=None, logits_dtype=None) -> NTHRResult:
+               logit_softcap=None, logits_dtype=None, support_ids=None) -> NTHRResult:
     """Per-token advantage scale of NTHR (docs/math.md §4), from the old policy's hidden states.
 
     hidden: [B, T, H]; weight: [V, H]; targets, mask: [B, T]; group_ids: [B] integer (groups
@@ -92,6 +151,14 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
     makes NTHR cost only its restricted matmuls.
     ``vocab_parallel``: ``weight``/``bias`` are this rank's slice (docs/math.md §9); the result
     is the same on every rank.
+    ``support_ids``: None (the whole vocabulary), or the sampler's kept ids of each token,
+    ``[B, T, k]`` integer, ``-1`` padded, order free, duplicates counting once, the target
+    always a member (docs/math.md, "The sampler's support"): the error vector is
+    ``onehot(y) - q`` on the ids of ``V*`` in S and 0 on those off S, with
+    ``q_v = exp(l_v - LSE_S)`` and ``LSE_S`` over each token's support. ``logp`` then must be the log-probs over the same
+    support (``LSE_S = z[y] / T - logp``); without it ``LSE_S`` comes from the members' own
+    logits (gathered weight rows, float32 products, O(k H) a token). Under ``vocab_parallel``
+    too (the support's log-probs from the split vocabulary's sweep when ``logp`` is not given).
     ``logit_softcap``: final-logit soft-capping ``c`` (the restricted logits and the LSE are
     those of ``c tanh(x / c)``).
     ``logits_dtype``: None or ``torch.float32`` / ``"float32"``: the mode of the LSE pass when
@@ -132,11 +199,18 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
         sl = _vp.check(vocab_parallel, weight, bias, device)
         if logp is not None:
             V.check_tensor("logp", logp, shape=(B, T), floating=True, device=device)
-        return _nthr_vocab_parallel(hidden, weight, bias, V.check_targets(targets, sl.vocab, m),
+        safe = V.check_targets(targets, sl.vocab, m)
+        ids = None if support_ids is None else _S.check_support_ids(support_ids, targets,
+                                                                     sl.vocab, m)
+        return _nthr_vocab_parallel(hidden, weight, bias, safe,
                                     m, group_ids, correct, temperature, beta, eta, backend, logp,
-                                    sl, logit_softcap, logits_dtype)
+                                    sl, logit_softcap, logits_dtype, ids)
     dp = _DataParallel.of(data_parallel_group)
     safe = V.check_targets(targets, weight.shape[0], m).reshape(-1)
+    members = None
+    if support_ids is not None:
+        ids = _S.check_support_ids(support_ids, targets, weight.shape[0], m)
+        members = _S.members(ids.reshape(B * T, -1), safe)[0]
     correct = correct.bool()
     if logp is not None:
         V.check_tensor("logp", logp, shape=(B, T), floating=True, device=device)
@@ -176,32 +250,40 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
     for gi, g in enumerate(order):
         tok, vstar = tok_of[g], vstars[g]
         y = safe[tok]
+        mem = None if members is None else members.index_select(0, tok)
         col = torch.searchsorted(vstar, y)
         w_v = weight.index_select(0, vstar).float()
         b_v = None if bias is None else bias.index_select(0, vstar).float()
         if tok.numel() == 0:        # none of the group on this rank: it joins the collectives
             lse = torch.zeros(0, device=device, dtype=torch.float32)
+        elif mem is not None:       # the support's: LSE_S is formed in _error_chunks
+            lse = (logp.reshape(-1)[tok].float() if logp is not None else
+                   _support_lse(h_all, tok, mem, weight, bias, temperature, logit_softcap, vstar))
         elif logp is not None:
             lse = _lse_from_logp(h_all, tok, y, weight, bias, logp, temperature, logit_softcap)
         else:
             lse = stats_sweep(h_all.index_select(0, tok), weight, bias, y, be, temperature,
                               False, softcap=logit_softcap, logits_dtype=logits_dtype)[2]
         # chunk: [rows, |V*|] logits/error and [rows, H] temporaries within a quarter budget
-        rows = max(1, _chunking.budget_bytes(device) // (16 * (2 * vstar.numel() + 2 * H)))
+        rows = max(1, _chunking.budget_bytes(device) // (16 * (2 * vstar.numel() + 2 * H)
+                                                          + (0 if mem is None else
+                                                             vstar.numel() + 32 * mem.shape[1])))
         row_of = tok // T
         pos = correct[row_of]
         # pass 1, correct tokens only: M+ = sum e (x) h (summed over the ranks)
         m_plus = torch.zeros(vstar.numel(), H, device=device, dtype=torch.float32)
         pidx = pos.nonzero().squeeze(1)
         for s, e, hc, err in _error_chunks(h_all, tok[pidx], w_v, b_v, lse[pidx], col[pidx],
-                                           inv_temp, rows, logit_softcap):
+                                           inv_temp, rows, logit_softcap,
+                                           None if mem is None else mem[pidx], vstar,
+                                           logp is not None):
             m_plus.addmm_(err.t(), hc)
         if dp is not None:
             dp.all_reduce(m_plus)
         # pass 2, every token: s = e^T M+ h
         s_tok = torch.empty(tok.numel(), device=device, dtype=torch.float32)
         for s, e, hc, err in _error_chunks(h_all, tok, w_v, b_v, lse, col, inv_temp, rows,
-                                           logit_softcap):
+                                           logit_softcap, mem, vstar, logp is not None):
             s_tok[s:e] = (err @ m_plus).mul_(hc).sum(-1)
         scores[tok] = s_tok
         # anchor: mean score per correct response (a response sits on one rank), the least
@@ -291,19 +373,26 @@ class _DataParallel:
 
 
 def _nthr_vocab_parallel(hidden, weight, bias, safe_targets, mask, group_ids, correct, temperature,
-                         beta, eta, backend, logp, sl, logit_softcap=None, logits_dtype=None):
-    """NTHR over a split vocabulary: the log-probs over the whole vocabulary (the shared chunk
-    loop in vocab-parallel mode, or ``logp``), and the rows of the lm_head its restricted
-    matmuls need — the ids that occur in the masked targets — assembled on every rank; then the
-    one-device computation on those rows."""
+                         beta, eta, backend, logp, sl, logit_softcap=None, logits_dtype=None,
+                         support_ids=None):
+    """NTHR over a split vocabulary: the log-probs over the whole vocabulary or each token's
+    support (the shared chunk loop in vocab-parallel mode, or ``logp``), and the rows of the
+    lm_head its restricted matmuls need — the ids that occur in the masked targets — assembled
+    on every rank; then the one-device computation on those rows (``support_ids``, checked:
+    mapped onto those rows, the members outside them dropped: their logits are in ``logp``)."""
     from .vocab_parallel import gather_rows
 
     B, T, _ = hidden.shape
     if logp is None:
         h2 = hidden.detach().reshape(B * T, -1)
+        be = get_backend(backend, hidden.device, hidden.dtype)
+        flat = safe_targets.reshape(-1)
+        if support_ids is not None:
+            cols = _S.members(support_ids.reshape(B * T, -1), flat)[0]
+            be = _S.SupportBackend(be, B * T, hidden.device, kept_mass=False, vp=sl)
+            flat = _S.flat_targets(flat, cols)
         logp = stats_sweep(h2, weight.detach(), None if bias is None else bias.detach(),
-                           safe_targets.reshape(-1),
-                           get_backend(backend, hidden.device, hidden.dtype), float(temperature),
+                           flat, be, float(temperature),
                            False, softcap=logit_softcap, vp=sl,
                            logits_dtype=logits_dtype)[0].view(B, T)
     used = torch.unique(safe_targets[mask])            # sorted; the same on every rank
@@ -313,6 +402,13 @@ def _nthr_vocab_parallel(hidden, weight, bias, safe_targets, mask, group_ids, co
         b = None if bias is None else bias.new_zeros(1)
     compact = torch.searchsorted(used, safe_targets).clamp(max=max(used.numel() - 1, 0))
     compact = torch.where(mask, compact, torch.zeros_like(compact))
+    compact_ids = None
+    if support_ids is not None:
+        compact_ids = torch.full_like(support_ids, -1)
+        if used.numel() > 0:
+            at = torch.searchsorted(used, support_ids.clamp(min=0)).clamp_(max=used.numel() - 1)
+            compact_ids = torch.where((used[at] == support_ids) & (support_ids >= 0), at, -1)
     return nthr_scale(hidden, rows, compact, mask, group_ids, correct, bias=b,
                       temperature=temperature, beta=beta, eta=eta, backend=backend, logp=logp,
-                      logit_softcap=logit_softcap, logits_dtype=logits_dtype)
+                      logit_softcap=logit_softcap, logits_dtype=logits_dtype,
+                      support_ids=compact_ids)

@@ -831,7 +831,7 @@ class NTHRResult(NamedTuple):
 @torch.no_grad()
 def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, temperature=1.0,
                beta=1.0, eta="auto", backend="auto", logp=None, logit_softcap=None,
-               logits_dtype=None):
+               logits_dtype=None, support_ids=None):
     """§4 Negative Token Hidden Reward, with the full logits.
 
     For every group with both correct and incorrect responses:
@@ -843,6 +843,8 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
       incorrect tokens with s > tau get scale eta_g (2|0.5 - p| for eta="auto").
 
     ``logp`` (a shortcut of the fast path for the LSE) is accepted and ignored here.
+    ``support_ids`` (§16): softmax(z) over each token's support S instead, so
+    e = onehot(y) - q on S and 0 off S (restricted to V*).
     """
     B, T, H = hidden.shape
     dt = torch.float64 if _float32_mode(logits_dtype, hidden) else _compute_dtype(hidden)
@@ -851,8 +853,14 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
     selected = torch.zeros(B, T, dtype=torch.bool)
     scores = torch.zeros(B, T, dtype=torch.float32)
     thresholds = {}
-    probs = torch.softmax(_logits(hidden, weight, bias, temperature, logit_softcap,
-                                  logits_dtype), dim=-1)                       # [B, T, V]
+    z = _logits(hidden, weight, bias, temperature, logit_softcap, logits_dtype)   # [B, T, V]
+    if support_ids is None:
+        probs = torch.softmax(z, dim=-1)
+    else:
+        safe_targets = torch.where(m, targets, torch.zeros_like(targets))
+        safe_ids = torch.where(m.unsqueeze(-1), support_ids, torch.full_like(support_ids, -1))
+        members, _ = support_members(safe_ids, safe_targets, weight.shape[0])
+        probs = _over_support(z, members).exp()                   # 0 off the support
     correct = correct.bool()
     for g in torch.unique(group_ids).tolist():
         rows = (group_ids == g).nonzero().flatten().tolist()
