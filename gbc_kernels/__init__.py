@@ -17,6 +17,7 @@ from . import methods
 from .methods import MethodOptions
 from .vocab_parallel import VocabParallel
 from .sequence_parallel import SequenceParallel
+from .truncation import SamplerTruncation
 
 __version__ = "0.1.0"
 
@@ -26,5 +27,5 @@ __all__ = [
     "token_stats", "advantage_reweight", "critical_kl_weight", "group_advantages",
     "lopti_split", "NTHRResult", "nthr_scale", "lopti_phases", "lopti_grad_share_low",
     "FusedLinearPolicyLoss", "methods", "MethodOptions", "value_checks_enabled",
-    "VocabParallel", "SequenceParallel",
+    "VocabParallel", "SequenceParallel", "SamplerTruncation",
 ]

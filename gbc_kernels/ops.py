@@ -124,7 +124,7 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
                              vocab_parallel=None, is_ratio=None, sampling_logp=None,
                              data_parallel_group=None, num_seqs_in_batch=None,
                              temperature=None, token_out=None, sequence_parallel=None,
-                             logits_dtype=None, support_ids=None):
+                             logits_dtype=None, support_ids=None, sampler_truncation=None):
     """GRPO policy loss (docs/math.md §1-§3, §6, §10, §12) from hidden states, without the
     logits.
 
@@ -176,6 +176,10 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     gradient). Under ``vocab_parallel`` the members may lie on any rank (the support's
     statistics join the per-chunk all_gather); under ``sequence_parallel``
     ``support_forced_frac`` is the whole sequences', the same on every rank.
+    ``sampler_truncation``: None, or ``SamplerTruncation(top_k, top_p, min_p)``: the support
+    rebuilt in the row pass from each row's own logits at the call's temperature by the
+    sampler's rule (docs/math.md, "The sampler's kept set, recomputed"); the same outputs as
+    ``support_ids``. Not together with ``support_ids``.
 
     ``logits_dtype``: None (the config's ``logits_dtype``), ``torch.float32`` / ``"float32"``
     (the chunks' logits in float32 from the bf16/fp16 operands) or ``"input"`` (in the
@@ -212,9 +216,10 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     safe_targets = V.check_targets(targets, vocab, m, checks=checks)
     be = get_backend(backend, device, hidden.dtype)
     flat_targets, forced = safe_targets.reshape(-1), None
-    if support_ids is not None:
+    if support_ids is not None or sampler_truncation is not None:
         be, flat_targets, forced = _support(support_ids, safe_targets, vocab, m, checks, sl, be,
-                                            kept_mass=token_out is not None)
+                                            kept_mass=token_out is not None,
+                                            truncation=sampler_truncation)
     inp = LossInputs(flat_targets, m, adv, old_logp, ref_logp, token_scale,
                      kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase, norms,
                      be, is_ratio, sampling_logp,
@@ -222,6 +227,8 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
                      sp=sp)
     loss = FusedPolicyLossFunction.apply(hidden.reshape(B * T, H), weight, bias, inp)
     metrics = inp.metrics
+    if sampler_truncation is not None:
+        forced = be.forced
     if forced is not None:
         counts = torch.stack([(forced & m.reshape(-1)).sum(), m.sum()]).float()
         if sp is not None:                        # the whole sequences' share, on every rank
@@ -238,12 +245,26 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
 
 
 def _support(support_ids, targets, vocab, mask=None, checks=None, vp=None, backend=None,
-             kept_mass=True):
+             kept_mass=True, truncation=None):
     """``(backend, flat targets, forced)`` of a call with ``support_ids``
     (:mod:`gbc_kernels.support`): the backend wrapped to score each row over its support, the
-    ``[N, 2 + K]`` rows it reads, and ``forced`` ``[N]`` (the target missing from its ids)."""
+    ``[N, 2 + K]`` rows it reads, and ``forced`` ``[N]`` (the target missing from its ids).
+    With ``truncation`` (:mod:`gbc_kernels.truncation`) the support is rebuilt in the row pass:
+    ``[N, 2]`` rows, and ``forced`` None (the backend's ``forced`` once the sweep has run)."""
     from . import support as _S
 
+    if truncation is not None:
+        from . import truncation as _T
+
+        if support_ids is not None:
+            raise ValueError("sampler_truncation: pass either support_ids (the kept ids the "
+                             "engine recorded) or sampler_truncation (rebuild them from the "
+                             "sampling settings), not both")
+        tr = _T.check(truncation, vp)
+        y = targets.reshape(-1)
+        pos = torch.arange(y.shape[0], device=y.device).unsqueeze(1)
+        return (_T.TruncationBackend(backend, y.shape[0], y.device, tr, kept_mass, vp),
+                torch.cat([y.long().unsqueeze(1), pos], 1), None)
     ids = _S.check_support_ids(support_ids, targets, vocab, mask, checks)
     y = targets.reshape(-1)
     cols, forced = _S.members(ids.reshape(y.shape[0], -1), y)
@@ -316,7 +337,8 @@ def _resolve_sp(sequence_parallel, cfg, B, device, checks):
 def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
                           return_entropy=False, backend="auto", vocab_parallel=None,
                           logit_softcap=None, return_sum_p2=False, weight_grad_into=None,
-                          logits_dtype=None, support_ids=None, return_log_kept_mass=False):
+                          logits_dtype=None, support_ids=None, return_log_kept_mass=False,
+                          sampler_truncation=None):
     """Per-token ``log_softmax(z)[targets]`` (and the entropy of ``softmax(z)``) without logits.
     ``z = (hidden @ weight.T + bias) / temperature``; with ``logit_softcap = c`` (Gemma-2/3),
     ``z = c tanh((hidden @ weight.T + bias) / c) / temperature``.
@@ -343,6 +365,10 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     log-probs, entropy, ``sum_p2`` and gradients over each token's support, the target always
     a member (docs/math.md, "The sampler's support"). ``return_log_kept_mass=True``: a last
     output, ``LSE_S - LSE_V`` per token (no gradient; 0 without ``support_ids``).
+    ``sampler_truncation``: None, or ``SamplerTruncation(top_k, top_p, min_p)``: the support
+    rebuilt from each row's own logits at ``temperature`` by the sampler's rule (docs/math.md,
+    "The sampler's kept set, recomputed"), as ``support_ids`` otherwise. Not with
+    ``support_ids``.
     """
     V.check_backend(backend)
     logits_dtype = V.check_logits_dtype(logits_dtype)
@@ -363,9 +389,9 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     safe = V.check_targets(targets, vocab).reshape(-1)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     be = get_backend(backend, hidden.device, hidden.dtype)
-    if support_ids is not None:
+    if support_ids is not None or sampler_truncation is not None:
         be, safe, _ = _support(support_ids, safe.view(targets.shape), vocab, vp=sl, backend=be,
-                               kept_mass=return_log_kept_mass)
+                               kept_mass=return_log_kept_mass, truncation=sampler_truncation)
     if weight_grad_into is not None:
         V.check_tensor("weight_grad_into", weight_grad_into, shape=tuple(weight.shape),
                        device=weight.device)
@@ -382,7 +408,8 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     if return_sum_p2:
         out += (sum_p2.view(targets.shape),)
     if return_log_kept_mass:
-        out += (be.log_kept_mass.view(targets.shape) if support_ids is not None
+        out += (be.log_kept_mass.view(targets.shape)
+                if support_ids is not None or sampler_truncation is not None
                 else torch.zeros(targets.shape, device=hidden.device),)
     return out
 
@@ -403,7 +430,8 @@ CERTAINTY_KINDS = (None, "entropy", "max_prob")
 
 def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=None,
                 certainty_temperature=1.0, backend="auto", vocab_parallel=None,
-                logit_softcap=None, logits_dtype=None, support_ids=None) -> TokenStats:
+                logit_softcap=None, logits_dtype=None, support_ids=None,
+                sampler_truncation=None) -> TokenStats:
     """No-grad per-token statistics, streaming over the vocabulary (docs/math.md §5, §7).
 
     certainty="entropy":  J = 1 - H(softmax(z_w)) / log V
@@ -415,6 +443,9 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
     ``support_ids``: None, or the sampler's kept ids ``targets.shape + (k,)`` (``-1``
     padded): ``logp``, ``entropy``, ``sum_p2`` and the certainty over each token's support
     (docs/math.md, "The sampler's support": J normalised by ``log |S|``, 1 where ``|S| = 1``).
+    ``sampler_truncation``: None, or ``SamplerTruncation(...)``: the support rebuilt at
+    ``temperature`` by the sampler's rule (the certainty over that support). Not with
+    ``support_ids``.
     """
     V.check_backend(backend)
     logits_dtype = V.check_logits_dtype(logits_dtype)
@@ -435,15 +466,17 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
     b = None if bias is None else bias.detach()
     be = get_backend(backend, hidden.device, hidden.dtype)
     size = None
-    if support_ids is not None:
+    if support_ids is not None or sampler_truncation is not None:
         be, safe, _ = _support(support_ids, safe.view(targets.shape), vocab, vp=sl, backend=be,
-                               kept_mass=False)
+                               kept_mass=False, truncation=sampler_truncation)
         size = (safe[:, 2:] >= 0).sum(1)          # |S| of each row, the target included
     logp, entropy, _, extra, sum_p2 = stats_sweep(
         h2, weight.detach(), b, safe, be,
         temp, True, None if certainty is None else float(certainty_temperature),
         None if logit_softcap is None else float(logit_softcap), sl, want_sum_p2=True,
         logits_dtype=logits_dtype)
+    if sampler_truncation is not None:
+        size = (be.cols >= 0).sum(1)
     cert = None
     if certainty is not None and size is None:
         cert = certainty_from_stats(certainty, extra["entropy"], extra["zmax"], extra["lse"],

@@ -23,6 +23,7 @@ from .core import (
     policy_loss,
     token_stats,
 )
+from .sampler import kept_set, truncation_support_ids
 
 __all__ = [
     "PolicyLossConfig",
@@ -38,4 +39,6 @@ __all__ = [
     "nthr_scale",
     "policy_loss",
     "token_stats",
+    "kept_set",
+    "truncation_support_ids",
 ]

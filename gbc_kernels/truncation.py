@@ -1,0 +1,315 @@
+"""The sampler's support recomputed from the sampling settings (SPEC §16 "Recompute";
+docs/math.md, "The sampler's kept set, recomputed").
+
+When the rollout engine records no kept ids, ``sampler_truncation=SamplerTruncation(top_k,
+top_p, min_p)`` builds each row's support ``S`` inside the row pass, from the chunk's logits at
+the call's temperature (the rollout temperature), in the order and tie rule of the sampler the
+trainer pairs with:
+
+* ``rule="vllm"`` (vLLM 0.24–0.31's sampler): min-p (keep ``p ≥ min_p · p_max``), then top-k,
+  then top-p on the distribution renormalised over what min-p and top-k kept; a token is kept
+  iff the mass ranked before it is ``< top_p`` (the token crossing ``top_p`` is kept).
+* ``rule="sglang"`` (SGLang 0.5's joint filter): min-p, top-k and top-p each on the full
+  temperature-scaled distribution (top-p not renormalised after top-k; kept iff the mass
+  before it is ``≤ top_p``), the intersection kept.
+
+The rank order is (logit descending, token id ascending). ``ties="first"``: top-k keeps exactly
+``k`` tokens, the lowest ids among those tied with the k-th (vLLM's Triton sampler, SGLang);
+``ties="all"``: every token tied with the k-th is kept (vLLM's PyTorch sampler). Ties inside the
+top-p cut are resolved by the rank order in both.
+
+Cost: top-k by selection (``torch.topk`` on the chunk, a fix-up only for rows tied at the
+boundary), top-p under a top-k bound on the ``k`` candidates, top-p without a bound by a
+two-read histogram select (the mass of 4096 log-probability bins, then an exact order of the
+one bin the cut falls in) — never a sort of the whole row. Under vocab parallelism each shard's
+top candidates are merged (one all_gather a chunk); top-p without a top-k bound is refused
+there, naming ``top_p``.
+
+The backend stores each row's members (``[n, K]`` ids, the target forced in) from the row pass
+for the gradient pass, and ``forced`` (the target was outside ``S``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .backends.base import Backend, Workspace
+from .support import SupportBackend, members, _col
+
+TIES = ("first", "all")
+RULES = ("vllm", "sglang")
+_BINS, _RANGE = 4096, 64.0          # histogram select: bins over [0, 64) nats below the row max
+_BLOCK = 1 << 22                    # elements of a row block's float32 temporaries
+
+
+@dataclass(frozen=True)
+class SamplerTruncation:
+    """The rollout sampler's truncation, to rebuild its kept set (module docstring).
+
+    ``top_k``: None (no bound) or an int ``>= 1``. ``top_p``: in ``(0, 1]`` (1: off).
+    ``min_p``: in ``[0, 1)`` (0: off). ``ties``: ``"first"`` or ``"all"``. ``rule``:
+    ``"vllm"`` or ``"sglang"``. At least one of the three filters must be on.
+    """
+
+    top_k: Optional[int] = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+    ties: str = "first"
+    rule: str = "vllm"
+
+    def __post_init__(self):
+        k = self.top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"top_k: expected None (no bound) or an int >= 1, got {k!r} "
+                             f"(a trainer's -1 / 0 for 'off' is None here)")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+            raise ValueError(f"top_p: expected a float in (0, 1], got {p!r}")
+        mp = self.min_p
+        if isinstance(mp, bool) or not isinstance(mp, (int, float)) or not 0.0 <= mp < 1.0:
+            raise ValueError(f"min_p: expected a float in [0, 1), got {mp!r}")
+        if self.ties not in TIES:
+            raise ValueError(f"ties: expected one of {TIES}, got {self.ties!r}")
+        if self.rule not in RULES:
+            raise ValueError(f"rule: expected one of {RULES}, got {self.rule!r}")
+        if k is None and p >= 1.0 and mp <= 0.0:
+            raise ValueError("sampler_truncation: top_k None, top_p 1 and min_p 0 truncate "
+                             "nothing (the support is the whole vocabulary); pass "
+                             "sampler_truncation=None")
+
+
+def check(tr, vp=None) -> SamplerTruncation:
+    """``sampler_truncation`` checked (a :class:`SamplerTruncation`); under vocab parallelism
+    top-p without a top-k bound is refused."""
+    if not isinstance(tr, SamplerTruncation):
+        raise TypeError(f"sampler_truncation: expected None or gbc_kernels.SamplerTruncation("
+                        f"top_k, top_p, min_p), got {type(tr).__name__}")
+    if vp is not None and tr.top_k is None and tr.top_p < 1.0:
+        raise ValueError("top_p: top_p < 1 without a top_k bound is not supported under "
+                         "vocab_parallel (the cut needs every shard's order); set top_k too "
+                         "(SamplerTruncation(top_k=..., top_p=...)) or run without "
+                         "vocab_parallel")
+    return tr
+
+
+def _ranked(v: torch.Tensor, i: torch.Tensor):
+    """Candidates ``(values, ids)`` ``[r, K]`` (invalid: ``-inf`` / ``-1``) in rank order:
+    value descending, id ascending."""
+    big = torch.iinfo(i.dtype).max
+    o = torch.where(i >= 0, i, big).argsort(1)
+    v, i = v.gather(1, o), i.gather(1, o)
+    o = torch.argsort(v, dim=1, descending=True, stable=True)
+    return v.gather(1, o), i.gather(1, o)
+
+
+def _mask_ids(keep: torch.Tensor):
+    """``(values-free) ids`` ``[r, C]`` of a ``[r, V]`` mask, ``-1`` padded."""
+    c = int(keep.sum(1).max()) if keep.numel() else 0
+    if c == 0:
+        return torch.full((keep.shape[0], 1), -1, dtype=torch.long, device=keep.device)
+    v, i = keep.to(torch.uint8).topk(c, 1)
+    return torch.where(v > 0, i, -1)
+
+
+def _local_top_k(lm: torch.Tensor, k: int, ties: str):
+    """This block's top-``k`` candidates ``(values, ids)`` of ``lm`` (``-inf``: removed), in
+    rank order; ``ties="all"``: every token tied with the k-th too."""
+    r, V = lm.shape
+    kq = min(k, V)
+    if ties == "all":
+        v, i = lm.topk(kq, 1)
+        kth = v[:, -1:]
+        c = int((lm >= kth).sum(1).max())
+        if c > kq:
+            v, i = lm.topk(c, 1)
+            i = torch.where(v >= kth, i, -1)
+            v = torch.where(i >= 0, v, float("-inf"))
+    else:
+        v, i = lm.topk(min(kq + 1, V), 1)
+        if kq < V:
+            kth, nxt = v[:, kq - 1], v[:, kq]
+            v, i = v[:, :kq].clone(), i[:, :kq].clone()
+            tie = (nxt == kth) & torch.isfinite(kth)
+            if bool(tie.any()):          # the k-th value continues past k: lowest ids first
+                rows = tie.nonzero().squeeze(1)
+                sub, t = lm.index_select(0, rows), kth.index_select(0, rows).unsqueeze(1)
+                gt, eq = sub > t, sub == t
+                need = kq - gt.sum(1, keepdim=True)
+                keep = gt | (eq & (eq.cumsum(1) <= need))
+                ids = keep.nonzero()[:, 1].view(-1, kq)
+                i[rows] = ids
+                v[rows] = sub.gather(1, ids)
+    i = torch.where(torch.isfinite(v), i, -1)
+    return _ranked(v, i)
+
+
+def _top_p_hist(lm: torch.Tensor, m: torch.Tensor, mass: torch.Tensor, strict: bool):
+    """Top-p without a top-k bound, exact, by a two-read histogram select: the kept mask
+    ``[r, V]`` of the tokens whose mass ranked before them (``e = exp(lm − m)``, rank order) is
+    ``< mass`` (``strict``) or ``≤ mass``; zero-mass tokens never kept."""
+    r, V = lm.shape
+    e = torch.exp(lm - m.unsqueeze(1))
+    b = ((m.unsqueeze(1) - lm) * (_BINS / _RANGE)).clamp_(max=_BINS - 1).long()
+    cum = torch.zeros(r, _BINS, device=lm.device, dtype=e.dtype).scatter_add_(1, b, e).cumsum_(1)
+    cut = mass.unsqueeze(1)
+    crossed = cum >= cut if strict else cum > cut
+    bstar = (~crossed).sum(1, keepdim=True).clamp_(max=_BINS - 1)     # the bin the cut is in
+    above = torch.where(bstar > 0, cum.gather(1, (bstar - 1).clamp(min=0)), 0.0)
+    keep = (b < bstar) & (e > 0)
+    inb = (b == bstar) & (e > 0)
+    c = int(inb.sum(1).max())
+    if c:
+        v, i = torch.where(inb, lm, float("-inf")).topk(c, 1)
+        v, i = _ranked(v, torch.where(torch.isfinite(v), i, -1))
+        ev = torch.exp(v - m.unsqueeze(1))
+        before = above + ev.cumsum(1) - ev
+        k2 = ((before < cut) if strict else (before <= cut)) & (ev > 0) & (i >= 0)
+        spare = torch.zeros(r, V + 1, dtype=torch.bool, device=lm.device)   # -1 -> column V
+        keep |= spare.scatter_(1, torch.where(i >= 0, i, V), k2)[:, :V]
+    return keep
+
+
+_LOCAL = object()          # "no vocab parallelism" (a group of None is the default group)
+
+
+def _reduce(t, op, group):
+    if group is not _LOCAL:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _merge(v, i, group):
+    """Every rank's candidates ``[r, K]`` merged (one all_gather, padded to the widest)."""
+    w = torch.tensor([v.shape[1]], device=v.device)
+    _reduce(w, dist.ReduceOp.MAX, group)
+    pad = int(w) - v.shape[1]
+    if pad:
+        v = torch.cat([v, v.new_full((v.shape[0], pad), float("-inf"))], 1)
+        i = torch.cat([i, i.new_full((i.shape[0], pad), -1)], 1)
+    both = torch.cat([v.to(torch.float64), i.to(torch.float64)], 1)
+    every = [torch.empty_like(both) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, both, group=group)
+    K = v.shape[1]
+    v = torch.cat([e[:, :K] for e in every], 1).to(v.dtype)
+    i = torch.cat([e[:, K:] for e in every], 1).long()
+    return _ranked(v, i)
+
+
+def kept_ids(l: torch.Tensor, tr: SamplerTruncation, offset: int = 0, group=_LOCAL):
+    """The kept ids (global: ``offset`` + local) of each row of ``l`` ``[r, V]`` (the
+    temperature-scaled logits of this rank's slice), ``-1`` padded. Under vocab parallelism
+    (``group``: its process group, None the default one) the ids of every shard with a top-k
+    bound; of this shard only without one."""
+    ninf = float("-inf")
+    m = _reduce(l.amax(1), dist.ReduceOp.MAX, group)
+    lm = l
+    if tr.min_p > 0.0:
+        lm = l.masked_fill(l < (m + math.log(tr.min_p)).unsqueeze(1), ninf)
+    full = None
+    if tr.rule == "sglang" and tr.top_p < 1.0:     # top-p on the full distribution
+        full = _reduce(torch.exp(l - m.unsqueeze(1)).sum(1), dist.ReduceOp.SUM, group)
+    if tr.top_k is None and tr.top_p >= 1.0:       # min-p alone: this shard's kept tokens
+        ids = _mask_ids(lm > ninf)
+        return torch.where(ids >= 0, ids + offset, -1)
+    if tr.top_k is None:                           # top-p without a bound (one device)
+        e_mass = full if full is not None else torch.exp(lm - m.unsqueeze(1)).sum(1)
+        keep = _top_p_hist(lm, m, tr.top_p * e_mass, strict=tr.rule == "vllm")
+        if tr.rule == "sglang" and tr.min_p > 0.0:
+            keep &= lm > ninf
+        return _mask_ids(keep)
+    v, i = _local_top_k(lm, tr.top_k, tr.ties)
+    i = torch.where(i >= 0, i + offset, -1)
+    if group is not _LOCAL:
+        v, i = _merge(v, i, group)
+        if tr.ties == "first":
+            v, i = v[:, :tr.top_k], i[:, :tr.top_k]
+        else:
+            kth = v[:, min(tr.top_k, v.shape[1]) - 1:min(tr.top_k, v.shape[1])]
+            i = torch.where(v >= kth, i, -1)
+            v = torch.where(i >= 0, v, ninf)
+    if tr.top_p < 1.0:
+        ev = torch.where(i >= 0, torch.exp(v - m.unsqueeze(1)), 0.0)
+        mass = tr.top_p * (full if full is not None else ev.sum(1))
+        before = ev.cumsum(1) - ev
+        keep = (before < mass.unsqueeze(1)) if tr.rule == "vllm" \
+            else (before <= mass.unsqueeze(1))
+        i = torch.where(keep & (ev > 0), i, -1)
+    return i
+
+
+class TruncationBackend(SupportBackend):
+    """:class:`~gbc_kernels.support.SupportBackend` whose members come from the sampler's
+    rule over the row's own logits (module docstring). The chunk loop hands it ``[rows, 2]``
+    targets (the target, the row's flat position); ``cols`` ``[n, K]`` and ``forced`` ``[n]``
+    keep what the row pass found for the gradient pass and the metric."""
+
+    def __init__(self, inner: Backend, n: int, device, tr: SamplerTruncation,
+                 kept_mass: bool = True, vp=None):
+        super().__init__(inner, n, device, kept_mass, vp)
+        self.tr = tr
+        self.cols = torch.full((n, 1), -1, dtype=torch.long, device=device)
+        self.forced = torch.zeros(n, dtype=torch.bool, device=device)
+        self._last = None       # the chunk last recomputed: a second statistic of the same
+        #                         rows (another temperature) keeps its support
+
+    def _store(self, pos, cols):
+        if cols.shape[1] > self.cols.shape[1]:
+            self.cols = torch.cat([self.cols, self.cols.new_full(
+                (self.cols.shape[0], cols.shape[1] - self.cols.shape[1]), -1)], 1)
+        if cols.shape[1] < self.cols.shape[1]:
+            cols = torch.cat([cols, cols.new_full(
+                (cols.shape[0], self.cols.shape[1] - cols.shape[1]), -1)], 1)
+        self.cols.index_copy_(0, pos, cols)
+
+    def _recompute(self, logits, targets, inv_temp):
+        """The chunk's ``[rows, 2 + K]`` targets: its members from the sampler's rule."""
+        y, pos = targets[:, 0], targets[:, 1]
+        group, offset = _LOCAL, 0
+        if self.vp is not None:
+            group, offset = self.vp.group, self.vp.start
+        rows, V = logits.shape
+        width = self.vp.width if self.vp is not None else V
+        step = max(1, _BLOCK // max(1, width))
+        parts = []
+        for s in range(0, rows, step):           # bounded float32 temporaries (same on ranks)
+            e = min(rows, s + step)
+            it = inv_temp[s:e] if isinstance(inv_temp, torch.Tensor) else inv_temp
+            ct = torch.promote_types(logits.dtype, torch.float32)
+            l = logits[s:e].to(ct) * _col(it)
+            parts.append(kept_ids(l, self.tr, offset, group))
+        w = max(p.shape[1] for p in parts)
+        ids = torch.cat([torch.cat([p, p.new_full((p.shape[0], w - p.shape[1]), -1)], 1)
+                         for p in parts])
+        if self.vp is not None and self.tr.top_k is None:
+            # min-p alone: each shard knows only its own members; the target's membership
+            # comes from its owner (one all_reduce)
+            mine = (ids == y.unsqueeze(1)).any(1)
+            has = ((y >= self.vp.start) & (y < self.vp.end))
+            forced = (has & ~mine).to(torch.int32)
+            forced = _reduce(forced, dist.ReduceOp.MAX, group).bool()
+            cols, _ = members(ids, y)
+        else:
+            cols, forced = members(ids, y)
+        self._store(pos, cols)
+        self.forced.index_copy_(0, pos, forced)
+        return torch.cat([targets[:, :2], cols], 1)
+
+    def _stored(self, targets):
+        return torch.cat([targets[:, :2], self.cols.index_select(0, targets[:, 1])], 1)
+
+    def row_stats(self, logits, targets, inv_temp, want_entropy, want_sum_p2, ws: Workspace):
+        key = (targets.data_ptr(), targets.shape[0])
+        full = (self._stored(targets) if key == self._last
+                else self._recompute(logits, targets, inv_temp))
+        self._last = key
+        return super().row_stats(logits, full, inv_temp, want_entropy, want_sum_p2, ws)
+
+    def logit_grad_(self, logits, targets, inv_temp, lse, entropy, g_logp, g_entropy,
+                    ws: Workspace, softcap=None):
+        return super().logit_grad_(logits, self._stored(targets), inv_temp, lse, entropy, g_logp, g_entropy, ws,
+                                   softcap)
