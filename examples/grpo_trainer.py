@@ -198,9 +198,6 @@ def build_args(argv=None):
         ap.error(f"--min-p: expected a float in [0, 1), got {args.min_p}")
     if args.tis_cap is not None and not args.tis_cap > 0:
         ap.error(f"--tis-cap: expected a float > 0, got {args.tis_cap}")
-    if args.support_replay and args.nthr:
-        ap.error("--support-replay with --nthr: NTHR over the support is not yet computed "
-                 "(docs/math.md, 'The sampler's support')")
     return args
 
 
@@ -376,12 +373,13 @@ def rollout(model, ref_model, task, tok, args, rng):
         sampling_logp[:, Lp - 1:] = lp
     model.eval()
     opts = method_options(args)
+    # --support-replay: NTHR over the recorded support, from sampler_ratios' pass
+    replay_nthr = opts.nthr and args.support_replay
     old = hf.old_policy_pass(model, seq, attn, targets, mask, group_ids, advantages=adv,
-                             temperature=args.temperature, nthr=opts.nthr,
+                             temperature=args.temperature, nthr=opts.nthr and not replay_nthr,
                              nthr_beta=opts.nthr_beta, nthr_eta=opts.nthr_eta,
                              backend=args.backend, logits_dtype=opts.logits_dtype)
-    extra = {} if old.nthr is None else \
-        {k: float(v) for k, v in methods.nthr_metrics(old.nthr, adv, mask).items()}
+    nthr, token_scale, extra = old.nthr, old.token_scale, {}
     ref_logp = kl_weight = None
     if args.kl_coef != 0.0:
         ref = hf.reference_pass(ref_model, seq, attn, targets, temperature=args.temperature,
@@ -392,16 +390,20 @@ def rollout(model, ref_model, task, tok, args, rng):
                 else 0.0
     old_logp, is_ratio = old.old_logp, None
     if record:
-        old_logp, ref_logp, is_ratio, sup_kl_weight = sampler_ratios(
+        old_logp, ref_logp, is_ratio, sup_kl_weight, sup_nthr = sampler_ratios(
             model, ref_model, seq, attn, targets, mask, support_ids, sampling_logp, old_logp,
-            ref_logp, args, extra)
+            ref_logp, args, extra, (group_ids, adv) if replay_nthr else None)
+        if sup_nthr is not None:
+            nthr, token_scale = sup_nthr, sup_nthr.scale
         if sup_kl_weight is not None:
             kl_weight = sup_kl_weight
             extra["critical_kl_weight_mean"] = float(kl_weight[mask].mean()) if mask.any() \
                 else 0.0
+    if nthr is not None:
+        extra.update({k: float(v) for k, v in methods.nthr_metrics(nthr, adv, mask).items()})
     model.train()
     return dict(seq=seq, attn=attn, targets=targets, mask=mask, adv=adv,
-                old_logp=old_logp, ref_logp=ref_logp, token_scale=old.token_scale,
+                old_logp=old_logp, ref_logp=ref_logp, token_scale=token_scale,
                 kl_weight=kl_weight, rewards=rewards, correct=correct, extra=extra,
                 support_ids=support_ids if args.support_replay else None, is_ratio=is_ratio)
 
@@ -417,12 +419,14 @@ def ratio_stats(log_ratio, mask) -> dict:
 
 
 def sampler_ratios(model, ref_model, seq, attn, targets, mask, support_ids, sampling_logp,
-                   old_full, ref_full, args, extra):
+                   old_full, ref_full, args, extra, nthr_groups=None):
     """The policy's log-probs against the sampler's, over the whole vocabulary and over the
     recorded support (both measured, logged as ``sampler_ratio_*``); with ``--support-replay``
     the old-policy and reference log-probs (and critical-token KL's weights: the reference's
-    certainty over the support) over the support; with ``--tis-cap`` the truncated importance
-    weights. Returns ``(old_logp, ref_logp, is_ratio, kl_weight or None)``."""
+    certainty over the support) over the support, and with ``nthr_groups`` (``(group_ids,
+    advantages)``) NTHR's scales over the support (its LSE from the support's old log-probs);
+    with ``--tis-cap`` the truncated importance weights. Returns ``(old_logp, ref_logp,
+    is_ratio, kl_weight or None, NTHR's result or None)``."""
     ids = torch.where(mask.unsqueeze(-1), support_ids, -1)
 
     def head_of(m):
@@ -435,9 +439,14 @@ def sampler_ratios(model, ref_model, seq, attn, targets, mask, support_ids, samp
     for name, lp in (("full", old_full), ("replay", old_sup)):
         for k, v in ratio_stats(lp - sampling_logp, mask).items():
             extra[f"sampler_ratio_{k}_{name}"] = v
-    old_logp, ref_logp, kl_weight = old_full, ref_full, None
+    old_logp, ref_logp, kl_weight, nthr = old_full, ref_full, None, None
     if args.support_replay:
         old_logp = old_sup
+        if nthr_groups is not None:
+            nthr = methods.nthr_token_scale(h, head.weight, targets, mask, *nthr_groups,
+                                            method_options(args), head.bias,
+                                            temperature=args.temperature, logp=old_sup,
+                                            backend=args.backend, support_ids=ids)
         if ref_full is not None:          # the reference over the same support (SkyRL's rule)
             h, head = head_of(ref_model)
             ref = methods.reference_stats(h, head.weight, targets, method_options(args),
@@ -448,7 +457,7 @@ def sampler_ratios(model, ref_model, seq, attn, targets, mask, support_ids, samp
     if args.tis_cap is not None:
         is_ratio = torch.where(mask, (old_logp - sampling_logp).exp().clamp(max=args.tis_cap),
                                1.0)
-    return old_logp, ref_logp, is_ratio, kl_weight
+    return old_logp, ref_logp, is_ratio, kl_weight, nthr
 
 
 def policy_loss(model, roll, args, phase, lib, config=None, **kw):

@@ -353,10 +353,11 @@ def test_sampler_support_replay(tmp_path, loss):
     """Top-p sampling recorded by the trainer's own sampler (issue 60): the policy's ratio
     against the sampler's processed log-probs is off by the kept mass over the whole
     vocabulary (mean < 1, most tokens outside [0.9, 1.1]) and 1 within float32 noise over the
-    recorded support; the update replays the support, with truncated importance sampling."""
+    recorded support; the update replays the support, with truncated importance sampling, and
+    NTHR's scales over the support."""
     rows = run_trainer(tmp_path, "--task", "scratchpad", "--top-p", "0.7", "--support-replay",
                        "--tis-cap", "3", "--kl-coef", "0.05", "--critical-kl-exponent", "2",
-                       "--loss", loss)
+                       "--nthr", "--loss", loss)
     for r in rows:
         assert r["sampler_ratio_mean_full"] < 0.95 and r["sampler_ratio_outside_full"] > 0.5
         assert abs(r["sampler_ratio_mean_replay"] - 1) < 1e-4
@@ -364,6 +365,7 @@ def test_sampler_support_replay(tmp_path, loss):
     assert rows[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)    # the update's own ratio
     # critical-token KL's weights from the reference's certainty over the support (in (0, 1])
     assert all(0 < r["critical_kl_weight_mean"] <= 1 for r in rows)
+    assert all(0 <= r["nthr_selected_frac"] <= 1 and r["nthr_eta_mean"] <= 1 for r in rows)
 
 
 @pytest.mark.parametrize("argv, named", [
@@ -371,7 +373,6 @@ def test_sampler_support_replay(tmp_path, loss):
     (["--top-p", "0"], "--top-p: expected a float in (0, 1]"),
     (["--min-p", "1"], "--min-p: expected a float in [0, 1)"),
     (["--tis-cap", "0"], "--tis-cap: expected a float > 0"),
-    (["--support-replay", "--nthr"], "--support-replay with --nthr"),
     (["--paper-mix", "--longest-only"], "--paper-mix and --longest-only"),
     (["--task", "add", "--final-carry"], "--final-carry needs --task scratchpad"),
     (["--parity", "--paper-mix"], "--paper-mix needs --task scratchpad"),
@@ -432,3 +433,42 @@ def test_lopti_logged_loss_is_the_batchs(loss):
     for k in ("kl", "entropy", "clip_frac_low", "clip_frac_high"):
         assert metrics[k] == pytest.approx(float(want_m[k]), rel=1e-5, abs=1e-6), k
     assert "grad_share_low" in metrics
+
+
+def test_support_replay_nthr_is_over_the_support():
+    """``--support-replay --nthr``: the trainer's NTHR scales are the float64 reference's over
+    the recorded support (issue 60), not the whole vocabulary's."""
+    import gbc_reference
+    import grpo_trainer as gt
+
+    torch.manual_seed(5)
+    V, B, S, k = 20, 8, 10, 4
+    model = gt.tiny_qwen2(V, seed=0, layers=1).float()
+    seq = torch.randint(3, V, (B, S))
+    attn = torch.ones(B, S, dtype=torch.long)
+    targets, mask = seq[:, 1:], torch.zeros(B, S - 1, dtype=torch.bool)
+    mask[:, 4:] = True
+    mask[1, 7:] = False
+    ids = torch.randint(0, V, (B, S - 1, k))
+    ids[..., 0] = torch.where(torch.rand(B, S - 1) < 0.8, targets, ids[..., 0])
+    ids[..., -1] = -1
+    group_ids = torch.arange(2).repeat_interleave(4)
+    adv = torch.tensor([1.0, -1.0, -1.0, 1.0, -1.0, 1.0, -1.0, -1.0])
+    args = gt.build_args(["--task", "add", "--support-replay", "--nthr", "--nthr-beta", "0",
+                          "--temperature", "0.9"])
+    with torch.no_grad():
+        out = gt.sampler_ratios(model, model, seq, attn, targets, mask, ids,
+                                torch.zeros(B, S - 1), torch.zeros(B, S - 1), None, args, {},
+                                (group_ids, adv))
+        m64 = __import__("copy").deepcopy(model).double()
+        h64 = gt.hf.completion_hidden(m64, seq, attn)
+        kw = dict(temperature=0.9, beta=0.0)
+        want = gbc_reference.nthr_scale(h64, m64.lm_head.weight, targets, mask, group_ids,
+                                        adv > 0, support_ids=ids, **kw)
+        full = gbc_reference.nthr_scale(h64, m64.lm_head.weight, targets, mask, group_ids,
+                                        adv > 0, **kw)
+    got = out[-1]
+    top = float(want.scores.abs().max())
+    assert float((got.scores - want.scores).abs().max()) <= 1e-4 * top
+    assert float((full.scores - want.scores).abs().max()) > 1e-2 * top
+    assert torch.equal(got.selected, want.selected) and want.selected.any()
