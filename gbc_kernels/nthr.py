@@ -155,10 +155,12 @@ def nthr_scale(hidden, weight, targets, mask, group_ids, correct, bias=None, tem
     ``[B, T, k]`` integer, ``-1`` padded, order free, duplicates counting once, the target
     always a member (docs/math.md, "The sampler's support"): the error vector is
     ``onehot(y) - q`` on the ids of ``V*`` in S and 0 on those off S, with
-    ``q_v = exp(l_v - LSE_S)`` and ``LSE_S`` over each token's support. ``logp`` then must be the log-probs over the same
-    support (``LSE_S = z[y] / T - logp``); without it ``LSE_S`` comes from the members' own
-    logits (gathered weight rows, float32 products, O(k H) a token). Under ``vocab_parallel``
-    too (the support's log-probs from the split vocabulary's sweep when ``logp`` is not given).
+    ``q_v = exp(l_v - LSE_S)`` and ``LSE_S`` over each token's support. ``logp`` then must be
+    the log-probs over the same support (``LSE_S = z[y] / T - logp``); without it ``LSE_S``
+    comes from the members' own logits (gathered weight rows, float32 products, O(k H) a
+    token; ``logits_dtype`` has no effect). Under ``vocab_parallel`` and
+    ``data_parallel_group`` too (vocab parallel without ``logp``: the support's log-probs from
+    the split vocabulary's sweep, in ``logits_dtype``'s mode).
     ``logit_softcap``: final-logit soft-capping ``c`` (the restricted logits and the LSE are
     those of ``c tanh(x / c)``).
     ``logits_dtype``: None or ``torch.float32`` / ``"float32"``: the mode of the LSE pass when
