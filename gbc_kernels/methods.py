@@ -32,6 +32,8 @@ from .ops import fused_linear_logprobs, token_stats
 from .transforms import critical_kl_weight
 
 LOPTI_ORDERS = {"low-first": ("low", "high"), "high-first": ("high", "low")}
+SUPPORT_MODES = ("replay", "kept_mass")
+SUPPORT_TIES = ("first", "all")
 CERTAINTIES = ("max_prob", "entropy")
 
 
@@ -103,6 +105,14 @@ class MethodOptions:
         CPU and the head's dtype on a GPU. The same mode in the loss and in every pass an
         adapter runs for it (old policy, reference, NTHR), so that the ratio of an unchanged
         policy is exactly 1.
+    support: None (off), ``"replay"`` or ``"kept_mass"``: the sampler's kept set rebuilt from
+        the trainer's sampling settings (:func:`sampler_truncation`; docs/math.md, "The
+        sampler's kept set, recomputed"). ``replay``: the policy, old and reference log-probs
+        over it; ``kept_mass``: the policy stays full-vocabulary and the trainer's sampler ratio
+        uses the sampler's log-probs moved by ``log_kept_mass``
+        (:func:`corrected_sampler_logp`).
+    support_ties: None (the trainer's default rule), ``"first"`` or ``"all"``: the top-k tie
+        rule of :class:`gbc_kernels.SamplerTruncation`.
     """
 
     ar_alpha: float = 0.0
@@ -116,9 +126,17 @@ class MethodOptions:
     critical_kl_certainty: str = "max_prob"
     critical_kl_temperature: float = 1.0
     logits_dtype: Optional[torch.dtype] = None
+    support: Optional[str] = None
+    support_ties: Optional[str] = None
 
     def __post_init__(self):
         object.__setattr__(self, "logits_dtype", _validate.check_logits_dtype(self.logits_dtype))
+        for name, allowed in (("support", SUPPORT_MODES), ("support_ties", SUPPORT_TIES)):
+            v = getattr(self, name)
+            if isinstance(v, str) and v.strip().lower() in ("", "none", "off"):
+                object.__setattr__(self, name, None)
+            elif v is not None and v not in allowed:
+                raise ValueError(f"{name}: expected one of {allowed} or None (off), got {v!r}")
         finite_number("ar_alpha", self.ar_alpha, 0.0, 1.0)
         if self.lopti_eta is not None:
             finite_number("lopti_eta", self.lopti_eta, 0.0, 1.0, lo_open=True)
@@ -139,10 +157,12 @@ class MethodOptions:
         finite_number("critical_kl_temperature", self.critical_kl_temperature, 0.0, lo_open=True)
 
     @classmethod
-    def from_kwargs(cls, names: Optional[dict] = None, **kw) -> "MethodOptions":
+    def from_kwargs(cls, names: Optional[dict] = None, support_ok: bool = False,
+                    **kw) -> "MethodOptions":
         """Options from a trainer's spelling: ``names`` maps this class's field to the
         trainer's option name (e.g. ``{"ar_alpha": "gbc_ar_alpha"}``), so that an error names
-        the option the user set. Unknown keys are refused."""
+        the option the user set. Unknown keys are refused. ``support_ok``: the adapter runs
+        ``support`` / ``support_ties`` (else they are refused by name when set)."""
         names = names or {}
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kw) - fields)
@@ -150,16 +170,30 @@ class MethodOptions:
             raise ValueError(f"{names.get(unknown[0], unknown[0])}: not a method option "
                              f"(expected one of {sorted(names.get(f, f) for f in fields)})")
         try:
-            return cls(**kw)
+            opts = cls(**kw)
         except ValueError as exc:
             raise in_trainer_words(exc, names) from None
+        if not support_ok:
+            opts.refuse_support(lambda f: names.get(f, f))
+        return opts
+
+    def refuse_support(self, name_of) -> None:
+        """Refuse ``support`` / ``support_ties`` (an adapter that does not rebuild the
+        sampler's kept set); ``name_of(field)``: the trainer's name of the option."""
+        for f in ("support", "support_ties"):
+            if getattr(self, f) is not None:
+                raise ValueError(f"{name_of(f)}={getattr(self, f)}: not run by this gbc "
+                                 f"adapter (the sampler's kept set is rebuilt inside TRL's, "
+                                 f"verl's, OpenRLHF's and AReaL's; docs/methods.md, \"The "
+                                 f"sampler's kept set\"); unset it")
 
     @classmethod
-    def parse(cls, text: Optional[str], source: str, **kw) -> "MethodOptions":
+    def parse(cls, text: Optional[str], source: str, support_ok: bool = False,
+              **kw) -> "MethodOptions":
         """``"ar_alpha=0.3,nthr=true"`` (the form a Ray environment variable ``source``
         carries) -> options, each value typed by its field (:data:`OPTION_KINDS`); an unknown,
         repeated, malformed or ill-typed option is refused naming ``source`` and the option.
-        ``kw``: fields set beside the text."""
+        ``kw``: fields set beside the text; ``support_ok``: as in :meth:`from_kwargs`."""
         fields = {f.name for f in dataclasses.fields(cls)}
         for name, value in parse_items(text, source).items():
             if name not in fields:
@@ -171,9 +205,12 @@ class MethodOptions:
             except ValueError:
                 raise ValueError(f"{source}: {name} expects {what}, got {value!r}") from None
         try:
-            return cls(**kw)
+            opts = cls(**kw)
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from None
+        if not support_ok:
+            opts.refuse_support(lambda f: f"{source}: {f}")
+        return opts
 
     @property
     def phases(self) -> tuple:
@@ -262,6 +299,59 @@ def parse_items(text: Optional[str], source: str) -> dict:
                              f"{name}={value}); give it once")
         out[name] = value
     return out
+
+
+# ------------------------------------------------------------ the sampler's kept set (§16)
+def sampler_truncation(options: MethodOptions, top_k=None, top_p=1.0, min_p=0.0, *,
+                       rule: str = "vllm", ties: str = "first", names: Optional[dict] = None):
+    """The :class:`gbc_kernels.SamplerTruncation` of a trainer's sampling settings when
+    ``options.support`` is on (None when it is off). ``top_k``: None, or an int where ``<= 0``
+    is the engines' "no bound" (vLLM's -1 and 0); ``top_p`` None: 1; ``min_p`` None: 0.
+    ``rule``: the trainer's sampler (``"vllm"`` / ``"sglang"``); ``ties``: the trainer's default
+    top-k tie rule (``options.support_ties`` overrides it). Settings that truncate nothing are
+    refused naming the support option (``names`` maps ``"support"`` to the trainer's
+    spelling): the sampler kept the whole vocabulary, there is nothing to correct."""
+    from .truncation import SamplerTruncation
+
+    if options.support is None:
+        return None
+    name = (names or {}).get("support", "support")
+    k = None if top_k is None or int(top_k) <= 0 else int(top_k)
+    p = 1.0 if top_p is None else float(top_p)
+    mp = 0.0 if min_p is None else float(min_p)
+    if k is None and p == 1.0 and mp == 0.0:
+        raise ValueError(f"{name}={options.support}: the rollout samples without truncation "
+                         f"(top_k {top_k!r}, top_p {top_p!r}, min_p {min_p!r}): the sampler "
+                         f"kept the whole vocabulary and there is nothing to correct; unset "
+                         f"{name} or sample with top_k / top_p / min_p")
+    try:
+        return SamplerTruncation(top_k=k, top_p=p, min_p=mp,
+                                 ties=options.support_ties or ties, rule=rule)
+    except ValueError as exc:
+        raise ValueError(f"{name}={options.support}: {exc}") from None
+
+
+def corrected_sampler_logp(sampling_logp: torch.Tensor, log_kept_mass: torch.Tensor,
+                           mode: Optional[str], normalised: bool = True) -> torch.Tensor:
+    """The rollout engine's log-probs as the sampler ratio of ``mode`` needs them (docs/math.md,
+    "The sampler's kept set, recomputed"). ``normalised``: the engine's log-probs are
+    normalised over the kept set (vLLM's ``processed_logprobs``) or not (SGLang: the full
+    vocabulary's). ``kept_mass`` with normalised log-probs: ``logp + log_kept_mass`` (the full
+    vocabulary's, as the policy's); ``replay`` with full-vocabulary ones: ``logp -
+    log_kept_mass`` (over the kept set, as the policy's); otherwise unchanged. ``kept_mass``
+    with full-vocabulary log-probs has nothing to correct and is refused."""
+    if mode is None:
+        return sampling_logp
+    if mode not in SUPPORT_MODES:
+        raise ValueError(f"support: expected one of {SUPPORT_MODES} or None, got {mode!r}")
+    if mode == "kept_mass" and not normalised:
+        raise ValueError("support=kept_mass: the rollout engine's log-probs are the full "
+                         "vocabulary's already (not normalised over the kept set): the ratio "
+                         "has no kept-mass bias to correct; use support=replay or unset it")
+    lk = log_kept_mass.to(sampling_logp.dtype)
+    if mode == "kept_mass":
+        return sampling_logp + lk
+    return sampling_logp if normalised else sampling_logp - lk
 
 
 # ------------------------------------------------------------------------------------ NTHR

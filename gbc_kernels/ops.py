@@ -423,6 +423,7 @@ class TokenStats(NamedTuple):
     entropy: torch.Tensor
     certainty: Optional[torch.Tensor]
     sum_p2: Optional[torch.Tensor] = None
+    log_kept_mass: Optional[torch.Tensor] = None    # LSE_S - LSE_V (return_log_kept_mass)
 
 
 CERTAINTY_KINDS = (None, "entropy", "max_prob")
@@ -431,7 +432,7 @@ CERTAINTY_KINDS = (None, "entropy", "max_prob")
 def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=None,
                 certainty_temperature=1.0, backend="auto", vocab_parallel=None,
                 logit_softcap=None, logits_dtype=None, support_ids=None,
-                sampler_truncation=None) -> TokenStats:
+                sampler_truncation=None, return_log_kept_mass=False) -> TokenStats:
     """No-grad per-token statistics, streaming over the vocabulary (docs/math.md §5, §7).
 
     certainty="entropy":  J = 1 - H(softmax(z_w)) / log V
@@ -445,8 +446,12 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
     (docs/math.md, "The sampler's support": J normalised by ``log |S|``, 1 where ``|S| = 1``).
     ``sampler_truncation``: None, or ``SamplerTruncation(...)``: the support rebuilt at
     ``temperature`` by the sampler's rule (the certainty over that support). Not with
-    ``support_ids``.
+    ``support_ids``. ``return_log_kept_mass=True``: ``TokenStats.log_kept_mass``,
+    ``LSE_S - LSE_V`` per token (0 without a support), from the same pass.
     """
+    if not isinstance(return_log_kept_mass, bool):
+        raise TypeError(f"return_log_kept_mass: expected a bool, got "
+                        f"{type(return_log_kept_mass).__name__} {return_log_kept_mass!r}")
     V.check_backend(backend)
     logits_dtype = V.check_logits_dtype(logits_dtype)
     _check_lm_head(hidden, weight, bias)
@@ -468,7 +473,7 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
     size = None
     if support_ids is not None or sampler_truncation is not None:
         be, safe, _ = _support(support_ids, safe.view(targets.shape), vocab, vp=sl, backend=be,
-                               kept_mass=False, truncation=sampler_truncation)
+                               kept_mass=return_log_kept_mass, truncation=sampler_truncation)
         size = (safe[:, 2:] >= 0).sum(1)          # |S| of each row, the target included
     logp, entropy, _, extra, sum_p2 = stats_sweep(
         h2, weight.detach(), b, safe, be,
@@ -487,7 +492,11 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
              else 1.0 + (extra["zmax"] - extra["lse"]) / log_s)
         cert = torch.where(size > 1, j, 1.0).view(targets.shape)
     shape = targets.shape
-    return TokenStats(logp.view(shape), entropy.view(shape), cert, sum_p2.view(shape))
+    kept = None
+    if return_log_kept_mass:
+        kept = (be.log_kept_mass.view(shape) if size is not None
+                else torch.zeros(shape, device=hidden.device))
+    return TokenStats(logp.view(shape), entropy.view(shape), cert, sum_p2.view(shape), kept)
 
 
 class _PolicyLossFromLogp(torch.autograd.Function):

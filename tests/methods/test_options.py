@@ -14,6 +14,9 @@ import torch
 from gbc_kernels import methods
 
 FIELDS = {f.name for f in dataclasses.fields(methods.MethodOptions)}
+# the sampler's kept set (issue 61): run by the adapters that rebuild it, refused by the others
+# (tests/test_support_options.py)
+SUPPORT_FIELDS = {"support", "support_ties"}
 
 # per option: (the options of run A, of run B): the two runs differ only in that option, with
 # whatever else it needs switched on in both
@@ -43,7 +46,7 @@ PRECISION = "logits_dtype"
 
 
 def test_every_field_has_a_case():
-    assert set(PAIRS) == FIELDS
+    assert set(PAIRS) | SUPPORT_FIELDS == FIELDS
 
 
 @pytest.mark.parametrize("name,value", [
@@ -130,7 +133,7 @@ def test_example_trainer_names_every_option():
     args = gt.build_args([])
     # every method option has a flag, or is refused at start-up naming it
     missing = FIELDS - set(gt.METHOD_FLAGS)
-    assert missing == {"nthr_eta", "critical_kl_intercept"}, missing
+    assert missing == {"nthr_eta", "critical_kl_intercept"} | SUPPORT_FIELDS, missing
     for name, flag in gt.METHOD_FLAGS.items():
         assert hasattr(args, name) and flag.startswith("--")
 
@@ -187,7 +190,7 @@ def test_verl_registry_route_honours_or_refuses_every_option():
     honoured = {"ar_alpha": ({}, dict(ar_alpha=1.0)), "lopti_eta": ({}, dict(lopti_eta=0.5)),
                 "lopti_order": (dict(lopti_eta=0.5), dict(lopti_eta=0.5,
                                                           lopti_order="high-first"))}
-    for name in sorted(FIELDS):
+    for name in sorted(FIELDS - SUPPORT_FIELDS):
         if name in honoured:
             a, b = honoured[name]
             ra, rb = run(f"gbc_opt_a_{name}", **a), run(f"gbc_opt_b_{name}", **b)
@@ -207,6 +210,10 @@ def test_verl_registry_route_honours_or_refuses_every_option():
                 gv.register(f"gbc_opt_{name}", **PAIRS[name][1])
     with pytest.raises(ValueError, match="not a method option"):
         gv.register("gbc_opt_bad", alpha=0.1)
+    for name in sorted(SUPPORT_FIELDS):     # the registered loss sees no pass: refused
+        with pytest.raises(ValueError, match=f"^{name}="):
+            gv.register(f"gbc_opt_{name}", **{name: "all" if name == "support_ties"
+                                               else "replay"})
 
 
 def _example_run(options):

@@ -53,6 +53,15 @@ class GBCGRPOConfig(GRPOConfig):
                 "weight (the float32 LM head's log-probs at bf16 matmul cost); 'input': the "
                 "head's dtype; None = per device (float32 on a CPU, the head's dtype on a GPU). "
                 "TRL's cast_lm_head_to_fp32 makes the head float32 instead."})
+    gbc_support: Optional[str] = field(default=None, metadata={
+        "help": "The sampler's kept set rebuilt from top_k / top_p / min_p: 'replay' (the "
+                "policy, old and reference log-probs over it) or 'kept_mass' (vLLM's importance "
+                "sampling correction against the sampler's log-probs moved by log_kept_mass); "
+                "None = off."})
+    gbc_support_ties: Optional[str] = field(default=None, metadata={
+        "help": "The rebuilt set's top-k tie rule: 'first' (exactly k, lowest ids: vLLM's "
+                "Triton sampler) or 'all' (every token tied with the k-th: vLLM's PyTorch "
+                "sampler); None = the default of the trainer's sampler."})
 
     def __post_init__(self):
         """TRL's checks, then gbc's: a bad ``gbc_*`` option, or a TRL option the fused loss
