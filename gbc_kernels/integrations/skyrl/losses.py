@@ -111,28 +111,21 @@ def skyrl_replays_support() -> bool:
     return version is not None and releases._patch(version) >= (0, 4, 0)
 
 
-REPLAY_MEGATRON = (
-    "trainer.algorithm.enable_sample_support_replay=true with trainer.strategy=megatron: gbc "
-    "replays the sampler's support (SkyRL's rollout_sample_support) on SkyRL's FSDP strategy "
-    "only for now; gbc's Megatron head does not read it yet (use trainer.strategy=fsdp, or set "
-    "enable_sample_support_replay=false)")
-
-
 def check_algorithm(algorithm, strategy: str = "fsdp"):
     """Refuse, by SkyRL's option, what SkyRL 0.4 added to ``trainer.algorithm`` that changes the
     log-probs themselves and gbc does not run: ``enable_sample_support_replay`` (the policy's
     log-probs renormalised over the sampler's recorded top-k/top-p support, not the whole
-    vocabulary) under ``strategy="megatron"`` (gbc's FSDP workers replay it, docs/skyrl.md
-    "The sampler's support"), and where the installed SkyRL has no support to replay (0.3)."""
+    vocabulary) where the installed SkyRL has no support to replay (0.3). gbc's FSDP and
+    Megatron workers replay it (docs/skyrl.md "The sampler's support"); ``strategy`` is kept
+    for the callers."""
+    del strategy
     if not sample_support_replay(algorithm):
         return
-    if strategy == "megatron":
-        raise ValueError(REPLAY_MEGATRON)
     if not skyrl_replays_support():
         raise ValueError("trainer.algorithm.enable_sample_support_replay=true: the installed "
                          "SkyRL records no rollout_sample_support for gbc's workers to replay "
-                         "(SkyRL 0.4 adds it, and gbc's FSDP workers replay it there); set it "
-                         "to false")
+                         "(SkyRL 0.4 adds it, and gbc's FSDP and Megatron workers replay it "
+                         "there); set it to false")
 
 
 def policy_loss_config(algorithm, loss_type: Optional[str] = None,

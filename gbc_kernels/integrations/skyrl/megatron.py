@@ -10,7 +10,10 @@ engine); and the function SkyRL hands the schedule for those outputs (its ``loss
 ``collection_func``) is gbc's: :func:`gbc_kernels.integrations.megatron.policy_loss` /
 ``logprobs`` on the response rows and this rank's ``[V/tp, H]`` shard (TP, SP, PP as there).
 The loss is SkyRL's registered loss through gbc's table (:mod:`.losses`), scaled as SkyRL's
-wrapper scales it; the metrics are SkyRL's (:func:`.worker.step_metrics`).
+wrapper scales it; the metrics are SkyRL's (:func:`.worker.step_metrics`). Under SkyRL 0.4's
+``trainer.algorithm.enable_sample_support_replay`` the loss and the log-prob passes (old policy,
+reference) are over each token's recorded support (:func:`_support_ids`: the micro-batch's
+``rollout_sample_support`` as gbc's ``support_ids``, docs/skyrl.md "The sampler's support").
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from gbc_kernels.integrations import megatron as gbc_megatron
 from gbc_kernels.sequence_parallel import owned_sum, whole_loss
 
 from . import losses
-from .worker import (CARRIED, KL_WEIGHT_KEY, OPTIONS_ENV, _check_sft, check_config, keep_rows,
-                     loss_fn_outputs, lopti_terms, method_fields, method_options, row_keys,
-                     step_metrics, take_recorded, unsplit_loss_value)
+from .worker import (CARRIED, KL_WEIGHT_KEY, OPTIONS_ENV, SUPPORT_FIELD, _check_sft,
+                     check_config, keep_rows, loss_fn_outputs, lopti_terms, method_fields,
+                     method_options, replay_support_ids, row_keys, step_metrics, take_recorded,
+                     unsplit_loss_value)
 
 WRAPPER_MODULE = "skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper"
 
@@ -166,10 +170,12 @@ def _final_loss(loss, entropy, cp, algo, loss_mask, weight):
     """SkyRL's ``final_loss`` metric of a micro-batch: the loss's value; under context
     parallelism SkyRL's per-rank value, whose entropy term is the rank's own tokens' share
     (SkyRL's packed entropy for the loss; its KL and policy terms are whole): the whole loss
-    with the other ranks' entropy share taken out. ``weight``: the loss's KL / entropy
-    weight."""
+    with the other ranks' entropy share taken out. Under SkyRL 0.4's sample-support replay its
+    entropy is the support's, all-gathered over the group with the log-probs: the whole loss.
+    ``weight``: the loss's KL / entropy weight."""
     value = loss.item()
-    if cp is None or not losses.get(algo, "use_entropy_loss", False):
+    if (cp is None or not losses.get(algo, "use_entropy_loss", False)
+            or losses.sample_support_replay(algo)):
         return value
     from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean
 
@@ -184,6 +190,34 @@ def _whole(values, cp):
     if cp is None or values is None:
         return values
     return owned_sum(values, cp.own, cp.group)
+
+
+# SkyRL 0.4's Megatron messages (skyrl.backends.skyrl_train.utils.sample_support_replay's
+# compute_sample_support_scores)
+SUPPORT_NO_LOSS_MASK = "sample-support replay requires the response loss mask"
+
+
+def _support_ids(algo, data, T):
+    """Under SkyRL 0.4's ``enable_sample_support_replay`` (else None): the micro-batch's
+    ``rollout_sample_support`` as gbc's ``support_ids [B, T, k]`` of its ``[B, T]`` response
+    columns (:func:`.worker.replay_support_ids`: SkyRL's alignment, one map for the padded and
+    the packed layouts; under context parallelism every rank reads the whole micro-batch's,
+    its own tokens masked in). Refused as SkyRL's Megatron wrapper refuses: no support (its
+    message for the Megatron forward), no loss mask, controller-packed rows of several
+    sequences, a loss-active token whose row holds no id."""
+    if not losses.sample_support_replay(algo):
+        return None
+    from skyrl.backends.skyrl_train.utils.sample_support_replay import (
+        missing_sample_support_message, reject_unsupported_sample_support_packing)
+
+    support = data.get(SUPPORT_FIELD)
+    if support is None:
+        raise ValueError(missing_sample_support_message("Megatron"))
+    reject_unsupported_sample_support_packing(data.get("sub_seq_lengths_list"))
+    loss_mask = data.get("loss_mask")
+    if loss_mask is None:
+        raise ValueError(SUPPORT_NO_LOSS_MASK)
+    return replay_support_ids(support, loss_mask, data["attention_mask"], T)
 
 
 def _head(state):
@@ -244,9 +278,11 @@ def _wrapper_methods(base):
             h = h.to(weight.dtype)
             seq, attn = data["sequences"], data["attention_mask"]
             mask = None if cp is None else cp.own
+            support = _support_ids(self.cfg.algorithm, data, y.shape[1])
             if ref is not None:
                 st = gbc_megatron.reference_stats(h, weight, y, ref, mask,
-                                                  temperature=temperature, **_head(state))
+                                                  temperature=temperature,
+                                                  support_ids=support, **_head(state))
                 logp, kl_weight = _whole(st.ref_logp, cp), _whole(st.kl_weight, cp)
                 if valid is not None:
                     kl_weight = kl_weight.masked_fill(~valid, 0.0)
@@ -255,7 +291,7 @@ def _wrapper_methods(base):
                 logp = _whole(gbc_megatron.logprobs(h, weight, y, mask, temperature=temperature,
                                                     return_entropy=False,
                                                     logits_dtype=self.gbc_options.logits_dtype,
-                                                    **_head(state)).logp,
+                                                    support_ids=support, **_head(state)).logp,
                               cp)
             if keep is not None:       # every CP rank keeps the whole rows (each from its owner)
                 real = attn[:, -y.shape[1]:].bool()
@@ -308,6 +344,9 @@ def _wrapper_methods(base):
             h, y, _, cp = _rows(hidden, data)      # packed: the loss mask's rows are real
             mask, whole_call = call["mask"], call
             extra = {}
+            support = _support_ids(algo, data, y.shape[1])
+            if support is not None:     # SkyRL 0.4's replay: over each token's support
+                extra["support_ids"] = support
             if cp is not None:      # the whole micro-batch's normalisers, this rank's tokens
                 if cfg.cov_mode is not None:
                     raise ValueError(CP_COV.format(cp=mpu.get_context_parallel_world_size()))
@@ -336,6 +375,9 @@ def _wrapper_methods(base):
                 metrics = {"final_loss": _final_loss(loss, out.entropy, cp, algo, loss_mask,
                                                      1.0 / (dp * max(1, nreal))),
                            "loss_fn_outputs": outputs, **m}
+                if support is not None:     # the share of loss tokens the sampler's row lacked
+                    metrics["gbc_support_forced_frac"] = float(
+                        out.metrics["support_forced_frac"])
                 if phase is not None:     # Lopti: the batch's terms without the split
                     _, whole_m = step_metrics(algo, loss_type, token_out, mask, loss_mask,
                                               data["advantages"], old, base_lp,

@@ -1,0 +1,422 @@
+"""SkyRL 0.4's sample-support replay (``trainer.algorithm.enable_sample_support_replay``) in
+gbc's Megatron workers (``GBCMegatronPolicyWorker`` / ``GBCMegatronRefWorker``, docs/skyrl.md
+"The sampler's support") against SkyRL's own Megatron path.
+
+* Scoring, float64: gbc's Megatron head (``gbc_mcore.logprobs`` on the rows gbc's wrapper
+  selects, ``support_ids`` from :func:`gbc_kernels.integrations.skyrl.megatron._support_ids`)
+  against SkyRL's ``compute_sample_support_scores`` on the same float64 hidden states, at
+  tensor parallel 2 (gloo): its logits path (the ``[B, S, V/tp]`` logits, the columns
+  gathered) and its fused path's pair projection (every ``(token, id)`` pair projected on
+  the shard), its canonical alignment, log-probs, entropy and their gradients in the hidden
+  states and the weight shard.
+* The workers: SkyRL's REAL Megatron worker methods (tests/test_skyrl_megatron_worker.py's
+  harness: ``forward_backward``, ``optim_step``, ``forward``; the reference worker's
+  ``forward``) on gbc's workers against SkyRL's own on the same tiny float64 megatron-core
+  GPTModel and the same SkyRL 0.4 batch (fully left-padded, response tensors right-aligned,
+  with ``rollout_sample_support``), at temperature 0.8: tensor parallel 2 with and without
+  sequence parallelism, padded and packed micro-batches, token-based micro-batches (SkyRL's
+  padding micro-batches), data parallel 2, context parallel 2 (packed), AR, the reference
+  pass (SkyRL's Megatron reference runs at the policy's temperature). Every metric (SkyRL's
+  ``policy_entropy`` the support's), ``loss_fn_outputs``, every gradient, the optimizer step,
+  the old-policy and reference log-probs. SkyRL's head casts the logits to float32: agreement
+  to 1e-5 (the harness's tolerance).
+* Rows SkyRL's capture never writes (a target missing from its row, a repeated id): gbc's
+  worker on them equals SkyRL's on the rows the capture would write (§16), and
+  ``gbc_support_forced_frac`` counts the forced tokens; a loss-active token without support
+  and a micro-batch without ``rollout_sample_support`` stop with SkyRL's Megatron messages.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("skyrl")
+
+from gbc_kernels.integrations.skyrl.losses import skyrl_replays_support  # noqa: E402
+
+if not skyrl_replays_support():
+    pytest.skip("SkyRL < 0.4: no sample-support replay", allow_module_level=True)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from conftest import spawn_gloo  # noqa: E402
+from test_skyrl_megatron import VOCAB  # noqa: E402
+from test_skyrl_megatron_worker import (KL_ENTROPY, assert_same_step,  # noqa: E402
+                                        run_worker_step, skyrl_megatron, worker_cfg,
+                                        worker_pair)
+
+TEMP = 0.8
+K = 5
+# gbc's per-token outputs are float32: |gbc - SkyRL float64| / max(1, max |SkyRL|)
+TOL = {"logp": 1e-6, "entropy": 1e-6, "d hidden": 1e-6, "d weight": 1e-6}
+P, T = 5, 6
+
+
+def _support_row(g, target, size, missing=False, dup=False):
+    """A sampler's row of ``size`` distinct ids (the target among them unless ``missing``),
+    shuffled, ``-1`` padded to K; ``dup``: one id twice (tests/test_skyrl_support.py's)."""
+    others = torch.randperm(VOCAB, generator=g)
+    others = others[others != target][:K]
+    ids = others[:size - 1].tolist() + ([] if missing else [target])
+    if missing:
+        ids.append(int(others[size - 1]))
+    ids = [ids[i] for i in torch.randperm(len(ids), generator=g).tolist()]
+    if dup and len(ids) < K:
+        ids.append(ids[0])
+    return ids + [-1] * (K - len(ids))
+
+
+def replay_batch(seed, n=2, B=3, forced=(), dup=(), bare=(), bare_active=(), support=True):
+    """SkyRL 0.4's ``TrainingInputBatch`` of ``n * B`` sequences (fully left-padded, the
+    response tensors right-aligned, as its ``convert_prompts_responses_to_batch_tensors`` makes
+    them; float64 per-token inputs; an empty response and a row with an empty loss mask) with
+    ``rollout_sample_support``: each response token's row of 1..K ids. ``forced`` / ``dup`` /
+    ``bare`` / ``bare_active``: ``(b, j)`` whose row lacks its target / repeats an id / is all
+    ``-1`` on a loss-masked-out token / is all ``-1`` on a loss-active token (SkyRL's error).
+    Returns ``(raw, clean)``: the batch with these rows, and with the rows as SkyRL's capture
+    writes them (the target in, no duplicate)."""
+    from test_skyrl import skyrl_cpu
+
+    skyrl_cpu().load()
+    from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
+    from skyrl.backends.skyrl_train.utils.packed_tensor import PackedTensor
+
+    g = torch.Generator().manual_seed(seed)
+    N, S = n * B, P + T
+    seq = torch.randint(1, VOCAB, (N, S), generator=g)
+    attn = torch.zeros(N, S, dtype=torch.long)
+    plen = torch.randint(2, P + 1, (N,), generator=g)
+    rlen = torch.randint(1, T + 1, (N,), generator=g)
+    rlen[0] = T
+    rlen[N - 2] = 0                                  # an empty response
+    lm = torch.zeros(N, T, dtype=torch.float64)
+    rows, clean = [], []
+    for b in range(N):
+        ln, r = int(plen[b]) + int(rlen[b]), int(rlen[b])
+        attn[b, S - ln:] = 1
+        lm[b, T - r:] = 1
+        for j in range(r):
+            y = int(seq[b, S - r + j])
+            size = int(torch.randint(1, K + 1, (1,), generator=g))
+            if (b, j) in bare or (b, j) in bare_active:
+                row, c = [-1] * K, []
+                if (b, j) in bare:
+                    lm[b, T - r + j] = 0
+            else:
+                miss, dp = (b, j) in forced, (b, j) in dup
+                row = _support_row(g, y, min(max(size, 2), K - 1) if dp else size, miss, dp)
+                c = [i for i in dict.fromkeys(row) if i >= 0]
+                c = c if y in c else c + [y]
+            rows.append(row)
+            clean.append(c + [-1] * (K + 1 - len(c)))
+    seq = seq * attn
+    response = lm.clone()
+    loss_mask = lm.clone()
+    loss_mask[1] = 0.0                               # a row with an empty loss mask
+    adv = torch.randn(N, 1, generator=g, dtype=torch.float64).expand(N, T) * response
+    old = -2.0 * torch.rand(N, T, generator=g, dtype=torch.float64) - 1.0
+    cu = torch.zeros(N + 1, dtype=torch.int32)
+    cu[1:] = rlen.cumsum(0)
+    d = {"sequences": seq, "attention_mask": attn, "response_mask": response,
+         "loss_mask": loss_mask, "advantages": adv.contiguous(), "action_log_probs": old,
+         "base_action_log_probs": old + 0.3 * torch.randn(N, T, generator=g,
+                                                          dtype=torch.float64),
+         "rollout_logprobs": old + 0.05 * torch.randn(N, T, generator=g, dtype=torch.float64)}
+    out = []
+    for r, width in ((rows, K), (clean, K + 1)):
+        fields = dict(d)
+        if support:
+            fields["rollout_sample_support"] = PackedTensor(
+                torch.tensor(r, dtype=torch.int32).reshape(-1, width), cu.clone())
+        batch = TrainingInputBatch(fields)
+        batch.metadata = {"response_length": T}
+        out.append(batch)
+    return out
+
+
+# ---- scoring, float64, against SkyRL's compute_sample_support_scores ------------------------
+def _scores_worker(rank, world):
+    """Tensor parallel ``world``: SkyRL's ``compute_sample_support_scores`` (logits path and
+    pair projection) and gbc's Megatron head on the same float64 hidden states; values and
+    gradients."""
+    from megatron.core import parallel_state as mpu
+
+    from test_verl_megatron import _mc
+
+    skyrl_megatron()
+    mc = _mc()
+    mc.install_shims()
+    mc.init_parallel(world)
+    from skyrl.backends.skyrl_train.distributed.megatron.token_metadata import (
+        canonical_token_metadata_layout)
+    from skyrl.backends.skyrl_train.utils.sample_support_replay import (
+        compute_sample_support_scores)
+
+    from gbc_kernels.integrations import megatron as gbc_megatron
+    from gbc_kernels.integrations.skyrl import megatron as sm
+
+    raw, clean = replay_batch(21, forced=((0, 2), (4, 0)), dup=((2, 1),), bare=((0, 4),))
+    seq, attn = raw["sequences"], raw["attention_mask"]
+    N, S = seq.shape
+    H, vs = 16, VOCAB // world
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(N, S, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(VOCAB, H, generator=g, dtype=torch.float64)
+    shard = weight[rank * vs:(rank + 1) * vs]
+    group = mpu.get_tensor_model_parallel_group()
+    lm = raw["loss_mask"]
+    u = torch.randn(N, T, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    out = {}
+    for path in ("logits", "pairs"):
+        h = hidden.clone().requires_grad_(True)
+        w = shard.clone().requires_grad_(True)
+        src = (h @ w.T) / TEMP if path == "logits" else h
+        sc = compute_sample_support_scores(
+            src, seq, lm, clean["rollout_sample_support"], T, packed=False,
+            metadata_layout=canonical_token_metadata_layout(attn.bool()),
+            vocab_start_index=rank * vs, vocab_end_index=(rank + 1) * vs, tp_group=group,
+            lm_head_weight=w if path == "pairs" else None, temperature=TEMP, chunk_size=7,
+            compute_entropy=True, entropy_requires_grad=True)
+        lp, ent = sc.logprobs[:, -T:], sc.entropy[:, -T:]
+        (lp * u + 0.3 * ent).sum().backward()
+        out[path] = (lp.detach(), ent.detach(), h.grad, w.grad)
+    # gbc: the rows gbc's wrapper scores (row t predicting response token t + 1), its support
+    h = hidden.clone().requires_grad_(True)
+    w = shard.clone().requires_grad_(True)
+    cfg = skyrl_megatron().sky.config.TrainerConfig()
+    cfg.algorithm.enable_sample_support_replay = True
+    data = {"rollout_sample_support": raw["rollout_sample_support"], "loss_mask": lm,
+            "attention_mask": attn}
+    ids = sm._support_ids(cfg.algorithm, data, T)
+    res = gbc_megatron.logprobs(h[:, -T - 1:-1].transpose(0, 1), w, seq[:, -T:], None,
+                                temperature=TEMP, support_ids=ids, tp_group=group)
+    (res.logp * u + 0.3 * res.entropy).sum().backward()
+    out["gbc"] = (res.logp.detach(), res.entropy.detach(), h.grad, w.grad)
+    out["real"] = (ids >= 0).any(-1)
+    return out
+
+
+def test_scores_equal_skyrls_megatron_path_float64():
+    """gbc's Megatron head with the wrapper's support equals SkyRL's Megatron scoring in
+    float64 at tensor parallel 2, on its logits path and its pair projection: log-probs,
+    entropy over the support, ``d hidden`` and the shard's ``d weight``; rows SkyRL's capture
+    never writes (a target missing, a repeated id) scored by gbc as §16 says, equal to SkyRL on
+    the rows the capture writes."""
+    errors = {}
+    ranks = spawn_gloo(2, _scores_worker)
+    # SkyRL's d hidden is each shard's part (megatron's output layer all-reduces it in its
+    # backward); gbc's vocab-parallel path gives the whole on every rank
+    whole = {path: sum(out[path][2] for out in ranks) for path in ("logits", "pairs")}
+    for rank, out in enumerate(ranks):
+        got = out["gbc"]
+        for path in ("logits", "pairs"):
+            for i, what in enumerate(("logp", "entropy", "d hidden", "d weight")):
+                a, b = got[i].double(), out[path][i].double()
+                if i == 2:
+                    b = whole[path]
+                if i < 2:                       # SkyRL's: 0 where a column has no row
+                    a = torch.where(out["real"], a, 0.0)
+                e = float((a - b).abs().max() / max(1.0, float(b.abs().max())))
+                errors[what] = max(errors.get(what, 0.0), e)
+        assert (got[0] <= 0).all()
+    print("\nSkyRL Megatron replay scoring, gbc vs SkyRL float64, max error:",
+          ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+    # gbc's per-token outputs are float32 (its head's float32 row statistics): their rounding
+    for what, e in errors.items():
+        assert e < TOL[what], (what, e)
+
+
+# ---- the workers against SkyRL's own (gloo) ------------------------------------------------
+# name: (kind, worker_cfg keywords, worker_pair keywords, replay_batch keywords, options)
+CASES = {
+    "padded": ("policy", dict(micro=3, temperature=TEMP, **KL_ENTROPY), {}, {}, ""),
+    "packed_sp": ("policy", dict(packed=True, micro=3, temperature=TEMP, **KL_ENTROPY),
+                  dict(sp=True), {}, ""),
+    "forced_dup_padded": ("policy", dict(micro=3, temperature=TEMP, **KL_ENTROPY), {},
+                          dict(forced=((0, 3), (2, 0)), dup=((3, 1),), bare=((0, 1),)), ""),
+    "tokens_packed": ("policy", dict(packed=True, max_tokens=14, temperature=TEMP,
+                                     **KL_ENTROPY), {}, dict(forced=((0, 0),)), ""),
+    "ar_gspo": ("policy", dict(loss_type="gspo", micro=3, temperature=TEMP), {}, {},
+                "ar_alpha=0.4"),
+    "ref": ("ref", dict(micro=4, temperature=TEMP), {}, {}, ""),
+    "ref_tokens_packed": ("ref", dict(packed=True, max_tokens=14, temperature=TEMP), {}, {},
+                          ""),
+}
+DP_CASES = {
+    "dp2_packed": ("policy", dict(packed=True, micro=3, temperature=TEMP, **KL_ENTROPY),
+                   dict(tp=1), dict(per_rank=True), ""),
+}
+CP_CASES = {
+    "cp2_packed": ("policy", dict(packed=True, micro=3, temperature=TEMP, **KL_ENTROPY),
+                   dict(tp=1, cp=2), dict(forced=((0, 2),)), ""),
+    "cp2_ref": ("ref", dict(packed=True, micro=4, temperature=TEMP), dict(tp=1, cp=2), {}, ""),
+}
+
+
+def _cases_worker(rank, world, cases):
+    from gbc_kernels import methods
+
+    sky = skyrl_megatron().sky
+    out = {}
+    for name, (kind, cfg_kw, pair_kw, batch_kw, options) in cases.items():
+        batch_kw = dict(batch_kw)
+        seed = 31 + (100 * rank if batch_kw.pop("per_rank", False) else 0)
+        cfg = worker_cfg(sky, enable_sample_support_replay=True, **cfg_kw)
+        stock, ours = worker_pair(cfg, kind, options=options, **pair_kw)
+        for w in (stock, ours):
+            w.enable_sample_support_replay = True     # init_model's, from the config
+        raw, clean = replay_batch(seed, **batch_kw)
+        fraw, fclean = replay_batch(seed + 1, n=3)
+        if options:                                  # AR by hand on SkyRL's side
+            opts = methods.MethodOptions(ar_alpha=0.4)
+            clean["advantages"] = methods.loss_advantages(clean["advantages"],
+                                                          clean["action_log_probs"], opts)
+        train = kind == "policy"
+        got = run_worker_step(ours, raw if train else None, fraw)
+        want = run_worker_step(stock, clean if train else None, fclean)
+        if train:       # SkyRL 0.4 returns loss_fn_outputs in the batch's order
+            for res in (got, want):
+                res["output_masks"] = raw["loss_mask"].detach().cpu()
+        out[name] = (want, got)
+    os.environ.pop("GBC_SKYRL_OPTIONS", None)
+    if "padded" in cases:   # the control: SkyRL's worker without replay (the whole vocabulary)
+        cfg = worker_cfg(sky, **cases["padded"][1])
+        stock, _ = worker_pair(cfg, "policy")
+        raw, clean = replay_batch(31)
+        out["control"] = run_worker_step(stock, clean, replay_batch(32, n=3)[1])
+    return out
+
+
+def _same(want, got, what):
+    frac = got.get("metrics", {}).pop("gbc_support_forced_frac", None)
+    assert_same_step(want, got, what)
+    return frac
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    return spawn_gloo(2, _cases_worker, CASES)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_worker_replay_equals_skyrls_megatron_worker(tp2, name):
+    """Tensor parallel 2: SkyRL's Megatron worker methods under replay on gbc's workers ==
+    on SkyRL's (every metric, loss_fn_outputs, every gradient, the optimizer step, the
+    old-policy pass's log-probs; the reference worker's pass at the policy's temperature),
+    padded and packed, with sequence parallelism, token-based micro-batches (padding
+    micro-batches), AR under GSPO; targets missing from their rows and a repeated id on gbc's
+    side equal SkyRL on the rows its capture writes, counted by ``gbc_support_forced_frac``."""
+    kind, _, _, batch_kw, _ = CASES[name]
+    for r, per_rank in enumerate(tp2):
+        want, got = per_rank[name]
+        frac = _same(want, got, f"rank {r} {name}")
+        if kind == "policy":
+            assert frac is not None and (frac > 0) == bool(batch_kw.get("forced")), (name, frac)
+
+
+def test_replay_changes_the_step(tp2):
+    """The control: SkyRL's worker without replay gives other metrics, log-probs and
+    gradients than with it on the same batch (the support is what the comparisons see)."""
+    for per_rank in tp2:
+        want, _ = per_rank["padded"]
+        full = per_rank["control"]
+        assert full["metrics"]["policy_loss"] != pytest.approx(want["metrics"]["policy_loss"])
+        assert full["logp"] != want["logp"]
+        assert any(not torch.allclose(full["grads"][k], want["grads"][k], rtol=1e-3)
+                   for k in want["grads"])
+
+
+@pytest.mark.parametrize("name", sorted(DP_CASES))
+def test_worker_replay_data_parallel_2(name):
+    """Data parallel 2, each rank its own batch: SkyRL's dp scaling and its metrics'
+    all-reduce under replay, each rank's gradients."""
+    for r, per_rank in enumerate(spawn_gloo(2, _cases_worker, DP_CASES)):
+        want, got = per_rank[name]
+        _same(want, got, f"rank {r} {name}")
+
+
+@pytest.mark.parametrize("name", sorted(CP_CASES))
+def test_worker_replay_context_parallel_2(name):
+    """Context parallel 2 (packed): each rank scores its own tokens over their support rows
+    (SkyRL all-gathers its support scores over the CP group); every metric (the forced share
+    the whole micro-batch's), loss_fn_outputs, each rank's gradients, the no-grad passes."""
+    for r, per_rank in enumerate(spawn_gloo(2, _cases_worker, {name: CP_CASES[name]})):
+        want, got = per_rank[name]
+        frac = _same(want, got, f"rank {r} {name}")
+        if CP_CASES[name][0] == "policy":
+            assert frac is not None and frac > 0
+
+
+# ---- SkyRL's errors ----------------------------------------------------------------------
+def _errors_worker(rank, world, packed):
+    sky = skyrl_megatron().sky
+    msgs = {}
+    for kind in ("policy", "ref"):
+        cfg = worker_cfg(sky, packed=packed, micro=3, temperature=TEMP,
+                         enable_sample_support_replay=True)
+        pair = worker_pair(cfg, kind)
+        for gbc_on, w in zip((False, True), pair):
+            w.enable_sample_support_replay = True
+            cases = {"bare_active": replay_batch(41, bare_active=((2, 0),))[0],
+                     "missing": replay_batch(42, support=False)[0]}
+            for case, batch in cases.items():
+                calls = [("forward", lambda b=batch: run_worker_step(w, None, b))]
+                if kind == "policy":
+                    calls.append(("forward_backward",
+                                  lambda b=batch: run_worker_step(w, b, None, optim=False)))
+                for call, f in calls:
+                    try:
+                        f()
+                        msgs[(gbc_on, kind, case, call)] = None
+                    except ValueError as err:
+                        msgs[(gbc_on, kind, case, call)] = str(err)
+    os.environ.pop("GBC_SKYRL_OPTIONS", None)
+    return msgs
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_skyrls_errors(packed):
+    """A loss-active token whose row holds no id, and a micro-batch without
+    ``rollout_sample_support``: gbc's Megatron training step, old-policy pass and reference
+    pass stop with the message SkyRL's Megatron workers stop with."""
+    msgs = spawn_gloo(2, _errors_worker, packed)[0]
+    keys = [k for k in msgs if k[0]]
+    assert len(keys) == 6
+    for key in keys:
+        ours, stock = msgs[key], msgs[(False,) + key[1:]]
+        assert ours is not None and stock is not None, (key, ours, stock)
+        if key[2] == "bare_active":
+            assert "requires captured support for every loss-active token" in ours, key
+            assert "requires captured support for every loss-active token" in stock, key
+        else:
+            assert ours == stock and "rollout_sample_support" in ours, (key, ours)
+
+
+def test_megatron_switch_on(monkeypatch):
+    """Under replay gbc's Megatron wrapper's config check passes (the refusal lifted); NTHR
+    and critical-token KL stay refused by name, as on FSDP."""
+    from gbc_kernels import methods
+    from gbc_kernels.integrations.skyrl import megatron as gmeg
+    from gbc_kernels.integrations.skyrl import worker
+    from test_skyrl import skyrl_cpu
+
+    sky = skyrl_cpu().load()
+    monkeypatch.setenv("GBC_SKYRL_OPTIONS", "")
+    cfg = sky.config.TrainerConfig()
+    cfg.strategy = "megatron"
+    cfg.algorithm.enable_sample_support_replay = True
+    cfg.remove_microbatch_padding = True
+    assert gmeg.check_megatron_config(cfg, methods.MethodOptions()) == methods.MethodOptions()
+    worker.check_config(cfg, methods.MethodOptions())
+    cfg.algorithm.use_kl_loss = True
+    for opts, name in ((methods.MethodOptions(nthr=True), "nthr"),
+                       (methods.MethodOptions(critical_kl_exponent=2.0), "critical_kl_exponent")):
+        with pytest.raises(ValueError, match=f"GBC_SKYRL_OPTIONS: {name} with trainer."
+                                             f"algorithm.enable_sample_support_replay=true"):
+            gmeg.check_megatron_config(cfg, opts)
