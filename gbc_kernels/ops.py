@@ -245,7 +245,7 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
 
 
 def _support(support_ids, targets, vocab, mask=None, checks=None, vp=None, backend=None,
-             kept_mass=True, truncation=None):
+             kept_mass=True, truncation=None, over_support=True):
     """``(backend, flat targets, forced)`` of a call with ``support_ids``
     (:mod:`gbc_kernels.support`): the backend wrapped to score each row over its support, the
     ``[N, 2 + K]`` rows it reads, and ``forced`` ``[N]`` (the target missing from its ids).
@@ -263,12 +263,13 @@ def _support(support_ids, targets, vocab, mask=None, checks=None, vp=None, backe
         tr = _T.check(truncation, vp)
         y = targets.reshape(-1)
         pos = torch.arange(y.shape[0], device=y.device).unsqueeze(1)
-        return (_T.TruncationBackend(backend, y.shape[0], y.device, tr, kept_mass, vp),
+        return (_T.TruncationBackend(backend, y.shape[0], y.device, tr, kept_mass, vp,
+                                     over_support),
                 torch.cat([y.long().unsqueeze(1), pos], 1), None)
     ids = _S.check_support_ids(support_ids, targets, vocab, mask, checks)
     y = targets.reshape(-1)
     cols, forced = _S.members(ids.reshape(y.shape[0], -1), y)
-    return (_S.SupportBackend(backend, y.shape[0], y.device, kept_mass, vp),
+    return (_S.SupportBackend(backend, y.shape[0], y.device, kept_mass, vp, over_support),
             _S.flat_targets(y, cols), forced)
 
 
@@ -338,7 +339,7 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
                           return_entropy=False, backend="auto", vocab_parallel=None,
                           logit_softcap=None, return_sum_p2=False, weight_grad_into=None,
                           logits_dtype=None, support_ids=None, return_log_kept_mass=False,
-                          sampler_truncation=None):
+                          sampler_truncation=None, over_support=True):
     """Per-token ``log_softmax(z)[targets]`` (and the entropy of ``softmax(z)``) without logits.
     ``z = (hidden @ weight.T + bias) / temperature``; with ``logit_softcap = c`` (Gemma-2/3),
     ``z = c tanh((hidden @ weight.T + bias) / c) / temperature``.
@@ -368,8 +369,12 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     ``sampler_truncation``: None, or ``SamplerTruncation(top_k, top_p, min_p)``: the support
     rebuilt from each row's own logits at ``temperature`` by the sampler's rule (docs/math.md,
     "The sampler's kept set, recomputed"), as ``support_ids`` otherwise. Not with
-    ``support_ids``.
+    ``support_ids``. ``over_support=False`` (with either): the log-probs, entropy and gradients
+    of the whole vocabulary (the call without a support, bit for bit) and only
+    ``log_kept_mass`` the support's: the full-vocabulary policy and its kept mass in one pass.
     """
+    if not isinstance(over_support, bool):
+        raise TypeError(f"over_support: expected a bool, got {over_support!r}")
     V.check_backend(backend)
     logits_dtype = V.check_logits_dtype(logits_dtype)
     _check_lm_head(hidden, weight, bias)
@@ -391,7 +396,8 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     be = get_backend(backend, hidden.device, hidden.dtype)
     if support_ids is not None or sampler_truncation is not None:
         be, safe, _ = _support(support_ids, safe.view(targets.shape), vocab, vp=sl, backend=be,
-                               kept_mass=return_log_kept_mass, truncation=sampler_truncation)
+                               kept_mass=return_log_kept_mass, truncation=sampler_truncation,
+                               over_support=over_support)
     if weight_grad_into is not None:
         V.check_tensor("weight_grad_into", weight_grad_into, shape=tuple(weight.shape),
                        device=weight.device)
@@ -432,7 +438,8 @@ CERTAINTY_KINDS = (None, "entropy", "max_prob")
 def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=None,
                 certainty_temperature=1.0, backend="auto", vocab_parallel=None,
                 logit_softcap=None, logits_dtype=None, support_ids=None,
-                sampler_truncation=None, return_log_kept_mass=False) -> TokenStats:
+                sampler_truncation=None, return_log_kept_mass=False,
+                over_support=True) -> TokenStats:
     """No-grad per-token statistics, streaming over the vocabulary (docs/math.md §5, §7).
 
     certainty="entropy":  J = 1 - H(softmax(z_w)) / log V
@@ -448,7 +455,11 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
     ``temperature`` by the sampler's rule (the certainty over that support). Not with
     ``support_ids``. ``return_log_kept_mass=True``: ``TokenStats.log_kept_mass``,
     ``LSE_S - LSE_V`` per token (0 without a support), from the same pass.
+    ``over_support=False``: every statistic the whole vocabulary's (bit for bit the call
+    without a support) and only ``log_kept_mass`` the support's.
     """
+    if not isinstance(over_support, bool):
+        raise TypeError(f"over_support: expected a bool, got {over_support!r}")
     if not isinstance(return_log_kept_mass, bool):
         raise TypeError(f"return_log_kept_mass: expected a bool, got "
                         f"{type(return_log_kept_mass).__name__} {return_log_kept_mass!r}")
@@ -473,14 +484,15 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
     size = None
     if support_ids is not None or sampler_truncation is not None:
         be, safe, _ = _support(support_ids, safe.view(targets.shape), vocab, vp=sl, backend=be,
-                               kept_mass=return_log_kept_mass, truncation=sampler_truncation)
-        size = (safe[:, 2:] >= 0).sum(1)          # |S| of each row, the target included
+                               kept_mass=return_log_kept_mass, truncation=sampler_truncation,
+                               over_support=over_support)
+        size = (safe[:, 2:] >= 0).sum(1) if over_support else None    # |S|, target included
     logp, entropy, _, extra, sum_p2 = stats_sweep(
         h2, weight.detach(), b, safe, be,
         temp, True, None if certainty is None else float(certainty_temperature),
         None if logit_softcap is None else float(logit_softcap), sl, want_sum_p2=True,
         logits_dtype=logits_dtype)
-    if sampler_truncation is not None:
+    if sampler_truncation is not None and over_support:
         size = (be.cols >= 0).sum(1)
     cert = None
     if certainty is not None and size is None:
@@ -494,7 +506,8 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
     shape = targets.shape
     kept = None
     if return_log_kept_mass:
-        kept = (be.log_kept_mass.view(shape) if size is not None
+        kept = (be.log_kept_mass.view(shape)
+                if support_ids is not None or sampler_truncation is not None
                 else torch.zeros(shape, device=hidden.device))
     return TokenStats(logp.view(shape), entropy.view(shape), cert, sum_p2.view(shape), kept)
 

@@ -84,10 +84,18 @@ def _col(inv_temp):
 class SupportBackend(Backend):
     """A backend whose row statistics and gradient are the support's (module docstring).
     ``log_kept_mass`` ``[n]`` float32 receives ``LSE_S − LSE_V`` of every row it scores, at
-    the row's position (column 1 of its targets)."""
+    the row's position (column 1 of its targets).
 
-    def __init__(self, inner: Backend, n: int, device, kept_mass: bool = True, vp=None):
+    ``over_support=False``: the rows are scored over the whole vocabulary (the inner backend's
+    statistics and gradient, today's numbers bit for bit) and only ``log_kept_mass`` is the
+    support's: the full-vocabulary policy and the kept mass of one pass (``support=kept_mass``
+    in the trainers)."""
+
+    def __init__(self, inner: Backend, n: int, device, kept_mass: bool = True, vp=None,
+                 over_support: bool = True):
         self.inner = inner
+        self.over_support = over_support
+        kept_mass = kept_mass or not over_support
         # vocab parallel: this backend localises the ids and combines its statistics over the
         # ranks itself (support and whole-row LSE in one all_gather); the chunk loop does not
         self.vp = vp
@@ -122,6 +130,9 @@ class SupportBackend(Backend):
         return s * _col(inv_temp), s, valid
 
     def row_stats(self, logits, targets, inv_temp, want_entropy, want_sum_p2, ws: Workspace):
+        if not self.over_support:
+            return self._full_row_stats(logits, targets, inv_temp, want_entropy, want_sum_p2,
+                                        ws)
         pos = targets[:, 1]
         y, cols = self._local(targets)
         y = y.contiguous()
@@ -154,9 +165,28 @@ class SupportBackend(Backend):
             self.log_kept_mass.index_copy_(0, pos, (st.lse - full).clamp(max=0.0).float())
         return st
 
+    def _full_row_stats(self, logits, targets, inv_temp, want_entropy, want_sum_p2, ws):
+        """``over_support=False``: the whole vocabulary's statistics; the support's LSE only
+        for ``log_kept_mass`` (joined to the same all_gather under vocab parallelism)."""
+        pos = targets[:, 1]
+        y, cols = self._local(targets)
+        y = y.contiguous()
+        st = self.inner.row_stats(logits, y, inv_temp, want_entropy, want_sum_p2, ws)
+        l, _, valid = self._gather(logits, cols, inv_temp)
+        lse_s = torch.logsumexp(l.masked_fill(~valid, float("-inf")), 1).float()
+        if self.vp is not None:
+            from .vocab_parallel import combine
+
+            st, lse_s = combine(st, self.vp, lse_s)
+        self.log_kept_mass.index_copy_(0, pos, (lse_s - st.lse).clamp(max=0.0).float())
+        return st
+
     def logit_grad_(self, logits, targets, inv_temp, lse, entropy, g_logp, g_entropy,
                     ws: Workspace, softcap=None):
         y, cols = self._local(targets)
+        if not self.over_support:
+            return self.inner.logit_grad_(logits, y.contiguous(), inv_temp, lse, entropy, g_logp,
+                                          g_entropy, ws, softcap)
         l, s, valid = self._gather(logits, cols, inv_temp)
         logq = l - lse.to(l.dtype).unsqueeze(1)
         q = torch.where(valid, torch.exp(logq), 0.0)

@@ -249,8 +249,8 @@ class TruncationBackend(SupportBackend):
     keep what the row pass found for the gradient pass and the metric."""
 
     def __init__(self, inner: Backend, n: int, device, tr: SamplerTruncation,
-                 kept_mass: bool = True, vp=None):
-        super().__init__(inner, n, device, kept_mass, vp)
+                 kept_mass: bool = True, vp=None, over_support: bool = True):
+        super().__init__(inner, n, device, kept_mass, vp, over_support)
         self.tr = tr
         self.cols = torch.full((n, 1), -1, dtype=torch.long, device=device)
         self.forced = torch.zeros(n, dtype=torch.bool, device=device)

@@ -396,3 +396,62 @@ def test_min_p_threshold_is_the_samplers():
     """Min-p keeps ``p >= min_p * p_max``: log-space ``l >= l_max + log(min_p)``."""
     l = torch.tensor([[0.0, math.log(0.25), math.log(0.2499), -5.0]], dtype=torch.float64)
     assert ref.kept_set(l, min_p=0.25)[0].tolist() == [True, True, False, False]
+
+
+@pytest.mark.parametrize("vp", [False, True], ids=["one-device", "vocab-parallel"])
+def test_over_support_false_is_the_full_vocabulary_bit_for_bit(backend, vp):
+    """``over_support=False``: the whole vocabulary's log-probs, entropy and gradients exactly
+    as the call without a support, ``log_kept_mass`` the set's (``support=kept_mass``'s one
+    pass); token_stats alike."""
+    if vp:
+        from conftest import spawn_gloo
+        if backend == "triton":
+            pytest.skip("gloo workers run the CPU backends")
+        for o in spawn_gloo(2, _full_worker, backend):
+            assert o
+        return
+    b = make_batch(B=3, T=7, H=16, V=97, logit_scale=3.0)
+    y = b["targets"].clamp(min=0)
+    tr = ST(top_k=9, top_p=0.9)
+    outs = []
+    for kw in ({}, dict(sampler_truncation=tr, over_support=False, return_log_kept_mass=True)):
+        x = leaves(b)
+        o = gbc.fused_linear_logprobs(x["hidden"], x["weight"], y, bias=x["bias"],
+                                      temperature=0.8, return_entropy=True, backend=backend,
+                                      **kw)
+        (o[0].sum() + 0.3 * o[1].sum()).backward()
+        outs.append((o, [x[k].grad for k in ("hidden", "weight", "bias")]))
+    (a, ga), (c, gc) = outs
+    assert torch.equal(a[0], c[0]) and torch.equal(a[1], c[1])
+    assert all(torch.equal(u, v) for u, v in zip(ga, gc))
+    want = ref.fused_linear_logprobs(b["hidden"].double(), b["weight"].double(), y,
+                                     bias=b["bias"].double(), temperature=0.8,
+                                     support_ids=ref_ids(as64(b), tr, 0.8),
+                                     return_log_kept_mass=True)[2]
+    assert err(c[2], want) < 1e-5 and (c[2] < -1e-3).any()
+    s0 = gbc.token_stats(b["hidden"], b["weight"], y, bias=b["bias"], temperature=0.8,
+                         backend=backend)
+    s1 = gbc.token_stats(b["hidden"], b["weight"], y, bias=b["bias"], temperature=0.8,
+                         backend=backend, sampler_truncation=tr, over_support=False,
+                         return_log_kept_mass=True)
+    assert torch.equal(s0.logp, s1.logp) and torch.equal(s0.entropy, s1.entropy)
+    assert err(s1.log_kept_mass, want) < 1e-5
+
+
+def _full_worker(rank, world, backend):
+    V, cuts = 45, [0, 17, 45]
+    lo, hi = cuts[rank], cuts[rank + 1]
+    b = make_batch(B=3, T=7, H=16, V=V, logit_scale=4.0)
+    y = b["targets"].clamp(min=0)
+    vp = gbc.VocabParallel(None, lo, hi)
+    tr = ST(top_k=6, top_p=0.8)
+    a = gbc.token_stats(b["hidden"], b["weight"][lo:hi], y, bias=b["bias"][lo:hi],
+                        vocab_parallel=vp, backend=backend)
+    c = gbc.token_stats(b["hidden"], b["weight"][lo:hi], y, bias=b["bias"][lo:hi],
+                        vocab_parallel=vp, backend=backend, sampler_truncation=tr,
+                        over_support=False, return_log_kept_mass=True)
+    want = ref.fused_linear_logprobs(b["hidden"].double(), b["weight"].double(), y,
+                                     bias=b["bias"].double(),
+                                     support_ids=ref_ids(as64(b), tr, 1.0),
+                                     return_log_kept_mass=True)[2]
+    return bool(torch.equal(a.logp, c.logp) and err(c.log_kept_mass, want) < 1e-5)

@@ -357,13 +357,3 @@ def test_sequence_parallel_support_matches_float64():
         assert err(o["kept"][own], tok["log_kept_mass"][own]) < 1e-6
     for i, k in enumerate(("hidden", "weight", "bias")):
         assert max_rel_err(sum(o["grads"][i] for o in out), x[k].grad) < 1e-4
-
-
-def test_gbc_mcore_refuses_support_ids():
-    from gbc_kernels.integrations import megatron as M
-
-    b = make_batch(B=2, T=3, H=8, V=20)
-    y = b["targets"].clamp(min=0)
-    with pytest.raises(ValueError, match="^support_ids: gbc_mcore does not yet"):
-        M.policy_loss(b["hidden"].transpose(0, 1), b["weight"], y, b["mask"], b["advantages"],
-                      support_ids=support_for(y, 20, k=3))
