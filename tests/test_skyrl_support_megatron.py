@@ -15,8 +15,9 @@ gbc's Megatron workers (``GBCMegatronPolicyWorker`` / ``GBCMegatronRefWorker``, 
   GPTModel and the same SkyRL 0.4 batch (fully left-padded, response tensors right-aligned,
   with ``rollout_sample_support``), at temperature 0.8: tensor parallel 2 with and without
   sequence parallelism, padded and packed micro-batches, token-based micro-batches (SkyRL's
-  padding micro-batches), data parallel 2, context parallel 2 (packed), AR, the reference
-  pass (SkyRL's Megatron reference runs at the policy's temperature). Every metric (SkyRL's
+  padding micro-batches), data parallel 2, context parallel 2 (packed), AR (under GSPO),
+  Lopti (two optimizer steps against SkyRL's two stock steps on the phases' advantages), the
+  reference pass (SkyRL's Megatron reference runs at the policy's temperature). Every metric (SkyRL's
   ``policy_entropy`` the support's), ``loss_fn_outputs``, every gradient, the optimizer step,
   the old-policy and reference log-probs. SkyRL's head casts the logits to float32: agreement
   to 1e-5 (the harness's tolerance).
@@ -351,6 +352,58 @@ def test_worker_replay_context_parallel_2(name):
         frac = _same(want, got, f"rank {r} {name}")
         if CP_CASES[name][0] == "policy":
             assert frac is not None and frac > 0
+
+
+def _lopti_worker(rank, world):
+    """Lopti (with AR) under replay, tensor parallel 2: gbc's worker's two optimizer steps
+    against SkyRL's stock steps on the phases' advantages by hand; the parameters before and
+    after, and the phases' own metrics."""
+    from gbc_kernels import methods
+    from test_skyrl import skyrl_cpu
+    from test_skyrl_megatron_methods import _params
+
+    sky = skyrl_megatron().sky
+    opts = methods.MethodOptions(lopti_eta=0.5, ar_alpha=0.3)
+    # no KL term (tests/test_skyrl_megatron_methods.py's Lopti case: SkyRL's step by hand on a
+    # phase's advantages keeps the KL of every token)
+    cfg = worker_cfg(sky, micro=3, temperature=TEMP, enable_sample_support_replay=True,
+                     use_kl_loss=False)
+    stock, ours = worker_pair(cfg, options="lopti_eta=0.5,ar_alpha=0.3", lr=0.2)
+    for w in (stock, ours):
+        w.enable_sample_support_replay = True
+    start = _params(ours.actor_module[0])
+    raw, _ = replay_batch(51, forced=((0, 1),))
+    want = []
+    with skyrl_cpu().cpu_device():
+        os.environ["GBC_SKYRL_OPTIONS"] = ours.gbc_test_options
+        got = ours.forward_backward(raw).metrics
+        ours.optim_step()
+        os.environ["GBC_SKYRL_OPTIONS"] = ""
+        for phase in ("low", "high"):
+            _, hand = replay_batch(51, forced=((0, 1),))
+            hand["advantages"] = methods.loss_advantages(hand["advantages"],
+                                                         hand["action_log_probs"], opts, phase)
+            want.append(stock.forward_backward(hand).metrics)
+            stock.optim_step()
+    os.environ.pop("GBC_SKYRL_OPTIONS", None)
+    return dict(got=got, want=want, params=(_params(ours.actor_module[0]),
+                                            _params(stock.actor_module[0]), start))
+
+
+def test_lopti_under_replay_is_two_optimizer_steps_of_skyrls_step():
+    """Lopti (``lopti_eta=0.5``, with AR) under replay: gbc's Megatron worker's
+    ``forward_backward`` + ``optim_step`` (SkyRL's step on the low tokens, an optimizer step,
+    the high tokens) moves the parameters as SkyRL's two stock steps on the phases' AR
+    advantages under replay; each phase's own metrics equal SkyRL's step on its advantages."""
+    from test_skyrl_megatron_methods import _same_metrics, _same_params
+
+    for out in spawn_gloo(2, _lopti_worker):
+        _same_params(out["params"])
+        for phase, want in zip(("low", "high"), out["want"]):
+            own = {k[len(f"gbc_lopti_{phase}/"):]: v for k, v in out["got"].items()
+                   if k.startswith(f"gbc_lopti_{phase}/")}
+            _same_metrics(own, want, skip=("loss_fn_outputs", "policy_lr"))
+        assert out["got"]["gbc_support_forced_frac"] > 0
 
 
 # ---- SkyRL's errors ----------------------------------------------------------------------
