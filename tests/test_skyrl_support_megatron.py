@@ -15,7 +15,8 @@ gbc's Megatron workers (``GBCMegatronPolicyWorker`` / ``GBCMegatronRefWorker``, 
   GPTModel and the same SkyRL 0.4 batch (fully left-padded, response tensors right-aligned,
   with ``rollout_sample_support``), at temperature 0.8: tensor parallel 2 with and without
   sequence parallelism, padded and packed micro-batches, token-based micro-batches (SkyRL's
-  padding micro-batches), data parallel 2, context parallel 2 (packed), AR (under GSPO),
+  padding micro-batches), data parallel 2, pipeline parallel 2, context parallel 2 (packed),
+  AR (under GSPO),
   Lopti (two optimizer steps against SkyRL's two stock steps on the phases' advantages), the
   reference pass (SkyRL's Megatron reference runs at the policy's temperature). Every metric (SkyRL's
   ``policy_entropy`` the support's), ``loss_fn_outputs``, every gradient, the optimizer step,
@@ -249,9 +250,11 @@ CASES = {
     "ref_tokens_packed": ("ref", dict(packed=True, max_tokens=14, temperature=TEMP), {}, {},
                           ""),
 }
-DP_CASES = {
+TWO_RANK_CASES = {    # data parallel 2 (each rank its own batch); pipeline parallel 2
     "dp2_packed": ("policy", dict(packed=True, micro=3, temperature=TEMP, **KL_ENTROPY),
                    dict(tp=1), dict(per_rank=True), ""),
+    "pp2": ("policy", dict(micro=3, temperature=TEMP, **KL_ENTROPY), dict(tp=1, pp=2),
+            dict(forced=((0, 2),)), ""),
 }
 CP_CASES = {
     "cp2_packed": ("policy", dict(packed=True, micro=3, temperature=TEMP, **KL_ENTROPY),
@@ -333,13 +336,22 @@ def test_replay_changes_the_step(tp2):
                    for k in want["grads"])
 
 
-@pytest.mark.parametrize("name", sorted(DP_CASES))
-def test_worker_replay_data_parallel_2(name):
+@pytest.fixture(scope="module")
+def two_ranks():
+    return spawn_gloo(2, _cases_worker, TWO_RANK_CASES)
+
+
+@pytest.mark.parametrize("name", sorted(TWO_RANK_CASES))
+def test_worker_replay_data_and_pipeline_parallel_2(two_ranks, name):
     """Data parallel 2, each rank its own batch: SkyRL's dp scaling and its metrics'
-    all-reduce under replay, each rank's gradients."""
-    for r, per_rank in enumerate(spawn_gloo(2, _cases_worker, DP_CASES)):
+    all-reduce under replay, each rank's gradients. Pipeline parallel 2 (megatron's 1F1B
+    schedule): the last stage scores the support, the metrics reach both stages, every stage's
+    gradients."""
+    for r, per_rank in enumerate(two_ranks):
         want, got = per_rank[name]
         _same(want, got, f"rank {r} {name}")
+    if name == "pp2":
+        assert [per_rank[name][0]["last"] for per_rank in two_ranks] == [False, True]
 
 
 @pytest.mark.parametrize("name", sorted(CP_CASES))
