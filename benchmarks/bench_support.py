@@ -9,6 +9,15 @@ Providers (forward + backward of the GRPO loss, PPO clip + k3 KL, through the lo
   ``logsumexp`` over them, autograd;
 * ``pair_projection``: what SkyRL's Megatron path does — each (token, id) pair projected from
   the hidden state and its weight row (``N·k·H`` gathered rows), autograd.
+* ``trunc_k20``, ``trunc_p095``, ``trunc_k20_p095`` (issue 61): gbc's fused loss with the kept
+  set rebuilt in the row pass (``sampler_truncation``: top_k 20; top_p 0.95 without a top-k
+  bound, the histogram select; both), at the rollout temperature 1;
+* ``kept_mass_old``, ``plain_old``: the ``support=kept_mass`` old-policy pass (``token_stats``
+  with ``sampler_truncation=top_p 0.95``, ``over_support=False``, ``return_log_kept_mass``)
+  against the plain ``token_stats`` pass (ratios of those two are to ``plain_old``).
+
+``--logit-std`` scales the hidden states so that the logits have that standard deviation (3.0:
+peaked rows, as a trained model's; the truncated sets' mean size is printed with the rows).
 
 Each provider runs in a fresh process (peak RSS clean); rounds alternate the providers, the
 median is reported, and the ratios are to ``plain`` of the same run.
@@ -39,10 +48,15 @@ import gbc_kernels as gbc
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def setup(N, H, V, k, seed=0, device="cpu", dtype=torch.float32):
+TRUNC = {"trunc_k20": dict(top_k=20), "trunc_p095": dict(top_p=0.95),
+         "trunc_k20_p095": dict(top_k=20, top_p=0.95)}
+
+
+def setup(N, H, V, k, seed=0, device="cpu", dtype=torch.float32, logit_std=0.5):
     g = torch.Generator().manual_seed(seed)
     B, T = max(1, N // 512), min(N, 512)
-    hidden = (torch.randn(B, T, H, generator=g) * 0.5).to(device, dtype).requires_grad_(True)
+    hidden = (torch.randn(B, T, H, generator=g) * logit_std).to(device, dtype) \
+        .requires_grad_(True)
     weight = (torch.randn(V, H, generator=g) / H ** 0.5).to(device, dtype).requires_grad_(True)
     targets = torch.randint(0, V, (B, T), generator=g)
     ids = torch.randint(0, V, (B, T, k), generator=g)
@@ -65,7 +79,16 @@ def loss_from_logp(c, logp):
 
 def run(provider, c):
     cfg = gbc.PolicyLossConfig(kl_coef=0.04, epsilon_high=0.28)
-    if provider in ("plain", "support"):
+    if provider in TRUNC:
+        loss, _ = gbc.fused_linear_policy_loss(c["hidden"], c["weight"], c["targets"],
+                                               c["mask"], c["adv"], c["old"], c["ref"],
+                                               config=cfg, sampler_truncation=gbc.SamplerTruncation(
+                                                   **TRUNC[provider]))
+    elif provider in ("plain_old", "kept_mass_old"):
+        kw = (dict(sampler_truncation=gbc.SamplerTruncation(top_p=0.95), over_support=False,
+                   return_log_kept_mass=True) if provider == "kept_mass_old" else {})
+        return gbc.token_stats(c["hidden"], c["weight"], c["targets"], **kw).logp.sum()
+    elif provider in ("plain", "support"):
         sup = c["ids"] if provider == "support" else None
         loss, _ = gbc.fused_linear_policy_loss(c["hidden"], c["weight"], c["targets"],
                                                c["mask"], c["adv"], c["old"], c["ref"],
@@ -86,8 +109,18 @@ def run(provider, c):
     return loss
 
 
-def one(provider, N, H, V, k, reps, device="cpu", dtype=torch.float32):
-    c = setup(N, H, V, k, device=device, dtype=dtype)
+def set_size(provider, c):
+    """The mean size of the rebuilt sets (a provider of TRUNC), from the reference's rule on
+    one chunk of rows."""
+    import gbc_reference as ref
+
+    h = c["hidden"].detach().reshape(-1, c["hidden"].shape[-1])[:64].float()
+    l = h @ c["weight"].detach().float().T
+    return float(ref.kept_set(l, **TRUNC[provider]).sum(-1).double().mean())
+
+
+def one(provider, N, H, V, k, reps, device="cpu", dtype=torch.float32, logit_std=0.5):
+    c = setup(N, H, V, k, device=device, dtype=dtype, logit_std=logit_std)
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
@@ -111,7 +144,10 @@ def one(provider, N, H, V, k, reps, device="cpu", dtype=torch.float32):
         peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
     else:
         peak = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
-    return {"time": statistics.median(times), "peak_mib": peak}
+    out = {"time": statistics.median(times), "peak_mib": peak}
+    if provider in TRUNC:
+        out["set_size"] = set_size(provider, c)
+    return out
 
 
 def main():
@@ -124,12 +160,13 @@ def main():
     ap.add_argument("--providers", default="plain,support,full_logits,pair_projection")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--logit-std", type=float, default=0.5)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--k", type=int, default=20, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(args.one, args.N, args.H, args.V, args.k, 2 if args.device == "cpu"
-                             else 5, args.device, getattr(torch, args.dtype))))
+                             else 5, args.device, getattr(torch, args.dtype), args.logit_std)))
         return
     print(f"# N={args.N} H={args.H} V={args.V} {args.dtype} on {args.device}, "
           f"{torch.get_num_threads()} threads, "
@@ -143,15 +180,17 @@ def main():
             for p in res:
                 out = subprocess.run([sys.executable, __file__, "--one", p, "--N", str(args.N),
                                       "--H", str(args.H), "--V", str(args.V), "--k", str(k),
-                                      "--device", args.device, "--dtype", args.dtype],
+                                      "--device", args.device, "--dtype", args.dtype,
+                                      "--logit-std", str(args.logit_std)],
                                      capture_output=True, text=True, check=True)
                 res[p].append(json.loads(out.stdout.strip().splitlines()[-1]))
-        plain = statistics.median(r["time"] for r in res["plain"]) if "plain" in res else None
+        med = {p: statistics.median(r["time"] for r in rs) for p, rs in res.items()}
         for p, rs in res.items():
-            t = statistics.median(r["time"] for r in rs)
+            base = med.get("plain_old" if p.endswith("_old") else "plain")
             peak = max(r["peak_mib"] for r in rs)
-            ratio = f"{t / plain:.2f}" if plain else "-"
-            print(f"| {k} | {p} | {t:.3f} | {ratio} | {peak:.0f} |", flush=True)
+            ratio = f"{med[p] / base:.2f}" if base else "-"
+            size = f" (mean set {rs[0]['set_size']:.0f} ids)" if "set_size" in rs[0] else ""
+            print(f"| {k} | {p}{size} | {med[p]:.3f} | {ratio} | {peak:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .backends.base import Backend, Workspace
-from .support import SupportBackend, members, _col
+from .support import SupportBackend, _col
 
 TIES = ("first", "all")
 RULES = ("vllm", "sglang")
@@ -108,12 +108,16 @@ def _ranked(v: torch.Tensor, i: torch.Tensor):
 
 
 def _mask_ids(keep: torch.Tensor):
-    """``(values-free) ids`` ``[r, C]`` of a ``[r, V]`` mask, ``-1`` padded."""
-    c = int(keep.sum(1).max()) if keep.numel() else 0
-    if c == 0:
-        return torch.full((keep.shape[0], 1), -1, dtype=torch.long, device=keep.device)
-    v, i = keep.to(torch.uint8).topk(c, 1)
-    return torch.where(v > 0, i, -1)
+    """The ids ``[r, C]`` of a ``[r, V]`` mask (ascending, ``-1`` padded)."""
+    cnt = keep.sum(1)
+    c = int(cnt.max()) if keep.numel() else 0
+    out = torch.full((keep.shape[0], max(c, 1)), -1, dtype=torch.long, device=keep.device)
+    if c:
+        nz = keep.nonzero()                              # row-major: each row's ids ascending
+        row = nz[:, 0]
+        start = torch.cumsum(cnt, 0) - cnt
+        out[row, torch.arange(nz.shape[0], device=keep.device) - start[row]] = nz[:, 1]
+    return out
 
 
 def _local_top_k(lm: torch.Tensor, k: int, ties: str):
@@ -200,29 +204,48 @@ def _merge(v, i, group):
     return _ranked(v, i)
 
 
-def kept_ids(l: torch.Tensor, tr: SamplerTruncation, offset: int = 0, group=_LOCAL):
-    """The kept ids (global: ``offset`` + local) of each row of ``l`` ``[r, V]`` (the
-    temperature-scaled logits of this rank's slice), ``-1`` padded. Under vocab parallelism
-    (``group``: its process group, None the default one) the ids of every shard with a top-k
-    bound; of this shard only without one."""
+def kept_mask(z: torch.Tensor, tr: SamplerTruncation, inv_t=1.0, group=_LOCAL):
+    """Without a top-k bound: ``(keep, l)``, the kept mask ``[r, V]`` of this slice and
+    ``l = (z − z_max)/T`` (None for min-p alone, which needs no exponential)."""
+    zm = _reduce(z.amax(1).float(), dist.ReduceOp.MAX, group).unsqueeze(1)
+    thr = zm + math.log(tr.min_p) / inv_t if tr.min_p > 0.0 else None
+    if tr.top_p >= 1.0:                            # min-p alone
+        return z >= thr, None
+    ct = torch.promote_types(z.dtype, torch.float32)
+    l = (z.to(ct) - zm).mul_(inv_t)                # l − l_max ≤ 0
+    full = torch.exp(l).sum(1) if tr.rule == "sglang" else None
+    if thr is not None:
+        l.masked_fill_(z < thr, float("-inf"))
+    mass = full if full is not None else torch.exp(l).sum(1)
+    zero = torch.zeros(l.shape[0], device=l.device, dtype=l.dtype)
+    return _top_p_hist(l, zero, tr.top_p * mass, strict=tr.rule == "vllm"), l
+
+
+def kept_ids(z: torch.Tensor, tr: SamplerTruncation, inv_t=1.0, offset: int = 0,
+             group=_LOCAL):
+    """The kept ids (global: ``offset`` + local) of each row of ``z`` ``[r, V]`` (this rank's
+    slice of the chunk's logits, before the temperature; ``inv_t``: ``1/T``, a float or
+    ``[r, 1]``), ``-1`` padded. Under vocab parallelism (``group``: its process group, None the
+    default one) the ids of every shard with a top-k bound; of this shard only without one.
+
+    The order of the row does not depend on ``T > 0``: top-k selects on the raw logits and
+    only the candidates are scaled; min-p compares ``z ≥ z_max + T log(min_p)``; only top-p
+    without a top-k bound (and SGLang's full-row mass) forms ``exp((z − z_max)/T)`` a row."""
     ninf = float("-inf")
-    m = _reduce(l.amax(1), dist.ReduceOp.MAX, group)
-    lm = l
-    if tr.min_p > 0.0:
-        lm = l.masked_fill(l < (m + math.log(tr.min_p)).unsqueeze(1), ninf)
+    if tr.top_k is None:       # min-p alone (this shard's), or top-p without a bound
+        ids = _mask_ids(kept_mask(z, tr, inv_t, group)[0])
+        return torch.where(ids >= 0, ids + offset, -1)
+    zm = _reduce(z.amax(1).float(), dist.ReduceOp.MAX, group).unsqueeze(1)
+    thr = zm + math.log(tr.min_p) / inv_t if tr.min_p > 0.0 else None
     full = None
     if tr.rule == "sglang" and tr.top_p < 1.0:     # top-p on the full distribution
-        full = _reduce(torch.exp(l - m.unsqueeze(1)).sum(1), dist.ReduceOp.SUM, group)
-    if tr.top_k is None and tr.top_p >= 1.0:       # min-p alone: this shard's kept tokens
-        ids = _mask_ids(lm > ninf)
-        return torch.where(ids >= 0, ids + offset, -1)
-    if tr.top_k is None:                           # top-p without a bound (one device)
-        e_mass = full if full is not None else torch.exp(lm - m.unsqueeze(1)).sum(1)
-        keep = _top_p_hist(lm, m, tr.top_p * e_mass, strict=tr.rule == "vllm")
-        if tr.rule == "sglang" and tr.min_p > 0.0:
-            keep &= lm > ninf
-        return _mask_ids(keep)
-    v, i = _local_top_k(lm, tr.top_k, tr.ties)
+        ct = torch.promote_types(z.dtype, torch.float32)
+        full = _reduce(torch.exp((z.to(ct) - zm).mul_(inv_t)).sum(1), dist.ReduceOp.SUM,
+                       group)
+    v, i = _local_top_k(z, tr.top_k, tr.ties)
+    if thr is not None:                            # min-p removes a tail of the order
+        i = torch.where(v >= thr, i, -1)
+    v = torch.where(i >= 0, (v.float() - zm) * inv_t, ninf)      # l − l_max of candidates
     i = torch.where(i >= 0, i + offset, -1)
     if group is not _LOCAL:
         v, i = _merge(v, i, group)
@@ -233,13 +256,20 @@ def kept_ids(l: torch.Tensor, tr: SamplerTruncation, offset: int = 0, group=_LOC
             i = torch.where(v >= kth, i, -1)
             v = torch.where(i >= 0, v, ninf)
     if tr.top_p < 1.0:
-        ev = torch.where(i >= 0, torch.exp(v - m.unsqueeze(1)), 0.0)
+        ev = torch.where(i >= 0, torch.exp(v), 0.0)
         mass = tr.top_p * (full if full is not None else ev.sum(1))
         before = ev.cumsum(1) - ev
         keep = (before < mass.unsqueeze(1)) if tr.rule == "vllm" \
             else (before <= mass.unsqueeze(1))
         i = torch.where(keep & (ev > 0), i, -1)
     return i
+
+
+def _with_target(ids, y):
+    """``(cols, forced)``: a row's kept ids (distinct by construction) with its target added
+    where missing."""
+    forced = ~(ids == y.unsqueeze(1)).any(1)
+    return torch.cat([ids, torch.where(forced, y, -1).unsqueeze(1)], 1), forced
 
 
 class TruncationBackend(SupportBackend):
@@ -279,9 +309,7 @@ class TruncationBackend(SupportBackend):
         for s in range(0, rows, step):           # bounded float32 temporaries (same on ranks)
             e = min(rows, s + step)
             it = inv_temp[s:e] if isinstance(inv_temp, torch.Tensor) else inv_temp
-            ct = torch.promote_types(logits.dtype, torch.float32)
-            l = logits[s:e].to(ct) * _col(it)
-            parts.append(kept_ids(l, self.tr, offset, group))
+            parts.append(kept_ids(logits[s:e], self.tr, _col(it), offset, group))
         w = max(p.shape[1] for p in parts)
         ids = torch.cat([torch.cat([p, p.new_full((p.shape[0], w - p.shape[1]), -1)], 1)
                          for p in parts])
@@ -292,9 +320,9 @@ class TruncationBackend(SupportBackend):
             has = ((y >= self.vp.start) & (y < self.vp.end))
             forced = (has & ~mine).to(torch.int32)
             forced = _reduce(forced, dist.ReduceOp.MAX, group).bool()
-            cols, _ = members(ids, y)
+            cols, _ = _with_target(ids, y)
         else:
-            cols, forced = members(ids, y)
+            cols, forced = _with_target(ids, y)
         self._store(pos, cols)
         self.forced.index_copy_(0, pos, forced)
         return torch.cat([targets[:, :2], cols], 1)
@@ -302,7 +330,49 @@ class TruncationBackend(SupportBackend):
     def _stored(self, targets):
         return torch.cat([targets[:, :2], self.cols.index_select(0, targets[:, 1])], 1)
 
+    def _dense_kept_mass(self, logits, targets, inv_temp, want_entropy, want_sum_p2, ws):
+        """``over_support=False`` without a top-k bound (a set of any size): the whole
+        vocabulary's statistics, and ``LSE_S`` from the kept mask itself (no ids gathered)."""
+        pos = targets[:, 1]
+        y = targets[:, 0]
+        group = _LOCAL if self.vp is None else self.vp.group
+        if self.vp is not None:
+            from .vocab_parallel import local_targets
+            y = local_targets(y, self.vp)
+        y = y.contiguous()
+        st = self.inner.row_stats(logits, y, inv_temp, want_entropy, want_sum_p2, ws)
+        rows, V = logits.shape
+        width = self.vp.width if self.vp is not None else V
+        step = max(1, _BLOCK // max(1, width))
+        lse_s, forced = [], []
+        for s in range(0, rows, step):
+            e = min(rows, s + step)
+            it = _col(inv_temp[s:e] if isinstance(inv_temp, torch.Tensor) else inv_temp)
+            z = logits[s:e]
+            keep, _ = kept_mask(z, self.tr, it, group)
+            yb = y[s:e]
+            has = yb >= 0
+            at = yb.clamp(min=0).unsqueeze(1)
+            kept_y = keep.gather(1, at).squeeze(1)
+            keep.scatter_(1, at, (kept_y | has).unsqueeze(1))       # the target forced in
+            ct = torch.promote_types(z.dtype, torch.float32)
+            lse_s.append(torch.logsumexp(torch.where(keep, z.to(ct) * it, float("-inf")), 1))
+            forced.append(has & ~kept_y)
+        lse_s = torch.cat(lse_s).float()
+        forced = torch.cat(forced)
+        if self.vp is not None:
+            from .vocab_parallel import combine
+
+            forced = _reduce(forced.to(torch.int32), dist.ReduceOp.MAX, group).bool()
+            st, lse_s = combine(st, self.vp, lse_s)
+        self.log_kept_mass.index_copy_(0, pos, (lse_s - st.lse).clamp(max=0.0).float())
+        self.forced.index_copy_(0, pos, forced)
+        return st
+
     def row_stats(self, logits, targets, inv_temp, want_entropy, want_sum_p2, ws: Workspace):
+        if not self.over_support and self.tr.top_k is None:
+            return self._dense_kept_mass(logits, targets, inv_temp, want_entropy, want_sum_p2,
+                                         ws)
         key = (targets.data_ptr(), targets.shape[0])
         full = (self._stored(targets) if key == self._last
                 else self._recompute(logits, targets, inv_temp))
