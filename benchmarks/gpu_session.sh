@@ -29,5 +29,11 @@ timeout 150 python benchmarks/bench_gpu.py --N "$nlist" --out "$out/gpu.csv" 2>&
 # the sampler's support (issue 60): the replayed step against the plain one and SkyRL's routes
 timeout 150 python benchmarks/bench_support.py --device cuda --dtype bfloat16 --N 8192 \
     --H 3584 --V 151936 --ks 20,512 --rounds 1 2>&1 | tee "$out/support.log"
+# the kept set rebuilt from the sampling settings (issue 61): top_k 20, top_p 0.95 without and
+# with a top-k bound, and the kept_mass old pass, against the plain step / pass
+timeout 120 python benchmarks/bench_support.py --device cuda --dtype bfloat16 --N 8192 \
+    --H 3584 --V 151936 --ks 20 --rounds 1 --logit-std 3.0 \
+    --providers plain,trunc_k20,trunc_p095,trunc_k20_p095,plain_old,kept_mass_old 2>&1 \
+    | tee "$out/truncation.log"
 timeout 60 python benchmarks/profile_gpu.py --shape qwen2.5-7b --N 8192 --chunk-mb default,256 \
     2>&1 | tee "$out/profile_qwen.log"
