@@ -493,7 +493,7 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
         None if logit_softcap is None else float(logit_softcap), sl, want_sum_p2=True,
         logits_dtype=logits_dtype)
     if sampler_truncation is not None and over_support:
-        size = (be.cols >= 0).sum(1)
+        size = be.size
     cert = None
     if certainty is not None and size is None:
         cert = certainty_from_stats(certainty, extra["entropy"], extra["zmax"], extra["lse"],

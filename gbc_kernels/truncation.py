@@ -284,6 +284,7 @@ class TruncationBackend(SupportBackend):
         self.tr = tr
         self.cols = torch.full((n, 1), -1, dtype=torch.long, device=device)
         self.forced = torch.zeros(n, dtype=torch.bool, device=device)
+        self.size = torch.zeros(n, dtype=torch.long, device=device)     # |S|, target included
         self._last = None       # the chunk last recomputed: a second statistic of the same
         #                         rows (another temperature) keeps its support
 
@@ -321,8 +322,11 @@ class TruncationBackend(SupportBackend):
             forced = (has & ~mine).to(torch.int32)
             forced = _reduce(forced, dist.ReduceOp.MAX, group).bool()
             cols, _ = _with_target(ids, y)
+            size = _reduce((ids >= 0).sum(1), dist.ReduceOp.SUM, group) + forced
         else:
             cols, forced = _with_target(ids, y)
+            size = (cols >= 0).sum(1)
+        self.size.index_copy_(0, pos, size)
         self._store(pos, cols)
         self.forced.index_copy_(0, pos, forced)
         return torch.cat([targets[:, :2], cols], 1)

@@ -345,8 +345,11 @@ def _vp_worker(rank, world, backend):
             b["ref_logp"], bias=bb, config=gbc.PolicyLossConfig(kl_coef=0.05), temperature=0.9,
             sampler_truncation=tr, token_out=tok, vocab_parallel=vp, backend=backend)
         L.backward()
+        st = gbc.token_stats(b["hidden"], b["weight"][lo:hi], b["targets"].clamp(min=0),
+                             bias=b["bias"][lo:hi], temperature=0.9, certainty="entropy",
+                             vocab_parallel=vp, backend=backend, sampler_truncation=tr)
         res.append(dict(L=L.detach(), m={k: float(v) for k, v in m.items()}, tok=tok,
-                        gh=x["hidden"].grad, gw=w.grad))
+                        gh=x["hidden"].grad, gw=w.grad, st=st))
     try:
         gbc.fused_linear_logprobs(b["hidden"], b["weight"][lo:hi], b["targets"].clamp(min=0),
                                   vocab_parallel=vp, sampler_truncation=ST(top_p=0.9))
@@ -377,8 +380,13 @@ def test_vocab_parallel_recompute_matches_float64(backend):
             b["ref_logp"], bias=x["bias"], config=ref.PolicyLossConfig(kl_coef=0.05),
             temperature=0.9, support_ids=ids, token_out=tok)
         L64.backward()
+        st64 = ref.token_stats(as64(b)["hidden"], as64(b)["weight"], b["targets"].clamp(min=0),
+                               bias=as64(b)["bias"], temperature=0.9, certainty="entropy",
+                               support_ids=ids)
         for r, (res, _) in enumerate(out):
             o = res[i]
+            for k in ("logp", "entropy", "certainty"):      # |S| over every shard
+                assert err(getattr(o["st"], k), getattr(st64, k)) < 1e-5, (tr, k)
             assert abs(o["L"].item() - L64.item()) < 1e-5 * max(1, abs(L64.item())), tr
             for k, v in m64.items():
                 assert abs(o["m"][k] - float(v)) < 1e-4 * max(1.0, abs(float(v))), (tr, k)
