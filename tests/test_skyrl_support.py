@@ -452,11 +452,10 @@ def _trainer_cfg(sky, **kw):
     return cfg
 
 
-def test_switch_on_fsdp_runs_megatron_and_methods_refused(sky, monkeypatch):
-    """Under replay gbc's FSDP worker builds (the refusal lifted); the Megatron strategy stays
-    refused with a message saying replay runs on FSDP only for now (the Megatron wrapper's
-    check, and the FSDP check of a megatron config); NTHR and critical-token KL (which read
-    the whole vocabulary's distribution) are refused by name."""
+def test_switch_on_fsdp_and_megatron_run_methods_refused(sky, monkeypatch):
+    """Under replay gbc's FSDP worker builds and a Megatron config passes both checks (replay
+    runs on both strategies: tests/test_skyrl_support_megatron.py); NTHR and critical-token KL
+    are refused by name."""
     from gbc_kernels import methods
     from gbc_kernels.integrations.skyrl import fsdp as gfsdp
     from gbc_kernels.integrations.skyrl import megatron as gmeg
@@ -468,13 +467,9 @@ def test_switch_on_fsdp_runs_megatron_and_methods_refused(sky, monkeypatch):
                                   master_addr="127.0.0.1", master_port=1,
                                   sequence_parallel_size=1)
     assert w.gbc_options == methods.MethodOptions()
-    match = (r"enable_sample_support_replay=true with trainer.strategy=megatron: gbc replays "
-             r"the sampler's support .* on SkyRL's FSDP strategy only for now")
     meg = _trainer_cfg(sky, strategy="megatron")
-    with pytest.raises(ValueError, match=match):
-        gmeg.check_megatron_config(meg, methods.MethodOptions())
-    with pytest.raises(ValueError, match=match):
-        worker.check_config(meg, methods.MethodOptions())
+    gmeg.check_megatron_config(meg, methods.MethodOptions())
+    worker.check_config(meg, methods.MethodOptions())
     cfg.algorithm.use_kl_loss = True
     for opts, name in ((methods.MethodOptions(nthr=True), "nthr"),
                        (methods.MethodOptions(critical_kl_exponent=2.0), "critical_kl_exponent")):
