@@ -57,7 +57,7 @@ TRAINERS = {
                  ["openrlhf", "transformers", "deepspeed", "ray", "peft"]),
     "skyrl": ("skyrl", ["tests/test_skyrl*.py"],
               ["skyrl", "transformers", "peft", "ray", "tensordict", "megatron-core"]),
-    "areal": ("areal", ["tests/test_areal.py"],
+    "areal": ("areal", ["tests/test_areal*.py"],
               ["areal", "transformers", "peft", "ray", "omegaconf", "hydra-core"]),
 }
 # the releases users hold (issue 51); a row per (trainer, release)

@@ -91,7 +91,7 @@ def _trl():
 
 # the adapters that do not rebuild the set (yet): each refuses both options by name
 REFUSING = {"skyrl": _skyrl, "verl-engine": _verl_engine, "verl-register": _verl_register,
-            "areal": _areal, "openrlhf": _openrlhf, "trl": _trl}
+            "openrlhf": _openrlhf, "trl": _trl}
 
 
 @pytest.mark.parametrize("adapter", sorted(REFUSING))

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 
-from .losses import (ENV, KL_WEIGHT_KEY, NTHR_ROW_KEY, NTHR_SCALE_KEY, OPTIONS_ENV,
-                     check_critical_kl, check_options, mark_reference, options_from_env)
+from .losses import (ENV, KL_WEIGHT_KEY, LOG_KEPT_MASS_KEY, NTHR_ROW_KEY, NTHR_SCALE_KEY,
+                     OPTIONS_ENV, SAMPLER_ENV, check_critical_kl, check_options, mark_reference,
+                     options_from_env, sampler_settings, sampler_text)
 
-__all__ = ["ENV", "KL_WEIGHT_KEY", "NTHR_ROW_KEY", "NTHR_SCALE_KEY", "OPTIONS_ENV",
-           "GBCFSDPPPOActor", "check_areal_version", "enable", "disable", "mark_reference"]
+__all__ = ["ENV", "KL_WEIGHT_KEY", "LOG_KEPT_MASS_KEY", "NTHR_ROW_KEY", "NTHR_SCALE_KEY",
+           "OPTIONS_ENV", "SAMPLER_ENV", "GBCFSDPPPOActor", "check_areal_version", "enable",
+           "disable", "mark_reference"]
 
 _SAVED = {}
 
@@ -30,12 +32,15 @@ def enable(config=None, **method_options):
     (:meth:`GBCFSDPPPOActor.as_controller`).
 
     ``method_options``: ``ar_alpha=0.3``, ``lopti_eta=0.5``, ``nthr=True``,
-    ``critical_kl_exponent=2.0``,
-    ``logits_dtype="float32"`` (the method layer's names; a value set in ``GBC_AREAL_OPTIONS``
+    ``critical_kl_exponent=2.0``, ``logits_dtype="float32"``, ``support="replay"``,
+    ``support_ties="all"`` (the method layer's names; a value set in ``GBC_AREAL_OPTIONS``
     is used when none are given). ``config``: AReaL's experiment config (its ``actor``
     section, or the actor config itself), checked now (:func:`.losses.check_options`);
     critical-token KL needs the experiment config (:func:`.losses.check_critical_kl`), whose
-    ``ref`` section it marks as the reference engine's. A bad option, an option AReaL's flow
+    ``ref`` section it marks as the reference engine's; so does ``support="replay"``, whose
+    sampling settings come from its ``gconfig`` (:func:`.losses.sampler_settings`) and reach
+    the engines in ``GBC_AREAL_SAMPLER``; ``support="kept_mass"`` is refused (SGLang's
+    log-probs are the full vocabulary's already). A bad option, an option AReaL's flow
     cannot run, an untested AReaL release or a missing AReaL stops here, naming it. Returns
     the options."""
     from gbc_kernels import methods
@@ -52,9 +57,12 @@ def enable(config=None, **method_options):
         text = ",".join(f"{k}={_text(v)}" for k, v in method_options.items())
     else:
         text = os.environ.get(OPTIONS_ENV, "")
-    opts = methods.MethodOptions.parse(text, OPTIONS_ENV)
+    opts = methods.MethodOptions.parse(text, OPTIONS_ENV, support_ok=True)
     check_options(None if config is None else getattr(config, "actor", None) or config, opts)
     check_critical_kl(config, opts)
+    truncation, temperature = sampler_settings(config, opts)
+    if truncation is not None:
+        _warn_sampling_backend(config)
     if opts.critical_kl_exponent is not None:
         mark_reference(config.ref)
     from .engine import GBCFSDPPPOActor
@@ -62,8 +70,12 @@ def enable(config=None, **method_options):
     if not _SAVED:
         _SAVED.update(engine=areal_engine.__dict__.get("FSDPPPOActor"),
                       fsdp=fsdp_engine.FSDPPPOActor,
-                      env={k: os.environ.get(k) for k in (ENV, OPTIONS_ENV)})
+                      env={k: os.environ.get(k) for k in (ENV, OPTIONS_ENV, SAMPLER_ENV)})
     os.environ[ENV], os.environ[OPTIONS_ENV] = "1", text
+    if truncation is None:
+        os.environ.pop(SAMPLER_ENV, None)
+    else:
+        os.environ[SAMPLER_ENV] = sampler_text(truncation, temperature)
     areal_engine.FSDPPPOActor = GBCFSDPPPOActor      # areal.engine's lazy name, cached
     fsdp_engine.FSDPPPOActor = GBCFSDPPPOActor
     return opts
@@ -87,6 +99,21 @@ def disable():
         else:
             os.environ[k] = v
     _SAVED.clear()
+
+
+def _warn_sampling_backend(config) -> None:
+    """SGLang's default sampling backend (FlashInfer on CUDA) samples by a joint rejection
+    sampler that never forms the kept set; only ``sampling_backend="pytorch"`` keeps the set
+    ``rule="sglang"`` rebuilds (docs/areal.md)."""
+    import warnings
+
+    backend = getattr(getattr(config, "sglang", None), "sampling_backend", None)
+    if backend != "pytorch":
+        warnings.warn(f"{OPTIONS_ENV}: support=replay rebuilds the kept set of SGLang's "
+                      f"PyTorch sampling backend; sglang.sampling_backend={backend!r} "
+                      "(FlashInfer by default on CUDA) samples with a joint rejection sampler "
+                      "whose boundary handling may differ (set sglang.sampling_backend="
+                      "'pytorch' for the exact set; docs/areal.md)", stacklevel=3)
 
 
 def _text(value) -> str:

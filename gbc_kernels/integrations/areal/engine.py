@@ -14,7 +14,10 @@ act on the advantages AReaL's loss receives (:mod:`.losses`); Lopti runs two of 
 ``train_batch`` updates per minibatch (:meth:`GBCFSDPPPOActor.train_batch`); NTHR keeps its
 inputs in the actor's ``compute_logp`` pass and scores the batch in ``compute_advantages``
 (:meth:`GBCFSDPPPOActor.compute_advantages`); critical-token KL weights come from the
-reference engine's ``compute_logp``.
+reference engine's ``compute_logp``. Under ``support=replay`` every pass scores over the
+rollout's kept set rebuilt from its own logits (``sampler_truncation``), and the actor's
+``compute_logp`` also keeps the kept mass with which ``compute_advantages`` moves SGLang's
+full-vocabulary behaviour log-probs onto the set.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from areal.engine.fsdp_engine import FSDPPPOActor
 from gbc_kernels import fused_linear_logprobs, methods
 from gbc_kernels.integrations import hf
 
-from .losses import (KL_WEIGHT_KEY, NTHR_ROW_KEY, NTHR_SCALE_KEY, OPTIONS_ENV, check_engine,
-                     check_options, is_reference, lopti_train_stats, method_loss_fn,
-                     options_from_env, silent_stats, trains)
+from .losses import (KL_WEIGHT_KEY, LOG_KEPT_MASS_KEY, NTHR_ROW_KEY, NTHR_SCALE_KEY,
+                     OPTIONS_ENV, SAMPLER_ENV, check_engine, check_options, corrects_behaviour,
+                     is_reference, lopti_train_stats, method_loss_fn, options_from_env,
+                     sampler_from_env, silent_stats, trains)
 
 _ROW_BITS = 32          # NTHR_ROW_KEY: pass id << 32 | the row in that pass
 
@@ -42,6 +46,12 @@ class GBCFSDPPPOActor(FSDPPPOActor):
     def __init__(self, config):
         self.gbc_options = options_from_env()
         check_options(config, self.gbc_options)
+        # support=replay: the rollout's kept set, rebuilt in every pass of this engine
+        self._gbc_truncation = sampler_from_env(self.gbc_options, config)
+        # ... and the actor under the decoupled loss keeps its compute_logp pass's kept mass,
+        # which moves the rollout's (SGLang's full-vocabulary) log-probs onto the set
+        self._gbc_keep_kept_mass = (self._gbc_truncation is not None and trains(config)
+                                    and corrects_behaviour(config))
         # the reference engine (AReaL's ref config, marked by enable(config)) gives
         # critical-token KL's weights in its compute_logp
         self._gbc_certainty = (self.gbc_options.critical_kl_exponent is not None
@@ -61,9 +71,13 @@ class GBCFSDPPPOActor(FSDPPPOActor):
         log-probs): ``(1 - c) J^gamma + c`` from the same streaming pass (docs/methods.md).
         In the actor under NTHR, the pass keeps each response token's hidden state and
         log-prob and the head's rows of the batch's ids, and tags each trajectory with its
-        rows (``gbc_nthr_row``): :meth:`compute_advantages` scores exactly these samples."""
+        rows (``gbc_nthr_row``): :meth:`compute_advantages` scores exactly these samples.
+        In the actor under ``support=replay`` with the decoupled loss, each trajectory also
+        receives ``gbc_log_kept_mass`` (``[g, S]``, aligned as the log-probs: ``LSE_S -
+        LSE_V``, the log of the kept set's mass) for :meth:`compute_advantages`."""
         sides = (["kl_weight"] if self._gbc_certainty else []) + \
-            (["nthr"] if self._gbc_keep_nthr else [])
+            (["nthr"] if self._gbc_keep_nthr else []) + \
+            (["log_kept_mass"] if self._gbc_keep_kept_mass else [])
         if not sides or not isinstance(data, list):
             return super().compute_logp(data, *args, **kwargs)
         from areal.utils.data import concat_batch, split_batch
@@ -81,6 +95,9 @@ class GBCFSDPPPOActor(FSDPPPOActor):
         if "kl_weight" in sides:
             for traj, w in zip(data, split_batch(self._gbc_side_out["kl_weight"], meta)):
                 traj[KL_WEIGHT_KEY] = w
+        if "log_kept_mass" in sides:
+            for traj, m in zip(data, split_batch(self._gbc_side_out["log_kept_mass"], meta)):
+                traj[LOG_KEPT_MASS_KEY] = m
         if "nthr" in sides:
             self._gbc_keep_rows(data, self._gbc_side_out["nthr"])
         self._gbc_side_out = None
@@ -140,6 +157,12 @@ class GBCFSDPPPOActor(FSDPPPOActor):
         * critical-token KL: its per-token KL reward ``-kl_ctl * kl_estimator(old_logp,
           ref_logp)`` is multiplied by the reference pass's weights (``gbc_kl_weight`` in every
           trajectory: refused by name when a trajectory has none, never an unweighted KL);
+        * ``support=replay`` (the decoupled loss): before AReaL's own code, each trajectory's
+          rollout log-probs (SGLang's, over the full vocabulary) become ``logprobs -
+          log_kept_mass`` (``methods.corrected_sampler_logp(..., "replay", normalised=False)``)
+          on its response tokens, with the kept mass of the actor's ``compute_logp`` pass: the
+          behaviour log-probs over the kept set, as every other log-prob of the step, in the
+          behaviour weight (``behave_imp_weight``), the KL reward, M2PO and the metrics;
         * NTHR: the batch is scored from what the actor's last ``compute_logp`` kept for
           these very trajectories (:meth:`_gbc_nthr_rows` refuses any other), its groups
           AReaL's trajectories (one prompt's answers each) and its correct answers those
@@ -148,7 +171,8 @@ class GBCFSDPPPOActor(FSDPPPOActor):
           ``nthr_eta_mean`` into AReaL's ``ppo_actor`` statistics."""
         kl = self.gbc_options.critical_kl_exponent is not None
         nthr = self.gbc_options.nthr
-        if not kl and not nthr:
+        replay = self._gbc_keep_kept_mass
+        if not kl and not nthr and not replay:
             return super().compute_advantages(data, *args, **kwargs)
         missing = [i for i, t in enumerate(data) if KL_WEIGHT_KEY not in t] if kl else []
         if missing:
@@ -156,11 +180,21 @@ class GBCFSDPPPOActor(FSDPPPOActor):
                              "has no certainty weights from the reference engine's "
                              "compute_logp (AReaL's trainer runs it when actor.kl_ctl > 0 "
                              "and a ref config is set; enable(config) marks that engine)")
+        missing = [i for i, t in enumerate(data) if LOG_KEPT_MASS_KEY not in t] if replay \
+            else []
+        if missing:
+            raise ValueError(f"{OPTIONS_ENV}: support=replay: trajectory {missing[0]} has no "
+                             f"kept mass ({LOG_KEPT_MASS_KEY}) from this actor's compute_logp "
+                             "pass, which moves SGLang's full-vocabulary rollout log-probs "
+                             "onto the kept set (run the actor's compute_logp on the batch "
+                             "first, as AReaL's trainer does under use_decoupled_loss)")
         kept = self._gbc_nthr_rows(data) if nthr else None
         actor = self.actor
         real_fn, real_est = actor._compute_advantages, actor.kl_estimator
 
         def with_methods(batch):
+            if replay:
+                self._gbc_behaviour_onto_set(batch)
             if kl:
                 w = batch[KL_WEIGHT_KEY].float()
                 actor.kl_estimator = lambda logp, base: real_est(logp, base) * w.to(logp.device)
@@ -170,6 +204,7 @@ class GBCFSDPPPOActor(FSDPPPOActor):
                 actor.kl_estimator = real_est
             if nthr:
                 out = self._gbc_nthr_score(out, *kept)
+            out.pop(LOG_KEPT_MASS_KEY, None)
             return out
 
         actor._compute_advantages = with_methods
@@ -178,6 +213,17 @@ class GBCFSDPPPOActor(FSDPPPOActor):
         finally:
             del actor._compute_advantages
             self._gbc_nthr = None       # scored once: the kept rows are freed
+
+    @staticmethod
+    def _gbc_behaviour_onto_set(batch):
+        """``batch["logprobs"]`` (the rollout's, aligned with ``input_ids``: row ``t`` the
+        log-prob of token ``t``) minus the kept mass of the pass that scored token ``t``
+        (``gbc_log_kept_mass`` is aligned as the pass's rolled log-probs, row ``t`` for token
+        ``t + 1``), on the response tokens (``loss_mask``) only."""
+        lk = torch.roll(batch[LOG_KEPT_MASS_KEY].float(), shifts=1, dims=-1)
+        lp = batch["logprobs"]
+        lk = (lk * batch["loss_mask"].to(lk.dtype)).to(lp.device)
+        batch["logprobs"] = methods.corrected_sampler_logp(lp, lk, "replay", normalised=False)
 
     def _gbc_nthr_rows(self, data):
         """``(rows, group_ids)``: the kept row of every row of ``data`` (its trajectories, in
@@ -237,20 +283,36 @@ class GBCFSDPPPOActor(FSDPPPOActor):
         read the options the controller was switched on with."""
         options = options_from_env()
         check_options(config, options)
+        sampler_from_env(options, config)
+        kept = options.support == "replay" and trains(config) and corrects_behaviour(config)
         for name, what in (("critical_kl_exponent", "the certainty weights travel"),
-                           ("nthr", "NTHR's rows are tagged")):
-            if getattr(options, name) not in (None, False):
-                raise ValueError(f"{OPTIONS_ENV}: {name}={getattr(options, name)}: {what} in "
+                           ("nthr", "NTHR's rows are tagged"),
+                           ("support", "under use_decoupled_loss the kept mass that moves "
+                                       "the rollout's log-probs travels")):
+            value = getattr(options, name)
+            if value not in (None, False) and (name != "support" or kept):
+                raise ValueError(f"{OPTIONS_ENV}: {name}={value}: {what} in "
                                  "the trajectories, which AReaL's single controller serialises "
                                  "to its workers; run under AReaL's SPMD launcher")
-        text = os.environ.get(OPTIONS_ENV, "")
+        env = {OPTIONS_ENV: os.environ.get(OPTIONS_ENV, "")}
+        if options.support is not None:
+            env[SAMPLER_ENV] = os.environ.get(SAMPLER_ENV, "")
         for spec in getattr(config, "scheduling_spec", ()) or ():
-            spec.env_vars = {**(spec.env_vars or {}), OPTIONS_ENV: text}
+            spec.env_vars = {**(spec.env_vars or {}), **env}
         return super().as_controller(config, scheduler)
 
     def initialize(self, *args, **kwargs):
         check_engine(self)
-        return super().initialize(*args, **kwargs)
+        out = super().initialize(*args, **kwargs)
+        tr = self._gbc_truncation
+        if tr is not None and tr.top_k is not None and tr.top_p >= 1.0 and tr.min_p <= 0.0:
+            vocab = hf.lm_head(hf.unwrap(self.model)).weight.shape[0]
+            if tr.top_k >= vocab:
+                raise ValueError(f"{OPTIONS_ENV}: support=replay: gconfig.top_k={tr.top_k} >= "
+                                 f"the model's vocabulary ({vocab}) with top_p 1: the rollout "
+                                 "kept every token and there is nothing to replay (unset "
+                                 "support, or sample with top_k < V / top_p < 1)")
+        return out
 
     # -- Lopti: two updates per AReaL minibatch ----------------------------------------------
     def train_batch(self, input_, loss_fn, loss_weight_fn):
@@ -303,16 +365,21 @@ class GBCFSDPPPOActor(FSDPPPOActor):
                     st = methods.reference_stats(
                         h, head.weight, labels.to(h.device), self.gbc_options, head.bias,
                         temperature=self.config.temperature,
-                        logit_softcap=hf.logit_softcap(inner))
+                        logit_softcap=hf.logit_softcap(inner),
+                        sampler_truncation=self._gbc_truncation)
                     captured["rows"] = (st.ref_logp, None)
                     captured["kl_weight"] = st.kl_weight
                     return hidden[..., :1] * 0
-                logp, entropy = fused_linear_logprobs(
+                kept = "log_kept_mass" in side
+                logp, entropy, *lkm = fused_linear_logprobs(
                     h, head.weight, labels.to(h.device), head.bias,
                     temperature=self.config.temperature, return_entropy=not forward_only,
                     logit_softcap=hf.logit_softcap(inner),
-                    logits_dtype=self.gbc_options.logits_dtype)
+                    logits_dtype=self.gbc_options.logits_dtype,
+                    sampler_truncation=self._gbc_truncation, return_log_kept_mass=kept)
                 captured["rows"] = (logp, entropy)
+                if kept:
+                    captured["log_kept_mass"] = lkm[0]
                 stand_in = hidden[..., :1] * 0
                 return stand_in + (logp.sum() * 0).to(hidden.dtype) if logp.requires_grad \
                     else stand_in
@@ -391,6 +458,9 @@ class GBCFSDPPPOActor(FSDPPPOActor):
         side = self._gbc_side
         if side is not None and "kl_weight" in side:
             side["kl_weight"].append(self._gbc_trim(self._gbc_captured_side["kl_weight"], ctx))
+        if side is not None and "log_kept_mass" in side:
+            side["log_kept_mass"].append(
+                self._gbc_trim(self._gbc_captured_side["log_kept_mass"], ctx))
         if side is not None and "nthr" in side:
             side["nthr"].append(self._gbc_keep_micro_batch(ctx, logp))
         return logp

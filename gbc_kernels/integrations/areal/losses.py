@@ -28,6 +28,12 @@ NTHR_ROW_KEY = "gbc_nthr_row"          # [g] int64 per trajectory: its rows in t
                                        # compute_logp pass (pass id << 32 | row)
 NTHR_SCALE_KEY = "gbc_nthr_scale"      # [g, S] float32: NTHR's token scales (1 off-selection)
 REFERENCE_MARK = "_gbc_reference"      # set on AReaL's ref config by enable(config)
+SAMPLER_ENV = "GBC_AREAL_SAMPLER"      # support=replay: the rollout's sampling settings, set by
+                                       # enable(config) from its gconfig ("top_k=20,top_p=0.9,
+                                       # min_p=0.0,ties=first,temperature=0.8")
+LOG_KEPT_MASS_KEY = "gbc_log_kept_mass"   # [g, S] per trajectory: LSE_S - LSE_V of the actor's
+                                          # compute_logp pass, aligned as its log-probs
+NO_TOP_K = int(1e8)                    # AReaL's gconfig.top_k default: no bound (SGLang: -1)
 
 
 def mark_reference(ref_config) -> None:
@@ -81,7 +87,147 @@ def check_critical_kl(experiment, options: methods.MethodOptions) -> None:
 
 def options_from_env() -> methods.MethodOptions:
     """The method options of ``GBC_AREAL_OPTIONS`` (none set: every method off)."""
-    return methods.MethodOptions.parse(os.environ.get(OPTIONS_ENV, ""), OPTIONS_ENV)
+    return methods.MethodOptions.parse(os.environ.get(OPTIONS_ENV, ""), OPTIONS_ENV,
+                                       support_ok=True)
+
+
+# ------------------------------------------------------------ the sampler's kept set (issue 61)
+def _support_name(options) -> str:
+    return f"{OPTIONS_ENV}: support={options.support}"
+
+
+def refuse_kept_mass(options: methods.MethodOptions) -> None:
+    """``support=kept_mass`` in AReaL's words (what ``methods.corrected_sampler_logp`` refuses
+    for full-vocabulary sampler log-probs); ``support_ties`` without a support mode."""
+    if options.support == "kept_mass":
+        raise ValueError(f"{_support_name(options)}: AReaL 1.0.4 rolls out with SGLang, whose "
+                         "log-probs (the trajectories' logprobs, the behaviour policy's in the "
+                         "decoupled loss's behave_imp_weight) are over the full vocabulary "
+                         "already, as gbc's full-vocabulary policy is: the behaviour weight "
+                         "has no kept-mass bias to correct; use support=replay (the policy, "
+                         "proximal and reference log-probs over the rollout's kept set) or "
+                         "unset it")
+    if options.support is None and options.support_ties is not None:
+        raise ValueError(f"{OPTIONS_ENV}: support_ties={options.support_ties}: the tie rule of "
+                         "the rebuilt kept set, which only support=replay builds; set "
+                         "support=replay or unset support_ties")
+
+
+def _backend_name(section) -> str:
+    spec = str(getattr(section, "backend", "") or "")
+    return spec.split(":", 1)[0].strip().lower()
+
+
+def sampler_settings(experiment, options: methods.MethodOptions):
+    """``(SamplerTruncation, temperature)`` of AReaL's rollout under ``support=replay`` (None,
+    None when support is off), from the experiment config's generation config ``gconfig``:
+    ``top_k`` (``<= 0`` or AReaL's default ``1e8``: no bound), ``top_p``, ``min_p`` (AReaL
+    1.0.4 has none: SGLang's 0), SGLang's joint rule, ties ``"first"`` (``support_ties``
+    overrides). Refused by name: no experiment config; a rollout backend other than SGLang
+    (AReaL's vLLM engine returns vLLM's raw log-probs: before temperature and truncation);
+    ``gconfig.greedy``; ``gconfig.frequency_penalty != 0`` (SGLang penalises the logits before
+    its filter); ``actor.temperature`` (and the ``ref`` engine's) other than
+    ``gconfig.temperature``; a distillation ``teacher``; no truncation at all."""
+    refuse_kept_mass(options)
+    if options.support is None:
+        return None, None
+    name = _support_name(options)
+    gconfig = getattr(experiment, "gconfig", None)
+    actor = getattr(experiment, "actor", None)
+    if experiment is None or gconfig is None or actor is None:
+        raise ValueError(f"{name} needs enable(config, ...) with AReaL's experiment config: "
+                         "its gconfig holds the rollout's top_k / top_p / temperature, from "
+                         "which the kept set is rebuilt")
+    rollout = getattr(experiment, "rollout", None)
+    backend = _backend_name(rollout)
+    if backend != "sglang":
+        raise ValueError(f"{name} with rollout.backend={getattr(rollout, 'backend', None)!r}: "
+                         "the kept set is rebuilt by SGLang's rule and SGLang's "
+                         "full-vocabulary log-probs are moved onto it; AReaL's vLLM engine "
+                         "sets no logprobs_mode, so its log-probs are vLLM's raw ones (before "
+                         "temperature and truncation) and neither mode applies (roll out with "
+                         "sglang, or unset support)")
+    if getattr(gconfig, "greedy", False):
+        raise ValueError(f"{name} with gconfig.greedy=True: a greedy rollout keeps one token; "
+                         "there is no sampled kept set to rebuild (unset support)")
+    for field in ("frequency_penalty", "presence_penalty"):
+        if getattr(gconfig, field, 0.0):
+            raise ValueError(f"{name} with gconfig.{field}={getattr(gconfig, field)}: SGLang "
+                             "penalises the logits by the tokens generated so far before its "
+                             "filter, which the row pass cannot rebuild (set it to 0, or unset "
+                             "support)")
+    temp = float(getattr(gconfig, "temperature", 1.0))
+    engines = [("actor", actor)]
+    if getattr(experiment, "ref", None) is not None and _cfg(actor, "kl_ctl", 0.0):
+        engines.append(("ref", experiment.ref))
+    for section, cfg in engines:
+        t = float(_cfg(cfg, "temperature", 1.0))
+        if t != temp:
+            raise ValueError(f"{name}: {section}.temperature={t} differs from "
+                             f"gconfig.temperature={temp}: the kept set is the rollout's at "
+                             "gconfig's temperature, and AReaL scores every pass at the "
+                             f"engine's own temperature (set {section}.temperature to "
+                             f"{temp})")
+    if getattr(experiment, "teacher", None) is not None:
+        raise ValueError(f"{name} with a teacher: AReaL's distillation terms compare the "
+                         "policy's log-probs with the teacher's full-vocabulary ones; "
+                         "support=replay puts the policy's over the rollout's kept set "
+                         "(unset support, or the teacher)")
+    top_k = getattr(gconfig, "top_k", None)
+    if top_k is not None and int(top_k) >= NO_TOP_K:
+        top_k = None
+    tr = methods.sampler_truncation(options, top_k=top_k, top_p=getattr(gconfig, "top_p", 1.0),
+                                    min_p=getattr(gconfig, "min_p", 0.0), rule="sglang",
+                                    ties="first", names={"support": f"{OPTIONS_ENV}: support"})
+    return tr, temp
+
+
+def sampler_text(truncation, temperature) -> str:
+    """:func:`sampler_settings`' result as ``GBC_AREAL_SAMPLER``'s text."""
+    k = "none" if truncation.top_k is None else truncation.top_k
+    return (f"top_k={k},top_p={truncation.top_p!r},min_p={truncation.min_p!r},"
+            f"ties={truncation.ties},temperature={float(temperature)!r}")
+
+
+def sampler_from_env(options: methods.MethodOptions, config=None):
+    """The engine's ``SamplerTruncation`` under ``support=replay`` (None when off), from
+    ``GBC_AREAL_SAMPLER``; refused by name when it is missing or malformed, or when the
+    engine's ``config.temperature`` is not the rollout's."""
+    refuse_kept_mass(options)
+    if options.support is None:
+        return None
+    from gbc_kernels import SamplerTruncation
+
+    name = _support_name(options)
+    text = os.environ.get(SAMPLER_ENV, "")
+    if not text.strip():
+        raise ValueError(f"{name}: no rollout sampling settings ({SAMPLER_ENV}); they come "
+                         "from enable(config, support='replay') with AReaL's experiment "
+                         "config (its gconfig)")
+    items = methods.parse_items(text, SAMPLER_ENV)
+    try:
+        k = items["top_k"]
+        tr = SamplerTruncation(top_k=None if k == "none" else int(k),
+                               top_p=float(items["top_p"]), min_p=float(items["min_p"]),
+                               ties=items["ties"], rule="sglang")
+        temp = float(items["temperature"])
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"{SAMPLER_ENV}: expected top_k, top_p, min_p, ties and temperature "
+                         f"as enable(config) writes them, got {text!r} ({exc})") from None
+    t = _cfg(config, "temperature", None)
+    if t is not None and float(t) != temp:
+        raise ValueError(f"{name}: this engine's temperature={float(t)} differs from the "
+                         f"rollout's gconfig.temperature={temp} ({SAMPLER_ENV}): the kept set "
+                         "is the rollout's at its temperature (set the engine's temperature "
+                         f"to {temp})")
+    return tr
+
+
+def corrects_behaviour(config) -> bool:
+    """Whether AReaL's loss keeps the rollout's log-probs (the behaviour policy's: the decoupled
+    loss), so that ``support=replay`` moves them onto the kept set (coupled with
+    ``recompute_logprob``, AReaL overwrites them with the proximal ones)."""
+    return bool(_cfg(config, "use_decoupled_loss", False))
 
 
 def _cfg(config, name, default=None):
@@ -103,8 +249,11 @@ def check_options(config, options: methods.MethodOptions) -> None:
     if _cfg(config, "is_critic", False):
         raise ValueError("is_critic: gbc's AReaL engine is the actor's (and the reference's); "
                          "the critic has no lm_head")
+    refuse_kept_mass(options)
     if config is not None and not trains(config):
         return                  # the reference / a teacher: log-probs only, no loss
+    if options.support == "replay" and config is not None:
+        _check_replay(config, options)
     if options.nthr and config is not None and hasattr(config, "should_compute_prox_logp") \
             and not config.should_compute_prox_logp():
         raise ValueError(f"{OPTIONS_ENV}: nthr=true: NTHR scores the batch from the hidden "
@@ -128,6 +277,28 @@ def check_options(config, options: methods.MethodOptions) -> None:
                              "the proximal policy is then interpolated from the current one "
                              "inside the loss, so p_old is not fixed before the update (use "
                              "'recompute')")
+
+
+def _check_replay(config, options) -> None:
+    """``support=replay`` in the actor's config: the rollout's log-probs must either be
+    replaced by AReaL (coupled, ``recompute_logprob``) or corrected from the actor's
+    ``compute_logp`` pass (decoupled, ``prox_logp_method`` other than ``loglinear``)."""
+    name = _support_name(options)
+    decoupled = _cfg(config, "use_decoupled_loss", False)
+    if not decoupled and not _cfg(config, "recompute_logprob", False):
+        raise ValueError(f"{name} with recompute_logprob=false without use_decoupled_loss: "
+                         "the PPO ratio is then taken against SGLang's full-vocabulary "
+                         "rollout log-probs, and AReaL runs no actor compute_logp pass to "
+                         "move them onto the kept set (set recompute_logprob=true, or "
+                         "use_decoupled_loss=true)")
+    if decoupled and _cfg(config, "prox_logp_method", "recompute") == "loglinear":
+        raise ValueError(f"{name} with prox_logp_method='loglinear': AReaL then runs no actor "
+                         "compute_logp pass, which gives the kept mass that moves SGLang's "
+                         "full-vocabulary behaviour log-probs onto the kept set (use "
+                         "'recompute' or 'metrics')")
+    if options.nthr:
+        raise ValueError(f"{name} with nthr=true: NTHR's scores over the rebuilt kept set are "
+                         "not wired into AReaL's engine (unset one of them)")
 
 
 def check_engine(engine) -> None:
