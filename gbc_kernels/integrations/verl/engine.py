@@ -6,9 +6,11 @@ the engine registry (:func:`enable`, run by the ``verl.plugins`` entry point und
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -37,8 +39,9 @@ class EngineOptions(methods.MethodOptions):
 
     @classmethod
     def parse(cls, text: Optional[str]) -> "EngineOptions":
-        """``"ar_alpha=0.3,lopti_eta=0.5"`` -> options (errors naming ``GBC_VERL_OPTIONS``)."""
-        return super().parse(text, ENV_OPTIONS)
+        """``"ar_alpha=0.3,lopti_eta=0.5"`` -> options (errors naming ``GBC_VERL_OPTIONS``).
+        ``support`` / ``support_ties`` run in gbc's engines (:func:`support_plan`)."""
+        return super().parse(text, ENV_OPTIONS, support_ok=True)
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(EngineOptions))
@@ -55,6 +58,166 @@ CRITICAL_KL_FIELDS = ("critical_kl_exponent", "critical_kl_intercept", "critical
                       "critical_kl_temperature")
 # what the trainer's reference pass hands the worker: critical-KL's options and the head's mode
 REFERENCE_PASS_FIELDS = CRITICAL_KL_FIELDS + ("logits_dtype",)
+LOG_KEPT_MASS_KEY = "gbc_log_kept_mass"   # the old-policy pass: LSE_S - LSE_V per token
+
+
+# ------------------------------------------------- the sampler's kept set, rebuilt (issue 61)
+ROLLOUT = "actor_rollout_ref.rollout"
+VLLM_LOGPROBS_MODE = "processed_logprobs"
+# vLLM 0.24.0 (verl 0.9.1's pin) samples top-k with its Triton kernel (exactly k, lowest ids
+# first) at >= 8 rows an engine step, with its PyTorch rule (every tie kept) below
+DEFAULT_TIES = "first"
+
+
+@dataclasses.dataclass(frozen=True)
+class SupportPlan:
+    """What ``support=replay|kept_mass`` asks of gbc's engines and of verl's trainer, built by
+    :func:`support_plan` from the rollout's sampling settings (docs/verl.md, "The sampler's
+    kept set"). ``normalised``: the rollout's log-probs are normalised over the kept set
+    (vLLM's ``processed_logprobs``), not the full vocabulary's (SGLang's)."""
+
+    mode: str
+    truncation: gbc.SamplerTruncation
+    normalised: bool
+    rollout: str
+
+    @property
+    def corrects_sampler(self) -> bool:
+        """Whether verl's rollout correction takes the old-policy pass's ``log_kept_mass``
+        (``kept_mass``; ``replay`` against SGLang's full-vocabulary log-probs)."""
+        return self.mode == "kept_mass" or not self.normalised
+
+    def scored_kwargs(self) -> dict:
+        """The update's and the reference pass's support: the rebuilt set under ``replay``,
+        the full vocabulary under ``kept_mass``."""
+        return {"sampler_truncation": self.truncation} if self.mode == "replay" else {}
+
+    def old_pass_kwargs(self) -> dict:
+        """The old-policy pass: over the rebuilt set (``replay``) or the full vocabulary's
+        numbers bit for bit (``kept_mass``: ``over_support=False``), with ``log_kept_mass``
+        where the rollout correction takes it."""
+        if self.mode == "replay":
+            return dict(sampler_truncation=self.truncation,
+                        return_log_kept_mass=self.corrects_sampler)
+        return dict(sampler_truncation=self.truncation, over_support=False,
+                    return_log_kept_mass=True)
+
+
+def _cfg(config, name, default=None):
+    if config is None:
+        return default
+    if hasattr(config, "get"):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def support_plan(options, rollout, tensor_parallel=()) -> Optional[SupportPlan]:
+    """``support`` / ``support_ties`` of ``options`` against verl's rollout config ``rollout``
+    (``actor_rollout_ref.rollout``: ``name``, ``top_k``, ``top_p``, ``logprobs_mode``,
+    ``calculate_log_probs``; verl has no ``min_p``): None when ``support`` is off, else the
+    :class:`SupportPlan`. ``tensor_parallel``: ``(verl's option, size)`` of each Megatron
+    engine that scores under vocab parallelism. Refused by name, in verl's words: a rollout
+    that is neither vLLM nor SGLang, vLLM log-probs other than ``processed_logprobs``,
+    ``kept_mass`` against SGLang's full-vocabulary log-probs, settings that truncate nothing,
+    top-p without a top-k bound under tensor parallelism."""
+    if options.support is None:
+        if options.support_ties is not None:
+            raise ValueError(f"{ENV_OPTIONS}: support_ties={options.support_ties}: set without "
+                             f"support (replay or kept_mass); set support too, or unset "
+                             f"support_ties")
+        return None
+    said = f"{ENV_OPTIONS} support={options.support}"
+    name = _cfg(rollout, "name")
+    if name not in ("vllm", "sglang"):
+        raise ValueError(f"{ROLLOUT}.name={name!r}: {said} rebuilds the kept set by vLLM's or "
+                         f"SGLang's sampling rule; roll out with vllm or sglang, or unset "
+                         f"support")
+    normalised = name == "vllm"
+    mode = _cfg(rollout, "logprobs_mode", VLLM_LOGPROBS_MODE)
+    if normalised and _cfg(rollout, "calculate_log_probs", False) and mode != VLLM_LOGPROBS_MODE:
+        raise ValueError(f"{ROLLOUT}.logprobs_mode={mode}: {said} compares the policy with "
+                         f"vLLM's {VLLM_LOGPROBS_MODE} (after temperature and top-k/top-p, "
+                         f"normalised over the kept set); {mode} is not that (raw_*: before "
+                         f"temperature and truncation, vLLM's default when unset; *_logits: not "
+                         f"log-probs); set {ROLLOUT}.logprobs_mode="
+                         f"{VLLM_LOGPROBS_MODE}, or unset support")
+    if not normalised and options.support == "kept_mass":
+        raise ValueError(f"{said}: {ROLLOUT}.name=sglang returns the full vocabulary's log-probs "
+                         f"(it ignores logprobs_mode), so verl's rollout correction has no "
+                         f"kept-mass bias to correct; use support=replay (SGLang's log-probs "
+                         f"moved onto the kept set by log_kept_mass) or unset support")
+    k, p = _cfg(rollout, "top_k", -1), _cfg(rollout, "top_p", 1.0)
+    p = 1.0 if p is None else p
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+        raise ValueError(f"{ROLLOUT}.top_p={p!r}: expected a float in (0, 1] ({said})")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
+        raise ValueError(f"{ROLLOUT}.top_k={k!r}: expected an int (-1 or 0: no bound) "
+                         f"({said})")
+    bound = k is not None and k > 0
+    if not bound and p >= 1.0:
+        raise ValueError(f"{said}: {ROLLOUT}.top_k={k} and top_p={p}: the rollout samples "
+                         f"without truncation (verl has no min_p), the sampler kept the whole "
+                         f"vocabulary and there is nothing to correct; unset support, or "
+                         f"sample with {ROLLOUT}.top_k / top_p")
+    for option, size in tensor_parallel:
+        if int(size or 1) > 1 and not bound and p < 1.0:
+            raise ValueError(f"{ROLLOUT}.top_p={p} without a top_k bound ({ROLLOUT}.top_k={k})"
+                             f": under Megatron's tensor parallelism ({option}={size}, the "
+                             f"vocabulary sharded) gbc rebuilds the top-p cut only below a "
+                             f"top-k bound (each shard's top candidates merged; the cut over "
+                             f"the whole vocabulary needs every shard's order); set "
+                             f"{ROLLOUT}.top_k too, set {option}=1, or unset {said}")
+    tr = methods.sampler_truncation(options, k, p, 0.0, rule=name, ties=DEFAULT_TIES,
+                                    names={"support": said})
+    return SupportPlan(options.support, tr, normalised, name)
+
+
+def trainer_support_plan(config, options) -> Optional[SupportPlan]:
+    """:func:`support_plan` from the trainer's whole config (``actor_rollout_ref``,
+    ``algorithm``), which also checks the rollout correction the mode feeds: ``kept_mass``
+    needs verl's rollout correction to run (``calculate_log_probs``, ``algorithm.
+    rollout_correction`` with ``rollout_is`` or ``rollout_rs``, not ``bypass_mode``); NTHR is
+    refused under ``replay`` (its scores are the full vocabulary's)."""
+    arr = _cfg(config, "actor_rollout_ref")
+    rollout = _cfg(arr, "rollout")
+    tp = []
+    uses_ref = (_cfg(_cfg(arr, "actor"), "use_kl_loss", False)
+                or _cfg(_cfg(config, "algorithm"), "use_kl_in_reward", False))
+    for role in ("actor", "ref") if uses_ref else ("actor",):
+        part = _cfg(arr, role)
+        if _cfg(part, "strategy") == "megatron":
+            tp.append((f"actor_rollout_ref.{role}.megatron.tensor_model_parallel_size",
+                       _cfg(_cfg(part, "megatron"), "tensor_model_parallel_size", 1)))
+    plan = support_plan(options, rollout, tp)
+    if plan is None:
+        return None
+    _check_nthr(options, plan)
+    said = f"{ENV_OPTIONS} support={plan.mode}"
+    rc = _cfg(_cfg(config, "algorithm"), "rollout_correction")
+    if plan.mode == "kept_mass":
+        if not _cfg(rollout, "calculate_log_probs", False):
+            raise ValueError(f"{ROLLOUT}.calculate_log_probs=False: {said} moves the rollout's "
+                             f"log-probs in verl's rollout correction, and without them the "
+                             f"correction does not run; set {ROLLOUT}.calculate_log_probs=True "
+                             f"with algorithm.rollout_correction.rollout_is / rollout_rs, or "
+                             f"unset support")
+        if rc is None or _cfg(rc, "bypass_mode", False) or (
+                _cfg(rc, "rollout_is") is None and _cfg(rc, "rollout_rs") is None):
+            what = ("None" if rc is None else "bypass_mode=True" if _cfg(rc, "bypass_mode", False)
+                    else "rollout_is=None and rollout_rs=None")
+            raise ValueError(f"algorithm.rollout_correction: {what}: {said} corrects the "
+                             f"importance weights / rejection mask verl's rollout correction "
+                             f"computes from rollout_log_probs, and it computes none; set "
+                             f"algorithm.rollout_correction.rollout_is or rollout_rs "
+                             f"(bypass_mode=False), or unset support")
+    return plan
+
+
+def _check_nthr(options, plan):
+    if plan is not None and plan.mode == "replay" and options.nthr:
+        raise ValueError(f"{ENV_OPTIONS}: nthr: NTHR's scores are the full vocabulary's; under "
+                         f"support=replay the policy's log-probs are over the rebuilt kept set; "
+                         f"use support=kept_mass with nthr, or unset one")
 
 
 def _stable_id(uid) -> int:
@@ -198,6 +361,49 @@ class EngineMethods:
     _gbc_keeps_nthr = False
     _gbc_keeping: Optional[methods.NTHRBatch] = None
     _gbc_nthr_kept = None
+    # the sampler's kept set (support=replay|kept_mass): the rollout config, handed over by
+    # verl's ActorRolloutRefWorker.init_model as gbc wraps it, this engine's role there, and
+    # the plan (with the options it was made for)
+    _gbc_rollout = None
+    _gbc_support_role: Optional[str] = None
+    _gbc_support: tuple = (None, None)
+
+    def gbc_attach_rollout(self, rollout, role: str = "actor") -> Optional[SupportPlan]:
+        """The rollout's sampling settings (verl's ``actor_rollout_ref.rollout``) for
+        ``support`` (:func:`support_plan`, refused by name here), on this engine of the
+        worker's ``role`` (``"actor"``: its forward-only pass with entropy is the old-policy
+        pass; ``"ref"``)."""
+        plan = support_plan(self.gbc_options, rollout, self._gbc_tensor_parallel(role))
+        _check_nthr(self.gbc_options, plan)
+        self._gbc_rollout, self._gbc_support_role = rollout, role
+        self._gbc_support = (self.gbc_options, plan)
+        return plan
+
+    def _gbc_tensor_parallel(self, role) -> list:
+        """``(verl's option, size)`` of the vocab parallelism this engine scores under."""
+        return []
+
+    def _gbc_plan(self) -> Optional[SupportPlan]:
+        """The support plan of a step; ``support`` set on an engine that never got the
+        rollout's settings is refused."""
+        opts = self.gbc_options
+        if opts.support is None:
+            return None
+        if self._gbc_support_role is None:
+            raise ValueError(f"{ENV_OPTIONS}: support={opts.support}: this engine has not got "
+                             f"the rollout's sampling settings; gbc reads {ROLLOUT} when "
+                             f"verl's ActorRolloutRefWorker.init_model builds its engines "
+                             f"(GBC_VERL_ENGINE set in every worker), or call "
+                             f"engine.gbc_attach_rollout(rollout_config)")
+        if self._gbc_support[0] is not opts:       # the options changed since: planned again
+            self.gbc_attach_rollout(self._gbc_rollout, self._gbc_support_role)
+        return self._gbc_support[1]
+
+    def _gbc_old_pass(self, micro_batch) -> bool:
+        """verl's old-policy pass (``compute_log_prob`` with entropy, on the actor): the
+        reference passes ask for no entropy (v0's and v1's trainers alike)."""
+        return self._gbc_support_role == "actor" and bool(_flag(micro_batch,
+                                                               "calculate_entropy"))
 
     def _gbc_loss_inputs(self, micro_batch, loss_function, valid) -> dict:
         """The fused loss's keyword arguments for a training ``micro_batch`` beside the hidden
@@ -212,6 +418,7 @@ class EngineMethods:
         cfg = gv.policy_loss_config(actor_config, response_length=mask.shape[1],
                                     **opts.loss_options())
         _check_method_fields(opts, cfg, micro_batch)
+        plan = self._gbc_plan()
         if _flag(micro_batch, "calculate_entropy") and not cfg.wants_entropy:
             cfg = dataclasses.replace(cfg, return_entropy=True)
         info = {k: _flag(micro_batch, k, None) for k in
@@ -223,14 +430,15 @@ class EngineMethods:
             kl_weight=(data.get(KL_WEIGHT_KEY, None)
                        if opts.critical_kl_exponent is not None else None),
             is_ratio=data.get("rollout_is_weights", None), temperature=_temperature(micro_batch),
-            backend=opts.backend, **gv.batch_normalisers(actor_config, mask, info))
+            backend=opts.backend, **gv.batch_normalisers(actor_config, mask, info),
+            **(plan.scored_kwargs() if plan is not None else {}))
 
     def _gbc_metrics(self, loss_function, micro_batch, model_output, rng, gbc_metrics) -> dict:
         """verl's metrics of a training micro-batch (:meth:`_verl_metrics`), gbc's method
         metrics and NTHR's."""
         metrics = self._verl_metrics(loss_function, micro_batch, model_output, rng)
         for name in ("ar_weight_mean", "low_frac", "cov_frac", "grad_share_low",
-                     "grad_norm_sum"):
+                     "grad_norm_sum", "support_forced_frac"):
             if name in gbc_metrics:
                 metrics[f"actor/gbc_{name}"] = float(gbc_metrics[name])
         metrics.update(self._gbc_update_metrics)
@@ -502,6 +710,188 @@ def compute_ref_log_prob(trainer, batch):
         {"ref_log_prob": log_probs.float(), KL_WEIGHT_KEY: weight * batch.batch["response_mask"]}))
 
 
+# -------------------------------------------- the sampler's kept set: verl's worker and trainer
+def _support_on_init(original):
+    """verl's ``ActorRolloutRefWorker.init_model`` that hands gbc's engines (the actor's, the
+    reference's) the rollout's sampling settings (``self.config.rollout``) for ``support``:
+    refused at start-up by :func:`support_plan` where they cannot be replayed."""
+
+    @functools.wraps(original)
+    def init_model(self, *args, **kwargs):
+        opts = _OPTIONS.get("current") or EngineOptions()
+        if opts.support is not None or opts.support_ties is not None:
+            support_plan(opts, self.config.rollout)       # refused before the models are built
+        out = original(self, *args, **kwargs)
+        for role in ("actor", "ref"):
+            engine = getattr(getattr(self, role, None), "engine", None)
+            if isinstance(engine, EngineMethods):
+                engine.gbc_attach_rollout(self.config.rollout, role)
+        return out
+
+    return init_model
+
+
+_UNCHECKED = object()        # _OPTIONS["plan"] unset: the trainer's config was never checked
+_V1_BATCH = contextvars.ContextVar("gbc_verl_v1_batch", default=None)
+
+
+def check_trainer(config) -> Optional[SupportPlan]:
+    """The trainer's start-up check of ``support`` against its config
+    (:func:`trainer_support_plan`); the plan is kept for the trainer's passes."""
+    opts = _OPTIONS.get("current") or EngineOptions()
+    plan = trainer_support_plan(config, opts)
+    _OPTIONS["plan"] = plan
+    return plan
+
+
+def _trainer_plan() -> Optional[SupportPlan]:
+    opts = _OPTIONS.get("current") or EngineOptions()
+    plan = _OPTIONS.get("plan", _UNCHECKED)
+    if plan is _UNCHECKED:
+        if opts.support is None:
+            return None
+        raise ValueError(f"{ENV_OPTIONS}: support={opts.support}: verl's trainer was not checked "
+                         f"by gbc at its start (RayPPOTrainer / PPOTrainer __init__, patched by "
+                         f"enable() when GBC_VERL_ENGINE is set in the trainer's process: pass "
+                         f"it through ray_kwargs.ray_init.runtime_env)")
+    return plan
+
+
+def compute_old_log_prob(trainer, batch):
+    """verl 0.9.1's ``RayPPOTrainer._compute_old_log_prob`` that also returns the old-policy
+    pass's ``gbc_log_kept_mass`` (``[B, T]``) where the rollout correction takes it
+    (:attr:`SupportPlan.corrects_sampler`); verl's own otherwise."""
+    plan = _trainer_plan()
+    if plan is None or not plan.corrects_sampler:
+        return _PATCHES.original(type(trainer), "_compute_old_log_prob")(trainer, batch)
+    from verl import DataProto
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+    batch_td = left_right_2_no_padding(batch.to_tensordict())
+    calculate_sum_pi_squared = trainer.config.actor_rollout_ref.actor.get(
+        "calculate_sum_pi_squared", False)
+    tu.assign_non_tensor(batch_td, calculate_entropy=True,
+                         calculate_sum_pi_squared=calculate_sum_pi_squared, compute_loss=False)
+    output = trainer.actor_rollout_wg.compute_log_prob(batch_td)
+    kept = tu.get(output, LOG_KEPT_MASS_KEY)
+    if kept is None:
+        raise ValueError(f"{ENV_OPTIONS}: support={plan.mode}: the old-policy pass returned no "
+                         f"{LOG_KEPT_MASS_KEY!r}; the actor worker must run gbc's engine with "
+                         f"the same {ENV_OPTIONS} (set it in every worker)")
+    result = {"old_log_probs": no_padding_2_padding(tu.get(output, "log_probs"),
+                                                    batch_td).float(),
+              "entropys": no_padding_2_padding(tu.get(output, "entropy"), batch_td).float(),
+              LOG_KEPT_MASS_KEY: no_padding_2_padding(kept, batch_td).float()}
+    routed_experts = tu.get(output, "routed_experts")
+    if routed_experts is not None:
+        result["routed_experts"] = routed_experts
+    if calculate_sum_pi_squared:
+        result["sum_pi_squared"] = no_padding_2_padding(tu.get(output, "sum_pi_squared"),
+                                                        batch_td).float()
+    mfu = tu.get(output, "metrics")["mfu"]
+    return DataProto.from_tensordict(tu.get_tensordict(result)), mfu
+
+
+def v1_log_kept_mass(meta, tq, response_from_nested, shape) -> Optional[torch.Tensor]:
+    """verl's v1 trainer: the old-policy pass's ``gbc_log_kept_mass`` of the batch ``meta``
+    (a ``KVBatchMeta``) from the transfer queue ``tq``, as the padded ``[B, T]`` ``shape`` of
+    the rollout log-probs (None when the queue holds none)."""
+    try:
+        data = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
+                               select_fields=[LOG_KEPT_MASS_KEY, "response_mask"])
+    except Exception:        # noqa: BLE001 - the field is missing: refused by the caller
+        return None
+    if LOG_KEPT_MASS_KEY not in data.keys():
+        return None
+    kept = response_from_nested(data[LOG_KEPT_MASS_KEY], data["response_mask"])
+    return torch.nested.to_padded_tensor(kept, 0.0, output_size=tuple(shape)).float()
+
+
+def _kept_mass_of(batch, plan):
+    """The old-policy pass's ``log_kept_mass`` ``[B, T]`` of a trainer batch: v0 carries it in
+    the batch; v1 in the transfer queue (its batch's meta set by ``_compute_advantage``)."""
+    if LOG_KEPT_MASS_KEY in batch.batch.keys():
+        return batch.batch.pop(LOG_KEPT_MASS_KEY)
+    meta, module = _V1_BATCH.get(), sys.modules.get(V1_TRAINER_MODULE)
+    kept = None
+    if meta is not None and module is not None:
+        kept = v1_log_kept_mass(meta, module.tq, module.response_from_nested,
+                                batch.batch["rollout_log_probs"].shape)
+    if kept is None:
+        raise ValueError(f"{ENV_OPTIONS}: support={plan.mode}: verl's rollout correction got no "
+                         f"{LOG_KEPT_MASS_KEY!r} from the old-policy pass (gbc's engine returns "
+                         f"it on the actor's compute_log_prob with entropy; verl's "
+                         f"RayPPOTrainer / PPOTrainer hand it on as gbc patches them)")
+    return kept
+
+
+def _rollout_correction(original):
+    """verl's ``compute_rollout_correction_and_add_to_batch`` fed the rollout's log-probs as
+    ``support`` needs them (:func:`gbc_kernels.methods.corrected_sampler_logp`: ``kept_mass``
+    ``+ log_kept_mass``; ``replay`` against SGLang ``- log_kept_mass``); the batch keeps verl's
+    ``rollout_log_probs``. Adds ``rollout_corr/gbc_kept_mass_mean``."""
+
+    @functools.wraps(original)
+    def compute_rollout_correction_and_add_to_batch(batch, rollout_corr_config):
+        plan = _trainer_plan()
+        if plan is None or not plan.corrects_sampler:
+            if LOG_KEPT_MASS_KEY in batch.batch.keys():
+                batch.batch.pop(LOG_KEPT_MASS_KEY)
+            return original(batch, rollout_corr_config)
+        kept = _kept_mass_of(batch, plan)
+        sampler = batch.batch["rollout_log_probs"]
+        batch.batch["rollout_log_probs"] = methods.corrected_sampler_logp(
+            sampler, kept.to(sampler.device), plan.mode, plan.normalised)
+        try:
+            out, metrics = original(batch, rollout_corr_config)
+        finally:
+            batch.batch["rollout_log_probs"] = sampler
+        out.batch["rollout_log_probs"] = sampler
+        mask = out.batch["response_mask"].bool()
+        if bool(mask.any()):
+            metrics = dict(metrics)
+            metrics["rollout_corr/gbc_kept_mass_mean"] = float(
+                kept.to(mask.device).exp()[mask].mean())
+        return out, metrics
+
+    return compute_rollout_correction_and_add_to_batch
+
+
+def _v1_advantage(original):
+    """The v1 trainer's ``_compute_advantage`` with its batch's meta in reach of the rollout
+    correction (:func:`_kept_mass_of`)."""
+
+    @functools.wraps(original)
+    def _compute_advantage(self, batch, *args, **kwargs):
+        token = _V1_BATCH.set(batch)
+        try:
+            return original(self, batch, *args, **kwargs)
+        finally:
+            _V1_BATCH.reset(token)
+
+    return _compute_advantage
+
+
+def _checked_init(original, v1=False):
+    """A trainer's ``__init__`` that checks ``support`` against its config first
+    (:func:`check_trainer`); verl's v1 trainer also refuses critical-token KL: its reference
+    pass goes through the transfer queue, which gbc's reference-pass patch does not reach."""
+
+    @functools.wraps(original)
+    def __init__(self, config, *args, **kwargs):
+        opts = _OPTIONS.get("current") or EngineOptions()
+        if v1 and opts.critical_kl_exponent is not None:
+            raise ValueError("critical_kl_exponent: gbc computes the critical-token KL weights "
+                             "in the reference pass of verl's RayPPOTrainer; verl's v1 trainer "
+                             "(trainer.use_v1=True) has no such pass for gbc: set "
+                             "trainer.use_v1=False")
+        check_trainer(config)
+        return original(self, config, *args, **kwargs)
+
+    return __init__
+
+
 def engine_class(base, mixin=None):
     """gbc's engine on top of verl's engine class ``base``: ``mixin`` first (default: the
     mixin :data:`ENGINES` gives for ``base``)."""
@@ -534,15 +924,28 @@ def _patch_worker(module):
     cls = module.TrainingWorker
     _PATCHES.set(cls, "train_mini_batch", _nthr_before_update(cls.train_mini_batch))
     _PATCHES.set(cls, "infer_batch", _nthr_keep_on_infer(cls.infer_batch))
+    hybrid = module.ActorRolloutRefWorker
+    _PATCHES.set(hybrid, "init_model", _support_on_init(hybrid.init_model))
 
 
 def _patch_trainer(module):
     def _compute_ref_log_prob(self, batch):
         return compute_ref_log_prob(self, batch)
 
+    def _compute_old_log_prob(self, batch):
+        return compute_old_log_prob(self, batch)
+
     cls = module.RayPPOTrainer
     _PATCHES.set(cls, "_compute_ref_log_prob",
                  functools.wraps(cls._compute_ref_log_prob)(_compute_ref_log_prob))
+    _PATCHES.set(cls, "_compute_old_log_prob",
+                 functools.wraps(cls._compute_old_log_prob)(_compute_old_log_prob))
+    _PATCHES.set(cls, "__init__", _checked_init(cls.__init__))
+
+
+def _patch_correction(module):
+    name = "compute_rollout_correction_and_add_to_batch"
+    _PATCHES.set(module, name, _rollout_correction(getattr(module, name)))
 
 
 def _load(path):
@@ -567,6 +970,7 @@ def _registry_tables():
 # the verl releases gbc's engine and patches are tested on (major.minor)
 VERL_VERSIONS = TESTED["verl"]
 V1_TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
+CORRECTION_MODULE = "verl.trainer.ppo.rollout_corr_helper"
 
 
 def check_verl_version(version: Optional[str] = None) -> str:
@@ -581,38 +985,25 @@ def check_verl_version(version: Optional[str] = None) -> str:
                          off=f"unset {ENV_ON} to run verl's own step")
 
 
-def _refuse_v1_critical_kl(original):
-    """The v1 trainer's ``__init__``, refusing critical-token KL: its reference pass goes
-    through the transfer queue, which gbc's reference-pass patch does not reach."""
-
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        opts = _OPTIONS.get("current") or EngineOptions()
-        if opts.critical_kl_exponent is not None:
-            raise ValueError("critical_kl_exponent: gbc computes the critical-token KL weights "
-                             "in the reference pass of verl's RayPPOTrainer; verl's v1 trainer "
-                             "(trainer.use_v1=True) has no such pass for gbc: set "
-                             "trainer.use_v1=False")
-        return original(self, *args, **kwargs)
-
-    return __init__
-
-
 def _patch_v1_trainer(module):
     cls = module.PPOTrainer
-    _PATCHES.set(cls, "__init__", _refuse_v1_critical_kl(cls.__init__))
+    _PATCHES.set(cls, "__init__", _checked_init(cls.__init__, v1=True))
+    _PATCHES.set(cls, "_compute_advantage", _v1_advantage(cls._compute_advantage))
+    _patch_correction(module)        # its own binding of verl's rollout-correction function
 
 
 def enable(options: Optional[EngineOptions] = None):
     """Make verl's engine registry hand out gbc's engine for ``language_model`` (FSDP, FSDP2,
-    Megatron) and patch verl's worker (NTHR's pass) and trainer (the critical-KL reference
-    pass), both acting only when their options are on; verl's v1 trainer refuses critical-token
-    KL. A verl release outside :data:`VERL_VERSIONS` is refused. Idempotent; returns the
-    options."""
+    Megatron) and patch verl's worker (NTHR's pass; the rollout's sampling settings handed to
+    the engines) and trainers (the critical-KL reference pass; ``support``'s start-up check,
+    old-policy pass and rollout correction), each acting only when its options are on; verl's
+    v1 trainer refuses critical-token KL. A verl release outside :data:`VERL_VERSIONS` is
+    refused. Idempotent; returns the options."""
     check_verl_version()
     if options is None:
         options = EngineOptions.parse(os.environ.get(ENV_OPTIONS))
     _OPTIONS["current"] = options
+    _OPTIONS.pop("plan", None)        # checked again by the trainer's start
     for table, base, mixin in _registry_tables():
         for key, cls in list(table.items()):
             if issubclass(cls, mixin):
@@ -623,6 +1014,7 @@ def enable(options: Optional[EngineOptions] = None):
                 _ENABLED[cls] = table[key] = sub
     _on_import(WORKER_MODULE, _patch_worker)
     _on_import(TRAINER_MODULE, _patch_trainer)
+    _on_import(CORRECTION_MODULE, _patch_correction)
     _on_import(V1_TRAINER_MODULE, _patch_v1_trainer)
     return options
 
@@ -636,3 +1028,4 @@ def disable():
             table[key] = originals.get(cls, cls)
     _PATCHES.undo()
     _OPTIONS.pop("current", None)
+    _OPTIONS.pop("plan", None)

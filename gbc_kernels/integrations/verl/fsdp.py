@@ -12,8 +12,8 @@ import gbc_kernels as gbc
 from gbc_kernels import methods
 from gbc_kernels.integrations import hf
 from gbc_kernels.integrations.verl.engine import (
-    BATCH_SELECTING_MODES, CERTAINTY_KEY, ENV_ON, KL_WEIGHT_KEY, NTHR_ROW_KEY, EngineMethods,
-    _flag, _is_ppo_loss, _rng_state, _Rows, _temperature)
+    BATCH_SELECTING_MODES, CERTAINTY_KEY, ENV_ON, KL_WEIGHT_KEY, LOG_KEPT_MASS_KEY, NTHR_ROW_KEY,
+    EngineMethods, _flag, _is_ppo_loss, _rng_state, _Rows, _temperature)
 from gbc_kernels.sequence_parallel import check_heads, owned_sum, whole_loss
 
 
@@ -172,6 +172,12 @@ class GBCEngineMixin(EngineMethods):
         certainty = _flag(micro_batch, CERTAINTY_KEY, None)
         # the old-log-prob pass with NTHR on: the response rows are kept for NTHR's scoring
         keep = self._gbc_keeping if NTHR_ROW_KEY in micro_batch.keys() else None
+        # the sampler's kept set (support): the old-policy pass's, or the reference's
+        plan = self._gbc_plan()
+        support = {} if plan is None else (plan.old_pass_kwargs()
+                                           if self._gbc_old_pass(micro_batch)
+                                           else plan.scored_kwargs())
+        kept_mass = support.get("return_log_kept_mass", False)
 
         def head_fn(hidden2d, rows, inner):
             h, head = self._head_rows(hidden2d, rows, inner)
@@ -182,18 +188,23 @@ class GBCEngineMixin(EngineMethods):
                 if certainty is not None:      # the reference pass of critical-token KL
                     st = methods.reference_stats(h, head.weight, rows.targets,
                                                  methods.MethodOptions(**certainty), head.bias,
-                                                 **kw)
+                                                 **kw, **({} if plan is None
+                                                          else plan.scored_kwargs()))
                     return None, {"log_probs": st.ref_logp, KL_WEIGHT_KEY: st.kl_weight}
                 out = gbc.fused_linear_logprobs(
                     h, head.weight, rows.targets, head.bias,
                     return_entropy=bool(_flag(micro_batch, "calculate_entropy")),
                     return_sum_p2=bool(_flag(micro_batch, "calculate_sum_pi_squared")),
-                    logits_dtype=self.gbc_options.logits_dtype, **kw)
+                    logits_dtype=self.gbc_options.logits_dtype, **kw, **support)
                 if keep is not None:     # under Ulysses SP: the whole micro-batch's rows
                     keep.add(micro_batch[NTHR_ROW_KEY], rows.whole(h), rows.targets,
                              rows.rows.valid, head, kw["logit_softcap"], kw["temperature"],
                              logp=rows.whole(out[0]))
-            return None, dict(zip(("log_probs", "entropy", "sum_pi_squared"), out))
+            ret = dict(zip(("log_probs", "entropy", "sum_pi_squared"),
+                           out[:-1] if kept_mass else out))
+            if kept_mass:
+                ret[LOG_KEPT_MASS_KEY] = out[-1]
+            return None, ret
 
         micro_batch, rows, (_, out), _ = self._gbc_forward(micro_batch, head_fn)
         model_output = {k: rows.rows.nested(rows.whole(v)) for k, v in out.items()

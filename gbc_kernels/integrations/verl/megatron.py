@@ -162,6 +162,18 @@ class GBCMegatronMixin(EngineMethods):
         _check_config(self)
         return super().initialize()
 
+    def _gbc_tensor_parallel(self, role) -> list:
+        return [(f"actor_rollout_ref.{role}.megatron.tensor_model_parallel_size",
+                 int(getattr(self.engine_config, "tensor_model_parallel_size", 1) or 1))]
+
+    def gbc_attach_rollout(self, rollout, role: str = "actor"):
+        plan = super().gbc_attach_rollout(rollout, role)
+        if plan is not None:
+            raise ValueError(f"GBC_VERL_OPTIONS: support={plan.mode}: gbc's Megatron engine does "
+                             f"not rebuild the sampler's kept set yet; use the FSDP engine "
+                             f"(actor_rollout_ref.actor.strategy=fsdp2) or unset support")
+        return plan
+
     def _maybe_enable_fused_kernels(self):
         """verl's fused forward (``use_fused_kernels=True``): gbc's head takes its place — the
         same job, log-probs and entropy without the logits, with every loss and method — so

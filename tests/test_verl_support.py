@@ -1,0 +1,719 @@
+"""``support=replay`` / ``support=kept_mass`` (the sampler's kept set rebuilt from verl's rollout
+settings, issue 61) in gbc's verl 0.9.1 FSDP engine and verl's trainer as gbc patches them.
+
+The rollouts are drawn here by a sampler that applies verl's settings to the same tiny model:
+each response token from the truncated softmax of the model's own float64 logits at the rollout
+temperature (``gbc_reference.kept_set``: vLLM's rule, or SGLang's), its log-prob recorded as that
+engine returns it (vLLM ``processed_logprobs``: normalised over the kept set; SGLang: the full
+vocabulary's). What runs then is verl's and gbc's: gbc's engine on verl's FSDP2
+``FSDPEngineWithLMHead`` (its micro-batching, packing, ``ppo_loss``); gbc's patches installed on
+verl's classes by their own installers (``_patch_worker``, ``_patch_trainer``, ``enable()`` on
+verl's ``rollout_corr_helper``); verl's own ``RayPPOTrainer._compute_old_log_prob`` (read from
+verl's source: its module needs ``torchdata``, absent here); verl's own
+``compute_rollout_correction_and_add_to_batch``. Stand-ins (said here): the Ray worker layer
+(``ActorRolloutRefWorker.init_model`` builds the engine, ``compute_log_prob`` is
+``TrainingWorker.infer_batch``'s call of the engine with its defaults), the trainer object (its
+config and worker group), the CPU platform of tests/test_verl_engine.py.
+
+Oracles: float64 gbc_reference over the reference kept set (``truncation_support_ids``) on the
+plain HF model's hidden states; verl's stock engine step with its logits restricted to that set
+by hand; verl's stock rollout-correction function fed the corrected log-probs by hand.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from conftest import spawn_gloo  # noqa: E402
+
+pytest.importorskip("verl.workers.engine.fsdp.transformer_impl")
+pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
+
+from test_other_trainers import verl_actor_config  # noqa: E402
+from test_verl_engine import _forward_backward, build_engine, verl_on_cpu  # noqa: E402
+
+V, H = 131, 32
+T_ROLL = 0.7                       # the rollout temperature
+VLLM = dict(name="vllm", top_k=-1, top_p=0.9)           # verl's default top_k, a top-p cut
+SGLANG = dict(name="sglang", top_k=20, top_p=0.95)
+RC = dict(rollout_is="token", rollout_is_threshold=1e6, rollout_rs="token_k1",
+          rollout_rs_threshold="0.97_1.03", bypass_mode=False)
+
+
+def make_model_dir(path):
+    """A tiny Qwen2 whose logits are spread (initializer_range 0.15) so that top-k / top-p cut
+    a visible mass, and a word-level tokenizer."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False, initializer_range=0.15)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="t0",
+                            eos_token="t1").save_pretrained(path)
+    return str(path)
+
+
+def rollout_config(**over):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create(dict(dict(temperature=T_ROLL, logprobs_mode="processed_logprobs",
+                                      calculate_log_probs=True, do_sample=True), **over))
+
+
+def trainer_config(rollout, rc=RC, strategy="fsdp"):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create(dict(
+        actor_rollout_ref=dict(rollout=rollout, actor=dict(strategy=strategy, use_kl_loss=True,
+                                                           calculate_sum_pi_squared=False,
+                                                           megatron=dict(
+                                                               tensor_model_parallel_size=2)),
+                               ref=dict(strategy=strategy)),
+        algorithm=dict(rollout_correction=rc, use_kl_in_reward=False)))
+
+
+# -------------------------------------------------------------------------------- the sampler
+@torch.no_grad()
+def sample_rollouts(model_dir, settings, B=8, Lp=5, Lr=7, seed=0):
+    """verl's padded rollout batch (left-padded prompts, right-padded responses) drawn by a
+    sampler applying ``settings`` at ``T_ROLL`` to the model's float64 logits, with the
+    engine's log-prob of each response token (``rollout_log_probs``)."""
+    import gbc_reference as ref
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="eager").double()
+    g = torch.Generator().manual_seed(seed)
+    plens = torch.randint(2, Lp + 1, (B,), generator=g)
+    rlens = torch.randint(3, Lr + 1, (B,), generator=g)
+    rlens[0] = Lr
+    rule = settings["name"]
+    k = settings["top_k"] if settings["top_k"] > 0 else None
+    prompts = torch.zeros(B, Lp, dtype=torch.long)
+    responses = torch.zeros(B, Lr, dtype=torch.long)
+    logps = torch.zeros(B, Lr)
+    attn = torch.zeros(B, Lp + Lr, dtype=torch.long)
+    for b in range(B):
+        p = int(plens[b])
+        seq = torch.randint(2, V, (p,), generator=g)
+        prompts[b, Lp - p:] = seq
+        for t in range(int(rlens[b])):
+            logits = model(input_ids=seq[None]).logits[0, -1] / T_ROLL
+            keep = ref.kept_set(logits, k, settings["top_p"], rule=rule)
+            lq = torch.log_softmax(logits.masked_fill(~keep, float("-inf")), -1)
+            y = int(torch.multinomial(lq.exp(), 1, generator=g))
+            lp = lq[y] if rule == "vllm" else torch.log_softmax(logits, -1)[y]
+            responses[b, t], logps[b, t] = y, float(lp)
+            seq = torch.cat([seq, torch.tensor([y])])
+        attn[b, Lp - p:Lp + int(rlens[b])] = 1
+    gen = torch.Generator().manual_seed(seed + 1)
+    reward = (torch.rand(B, generator=gen) < 0.5).float()
+    reward[0], reward[1] = 1.0, 0.0
+    adv = ((reward - reward.mean()) / (reward.std() + 1e-6))[:, None].expand(B, Lr)
+    rmask = attn[:, Lp:].clone()
+    return dict(input_ids=torch.cat([prompts, responses], 1), attention_mask=attn,
+                position_ids=(attn.cumsum(1) - 1).clamp(min=0), prompts=prompts,
+                responses=responses, response_mask=rmask, rollout_log_probs=logps * rmask,
+                advantages=(adv * rmask).contiguous())
+
+
+@torch.no_grad()
+def reference(model_dir, fields, settings):
+    """float64 gbc_reference of the old / reference pass on the plain HF model: the log-probs
+    over the whole vocabulary and over the reference kept set, and ``log_kept_mass``."""
+    import gbc_reference as ref
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="eager").double()
+    B, Lp = fields["prompts"].shape
+    T = fields["responses"].shape[1]
+    hidden = torch.zeros(B, T, H, dtype=torch.float64)
+    for b in range(B):
+        keep = fields["attention_mask"][b].bool()
+        out = model.model(input_ids=fields["input_ids"][b][keep][None]).last_hidden_state[0]
+        p, r = int(keep[:Lp].sum()), int(keep[Lp:].sum())
+        hidden[b, :r] = out[p - 1:p - 1 + r]
+    w, y = model.lm_head.weight.detach(), fields["responses"]
+    k = settings["top_k"] if settings["top_k"] > 0 else None
+    ids = ref.truncation_support_ids(hidden, w, y, temperature=T_ROLL, top_k=k,
+                                     top_p=settings["top_p"], rule=settings["name"])
+    full = ref.fused_linear_logprobs(hidden, w, y, temperature=T_ROLL)[0]
+    over, _, kept = ref.fused_linear_logprobs(hidden, w, y, temperature=T_ROLL, support_ids=ids,
+                                              return_log_kept_mass=True)
+    return dict(full=full, over=over, kept=kept, ids=ids)
+
+
+# ------------------------------------------------- verl's worker and trainer, as gbc patches them
+def verl_method(relpath, cls_name, name, namespace):
+    """verl's own method ``cls_name.name`` from its source file (its module cannot be imported
+    here), defined in ``namespace``."""
+    import verl
+
+    path = os.path.join(os.path.dirname(verl.__file__), relpath)
+    tree = ast.parse(open(path).read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name)
+    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    ns = dict(namespace)
+    exec(compile(ast.Module([fn], []), path, "exec"), ns)
+    return ns[name]
+
+
+def stand_ins(model_dir, options):
+    """(worker module, trainer module) stand-ins holding verl's classes' methods gbc patches:
+    the worker's ``init_model`` builds gbc's FSDP engine (the actor's, ``role``), the
+    trainer's ``_compute_old_log_prob`` is verl 0.9.1's own."""
+    from verl import DataProto
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+    class TrainingWorker:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def train_mini_batch(self, data):
+            raise NotImplementedError
+
+        def infer_batch(self, data):      # verl's defaults, eval mode, the engine, its output
+            for key, val in dict(use_remove_padding=True, use_dynamic_bsz=False,
+                                 max_token_len_per_gpu=64, micro_batch_size_per_gpu=4,
+                                 use_fused_kernels=False).items():
+                if key not in data.keys():
+                    tu.assign_non_tensor(data, **{key: val})
+            with self.engine.eval_mode():
+                out = self.engine.infer_batch(data, loss_function=None)
+            return tu.get_tensordict(tensor_dict=out["model_output"],
+                                     non_tensor_dict={"metrics": {"mfu": 0.0}})
+
+    class ActorRolloutRefWorker:
+        def __init__(self, config, role):
+            self.config, self.role, self.actor, self.ref = config, role, None, None
+
+        def init_model(self):
+            self.actor = TrainingWorker(build_engine(model_dir, lr=0.5, optimizer="SGD",
+                                                     options=options))
+
+        def compute_log_prob(self, data):
+            return self.actor.infer_batch(data)
+
+    old_pass = verl_method("trainer/ppo/ray_trainer.py", "RayPPOTrainer",
+                           "_compute_old_log_prob",
+                           dict(tu=tu, DataProto=DataProto,
+                                no_padding_2_padding=no_padding_2_padding,
+                                left_right_2_no_padding=left_right_2_no_padding))
+
+    class RayPPOTrainer:
+        def __init__(self, config, worker):
+            self.config, self.actor_rollout_wg = config, worker
+
+        def _compute_ref_log_prob(self, batch):
+            raise NotImplementedError
+
+        _compute_old_log_prob = old_pass
+
+    return (types.SimpleNamespace(TrainingWorker=TrainingWorker,
+                                  ActorRolloutRefWorker=ActorRolloutRefWorker),
+            types.SimpleNamespace(RayPPOTrainer=RayPPOTrainer))
+
+
+def _masked_mean(x, mask):
+    m = mask.bool()
+    return float(x[m].double().mean())
+
+
+def _step(mode, settings, model_dir, fields, ref64):
+    """One trainer step's passes under ``mode``: the worker starts (gbc's engine gets the
+    rollout settings), the trainer starts (its check), verl's old-policy pass, verl's rollout
+    correction; and verl's stock correction with the corrected log-probs put in by hand."""
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.trainer.ppo import rollout_corr_helper as rch
+
+    from gbc_kernels.integrations.verl import engine as ve
+
+    opts = ve.EngineOptions(support=mode)
+    ve.enable(opts)                         # verl's rollout correction wrapped on import
+    rollout = rollout_config(**settings)
+    config = trainer_config(rollout)
+    worker_mod, trainer_mod = stand_ins(model_dir, opts)
+    ve._patch_worker(worker_mod)
+    ve._patch_trainer(trainer_mod)
+    worker = worker_mod.ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout")
+    worker.init_model()
+    engine = worker.actor.engine
+    assert engine._gbc_support_role == "actor"
+    trainer = trainer_mod.RayPPOTrainer(config, worker)
+    batch = DataProto.from_dict(tensors={k: v.clone() for k, v in fields.items()},
+                                meta_info={"temperature": T_ROLL})
+    old, _ = trainer._compute_old_log_prob(batch)
+    out = {"old": old.batch["old_log_probs"].clone(), "entropy": old.batch["entropys"].clone()}
+    if ve.LOG_KEPT_MASS_KEY in old.batch.keys():
+        out["kept"] = old.batch[ve.LOG_KEPT_MASS_KEY].clone()
+    batch = batch.union(old)
+    rc = OmegaConf.create(RC)
+    batch, metrics = rch.compute_rollout_correction_and_add_to_batch(batch, rc)
+    assert ve.LOG_KEPT_MASS_KEY not in batch.batch.keys()
+    assert torch.equal(batch.batch["rollout_log_probs"], fields["rollout_log_probs"])
+    out.update(weights=batch.batch["rollout_is_weights"].clone(), metrics=metrics,
+               rs_mask=batch.batch["response_mask"].clone())
+    # verl's stock correction, the corrected log-probs put in by hand
+    old_hand = ref64["over"] if mode == "replay" else ref64["full"]
+    sampler = fields["rollout_log_probs"].double()
+    if mode == "kept_mass":
+        sampler = sampler + ref64["kept"]
+    elif mode == "replay" and settings["name"] == "sglang":
+        sampler = sampler - ref64["kept"]
+    w, m, met = rch.compute_rollout_correction_and_rejection_mask(
+        old_hand.float(), sampler.float(), fields["response_mask"],
+        **{k: v for k, v in RC.items() if k != "bypass_mode"})
+    out["hand"] = dict(weights=w.batch["rollout_is_weights"], rs_mask=m, metrics=met)
+    out["engine"] = engine
+    out["batch"] = batch
+    return out
+
+
+def _support_worker(rank, world, model_dir):
+    verl_on_cpu()
+    from verl.workers.engine.fsdp import transformer_impl as ti
+    from verl.workers.utils.losses import ppo_loss
+
+    import gbc_reference as ref
+
+    results = {}
+    for name, settings in (("vllm", VLLM), ("sglang", SGLANG)):
+        fields = sample_rollouts(model_dir, settings, seed=3 if name == "vllm" else 5)
+        ref64 = reference(model_dir, fields, settings)
+        modes = (None, "kept_mass", "replay") if name == "vllm" else (None, "replay")
+        runs = {m: _step(m, settings, model_dir, fields, ref64) for m in modes}
+        res = {"fields": fields, "ref": ref64}
+        for m, run in runs.items():
+            res[m] = {k: v for k, v in run.items() if k not in ("engine", "batch")}
+            res[m]["ratio_mean"] = _masked_mean(run["weights"], fields["response_mask"])
+        if name == "vllm":
+            # the update: gbc's replay step against verl's stock step whose logits are cut to
+            # the reference kept set by hand; kept_mass's step is the step without a mode
+            cfg = verl_actor_config("vanilla", "token-mean", "low_var_kl", entropy_coeff=0.01)
+            loss_fn = functools.partial(ppo_loss, config=cfg)
+            plain = runs[None]["engine"]
+            data = {m: _update_batch(runs[m]["batch"]) for m in ("replay", "kept_mass")}
+            steps = {"replay": _forward_backward(runs["replay"]["engine"], data["replay"],
+                                                 loss_fn, False),
+                     "plain_replay_batch": _forward_backward(plain, data["replay"], loss_fn,
+                                                             False),
+                     "kept_mass": _forward_backward(runs["kept_mass"]["engine"],
+                                                    data["kept_mass"], loss_fn, False),
+                     "plain_kept_mass_batch": _forward_backward(plain, data["kept_mass"],
+                                                                loss_fn, False)}
+            scale = ti._scale_logits_by_temperature
+
+            def cut(logits, temperature, *, is_unit_temperature):
+                l = scale(logits, temperature, is_unit_temperature=is_unit_temperature)
+                keep = ref.kept_set(l.detach().double(), None, VLLM["top_p"])
+                return torch.where(keep, l, torch.full_like(l, -1e4))
+
+            ti._scale_logits_by_temperature = cut
+            try:
+                steps["stock_cut"] = _forward_backward(runs["replay"]["engine"],
+                                                       data["replay"], loss_fn, True)
+            finally:
+                ti._scale_logits_by_temperature = scale
+            res["steps"] = steps
+        results[name] = res
+    return results
+
+
+def _update_batch(batch):
+    """The actor update's batch from the trainer's: verl's packing of its padded tensors with
+    the old / reference log-probs and the rollout IS weights, the worker's keys."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    b = batch.batch
+    B = b["responses"].shape[0]
+    keys = ("input_ids", "attention_mask", "position_ids", "prompts", "responses",
+            "response_mask", "old_log_probs", "advantages", "rollout_is_weights")
+    td = TensorDict({k: b[k] for k in keys}, batch_size=[B])
+    td["ref_log_prob"] = (b["old_log_probs"] - 0.05).contiguous()
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, temperature=T_ROLL, calculate_entropy=True, global_batch_size=B,
+                         use_remove_padding=True, use_dynamic_bsz=False,
+                         micro_batch_size_per_gpu=4, max_token_len_per_gpu=64,
+                         use_fused_kernels=False)
+    return td
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    model_dir = make_model_dir(tmp_path_factory.mktemp("verl_support") / "m")
+    return spawn_gloo(1, _support_worker, model_dir)[0]
+
+
+def _close(a, b, tol):
+    return float((a.double() - b.double()).abs().max()) <= tol
+
+
+def test_old_pass_equals_reference(runs):
+    """The old-policy pass through verl's ``_compute_old_log_prob`` (gbc's patch, verl's
+    function): ``replay`` scores over the reference kept set; ``kept_mass`` is the full
+    vocabulary's bit for bit (as without support) with ``gbc_log_kept_mass`` = the reference's
+    ``LSE_S - LSE_V``."""
+    r = runs["vllm"]
+    mask = r["fields"]["response_mask"].bool()
+    ref64 = r["ref"]
+    assert _close(r[None]["old"][mask], ref64["full"][mask], 2e-5)
+    assert _close(r["replay"]["old"][mask], ref64["over"][mask], 2e-5)
+    assert torch.equal(r["kept_mass"]["old"], r[None]["old"])
+    assert _close(r["kept_mass"]["kept"][mask], ref64["kept"][mask], 2e-5)
+    assert float(ref64["kept"][mask].exp().mean()) < 0.98       # a visible cut
+    # SGLang: replay over SGLang's rule, with log_kept_mass for its full-vocabulary log-probs
+    s = runs["sglang"]
+    m = s["fields"]["response_mask"].bool()
+    assert _close(s["replay"]["old"][m], s["ref"]["over"][m], 2e-5)
+    assert _close(s["replay"]["kept"][m], s["ref"]["kept"][m], 2e-5)
+
+
+def test_rollout_correction_equals_stock_with_corrected_logprobs(runs):
+    """verl's ``compute_rollout_correction_and_add_to_batch`` as gbc wraps it equals verl's
+    stock ``compute_rollout_correction_and_rejection_mask`` fed the float64 reference old
+    log-probs and the sampler's log-probs corrected by hand (``kept_mass``: ``+ log m``;
+    ``replay`` against SGLang: ``- log m``): IS weights, rejection mask, metrics."""
+    for name, modes in (("vllm", (None, "kept_mass", "replay")), ("sglang", (None, "replay"))):
+        for mode in modes:
+            got, hand = runs[name][mode], runs[name][mode]["hand"]
+            mask = runs[name]["fields"]["response_mask"].bool()
+            assert _close(got["weights"][mask], hand["weights"][mask], 5e-5), (name, mode)
+            assert torch.equal(got["rs_mask"], hand["rs_mask"]), (name, mode)
+            for k, v in hand["metrics"].items():
+                # verl's std is sqrt(E[w^2] - E[w]^2) in float32: sqrt of rounding noise when
+                # every weight is ~1
+                tol = 2e-3 if k.endswith("rollout_is_std") else 1e-4 * max(1.0, abs(v))
+                assert abs(got["metrics"][k] - v) <= tol, (name, mode, k, got["metrics"][k], v)
+
+
+def test_sampler_ratio_mean_moves_from_kept_mass_to_one(runs):
+    """Issue 61's measurement: exp(old − sampler) over the response tokens (verl's
+    ``rollout_corr/rollout_is_mean``, untruncated) is the kept mass without a mode and 1 within
+    float32 noise with either; verl's token_k1 rejection (0.97, 1.03) drops most tokens without
+    a mode and none with one. SGLang's full-vocabulary log-probs: 1 without a mode and with
+    replay (its log-probs moved onto the kept set)."""
+    r = runs["vllm"]
+    mask = r["fields"]["response_mask"].bool()
+    kept = float(r["ref"]["kept"][mask].exp().mean())
+    means = {m: r[m]["ratio_mean"] for m in (None, "kept_mass", "replay")}
+    print(f"\nverl vLLM top_p={VLLM['top_p']} T={T_ROLL}: sampler-ratio mean without "
+          f"{means[None]:.5f} (kept mass {kept:.5f}), kept_mass {means['kept_mass']:.7f}, "
+          f"replay {means['replay']:.7f}")
+    assert abs(means[None] - kept) < 1e-4 and means[None] < 1 - 0.02
+    assert abs(means["kept_mass"] - 1) < 1e-5 and abs(means["replay"] - 1) < 1e-5
+    for m in (None, "kept_mass", "replay"):
+        assert r[m]["metrics"]["rollout_corr/rollout_is_mean"] == pytest.approx(
+            r[m]["ratio_mean"], rel=1e-5)
+    assert r[None]["rs_mask"][mask].float().mean() < 0.5
+    assert bool(r["kept_mass"]["rs_mask"][mask].all()) and bool(r["replay"]["rs_mask"][mask].all())
+    assert r["kept_mass"]["metrics"]["rollout_corr/gbc_kept_mass_mean"] == pytest.approx(
+        kept, abs=1e-4)
+    s = runs["sglang"]
+    m = s["fields"]["response_mask"].bool()
+    print(f"verl SGLang top_k={SGLANG['top_k']} top_p={SGLANG['top_p']}: without "
+          f"{s[None]['ratio_mean']:.7f}, replay {s['replay']['ratio_mean']:.7f}")
+    assert abs(s[None]["ratio_mean"] - 1) < 1e-5 and abs(s["replay"]["ratio_mean"] - 1) < 1e-5
+    assert float(s["ref"]["kept"][m].exp().mean()) < 0.98
+
+
+def test_replay_update_equals_stock_step_over_the_kept_set(runs):
+    """The actor update under ``replay`` (gbc's fused loss over the set rebuilt from each
+    micro-batch's logits) equals verl's stock engine step whose temperature-scaled logits are
+    cut to the reference kept set by hand: loss, every gradient, verl's metrics; no target
+    forced into the set. ``kept_mass`` leaves the update as it is without a mode."""
+    steps = runs["vllm"]["steps"]
+    (l0, m0, g0), (l1, m1, g1) = steps["stock_cut"], steps["replay"]
+    assert abs(l0 - l1) <= 2e-5 * max(1.0, abs(l0))
+    assert m1["actor/gbc_support_forced_frac"] == [0.0] * len(m1["actor/gbc_support_forced_frac"])
+    for k in m0:
+        for a, b in zip(m0[k], m1[k]):
+            assert abs(a - b) <= 2e-5 * max(1.0, abs(a)) + 1e-6, (k, a, b)
+    top = max(float(g.abs().max()) for g in g0.values())
+    for n in g0:
+        assert float((g0[n] - g1[n]).abs().max()) <= 2e-5 * top, n
+    (l2, _, g2), (l3, _, g3) = steps["kept_mass"], steps["plain_kept_mass_batch"]
+    assert l2 == l3 and all(torch.equal(g2[n], g3[n]) for n in g2)
+    assert abs(l1 - steps["plain_replay_batch"][0]) > 1e-4      # replay moved the loss
+
+
+# ------------------------------------------------------------------ verl's v1 trainer (default)
+class _Meta:
+    """A stand-in ``KVBatchMeta``: the batch's keys in the transfer queue."""
+
+    def __init__(self, keys, partition_id="train"):
+        self.keys, self.partition_id, self.extra_info = list(keys), partition_id, {}
+
+    def __len__(self):
+        return len(self.keys)
+
+
+class _TransferQueue:
+    """A stand-in transfer queue: each sample's fields by key (``kv_batch_get`` returns the
+    fields every asked sample has, nested as verl's are)."""
+
+    def __init__(self):
+        self.rows = {}
+
+    def kv_batch_put(self, keys, partition_id, fields):
+        for f in fields.keys():
+            v = fields[f]
+            for k, row in zip(keys, v.unbind() if v.is_nested else list(v)):
+                self.rows.setdefault(k, {})[f] = row
+        return _Meta(keys, partition_id)
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        from tensordict import TensorDict
+
+        out = {}
+        for f in select_fields:
+            if all(f in self.rows[k] for k in keys):
+                vals = [self.rows[k][f] for k in keys]
+                out[f] = (torch.nested.as_nested_tensor(vals, layout=torch.jagged)
+                          if vals[0].dim() else torch.stack(vals))
+        return TensorDict(out, batch_size=[len(keys)])
+
+
+def _v1_module(tq):
+    """verl 0.9.1's v1 ``PPOTrainer._compute_old_log_prob`` / ``_compute_advantage`` (from its
+    source: its module needs ``transfer_queue``) in a module of their names, the advantage
+    estimator stubbed (it runs after the rollout correction)."""
+    import numpy as np
+    from tensordict import TensorDict
+    from verl import DataProto
+    from verl.trainer.ppo import rollout_corr_helper as rch
+    from verl.trainer.ppo.core_algos import agg_loss
+    from verl.utils.debug.metrics import calculate_debug_metrics
+    from verl.workers.utils.padding import response_from_nested, response_to_nested
+
+    def estimator(data, **kw):
+        data.batch["advantages"] = torch.zeros_like(data.batch["response_mask"], dtype=torch.float)
+        data.batch["returns"] = data.batch["advantages"]
+        return data
+
+    module = types.ModuleType("gbc_test_v1_trainer_base")
+    module.__dict__.update(
+        tq=tq, np=np, TensorDict=TensorDict, DataProto=DataProto, KVBatchMeta=_Meta,
+        agg_loss=agg_loss, calculate_debug_metrics=calculate_debug_metrics,
+        response_from_nested=response_from_nested, response_to_nested=response_to_nested,
+        compute_rollout_correction_and_add_to_batch=rch.compute_rollout_correction_and_add_to_batch,
+        compute_advantage_for_multi_trajectories=estimator, apply_kl_penalty=None)
+    class PPOTrainer:
+        def __init__(self, config):
+            self.config = config
+
+    for n in ("_compute_old_log_prob", "_compute_advantage"):     # their globals: the module's
+        fn = verl_method("trainer/ppo/v1/trainer_base.py", "PPOTrainer", n, {})
+        setattr(PPOTrainer, n, types.FunctionType(fn.__code__, module.__dict__, n))
+    module.PPOTrainer = PPOTrainer
+    return module
+
+
+def _v1_batch(tq, B=5, seed=0):
+    """A rollout in the queue as verl's v1 trainer holds it (nested per response), and the
+    worker's old-policy outputs per whole sequence (as gbc's engine returns them)."""
+    g = torch.Generator().manual_seed(seed)
+    plens, rlens = torch.randint(1, 4, (B,), generator=g), torch.randint(1, 6, (B,), generator=g)
+    keys = [f"s{b}" for b in range(B)]
+    rows = {}
+    for b, k in enumerate(keys):
+        p, r = int(plens[b]), int(rlens[b])
+        rl = -torch.rand(r, generator=g) * 3 - 0.1
+        lk = -torch.rand(r, generator=g) * 0.3
+        old = rl + lk + 0.05 * torch.randn(r, generator=g)
+        rows[k] = dict(rollout=rl, kept=lk, old=old)
+        tq.rows[k] = dict(uid=torch.tensor(b // 2), response_mask=torch.ones(r, dtype=torch.long),
+                          rm_scores=torch.zeros(r), rollout_log_probs=rl,
+                          responses=torch.randint(0, 9, (r,), generator=g))
+
+        def whole(v):          # the pass's output over prompt + response, as the engine's
+            out = torch.zeros(p + r)
+            out[p - 1:p - 1 + r] = v
+            return out
+
+        rows[k]["whole"] = {"log_probs": whole(old), "entropy": whole(torch.ones(r)),
+                            "gbc_log_kept_mass": whole(lk)}
+    return _Meta(keys), rows
+
+
+def _v1_run(mode, with_kept=True):
+    from omegaconf import OmegaConf
+
+    from gbc_kernels.integrations.verl import engine as ve
+
+    tq = _TransferQueue()
+    module = _v1_module(tq)
+    opts = ve.EngineOptions(support=mode)
+    ve.enable(opts)
+    old_modules = sys.modules.get(ve.V1_TRAINER_MODULE)
+    sys.modules[ve.V1_TRAINER_MODULE] = module
+    try:
+        ve._patch_v1_trainer(module)
+        meta, rows = _v1_batch(tq)
+
+        class Worker:                  # compute_log_prob: the engine's outputs into the queue
+            def compute_log_prob(self, batch):
+                for k in batch.keys:
+                    tq.rows[k].update({f: v for f, v in rows[k]["whole"].items()
+                                       if with_kept or f != ve.LOG_KEPT_MASS_KEY})
+                return batch
+
+        rollout = rollout_config(**VLLM, n=2)
+        config = OmegaConf.merge(trainer_config(rollout), OmegaConf.create(dict(
+            algorithm=dict(adv_estimator="grpo", gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True),
+            actor_rollout_ref=dict(actor=dict(loss_agg_mode="token-mean",
+                                              loss_scale_factor=None)))))
+        trainer = module.PPOTrainer(config)
+        trainer.actor_rollout_wg = Worker()
+        metrics = {}
+        meta = trainer._compute_old_log_prob(meta, metrics)
+        meta = trainer._compute_advantage(meta, metrics)
+        return rows, tq, metrics
+    finally:
+        ve.disable()
+        if old_modules is None:
+            sys.modules.pop(ve.V1_TRAINER_MODULE, None)
+        else:
+            sys.modules[ve.V1_TRAINER_MODULE] = old_modules
+
+
+@pytest.mark.parametrize("mode", [None, "kept_mass", "replay"])
+def test_v1_trainer_rollout_correction(mode):
+    """verl's v1 trainer (its default): its own ``_compute_old_log_prob`` and
+    ``_compute_advantage`` over the transfer queue, gbc's patches installed by
+    ``_patch_v1_trainer``: the rollout correction's IS weights and rejection mask equal verl's
+    stock function fed ``rollout + log_kept_mass`` by hand under ``kept_mass`` (the queue's
+    ``rollout_log_probs`` left as they are), the plain ones otherwise."""
+    from verl.trainer.ppo import rollout_corr_helper as rch
+
+    rows, tq, metrics = _v1_run(mode)
+    for k, row in rows.items():
+        sampler = row["rollout"] + (row["kept"] if mode == "kept_mass" else 0.0)
+        w, m, met = rch.compute_rollout_correction_and_rejection_mask(
+            row["old"][None], sampler[None], torch.ones(1, len(sampler), dtype=torch.long),
+            **{k: v for k, v in RC.items() if k != "bypass_mode"})
+        got = tq.rows[k]
+        assert torch.allclose(got["rollout_is_weights"], w.batch["rollout_is_weights"][0])
+        assert torch.equal(got["response_mask"].bool(), m[0].bool())
+        assert torch.equal(got["rollout_log_probs"], row["rollout"])
+    assert ("rollout_corr/gbc_kept_mass_mean" in metrics) == (mode == "kept_mass")
+
+
+def test_v1_trainer_without_kept_mass_refused():
+    """``kept_mass`` where the old-policy pass wrote no ``gbc_log_kept_mass`` (a worker without
+    gbc's engine): refused naming the option, never run uncorrected."""
+    with pytest.raises(ValueError, match="^GBC_VERL_OPTIONS: support=kept_mass: verl's rollout "
+                                         "correction got no 'gbc_log_kept_mass'"):
+        _v1_run("kept_mass", with_kept=False)
+
+
+# ------------------------------------------------------------------------------- refusals
+def _plan(options="support=replay", trainer=False, rc=RC, strategy="fsdp", **rollout):
+    from gbc_kernels.integrations.verl import engine as ve
+
+    opts = ve.EngineOptions.parse(options)
+    r = rollout_config(**dict(VLLM, **rollout))
+    if trainer:
+        return ve.trainer_support_plan(trainer_config(r, rc, strategy), opts)
+    return ve.support_plan(opts, r)
+
+
+def test_options_and_plan():
+    """``GBC_VERL_OPTIONS`` takes ``support`` / ``support_ties`` (the registry route refuses
+    them, tests/test_support_options.py); the plan maps verl's rollout settings: top_k -1 / 0:
+    no bound, vLLM's rule with ties "first" (vLLM 0.24's Triton sampler), SGLang's rule with
+    its full-vocabulary log-probs."""
+    from gbc_kernels.integrations.verl import engine as ve
+
+    assert ve.EngineOptions.parse("") == ve.EngineOptions()
+    p = _plan()
+    assert (p.mode, p.normalised, p.corrects_sampler) == ("replay", True, False)
+    assert (p.truncation.top_k, p.truncation.top_p, p.truncation.ties, p.truncation.rule) == \
+        (None, 0.9, "first", "vllm")
+    assert _plan("support=kept_mass,support_ties=all", top_k=0, top_p=0.5).truncation.ties == "all"
+    p = _plan(name="sglang", top_k=20)
+    assert (p.normalised, p.corrects_sampler, p.truncation.rule) == (False, True, "sglang")
+    assert _plan("") is None and _plan("support=off") is None
+    assert _plan("support=kept_mass", trainer=True).mode == "kept_mass"
+    # replay without verl's rollout correction: the policy over the set, nothing to move
+    assert _plan(trainer=True, rc=None, calculate_log_probs=False).mode == "replay"
+
+
+REFUSALS = [
+    (dict(top_p=1.0), "GBC_VERL_OPTIONS support=replay: actor_rollout_ref.rollout.top_k=-1 and "
+                      "top_p=1.0: the rollout samples without truncation"),
+    (dict(top_k=0, top_p=1.0), "GBC_VERL_OPTIONS support=replay: actor_rollout_ref.rollout"
+                               ".top_k=0 and top_p=1.0"),
+    (dict(top_p=0.0), r"actor_rollout_ref.rollout.top_p=0.0: expected a float in \(0, 1\]"),
+    (dict(top_p=1.5), r"actor_rollout_ref.rollout.top_p=1.5: expected a float in \(0, 1\]"),
+    (dict(name="hf"), "actor_rollout_ref.rollout.name='hf': GBC_VERL_OPTIONS support=replay "
+                      "rebuilds the kept set by vLLM's or SGLang's"),
+    (dict(logprobs_mode="raw_logprobs"), "actor_rollout_ref.rollout.logprobs_mode=raw_logprobs:"),
+    (dict(options="support=kept_mass", name="sglang"),
+     "GBC_VERL_OPTIONS support=kept_mass: actor_rollout_ref.rollout.name=sglang returns the full "
+     "vocabulary's log-probs"),
+    (dict(options="support_ties=all"), "GBC_VERL_OPTIONS: support_ties=all: set without support"),
+    (dict(options="support=replay,nthr=1", trainer=True), "GBC_VERL_OPTIONS: nthr: NTHR's scores"),
+    (dict(options="support=kept_mass", trainer=True, rc=None),
+     "algorithm.rollout_correction: None: GBC_VERL_OPTIONS support=kept_mass"),
+    (dict(options="support=kept_mass", trainer=True, rc=dict(RC, bypass_mode=True)),
+     "algorithm.rollout_correction: bypass_mode=True"),
+    (dict(options="support=kept_mass", trainer=True,
+          rc=dict(RC, rollout_is=None, rollout_rs=None)),
+     "algorithm.rollout_correction: rollout_is=None and rollout_rs=None"),
+    (dict(options="support=kept_mass", trainer=True, calculate_log_probs=False),
+     "actor_rollout_ref.rollout.calculate_log_probs=False: GBC_VERL_OPTIONS support=kept_mass"),
+    (dict(trainer=True, strategy="megatron"),
+     "actor_rollout_ref.rollout.top_p=0.9 without a top_k bound "
+     r"\(actor_rollout_ref.rollout.top_k=-1\): under Megatron's tensor parallelism "
+     r"\(actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"),
+]
+
+
+@pytest.mark.parametrize("kw,match", REFUSALS, ids=[m[:40] for _, m in REFUSALS])
+def test_bad_settings_refused_by_name(kw, match):
+    """Settings ``support`` cannot run exactly are refused at start-up (the trainer's and the
+    worker's), naming verl's option or gbc's."""
+    with pytest.raises(ValueError, match="^" + match):
+        _plan(**kw)
+    # under Megatron with a top-k bound the top-p cut is exact: accepted
+    assert _plan(trainer=True, strategy="megatron", top_k=50).truncation.top_k == 50
+
+
+def test_engine_without_rollout_settings_refused():
+    """An engine that never got the rollout's settings (built outside verl's
+    ActorRolloutRefWorker) refuses ``support`` at its first step; one that did plans again
+    when its options change."""
+    from gbc_kernels.integrations.verl import engine as ve
+
+    class Engine(ve.EngineMethods):
+        gbc_options = ve.EngineOptions(support="replay")
+
+    e = Engine()
+    with pytest.raises(ValueError, match="^GBC_VERL_OPTIONS: support=replay: this engine has not "
+                                         "got the rollout's sampling settings"):
+        e._gbc_plan()
+    assert e.gbc_attach_rollout(rollout_config(**VLLM)).mode == "replay"
+    Engine.gbc_options = ve.EngineOptions(support="kept_mass")
+    assert e._gbc_plan().mode == "kept_mass"
+    Engine.gbc_options = ve.EngineOptions()
+    assert e._gbc_plan() is None
+    Engine.gbc_options = ve.EngineOptions(support="replay", nthr=True)
+    with pytest.raises(ValueError, match="^GBC_VERL_OPTIONS: nthr: NTHR's scores"):
+        e.gbc_attach_rollout(rollout_config(**VLLM))
