@@ -96,7 +96,149 @@ def method_options(args) -> methods.MethodOptions:
     args = _Options(args)
     kw = {f: getattr(args, name) for f, name in METHOD_NAMES.items()}
     kw["nthr_eta"] = "auto" if kw["nthr_eta"] is None else kw["nthr_eta"]
-    return methods.MethodOptions.from_kwargs(METHOD_NAMES, **kw)
+    return methods.MethodOptions.from_kwargs(METHOD_NAMES, support_ok=True, **kw)
+
+
+# --------------------------------------------------- the sampler's kept set (gbc_support)
+# TRL 1.16 allows vLLM 0.22-0.31; 0.31 runs its Triton top-k/top-p for processed log-probs
+# on a GPU (exactly k kept, lowest ids first among ties at the k-th value): docs/trl.md
+DEFAULT_SUPPORT_TIES = "first"
+# the TRL release gbc_support hooks into (1.14 / 1.15: refused; their vllm-serve does not set
+# processed log-probs and their client cannot report the server's mode)
+SUPPORT_TRL_RELEASE = "1.16"
+# vLLM treats a temperature below this as greedy: argmax, log-probs without the filters
+_VLLM_GREEDY_TEMPERATURE = 1e-5
+# generation_kwargs keys that leave the sampler's kept set and its processed log-probs as
+# GRPOConfig's settings make them (stopping, lengths, seeds, detokenising)
+_NEUTRAL_GENERATION_KWARGS = frozenset((
+    "n", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "detokenize",
+    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+    "output_kind", "truncate_prompt_tokens", "prompt_logprobs"))
+# keys that change the distribution vLLM samples from (before its temperature and filters),
+# accepted only at the value that changes nothing
+_NEUTRAL_VALUES = {"repetition_penalty": 1.0, "presence_penalty": 0.0,
+                   "frequency_penalty": 0.0, "min_tokens": 0}
+_EMPTY_OK = ("logit_bias", "allowed_token_ids", "bad_words", "structured_outputs",
+             "guided_decoding", "logits_processors", "extra_args")
+
+
+def _sampling_setting(name, value):
+    """A sampling setting as the sampler reads it (vLLM: top_k <= 0 and min_p None are off)."""
+    if name == "top_k":
+        return None if value is None or int(value) <= 0 else int(value)
+    if name == "min_p":
+        return 0.0 if value is None else float(value)
+    return None if value is None else float(value)
+
+
+def support_truncation(args):
+    """The :class:`gbc_kernels.SamplerTruncation` the rollout sampled with (None with
+    ``gbc_support`` off): ``GRPOConfig``'s ``top_k`` / ``top_p`` / ``min_p`` by vLLM's rule, the
+    tie rule ``gbc_support_ties`` (default :data:`DEFAULT_SUPPORT_TIES`). Refuses, naming
+    ``gbc_support``, settings that truncate nothing."""
+    args = _Options(args)
+    return methods.sampler_truncation(method_options(args), args.top_k, args.top_p, args.min_p,
+                                      rule="vllm", ties=DEFAULT_SUPPORT_TIES,
+                                      names=METHOD_NAMES)
+
+
+def _support_unsupported(args) -> list:
+    """What ``gbc_support`` cannot run exactly with these TRL options, as error lines
+    (docs/trl.md, "The sampler's kept set")."""
+    args = _Options(args)
+    try:
+        opts = method_options(args)
+    except ValueError:                   # a bad value: _unsupported reports it
+        return []
+    mode = opts.support
+    if mode is None:
+        if opts.support_ties is not None:
+            return [f"gbc_support_ties={opts.support_ties}: the tie rule of the rebuilt kept "
+                    "set, which only gbc_support builds; set gbc_support too or unset it"]
+        return []
+    name = f"gbc_support={mode}"
+    bad = []
+    import trl
+
+    release = str(getattr(trl, "__version__", ""))
+    if release.split(".")[:2] != SUPPORT_TRL_RELEASE.split("."):
+        bad.append(f"{name}: runs on TRL {SUPPORT_TRL_RELEASE} only, the release whose rollout "
+                   f"(old-policy pass, vLLM ratio, vllm-serve's processed log-probs) it was "
+                   f"read and tested against; installed: TRL {release}")
+    try:
+        support_truncation(args)
+    except ValueError as exc:
+        bad.append(str(exc))
+    if not args.use_vllm:
+        bad.append(f"{name}: needs use_vllm=True. Without vLLM TRL samples with transformers' "
+                   "generate, which returns no log-probs (TRL then has no sampler ratio to "
+                   "correct) and applies its filters in another order (top-k, top-p, then "
+                   "min-p, every tie kept)")
+    if mode == "kept_mass" and not args.vllm_importance_sampling_correction:
+        bad.append(f"{name}: vllm_importance_sampling_correction=False: kept_mass corrects "
+                   "TRL's vLLM importance-sampling ratio, which is off (nothing to correct); "
+                   "turn it on or use gbc_support=replay")
+    if mode == "replay" and args.gbc_nthr:
+        bad.append(f"{name}: gbc_nthr: NTHR's scales over the rebuilt kept set are not "
+                   "computed (nthr_scale takes recorded support_ids only); use "
+                   "gbc_support=kept_mass or turn gbc_nthr off")
+    if args.temperature is not None and args.temperature < _VLLM_GREEDY_TEMPERATURE:
+        bad.append(f"{name}: temperature={args.temperature}: vLLM samples greedily below "
+                   f"{_VLLM_GREEDY_TEMPERATURE} and its log-probs skip the filters")
+    if args.repetition_penalty is not None and float(args.repetition_penalty) != 1.0:
+        bad.append(f"{name}: repetition_penalty={args.repetition_penalty}: vLLM penalises the "
+                   "logits before its temperature and filters; the kept set rebuilt from the "
+                   "policy's logits would not be the sampler's (set it to 1.0)")
+    if getattr(args, "vllm_structured_outputs_regex", None) is not None:
+        bad.append(f"{name}: vllm_structured_outputs_regex: the structured-output mask removes "
+                   "tokens from the sampler's kept set that the policy's logits do not show")
+    bad += [f"{name}: {line}" for line in _generation_kwargs_refused(args)]
+    return bad
+
+
+def _generation_kwargs_refused(args) -> list:
+    """The ``generation_kwargs`` that change vLLM's kept set or its processed log-probs away
+    from what ``GRPOConfig``'s settings make them."""
+    kw = args.generation_kwargs or {}
+    if not isinstance(kw, dict):
+        return [f"generation_kwargs={kw!r}: expected a dict"]
+    bad = []
+    for key in sorted(kw, key=str):
+        value = kw[key]
+        where = f"generation_kwargs[{key!r}]={value!r}"
+        if key in _NEUTRAL_GENERATION_KWARGS:
+            continue
+        if key in ("top_k", "top_p", "min_p", "temperature"):
+            mine = getattr(args, key)
+            try:
+                same = _sampling_setting(key, value) == _sampling_setting(key, mine)
+            except (TypeError, ValueError):
+                same = False
+            if not same:
+                bad.append(f"{where} overrides GRPOConfig's {key}={mine!r} for the sampler "
+                           f"only; set {key} itself (the kept set is rebuilt from GRPOConfig's "
+                           "settings)")
+        elif key in _NEUTRAL_VALUES:
+            try:
+                same = float(value) == _NEUTRAL_VALUES[key]
+            except (TypeError, ValueError):
+                same = False
+            if not same:
+                bad.append(f"{where}: changes the sampler's logits (or, min_tokens, masks the "
+                           "stop tokens) before its filters; the kept set rebuilt from the "
+                           "policy's logits would not be the sampler's")
+        elif key in _EMPTY_OK:
+            if value:
+                bad.append(f"{where}: masks or moves logits inside vLLM's sampler; the kept "
+                           "set rebuilt from the policy's logits would not be the sampler's")
+        elif key == "logprobs":
+            if value not in (0, None):
+                bad.append(f"{where}: TRL reads the first returned log-prob as the sampled "
+                           "token's, which holds only with logprobs=0 (TRL's)")
+        else:
+            bad.append(f"{where}: not known to leave vLLM's kept set and processed log-probs "
+                       "unchanged; remove it (or run without gbc_support)")
+    return bad
 
 
 # gbc's config fields -> TRL's options (GRPOConfig), for the config's errors
@@ -134,6 +276,7 @@ def _unsupported(args) -> list[str]:
         bad.append(str(exc))
     if args.gbc_backend not in gbc.BACKENDS:
         bad.append(f"gbc_backend={args.gbc_backend!r}: expected one of {gbc.BACKENDS}")
+    bad += _support_unsupported(args)
     return bad
 
 

@@ -18,7 +18,7 @@ import gbc_kernels as gbc
 from gbc_kernels import methods
 from .. import hf
 from .config import (NUM_ITEMS_LOSS_TYPES, PPO_LOSS_TYPES, _in_trl_words, _Options,
-                     _unsupported, check_trl_version, method_options)
+                     _unsupported, check_trl_version, method_options, support_truncation)
 
 
 # the inputs of a vision-language model's forward that TRL's batches carry (num_images and
@@ -148,6 +148,11 @@ class GBCGRPOTrainer(GRPOTrainer):
         self.gbc_args = _Options(self.args)
         self.gbc_methods = method_options(self.args)
         self._gbc_check_model()
+        # gbc_support: the sampler's kept set rebuilt from top_k / top_p / min_p (None: off)
+        self._gbc_truncation = support_truncation(self.args)
+        # gbc_support, during a rollout: its no-grad passes, (logp, log m, what TRL got)
+        self._gbc_support_calls = None
+        self._gbc_check_support()
         # Lopti's state: the phase, the window's kept micro-batches, the phases' gradient norms
         self._gbc_phase = self._gbc_reuse_inputs = self._gbc_last_inputs = None
         self._gbc_logged_loss = None       # Lopti: the first phase's unsplit loss, to log
@@ -179,6 +184,34 @@ class GBCGRPOTrainer(GRPOTrainer):
                 raise ValueError("gbc_lopti_eta: not supported under DeepSpeed (its engine steps "
                                  "the optimizer inside backward)")
 
+    def _gbc_check_support(self):
+        """What only the built trainer shows that ``gbc_support`` cannot run: a user rollout
+        (``rollout_func``: its sampler is unknown), a vLLM server whose log-probs are not the
+        processed ones (asked on the main process, the answer shared so every process refuses
+        alike)."""
+        mode = self.gbc_methods.support
+        if mode is None:
+            return
+        name = f"gbc_support={mode}"
+        if getattr(self, "rollout_func", None) is not None:
+            raise ValueError(f"{name}: rollout_func: a user rollout returns its own log-probs "
+                             "from a sampler whose settings gbc cannot read; unset gbc_support")
+        if self.use_vllm and self.vllm_mode == "server":
+            from accelerate.utils import broadcast_object_list
+
+            found = [None]
+            if self.accelerator.is_main_process:
+                info = self.vllm_generation.vllm_client.get_server_info()
+                found[0] = (info.get("model_config") or {}).get("logprobs_mode")
+            found = broadcast_object_list(found, from_process=0)[0]
+            if found != "processed_logprobs":
+                raise ValueError(
+                    f"{name}: the vLLM server returns logprobs_mode={found!r} log-probs; the "
+                    "kept set's correction needs processed_logprobs (after the temperature and "
+                    "the filters, normalised over the kept set). Restart it with "
+                    "`trl vllm-serve` (which sets --logprobs-mode processed_logprobs) without "
+                    "overriding that flag")
+
     @_in_trl_words()
     def _gbc_config(self, entropy_coef: float, lopti: bool = True) -> gbc.PolicyLossConfig:
         """TRL's loss_type as gbc's preset, with TRL's options on the other axes. ``lopti=False``:
@@ -209,13 +242,24 @@ class GBCGRPOTrainer(GRPOTrainer):
                                            **multimodal):
         """TRL's no-grad old-policy and reference passes by the training loss's row passes
         (an on-policy ratio is exactly 1), inside the model's forward; with gradients, the MoE
-        aux loss or multimodal inputs: TRL's own pass."""
+        aux loss or multimodal inputs: TRL's own pass (refused under ``gbc_support``). Under
+        ``gbc_support``: :meth:`_gbc_support_pass`."""
+        mode = self.gbc_methods.support
         if (torch.is_grad_enabled() or compute_aux_loss
                 or any(v is not None for v in multimodal.values())):
+            if mode is not None:
+                raise ValueError(
+                    f"gbc_support={mode}: this pass would run TRL's own log-probs (with "
+                    "gradients, the MoE aux loss or images), which cannot rebuild the "
+                    "sampler's kept set; not supported (a text model without the MoE aux "
+                    "loss runs gbc's passes)")
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
                 **multimodal)
+        if mode == "replay" or (mode == "kept_mass" and self._gbc_support_calls == []):
+            return self._gbc_support_pass(model, input_ids, attention_mask, logits_to_keep,
+                                          compute_entropy)
         calls = self._gbc_ref_calls
         if calls is not None and not compute_entropy:
             # critical-token KL on: this may be TRL's reference pass; take the KL weights from
@@ -236,6 +280,56 @@ class GBCGRPOTrainer(GRPOTrainer):
             calls.append(None)
         return logp, entropy, None
 
+    def _gbc_support_pass(self, model, input_ids, attention_mask, T, compute_entropy):
+        """A no-grad pass under ``gbc_support`` (docs/trl.md, "The sampler's kept set").
+        ``replay``: the log-probs (and entropies; under critical-token KL, the reference's
+        weights from its certainty over its kept set) over the kept set rebuilt from this
+        pass's own logits at the rollout temperature. ``kept_mass``, the rollout's old-policy
+        pass (its first no-grad pass): the whole vocabulary's log-probs, bit for bit, and
+        ``log m = LSE_S - LSE_V`` from the same sweep; TRL gets ``logp - log m``, so that its
+        own ratio code (every ``vllm_importance_sampling_mode``, its ``sampling/*`` metrics)
+        computes ``exp(old - (sampling + log m))``, and :meth:`_generate_and_score_completions`
+        puts the true ``logp`` back."""
+        opts, tr = self.gbc_methods, self._gbc_truncation
+        unwrapped = self.accelerator.unwrap_model(model)
+        targets = input_ids[:, -T:]
+        crit = self._gbc_ref_calls
+        kept_mass = opts.support == "kept_mass"
+        # TRL's old-policy pass is the rollout's first no-grad pass when it runs
+        old_pass = self._gbc_support_calls == [] and self._gbc_trl_old_pass_runs()
+        reference = (opts.support == "replay" and crit is not None and not compute_entropy
+                     and not old_pass)
+        hf.check_forward_inputs(unwrapped, input_ids, attention_mask, T)
+
+        def compute(h, head, cap):
+            with hf._as_input_ids(input_ids, T, head):
+                if reference:
+                    return methods.reference_stats(
+                        h, head.weight, targets, opts, head.bias,
+                        temperature=self._gbc_temperature, logit_softcap=cap,
+                        backend=self.gbc_args.gbc_backend, sampler_truncation=tr)
+                return gbc.token_stats(
+                    h, head.weight, targets, head.bias, temperature=self._gbc_temperature,
+                    backend=self.gbc_args.gbc_backend, logit_softcap=cap,
+                    logits_dtype=opts.logits_dtype, sampler_truncation=tr,
+                    return_log_kept_mass=True, over_support=not kept_mass)
+
+        st = hf.in_head(model, input_ids, attention_mask, T, None, compute, unwrapped)
+        if reference:
+            crit.append(st.kl_weight)
+            if self._gbc_support_calls is not None:
+                self._gbc_support_calls.append((st.ref_logp, None, st.ref_logp))
+            return st.ref_logp, None, None
+        if crit is not None:
+            crit.append(None)          # not a reference pass (or TRL asked for entropies)
+        if kept_mass:
+            shifted = st.logp - st.log_kept_mass
+            self._gbc_support_calls.append((st.logp, st.log_kept_mass, shifted))
+            return shifted, None, None
+        if self._gbc_support_calls is not None:
+            self._gbc_support_calls.append((st.logp, st.log_kept_mass, st.logp))
+        return st.logp, (st.entropy if compute_entropy else None), None
+
     # ---------------------------------------------------------------- rollout: NTHR, critical KL
     def _generate_and_score_completions(self, inputs):
         """TRL's rollout, then gbc's no-grad passes over the whole generation batch: the old
@@ -244,10 +338,14 @@ class GBCGRPOTrainer(GRPOTrainer):
         opts, args = self.gbc_methods, self.gbc_args
         crit = opts.critical_kl_exponent is not None
         self._gbc_ref_calls = [] if crit and self.model.training else None
+        self._gbc_support_calls = [] if opts.support is not None else None
         try:
             out = super()._generate_and_score_completions(inputs)
         finally:
             ref_calls, self._gbc_ref_calls = self._gbc_ref_calls, None
+            support_calls, self._gbc_support_calls = self._gbc_support_calls, None
+        if opts.support is not None:
+            self._gbc_support_rollout(out, support_calls)
         if not self.model.training or not (opts.needs_old_pass or crit):
             return out
         model_kwargs = _model_inputs(out)
@@ -257,7 +355,15 @@ class GBCGRPOTrainer(GRPOTrainer):
         attention_mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
         mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out \
             else out["completion_mask"]
-        if opts.needs_old_pass:
+        own_old = (opts.support == "replay" and opts.lopti_eta is not None
+                   and out.get("old_per_token_logps") is None)
+        if own_old:
+            # Lopti's fixed old log-probs over the kept set, as the update's (hf's old-policy
+            # pass is the vocabulary's; NTHR is refused under replay)
+            with torch.no_grad():
+                out[OLD_LOGP_KEY] = self._get_per_token_logps_and_entropies(
+                    self.model, input_ids, attention_mask, T)[0]
+        if opts.needs_old_pass and not own_old:
             nthr = {}
             if opts.nthr:
                 B, G = completion_ids.size(0), self.num_generations
@@ -303,6 +409,43 @@ class GBCGRPOTrainer(GRPOTrainer):
                     completion_len=T, model_kwargs=model_kwargs, options=opts)
             out["gbc_kl_weight"] = ref.kl_weight
         return out
+
+    def _gbc_trl_old_pass_runs(self) -> bool:
+        """Whether TRL's rollout runs its old-policy pass (``grpo_trainer.py``, TRL 1.16: the
+        generation not aligned with the optimizer steps, or vLLM's importance sampling)."""
+        every = self.args.steps_per_generation * self.num_iterations
+        return bool(self.args.gradient_accumulation_steps % every != 0
+                    or (self.use_vllm and self.vllm_importance_sampling_correction))
+
+    def _gbc_support_rollout(self, out, calls):
+        """``gbc_support`` after TRL's rollout. ``kept_mass``: the old-policy pass's true
+        log-probs back in ``old_per_token_logps`` (TRL's ratio was computed from ``logp - log
+        m``: :meth:`_gbc_support_pass`) and the sampler's log-probs moved by ``log m``
+        (:func:`methods.corrected_sampler_logp`) for the off-policy mask. Both modes log
+        ``gbc/kept_mass``, the mean kept mass ``m`` over the response tokens under the old
+        policy (the bias of the uncorrected ratio), when the old-policy pass ran."""
+        mode = self.gbc_methods.support
+        old = out.get("old_per_token_logps")
+        first = calls[0] if calls else None
+        if mode == "kept_mass":
+            if old is None or first is None or first[2] is not old:
+                raise RuntimeError("gbc_support=kept_mass: TRL's rollout did not take its "
+                                   "importance-sampling ratio from gbc's old-policy pass")
+            logp, lkm = first[0], first[1] * out["completion_mask"].to(first[1].dtype)
+            out["old_per_token_logps"] = logp
+            if out.get("sampling_per_token_logps") is not None:
+                out["sampling_per_token_logps"] = methods.corrected_sampler_logp(
+                    out["sampling_per_token_logps"], lkm, "kept_mass", normalised=True)
+        if old is None or first is None or first[1] is None:
+            return
+        mask = out["completion_mask"] if "tool_mask" not in out \
+            else out["completion_mask"] * out["tool_mask"]
+        m = mask.to(torch.float32)
+        local = torch.stack([(first[1].float().exp() * m).sum(), m.sum()])
+        total = self.accelerator.gather(local).view(-1, 2).sum(0)
+        mode_name = "train" if self.model.training else "eval"
+        self._metrics[mode_name]["gbc/kept_mass"].append(
+            (total[0] / total[1].clamp(min=1.0)).item())
 
     def _gbc_nthr_in_update(self, trl_old, model_kwargs) -> bool:
         """NTHR inside the update's forward rather than a pass at the rollout: on policy (TRL
@@ -468,6 +611,9 @@ class GBCGRPOTrainer(GRPOTrainer):
         token_out = {} if first_phase else None
         ref_logp = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
         dp_group = "world" if self.accelerator.num_processes > 1 else None
+        support = {}
+        if self.gbc_methods.support == "replay":     # the update over the rebuilt kept set
+            support["sampler_truncation"] = self._gbc_truncation
         with self.accelerator.autocast():
             loss, metrics, outputs = hf.policy_loss_through_forward(
                 model, input_ids, attention_mask, T, mask, inputs["advantages"],
@@ -479,7 +625,7 @@ class GBCGRPOTrainer(GRPOTrainer):
                 kl_weight=inputs.get("gbc_kl_weight"), phase=self._gbc_phase,
                 num_items_in_batch=num_items, backend=args.gbc_backend, is_ratio=is_ratio,
                 sampling_logp=sampling, old_policy=old_policy, token_out=token_out,
-                data_parallel_group=dp_group)
+                data_parallel_group=dp_group, **support)
         if "pass" in nthr:           # the micro-batch carries the scales its loss used
             inputs["gbc_token_scale"] = nthr["pass"].token_scale
             self._gbc_log_nthr(nthr["pass"].nthr, inputs["advantages"], mask)
@@ -566,7 +712,7 @@ class GBCGRPOTrainer(GRPOTrainer):
                 if name in trl_metrics:
                     named[name] = trl_metrics[name]
         for name in ("grad_share_low", "low_frac", "ar_weight_mean", "entropy_mask_frac",
-                     "off_policy_frac", "ratio_mean", "log_ratio_mean"):
+                     "off_policy_frac", "ratio_mean", "log_ratio_mean", "support_forced_frac"):
             if name in metrics:
                 named[f"gbc/{name}{suffix}"] = metrics[name]
         if self._gbc_phase is not None and "grad_norm_sum" in metrics:
