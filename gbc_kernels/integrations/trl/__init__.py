@@ -1,7 +1,8 @@
 """TRL drop-in: ``GBCGRPOTrainer`` is ``trl.GRPOTrainer`` (TRL 1.14-1.16,
 refused on another release: :func:`check_trl_version`) with its loss computed from
 the policy's hidden states and ``lm_head``, no logits; TRL's loss with every ``gbc_*`` option
-off, AR, Lopti, NTHR and critical-token KL with them (:class:`GBCGRPOConfig`; docs/trl.md).
+off, AR, Lopti, NTHR and critical-token KL with them, and the sampler's kept set rebuilt from
+``top_k`` / ``top_p`` / ``min_p`` (``gbc_support``) (:class:`GBCGRPOConfig`; docs/trl.md).
 
 The parts, as every trainer's adapter has them: :mod:`.config` (TRL's options as gbc's, the
 ``gbc_*`` options, and the release check), :mod:`.trainer` (the ``GRPOTrainer`` subclass: the
