@@ -90,7 +90,7 @@ def _trl():
 
 
 # the adapters that do not rebuild the set (yet): each refuses both options by name
-REFUSING = {"skyrl": _skyrl, "verl-register": _verl_register, "openrlhf": _openrlhf}
+REFUSING = {"skyrl": _skyrl, "verl-register": _verl_register}
 
 
 @pytest.mark.parametrize("adapter", sorted(REFUSING))

@@ -26,20 +26,24 @@ from ..releases import TESTED, check_release, installed
 # the parts' names, importable from here as from the one module this package was (the tests and
 # OpenRLHF's launchers name gbc_kernels.integrations.openrlhf.X)
 from .losses import (ENV_OPTIONS, IS_LEVELS, KL_ESTIMATORS, LOSS_AGG_MODES,  # noqa: F401
-                     METHOD_OPTIONS, OPTION_NAMES, POLICY_LOSS_TYPES, _get, batch_normalisers,
-                     is_correction, parse_options, policy_loss_config, split_options)
+                     METHOD_OPTIONS, OPTION_NAMES, POLICY_LOSS_TYPES, SUPPORT_TIES, _get,
+                     batch_normalisers, check_support_ties, is_correction, parse_options,
+                     policy_loss_config, rollout_truncation, split_options)
 from .actor import (EXPERIENCE_NAMES, PackedRows, _check_packed_per_token,  # noqa: F401
                     _inner_model, _keep_rows, _position_ids, _ring_group, check_actions,
                     fused_action_log_probs, fused_actor_loss, packed_rows)
-from .trainer import (GBC_INFO_KEYS, INDEX_KEY, KEPT_ATTR, KL_WEIGHT_KEY,  # noqa: F401
-                      SCALE_KEY, _PATCHES, _STATE, _actor_forward, _buffer_append, _info_rows,
-                      _is_reference, _nthr_forget, _nthr_forward, _ppo_train, _take_pending,
-                      check_trainer, nthr_pass, training_step)
+from .trainer import (ARGS_ATTR, GBC_INFO_KEYS, INDEX_KEY, KEPT_ATTR,  # noqa: F401
+                      KEPT_MASS_KEY, KL_WEIGHT_KEY, SCALE_KEY, _PATCHES, _STATE, _actor_forward,
+                      _buffer_append, _info_rows, _is_reference, _nthr_forget, _nthr_forward,
+                      _ppo_train, _strategy_prepare, _take_pending, check_trainer, nthr_pass,
+                      support_truncation, training_step)
 
 
-# the OpenRLHF releases the drop-in is tested on (major.minor), and where its Ray trainer is
+# the OpenRLHF releases the drop-in is tested on (major.minor), and where its Ray trainer and
+# its DeepSpeed strategy are
 OPENRLHF_VERSIONS = TESTED["openrlhf"]
 TRAINER_MODULE = "openrlhf.trainer.ray.ppo_actor"
+STRATEGY_MODULE = "openrlhf.utils.deepspeed.deepspeed"
 
 
 def check_openrlhf_version(version: Optional[str] = None) -> str:
@@ -58,11 +62,14 @@ def _patch_trainer(cls):
     _PATCHES.set(cls, "ppo_train", _ppo_train)
 
 
-def enable(actor_cls=None, trainer_cls=None, buffer_cls=None, **options) -> None:
+def enable(actor_cls=None, trainer_cls=None, buffer_cls=None, strategy_cls=None,
+           **options) -> None:
     """Patch OpenRLHF in this process (docs/openrlhf.md). ``options``: ``MethodOptions``'s and
     other ``PolicyLossConfig`` fields (none: :data:`ENV_OPTIONS`'s, errors naming it); the
-    classes default to OpenRLHF's (``trainer_cls=False``: leave it). OpenRLHF's Ray trainer
-    (its module imports vLLM) is patched now if imported, else right after its import. A bad
+    classes default to OpenRLHF's (``trainer_cls=False`` / ``strategy_cls=False``: leave it).
+    OpenRLHF's Ray trainer (its module imports vLLM) is patched now if imported, else right
+    after its import; with ``support`` on, so is its ``DeepspeedStrategy.prepare`` (which hands
+    each model the arguments its no-grad passes rebuild the sampler's kept set from). A bad
     option, OpenRLHF missing or a release outside :data:`OPENRLHF_VERSIONS` raises, and nothing
     is patched."""
     check_openrlhf_version()
@@ -83,7 +90,13 @@ def enable(actor_cls=None, trainer_cls=None, buffer_cls=None, **options) -> None
         _PATCHES.on_import(TRAINER_MODULE, lambda module: _patch_trainer(module.ActorPPOTrainer))
     elif trainer_cls:                                                # False: leave it
         _patch_trainer(trainer_cls)
-    if opts.nthr or opts.critical_kl_exponent is not None:
+    if opts.support is not None:
+        if strategy_cls is None:
+            _PATCHES.on_import(STRATEGY_MODULE, lambda module: _PATCHES.set(
+                module.DeepspeedStrategy, "prepare", _strategy_prepare))
+        elif strategy_cls:                                           # False: leave it
+            _PATCHES.set(strategy_cls, "prepare", _strategy_prepare)
+    if opts.nthr or opts.critical_kl_exponent is not None or opts.support == "kept_mass":
         if buffer_cls is None:
             from openrlhf.trainer.ppo_utils.replay_buffer import NaiveReplayBuffer as buffer_cls
         _PATCHES.set(buffer_cls, "append", _buffer_append)
@@ -93,4 +106,5 @@ def disable() -> None:
     """Undo :func:`enable` (every patched class gets its own method back)."""
     _PATCHES.undo()
     _STATE.methods, _STATE.options = methods.MethodOptions(), {}
+    _STATE.kept_mass_actor = False
     _nthr_forget()

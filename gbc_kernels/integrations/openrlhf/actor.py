@@ -204,7 +204,7 @@ EXPERIENCE_NAMES = {"input_ids": "experience.sequences",
 def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_info=None,
                      temperature: Optional[float] = None, token_scale=None, kl_weight=None,
                      phase=None, ring_attn_group=None, token_out: Optional[dict] = None,
-                     **gbc_options):
+                     sampler_truncation=None, log_kept_mass=None, **gbc_options):
     """The loss ``ActorPPOTrainer.training_step`` backpropagates (policy, KL, entropy and MoE
     terms) for an ``Experience``, without logits. Returns ``(loss, metrics)``: OpenRLHF's
     logged metrics and gbc's (``gbc/...``). With ``actor.packing_samples`` the model runs on
@@ -212,7 +212,15 @@ def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_in
     this rank's slice of them, and the loss's gradient is this rank's share times the ring size
     (DeepSpeed averages it over the ring's ranks), its value the whole batch's. ``token_out``:
     a dict that receives the per-token ``logp`` (and ``entropy`` when computed), ``[B, T]``
-    float32 in OpenRLHF's layout, the whole batch's on every ring rank."""
+    float32 in OpenRLHF's layout, the whole batch's on every ring rank.
+
+    The sampler's kept set (docs/openrlhf.md, "The sampler's kept set"): ``sampler_truncation``
+    (a :class:`gbc_kernels.SamplerTruncation`, ``support=replay``): the policy's log-probs,
+    entropy and gradients over the set rebuilt from its own logits (metric
+    ``gbc/support_forced_frac``); ``log_kept_mass`` (``[B, T]``, ``support=kept_mass``): the
+    old policy's ``LSE_S - LSE_V``, added to ``experience.rollout_log_probs`` (vLLM's processed
+    log-probs) wherever OpenRLHF's correction reads them (the train/rollout ratio, its gates and
+    ``vllm_kl``, GSPO's ratio base)."""
     seq, am, mask = experience.sequences, experience.attention_mask, experience.action_mask
     check_actions(seq, am, mask)                # before anything is computed, on both paths
     T = mask.shape[1]
@@ -220,12 +228,18 @@ def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_in
     temp = getattr(actor, "temperature", 1.0) if temperature is None else temperature
     cfg = policy_loss_config(args, kl_coef=kl_ctl, temperature=temp, **gbc_options)
     old = experience.action_log_probs
-    coef, is_metrics = is_correction(args, old, getattr(experience, "rollout_log_probs", None),
-                                     mask)
+    rollout = _kept_mass_rollout(args, getattr(experience, "rollout_log_probs", None),
+                                 log_kept_mass, mask)
+    coef, is_metrics = is_correction(args, old, rollout, mask)
     ratio_base = old
     if cfg.importance_sampling_level == "sequence" and \
             _get(args, "algo.advantage.is_correction_level", "off") != "off":
-        ratio_base = experience.rollout_log_probs     # OpenRLHF's GSPO against the rollout
+        ratio_base = rollout                          # OpenRLHF's GSPO against the rollout
+    if sampler_truncation is not None:
+        gbc.truncation.check(sampler_truncation)
+        gbc_support = {"sampler_truncation": sampler_truncation}
+    else:
+        gbc_support = {}
     norms = batch_normalisers(loss_batch_info)
     m = mask.bool()
     aux = float(_get(args, "actor.aux_loss_coef", 0.0) or 0.0) > 1e-8
@@ -246,7 +260,8 @@ def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_in
             model, pk.input_ids, pk.position_ids, pk.hidden, rows(seq[:, -T:], 0), pk.mask(),
             rows(experience.advantages), old_logp=rows(ratio_base), ref_logp=rows(ref),
             config=cfg, token_scale=rows(token_scale, 1.0), kl_weight=rows(kl_weight),
-            phase=phase, is_ratio=rows(coef), return_outputs=aux, token_out=own, **norms)
+            phase=phase, is_ratio=rows(coef), return_outputs=aux, token_out=own, **norms,
+            **gbc_support)
         if token_out is not None:
             token_out.update({k: pk.scatter(v[pk.b, pk.c]) for k, v in own.items()})
     else:
@@ -254,7 +269,7 @@ def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_in
             model, seq, am, T, m, experience.advantages, old_logp=ratio_base, ref_logp=ref,
             config=cfg, token_scale=token_scale, kl_weight=kl_weight, phase=phase,
             is_ratio=coef, return_outputs=aux, token_out=token_out,
-            model_kwargs={"position_ids": _position_ids(am)}, **norms)
+            model_kwargs={"position_ids": _position_ids(am)}, **norms, **gbc_support)
     loss, metrics = out[0], out[1]
     norms.pop("sequence_parallel", None)
     if group is not None:         # value: the batch's; gradient: the share x the ring's size
@@ -301,12 +316,59 @@ def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_in
     return loss, om
 
 
+def _kept_mass_rollout(args, rollout, log_kept_mass, mask):
+    """The rollout log-probs OpenRLHF's correction reads: vLLM's processed ones, moved by the
+    old policy's ``log_kept_mass`` when given (``support=kept_mass``)."""
+    if log_kept_mass is None:
+        return rollout
+    level = _get(args, "algo.advantage.is_correction_level", "off")
+    if level == "off":
+        raise ValueError("log_kept_mass: algo.advantage.is_correction_level is 'off': OpenRLHF "
+                         "compares nothing against the sampler's log-probs, there is no ratio "
+                         "to correct (support=kept_mass needs the correction on)")
+    if rollout is None:
+        raise ValueError("experience.rollout_log_probs: required with log_kept_mass "
+                         "(support=kept_mass moves vLLM's processed log-probs)")
+    if not isinstance(log_kept_mass, torch.Tensor) or \
+            tuple(log_kept_mass.shape) != tuple(mask.shape):
+        got = (list(log_kept_mass.shape) if isinstance(log_kept_mass, torch.Tensor)
+               else type(log_kept_mass).__name__)
+        raise ValueError(f"log_kept_mass: expected the action mask's shape "
+                         f"{list(mask.shape)}, got {got}")
+    lk = log_kept_mass.to(rollout.device) * mask.to(rollout.device)
+    return methods.corrected_sampler_logp(rollout, lk, "kept_mass", normalised=True)
+
+
+def _head_stats(h, head, targets, opts, temp, cap, backend, truncation=None,
+                over_support=True, kept_mass=False):
+    """The no-grad pass's statistics on the hidden states ``h``: ``(ReferenceStats, log
+    kept mass or None)``. ``truncation``: over the kept set rebuilt from these logits
+    (``over_support``) or, with ``kept_mass``, the whole vocabulary's log-probs (bit for bit)
+    and the set's ``LSE_S - LSE_V`` from the same pass."""
+    if not kept_mass:
+        extra = {} if truncation is None else dict(sampler_truncation=truncation,
+                                                   over_support=over_support)
+        return methods.reference_stats(h, head.weight, targets, opts, head.bias,
+                                       temperature=temp, logit_softcap=cap, backend=backend,
+                                       **extra), None
+    if opts.critical_kl_exponent is not None:
+        raise ValueError("return_log_kept_mass: the reference model's pass (critical_kl_exponent) "
+                         "returns no kept mass")
+    st = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temp, backend=backend,
+                         logit_softcap=cap, logits_dtype=opts.logits_dtype,
+                         sampler_truncation=truncation, over_support=over_support,
+                         return_log_kept_mass=True)
+    return methods.ReferenceStats(st.logp, None, None), st.log_kept_mass
+
+
 @torch.no_grad()
 def fused_action_log_probs(actor, sequences, action_mask, attention_mask,
                            temperature: Optional[float] = None, backend: str = "auto",
                            options: Optional[methods.MethodOptions] = None,
                            ring_attn_group=None, packed_seq_lens=None,
-                           nthr_keep: Optional[tuple] = None, logits_dtype=None):
+                           nthr_keep: Optional[tuple] = None, logits_dtype=None,
+                           sampler_truncation=None, over_support: bool = True,
+                           return_log_kept_mass: bool = False):
     """``Actor.forward``'s no-grad action log-probs without logits: ``[B, T]`` float32, 0 where
     ``action_mask`` is; ``options`` with ``critical_kl_exponent`` (the reference model's
     pass): ``[B, T, 2]``, the log-probs and the critical-token KL weights. Packed samples
@@ -316,7 +378,15 @@ def fused_action_log_probs(actor, sequences, action_mask, attention_mask,
     inputs, the head's rows of the action tokens' ids into ``heads`` and one
     :class:`gbc_kernels.methods.NTHRKeptRow` per sample (on ``heads.device``) into ``rows``
     (under ring attention every ring rank keeps whole responses). ``logits_dtype``: the loss's
-    (docs/kernels.md, "Precision"; ``options``' own when given)."""
+    (docs/kernels.md, "Precision"; ``options``' own when given).
+
+    ``sampler_truncation`` (a :class:`gbc_kernels.SamplerTruncation`): the sampler's kept set
+    rebuilt from this model's logits at the pass's temperature; the log-probs (and
+    critical-token KL weights) over it (``support=replay``), or with ``over_support=False`` the
+    whole vocabulary's, bit for bit the pass without it. ``return_log_kept_mass=True`` (needs
+    ``sampler_truncation``; ``support=kept_mass``'s old-policy pass): returns ``(log-probs,
+    log_kept_mass)``, the second ``LSE_S - LSE_V`` per action ``[B, T]`` float32 (0 where
+    ``action_mask`` is), from the same pass."""
     T = action_mask.shape[1]
     temp = getattr(actor, "temperature", 1.0) if temperature is None else temperature
     group = _ring_group(actor, None, ring_attn_group)
@@ -325,6 +395,19 @@ def fused_action_log_probs(actor, sequences, action_mask, attention_mask,
     if nthr_keep is not None and opts.critical_kl_exponent is not None:
         raise ValueError("nthr_keep: the reference model's pass (critical_kl_exponent) keeps "
                          "nothing for NTHR")
+    if sampler_truncation is not None:
+        gbc.truncation.check(sampler_truncation)
+    elif return_log_kept_mass:
+        raise ValueError("return_log_kept_mass: needs sampler_truncation (the kept set whose "
+                         "mass it is)")
+    if nthr_keep is not None and sampler_truncation is not None and over_support:
+        raise ValueError("nthr_keep: NTHR keeps the whole vocabulary's log-probs; not with "
+                         "sampler_truncation over the kept set (over_support=False for the "
+                         "kept mass only)")
+
+    def stats(h, head, cap, targets):
+        return _head_stats(h, head, targets, opts, temp, cap, backend, sampler_truncation,
+                           over_support, return_log_kept_mass)
 
     def keep_head(head, cap):
         if nthr_keep is not None:
@@ -337,48 +420,49 @@ def fused_action_log_probs(actor, sequences, action_mask, attention_mask,
         def compute(h, head, cap):
             keep_head(head, cap)
             flat = pk.flat_hidden(h)
-            ref = methods.reference_stats(flat, head.weight, targets, opts, head.bias,
-                                          temperature=temp, logit_softcap=cap, backend=backend)
+            ref, kept = stats(flat, head, cap, targets)
             if nthr_keep is None:
-                return ref, None
+                return ref, kept, None
             if group is None:
-                return ref, flat[0]
+                return ref, kept, flat[0]
             full = flat.new_zeros(*action_mask.shape, flat.shape[-1])   # whole responses
             full[pk.b, pk.j] = flat[0]
             import torch.distributed as dist
             dist.all_reduce(full, group=group)
-            return ref, full
+            return ref, kept, full
 
-        ref, hidden = hf.in_head(_inner_model(actor), pk.input_ids, None, None,
-                                 {"position_ids": pk.position_ids}, compute)
+        ref, kept, hidden = hf.in_head(_inner_model(actor), pk.input_ids, None, None,
+                                       {"position_ids": pk.position_ids}, compute)
         logp = pk.scatter(ref.ref_logp.float())
         if nthr_keep is not None:
             if group is None:            # this rank's tokens are the whole batch's, in order
                 hidden = [hidden[pk.b == b] for b in range(len(valid))]
             _keep_rows(nthr_keep, valid, hidden, logp)
-        return logp if ref.kl_weight is None else torch.stack(
+        out = logp if ref.kl_weight is None else torch.stack(
             (logp, pk.scatter(ref.kl_weight.float())), -1)
+        return (out, pk.scatter(kept.float())) if return_log_kept_mass else out
     if packed_seq_lens is not None:
         raise ValueError("packed_seq_lens: given without ds.packing_samples (OpenRLHF's Actor "
                          "ignores it)")
     kwargs = {"position_ids": _position_ids(attention_mask)}
-    if nthr_keep is None:
+    kept = None
+    if nthr_keep is None and sampler_truncation is None:
         ref = hf.reference_pass(
             _inner_model(actor), sequences, attention_mask, sequences[:, -T:], temperature=temp,
             backend=backend, completion_len=T, options=opts, model_kwargs=kwargs)
     else:
         def compute(h, head, cap):
             keep_head(head, cap)
-            return methods.reference_stats(h, head.weight, sequences[:, -T:], opts, head.bias,
-                                           temperature=temp, logit_softcap=cap,
-                                           backend=backend), h
+            return stats(h, head, cap, sequences[:, -T:]), h
 
-        ref, hidden = hf.in_head(_inner_model(actor), sequences, attention_mask, T, kwargs,
-                                 compute)
-        _keep_rows(nthr_keep, valid, hidden, ref.ref_logp)
+        (ref, kept), hidden = hf.in_head(_inner_model(actor), sequences, attention_mask, T,
+                                         kwargs, compute)
+        if nthr_keep is not None:
+            _keep_rows(nthr_keep, valid, hidden, ref.ref_logp)
     m = action_mask.to(ref.ref_logp.dtype)
-    return ref.ref_logp * m if ref.kl_weight is None else torch.stack(
+    out = ref.ref_logp * m if ref.kl_weight is None else torch.stack(
         (ref.ref_logp * m, ref.kl_weight * m), -1)
+    return (out, kept.float() * m) if return_log_kept_mass else out
 
 
 def _keep_rows(nthr_keep, valid, hidden, logp):

@@ -144,6 +144,49 @@ def is_correction(args, old_log_probs, rollout_log_probs, action_mask):
 ENV_OPTIONS = "GBC_OPENRLHF_OPTIONS"
 METHOD_OPTIONS = tuple(f.name for f in dataclasses.fields(methods.MethodOptions))
 
+# the sampler's kept set (support=replay / kept_mass, docs/openrlhf.md): OpenRLHF 0.11.2 pins
+# vLLM 0.29.0, whose Triton sampler (>= 8 rows a step) keeps exactly k at a top-k tie, lowest
+# ids first; OpenRLHF never sets a top-k, so the rule has nothing to act on
+SUPPORT_TIES = "first"
+
+
+def rollout_truncation(args, options: "methods.MethodOptions", temperature=None):
+    """The :class:`gbc_kernels.SamplerTruncation` of OpenRLHF's rollout (``args.rollout.top_p``;
+    0.11.2 sends vLLM no top-k and no min-p) when ``options.support`` is on, else None.
+    ``temperature``: the pass's (the actor's), refused unless it is ``rollout.temperature``
+    (where set). No truncation (``rollout.top_p`` 1, OpenRLHF's default) or a bad top-p is
+    refused naming ``support`` and ``rollout.top_p``."""
+    mode = options.support
+    if mode is None:
+        return None
+    top_p = _get(args, "rollout.top_p", 1.0)
+    if isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and top_p == 1.0:
+        raise ValueError(f"support={mode}: rollout.top_p is {top_p!r} and OpenRLHF 0.11.2 sends "
+                         f"vLLM no top_k or min_p: the sampler kept the whole vocabulary, there "
+                         f"is no kept set to rebuild and nothing to correct; unset support or "
+                         f"roll out with --rollout.top_p < 1")
+    try:
+        tr = methods.sampler_truncation(options, top_k=None, top_p=top_p, min_p=0.0,
+                                        rule="vllm", ties=SUPPORT_TIES)
+    except (TypeError, ValueError) as exc:
+        text = str(exc).replace(f"support={mode}: top_p:", f"support={mode}: rollout.top_p:")
+        raise ValueError(text) from None
+    want = _get(args, "rollout.temperature")
+    if temperature is not None and want is not None and float(want) != float(temperature):
+        raise ValueError(f"support={mode}: the actor's temperature {float(temperature)!r} is not "
+                         f"rollout.temperature {float(want)!r} (the sampler's): the kept set is "
+                         f"rebuilt at the rollout temperature")
+    return tr
+
+
+def check_support_ties(options: "methods.MethodOptions") -> None:
+    """``support_ties`` is refused by name: OpenRLHF 0.11.2 rolls out without top-k."""
+    if options.support_ties is not None:
+        raise ValueError(f"support_ties={options.support_ties}: OpenRLHF 0.11.2 rolls out "
+                         f"without top-k (vLLM's SamplingParams get top_k=-1), so the top-k tie "
+                         f"rule has nothing to act on (ties at the top-p cut keep the lowest ids "
+                         f"first, as vLLM 0.29's Triton sampler); unset it")
+
 
 def parse_options(text: Optional[str]) -> dict:
     """:data:`ENV_OPTIONS`'s ``"lopti_eta=0.5,nthr=true"`` -> keyword options (a method option
@@ -178,6 +221,11 @@ def split_options(options: dict):
         if name in ("temperature", "logit_softcap"):    # the no-grad passes would not see it
             raise ValueError(f"{name}: set on OpenRLHF's actor / model (its old-policy and "
                              f"reference passes use it too), not through enable()")
-    opts = methods.MethodOptions.from_kwargs(**method_kw)
+    opts = methods.MethodOptions.from_kwargs(support_ok=True, **method_kw)
+    check_support_ties(opts)
+    if opts.support == "replay" and opts.nthr:
+        raise ValueError("nthr: not with support=replay (NTHR's scales take the sampler's "
+                         "recorded ids, support_ids, not a kept set rebuilt from the sampling "
+                         "settings); use support=kept_mass or unset one of them")
     gbc.PolicyLossConfig(**loss_kw, **opts.loss_options())           # validates the rest
     return opts, loss_kw

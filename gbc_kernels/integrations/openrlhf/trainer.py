@@ -16,19 +16,24 @@ from gbc_kernels import methods
 from .. import hf, patching
 from .actor import (_inner_model, _position_ids, _ring_group, fused_action_log_probs,
                     fused_actor_loss, packed_rows)
-from .losses import ENV_OPTIONS, _get
+from .losses import ENV_OPTIONS, _get, rollout_truncation
 
 
 # what the experience carries for gbc, in its ``info`` (split and merged with the samples)
 INDEX_KEY, SCALE_KEY, KL_WEIGHT_KEY = "gbc_index", "gbc_nthr_scale", "gbc_kl_weight"
-GBC_INFO_KEYS = (INDEX_KEY, SCALE_KEY, KL_WEIGHT_KEY)
+KEPT_MASS_KEY = "gbc_log_kept_mass"          # support=kept_mass: the old policy's LSE_S - LSE_V
+GBC_INFO_KEYS = (INDEX_KEY, SCALE_KEY, KL_WEIGHT_KEY, KEPT_MASS_KEY)
+
+# the attribute of a model that holds the OpenRLHF arguments its strategy prepared it with
+# (the sampling settings the no-grad passes rebuild the sampler's kept set from)
+ARGS_ATTR = "gbc_args"
 
 # the attribute of a replay-buffer sample that holds NTHR's inputs kept from the experience
 # maker's actor pass (a methods.NTHRKeptRow; not an Experience field: it stays on the sample)
 KEPT_ATTR = "gbc_nthr_kept"
 
 _STATE = SimpleNamespace(options={}, methods=methods.MethodOptions(), nthr_heads=None,
-                         nthr_pending=[])
+                         nthr_pending=[], kept_mass_pending=[], kept_mass_actor=False)
 _PATCHES = patching.Patches()
 
 
@@ -42,33 +47,82 @@ def _is_reference(actor) -> bool:
     return hasattr(engine, "module") and hasattr(engine, "optimizer") and engine.optimizer is None
 
 
+def support_truncation(actor, args=None):
+    """The sampler's kept-set settings (``support=...``) for a pass of ``actor``: from ``args``
+    or the OpenRLHF arguments its strategy prepared it with (:data:`ARGS_ATTR`), at the
+    actor's temperature; None when ``support`` is off. Refused by name when there are none."""
+    opts = _STATE.methods
+    if opts.support is None:
+        return None
+    args = getattr(actor, ARGS_ATTR, None) if args is None else args
+    if args is None:
+        raise ValueError(f"support={opts.support}: this Actor carries no OpenRLHF arguments "
+                         f"(the rollout's rollout.top_p and rollout.temperature, which the kept "
+                         f"set is rebuilt from): enable() must run before OpenRLHF's strategy "
+                         f"prepares the model (with Ray: the workers' worker_process_setup_hook), "
+                         f"or set actor.{ARGS_ATTR} = args")
+    return rollout_truncation(args, opts, getattr(actor, "temperature", 1.0))
+
+
+def _strategy_prepare(self, *models):
+    """``DeepspeedStrategy.prepare`` that first hands each model the strategy's arguments
+    (:data:`ARGS_ATTR`): the sampling settings of ``support``'s no-grad passes."""
+    for item in models:
+        model = item[0] if isinstance(item, tuple) else item
+        if model is not None:
+            setattr(model, ARGS_ATTR, self.args)
+    return _PATCHES.original(type(self), "prepare")(self, *models)
+
+
+def _pending_inputs(sequences, action_mask, attention_mask):
+    return [t.detach().cpu() for t in (sequences, action_mask, attention_mask)]
+
+
 def _actor_forward(self, sequences, action_mask=None, attention_mask=None, *args, **kwargs):
     """``Actor.forward`` with the no-grad log-prob pass fused (the reference model's, with
-    critical-token KL: ``[B, T, 2]``, unpacked by the buffer's ``append``)."""
+    critical-token KL: ``[B, T, 2]``, unpacked by the buffer's ``append``). Under ``support``
+    the pass rebuilds the sampler's kept set: ``replay``, the log-probs over it (policy and
+    reference); ``kept_mass``, the policy's pass also keeps its ``log_kept_mass`` until the
+    buffer's ``append`` takes it."""
     rest = {k: v for k, v in kwargs.items() if k not in ("ring_attn_group", "packed_seq_lens")}
     plain = (action_mask is not None and not args and not torch.is_grad_enabled()
              and all(v is None or v is False for v in rest.values()))
     reference = _is_reference(self)
     weights = _STATE.methods.critical_kl_exponent is not None and reference
+    support = _STATE.methods.support
     if plain:
         keep = None
         if _STATE.methods.nthr and not reference:     # the experience maker's actor pass
             if _STATE.nthr_heads is None:
                 _STATE.nthr_heads = methods.NTHRHeadRows("cpu")
             keep = (_STATE.nthr_heads, [])
+        kept_mass = support == "kept_mass" and not reference
+        tr = None if support is None or (reference and support == "kept_mass") else \
+            support_truncation(self)
         out = fused_action_log_probs(self, sequences, action_mask, attention_mask,
                                      options=_STATE.methods if weights else None,
                                      ring_attn_group=kwargs.get("ring_attn_group"),
                                      packed_seq_lens=kwargs.get("packed_seq_lens"),
-                                     nthr_keep=keep, logits_dtype=_STATE.methods.logits_dtype)
+                                     nthr_keep=keep, logits_dtype=_STATE.methods.logits_dtype,
+                                     sampler_truncation=tr, over_support=not kept_mass,
+                                     return_log_kept_mass=kept_mass)
+        if kept_mass:                                 # until the buffer's append takes it
+            out, lk = out
+            _STATE.kept_mass_actor = True
+            _STATE.kept_mass_pending.append((_pending_inputs(
+                sequences, action_mask, attention_mask), lk.detach().cpu()))
         if keep is not None:                          # until the buffer's append takes it
-            _STATE.nthr_pending.append(([t.detach().cpu() for t in (
-                sequences, action_mask, attention_mask)], keep[1]))
+            _STATE.nthr_pending.append((_pending_inputs(
+                sequences, action_mask, attention_mask), keep[1]))
         return out
     if weights:
         raise ValueError("critical_kl_exponent: the reference model's pass is not the plain "
                          "no-grad one (outputs, entropy or multimodal inputs requested): its "
                          "weights cannot be computed there")
+    if support is not None and action_mask is not None:
+        raise ValueError(f"support={support}: this log-prob pass is not the plain no-grad one "
+                         f"(a gradient, outputs, entropy or multimodal inputs requested): the "
+                         f"sampler's kept set is rebuilt in gbc's passes only")
     forward = _PATCHES.original(type(self), "forward")
     return forward(self, sequences, action_mask, attention_mask, *args, **kwargs)
 
@@ -94,6 +148,15 @@ def _buffer_append(self, experience):
                              "(train.dynamic_batch_enable)")
         experience.info[INDEX_KEY] = torch.as_tensor(experience.index, dtype=torch.long)
         kept = _take_pending(experience)
+    if opts.support == "kept_mass":
+        lk = _take_pending(experience, _STATE.kept_mass_pending)
+        if lk is not None:
+            experience.info[KEPT_MASS_KEY] = lk.float()
+        elif _STATE.kept_mass_actor:      # the policy's process (a critic's never scores)
+            raise ValueError("support=kept_mass: the experience's samples were not scored by "
+                             "this process's actor pass (the experience maker's, which keeps "
+                             "their log_kept_mass; OpenRLHF must not rebalance the samples: "
+                             "train.dynamic_batch_enable)")
     out = _PATCHES.original(type(self), "append")(self, experience)
     if kept is not None:         # the new samples are the buffer's last ones (its limit aside)
         new = self.items[max(0, len(self.items) - len(kept)):]
@@ -102,17 +165,19 @@ def _buffer_append(self, experience):
     return out
 
 
-def _take_pending(experience):
-    """The rows the actor's pass kept for exactly this experience's samples (its sequences
-    and masks; the experience maker's micro-batch), or None."""
+def _take_pending(experience, pending=None):
+    """What the actor's pass kept for exactly this experience's samples (its sequences and
+    masks; the experience maker's micro-batch), or None: NTHR's rows (``pending`` None), or
+    from ``pending`` (e.g. ``_STATE.kept_mass_pending``)."""
+    pending = _STATE.nthr_pending if pending is None else pending
     seqs = [experience.sequences, experience.action_mask, experience.attention_mask]
     if any(not isinstance(t, torch.Tensor) for t in seqs):
         return None
     seqs = [t.detach().cpu() for t in seqs]
-    for k, (saw, rows) in enumerate(_STATE.nthr_pending):
+    for k, (saw, rows) in enumerate(pending):
         if all(a.shape == b.shape and torch.equal(a.to(b.dtype), b)
                for a, b in zip(saw, seqs)):
-            del _STATE.nthr_pending[k]
+            del pending[k]
             return rows
     return None
 
@@ -138,6 +203,24 @@ def check_trainer(trainer) -> None:
     if opts.nthr and int(_get(args, "ds.tensor_parallel_size", 1) or 1) > 1:
         raise ValueError("nthr: ds.tensor_parallel_size > 1: NTHR's pass takes the whole "
                          "lm_head on one rank")
+    if opts.support is not None:
+        support_truncation(trainer.actor, args)          # the rollout's settings, checked
+        if int(_get(args, "ds.tensor_parallel_size", 1) or 1) > 1:
+            raise ValueError(f"support={opts.support}: ds.tensor_parallel_size > 1: the kept "
+                             f"set's top-p cut (no top-k bound) needs each row's whole "
+                             f"vocabulary on one rank")
+    if opts.support == "kept_mass":
+        level = _get(args, "algo.advantage.is_correction_level", "off")
+        if level == "off":
+            raise ValueError("support=kept_mass: algo.advantage.is_correction_level is 'off': "
+                             "OpenRLHF compares nothing against the sampler's log-probs (and "
+                             "asks vLLM for none), there is no ratio to correct; set "
+                             "--algo.advantage.is_correction_level token|seq or use "
+                             "support=replay")
+        if dynamic:
+            raise ValueError("support=kept_mass: train.dynamic_batch_enable rebalances the "
+                             "samples over the ranks after the actor's pass that computed "
+                             "their log_kept_mass")
     opts.check_loss(bool(_get(args, "algo.kl.use_loss", False))
                     and _get(args, "algo.kl.init_coef", 0.0), "algo.kl.use_loss and init_coef")
 
@@ -245,10 +328,10 @@ def _ppo_train(self, kl_ctl: float):
 
 def _nthr_forget():
     """The parameters change (or gbc is switched off): what the actor's pass kept describes
-    them no longer."""
+    them no longer (NTHR's rows, the kept mass of samples never appended)."""
     if _STATE.nthr_heads is not None:
         _STATE.nthr_heads.stale = True
-    _STATE.nthr_heads, _STATE.nthr_pending = None, []
+    _STATE.nthr_heads, _STATE.nthr_pending, _STATE.kept_mass_pending = None, [], []
 
 
 def _info_rows(experience, key, T, fill, option, what):
@@ -286,6 +369,15 @@ def training_step(self, experience, kl_ctl: float, step: int, loss_batch_info=No
     kl_weight = _info_rows(experience, KL_WEIGHT_KEY, T, 0.0, "critical_kl_exponent", (
         "critical-token KL weights (the reference pass stores them; see enable())")) \
         if opts.critical_kl_exponent is not None else None
+    support = {}
+    if opts.support == "replay":
+        support["sampler_truncation"] = support_truncation(self.actor, self.args)
+    elif opts.support == "kept_mass":
+        support["log_kept_mass"] = _info_rows(experience, KEPT_MASS_KEY, T, 0.0,
+                                              "support=kept_mass", (
+            "log_kept_mass (the experience maker's actor pass in this process computes it and "
+            "the replay buffer's append stores it: enable() must run in this process with the "
+            f"same options, e.g. through {ENV_OPTIONS})"))
     for key in GBC_INFO_KEYS:
         experience.info.pop(key, None)
     if dynamic and float(_get(self.args, "actor.aux_loss_coef", 0.0) or 0.0) > 1e-8:
@@ -299,7 +391,7 @@ def training_step(self, experience, kl_ctl: float, step: int, loss_batch_info=No
                                    token_scale=token_scale, kl_weight=kl_weight, phase=phase,
                                    ring_attn_group=getattr(self.strategy, "ring_attn_group",
                                                            None),
-                                   **opts.loss_options(), **_STATE.options)
+                                   **support, **opts.loss_options(), **_STATE.options)
         self.strategy.backward(loss, self.actor, self.actor_optim)
         if do_step:
             keep = None if phase == opts.phases[-1] or sched is None else sched.state_dict()
