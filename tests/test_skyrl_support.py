@@ -4,7 +4,7 @@ scoring functions (``sample_support_scores``, ``score_aligned_sample_support``) 
 its row alignment, and its own FSDP policy / reference workers' step and passes on a tiny
 Qwen2, padded and packed, at temperature 0.8; its error for a loss-active token without
 support; a target missing from its row (forced in, counted); two FSDP2 data-parallel ranks
-and Ulysses SP 2; the refusal on Megatron."""
+and Ulysses SP 2; the switch-on on both strategies, with the methods."""
 
 from __future__ import annotations
 
@@ -452,10 +452,11 @@ def _trainer_cfg(sky, **kw):
     return cfg
 
 
-def test_switch_on_fsdp_and_megatron_run_methods_refused(sky, monkeypatch):
+def test_switch_on_fsdp_and_megatron_with_the_methods(sky, monkeypatch):
     """Under replay gbc's FSDP worker builds and a Megatron config passes both checks (replay
-    runs on both strategies: tests/test_skyrl_support_megatron.py); NTHR and critical-token KL
-    are refused by name."""
+    runs on both strategies: tests/test_skyrl_support_megatron.py), with every method on:
+    NTHR and critical-token KL run over the support too (tests/test_skyrl_support_methods.py);
+    critical-token KL still needs SkyRL's KL term."""
     from gbc_kernels import methods
     from gbc_kernels.integrations.skyrl import fsdp as gfsdp
     from gbc_kernels.integrations.skyrl import megatron as gmeg
@@ -470,11 +471,22 @@ def test_switch_on_fsdp_and_megatron_run_methods_refused(sky, monkeypatch):
     meg = _trainer_cfg(sky, strategy="megatron")
     gmeg.check_megatron_config(meg, methods.MethodOptions())
     worker.check_config(meg, methods.MethodOptions())
-    cfg.algorithm.use_kl_loss = True
-    for opts, name in ((methods.MethodOptions(nthr=True), "nthr"),
-                       (methods.MethodOptions(critical_kl_exponent=2.0), "critical_kl_exponent")):
-        with pytest.raises(ValueError, match=f"GBC_SKYRL_OPTIONS: {name} with trainer."
-                                             f"algorithm.enable_sample_support_replay=true"):
-            worker.check_config(cfg, opts)
+    every = methods.MethodOptions(nthr=True, critical_kl_exponent=2.0, ar_alpha=0.3,
+                                  lopti_eta=0.5)
+    cfg.algorithm.use_kl_loss = False
+    with pytest.raises(ValueError, match="GBC_SKYRL_OPTIONS: critical_kl_exponent: the loss "
+                                         "has no KL term"):
+        worker.check_config(cfg, every)
+    for c in (cfg, meg):
+        c.algorithm.use_kl_loss = True
+    for opts in (methods.MethodOptions(nthr=True),
+                 methods.MethodOptions(critical_kl_exponent=2.0), every):
+        assert worker.check_config(cfg, opts) == opts
+        assert gmeg.check_megatron_config(meg, opts) == opts
+    monkeypatch.setenv("GBC_SKYRL_OPTIONS", "nthr=1,critical_kl_exponent=2")
+    w = gfsdp.GBCFSDPPolicyWorker(cfg=cfg, world_size=1, rank=0, local_rank=0,
+                                  master_addr="127.0.0.1", master_port=1,
+                                  sequence_parallel_size=1)
+    assert w.gbc_options.nthr and w.gbc_options.critical_kl_exponent == 2.0
     meg.algorithm.enable_sample_support_replay = False
     gmeg.check_megatron_config(meg, methods.MethodOptions())

@@ -464,8 +464,8 @@ def test_skyrls_errors(packed):
 
 
 def test_megatron_switch_on(monkeypatch):
-    """Under replay gbc's Megatron wrapper's config check passes (the refusal lifted); NTHR
-    and critical-token KL stay refused by name, as on FSDP."""
+    """Under replay gbc's Megatron wrapper's config check passes (the refusal lifted), with
+    NTHR and critical-token KL on too (they run over the support: the cases above)."""
     from gbc_kernels import methods
     from gbc_kernels.integrations.skyrl import megatron as gmeg
     from gbc_kernels.integrations.skyrl import worker
@@ -480,8 +480,7 @@ def test_megatron_switch_on(monkeypatch):
     assert gmeg.check_megatron_config(cfg, methods.MethodOptions()) == methods.MethodOptions()
     worker.check_config(cfg, methods.MethodOptions())
     cfg.algorithm.use_kl_loss = True
-    for opts, name in ((methods.MethodOptions(nthr=True), "nthr"),
-                       (methods.MethodOptions(critical_kl_exponent=2.0), "critical_kl_exponent")):
-        with pytest.raises(ValueError, match=f"GBC_SKYRL_OPTIONS: {name} with trainer."
-                                             f"algorithm.enable_sample_support_replay=true"):
-            gmeg.check_megatron_config(cfg, opts)
+    for opts in (methods.MethodOptions(nthr=True),
+                 methods.MethodOptions(critical_kl_exponent=2.0),
+                 methods.MethodOptions(nthr=True, critical_kl_exponent=2.0)):
+        assert gmeg.check_megatron_config(cfg, opts) == opts

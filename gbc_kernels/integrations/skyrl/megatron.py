@@ -13,7 +13,9 @@ The loss is SkyRL's registered loss through gbc's table (:mod:`.losses`), scaled
 wrapper scales it; the metrics are SkyRL's (:func:`.worker.step_metrics`). Under SkyRL 0.4's
 ``trainer.algorithm.enable_sample_support_replay`` the loss and the log-prob passes (old policy,
 reference) are over each token's recorded support (:func:`_support_ids`: the micro-batch's
-``rollout_sample_support`` as gbc's ``support_ids``, docs/skyrl.md "The sampler's support").
+``rollout_sample_support`` as gbc's ``support_ids``, docs/skyrl.md "The sampler's support"),
+and so are NTHR's scores (the old-policy pass keeps the support with its rows) and
+critical-token KL's certainty (the reference pass's).
 """
 
 from __future__ import annotations
@@ -299,7 +301,8 @@ def _wrapper_methods(base):
                           real if valid is None else real & valid,
                           types.SimpleNamespace(weight=weight, bias=state["bias"]), None,
                           temperature, logp,
-                          vocab_parallel=gbc_megatron.vocab_parallel(weight, state["tp_group"]))
+                          vocab_parallel=gbc_megatron.vocab_parallel(weight, state["tp_group"]),
+                          support_ids=support)
             logp = logp if valid is None else logp.masked_fill(~valid, 0.0)
             return torch.tensor(0.0, device=hidden.device), {"log_probs": logp}
 

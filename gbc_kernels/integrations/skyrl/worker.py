@@ -17,7 +17,9 @@ sequence terms reduced over the SP group (:class:`_UlyssesSlice`, docs/skyrl.md 
 context"). Under SkyRL 0.4's ``trainer.algorithm.enable_sample_support_replay`` every pass
 (the update, the old policy's, the reference's at the policy's temperature) is over each
 token's recorded support (:func:`replay_support_ids`: SkyRL's ``rollout_sample_support`` as
-gbc's ``support_ids``; docs/skyrl.md "The sampler's support").
+gbc's ``support_ids``; docs/skyrl.md "The sampler's support"), and so are the methods that read
+a distribution: NTHR's error vectors (:class:`ReplayNTHRBatch`) and critical-token KL's
+certainty (the reference's distribution over each token's support).
 """
 
 from __future__ import annotations
@@ -134,11 +136,6 @@ def check_config(cfg, options: Optional[methods.MethodOptions] = None,
     # ulysses=False: the Megatron wrapper's check (.megatron.check_megatron_config)
     megatron = not ulysses or losses.get(cfg, "strategy", "fsdp") == "megatron"
     losses.check_algorithm(algo, "megatron" if megatron else "fsdp")
-    if losses.sample_support_replay(algo):
-        for name, on in (("nthr", opts.nthr),
-                         ("critical_kl_exponent", opts.critical_kl_exponent is not None)):
-            if on:
-                raise ValueError(REPLAY_METHOD.format(name=name))
     cfg_loss = losses.policy_loss_config(algo, kl_entropy_weight=1.0, **opts.loss_options())
     opts.check_loss(cfg_loss.kl_coef, "trainer.algorithm.use_kl_loss=true and kl_loss_coef",
                     names={"critical_kl_exponent": f"{OPTIONS_ENV}: critical_kl_exponent"})
@@ -153,13 +150,6 @@ def check_config(cfg, options: Optional[methods.MethodOptions] = None,
             raise ValueError(SP_COV.format(sp=sp))
     return opts
 
-
-REPLAY_METHOD = (
-    "{option_env}: {{name}} with trainer.algorithm.enable_sample_support_replay=true: gbc's "
-    "{{name}} reads the policy's (or the reference's) distribution over the whole vocabulary, "
-    "not over the sampler's support, in SkyRL's worker (docs/skyrl.md, \"The sampler's "
-    "support\"): turn {{name}} off or set enable_sample_support_replay=false").format(
-        option_env=OPTIONS_ENV)
 
 # SkyRL 0.4's sample-support replay (trainer.algorithm.enable_sample_support_replay): the
 # batch's field, and its messages (skyrl.backends.skyrl_train.utils.sample_support_replay,
@@ -469,17 +459,101 @@ def method_fields(fields, opts, cfg, device):
 
 
 def keep_rows(keep, seq, attn, rows, targets, valid, head, logit_softcap, temperature, logp,
-              vocab_parallel=None):
+              vocab_parallel=None, support_ids=None):
     """A micro-batch of SkyRL's old-log-prob pass into NTHR's kept rows (``keep``:
     :attr:`GBCMethodsMixin._gbc_keeping`): each row's key (:func:`row_keys` of ``seq`` /
     ``attn``) and its response rows ``rows [B, T, H]``, ``targets``, ``valid`` and the pass's
     ``logp`` ``[B, T]`` (:meth:`gbc_kernels.methods.NTHRBatch.add`; ``vocab_parallel``: the
-    head is this rank's vocabulary slice)."""
+    head is this rank's vocabulary slice). ``support_ids`` (SkyRL 0.4's replay: ``logp`` is
+    then over each token's support): the micro-batch's ``[B, T, k]`` support, kept beside the
+    rows (:class:`ReplayNTHRBatch`)."""
     start = len(keep["keys"])
     keep["keys"] += row_keys(seq, attn)
     keep["device"] = rows.device
+    extra = {} if support_ids is None else {"support_ids": support_ids}
     keep["batch"].add(torch.arange(start, start + seq.shape[0]), rows, targets, valid, head,
-                      logit_softcap, temperature, vocab_parallel=vocab_parallel, logp=logp)
+                      logit_softcap, temperature, vocab_parallel=vocab_parallel, logp=logp,
+                      **extra)
+
+
+class ReplayNTHRBatch(methods.NTHRBatch):
+    """NTHR's kept rows under SkyRL 0.4's sample-support replay: a
+    :class:`gbc_kernels.methods.NTHRBatch` whose micro-batches also keep their tokens' support
+    (``support_ids [b, t, k]``, :func:`replay_support_ids`), and whose :meth:`result` scores
+    NTHR over it (``nthr_token_scale(support_ids=...)``, docs/math.md "The sampler's support":
+    the error vector ``onehot(y) - q`` on S and 0 off S, ``q`` the old policy's distribution
+    over each token's support). The LSE over S comes from the old-policy pass's log-probs over
+    S (:meth:`add`'s ``logp``, required): no sweep over the vocabulary. The support's ids are
+    mapped onto the head rows the batch keeps (its token ids, a superset of every group's
+    ``V*``); a member outside them is in no ``V*`` and its ``q`` enters only through ``logp``."""
+
+    def add(self, index, hidden, targets, valid, head, logit_softcap=None, temperature=1.0,
+            vocab_parallel=None, logp=None, support_ids=None):
+        if logp is None or support_ids is None:
+            raise ValueError("nthr under sample-support replay: the old-policy pass's log-probs "
+                             "over the support (logp) and the support (support_ids) are needed")
+        out = super().add(index, hidden, targets, valid, head, logit_softcap, temperature,
+                          vocab_parallel, logp)
+        ids = support_ids.detach().to(device=self.rows[-1][1].device, dtype=torch.int32)
+        self.rows[-1] = self.rows[-1] + (ids,)
+        return out
+
+    def take(self, source_rows: torch.Tensor) -> bool:
+        """:meth:`gbc_kernels.methods.NTHRBatch.take`, the support rows taken with the rest."""
+        source_rows = torch.as_tensor(source_rows, dtype=torch.long).cpu()
+        found = torch.zeros(source_rows.numel(), dtype=torch.bool)
+        taken = []
+        for index, *held in self.rows:
+            j, u = (index.cpu()[:, None] == source_rows[None, :]).nonzero(as_tuple=True)
+            found[u] = True
+            if u.numel():
+                jj = j.to(held[0].device)
+                taken.append((u.to(held[0].device), *(t[jj] for t in held)))
+        if not bool(found.all()):
+            return False
+        self.rows = taken
+        return True
+
+    def result(self, mask, group_ids, advantages, options: methods.MethodOptions):
+        """``(NTHRResult, metrics)`` of the whole batch over each token's support: as
+        :meth:`gbc_kernels.methods.NTHRBatch.result`."""
+        temps = self.temperatures
+        if self.group is not None:      # every rank decides alike
+            import torch.distributed as dist
+
+            pg = None if self.group == "world" else self.group
+            every = [None] * dist.get_world_size(pg)
+            dist.all_gather_object(every, sorted(temps), group=pg)
+            temps = set().union(*every)
+        if len(temps) > 1:
+            raise ValueError(f"nthr: the rollout temperatures of the batch differ "
+                             f"({sorted(temps)[:4]}); NTHR's scores use one temperature")
+        (B, T), h0 = mask.shape, self.rows[0][1]
+        device = h0.device
+        k = max(row[5].shape[-1] for row in self.rows)
+        hidden = h0.new_zeros(B, T, h0.shape[-1])
+        targets = torch.zeros(B, T, dtype=torch.long, device=device)
+        valid = torch.zeros(B, T, dtype=torch.bool, device=device)
+        logp = torch.zeros(B, T, dtype=torch.float32, device=device)
+        support = torch.full((B, T, k), -1, dtype=torch.long, device=device)
+        while self.rows:                 # each micro-batch freed once copied
+            i, h, y, v, lp, s = self.rows.pop()
+            t = h.shape[1]
+            hidden[i, :t], targets[i, :t], valid[i, :t], logp[i, :t] = h, y, v, lp
+            support[i, :t, :s.shape[-1]] = s.long()
+        mask, ids = mask.to(device).bool() & valid, self.ids.to(device)
+        last = ids.numel() - 1
+        compact = torch.where(mask, torch.searchsorted(ids, targets).clamp(max=last), 0)
+        at = torch.searchsorted(ids, support.clamp(min=0)).clamp(max=last)
+        compact_ids = torch.where((support >= 0) & (ids[at] == support), at, -1)
+        compact_ids = compact_ids.masked_fill(~mask[..., None], -1)
+        adv = advantages.to(device).float()
+        weight, bias, softcap = self.head
+        res = methods.nthr_token_scale(hidden, weight, compact, mask, group_ids.to(device), adv,
+                                       options, bias=bias, temperature=temps.pop(), logp=logp,
+                                       logit_softcap=softcap, backend=self.backend,
+                                       data_parallel_group=self.group, support_ids=compact_ids)
+        return res, methods.nthr_metrics(res, adv, mask)
 
 
 class GBCOptionsMixin:
@@ -548,9 +622,11 @@ class GBCMethodsMixin(GBCOptionsMixin):
         T = int(data.metadata["response_length"])
         if self._gbc_nthr_updated or self._gbc_nthr_kept is None:   # a new batch's pass
             self._gbc_nthr_kept, self._gbc_nthr_updated = [], False
+        # under SkyRL 0.4's replay the pass's log-probs are over each token's support, and
+        # NTHR's scores too (the support kept with the rows)
+        batch = ReplayNTHRBatch if _replays(self.cfg) else methods.NTHRBatch
         self._gbc_keeping = dict(
-            batch=methods.NTHRBatch(data["sequences"][:, -T:], self._gbc_dp_group()),
-            keys=[], device=None)
+            batch=batch(data["sequences"][:, -T:], self._gbc_dp_group()), keys=[], device=None)
         try:
             out = super().forward(data)
             self._gbc_nthr_kept.append(self._gbc_keeping)
@@ -826,9 +902,10 @@ def _no_grad_logprobs(worker, micro_batch, temperature, reference=None, keep=Non
     def compute(h, head, cap):
         rows, ys = ((sl.hidden(h) if sl is not None else pk.hidden(h), pk.rolled) if packed
                     else (h, targets))
-        if reference is not None:
+        if reference is not None:       # under replay: the certainty over the support too
             st = methods.reference_stats(rows, head.weight, ys, reference, head.bias,
-                                         temperature=temperature, logit_softcap=cap)
+                                         temperature=temperature, logit_softcap=cap,
+                                         support_ids=support)
             logp, weight = st.ref_logp, st.kl_weight
         else:
             logp = gbc.token_stats(rows, head.weight, ys, head.bias, temperature=temperature,
@@ -842,7 +919,7 @@ def _no_grad_logprobs(worker, micro_batch, temperature, reference=None, keep=Non
             # position's hidden state and log-prob from the rank that holds it)
             whole = (lambda v: v) if sl is None else sl.whole
             keep_rows(keep, seq, attn, whole(rows), targets, valid, head, cap, temperature,
-                      whole(logp))
+                      whole(logp), support_ids=support)
         if sl is not None:       # this rank's positions -> every position's
             logp = sl.whole(logp)
             weight = None if weight is None else sl.whole(weight)
