@@ -717,3 +717,159 @@ def test_engine_without_rollout_settings_refused():
     Engine.gbc_options = ve.EngineOptions(support="replay", nthr=True)
     with pytest.raises(ValueError, match="^GBC_VERL_OPTIONS: nthr: NTHR's scores"):
         e.gbc_attach_rollout(rollout_config(**VLLM))
+
+
+# ------------------------------------------------------------------- gbc's Megatron engine
+MEGATRON = dict(name="vllm", top_k=12, top_p=0.9)      # a top-k bound: exact under TP
+
+
+def _cut_processor(stock_processor, settings, tp):
+    """verl's stock ``_lm_head_logits_processor`` with this shard's logits cut by hand to the
+    kept set of the whole vocabulary (gathered over the tensor-parallel group, the rule of
+    gbc_reference on the temperature-scaled logits, the target always kept); forward-only
+    passes also return the hand's ``log_kept_mass`` as ``hand_kept``."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    import gbc_reference as ref
+
+    def processor(self, logits, label, temperature, **kw):
+        group = parallel_state.get_tensor_model_parallel_group()
+        shards = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(shards, logits.detach().contiguous(), group=group)
+        t = temperature.clone()
+        t[t <= 0] = 1e-8
+        full = torch.cat(shards, -1).double() / t.unsqueeze(-1).double()
+        keep = ref.kept_set(full, settings["top_k"], settings["top_p"])
+        keep.scatter_(-1, label.long().unsqueeze(-1), True)
+        kept = (torch.logsumexp(full.masked_fill(~keep, float("-inf")), -1)
+                - torch.logsumexp(full, -1))
+        n = logits.shape[-1]
+        lo = parallel_state.get_tensor_model_parallel_rank() * n
+        cut = torch.where(keep[..., lo:lo + n], logits, torch.full_like(logits, -1e4))
+        ret = stock_processor(self, cut, label, temperature, **kw)
+        if kw.get("logits_processor_func") is None:
+            ret["hand_kept"] = kept.to(logits.dtype)
+        return ret
+
+    return processor
+
+
+def _megatron_worker(rank, world, tp, sp):
+    from test_verl_megatron import (_batch, _engine, _grads, _infer, _loss_fn, _metric_values,
+                                    _responses, _setup)
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+    from gbc_kernels.integrations.verl import engine as ve
+
+    rollout = rollout_config(**MEGATRON)
+    keys = ("log_probs", "entropy", "sum_pi_squared")
+    out = {}
+
+    def passes(engine, extra=()):
+        res = {}
+        for name, entropy in (("old", True), ("ref", False)):
+            data = _batch(seed=7)
+            o = _infer(engine, data, calculate_entropy=entropy)
+            res[name] = {k: _responses(o, k, data) for k in keys + tuple(extra)
+                         if k in o["model_output"]}
+        return res
+
+    def step(engine):
+        data = _batch(seed=11)
+        torch.manual_seed(1234)
+        o = engine.forward_backward_batch(data, _loss_fn(), forward_only=False)
+        return dict(loss=float(sum(o["loss"])), metrics=_metric_values(o["metrics"]))
+
+    for mode in ("replay", "kept_mass", None):
+        model = _setup(tp, sp)
+        engine = _engine(model, options=ve.EngineOptions(support=mode))
+        engine.gbc_attach_rollout(rollout, "actor")       # what init_model hands it
+        out[mode] = passes(engine, (ve.LOG_KEPT_MASS_KEY,))
+        out[mode]["step"] = step(engine)
+        out[mode]["step"]["grads"] = _grads(model)
+    stock_processor = MegatronEngineWithLMHead._lm_head_logits_processor
+    for name, processor in (("stock", stock_processor),
+                            ("cut", _cut_processor(stock_processor, MEGATRON, tp))):
+        model = _setup(tp, sp)
+        engine = _engine(model, gbc=False)
+        MegatronEngineWithLMHead._lm_head_logits_processor = processor
+        try:
+            out[name] = passes(engine, ("hand_kept",))
+            out[name]["step"] = step(engine)
+            out[name]["step"]["grads"] = _grads(model)
+        finally:
+            MegatronEngineWithLMHead._lm_head_logits_processor = stock_processor
+    # start-up: top-p without a top-k bound under TP is refused in verl's words
+    model = _setup(tp, sp)
+    engine = _engine(model, options=ve.EngineOptions(support="replay"))
+    try:
+        engine.gbc_attach_rollout(rollout_config(name="vllm", top_k=-1, top_p=0.9), "ref")
+        out["refused"] = None
+    except ValueError as exc:
+        out["refused"] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def megatron_runs():
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("verl.workers.engine.megatron.transformer_impl")
+    return spawn_gloo(2, _megatron_worker, 2, True)
+
+
+def _mclose(a, b, tol, what):
+    torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol, msg=what)
+
+
+def test_megatron_passes_equal_stock_over_the_kept_set(megatron_runs):
+    """gbc's Megatron engine at TP 2 with sequence parallelism (float64 tiny GPTModel, padded
+    vocabulary, top_k 12 / top_p 0.9 on its logits): ``replay``'s old-policy and reference
+    passes equal verl's stock engine's whose logits are cut by hand to the kept set of the
+    whole (gathered) vocabulary (log_probs, entropy, sum_pi_squared); ``kept_mass``'s old pass
+    is verl's plain one with ``gbc_log_kept_mass`` = the hand's ``LSE_S − LSE_V``, its
+    reference pass the plain one."""
+    from gbc_kernels.integrations.verl import engine as ve
+
+    for r, out in enumerate(megatron_runs):
+        for p in ("old", "ref"):
+            for k in out["cut"][p]:
+                if k == "hand_kept":
+                    continue
+                _mclose(out["replay"][p][k], out["cut"][p][k], 1e-6, f"rank {r} replay {p} {k}")
+                _mclose(out["kept_mass"][p][k], out["stock"][p][k], 1e-6,
+                        f"rank {r} kept_mass {p} {k}")
+                assert torch.equal(out["kept_mass"][p][k], out[None][p][k])
+        assert ve.LOG_KEPT_MASS_KEY not in out["replay"]["old"]      # vLLM: nothing to move
+        assert ve.LOG_KEPT_MASS_KEY not in out["kept_mass"]["ref"]
+        kept = out["kept_mass"]["old"][ve.LOG_KEPT_MASS_KEY]
+        _mclose(kept, out["cut"]["old"]["hand_kept"], 1e-6, f"rank {r} log_kept_mass")
+        assert float(kept.exp().mean()) < 0.99
+
+
+def test_megatron_replay_update_equals_stock_step_over_the_kept_set(megatron_runs):
+    """The ``replay`` update at TP 2 + SP (gbc_mcore's loss with the kept set rebuilt in the
+    row pass) equals verl's stock Megatron step whose logits are cut by hand: loss, verl's
+    metrics, every parameter's gradient; ``kept_mass``'s update is the plain one."""
+    for r, out in enumerate(megatron_runs):
+        got, want = out["replay"]["step"], out["cut"]["step"]
+        assert abs(got["loss"] - want["loss"]) < 1e-7, r
+        for k, v in want["metrics"].items():
+            _mclose(torch.tensor(v), torch.tensor(got["metrics"][k]), 1e-5, f"rank {r} {k}")
+        assert got["metrics"]["actor/gbc_support_forced_frac"][0] > 0     # random targets
+        for k in want["grads"]:
+            _mclose(got["grads"][k], want["grads"][k], 1e-6, f"rank {r} grad {k}")
+        km, plain = out["kept_mass"]["step"], out[None]["step"]
+        assert km["loss"] == plain["loss"]
+        assert all(torch.equal(km["grads"][k], plain["grads"][k]) for k in plain["grads"])
+        assert abs(got["loss"] - plain["loss"]) > 1e-4
+
+
+def test_megatron_top_p_without_top_k_refused_at_start(megatron_runs):
+    """Under Megatron's tensor parallelism top-p without a top-k bound is refused when the
+    worker hands the engine the rollout settings, naming verl's options."""
+    for out in megatron_runs:
+        assert out["refused"].startswith(
+            "actor_rollout_ref.rollout.top_p=0.9 without a top_k bound "
+            "(actor_rollout_ref.rollout.top_k=-1): under Megatron's tensor parallelism "
+            "(actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2"), out["refused"]

@@ -26,12 +26,13 @@ from typing import Optional
 
 import torch
 
+import gbc_kernels as gbc
 from gbc_kernels import methods
 from gbc_kernels.integrations import megatron as M
 from gbc_kernels.integrations import verl as gv
 from gbc_kernels.integrations.verl.engine import (
-    BATCH_SELECTING_MODES, CERTAINTY_KEY, KL_WEIGHT_KEY, NTHR_ROW_KEY, EngineMethods, _flag,
-    _is_ppo_loss, _lengths, _rng_state, _temperature, engine_class)
+    BATCH_SELECTING_MODES, CERTAINTY_KEY, KL_WEIGHT_KEY, LOG_KEPT_MASS_KEY, NTHR_ROW_KEY,
+    EngineMethods, _flag, _is_ppo_loss, _lengths, _rng_state, _temperature, engine_class)
 from gbc_kernels.sequence_parallel import whole_loss
 
 
@@ -149,6 +150,46 @@ def _nthr_add(batch, index, h, y, logp, valid, own, state, temperature):
               vocab_parallel=M.vocab_parallel(weight, state["tp_group"]), logp=logp)
 
 
+def _support_logprobs(hidden, weight, labels, mask, support, *, temperature, output_bias,
+                      tp_group, hidden_gathered, backend, logits_dtype, return_entropy,
+                      return_sum_p2):
+    """gbc_mcore's :func:`~gbc_kernels.integrations.megatron.logprobs` with the sampler's kept
+    set rebuilt in the row pass (``support``: ``sampler_truncation=`` and its
+    ``over_support`` / ``return_log_kept_mass``), over the vocab-parallel path: ``(logp,
+    entropy, sum_p2, log_kept_mass)`` ``[B, S]``, 0 outside ``mask``."""
+    h, vp = M._head(hidden, weight, output_bias, labels, tp_group, False, hidden_gathered)
+    mask = M._check_mask(mask, h, labels)
+    kept = bool(support.get("return_log_kept_mass", False))
+
+    def stats(flat, y, temp):
+        out = gbc.fused_linear_logprobs(flat, weight, y, bias=output_bias, temperature=temp,
+                                        return_entropy=return_entropy, backend=backend,
+                                        vocab_parallel=vp, return_sum_p2=return_sum_p2,
+                                        logits_dtype=logits_dtype, **support)
+        return (out[0], out[1], out[2] if return_sum_p2 else None,
+                out[-1].detach() if kept else None)
+
+    with methods.in_callers_words(M._NAMES):
+        return M._select(h, labels, mask, temperature, M._vocab(weight, vp), stats)
+
+
+def _support_reference_stats(hidden, weight, labels, options, mask, truncation, *, temperature,
+                             output_bias, tp_group, hidden_gathered, backend):
+    """gbc_mcore's :func:`~gbc_kernels.integrations.megatron.reference_stats` over the kept set
+    rebuilt from the reference's own logits (``truncation``)."""
+    h, vp = M._head(hidden, weight, output_bias, labels, tp_group, False, hidden_gathered)
+    mask = M._check_mask(mask, h, labels)
+
+    def stats(flat, y, temp):
+        return methods.reference_stats(flat.detach(), weight, y, options, output_bias,
+                                       temperature=temp, backend=backend, vocab_parallel=vp,
+                                       sampler_truncation=truncation)
+
+    with methods.in_callers_words(M._NAMES):
+        return methods.ReferenceStats(*M._select(h, labels, mask, temperature,
+                                                 M._vocab(weight, vp), stats))
+
+
 class GBCMegatronMixin(EngineMethods):
     """gbc's forward step on top of verl's ``MegatronEngineWithLMHead``."""
 
@@ -165,14 +206,6 @@ class GBCMegatronMixin(EngineMethods):
     def _gbc_tensor_parallel(self, role) -> list:
         return [(f"actor_rollout_ref.{role}.megatron.tensor_model_parallel_size",
                  int(getattr(self.engine_config, "tensor_model_parallel_size", 1) or 1))]
-
-    def gbc_attach_rollout(self, rollout, role: str = "actor"):
-        plan = super().gbc_attach_rollout(rollout, role)
-        if plan is not None:
-            raise ValueError(f"GBC_VERL_OPTIONS: support={plan.mode}: gbc's Megatron engine does "
-                             f"not rebuild the sampler's kept set yet; use the FSDP engine "
-                             f"(actor_rollout_ref.actor.strategy=fsdp2) or unset support")
-        return plan
 
     def _maybe_enable_fused_kernels(self):
         """verl's fused forward (``use_fused_kernels=True``): gbc's head takes its place — the
@@ -314,6 +347,8 @@ class GBCMegatronMixin(EngineMethods):
                 kw["mask"] = kw["mask"] & own
                 kw["context_parallel"] = cp[0]
             rng = _rng_state()
+            if "sampler_truncation" in kw:      # replay: gbc_mcore's one-sweep route takes it
+                kw["main_grad"] = False
             res = M.policy_loss(h, weight, y, return_entropy=kw["config"].wants_entropy,
                                 **common, **kw)
             loss = res.loss
@@ -331,25 +366,42 @@ class GBCMegatronMixin(EngineMethods):
         nthr = self._gbc_nthr
         if nthr is None and NTHR_ROW_KEY in batch.keys():
             nthr = self._gbc_keeping
+        # the sampler's kept set (support): the old-policy pass's, or the reference's
+        plan = self._gbc_plan()
+        support = {} if plan is None else (plan.old_pass_kwargs() if self._gbc_old_pass(batch)
+                                           else plan.scored_kwargs())
         with torch.no_grad():
             if certainty is not None:      # the reference pass of critical-token KL
-                st = M.reference_stats(h, weight, y, methods.MethodOptions(**certainty), own,
-                                       temperature=temp, backend=backend, **common)
+                options = methods.MethodOptions(**certainty)
+                if plan is not None and plan.scored_kwargs():
+                    st = _support_reference_stats(h, weight, y, options, own, plan.truncation,
+                                                  temperature=temp, backend=backend, **common)
+                else:
+                    st = M.reference_stats(h, weight, y, options, own, temperature=temp,
+                                           backend=backend, **common)
                 ret = {"log_probs": packed(st.ref_logp)}
                 if st.kl_weight is not None:
                     ret[KL_WEIGHT_KEY] = packed(st.kl_weight)
                 return ret
-            res = M.logprobs(h, weight, y, own, temperature=temp, backend=backend,
-                             logits_dtype=self.gbc_options.logits_dtype,
-                             return_entropy=bool(calculate_entropy),
-                             return_sum_p2=bool(calculate_sum_pi_squared), **common)
+            flags = dict(temperature=temp, backend=backend,
+                         logits_dtype=self.gbc_options.logits_dtype,
+                         return_entropy=bool(calculate_entropy),
+                         return_sum_p2=bool(calculate_sum_pi_squared), **common)
+            if support:
+                logp, entropy, sum_p2, kept = _support_logprobs(h, weight, y, own, support,
+                                                                **flags)
+            else:
+                res = M.logprobs(h, weight, y, own, **flags)
+                logp, entropy, sum_p2, kept = res.logp, res.entropy, res.sum_p2, None
             if nthr is not None:      # the same log-probs, the rows kept (no second head)
-                _nthr_add(nthr, batch[NTHR_ROW_KEY], h, y, res.logp, valid, own, state, temp)
-        ret = {"log_probs": packed(res.logp)}
+                _nthr_add(nthr, batch[NTHR_ROW_KEY], h, y, logp, valid, own, state, temp)
+        ret = {"log_probs": packed(logp)}
         if calculate_entropy:
-            ret["entropy"] = packed(res.entropy)
+            ret["entropy"] = packed(entropy)
         if calculate_sum_pi_squared:
-            ret["sum_pi_squared"] = packed(res.sum_p2)
+            ret["sum_pi_squared"] = packed(sum_p2)
+        if kept is not None:
+            ret[LOG_KEPT_MASS_KEY] = packed(kept)
         return ret
 
     # -- the loss into megatron's schedule --------------------------------------------------
