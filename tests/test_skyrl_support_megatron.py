@@ -26,6 +26,11 @@ gbc's Megatron workers (``GBCMegatronPolicyWorker`` / ``GBCMegatronRefWorker``, 
   worker on them equals SkyRL's on the rows the capture would write (§16), and
   ``gbc_support_forced_frac`` counts the forced tokens; a loss-active token without support
   and a micro-batch without ``rollout_sample_support`` stop with SkyRL's Megatron messages.
+* NTHR and critical-token KL under replay (tests/test_skyrl_megatron_methods.py's method-by-hand
+  comparisons): at tensor parallel 2 NTHR's scales over the support equal gbc_reference's
+  ``nthr_scale(support_ids=...)`` and the critical-KL weights its certainty over the support
+  (float64, the whole output weight); at context parallel 2 both equal the packed model's on
+  one rank; every step equals SkyRL's stock step under replay with the method by hand.
 """
 
 from __future__ import annotations
@@ -484,3 +489,237 @@ def test_megatron_switch_on(monkeypatch):
                  methods.MethodOptions(critical_kl_exponent=2.0),
                  methods.MethodOptions(nthr=True, critical_kl_exponent=2.0)):
         assert gmeg.check_megatron_config(cfg, opts) == opts
+
+
+# ---- NTHR and critical-token KL under replay ---------------------------------------------
+GROUPS = [0, 0, 0, 1, 1, 1]
+# row 1's loss mask and row 4's response are empty (replay_batch): one correct and one
+# incorrect response with loss tokens in each group
+SIGNS = [1.0, -1.0, -1.0, 1.0, -1.0, -1.0]
+RAW = dict(forced=((0, 1), (2, 0)), dup=((0, 3),))
+CRIT = "critical_kl_exponent=2.0,critical_kl_intercept=0.1,critical_kl_temperature=0.7"
+
+
+def methods_batch(seed):
+    """(raw, clean) :func:`replay_batch` with signed advantages and NTHR's group ids; targets
+    missing from their rows and a repeated id on the raw side (:data:`RAW`)."""
+    from gbc_kernels.integrations.skyrl.worker import GROUP_KEY
+
+    out = replay_batch(seed, **RAW)
+    for d in out:
+        d["advantages"] = d["advantages"].abs() * torch.tensor(SIGNS, dtype=torch.float64)[
+            :, None] + 0.0
+        d[GROUP_KEY] = torch.tensor(GROUPS)
+    return out
+
+
+def _oracle(model, batch):
+    """float64 rows of the output layer's input predicting each response column (each row's
+    real tokens alone at positions 0..; the batch is fully left-padded, its responses
+    right-aligned), the whole output weight ``[V, H]`` and the batch's support by SkyRL's own
+    alignment."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from standins.megatron_cpu import capture_head_input, causal_mask
+    from test_skyrl_support_methods import skyrl_support_ids
+
+    seq, attn = batch["sequences"], batch["attention_mask"]
+    B = seq.shape[0]
+    H = model.output_layer.weight.shape[1]
+    rows = torch.zeros(B, T, H, dtype=torch.float64)
+    with torch.no_grad():
+        for b in range(B):
+            ids = seq[b][attn[b].bool()][None]
+            n = ids.shape[1]
+            with capture_head_input(model) as seen:
+                model(ids, torch.arange(n)[None], causal_mask(n))
+            h = seen[0][:, 0].double()                          # [n, H]
+            for t in range(T):
+                if n - T + t - 1 >= 0:             # column t is predicted at position S-T+t-1
+                    rows[b, t] = h[n - T + t - 1]
+        w = model.output_layer.weight.detach()
+        group = mpu.get_tensor_model_parallel_group()
+        parts = [torch.empty_like(w) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, w, group=group)
+    return rows, torch.cat(parts).double(), skyrl_support_ids(batch, T)
+
+
+def _support_methods_worker(rank, world, cp=1, packed=None):
+    """NTHR and critical-token KL under replay at tensor parallel ``world / cp``: padded
+    micro-batches (the values by hand gbc_reference's over the support) or packed ones
+    (``packed``, always under context parallelism ``cp > 1``: the values by hand those gbc's
+    last stage computed): gbc's worker's steps and SkyRL's stock steps under replay with the
+    method applied by hand."""
+    skyrl_megatron()                # SkyRL on CPU first: then SkyRL's modules import
+    from skyrl.backends.skyrl_train.workers.megatron import megatron_model_wrapper as mmw
+
+    import gbc_reference as ref
+    from gbc_kernels import methods
+    from gbc_kernels.integrations.skyrl.worker import KL_WEIGHT_KEY, SCALE_KEY
+    from test_skyrl import skyrl_cpu
+    from test_skyrl_megatron_methods import _pair, _params, _ref_model
+    from test_skyrl_megatron_worker import make_worker
+    from test_skyrl_methods import _weight_stock_kl
+    packed = cp > 1 if packed is None else packed
+    oracle_on = not packed
+    replay = dict(enable_sample_support_replay=True)
+    out = {}
+
+    def result(g, s, start, **kw):
+        return dict(params=(_params(g.actor_module[0]), _params(s.actor_module[0]), start), **kw)
+
+    with skyrl_cpu().cpu_device():
+        # NTHR: kept (with the support) from SkyRL's old-log-prob pass per mini-batch, scored
+        # per update; token-based micro-batches (SkyRL's padding micro-batches)
+        g, s, start = _pair("nthr=true,nthr_beta=0.0", world, 1,
+                            dict(use_kl_loss=False, **replay), TEMP, max_tokens=20, cp=cp,
+                            packed=packed)
+        for w in (g, s):
+            w.enable_sample_support_replay = True
+        data, clean = methods_batch(61)
+        mask = data["loss_mask"].bool()
+        want = full = None
+        if oracle_on:
+            rows, weight, ids = _oracle(g.actor_module[0], data)
+            args = (rows, weight, data["sequences"][:, -T:], mask, torch.tensor(GROUPS),
+                    methods.correct_from_advantages(data["advantages"], mask))
+            want = ref.nthr_scale(*args, temperature=TEMP, beta=0.0, support_ids=ids)
+            full = ref.nthr_scale(*args, temperature=TEMP, beta=0.0)      # the control
+        halves = (slice(0, 3), slice(3, 6))
+        old = [g.forward(data[h]) for h in halves]
+        data["action_log_probs"] = torch.cat([torch.tensor(
+            [r["logprobs"] for r in o.loss_fn_outputs], dtype=torch.float64) for o in old])
+        kinds = {type(e["batch"]).__name__ for e in g._gbc_nthr_kept}
+        got, scales = [], []
+        for h in halves:
+            mb = data[h]
+            got.append(g.forward_backward(mb).metrics)
+            g.optim_step()
+            scales.append(mb[SCALE_KEY])
+        scale = torch.cat(scales)
+        clean["action_log_probs"] = data["action_log_probs"]
+        clean["advantages"] = clean["advantages"] * (scale if want is None else want.scale)
+        hand = []
+        for h in halves:
+            hand.append(s.forward_backward(clean[h]).metrics)
+            s.optim_step()
+        out["nthr"] = result(g, s, start, got=got, want=hand, scale=scale, mask=mask,
+                             kinds=kinds, oracle=None if want is None else (
+                                 want.scale, want.selected, want.scores, full.scores))
+
+        # critical-token KL: the reference worker's pass over the support gives the weights;
+        # SkyRL's stock step under replay with its KL term weighted by hand
+        g, s, start = _pair(CRIT, world, 1, dict(use_kl_loss=True, kl_loss_coef=0.2,
+                                                 kl_estimator_type="k3", **replay),
+                            TEMP, cp=cp, packed=packed)
+        refm = _ref_model(world, 1, cp, packed)
+        sref = make_worker("ref", False, g.cfg, [refm])
+        gref = make_worker("ref", True, g.cfg, [refm], CRIT)
+        for w in (g, s, sref, gref):
+            w.enable_sample_support_replay = True
+        data, clean = methods_batch(62)
+        outs = gref.forward(data).loss_fn_outputs
+        stock_base = torch.tensor([r["logprobs"] for r in sref.forward(clean).loss_fn_outputs],
+                                  dtype=torch.float64)
+        base = torch.tensor([r["logprobs"] for r in outs], dtype=torch.float64)
+        weights = torch.tensor([r[KL_WEIGHT_KEY] for r in outs])
+        data["base_action_log_probs"] = base
+        data[KL_WEIGHT_KEY] = weights
+        oracle = None
+        if oracle_on:
+            rows, weight, ids = _oracle(refm, data)
+            cert = dict(certainty="max_prob", certainty_temperature=0.7)
+            y = data["sequences"][:, -T:]
+            st = ref.token_stats(rows, weight, y, temperature=TEMP, support_ids=ids, **cert)
+            fst = ref.token_stats(rows, weight, y, temperature=TEMP, **cert)   # the control
+            oracle = (ref.critical_kl_weight(st.certainty.double(), 2.0, 0.1), st.logp,
+                      ref.critical_kl_weight(fst.certainty.double(), 2.0, 0.1))
+        got = g.forward_backward(data).metrics
+        g.optim_step()
+        undo = _weight_stock_kl(weights.double() if oracle is None else oracle[0],
+                                data["base_action_log_probs"], mmw)
+        try:
+            clean["base_action_log_probs"] = data["base_action_log_probs"]
+            want = s.forward_backward(clean).metrics
+            s.optim_step()
+        finally:
+            undo()
+        out["critical_kl"] = result(g, s, start, got=got, want=want, weight=weights,
+                                    base=(base, stock_base), oracle=oracle,
+                                    mask=data["loss_mask"].bool())
+    os.environ.pop("GBC_SKYRL_OPTIONS", None)
+    return out
+
+
+def _check_steps(out):
+    from test_skyrl_megatron_methods import _same_metrics, _same_params
+
+    o = out["nthr"]
+    assert o["kinds"] == {"ReplayNTHRBatch"}
+    _same_params(o["params"])
+    for got, want in zip(o["got"], o["want"]):
+        assert got["gbc_nthr_second_forward"] == 0.0
+        _same_metrics(got, want, skip=("loss_fn_outputs",))
+    assert (o["scale"][o["mask"]] != 1).any()
+    o = out["critical_kl"]
+    _same_params(o["params"])
+    m = o["mask"]
+    torch.testing.assert_close(o["base"][0][m], o["base"][1][m], rtol=1e-5, atol=1e-6)
+    assert o["weight"][m].std() > 1e-3
+    assert o["got"]["gbc_support_forced_frac"] > 0
+    _same_metrics(o["got"], o["want"], skip=("loss_fn_outputs", "policy_kl"))
+
+
+def test_nthr_and_critical_kl_under_replay_tp2():
+    """Tensor parallel 2 (gloo), padded micro-batches, replay on, temperature 0.8. NTHR: SkyRL's
+    Megatron old-log-prob pass (per mini-batch, token-based micro-batches) keeps each rank's
+    rows with their support (``ReplayNTHRBatch``); the scales over the support equal
+    gbc_reference's ``nthr_scale(support_ids=...)`` (float64, the whole output weight; its
+    scores differ from the whole vocabulary's) and the steps equal SkyRL's stock steps under
+    replay on the advantages times them. Critical-token KL: the reference pass's log-probs over
+    the support (== SkyRL's stock reference worker's under replay, == float64) and weights from
+    the reference's distribution over the support at critical_kl_temperature (== float64,
+    not the whole vocabulary's); the step equals SkyRL's stock step under replay with its KL
+    term weighted by hand."""
+    errors = {}
+    for out in spawn_gloo(2, _support_methods_worker):
+        _check_steps(out)
+        o = out["nthr"]
+        m = o["mask"]
+        scale, selected, scores, full_scores = o["oracle"]
+        assert selected.any()
+        assert not torch.allclose(scores[m], full_scores[m], rtol=1e-3)
+        torch.testing.assert_close(o["scale"][m].double(), scale[m].double(), rtol=1e-5,
+                                   atol=1e-6)
+        errors["nthr scale"] = max(errors.get("nthr scale", 0.0),
+                                   float((o["scale"][m].double() - scale[m]).abs().max()))
+        o = out["critical_kl"]
+        m = o["mask"]
+        want_w, want_logp, full_w = o["oracle"]
+        torch.testing.assert_close(o["base"][0][m], want_logp[m].double(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(o["weight"][m].double(), want_w[m], rtol=1e-4, atol=1e-6)
+        assert (want_w[m] - full_w[m]).abs().max() > 1e-2
+        for what, a, b in (("ref logp", o["base"][0][m], want_logp[m]),
+                           ("kl weight", o["weight"][m], want_w[m])):
+            errors[what] = max(errors.get(what, 0.0), float((a.double() - b.double()).abs().max()))
+    print("\nSkyRL Megatron replay methods, gbc vs float64, max error:",
+          ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+
+
+def test_nthr_and_critical_kl_under_replay_cp2():
+    """Context parallel 2 (packed micro-batches): each rank keeps the whole rows and support
+    of NTHR's pass (each position from the rank that holds it) and scores the reference's
+    support rows it holds: NTHR's scales, the reference log-probs and the KL weights equal
+    those of the same packed model on one rank; every step equals SkyRL's stock step under
+    replay with them applied by hand (at both sizes)."""
+    one = spawn_gloo(1, _support_methods_worker, 1, True)[0]
+    _check_steps(one)
+    for out in spawn_gloo(2, _support_methods_worker, 2):
+        _check_steps(out)
+        torch.testing.assert_close(out["nthr"]["scale"], one["nthr"]["scale"], rtol=1e-6,
+                                   atol=1e-7)
+        for key in ("weight", "base"):
+            a, b = out["critical_kl"][key], one["critical_kl"][key]
+            for x, y in zip(a if key == "base" else (a,), b if key == "base" else (b,)):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)

@@ -58,9 +58,9 @@ def _replay(sky, **kw):
     return algorithm(sky, "regular", **dict(kw, enable_sample_support_replay=True))
 
 
-def skyrl_support_ids(batch):
+def skyrl_support_ids(batch, T=T):
     """The batch's ``rollout_sample_support`` as ``[B, T, k]`` at the logits that predict the
-    response columns, by SkyRL's own alignment (its canonical layout, its row gather)."""
+    ``T`` response columns, by SkyRL's own alignment (its canonical layout, its row gather)."""
     from skyrl.backends.skyrl_train.distributed.megatron.token_metadata import (
         canonical_token_metadata_layout)
     from skyrl.backends.skyrl_train.utils.sample_support_replay import (
