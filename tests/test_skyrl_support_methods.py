@@ -16,6 +16,8 @@ set-up) at temperature 0.8, padded and packed micro-batches:
   whole batch; the steps equal SkyRL's stock steps under replay on the advantages times
   those scales; no forward beyond SkyRL's own. At two FSDP2 data-parallel ranks too, a
   group's rows on both.
+* Ulysses SP 2: NTHR's scales and the reference pass's log-probs and weights against the
+  float64 reference over the support.
 
 gbc's side gets rows SkyRL's capture never writes (targets missing from their rows, a
 repeated id: §16, forced in and counted once); the oracle reads the same rows through SkyRL's
@@ -380,3 +382,59 @@ def test_nthr_under_replay_two_fsdp2_ranks_a_group_over_both():
             assert got["metrics"][k] == pytest.approx(want["metrics"][k], rel=2e-4, abs=2e-6), k
         for n, p in want["params"].items():
             torch.testing.assert_close(got["params"][n], p, rtol=2e-4, atol=2e-6, msg=n)
+
+
+def _ulysses_worker(rank, world):
+    from test_skyrl_ulysses import _setup, _worker
+
+    sky, dp, _ = _setup(rank, world)
+    import gbc_reference as ref
+
+    from gbc_kernels import methods
+    from gbc_kernels.integrations.skyrl import fsdp as gfsdp
+    from gbc_kernels.integrations.skyrl.worker import KL_WEIGHT_KEY, SCALE_KEY
+
+    w, _ = _worker(sky, gfsdp.GBCFSDPPolicyWorker, _replay(sky, use_kl_loss=False), world, dp,
+                   methods.MethodOptions(nthr=True, nthr_beta=0.0))
+    data, _ = nthr_batches(sky, 31, **RAW)
+    # the reference: the policy's initial weights (the float64 reference's model)
+    r, _ = _worker(sky, gfsdp.GBCFSDPRefWorker, _replay(sky, **ALGO), world, dp,
+                   methods.MethodOptions(**CRIT), micro=3)
+    with skyrl_cpu().cpu_device():
+        old = w.forward(data)
+        data["action_log_probs"] = torch.tensor([x["logprobs"] for x in old.loss_fn_outputs])
+        w.forward_backward(data)
+        rows = r.forward(data).loss_fn_outputs
+    raw, _ = nthr_batches(sky, 31, **RAW)
+    want, _ = _oracle_nthr(sky, raw, GROUPS)
+    seq, attn = raw["sequences"], raw["attention_mask"]
+    h, wt = _hidden64(None, seq, attn)
+    st = ref.token_stats(h, wt, seq[:, -T:], temperature=TEMP,
+                         support_ids=skyrl_support_ids(raw), certainty="max_prob",
+                         certainty_temperature=CRIT["critical_kl_temperature"])
+    return dict(scale=data[SCALE_KEY], want_scale=want.scale, mask=raw["loss_mask"].bool(),
+                ref_logp=torch.tensor([x["logprobs"] for x in rows]),
+                weight=torch.tensor([x[KL_WEIGHT_KEY] for x in rows]), want_logp=st.logp,
+                want_w=ref.critical_kl_weight(st.certainty.double(),
+                                              CRIT["critical_kl_exponent"],
+                                              CRIT["critical_kl_intercept"]))
+
+
+def test_nthr_and_critical_kl_under_replay_ulysses_sp2():
+    """Under SkyRL's Ulysses SP 2 (packed, two gloo ranks in one SP group; tests/
+    test_skyrl_ulysses.py's set-up): NTHR's old-log-prob pass keeps the whole micro-batch's
+    rows and support on every SP rank (each position from the rank that holds it) and the
+    scales equal the float64 reference's over the support; the reference pass's log-probs and
+    critical-KL weights over the support equal float64's."""
+    pytest.importorskip("verl")       # tests/test_skyrl_ulysses.py's flash-attention set-up
+    from conftest import spawn_gloo
+
+    for out in spawn_gloo(2, _ulysses_worker):
+        m = out["mask"]
+        assert (out["want_scale"][m] != 1).any()
+        torch.testing.assert_close(out["scale"][m].double(), out["want_scale"][m].double(),
+                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out["ref_logp"][m].double(), out["want_logp"][m].double(),
+                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out["weight"][m].double(), out["want_w"][m], rtol=1e-4,
+                                   atol=1e-6)
