@@ -1,19 +1,25 @@
 """``support=replay`` / ``support=kept_mass`` (the sampler's kept set rebuilt from verl's rollout
-settings, issue 61) in gbc's verl 0.9.1 FSDP engine and verl's trainer as gbc patches them.
+settings, issue 61) in gbc's verl 0.9.1 FSDP and Megatron engines and verl's trainers as gbc
+patches them.
 
 The rollouts are drawn here by a sampler that applies verl's settings to the same tiny model:
 each response token from the truncated softmax of the model's own float64 logits at the rollout
 temperature (``gbc_reference.kept_set``: vLLM's rule, or SGLang's), its log-prob recorded as that
 engine returns it (vLLM ``processed_logprobs``: normalised over the kept set; SGLang: the full
 vocabulary's). What runs then is verl's and gbc's: gbc's engine on verl's FSDP2
-``FSDPEngineWithLMHead`` (its micro-batching, packing, ``ppo_loss``); gbc's patches installed on
-verl's classes by their own installers (``_patch_worker``, ``_patch_trainer``, ``enable()`` on
-verl's ``rollout_corr_helper``); verl's own ``RayPPOTrainer._compute_old_log_prob`` (read from
-verl's source: its module needs ``torchdata``, absent here); verl's own
-``compute_rollout_correction_and_add_to_batch``. Stand-ins (said here): the Ray worker layer
-(``ActorRolloutRefWorker.init_model`` builds the engine, ``compute_log_prob`` is
-``TrainingWorker.infer_batch``'s call of the engine with its defaults), the trainer object (its
-config and worker group), the CPU platform of tests/test_verl_engine.py.
+``FSDPEngineWithLMHead`` (its micro-batching, packing, ``ppo_loss``); verl's own trainer
+modules (``ray_trainer``, the v1 ``trainer_base`` / ``trainer_sync``, imported as
+tests/test_switch_on.py imports them, their rollout-server dependencies empty stand-ins), patched
+by ``enable()`` as in a run: the legacy ``RayPPOTrainer._compute_old_log_prob``, the v1
+``PPOTrainer._compute_old_log_prob`` / ``_compute_advantage``, both trainers' ``__init__``,
+verl's ``compute_rollout_correction_and_add_to_batch``. Stand-ins (said here): verl's worker
+module (``ActorRolloutRefWorker.init_model`` builds gbc's engine, ``compute_log_prob`` is
+``TrainingWorker.infer_batch``'s call of it with its defaults; gbc's ``_patch_worker`` patches
+it as it patches verl's), the trainer objects (built with ``object.__new__``: verl's ``__init__``
+starts Ray; gbc's check in it is run as the wrap runs it), the v1 trainer's transfer queue (a
+dict of each sample's fields, which the worker group fills with the worker's outputs as verl's
+``tqbridge`` does), verl's advantage estimator (after the correction), the CPU platform of
+tests/test_verl_engine.py; the Megatron part runs tests/test_verl_megatron.py's harness.
 
 Oracles: float64 gbc_reference over the reference kept set (``truncation_support_ids``) on the
 plain HF model's hidden states; verl's stock engine step with its logits restricted to that set
@@ -22,7 +28,6 @@ by hand; verl's stock rollout-correction function fed the corrected log-probs by
 
 from __future__ import annotations
 
-import ast
 import functools
 import os
 import sys
@@ -157,27 +162,30 @@ def reference(model_dir, fields, settings):
 
 
 # ------------------------------------------------- verl's worker and trainer, as gbc patches them
-def verl_method(relpath, cls_name, name, namespace):
-    """verl's own method ``cls_name.name`` from its source file (its module cannot be imported
-    here), defined in ``namespace``."""
-    import verl
+def verl_trainer_modules():
+    """verl 0.9.1's trainer modules (``ray_trainer``, the v1 ``trainer_base`` and
+    ``trainer_sync``), imported as tests/test_switch_on.py does: its rollout-server packages
+    and ``torchdata`` / ``transfer_queue`` are empty stand-ins here (nothing of theirs runs;
+    this process only)."""
+    import importlib.util
 
-    path = os.path.join(os.path.dirname(verl.__file__), relpath)
-    tree = ast.parse(open(path).read())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name)
-    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name)
-    ns = dict(namespace)
-    exec(compile(ast.Module([fn], []), path, "exec"), ns)
-    return ns[name]
+    spec = importlib.util.spec_from_file_location(
+        "verl_server_deps", os.path.join(HERE, "standins", "verl_server_deps.py"))
+    deps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(deps)
+    deps.install()
+    from verl.trainer.ppo import ray_trainer
+    from verl.trainer.ppo.v1 import trainer_base, trainer_sync
+
+    return ray_trainer, trainer_base, trainer_sync
 
 
-def stand_ins(model_dir, options):
-    """(worker module, trainer module) stand-ins holding verl's classes' methods gbc patches:
-    the worker's ``init_model`` builds gbc's FSDP engine (the actor's, ``role``), the
-    trainer's ``_compute_old_log_prob`` is verl 0.9.1's own."""
-    from verl import DataProto
+def worker_stand_in(model_dir, options):
+    """A stand-in of verl's ``engine_workers`` module: ``ActorRolloutRefWorker.init_model``
+    builds gbc's FSDP engine for the actor (as the real one does through verl's registry),
+    ``compute_log_prob`` is ``TrainingWorker.infer_batch``'s call of the engine with the
+    worker's defaults; gbc's ``_patch_worker`` patches it as it patches verl's."""
     from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
     class TrainingWorker:
         def __init__(self, engine):
@@ -208,24 +216,102 @@ def stand_ins(model_dir, options):
         def compute_log_prob(self, data):
             return self.actor.infer_batch(data)
 
-    old_pass = verl_method("trainer/ppo/ray_trainer.py", "RayPPOTrainer",
-                           "_compute_old_log_prob",
-                           dict(tu=tu, DataProto=DataProto,
-                                no_padding_2_padding=no_padding_2_padding,
-                                left_right_2_no_padding=left_right_2_no_padding))
+    return types.SimpleNamespace(TrainingWorker=TrainingWorker,
+                                 ActorRolloutRefWorker=ActorRolloutRefWorker)
 
-    class RayPPOTrainer:
-        def __init__(self, config, worker):
-            self.config, self.actor_rollout_wg = config, worker
 
-        def _compute_ref_log_prob(self, batch):
-            raise NotImplementedError
+class _Meta:
+    """A stand-in ``KVBatchMeta``: the batch's keys in the transfer queue."""
 
-        _compute_old_log_prob = old_pass
+    def __init__(self, keys, partition_id="train"):
+        self.keys, self.partition_id, self.extra_info = list(keys), partition_id, {}
 
-    return (types.SimpleNamespace(TrainingWorker=TrainingWorker,
-                                  ActorRolloutRefWorker=ActorRolloutRefWorker),
-            types.SimpleNamespace(RayPPOTrainer=RayPPOTrainer))
+    def __len__(self):
+        return len(self.keys)
+
+
+class _TransferQueue:
+    """A stand-in transfer queue: each sample's fields by key (``kv_batch_get`` returns the
+    fields every asked sample has, nested as verl's are)."""
+
+    def __init__(self):
+        self.rows = {}
+
+    def kv_batch_put(self, keys, partition_id, fields):
+        for f in fields.keys():
+            v = fields[f]
+            for k, row in zip(keys, v.unbind() if v.is_nested else list(v)):
+                self.rows.setdefault(k, {})[f] = row
+        return _Meta(keys, partition_id)
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        from tensordict import TensorDict
+
+        out = {}
+        for f in select_fields:
+            if all(f in self.rows[k] for k in keys):
+                vals = [self.rows[k][f] for k in keys]
+                out[f] = (torch.nested.as_nested_tensor(vals, layout=torch.jagged)
+                          if vals[0].dim() else torch.stack(vals))
+        return TensorDict(out, batch_size=[len(keys)])
+
+
+def _padded_td(fields, keys=("input_ids", "attention_mask", "position_ids", "prompts",
+                              "responses", "response_mask")):
+    from tensordict import TensorDict
+
+    B = fields["responses"].shape[0]
+    return TensorDict({k: fields[k].clone() for k in keys}, batch_size=[B])
+
+
+def _v1_pass(mods, config, worker, fields, with_kept=True):
+    """verl's v1 trainer (its default): its own ``PPOTrainer._compute_old_log_prob`` and
+    ``_compute_advantage`` (gbc's patches on them by ``enable()``) over a stand-in transfer
+    queue holding the rollout as verl's v1 trainer does (nested per response); the worker
+    group's ``compute_log_prob`` runs the worker on the batch and puts every output field in
+    the queue (what verl's ``tqbridge`` does). Returns the queue and the trainer's metrics."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding, response_to_nested
+
+    from gbc_kernels.integrations.verl import engine as ve
+
+    _, trainer_base, trainer_sync = mods
+    tq = _TransferQueue()
+    trainer_base.tq = tq
+    B = fields["responses"].shape[0]
+    keys = [f"s{b}" for b in range(B)]
+    rlens = fields["attention_mask"][:, fields["prompts"].shape[1]:].sum(1).tolist()
+    rmask = torch.nested.as_nested_tensor([fields["response_mask"][b, :n]
+                                           for b, n in enumerate(rlens)], layout=torch.jagged)
+    tq.kv_batch_put(keys, "train", _padded_td(fields, ()).update({
+        "uid": torch.arange(B) // 2, "response_mask": rmask,
+        "rm_scores": response_to_nested(torch.zeros(B, fields["responses"].shape[1]), rmask),
+        "responses": response_to_nested(fields["responses"], rmask),
+        "rollout_log_probs": response_to_nested(fields["rollout_log_probs"], rmask)}))
+
+    class WorkerGroup:
+        def compute_log_prob(self, meta):
+            assert meta.keys == keys
+            td = left_right_2_no_padding(_padded_td(fields))
+            tu.assign_non_tensor(td, **meta.extra_info)
+            out = worker.compute_log_prob(td)
+            tq.kv_batch_put(meta.keys, meta.partition_id, out.select(*[
+                k for k in out.keys() if isinstance(out.get(k), torch.Tensor)
+                and (with_kept or k != ve.LOG_KEPT_MASS_KEY)]))
+            return meta
+
+    def estimator(data, **kw):      # verl's advantage estimator, after the correction: stubbed
+        data.batch["advantages"] = torch.zeros_like(data.batch["response_mask"], dtype=torch.float)
+        data.batch["returns"] = data.batch["advantages"]
+        return data
+
+    trainer_base.compute_advantage_for_multi_trajectories = estimator
+    trainer = object.__new__(trainer_sync.PPOTrainerSync)
+    trainer.config, trainer.actor_rollout_wg = config, WorkerGroup()
+    metrics = {}
+    meta = trainer._compute_old_log_prob(_Meta(keys), metrics)
+    trainer._compute_advantage(meta, metrics)
+    return tq, keys, metrics
 
 
 def _masked_mean(x, mask):
@@ -233,32 +319,40 @@ def _masked_mean(x, mask):
     return float(x[m].double().mean())
 
 
-def _step(mode, settings, model_dir, fields, ref64):
+def _step(mode, settings, model_dir, fields, ref64, mods):
     """One trainer step's passes under ``mode``: the worker starts (gbc's engine gets the
-    rollout settings), the trainer starts (its check), verl's old-policy pass, verl's rollout
-    correction; and verl's stock correction with the corrected log-probs put in by hand."""
+    rollout settings), the trainer's start-up check, verl's legacy trainer's old-policy pass
+    and rollout correction, the same in verl's v1 trainer; and verl's stock correction with
+    the corrected log-probs put in by hand."""
     from omegaconf import OmegaConf
     from verl import DataProto
     from verl.trainer.ppo import rollout_corr_helper as rch
+    from verl.workers.utils.padding import response_to_nested
 
     from gbc_kernels.integrations.verl import engine as ve
 
+    ray_trainer = mods[0]
     opts = ve.EngineOptions(support=mode)
-    ve.enable(opts)                         # verl's rollout correction wrapped on import
+    ve.enable(opts)             # verl's trainers and rollout correction patched (imported)
     rollout = rollout_config(**settings)
-    config = trainer_config(rollout)
-    worker_mod, trainer_mod = stand_ins(model_dir, opts)
+    config = OmegaConf.merge(trainer_config(rollout), OmegaConf.create(dict(
+        algorithm=dict(adv_estimator="grpo", gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True),
+        actor_rollout_ref=dict(rollout=dict(n=2), actor=dict(loss_agg_mode="token-mean",
+                                                             loss_scale_factor=None)))))
+    worker_mod = worker_stand_in(model_dir, opts)
     ve._patch_worker(worker_mod)
-    ve._patch_trainer(trainer_mod)
     worker = worker_mod.ActorRolloutRefWorker(config.actor_rollout_ref, "actor_rollout")
     worker.init_model()
     engine = worker.actor.engine
     assert engine._gbc_support_role == "actor"
-    trainer = trainer_mod.RayPPOTrainer(config, worker)
+    ve.check_trainer(config)         # what gbc's wrap of the trainers' __init__ runs first
+    # verl's legacy trainer: its _compute_old_log_prob (gbc's where it needs the kept mass)
+    trainer = object.__new__(ray_trainer.RayPPOTrainer)
+    trainer.config, trainer.actor_rollout_wg = config, worker
     batch = DataProto.from_dict(tensors={k: v.clone() for k, v in fields.items()},
                                 meta_info={"temperature": T_ROLL})
     old, _ = trainer._compute_old_log_prob(batch)
-    out = {"old": old.batch["old_log_probs"].clone(), "entropy": old.batch["entropys"].clone()}
+    out = {"old": old.batch["old_log_probs"].clone()}
     if ve.LOG_KEPT_MASS_KEY in old.batch.keys():
         out["kept"] = old.batch[ve.LOG_KEPT_MASS_KEY].clone()
     batch = batch.union(old)
@@ -268,6 +362,19 @@ def _step(mode, settings, model_dir, fields, ref64):
     assert torch.equal(batch.batch["rollout_log_probs"], fields["rollout_log_probs"])
     out.update(weights=batch.batch["rollout_is_weights"].clone(), metrics=metrics,
                rs_mask=batch.batch["response_mask"].clone())
+    # verl's v1 trainer on the same rollout: the same weights and mask, its queue's
+    # rollout_log_probs left as they are
+    tq, keys, v1_metrics = _v1_pass(mods, config, worker, fields)
+    rmask = tq.kv_batch_get(keys, "train", ["response_mask"])["response_mask"]
+    got = tq.kv_batch_get(keys, "train", ["rollout_is_weights", "response_mask",
+                                          "rollout_log_probs"])
+    out["v1"] = dict(
+        weights=got["rollout_is_weights"].to_padded_tensor(0.0),
+        rs_mask=got["response_mask"].to_padded_tensor(0),
+        rollout_unchanged=torch.equal(
+            got["rollout_log_probs"].values(),
+            response_to_nested(fields["rollout_log_probs"], rmask).values()),
+        metrics=v1_metrics)
     # verl's stock correction, the corrected log-probs put in by hand
     old_hand = ref64["over"] if mode == "replay" else ref64["full"]
     sampler = fields["rollout_log_probs"].double()
@@ -281,22 +388,52 @@ def _step(mode, settings, model_dir, fields, ref64):
     out["hand"] = dict(weights=w.batch["rollout_is_weights"], rs_mask=m, metrics=met)
     out["engine"] = engine
     out["batch"] = batch
+    if mode == "kept_mass" and settings["name"] == "vllm":
+        # a v1 worker whose pass returned no gbc_log_kept_mass: refused, never uncorrected
+        try:
+            _v1_pass(mods, config, worker, fields, with_kept=False)
+            out["v1_refused"] = None
+        except ValueError as exc:
+            out["v1_refused"] = str(exc)
     return out
+
+
+def _startup_refusals(mods):
+    """verl's trainers refuse a bad ``support`` setting when they are built (gbc's wrap of
+    their ``__init__``, before verl's own)."""
+    from gbc_kernels.integrations.verl import engine as ve
+
+    ray_trainer, _, trainer_sync = mods
+    ve.enable(ve.EngineOptions(support="kept_mass"))
+    config = trainer_config(rollout_config(**VLLM), rc=None)
+    got = {}
+    for name, build in (
+            ("v0", lambda: ray_trainer.RayPPOTrainer(config=config, tokenizer=None,
+                                                     role_worker_mapping={},
+                                                     resource_pool_manager=None)),
+            ("v1", lambda: trainer_sync.PPOTrainerSync(config=config))):
+        try:
+            build()
+            got[name] = None
+        except ValueError as exc:
+            got[name] = str(exc)
+    return got
 
 
 def _support_worker(rank, world, model_dir):
     verl_on_cpu()
+    mods = verl_trainer_modules()
     from verl.workers.engine.fsdp import transformer_impl as ti
     from verl.workers.utils.losses import ppo_loss
 
     import gbc_reference as ref
 
-    results = {}
+    results = {"startup": _startup_refusals(mods)}
     for name, settings in (("vllm", VLLM), ("sglang", SGLANG)):
         fields = sample_rollouts(model_dir, settings, seed=3 if name == "vllm" else 5)
         ref64 = reference(model_dir, fields, settings)
         modes = (None, "kept_mass", "replay") if name == "vllm" else (None, "replay")
-        runs = {m: _step(m, settings, model_dir, fields, ref64) for m in modes}
+        runs = {m: _step(m, settings, model_dir, fields, ref64, mods) for m in modes}
         res = {"fields": fields, "ref": ref64}
         for m, run in runs.items():
             res[m] = {k: v for k, v in run.items() if k not in ("engine", "batch")}
@@ -366,10 +503,10 @@ def _close(a, b, tol):
 
 
 def test_old_pass_equals_reference(runs):
-    """The old-policy pass through verl's ``_compute_old_log_prob`` (gbc's patch, verl's
-    function): ``replay`` scores over the reference kept set; ``kept_mass`` is the full
-    vocabulary's bit for bit (as without support) with ``gbc_log_kept_mass`` = the reference's
-    ``LSE_S - LSE_V``."""
+    """The old-policy pass through verl's own ``RayPPOTrainer._compute_old_log_prob`` (gbc's
+    copy of it where the kept mass is returned): ``replay`` scores over the reference kept set;
+    ``kept_mass`` is the full vocabulary's bit for bit (as without support) with
+    ``gbc_log_kept_mass`` = the reference's ``LSE_S - LSE_V``."""
     r = runs["vllm"]
     mask = r["fields"]["response_mask"].bool()
     ref64 = r["ref"]
@@ -389,7 +526,9 @@ def test_rollout_correction_equals_stock_with_corrected_logprobs(runs):
     """verl's ``compute_rollout_correction_and_add_to_batch`` as gbc wraps it equals verl's
     stock ``compute_rollout_correction_and_rejection_mask`` fed the float64 reference old
     log-probs and the sampler's log-probs corrected by hand (``kept_mass``: ``+ log m``;
-    ``replay`` against SGLang: ``- log m``): IS weights, rejection mask, metrics."""
+    ``replay`` against SGLang: ``- log m``): IS weights, rejection mask, metrics. verl's v1
+    trainer (its own old-policy pass and advantage step over the transfer queue) gives the
+    legacy trainer's weights and mask, its queue's ``rollout_log_probs`` untouched."""
     for name, modes in (("vllm", (None, "kept_mass", "replay")), ("sglang", (None, "replay"))):
         for mode in modes:
             got, hand = runs[name][mode], runs[name][mode]["hand"]
@@ -401,6 +540,13 @@ def test_rollout_correction_equals_stock_with_corrected_logprobs(runs):
                 # every weight is ~1
                 tol = 2e-3 if k.endswith("rollout_is_std") else 1e-4 * max(1.0, abs(v))
                 assert abs(got["metrics"][k] - v) <= tol, (name, mode, k, got["metrics"][k], v)
+            v1 = got["v1"]
+            T = v1["weights"].shape[1]
+            assert torch.equal(v1["weights"], got["weights"][:, :T]), (name, mode)
+            assert torch.equal(v1["rs_mask"].bool(), got["rs_mask"][:, :T].bool()), (name, mode)
+            assert v1["rollout_unchanged"]
+            assert v1["metrics"]["rollout_corr/rollout_is_mean"] == \
+                got["metrics"]["rollout_corr/rollout_is_mean"]
 
 
 def test_sampler_ratio_mean_moves_from_kept_mass_to_one(runs):
@@ -453,174 +599,18 @@ def test_replay_update_equals_stock_step_over_the_kept_set(runs):
     assert abs(l1 - steps["plain_replay_batch"][0]) > 1e-4      # replay moved the loss
 
 
-# ------------------------------------------------------------------ verl's v1 trainer (default)
-class _Meta:
-    """A stand-in ``KVBatchMeta``: the batch's keys in the transfer queue."""
-
-    def __init__(self, keys, partition_id="train"):
-        self.keys, self.partition_id, self.extra_info = list(keys), partition_id, {}
-
-    def __len__(self):
-        return len(self.keys)
-
-
-class _TransferQueue:
-    """A stand-in transfer queue: each sample's fields by key (``kv_batch_get`` returns the
-    fields every asked sample has, nested as verl's are)."""
-
-    def __init__(self):
-        self.rows = {}
-
-    def kv_batch_put(self, keys, partition_id, fields):
-        for f in fields.keys():
-            v = fields[f]
-            for k, row in zip(keys, v.unbind() if v.is_nested else list(v)):
-                self.rows.setdefault(k, {})[f] = row
-        return _Meta(keys, partition_id)
-
-    def kv_batch_get(self, keys, partition_id, select_fields):
-        from tensordict import TensorDict
-
-        out = {}
-        for f in select_fields:
-            if all(f in self.rows[k] for k in keys):
-                vals = [self.rows[k][f] for k in keys]
-                out[f] = (torch.nested.as_nested_tensor(vals, layout=torch.jagged)
-                          if vals[0].dim() else torch.stack(vals))
-        return TensorDict(out, batch_size=[len(keys)])
-
-
-def _v1_module(tq):
-    """verl 0.9.1's v1 ``PPOTrainer._compute_old_log_prob`` / ``_compute_advantage`` (from its
-    source: its module needs ``transfer_queue``) in a module of their names, the advantage
-    estimator stubbed (it runs after the rollout correction)."""
-    import numpy as np
-    from tensordict import TensorDict
-    from verl import DataProto
-    from verl.trainer.ppo import rollout_corr_helper as rch
-    from verl.trainer.ppo.core_algos import agg_loss
-    from verl.utils.debug.metrics import calculate_debug_metrics
-    from verl.workers.utils.padding import response_from_nested, response_to_nested
-
-    def estimator(data, **kw):
-        data.batch["advantages"] = torch.zeros_like(data.batch["response_mask"], dtype=torch.float)
-        data.batch["returns"] = data.batch["advantages"]
-        return data
-
-    module = types.ModuleType("gbc_test_v1_trainer_base")
-    module.__dict__.update(
-        tq=tq, np=np, TensorDict=TensorDict, DataProto=DataProto, KVBatchMeta=_Meta,
-        agg_loss=agg_loss, calculate_debug_metrics=calculate_debug_metrics,
-        response_from_nested=response_from_nested, response_to_nested=response_to_nested,
-        compute_rollout_correction_and_add_to_batch=rch.compute_rollout_correction_and_add_to_batch,
-        compute_advantage_for_multi_trajectories=estimator, apply_kl_penalty=None)
-    class PPOTrainer:
-        def __init__(self, config):
-            self.config = config
-
-    for n in ("_compute_old_log_prob", "_compute_advantage"):     # their globals: the module's
-        fn = verl_method("trainer/ppo/v1/trainer_base.py", "PPOTrainer", n, {})
-        setattr(PPOTrainer, n, types.FunctionType(fn.__code__, module.__dict__, n))
-    module.PPOTrainer = PPOTrainer
-    return module
-
-
-def _v1_batch(tq, B=5, seed=0):
-    """A rollout in the queue as verl's v1 trainer holds it (nested per response), and the
-    worker's old-policy outputs per whole sequence (as gbc's engine returns them)."""
-    g = torch.Generator().manual_seed(seed)
-    plens, rlens = torch.randint(1, 4, (B,), generator=g), torch.randint(1, 6, (B,), generator=g)
-    keys = [f"s{b}" for b in range(B)]
-    rows = {}
-    for b, k in enumerate(keys):
-        p, r = int(plens[b]), int(rlens[b])
-        rl = -torch.rand(r, generator=g) * 3 - 0.1
-        lk = -torch.rand(r, generator=g) * 0.3
-        old = rl + lk + 0.05 * torch.randn(r, generator=g)
-        rows[k] = dict(rollout=rl, kept=lk, old=old)
-        tq.rows[k] = dict(uid=torch.tensor(b // 2), response_mask=torch.ones(r, dtype=torch.long),
-                          rm_scores=torch.zeros(r), rollout_log_probs=rl,
-                          responses=torch.randint(0, 9, (r,), generator=g))
-
-        def whole(v):          # the pass's output over prompt + response, as the engine's
-            out = torch.zeros(p + r)
-            out[p - 1:p - 1 + r] = v
-            return out
-
-        rows[k]["whole"] = {"log_probs": whole(old), "entropy": whole(torch.ones(r)),
-                            "gbc_log_kept_mass": whole(lk)}
-    return _Meta(keys), rows
-
-
-def _v1_run(mode, with_kept=True):
-    from omegaconf import OmegaConf
-
-    from gbc_kernels.integrations.verl import engine as ve
-
-    tq = _TransferQueue()
-    module = _v1_module(tq)
-    opts = ve.EngineOptions(support=mode)
-    ve.enable(opts)
-    old_modules = sys.modules.get(ve.V1_TRAINER_MODULE)
-    sys.modules[ve.V1_TRAINER_MODULE] = module
-    try:
-        ve._patch_v1_trainer(module)
-        meta, rows = _v1_batch(tq)
-
-        class Worker:                  # compute_log_prob: the engine's outputs into the queue
-            def compute_log_prob(self, batch):
-                for k in batch.keys:
-                    tq.rows[k].update({f: v for f, v in rows[k]["whole"].items()
-                                       if with_kept or f != ve.LOG_KEPT_MASS_KEY})
-                return batch
-
-        rollout = rollout_config(**VLLM, n=2)
-        config = OmegaConf.merge(trainer_config(rollout), OmegaConf.create(dict(
-            algorithm=dict(adv_estimator="grpo", gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True),
-            actor_rollout_ref=dict(actor=dict(loss_agg_mode="token-mean",
-                                              loss_scale_factor=None)))))
-        trainer = module.PPOTrainer(config)
-        trainer.actor_rollout_wg = Worker()
-        metrics = {}
-        meta = trainer._compute_old_log_prob(meta, metrics)
-        meta = trainer._compute_advantage(meta, metrics)
-        return rows, tq, metrics
-    finally:
-        ve.disable()
-        if old_modules is None:
-            sys.modules.pop(ve.V1_TRAINER_MODULE, None)
-        else:
-            sys.modules[ve.V1_TRAINER_MODULE] = old_modules
-
-
-@pytest.mark.parametrize("mode", [None, "kept_mass", "replay"])
-def test_v1_trainer_rollout_correction(mode):
-    """verl's v1 trainer (its default): its own ``_compute_old_log_prob`` and
-    ``_compute_advantage`` over the transfer queue, gbc's patches installed by
-    ``_patch_v1_trainer``: the rollout correction's IS weights and rejection mask equal verl's
-    stock function fed ``rollout + log_kept_mass`` by hand under ``kept_mass`` (the queue's
-    ``rollout_log_probs`` left as they are), the plain ones otherwise."""
-    from verl.trainer.ppo import rollout_corr_helper as rch
-
-    rows, tq, metrics = _v1_run(mode)
-    for k, row in rows.items():
-        sampler = row["rollout"] + (row["kept"] if mode == "kept_mass" else 0.0)
-        w, m, met = rch.compute_rollout_correction_and_rejection_mask(
-            row["old"][None], sampler[None], torch.ones(1, len(sampler), dtype=torch.long),
-            **{k: v for k, v in RC.items() if k != "bypass_mode"})
-        got = tq.rows[k]
-        assert torch.allclose(got["rollout_is_weights"], w.batch["rollout_is_weights"][0])
-        assert torch.equal(got["response_mask"].bool(), m[0].bool())
-        assert torch.equal(got["rollout_log_probs"], row["rollout"])
-    assert ("rollout_corr/gbc_kept_mass_mean" in metrics) == (mode == "kept_mass")
-
-
-def test_v1_trainer_without_kept_mass_refused():
-    """``kept_mass`` where the old-policy pass wrote no ``gbc_log_kept_mass`` (a worker without
-    gbc's engine): refused naming the option, never run uncorrected."""
-    with pytest.raises(ValueError, match="^GBC_VERL_OPTIONS: support=kept_mass: verl's rollout "
-                                         "correction got no 'gbc_log_kept_mass'"):
-        _v1_run("kept_mass", with_kept=False)
+def test_trainers_refuse_at_start_and_without_kept_mass(runs):
+    """verl's own ``RayPPOTrainer`` and v1 ``PPOTrainerSync`` refuse ``support=kept_mass``
+    without a rollout correction when they are built (gbc's check before verl's init); verl's
+    v1 trainer whose worker returned no ``gbc_log_kept_mass`` (not gbc's engine) refuses the
+    correction naming the option, never runs it uncorrected."""
+    for name in ("v0", "v1"):
+        assert runs["startup"][name].startswith(
+            "algorithm.rollout_correction: None: GBC_VERL_OPTIONS support=kept_mass"), \
+            runs["startup"][name]
+    assert runs["vllm"]["kept_mass"]["v1_refused"].startswith(
+        "GBC_VERL_OPTIONS: support=kept_mass: verl's rollout correction got no "
+        "'gbc_log_kept_mass'"), runs["vllm"]["kept_mass"]["v1_refused"]
 
 
 # ------------------------------------------------------------------------------- refusals
@@ -873,3 +863,72 @@ def test_megatron_top_p_without_top_k_refused_at_start(megatron_runs):
             "actor_rollout_ref.rollout.top_p=0.9 without a top_k bound "
             "(actor_rollout_ref.rollout.top_k=-1): under Megatron's tensor parallelism "
             "(actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2"), out["refused"]
+
+
+# ------------------------------------------------------- Ulysses sequence parallelism (FSDP)
+ULYSSES = dict(name="vllm", top_k=20, top_p=0.9)
+
+
+def _ulysses_worker(rank, world, model_dir, sp):
+    """At Ulysses SP ``sp`` (tests/test_verl_ulysses.py's harness): for each mode, the
+    old-policy pass's outputs and one update's loss and gradients on the same batch."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from gbc_kernels.integrations.verl import engine as ve
+    from test_verl_engine import make_batch
+    from test_verl_ulysses import _forward_backward as sp_forward_backward
+    from test_verl_ulysses import build_engine as sp_engine
+
+    engine = sp_engine(model_dir, sp, lr=0.5, optimizer="SGD")
+    cfg = verl_actor_config("gspo", "seq-mean-token-mean", "low_var_kl", entropy_coeff=0.01)
+    loss_fn = functools.partial(ppo_loss, config=cfg)
+    out = {}
+    for mode in ("replay", "kept_mass"):
+        type(engine).gbc_options = ve.EngineOptions(support=mode)
+        engine.gbc_attach_rollout(rollout_config(**ULYSSES), "actor")
+        data = make_batch(21, 6, temperature=0.8, lengths=(7, 9))
+        td = data.clone()
+        tu.assign_non_tensor(td, calculate_entropy=True, calculate_sum_pi_squared=True,
+                             compute_loss=False)
+        with engine.eval_mode():
+            o = engine.infer_batch(td, loss_function=None)["model_output"]
+        out[mode] = {k: no_padding_2_padding(v, data) for k, v in o.items()}
+        out[mode]["step"] = sp_forward_backward(engine, data, loss_fn, False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ulysses_runs(tmp_path_factory):
+    from test_verl_engine import make_model_dir as plain_model_dir
+
+    model_dir = plain_model_dir(tmp_path_factory.mktemp("verl_support_sp") / "m")
+    return spawn_gloo(2, _ulysses_worker, model_dir, 2), spawn_gloo(1, _ulysses_worker,
+                                                                     model_dir, 1)[0]
+
+
+def test_ulysses_sp2_equals_sp1(ulysses_runs):
+    """Under Ulysses SP 2 each rank rebuilds the set for its own rows: the old-policy pass
+    (``replay``: over the set; ``kept_mass``: the whole vocabulary's with
+    ``gbc_log_kept_mass``) and the update (loss, verl's metrics with
+    ``gbc_support_forced_frac`` over the whole sequences, every gradient) equal SP 1."""
+    from gbc_kernels.integrations.verl import engine as ve
+
+    sp2, sp1 = ulysses_runs
+    assert ve.LOG_KEPT_MASS_KEY in sp1["kept_mass"]
+    for r, got in enumerate(sp2):
+        for mode in ("replay", "kept_mass"):
+            for k, v in sp1[mode].items():
+                if k == "step":
+                    continue
+                assert _close(got[mode][k], v, 2e-5), (r, mode, k)
+            (l0, m0, g0), (l1, m1, g1) = sp1[mode]["step"], got[mode]["step"]
+            assert abs(l0 - l1) <= 2e-5 * max(1.0, abs(l0)), (r, mode)
+            for k in m0:
+                for a, b in zip(m0[k], m1[k]):
+                    assert abs(a - b) <= 2e-5 * max(1.0, abs(a)) + 1e-6, (r, mode, k, a, b)
+            top = max(float(g.abs().max()) for g in g0.values())
+            for n in g0:
+                assert float((g0[n] - g1[n]).abs().max()) <= 2e-5 * top, (r, mode, n)
+        assert got["replay"]["step"][1]["actor/gbc_support_forced_frac"][0] > 0
