@@ -790,11 +790,16 @@ def _megatron_worker(rank, world, tp, sp):
             out[name]["step"]["grads"] = _grads(model)
         finally:
             MegatronEngineWithLMHead._lm_head_logits_processor = stock_processor
-    # start-up: top-p without a top-k bound under TP is refused in verl's words
+    # start-up: top-p without a top-k bound under TP is refused in verl's words where the
+    # engine rebuilds the set (not kept_mass's reference engine: its pass is the full
+    # vocabulary's)
     model = _setup(tp, sp)
+    unbounded = rollout_config(name="vllm", top_k=-1, top_p=0.9)
+    engine = _engine(model, options=ve.EngineOptions(support="kept_mass"))
+    out["kept_mass_ref"] = engine.gbc_attach_rollout(unbounded, "ref").mode
     engine = _engine(model, options=ve.EngineOptions(support="replay"))
     try:
-        engine.gbc_attach_rollout(rollout_config(name="vllm", top_k=-1, top_p=0.9), "ref")
+        engine.gbc_attach_rollout(unbounded, "ref")
         out["refused"] = None
     except ValueError as exc:
         out["refused"] = str(exc)
@@ -857,8 +862,10 @@ def test_megatron_replay_update_equals_stock_step_over_the_kept_set(megatron_run
 
 def test_megatron_top_p_without_top_k_refused_at_start(megatron_runs):
     """Under Megatron's tensor parallelism top-p without a top-k bound is refused when the
-    worker hands the engine the rollout settings, naming verl's options."""
+    worker hands the engine the rollout settings, naming verl's options, where the engine
+    rebuilds the set (``kept_mass``'s reference engine scores the whole vocabulary)."""
     for out in megatron_runs:
+        assert out["kept_mass_ref"] == "kept_mass"
         assert out["refused"].startswith(
             "actor_rollout_ref.rollout.top_p=0.9 without a top_k bound "
             "(actor_rollout_ref.rollout.top_k=-1): under Megatron's tensor parallelism "

@@ -181,8 +181,11 @@ def trainer_support_plan(config, options) -> Optional[SupportPlan]:
     arr = _cfg(config, "actor_rollout_ref")
     rollout = _cfg(arr, "rollout")
     tp = []
-    uses_ref = (_cfg(_cfg(arr, "actor"), "use_kl_loss", False)
-                or _cfg(_cfg(config, "algorithm"), "use_kl_in_reward", False))
+    # the reference pass rebuilds the set under replay only (kept_mass's is the full
+    # vocabulary's), and runs where verl uses a reference
+    uses_ref = options.support == "replay" and (
+        _cfg(_cfg(arr, "actor"), "use_kl_loss", False)
+        or _cfg(_cfg(config, "algorithm"), "use_kl_in_reward", False))
     for role in ("actor", "ref") if uses_ref else ("actor",):
         part = _cfg(arr, role)
         if _cfg(part, "strategy") == "megatron":
@@ -373,10 +376,14 @@ class EngineMethods:
         ``support`` (:func:`support_plan`, refused by name here), on this engine of the
         worker's ``role`` (``"actor"``: its forward-only pass with entropy is the old-policy
         pass; ``"ref"``)."""
-        plan = support_plan(self.gbc_options, rollout, self._gbc_tensor_parallel(role))
-        _check_nthr(self.gbc_options, plan)
+        opts = self.gbc_options
+        # the actor's old-policy pass rebuilds the set in both modes, the reference's under
+        # replay only
+        rebuilds = role == "actor" or opts.support == "replay"
+        plan = support_plan(opts, rollout, self._gbc_tensor_parallel(role) if rebuilds else ())
+        _check_nthr(opts, plan)
         self._gbc_rollout, self._gbc_support_role = rollout, role
-        self._gbc_support = (self.gbc_options, plan)
+        self._gbc_support = (opts, plan)
         return plan
 
     def _gbc_tensor_parallel(self, role) -> list:
@@ -841,6 +848,7 @@ def _rollout_correction(original):
             return original(batch, rollout_corr_config)
         kept = _kept_mass_of(batch, plan)
         sampler = batch.batch["rollout_log_probs"]
+        mask = batch.batch["response_mask"].bool()      # before verl's rejection
         batch.batch["rollout_log_probs"] = methods.corrected_sampler_logp(
             sampler, kept.to(sampler.device), plan.mode, plan.normalised)
         try:
@@ -848,7 +856,6 @@ def _rollout_correction(original):
         finally:
             batch.batch["rollout_log_probs"] = sampler
         out.batch["rollout_log_probs"] = sampler
-        mask = out.batch["response_mask"].bool()
         if bool(mask.any()):
             metrics = dict(metrics)
             metrics["rollout_corr/gbc_kept_mass_mean"] = float(
