@@ -48,12 +48,6 @@ def _skyrl():
     return lambda text: worker.method_options(text)
 
 
-def _verl_engine():
-    pytest.importorskip("verl")
-    from gbc_kernels.integrations.verl import engine as ve
-    return ve.EngineOptions.parse
-
-
 def _verl_register():
     pytest.importorskip("verl")
     from gbc_kernels.integrations import verl as gv
@@ -64,32 +58,9 @@ def _verl_register():
     return reg
 
 
-def _areal():
-    from gbc_kernels.integrations.areal import losses
-    return lambda text: methods.MethodOptions.parse(text, losses.OPTIONS_ENV)
-
-
-def _openrlhf():
-    from gbc_kernels.integrations.openrlhf import losses
-
-    def split(text):
-        name, value = text.split("=")
-        losses.split_options({name: value})
-    return split
-
-
-def _trl():
-    pytest.importorskip("trl")
-    from gbc_kernels.integrations.trl import config
-
-    def opts(text):
-        name, value = text.split("=")
-        config.method_options(config.GBCGRPOConfig(output_dir="/tmp/gbc_t", report_to=[],
-                                                   use_cpu=True, **{f"gbc_{name}": value}))
-    return opts
-
-
-# the adapters that do not rebuild the set (yet): each refuses both options by name
+# the adapters that do not rebuild the set: each refuses both options by name (SkyRL replays
+# its engine's recorded support; verl's registry route sees no pass). TRL, verl's engines,
+# OpenRLHF and AReaL run them: tests/test_{trl,verl,openrlhf,areal}_support.py
 REFUSING = {"skyrl": _skyrl, "verl-register": _verl_register}
 
 
