@@ -429,7 +429,17 @@ class TokenStats(NamedTuple):
     entropy: torch.Tensor
     certainty: Optional[torch.Tensor]
     sum_p2: Optional[torch.Tensor] = None
-    log_kept_mass: Optional[torch.Tensor] = None    # LSE_S - LSE_V (return_log_kept_mass)
+
+
+class TokenStatsKeptMass(NamedTuple):
+    """:class:`TokenStats` and ``log_kept_mass`` (``LSE_S - LSE_V``), what
+    ``token_stats(..., return_log_kept_mass=True)`` returns."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    certainty: Optional[torch.Tensor]
+    sum_p2: Optional[torch.Tensor]
+    log_kept_mass: torch.Tensor
 
 
 CERTAINTY_KINDS = (None, "entropy", "max_prob")
@@ -453,8 +463,9 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
     (docs/math.md, "The sampler's support": J normalised by ``log |S|``, 1 where ``|S| = 1``).
     ``sampler_truncation``: None, or ``SamplerTruncation(...)``: the support rebuilt at
     ``temperature`` by the sampler's rule (the certainty over that support). Not with
-    ``support_ids``. ``return_log_kept_mass=True``: ``TokenStats.log_kept_mass``,
-    ``LSE_S - LSE_V`` per token (0 without a support), from the same pass.
+    ``support_ids``. ``return_log_kept_mass=True``: a :class:`TokenStatsKeptMass` (the same
+    fields and ``log_kept_mass``, ``LSE_S - LSE_V`` per token, 0 without a support), from the
+    same pass.
     ``over_support=False``: every statistic the whole vocabulary's (bit for bit the call
     without a support) and only ``log_kept_mass`` the support's.
     """
@@ -504,12 +515,13 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
              else 1.0 + (extra["zmax"] - extra["lse"]) / log_s)
         cert = torch.where(size > 1, j, 1.0).view(targets.shape)
     shape = targets.shape
-    kept = None
-    if return_log_kept_mass:
-        kept = (be.log_kept_mass.view(shape)
-                if support_ids is not None or sampler_truncation is not None
-                else torch.zeros(shape, device=hidden.device))
-    return TokenStats(logp.view(shape), entropy.view(shape), cert, sum_p2.view(shape), kept)
+    out = (logp.view(shape), entropy.view(shape), cert, sum_p2.view(shape))
+    if not return_log_kept_mass:
+        return TokenStats(*out)
+    kept = (be.log_kept_mass.view(shape)
+            if support_ids is not None or sampler_truncation is not None
+            else torch.zeros(shape, device=hidden.device))
+    return TokenStatsKeptMass(*out, kept)
 
 
 class _PolicyLossFromLogp(torch.autograd.Function):

@@ -459,9 +459,10 @@ def test_every_method_option_changes_skyrls_step():
     differ only in that option; Lopti's threshold this batch's median) changes the parameters after one SkyRL step through gbc's
     workers and SkyRL's trainer: none is accepted and ignored."""
     from conftest import spawn_gloo
-    from methods.test_options import FIELDS, PAIRS
+    from methods.test_options import FIELDS, PAIRS, SUPPORT_FIELDS
 
-    assert set(PAIRS) == FIELDS
+    # support / support_ties: refused by SkyRL's adapter (tests/test_support_options.py)
+    assert set(PAIRS) | SUPPORT_FIELDS == FIELDS
     out = spawn_gloo(1, _pairs_worker)[0]
     for name, (pa, pb) in out.items():
         if name == "logits_dtype":   # float32 test model: the mode reached every sweep
