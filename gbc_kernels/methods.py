@@ -449,7 +449,7 @@ class NTHRBatch:
                                 k.logp.to(device)))
 
     def add(self, index, hidden, targets, valid, head, logit_softcap=None, temperature=1.0,
-            vocab_parallel=None, logp=None):
+            vocab_parallel=None, logp=None, support_ids=None):
         """One micro-batch, inside its forward: rows ``index`` of the batch, ``hidden [b, t, H]``
         (``t`` up to the batch's T), ``targets`` and ``valid`` ``[b, t]``, ``head`` (``weight``,
         ``bias``) as the forward holds it; ``temperature``: a float or per-sample ``[b]``.
@@ -457,7 +457,10 @@ class NTHRBatch:
         every rank of its group adds the same micro-batches): the rows of ``token_ids`` are
         assembled from every slice. ``logp``: the micro-batch's log-probs ``[b, t]`` when the
         forward already computed them with these arguments (the trainer's old-policy pass),
-        else computed here. Returns the micro-batch's log-probs ``[b, t]``."""
+        else computed here. ``support_ids`` ``[b, t, k]`` (the sampler's support, replayed:
+        ``logp`` then over it): kept beside the rows, and :meth:`result` scores NTHR over each
+        token's support (every micro-batch of the batch must carry one). Returns the
+        micro-batch's log-probs ``[b, t]``."""
         weight = head.weight.detach()
         bias = None if head.bias is None else head.bias.detach()
         if self.head is None:
@@ -477,12 +480,15 @@ class NTHRBatch:
             logp = fused_linear_logprobs(hidden, weight, targets, bias, temperature,
                                          backend=self.backend, logit_softcap=logit_softcap,
                                          vocab_parallel=vocab_parallel,
-                                         logits_dtype=self.logits_dtype)[0]
+                                         logits_dtype=self.logits_dtype,
+                                         support_ids=support_ids)[0]
         index = torch.as_tensor(index, dtype=torch.long, device=hidden.device)
         # a view would keep the forward's whole hidden states (prompt rows included) alive
         h = hidden.detach()
-        self.rows.append((index, h.clone() if h._base is not None else h, targets, valid,
-                          logp.float()))
+        row = (index, h.clone() if h._base is not None else h, targets, valid, logp.float())
+        if support_ids is not None:
+            row += (support_ids.detach().to(device=h.device, dtype=torch.int32),)
+        self.rows.append(row)
         return logp
 
     def take(self, source_rows: torch.Tensor) -> bool:
@@ -492,12 +498,12 @@ class NTHRBatch:
         source_rows = torch.as_tensor(source_rows, dtype=torch.long).cpu()
         found = torch.zeros(source_rows.numel(), dtype=torch.bool)
         taken = []
-        for index, h, y, v, lp in self.rows:
+        for index, *held in self.rows:
             j, u = (index.cpu()[:, None] == source_rows[None, :]).nonzero(as_tuple=True)
             found[u] = True
             if u.numel():
-                jj = j.to(h.device)
-                taken.append((u.to(h.device), h[jj], y[jj], v[jj], lp[jj]))
+                jj = j.to(held[0].device)
+                taken.append((u.to(held[0].device), *(t[jj] for t in held)))
         if not bool(found.all()):
             return False
         self.rows = taken
@@ -540,21 +546,39 @@ class NTHRBatch:
         targets = torch.zeros(B, T, dtype=torch.long, device=device)
         valid = torch.zeros(B, T, dtype=torch.bool, device=device)
         logp = torch.zeros(B, T, dtype=torch.float32, device=device)
+        with_support = {len(row) > 5 for row in self.rows}
+        if with_support == {True, False} or (True in with_support and self.tokens):
+            raise ValueError("nthr: some micro-batches carry the sampler's support and others "
+                             "do not; NTHR's scores need one kind for the whole batch")
+        support = None
+        if True in with_support:
+            k = max(row[5].shape[-1] for row in self.rows)
+            support = torch.full((B, T, k), -1, dtype=torch.long, device=device)
         while self.rows:                 # each micro-batch freed once copied: one batch's worth
-            i, h, y, v, lp = self.rows.pop()
+            i, h, y, v, lp, *s = self.rows.pop()
             t = h.shape[1]
             hidden[i, :t], targets[i, :t], valid[i, :t], logp[i, :t] = h, y, v, lp
+            if s:
+                support[i, :t, :s[0].shape[-1]] = s[0].long()
         while self.tokens:               # kept tokens: each at its column
             i, cols, h, y, lp = self.tokens.pop()
             hidden[i, cols], targets[i, cols], valid[i, cols], logp[i, cols] = h, y, True, lp
         mask, ids = mask.to(device).bool() & valid, self.ids.to(device)
-        compact = torch.where(mask, torch.searchsorted(ids, targets).clamp(max=ids.numel() - 1), 0)
+        last = ids.numel() - 1
+        compact = torch.where(mask, torch.searchsorted(ids, targets).clamp(max=last), 0)
+        extra = {}
+        if support is not None:
+            # the support's ids as columns of the kept head rows (a superset of every group's
+            # V*); a member outside them is in no V* and enters only through logp's LSE
+            at = torch.searchsorted(ids, support.clamp(min=0)).clamp(max=last)
+            cols = torch.where((support >= 0) & (ids[at] == support), at, -1)
+            extra["support_ids"] = cols.masked_fill(~mask[..., None], -1)
         adv = advantages.to(device).float()
         weight, bias, softcap = self.head
         res = nthr_token_scale(hidden, weight, compact, mask, group_ids.to(device), adv, options,
                                bias=bias, temperature=temps.pop(), logp=logp,
                                logit_softcap=softcap, backend=self.backend,
-                               data_parallel_group=self.group)
+                               data_parallel_group=self.group, **extra)
         return res, nthr_metrics(res, adv, mask)
 
 

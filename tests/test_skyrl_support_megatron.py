@@ -590,7 +590,8 @@ def _support_methods_worker(rank, world, cp=1, packed=None):
         old = [g.forward(data[h]) for h in halves]
         data["action_log_probs"] = torch.cat([torch.tensor(
             [r["logprobs"] for r in o.loss_fn_outputs], dtype=torch.float64) for o in old])
-        kinds = {type(e["batch"]).__name__ for e in g._gbc_nthr_kept}
+        # the kept rows carry their support (a sixth field: methods.NTHRBatch.add's support_ids)
+        kinds = {len(row) for e in g._gbc_nthr_kept for row in e["batch"].rows}
         got, scales = [], []
         for h in halves:
             mb = data[h]
@@ -656,7 +657,7 @@ def _check_steps(out):
     from test_skyrl_megatron_methods import _same_metrics, _same_params
 
     o = out["nthr"]
-    assert o["kinds"] == {"ReplayNTHRBatch"}
+    assert o["kinds"] == {6}
     _same_params(o["params"])
     for got, want in zip(o["got"], o["want"]):
         assert got["gbc_nthr_second_forward"] == 0.0
@@ -674,8 +675,8 @@ def _check_steps(out):
 def test_nthr_and_critical_kl_under_replay_tp2():
     """Tensor parallel 2 (gloo), padded micro-batches, replay on, temperature 0.8. NTHR: SkyRL's
     Megatron old-log-prob pass (per mini-batch, token-based micro-batches) keeps each rank's
-    rows with their support (``ReplayNTHRBatch``); the scales over the support equal
-    gbc_reference's ``nthr_scale(support_ids=...)`` (float64, the whole output weight; its
+    rows with their support (``methods.NTHRBatch``'s sixth field); the scales over the
+    support equal gbc_reference's ``nthr_scale(support_ids=...)`` (float64, the whole output weight; its
     scores differ from the whole vocabulary's) and the steps equal SkyRL's stock steps under
     replay on the advantages times them. Critical-token KL: the reference pass's log-probs over
     the support (== SkyRL's stock reference worker's under replay, == float64) and weights from

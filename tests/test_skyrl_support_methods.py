@@ -228,7 +228,7 @@ def _nthr_worker(rank, world, packed):
     from gbc_kernels import methods
     from gbc_kernels.integrations import hf
     from gbc_kernels.integrations.skyrl import fsdp as gfsdp
-    from gbc_kernels.integrations.skyrl.worker import SCALE_KEY, ReplayNTHRBatch
+    from gbc_kernels.integrations.skyrl.worker import SCALE_KEY
     from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase
 
     # beta 0: on a random tiny model beta > 0 selects no token
@@ -248,7 +248,8 @@ def _nthr_worker(rank, world, packed):
             # SkyRL's old-log-prob pass, per mini-batch (recompute_old_logprobs_per_minibatch)
             old = [w.forward(data[s]) for s in halves]
             if nthr:
-                assert all(type(e["batch"]) is ReplayNTHRBatch for e in w._gbc_nthr_kept)
+                # each kept micro-batch carries its support (NTHRBatch.add's support_ids)
+                assert all(len(row) == 6 for e in w._gbc_nthr_kept for row in e["batch"].rows)
             data["action_log_probs"] = torch.cat([torch.tensor(
                 [r["logprobs"] for r in o.loss_fn_outputs]) for o in old])
             for s in halves:                     # the update: one optimizer step each

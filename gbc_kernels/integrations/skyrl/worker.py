@@ -18,7 +18,8 @@ context"). Under SkyRL 0.4's ``trainer.algorithm.enable_sample_support_replay`` 
 (the update, the old policy's, the reference's at the policy's temperature) is over each
 token's recorded support (:func:`replay_support_ids`: SkyRL's ``rollout_sample_support`` as
 gbc's ``support_ids``; docs/skyrl.md "The sampler's support"), and so are the methods that read
-a distribution: NTHR's error vectors (:class:`ReplayNTHRBatch`) and critical-token KL's
+a distribution: NTHR's error vectors (:class:`gbc_kernels.methods.NTHRBatch` keeps each
+micro-batch's support beside its rows) and critical-token KL's
 certainty (the reference's distribution over each token's support).
 """
 
@@ -466,7 +467,7 @@ def keep_rows(keep, seq, attn, rows, targets, valid, head, logit_softcap, temper
     ``logp`` ``[B, T]`` (:meth:`gbc_kernels.methods.NTHRBatch.add`; ``vocab_parallel``: the
     head is this rank's vocabulary slice). ``support_ids`` (SkyRL 0.4's replay: ``logp`` is
     then over each token's support): the micro-batch's ``[B, T, k]`` support, kept beside the
-    rows (:class:`ReplayNTHRBatch`)."""
+    rows (:meth:`gbc_kernels.methods.NTHRBatch.add`: NTHR then scored over it)."""
     start = len(keep["keys"])
     keep["keys"] += row_keys(seq, attn)
     keep["device"] = rows.device
@@ -474,86 +475,6 @@ def keep_rows(keep, seq, attn, rows, targets, valid, head, logit_softcap, temper
     keep["batch"].add(torch.arange(start, start + seq.shape[0]), rows, targets, valid, head,
                       logit_softcap, temperature, vocab_parallel=vocab_parallel, logp=logp,
                       **extra)
-
-
-class ReplayNTHRBatch(methods.NTHRBatch):
-    """NTHR's kept rows under SkyRL 0.4's sample-support replay: a
-    :class:`gbc_kernels.methods.NTHRBatch` whose micro-batches also keep their tokens' support
-    (``support_ids [b, t, k]``, :func:`replay_support_ids`), and whose :meth:`result` scores
-    NTHR over it (``nthr_token_scale(support_ids=...)``, docs/math.md "The sampler's support":
-    the error vector ``onehot(y) - q`` on S and 0 off S, ``q`` the old policy's distribution
-    over each token's support). The LSE over S comes from the old-policy pass's log-probs over
-    S (:meth:`add`'s ``logp``, required): no sweep over the vocabulary. The support's ids are
-    mapped onto the head rows the batch keeps (its token ids, a superset of every group's
-    ``V*``); a member outside them is in no ``V*`` and its ``q`` enters only through ``logp``."""
-
-    def add(self, index, hidden, targets, valid, head, logit_softcap=None, temperature=1.0,
-            vocab_parallel=None, logp=None, support_ids=None):
-        if logp is None or support_ids is None:
-            raise ValueError("nthr under sample-support replay: the old-policy pass's log-probs "
-                             "over the support (logp) and the support (support_ids) are needed")
-        out = super().add(index, hidden, targets, valid, head, logit_softcap, temperature,
-                          vocab_parallel, logp)
-        ids = support_ids.detach().to(device=self.rows[-1][1].device, dtype=torch.int32)
-        self.rows[-1] = self.rows[-1] + (ids,)
-        return out
-
-    def take(self, source_rows: torch.Tensor) -> bool:
-        """:meth:`gbc_kernels.methods.NTHRBatch.take`, the support rows taken with the rest."""
-        source_rows = torch.as_tensor(source_rows, dtype=torch.long).cpu()
-        found = torch.zeros(source_rows.numel(), dtype=torch.bool)
-        taken = []
-        for index, *held in self.rows:
-            j, u = (index.cpu()[:, None] == source_rows[None, :]).nonzero(as_tuple=True)
-            found[u] = True
-            if u.numel():
-                jj = j.to(held[0].device)
-                taken.append((u.to(held[0].device), *(t[jj] for t in held)))
-        if not bool(found.all()):
-            return False
-        self.rows = taken
-        return True
-
-    def result(self, mask, group_ids, advantages, options: methods.MethodOptions):
-        """``(NTHRResult, metrics)`` of the whole batch over each token's support: as
-        :meth:`gbc_kernels.methods.NTHRBatch.result`."""
-        temps = self.temperatures
-        if self.group is not None:      # every rank decides alike
-            import torch.distributed as dist
-
-            pg = None if self.group == "world" else self.group
-            every = [None] * dist.get_world_size(pg)
-            dist.all_gather_object(every, sorted(temps), group=pg)
-            temps = set().union(*every)
-        if len(temps) > 1:
-            raise ValueError(f"nthr: the rollout temperatures of the batch differ "
-                             f"({sorted(temps)[:4]}); NTHR's scores use one temperature")
-        (B, T), h0 = mask.shape, self.rows[0][1]
-        device = h0.device
-        k = max(row[5].shape[-1] for row in self.rows)
-        hidden = h0.new_zeros(B, T, h0.shape[-1])
-        targets = torch.zeros(B, T, dtype=torch.long, device=device)
-        valid = torch.zeros(B, T, dtype=torch.bool, device=device)
-        logp = torch.zeros(B, T, dtype=torch.float32, device=device)
-        support = torch.full((B, T, k), -1, dtype=torch.long, device=device)
-        while self.rows:                 # each micro-batch freed once copied
-            i, h, y, v, lp, s = self.rows.pop()
-            t = h.shape[1]
-            hidden[i, :t], targets[i, :t], valid[i, :t], logp[i, :t] = h, y, v, lp
-            support[i, :t, :s.shape[-1]] = s.long()
-        mask, ids = mask.to(device).bool() & valid, self.ids.to(device)
-        last = ids.numel() - 1
-        compact = torch.where(mask, torch.searchsorted(ids, targets).clamp(max=last), 0)
-        at = torch.searchsorted(ids, support.clamp(min=0)).clamp(max=last)
-        compact_ids = torch.where((support >= 0) & (ids[at] == support), at, -1)
-        compact_ids = compact_ids.masked_fill(~mask[..., None], -1)
-        adv = advantages.to(device).float()
-        weight, bias, softcap = self.head
-        res = methods.nthr_token_scale(hidden, weight, compact, mask, group_ids.to(device), adv,
-                                       options, bias=bias, temperature=temps.pop(), logp=logp,
-                                       logit_softcap=softcap, backend=self.backend,
-                                       data_parallel_group=self.group, support_ids=compact_ids)
-        return res, methods.nthr_metrics(res, adv, mask)
 
 
 class GBCOptionsMixin:
@@ -624,9 +545,9 @@ class GBCMethodsMixin(GBCOptionsMixin):
             self._gbc_nthr_kept, self._gbc_nthr_updated = [], False
         # under SkyRL 0.4's replay the pass's log-probs are over each token's support, and
         # NTHR's scores too (the support kept with the rows)
-        batch = ReplayNTHRBatch if _replays(self.cfg) else methods.NTHRBatch
-        self._gbc_keeping = dict(
-            batch=batch(data["sequences"][:, -T:], self._gbc_dp_group()), keys=[], device=None)
+        self._gbc_keeping = dict(batch=methods.NTHRBatch(data["sequences"][:, -T:],
+                                                         self._gbc_dp_group()),
+                                 keys=[], device=None)
         try:
             out = super().forward(data)
             self._gbc_nthr_kept.append(self._gbc_keeping)
