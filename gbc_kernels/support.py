@@ -28,20 +28,7 @@ def check_support_ids(support_ids, targets: torch.Tensor, vocab: int, mask=None,
     """``support_ids`` of shape ``targets.shape + (k,)``, integer, on the targets' device,
     ids in ``[-1, vocab)`` (a value check on the masked-in tokens: deferred to ``checks``'
     one host transfer when given). Refused naming ``support_ids``."""
-    if not isinstance(support_ids, torch.Tensor):
-        raise TypeError(f"support_ids: expected None or an integer tensor of shape "
-                        f"{list(targets.shape)} + [k], got {type(support_ids).__name__}")
-    if (support_ids.dim() != targets.dim() + 1 or support_ids.shape[:-1] != targets.shape
-            or support_ids.shape[-1] < 1):
-        raise ValueError(f"support_ids: expected shape {list(targets.shape)} + [k] with k >= 1 "
-                         f"(the kept ids of each target token, -1 padded), got "
-                         f"{list(support_ids.shape)}")
-    if support_ids.dtype.is_floating_point or support_ids.dtype.is_complex \
-            or support_ids.dtype == torch.bool:
-        raise TypeError(f"support_ids: expected an integer tensor, got {support_ids.dtype}")
-    if support_ids.device != targets.device:
-        raise ValueError(f"support_ids: expected a tensor on {targets.device}, got "
-                         f"{support_ids.device}")
+    check_layout(support_ids, targets)
     ids = support_ids.long()
     if mask is not None:
         ids = torch.where(mask.bool().unsqueeze(-1), ids, torch.full_like(ids, -1))
@@ -57,6 +44,26 @@ def check_support_ids(support_ids, targets: torch.Tensor, vocab: int, mask=None,
                          f"masked-in tokens, got {int(ids[first])} at index {list(first)}")
     V._defer_or_raise(checks, bad, fail)
     return ids
+
+
+def check_layout(support_ids, targets: torch.Tensor,
+                 what: str = "the kept ids of each target token, -1 padded") -> None:
+    """``support_ids``: an integer tensor of shape ``targets.shape + (k,)``, ``k >= 1``, on the
+    targets' device (its values are checked where the rows are scored); ``what``: the layout
+    the error message describes."""
+    if not isinstance(support_ids, torch.Tensor):
+        raise TypeError(f"support_ids: expected None or an integer tensor of shape "
+                        f"{list(targets.shape)} + [k], got {type(support_ids).__name__}")
+    if (support_ids.dim() != targets.dim() + 1 or support_ids.shape[:-1] != targets.shape
+            or support_ids.shape[-1] < 1):
+        raise ValueError(f"support_ids: expected shape {list(targets.shape)} + [k] with k >= 1 "
+                         f"({what}), got {list(support_ids.shape)}")
+    if support_ids.dtype.is_floating_point or support_ids.dtype.is_complex \
+            or support_ids.dtype == torch.bool:
+        raise TypeError(f"support_ids: expected an integer tensor, got {support_ids.dtype}")
+    if support_ids.device != targets.device:
+        raise ValueError(f"support_ids: expected a tensor on {targets.device}, got "
+                         f"{support_ids.device}")
 
 
 def members(ids: torch.Tensor, targets: torch.Tensor):

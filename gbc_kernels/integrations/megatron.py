@@ -605,17 +605,6 @@ def _select(hidden, labels, mask, temperature, vocab, stats, support_ids=None):
 def _check_support_layout(support_ids, labels):
     """``support_ids``: an integer tensor ``[B, S, k]`` (``labels.shape + (k,)``) on the labels'
     device; its values are checked where the selected rows are scored."""
-    if not isinstance(support_ids, torch.Tensor):
-        raise TypeError(f"support_ids: expected None or an integer tensor of shape "
-                        f"{list(labels.shape)} + [k], got {type(support_ids).__name__}")
-    if (support_ids.dim() != 3 or support_ids.shape[:2] != labels.shape
-            or support_ids.shape[2] < 1):
-        raise ValueError(f"support_ids: expected shape {list(labels.shape)} + [k] with k >= 1 "
-                         f"([B, S, k], batch-first as labels; -1 padded), got "
-                         f"{list(support_ids.shape)}")
-    if support_ids.dtype.is_floating_point or support_ids.dtype.is_complex \
-            or support_ids.dtype == torch.bool:
-        raise TypeError(f"support_ids: expected an integer tensor, got {support_ids.dtype}")
-    if support_ids.device != labels.device:
-        raise ValueError(f"support_ids: expected a tensor on {labels.device}, got "
-                         f"{support_ids.device}")
+    from ..support import check_layout
+
+    check_layout(support_ids, labels, "[B, S, k], batch-first as labels; -1 padded")
