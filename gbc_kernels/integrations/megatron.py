@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 import gbc_kernels as gbc
 from gbc_kernels import methods
+from gbc_kernels import truncation as _truncation
 from gbc_kernels.config import PolicyLossConfig
 from gbc_kernels.ops import with_logits_dtype
 
@@ -48,8 +49,8 @@ class HeadOutput(NamedTuple):
     ``metrics``: gbc's detached metrics (empty for :func:`logprobs`); ``logp``, ``entropy``,
     ``sum_p2``: float32 ``[B, S]``, 0 outside ``mask`` (``entropy``/``sum_p2`` None unless
     asked). ``log_kept_mass``: ``LSE_S - LSE_V`` ``[B, S]`` (no gradient, 0 outside ``mask``)
-    with ``support_ids`` (:func:`policy_loss` always, :func:`logprobs` when asked), else
-    None."""
+    with ``support_ids`` or ``sampler_truncation`` (:func:`policy_loss` always,
+    :func:`logprobs` when asked), else None."""
 
     loss: Optional[torch.Tensor]
     metrics: dict
@@ -228,7 +229,8 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
                 output_bias=None, tp_group=None, sequence_parallel: bool = False,
                 hidden_gathered: bool = False, return_entropy: bool = True,
                 return_sum_p2: bool = False, backend="auto", main_grad: Optional[bool] = None,
-                context_parallel=None, logits_dtype=None, **loss_kwargs) -> HeadOutput:
+                context_parallel=None, logits_dtype=None, sampler_truncation=None,
+                **loss_kwargs) -> HeadOutput:
     """gbc's fused policy loss on megatron-core's output layer (docs/megatron.md).
 
     hidden_states: ``[S, B, H]`` of the last pipeline stage (under sequence parallelism this
@@ -270,6 +272,13 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
     sequence and context parallelism (under context parallelism each rank's rows carry their
     own tokens' ids, as its labels); the metric ``support_forced_frac`` (the whole sequences'
     under context parallelism) and ``log_kept_mass`` in the output.
+
+    sampler_truncation: None, or a :class:`gbc_kernels.SamplerTruncation` (the rollout's
+    ``top_k`` / ``top_p`` / ``min_p``): each token's support rebuilt in the row pass from its
+    own logits at the loss's temperature by the sampler's rule (docs/math.md, "The sampler's
+    kept set, recomputed"), with the same outputs as ``support_ids``, on both routes, with
+    tensor, sequence and context parallelism. Not together with ``support_ids``; under tensor
+    parallelism ``top_p < 1`` needs a ``top_k`` bound (refused naming ``top_p``).
     """
     for name in ("vocab_parallel", "token_out", "bias"):
         if name in loss_kwargs:
@@ -289,6 +298,9 @@ def policy_loss(hidden_states, output_weight, labels, mask, advantages, old_logp
         cfg = dataclasses.replace(cfg, return_entropy=True)
     hidden, vp = _head(hidden_states, output_weight, output_bias, labels, tp_group,
                        sequence_parallel, hidden_gathered)
+    tr = _check_truncation(sampler_truncation, loss_kwargs.get("support_ids"), vp)
+    if tr is not None:
+        loss_kwargs["sampler_truncation"] = tr
     into = _main_grad(output_weight, main_grad)
     if into is not None:
         return _loss_into_main_grad(hidden, output_weight, into, labels, mask, advantages,
@@ -314,29 +326,33 @@ def _loss_into_main_grad(hidden, weight, into, labels, mask, advantages, old_log
     temp = loss_kwargs.pop("temperature", None)
     temp = cfg.temperature if temp is None else temp
     support_ids = loss_kwargs.pop("support_ids", None)
+    tr = loss_kwargs.pop("sampler_truncation", None)
     w = _IntoMainGrad.apply(weight)
     m = _check_mask(mask, hidden, labels)
     with methods.in_callers_words(names):
-        logp, entropy, sum_p2, kept = _rows_stats(hidden, w, bias, labels, m, temp, vp,
-                                                  cfg.wants_entropy, True, backend, into,
-                                                  cfg.logits_dtype, support_ids, True)
+        logp, entropy, sum_p2, kept, forced = _rows_stats(
+            hidden, w, bias, labels, m, temp, vp, cfg.wants_entropy, True, backend, into,
+            cfg.logits_dtype, support_ids, True, tr)
         loss, metrics = gbc.policy_loss(logp, m, advantages, old_logp, ref_logp,
                                         entropy=entropy, token_scale=token_scale,
                                         kl_weight=kl_weight, config=cfg, phase=phase,
                                         sum_p2=sum_p2, temperature=temp, **loss_kwargs)
     if support_ids is not None:
+        forced = ~(support_ids == labels.unsqueeze(-1)).any(-1)
+    if forced is not None:
         metrics = dict(metrics, support_forced_frac=_forced_frac(
-            support_ids, labels, m, loss_kwargs.get("sequence_parallel")))
+            forced, m, loss_kwargs.get("sequence_parallel")))
     return HeadOutput(loss, metrics, logp.detach(),
                       entropy.detach() if return_entropy else None,
                       sum_p2 if return_sum_p2 else None, kept)
 
 
-def _forced_frac(support_ids, labels, mask, sp):
+def _forced_frac(forced, mask, sp):
     """``support_forced_frac`` as the one-sweep loss gives it: the share of masked-in tokens
-    whose target is not among their ids (under context parallelism the whole sequences')."""
-    m = torch.ones_like(labels, dtype=torch.bool) if mask is None else mask
-    forced = ~(support_ids == labels.unsqueeze(-1)).any(-1) & m
+    whose target is not in their support (``forced`` ``[B, S]``; under context parallelism the
+    whole sequences')."""
+    m = torch.ones_like(forced, dtype=torch.bool) if mask is None else mask
+    forced = forced & m
     counts = torch.stack([forced.sum(), m.sum()]).float()
     if sp is not None:
         dist.all_reduce(counts, group=None if isinstance(sp.group, str) else sp.group)
@@ -347,7 +363,8 @@ def logprobs(hidden_states, output_weight, labels, mask=None, *, temperature=1.0
              output_bias=None, tp_group=None, sequence_parallel: bool = False,
              hidden_gathered: bool = False, return_entropy: bool = True,
              return_sum_p2: bool = False, backend="auto", logits_dtype=None,
-             support_ids=None, return_log_kept_mass: bool = False) -> HeadOutput:
+             support_ids=None, return_log_kept_mass: bool = False, sampler_truncation=None,
+             over_support: bool = True) -> HeadOutput:
     """Per-token log-probs (and entropy, ``sum_p2``) on megatron-core's output layer, for the
     log-prob passes (old policy, reference) and verl's ``compute_log_prob``.
 
@@ -361,19 +378,29 @@ def logprobs(hidden_states, output_weight, labels, mask=None, *, temperature=1.0
     support_ids: None, or the sampler's kept ids ``[B, S, k]`` (``-1`` padded; docs/math.md,
     "The sampler's support"): everything over each token's support (the target always a
     member); ``return_log_kept_mass=True`` fills ``log_kept_mass`` ``[B, S]``.
+    sampler_truncation: None, or a :class:`gbc_kernels.SamplerTruncation`: the support rebuilt
+    in the row pass from each token's own logits at ``temperature`` by the sampler's rule
+    (docs/math.md, "The sampler's kept set, recomputed"), as ``support_ids`` otherwise; not
+    together with ``support_ids``; under tensor parallelism ``top_p < 1`` needs a ``top_k``
+    bound (refused naming ``top_p``). over_support=False (with either): the log-probs,
+    entropy, ``sum_p2`` and gradients of the whole vocabulary (the call without a support, bit
+    for bit) and only ``log_kept_mass`` the support's (``support=kept_mass``'s old-policy
+    pass).
     """
     for name, flag in (("return_entropy", return_entropy), ("return_sum_p2", return_sum_p2),
-                       ("return_log_kept_mass", return_log_kept_mass)):
+                       ("return_log_kept_mass", return_log_kept_mass),
+                       ("over_support", over_support)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {flag!r}")
     hidden, vp = _head(hidden_states, output_weight, output_bias, labels, tp_group,
                        sequence_parallel, hidden_gathered)
+    tr = _check_truncation(sampler_truncation, support_ids, vp)
     mask = _check_mask(mask, hidden, labels)
     with methods.in_callers_words(_NAMES):
-        logp, entropy, sum_p2, kept = _rows_stats(
+        logp, entropy, sum_p2, kept, _ = _rows_stats(
             hidden, output_weight, output_bias, labels, mask, temperature, vp, return_entropy,
             return_sum_p2, backend, logits_dtype=logits_dtype, support_ids=support_ids,
-            want_kept=return_log_kept_mass)
+            want_kept=return_log_kept_mass, sampler_truncation=tr, over_support=over_support)
     return HeadOutput(None, {}, logp, entropy, sum_p2, kept)
 
 
@@ -479,7 +506,7 @@ def use_in_verl_fused_forward(sequence_parallel: bool):
 def reference_stats(hidden_states, output_weight, labels, options, mask=None, *,
                     temperature=1.0, output_bias=None, tp_group=None,
                     sequence_parallel: bool = False, hidden_gathered: bool = False,
-                    backend="auto", support_ids=None):
+                    backend="auto", support_ids=None, sampler_truncation=None):
     """The reference pass of critical-token KL (docs/math.md §5) on megatron-core's output
     layer: :func:`gbc_kernels.methods.reference_stats` over the vocab-parallel path, no grad.
     Same inputs as :func:`logprobs`; ``options``: a :class:`gbc_kernels.methods.MethodOptions`
@@ -488,13 +515,19 @@ def reference_stats(hidden_states, output_weight, labels, options, mask=None, *,
     ``critical_kl_exponent`` is None). The certainty's ``log V`` is over megatron's padded
     vocabulary (its padded rows are real logits). support_ids: None, or the sampler's kept
     ids ``[B, S, k]``: the reference over each token's support (SkyRL's replay), the certainty
-    normalised by ``log |S|`` (docs/math.md, "The sampler's support")."""
+    normalised by ``log |S|`` (docs/math.md, "The sampler's support"). sampler_truncation:
+    None, or a :class:`gbc_kernels.SamplerTruncation`: the same over the support rebuilt from
+    the reference's own logits at ``temperature`` (verl's replay); not together with
+    ``support_ids``."""
     hidden, vp = _head(hidden_states, output_weight, output_bias, labels, tp_group,
                        sequence_parallel, hidden_gathered)
+    tr = _check_truncation(sampler_truncation, support_ids, vp)
     mask = _check_mask(mask, hidden, labels)
 
     def stats(flat, y, temp, ids=None):
         extra = {} if ids is None else {"support_ids": ids}
+        if tr is not None:
+            extra["sampler_truncation"] = tr
         return methods.reference_stats(flat.detach(), output_weight, y, options, output_bias,
                                        temperature=temp, backend=backend, vocab_parallel=vp,
                                        **extra)
@@ -516,23 +549,77 @@ def _check_mask(mask, hidden, labels):
 
 def _rows_stats(hidden, weight, bias, labels, mask, temperature, vp, want_entropy, want_sum_p2,
                 backend, weight_grad_into=None, logits_dtype=None, support_ids=None,
-                want_kept=False):
-    """``(logp, entropy, sum_p2, log_kept_mass)`` ``[B, S]`` of the rows in ``mask`` (every row
-    when None); ``log_kept_mass`` None unless ``support_ids`` and ``want_kept``."""
-    want_kept = want_kept and support_ids is not None
+                want_kept=False, sampler_truncation=None, over_support=True):
+    """``(logp, entropy, sum_p2, log_kept_mass, forced)`` ``[B, S]`` of the rows in ``mask``
+    (every row when None); ``log_kept_mass`` None unless a support (``support_ids`` or
+    ``sampler_truncation``) and ``want_kept``; ``forced`` (bool: the target outside the
+    rebuilt set) None unless ``sampler_truncation``."""
+    want_kept = want_kept and (support_ids is not None or sampler_truncation is not None)
+    support = {}
+    if support_ids is not None or sampler_truncation is not None:
+        support = {"return_log_kept_mass": want_kept, "over_support": over_support}
+    if sampler_truncation is not None:
+        support["sampler_truncation"] = sampler_truncation
 
     def stats(flat, y, temp, ids=None):
-        extra = {} if ids is None else {"support_ids": ids,
-                                        "return_log_kept_mass": want_kept}
-        out = gbc.fused_linear_logprobs(flat, weight, y, bias=bias, temperature=temp,
-                                        return_entropy=want_entropy, backend=backend,
-                                        vocab_parallel=vp, return_sum_p2=want_sum_p2,
-                                        weight_grad_into=weight_grad_into,
-                                        logits_dtype=logits_dtype, **extra)
+        extra = dict(support) if ids is None else dict(support, support_ids=ids)
+        recording = (_truncation_backends() if sampler_truncation is not None
+                     else contextlib.nullcontext())
+        with recording as built:
+            out = gbc.fused_linear_logprobs(flat, weight, y, bias=bias, temperature=temp,
+                                            return_entropy=want_entropy, backend=backend,
+                                            vocab_parallel=vp, return_sum_p2=want_sum_p2,
+                                            weight_grad_into=weight_grad_into,
+                                            logits_dtype=logits_dtype, **extra)
+        forced = built[-1].forced if sampler_truncation is not None else None
         return (out[0], out[1], out[2] if want_sum_p2 else None,
-                out[-1].detach() if want_kept else None)
+                out[-1].detach() if want_kept else None, forced)
 
     return _select(hidden, labels, mask, temperature, _vocab(weight, vp), stats, support_ids)
+
+
+@contextlib.contextmanager
+def _truncation_backends():
+    """While open, the :class:`gbc_kernels.truncation.TruncationBackend` objects gbc builds
+    (one per call with ``sampler_truncation``) are listed in the yielded list: their
+    ``forced`` ``[rows]`` (the target outside the rebuilt set, what the one-sweep loss's
+    ``support_forced_frac`` counts) is filled by the row pass, which
+    :func:`gbc_kernels.fused_linear_logprobs` does not return. Opened around one forward call
+    (megatron's head runs on one thread); the class is restored on exit."""
+    cls = _truncation.TruncationBackend
+    built = []
+
+    class Recorded(cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    _truncation.TruncationBackend = Recorded
+    try:
+        yield built
+    finally:
+        _truncation.TruncationBackend = cls
+
+
+def _check_truncation(sampler_truncation, support_ids, vp):
+    """``sampler_truncation`` checked before any pass (None: None): not together with
+    ``support_ids``; gbc's rule under tensor parallelism (``vp``: top-p without a top-k bound
+    refused naming ``top_p``), in this module's words."""
+    if sampler_truncation is None:
+        return None
+    if support_ids is not None:
+        raise ValueError("sampler_truncation: pass either support_ids (the kept ids the engine "
+                         "recorded) or sampler_truncation (rebuild them from the sampling "
+                         "settings), not both")
+    try:
+        return _truncation.check(sampler_truncation, vp)
+    except ValueError as e:
+        if vp is None or len(e.args) != 1 or not str(e.args[0]).startswith("top_p:"):
+            raise
+        tp = dist.get_world_size(vp.group)
+        e.args = (e.args[0].replace("under vocab_parallel", f"under tensor parallel {tp}")
+                  .replace("run without vocab_parallel", "run at tensor parallel 1"),)
+        raise
 
 
 def _vocab(weight, vp):
