@@ -109,7 +109,7 @@ def _ranked(v: torch.Tensor, i: torch.Tensor):
 
 def _mask_ids(keep: torch.Tensor):
     """The ids ``[r, C]`` of a ``[r, V]`` mask (ascending, ``-1`` padded)."""
-    cnt = keep.sum(1)
+    cnt = keep.sum(1, dtype=torch.int32).long()
     c = int(cnt.max()) if keep.numel() else 0
     out = torch.full((keep.shape[0], max(c, 1)), -1, dtype=torch.long, device=keep.device)
     if c:
@@ -128,7 +128,7 @@ def _local_top_k(lm: torch.Tensor, k: int, ties: str):
     if ties == "all":
         v, i = lm.topk(kq, 1)
         kth = v[:, -1:]
-        c = int((lm >= kth).sum(1).max())
+        c = int((lm >= kth).sum(1, dtype=torch.int32).max())
         if c > kq:
             v, i = lm.topk(c, 1)
             i = torch.where(v >= kth, i, -1)
@@ -152,28 +152,29 @@ def _local_top_k(lm: torch.Tensor, k: int, ties: str):
     return _ranked(v, i)
 
 
-def _top_p_hist(lm: torch.Tensor, m: torch.Tensor, mass: torch.Tensor, strict: bool):
+def _top_p_hist(l: torch.Tensor, e: torch.Tensor, mass: torch.Tensor, strict: bool):
     """Top-p without a top-k bound, exact, by a two-read histogram select: the kept mask
-    ``[r, V]`` of the tokens whose mass ranked before them (``e = exp(lm − m)``, rank order) is
-    ``< mass`` (``strict``) or ``≤ mass``; zero-mass tokens never kept."""
-    r, V = lm.shape
-    e = torch.exp(lm - m.unsqueeze(1))
-    b = ((m.unsqueeze(1) - lm) * (_BINS / _RANGE)).clamp_(max=_BINS - 1).long()
-    cum = torch.zeros(r, _BINS, device=lm.device, dtype=e.dtype).scatter_add_(1, b, e).cumsum_(1)
+    ``[r, V]`` of the tokens whose mass ranked before them (``e = exp(l)``, ``l ≤ 0`` the logits
+    less the row max, rank order) is ``< mass`` (``strict``) or ``≤ mass``; zero-mass tokens
+    never kept."""
+    r, V = l.shape
+    b = (l * (-_BINS / _RANGE)).clamp_(max=_BINS - 1).long()
+    cum = torch.zeros(r, _BINS, device=l.device, dtype=e.dtype).scatter_add_(1, b, e).cumsum_(1)
     cut = mass.unsqueeze(1)
     crossed = cum >= cut if strict else cum > cut
     bstar = (~crossed).sum(1, keepdim=True).clamp_(max=_BINS - 1)     # the bin the cut is in
     above = torch.where(bstar > 0, cum.gather(1, (bstar - 1).clamp(min=0)), 0.0)
-    keep = (b < bstar) & (e > 0)
-    inb = (b == bstar) & (e > 0)
-    c = int(inb.sum(1).max())
+    pos = e > 0
+    keep = (b < bstar) & pos
+    inb = (b == bstar) & pos
+    c = int(inb.sum(1, dtype=torch.int32).max())
     if c:
-        v, i = torch.where(inb, lm, float("-inf")).topk(c, 1)
+        v, i = torch.where(inb, l, float("-inf")).topk(c, 1)
         v, i = _ranked(v, torch.where(torch.isfinite(v), i, -1))
-        ev = torch.exp(v - m.unsqueeze(1))
+        ev = torch.exp(v)
         before = above + ev.cumsum(1) - ev
         k2 = ((before < cut) if strict else (before <= cut)) & (ev > 0) & (i >= 0)
-        spare = torch.zeros(r, V + 1, dtype=torch.bool, device=lm.device)   # -1 -> column V
+        spare = torch.zeros(r, V + 1, dtype=torch.bool, device=l.device)    # -1 -> column V
         keep |= spare.scatter_(1, torch.where(i >= 0, i, V), k2)[:, :V]
     return keep
 
@@ -205,20 +206,23 @@ def _merge(v, i, group):
 
 
 def kept_mask(z: torch.Tensor, tr: SamplerTruncation, inv_t=1.0, group=_LOCAL):
-    """Without a top-k bound: ``(keep, l)``, the kept mask ``[r, V]`` of this slice and
-    ``l = (z − z_max)/T`` (None for min-p alone, which needs no exponential)."""
+    """Without a top-k bound: ``(keep, e, z_max)``, the kept mask ``[r, V]`` of this slice,
+    ``e = exp((z − z_max)/T)`` with min-p's removed tokens 0 (None for min-p alone, which needs
+    no exponential) and the row max ``[r, 1]``."""
     zm = _reduce(z.amax(1).float(), dist.ReduceOp.MAX, group).unsqueeze(1)
     thr = zm + math.log(tr.min_p) / inv_t if tr.min_p > 0.0 else None
     if tr.top_p >= 1.0:                            # min-p alone
-        return z >= thr, None
+        return z >= thr, None, zm
     ct = torch.promote_types(z.dtype, torch.float32)
     l = (z.to(ct) - zm).mul_(inv_t)                # l − l_max ≤ 0
-    full = torch.exp(l).sum(1) if tr.rule == "sglang" else None
+    e = torch.exp(l)
+    full = e.sum(1) if tr.rule == "sglang" else None
     if thr is not None:
-        l.masked_fill_(z < thr, float("-inf"))
-    mass = full if full is not None else torch.exp(l).sum(1)
-    zero = torch.zeros(l.shape[0], device=l.device, dtype=l.dtype)
-    return _top_p_hist(l, zero, tr.top_p * mass, strict=tr.rule == "vllm"), l
+        removed = z < thr
+        l.masked_fill_(removed, float("-inf"))
+        e.masked_fill_(removed, 0.0)
+    mass = full if full is not None else e.sum(1)
+    return _top_p_hist(l, e, tr.top_p * mass, strict=tr.rule == "vllm"), e, zm
 
 
 def kept_ids(z: torch.Tensor, tr: SamplerTruncation, inv_t=1.0, offset: int = 0,
@@ -353,14 +357,20 @@ class TruncationBackend(SupportBackend):
             e = min(rows, s + step)
             it = _col(inv_temp[s:e] if isinstance(inv_temp, torch.Tensor) else inv_temp)
             z = logits[s:e]
-            keep, _ = kept_mask(z, self.tr, it, group)
+            keep, ex, zm = kept_mask(z, self.tr, it, group)
             yb = y[s:e]
             has = yb >= 0
             at = yb.clamp(min=0).unsqueeze(1)
             kept_y = keep.gather(1, at).squeeze(1)
-            keep.scatter_(1, at, (kept_y | has).unsqueeze(1))       # the target forced in
             ct = torch.promote_types(z.dtype, torch.float32)
-            lse_s.append(torch.logsumexp(torch.where(keep, z.to(ct) * it, float("-inf")), 1))
+            if ex is None:                         # min-p alone: no exponential of the row yet
+                keep.scatter_(1, at, (kept_y | has).unsqueeze(1))   # the target forced in
+                lse_s.append(torch.logsumexp(torch.where(keep, z.to(ct) * it, float("-inf")),
+                                             1))
+            else:                                  # the kept mass, the forced target's added
+                ey = torch.exp((z.gather(1, at).to(ct) - zm) * it).squeeze(1)
+                mass = torch.where(keep, ex, 0.0).sum(1) + torch.where(has & ~kept_y, ey, 0.0)
+                lse_s.append(torch.log(mass) + (zm * it).squeeze(1))
             forced.append(has & ~kept_y)
         lse_s = torch.cat(lse_s).float()
         forced = torch.cat(forced)
