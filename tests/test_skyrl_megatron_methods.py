@@ -149,7 +149,7 @@ def _ref_model(world, pp, cp, packed):
 
 
 def _methods_worker(rank, world, pp, cp=1, packed=False,
-                    cases=("ar", "lopti", "nthr", "critical_kl")):
+                    cases=("ar", "lopti", "lopti_kl", "nthr", "critical_kl")):
     """Every case's (gbc, by hand) results on this rank, at pipeline parallel ``pp`` and
     context parallel ``cp`` (tensor parallel the rest of ``world``). At tensor parallel the
     methods' values by hand are gbc_reference's (the oracle: the model's float64 output-layer
@@ -218,6 +218,52 @@ def _methods_worker(rank, world, pp, cp=1, packed=False,
                 want.append(s.forward_backward(hand).metrics)
                 s.optim_step()
             out["lopti"] = result(g, s, start, got=got, want=want, whole=whole)
+
+        if "lopti_kl" in cases:
+            # Lopti with SkyRL's KL loss: SkyRL's step by hand on each phase's advantages with
+            # its KL term counted on the phase's tokens only (each token's KL times 1 on them,
+            # 0 elsewhere; SkyRL's normaliser, the row's loss tokens, kept: docs/math.md §3),
+            # the reference log-probs fixed. The stock step on a phase's advantages alone keeps
+            # every token's KL in both phases: each token's KL twice per batch
+            opts = methods.MethodOptions(lopti_eta=0.5, ar_alpha=0.3)
+            kl = dict(use_kl_loss=True, kl_loss_coef=0.2, kl_estimator_type="k3")
+
+            _, s0, start0 = _pair("", world, pp, kl, cp=cp, packed=packed)
+            # the reference log-probs: SkyRL's reference worker's on the perturbed model (near
+            # the policy's: k3's clamp at 10 would cut the KL's gradient)
+            refm = _ref_model(world, pp, cp, packed)
+            base = _from_last_stage(torch.tensor(
+                [r["logprobs"] for r in make_worker("ref", False, s0.cfg, [refm]).forward(
+                    _batch(sky, 8)).loss_fn_outputs], dtype=torch.float64))
+
+            def kl_batch():
+                d = _batch(sky, 8)
+                d["base_action_log_probs"] = base
+                return d
+
+            hand = kl_batch()
+            hand["advantages"] = methods.loss_advantages(hand["advantages"],
+                                                         hand["action_log_probs"], opts)
+            whole = s0.forward_backward(hand).metrics
+            g, s, start = _pair("lopti_eta=0.5,ar_alpha=0.3", world, pp, kl, cp=cp,
+                                packed=packed)
+            assert all(torch.equal(p, start[n]) for n, p in start0.items())
+            got = g.forward_backward(kl_batch()).metrics
+            g.optim_step()
+            want = []
+            for phase in ("low", "high"):
+                hand = kl_batch()
+                low = hand["action_log_probs"].exp() < opts.lopti_eta
+                on = (low if phase == "low" else ~low).double()
+                hand["advantages"] = methods.loss_advantages(hand["advantages"],
+                                                             hand["action_log_probs"], opts, phase)
+                undo = _weight_stock_kl(on, hand["base_action_log_probs"], mmw)
+                try:
+                    want.append(s.forward_backward(hand).metrics)
+                    s.optim_step()
+                finally:
+                    undo()
+            out["lopti_kl"] = result(g, s, start, got=got, want=want, whole=whole)
 
         if "nthr" in cases:
             # NTHR: kept from SkyRL's old-log-prob pass (per mini-batch), scored per update, on
@@ -368,6 +414,28 @@ def test_lopti_is_two_optimizer_steps_of_skyrls_step(stepped):
                           skip=("loss_fn_outputs", "policy_lr"))
         # the phases' own policy losses are not the batch's (the old log)
         assert o["got"]["policy_loss"] != pytest.approx(high["policy_loss"], rel=1e-3)
+
+
+def test_lopti_with_kl_loss_counts_each_tokens_kl_in_its_phase(stepped):
+    """lopti_eta (with AR) and SkyRL's use_kl_loss (k3, the reference worker's log-probs):
+    gbc's two optimizer steps (every stage's parameters) equal SkyRL's stock steps on the
+    phases' advantages with SkyRL's KL term counted on the phase's tokens only and its
+    normaliser (the row's loss tokens) kept: docs/math.md §3, each token's KL once per batch
+    (the stock step on a phase's advantages alone counts every token's KL in both phases:
+    tests/test_skyrl_methods.py shows it is another step). Each phase's ``final_loss`` and
+    ``policy_loss`` equal those stock steps'; the logged terms are the batch's without the
+    split (SkyRL's stock step on AR's advantages, KL on every loss token once)."""
+    outs, lasts = _ranks(stepped)
+    for out in outs:
+        _same_params(out["lopti_kl"]["params"])
+    for out in lasts:
+        o = out["lopti_kl"]
+        assert o["whole"]["policy_kl"] > 1e-3
+        _same_metrics(o["got"], o["whole"], skip=("loss_fn_outputs", "policy_lr"))
+        for phase, want in zip(("low", "high"), o["want"]):
+            for k in ("final_loss", "policy_loss"):
+                assert o["got"][f"gbc_lopti_{phase}/{k}"] == pytest.approx(
+                    want[k], rel=2e-5, abs=1e-6), (phase, k)
 
 
 def test_nthr_from_skyrls_megatron_pass(stepped):

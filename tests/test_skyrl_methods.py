@@ -84,12 +84,13 @@ ALGO = dict(use_kl_loss=True, kl_loss_coef=0.2, kl_estimator_type="k3", use_entr
             entropy_loss_coef=0.03)
 
 
-def _skyrl_flow(sky, options: dict, batch, packed=False):
+def _skyrl_flow(sky, options: dict, batch, packed=False, algo=ALGO):
     """One SkyRL step with gbc switched on (``options``: the method options, as enable() sets
     them): SkyRL's trainer's ``fwd_logprobs_values_reward`` (patched by gbc) on ``batch`` (its
     sequences, masks, advantages) through gbc's reference and policy workers of this rank
     (SkyRL's dispatch stood in for), then the policy worker's ``forward_backward`` and
-    ``optim_step``. Returns (the training batch, the step's metrics, the parameters after)."""
+    ``optim_step``; ``algo``: SkyRL's algorithm options (the KL and entropy terms). Returns
+    (the training batch, the step's metrics, the parameters after)."""
     skyrl_cpu().entrypoint_imports()             # skyrl.train.trainer's imports
     from gbc_kernels import methods
     from gbc_kernels.integrations.skyrl import fsdp as gfsdp
@@ -100,9 +101,9 @@ def _skyrl_flow(sky, options: dict, batch, packed=False):
     _set_options(",".join(f"{k}={v}" for k, v in options.items()))
     cls = gtrainer.patch_trainer()
     model = tiny_qwen2()
-    policy = build_worker(sky, gfsdp.GBCFSDPPolicyWorker, algorithm(sky, "regular", **ALGO), 1,
+    policy = build_worker(sky, gfsdp.GBCFSDPPolicyWorker, algorithm(sky, "regular", **algo), 1,
                           model, opts, packed=packed)
-    refw = build_worker(sky, gfsdp.GBCFSDPRefWorker, algorithm(sky, "regular", **ALGO), 1,
+    refw = build_worker(sky, gfsdp.GBCFSDPRefWorker, algorithm(sky, "regular", **algo), 1,
                         ref_model(), opts, micro=3, packed=packed)
 
     class Dispatch:              # SkyRL's dispatch to one rank's workers
@@ -187,6 +188,82 @@ def test_critical_kl_through_skyrls_flow_equals_the_method_by_hand(packed):
     for n in rp:
         assert (rp[n] - start[n]).abs().sum() > 0
         torch.testing.assert_close(gp[n], rp[n], rtol=2e-4, atol=2e-6, msg=n)
+
+
+# ---- Lopti with SkyRL's KL loss --------------------------------------------------------------
+KL_ONLY = dict(use_kl_loss=True, kl_loss_coef=0.2, kl_estimator_type="k3")
+
+
+def _lopti_kl_worker(rank, world, packed, order):
+    """gbc's Lopti step (with AR) with SkyRL's KL loss through SkyRL's flow (the reference
+    pass's log-probs, the policy's old ones), and SkyRL's stock steps by hand on each phase's
+    advantages, in ``order``, with the KL term of each phase's tokens only (times 1 on them, 0
+    on the others; SkyRL's normaliser kept) and, for the oracle the defect report used, with
+    SkyRL's KL on every token in both phases."""
+    sky = skyrl_cpu().load()
+    from gbc_kernels import methods
+    from gbc_kernels.integrations import hf
+    from gbc_kernels.integrations.skyrl.worker import _position_ids
+    from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase
+
+    batch = make_batch(sky, 41, B=5)
+    seq, attn = batch["sequences"], batch["attention_mask"]
+    lp, _ = hf.logprobs_through_forward(tiny_qwen2(), seq, attn, T, temperature=TEMPERATURE,
+                                        model_kwargs={"position_ids": _position_ids(attn)})
+    eta = float(lp.exp()[batch["loss_mask"].bool()].median())    # a mixed split
+    options = dict(lopti_eta=eta, lopti_order=order, ar_alpha=0.3)
+    opts = methods.MethodOptions(**options)
+    data, metrics, params = _skyrl_flow(sky, options, batch, packed, algo=KL_ONLY)
+    old, base = data["action_log_probs"], data["base_action_log_probs"]
+    low = old.exp() < eta
+    assert low[batch["loss_mask"].bool()].any() and (~low[batch["loss_mask"].bool()]).any()
+    out = dict(got=(metrics, params))
+    for name, by_phase in (("want", True), ("every_token", False)):
+        model = tiny_qwen2()
+        stock = build_worker(sky, FSDPPolicyWorkerBase, algorithm(sky, "regular", **KL_ONLY),
+                             world, model, packed=packed)
+        steps = []
+        for phase in methods.LOPTI_ORDERS[order]:
+            d = make_batch(sky, 41, B=5)
+            d["action_log_probs"], d["base_action_log_probs"] = old, base
+            d["advantages"] = methods.loss_advantages(d["advantages"], old, opts, phase)
+            on = (low if phase == "low" else ~low).float()
+            undo = _weight_stock_kl(on, base) if by_phase else (lambda: None)
+            try:
+                with skyrl_cpu().cpu_device():
+                    steps.append(stock.forward_backward(d).metrics)
+                    stock.optim_step()
+            finally:
+                undo()
+        out[name] = (steps, _params(model))
+    return out
+
+
+@pytest.mark.parametrize("packed,order", [(False, "low-first"), (True, "high-first")],
+                         ids=["padded-low-first", "packed-high-first"])
+def test_lopti_with_kl_loss_is_two_stock_steps_kl_on_each_phases_tokens(packed, order):
+    """lopti_eta (with AR) and SkyRL's use_kl_loss: gbc's FSDP worker's two optimizer steps
+    equal SkyRL's stock step on each phase's advantages with its KL term counted on that
+    phase's tokens only, SkyRL's normaliser (the row's loss tokens) kept (docs/math.md §3: each
+    token's KL once per batch; the phases' KL terms add up to SkyRL's): every parameter, and
+    each phase's ``final_loss`` and ``policy_loss`` under ``gbc_lopti_<phase>/``. The stock
+    step on a phase's advantages alone keeps every token's KL in both phases (each token's KL
+    twice per batch): it is not gbc's step (the defect report's oracle)."""
+    from conftest import spawn_gloo
+
+    from gbc_kernels import methods
+
+    out = spawn_gloo(1, _lopti_kl_worker, packed, order)[0]
+    (gm, gp), (steps, rp), (_, naive) = out["got"], out["want"], out["every_token"]
+    start = _params(tiny_qwen2())
+    for n in rp:
+        assert (rp[n] - start[n]).abs().sum() > 0
+        torch.testing.assert_close(gp[n], rp[n], rtol=2e-4, atol=2e-6, msg=n)
+    assert max(float((naive[n] - rp[n]).abs().max()) for n in rp) > 1e-4
+    for phase, want in zip(methods.LOPTI_ORDERS[order], steps):
+        for k in ("final_loss", "policy_loss"):
+            assert gm[f"gbc_lopti_{phase}/{k}"] == pytest.approx(want[k], rel=2e-4,
+                                                                 abs=2e-6), (phase, k)
 
 
 # ---- NTHR -----------------------------------------------------------------------------------
