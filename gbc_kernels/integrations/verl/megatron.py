@@ -26,7 +26,6 @@ from typing import Optional
 
 import torch
 
-import gbc_kernels as gbc
 from gbc_kernels import methods
 from gbc_kernels.integrations import megatron as M
 from gbc_kernels.integrations import verl as gv
@@ -148,46 +147,6 @@ def _nthr_add(batch, index, h, y, logp, valid, own, state, temperature):
     batch.add(index, h.contiguous(), y, valid,
               types.SimpleNamespace(weight=weight, bias=state["bias"]), None, temperature,
               vocab_parallel=M.vocab_parallel(weight, state["tp_group"]), logp=logp)
-
-
-def _support_logprobs(hidden, weight, labels, mask, support, *, temperature, output_bias,
-                      tp_group, hidden_gathered, backend, logits_dtype, return_entropy,
-                      return_sum_p2):
-    """gbc_mcore's :func:`~gbc_kernels.integrations.megatron.logprobs` with the sampler's kept
-    set rebuilt in the row pass (``support``: ``sampler_truncation=`` and its
-    ``over_support`` / ``return_log_kept_mass``), over the vocab-parallel path: ``(logp,
-    entropy, sum_p2, log_kept_mass)`` ``[B, S]``, 0 outside ``mask``."""
-    h, vp = M._head(hidden, weight, output_bias, labels, tp_group, False, hidden_gathered)
-    mask = M._check_mask(mask, h, labels)
-    kept = bool(support.get("return_log_kept_mass", False))
-
-    def stats(flat, y, temp):
-        out = gbc.fused_linear_logprobs(flat, weight, y, bias=output_bias, temperature=temp,
-                                        return_entropy=return_entropy, backend=backend,
-                                        vocab_parallel=vp, return_sum_p2=return_sum_p2,
-                                        logits_dtype=logits_dtype, **support)
-        return (out[0], out[1], out[2] if return_sum_p2 else None,
-                out[-1].detach() if kept else None)
-
-    with methods.in_callers_words(M._NAMES):
-        return M._select(h, labels, mask, temperature, M._vocab(weight, vp), stats)
-
-
-def _support_reference_stats(hidden, weight, labels, options, mask, truncation, *, temperature,
-                             output_bias, tp_group, hidden_gathered, backend):
-    """gbc_mcore's :func:`~gbc_kernels.integrations.megatron.reference_stats` over the kept set
-    rebuilt from the reference's own logits (``truncation``)."""
-    h, vp = M._head(hidden, weight, output_bias, labels, tp_group, False, hidden_gathered)
-    mask = M._check_mask(mask, h, labels)
-
-    def stats(flat, y, temp):
-        return methods.reference_stats(flat.detach(), weight, y, options, output_bias,
-                                       temperature=temp, backend=backend, vocab_parallel=vp,
-                                       sampler_truncation=truncation)
-
-    with methods.in_callers_words(M._NAMES):
-        return methods.ReferenceStats(*M._select(h, labels, mask, temperature,
-                                                 M._vocab(weight, vp), stats))
 
 
 class GBCMegatronMixin(EngineMethods):
@@ -347,8 +306,6 @@ class GBCMegatronMixin(EngineMethods):
                 kw["mask"] = kw["mask"] & own
                 kw["context_parallel"] = cp[0]
             rng = _rng_state()
-            if "sampler_truncation" in kw:      # replay: gbc_mcore's one-sweep route takes it
-                kw["main_grad"] = False
             res = M.policy_loss(h, weight, y, return_entropy=kw["config"].wants_entropy,
                                 **common, **kw)
             loss = res.loss
@@ -373,12 +330,9 @@ class GBCMegatronMixin(EngineMethods):
         with torch.no_grad():
             if certainty is not None:      # the reference pass of critical-token KL
                 options = methods.MethodOptions(**certainty)
-                if plan is not None and plan.scored_kwargs():
-                    st = _support_reference_stats(h, weight, y, options, own, plan.truncation,
-                                                  temperature=temp, backend=backend, **common)
-                else:
-                    st = M.reference_stats(h, weight, y, options, own, temperature=temp,
-                                           backend=backend, **common)
+                scored = {} if plan is None else plan.scored_kwargs()
+                st = M.reference_stats(h, weight, y, options, own, temperature=temp,
+                                       backend=backend, **common, **scored)
                 ret = {"log_probs": packed(st.ref_logp)}
                 if st.kl_weight is not None:
                     ret[KL_WEIGHT_KEY] = packed(st.kl_weight)
@@ -387,12 +341,8 @@ class GBCMegatronMixin(EngineMethods):
                          logits_dtype=self.gbc_options.logits_dtype,
                          return_entropy=bool(calculate_entropy),
                          return_sum_p2=bool(calculate_sum_pi_squared), **common)
-            if support:
-                logp, entropy, sum_p2, kept = _support_logprobs(h, weight, y, own, support,
-                                                                **flags)
-            else:
-                res = M.logprobs(h, weight, y, own, **flags)
-                logp, entropy, sum_p2, kept = res.logp, res.entropy, res.sum_p2, None
+            res = M.logprobs(h, weight, y, own, **flags, **support)
+            logp, entropy, sum_p2, kept = res.logp, res.entropy, res.sum_p2, res.log_kept_mass
             if nthr is not None:      # the same log-probs, the rows kept (no second head)
                 _nthr_add(nthr, batch[NTHR_ROW_KEY], h, y, logp, valid, own, state, temp)
         ret = {"log_probs": packed(logp)}
