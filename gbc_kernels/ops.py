@@ -339,7 +339,8 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
                           return_entropy=False, backend="auto", vocab_parallel=None,
                           logit_softcap=None, return_sum_p2=False, weight_grad_into=None,
                           logits_dtype=None, support_ids=None, return_log_kept_mass=False,
-                          sampler_truncation=None, over_support=True):
+                          sampler_truncation=None, over_support=True,
+                          return_support_forced=False):
     """Per-token ``log_softmax(z)[targets]`` (and the entropy of ``softmax(z)``) without logits.
     ``z = (hidden @ weight.T + bias) / temperature``; with ``logit_softcap = c`` (Gemma-2/3),
     ``z = c tanh((hidden @ weight.T + bias) / c) / temperature``.
@@ -372,9 +373,14 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     ``support_ids``. ``over_support=False`` (with either): the log-probs, entropy and gradients
     of the whole vocabulary (the call without a support, bit for bit) and only
     ``log_kept_mass`` the support's: the full-vocabulary policy and its kept mass in one pass.
+    ``return_support_forced=True``: a last output, bool ``targets.shape``: the target was
+    outside its support (forced in; what the loss's ``support_forced_frac`` counts); False
+    without a support.
     """
-    if not isinstance(over_support, bool):
-        raise TypeError(f"over_support: expected a bool, got {over_support!r}")
+    for name, flag in (("over_support", over_support),
+                       ("return_support_forced", return_support_forced)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {flag!r}")
     V.check_backend(backend)
     logits_dtype = V.check_logits_dtype(logits_dtype)
     _check_lm_head(hidden, weight, bias)
@@ -394,10 +400,11 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     safe = V.check_targets(targets, vocab).reshape(-1)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     be = get_backend(backend, hidden.device, hidden.dtype)
+    forced = None
     if support_ids is not None or sampler_truncation is not None:
-        be, safe, _ = _support(support_ids, safe.view(targets.shape), vocab, vp=sl, backend=be,
-                               kept_mass=return_log_kept_mass, truncation=sampler_truncation,
-                               over_support=over_support)
+        be, safe, forced = _support(support_ids, safe.view(targets.shape), vocab, vp=sl,
+                                    backend=be, kept_mass=return_log_kept_mass,
+                                    truncation=sampler_truncation, over_support=over_support)
     if weight_grad_into is not None:
         V.check_tensor("weight_grad_into", weight_grad_into, shape=tuple(weight.shape),
                        device=weight.device)
@@ -417,6 +424,11 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
         out += (be.log_kept_mass.view(targets.shape)
                 if support_ids is not None or sampler_truncation is not None
                 else torch.zeros(targets.shape, device=hidden.device),)
+    if return_support_forced:
+        if sampler_truncation is not None:
+            forced = be.forced
+        out += (forced.view(targets.shape) if forced is not None
+                else torch.zeros(targets.shape, dtype=torch.bool, device=hidden.device),)
     return out
 
 

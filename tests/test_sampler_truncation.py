@@ -472,3 +472,19 @@ def _full_vp(b, y, lo, hi, vp, backend, tr):
                                      support_ids=ref_ids(as64(b), tr, 1.0),
                                      return_log_kept_mass=True)[2]
     return bool(torch.equal(a.logp, c.logp) and err(c.log_kept_mass, want) < 1e-5)
+
+
+def test_return_support_forced(backend):
+    """``return_support_forced=True``: which targets fell outside their set (rebuilt or given),
+    the tokens the loss's ``support_forced_frac`` counts; all False without a support."""
+    b = make_batch(B=2, T=9, H=16, V=97, logit_scale=3.0)
+    y = b["targets"].clamp(min=0)
+    tr = ST(top_k=5, top_p=0.9)
+    ids = ref_ids(b, tr, 1.0)
+    want = ~(ids == y.unsqueeze(-1)).any(-1)
+    assert want.any() and not want.all()
+    for kw in (dict(sampler_truncation=tr), dict(support_ids=ids), {}):
+        out = gbc.fused_linear_logprobs(b["hidden"], b["weight"], y, bias=b["bias"],
+                                        backend=backend, return_support_forced=True, **kw)
+        assert out[-1].dtype == torch.bool and out[-1].shape == y.shape
+        assert torch.equal(out[-1], want if kw else torch.zeros_like(want))

@@ -563,42 +563,19 @@ def _rows_stats(hidden, weight, bias, labels, mask, temperature, vp, want_entrop
 
     def stats(flat, y, temp, ids=None):
         extra = dict(support) if ids is None else dict(support, support_ids=ids)
-        recording = (_truncation_backends() if sampler_truncation is not None
-                     else contextlib.nullcontext())
-        with recording as built:
-            out = gbc.fused_linear_logprobs(flat, weight, y, bias=bias, temperature=temp,
-                                            return_entropy=want_entropy, backend=backend,
-                                            vocab_parallel=vp, return_sum_p2=want_sum_p2,
-                                            weight_grad_into=weight_grad_into,
-                                            logits_dtype=logits_dtype, **extra)
-        forced = built[-1].forced if sampler_truncation is not None else None
+        trunc = sampler_truncation is not None
+        out = gbc.fused_linear_logprobs(flat, weight, y, bias=bias, temperature=temp,
+                                        return_entropy=want_entropy, backend=backend,
+                                        vocab_parallel=vp, return_sum_p2=want_sum_p2,
+                                        weight_grad_into=weight_grad_into,
+                                        logits_dtype=logits_dtype,
+                                        return_support_forced=trunc, **extra)
+        forced = out[-1] if trunc else None
+        kept = out[-2] if trunc else out[-1]
         return (out[0], out[1], out[2] if want_sum_p2 else None,
-                out[-1].detach() if want_kept else None, forced)
+                kept.detach() if want_kept else None, forced)
 
     return _select(hidden, labels, mask, temperature, _vocab(weight, vp), stats, support_ids)
-
-
-@contextlib.contextmanager
-def _truncation_backends():
-    """While open, the :class:`gbc_kernels.truncation.TruncationBackend` objects gbc builds
-    (one per call with ``sampler_truncation``) are listed in the yielded list: their
-    ``forced`` ``[rows]`` (the target outside the rebuilt set, what the one-sweep loss's
-    ``support_forced_frac`` counts) is filled by the row pass, which
-    :func:`gbc_kernels.fused_linear_logprobs` does not return. Opened around one forward call
-    (megatron's head runs on one thread); the class is restored on exit."""
-    cls = _truncation.TruncationBackend
-    built = []
-
-    class Recorded(cls):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            built.append(self)
-
-    _truncation.TruncationBackend = Recorded
-    try:
-        yield built
-    finally:
-        _truncation.TruncationBackend = cls
 
 
 def _check_truncation(sampler_truncation, support_ids, vp):
