@@ -246,7 +246,7 @@ def _policy_loss_in_forward(model, inner, input_ids, attention_mask, T, rows, ta
         if old_policy is not None:
             loss_kwargs["token_scale"] = old_policy(h.detach(), head, cap).token_scale
         names = (contextlib.nullcontext() if T is None     # packed: targets are the caller's
-                 else _as_input_ids(input_ids, T, head, mask))
+                 else targets_as_input_ids(input_ids, T, head, mask))
         with names:
             loss, metrics = gbc.fused_linear_policy_loss(
                 h, head.weight, targets, mask, advantages, old_logp=old_logp,
@@ -320,7 +320,7 @@ def logprobs_through_forward(model, input_ids, attention_mask, completion_len: i
     T = check_forward_inputs(inner, input_ids, attention_mask, completion_len)
 
     def compute(h, head, cap):
-        with _as_input_ids(input_ids, T, head):
+        with targets_as_input_ids(input_ids, T, head):
             return gbc.token_stats(h, head.weight, input_ids[:, -T:], head.bias,
                                    temperature=temperature, backend=backend, logit_softcap=cap,
                                    logits_dtype=logits_dtype)
@@ -329,10 +329,12 @@ def logprobs_through_forward(model, input_ids, attention_mask, completion_len: i
     return st.logp, (st.entropy if return_entropy else None)
 
 
-def _as_input_ids(input_ids, T, head, mask=None):
-    """Errors about the targets ``input_ids[:, -T:]`` (masked-in by ``mask [B, T]``) named
-    ``input_ids``, at their index in ``input_ids`` (the lm_head's vocabulary may be smaller
-    than the embedding's, which :func:`check_forward_inputs` checked)."""
+def targets_as_input_ids(input_ids, T, head, mask=None):
+    """A context in which gbc's errors about the targets ``input_ids[:, -T:]`` (masked-in by
+    ``mask [B, T]``) name ``input_ids``, at their index in ``input_ids`` (the lm_head's
+    vocabulary may be smaller than the embedding's, which :func:`check_forward_inputs`
+    checked). For a trainer's own pass through :func:`in_head` that scores the completion of a
+    padded batch: ``with targets_as_input_ids(input_ids, T, head): gbc.token_stats(...)``."""
     def recheck():
         rows = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
         rows[:, -T:] = True if mask is None else (mask != 0)

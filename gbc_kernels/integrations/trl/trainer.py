@@ -302,7 +302,7 @@ class GBCGRPOTrainer(GRPOTrainer):
         hf.check_forward_inputs(unwrapped, input_ids, attention_mask, T)
 
         def compute(h, head, cap):
-            with hf._as_input_ids(input_ids, T, head):
+            with hf.targets_as_input_ids(input_ids, T, head):
                 if reference:
                     return methods.reference_stats(
                         h, head.weight, targets, opts, head.bias,
