@@ -10,8 +10,10 @@ any other by name.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
-from typing import Optional
+import os
+from typing import Iterator, Optional
 
 # distribution name -> the major.minor releases its drop-in is tested on (docs/compatibility.md)
 TESTED = {
@@ -79,3 +81,37 @@ def _patch(version: str) -> tuple:
 
 def _tested(dist: str) -> str:
     return ", ".join(f"{dist} {v}.x" for v in TESTED[dist])
+
+
+# transformers' switch for its hub kernels (transformers/integrations/hub_kernels.py:65)
+HUB_KERNELS_ENV = "USE_HUB_KERNELS"
+
+
+@contextlib.contextmanager
+def no_hub_kernels() -> Iterator[None]:
+    """``USE_HUB_KERNELS=NO`` for the duration: a ``from_pretrained`` inside builds the model as
+    transformers <= 5.24 did, its own torch modules, nothing kernelized; the variable is put
+    back as it was afterwards (unset stays unset).
+
+    transformers 5.25 turned hub kernels on by default: ``from_pretrained``'s ``use_kernels``
+    defaults to None, read as True unless ``USE_HUB_KERNELS`` is false
+    (transformers/modeling_utils.py:4224, 4415-4423), and every loaded model goes through
+    ``set_use_kernels`` -> ``kernelize`` (modeling_utils.py:4495, 3921) on the model's device
+    (integrations/hub_kernels.py:513). verl's FSDP engine builds the model under accelerate's
+    ``init_empty_weights`` on every rank but 0, a model on ``meta``, which the ``kernels``
+    package (0.19.1, the one release transformers 5.25 accepts) refuses:
+    ``ValueError: Unsupported device type 'meta'`` (kernels/_internals/layer/kernelize.py:302).
+    With the variable false, ``use_kernels`` is False, ``kernelize`` is never called, and the
+    model's ``train()`` does not kernelize later either (it does only when ``use_kernels``).
+    Nothing else changes: 5.24 never kernelized by default, and on a CPU 5.25's kernel mapping
+    (cuda / rocm / xpu entries only) replaces nothing. Releases before 5.25 read the variable
+    once, at import, and kernelize nothing by default: there it changes nothing."""
+    old = os.environ.get(HUB_KERNELS_ENV)
+    os.environ[HUB_KERNELS_ENV] = "NO"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(HUB_KERNELS_ENV, None)
+        else:
+            os.environ[HUB_KERNELS_ENV] = old
