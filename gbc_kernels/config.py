@@ -465,7 +465,7 @@ def resolve_logits_dtype(value, dtype: torch.dtype, device) -> Optional[torch.dt
     device (docs/kernels.md, "Precision"): on a CPU without matmul units for the operands'
     dtype (:func:`cpu_has_units`), bf16/fp16 operands get float32 logits — such a CPU runs
     bf16 GEMMs ~90x slower than float32 ones, and the float32 route is also the precise one;
-    on a CPU with them, and on a GPU (SPEC section 15's default), the operands' dtype.
+    on a CPU with them, and on a GPU (docs/kernels.md's table), the operands' dtype.
     float32/float64 operands: no effect either way."""
     value = check_logits_dtype(value)
     if value == "input":

@@ -54,3 +54,26 @@ def test_readme_budget_and_set_up_commands():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(text.splitlines()) <= 400
     assert "make demo" in text and "make test" in text
+
+
+def test_no_file_cites_a_document_outside_the_repository():
+    """issue 65, 9: a reader of the repository has no SPEC; every formula and decision is cited
+    by the repository's own docs (docs/math.md's sections), never by a file outside it."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    bad = []
+    pattern = re.compile(r"\bSPEC\b(?:\s*§|\s+section|\.md)|\.\./shared/|shared/SPEC")
+    for name in files:
+        path = ROOT / name
+        if name == "tests/test_docs.py" or path.suffix not in (
+                ".py", ".md", ".txt", ".toml", ".cfg", ".sh", ".cpp", ".h", ".yaml", ""):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, IsADirectoryError, FileNotFoundError):
+            continue
+        bad += [f"{name}:{i}" for i, line in enumerate(text.splitlines(), 1)
+                if pattern.search(line)]
+    assert not bad, f"cites a file outside the repository: {bad}"

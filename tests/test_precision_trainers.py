@@ -1,4 +1,4 @@
-"""Float32 logits mode (``logits_dtype``, SPEC §15, docs/kernels.md "Precision") through each
+"""Float32 logits mode (``logits_dtype``, docs/kernels.md "Precision") through each
 trainer's own switch-on path: TRL's ``GBCGRPOConfig.gbc_logits_dtype``, verl's
 ``GBC_VERL_OPTIONS``, OpenRLHF's ``GBC_OPENRLHF_OPTIONS``, SkyRL's ``enable(cfg,
 logits_dtype=...)`` / ``GBC_SKYRL_OPTIONS``, the example trainer's ``--logits-dtype`` and

@@ -1,4 +1,5 @@
-"""The sampler's kept set rebuilt from its settings (SPEC §16 "Recompute", issue 61's core):
+"""The sampler's kept set rebuilt from its settings (docs/math.md §16, "The sampler's kept
+set, recomputed"; issue 61's core):
 ``sampler_truncation=SamplerTruncation(top_k, top_p, min_p, ties, rule)`` on
 ``fused_linear_logprobs``, ``fused_linear_policy_loss`` and ``token_stats``, every backend.
 

@@ -1,6 +1,6 @@
 """NTHR and critical-token KL under SkyRL 0.4's sample-support replay
 (``trainer.algorithm.enable_sample_support_replay``) in gbc's FSDP workers (docs/skyrl.md,
-"The sampler's support"; SPEC §16: NTHR's error vector ``onehot(y) - q`` on S, the
+"The sampler's support"; docs/math.md §16: NTHR's error vector ``onehot(y) - q`` on S, the
 critical-KL certainty from the reference's distribution over its support, normalised by
 ``log |S|``), through SkyRL's own flow on a tiny Qwen2 (gloo; tests/test_skyrl_methods.py's
 set-up) at temperature 0.8, padded and packed micro-batches:

@@ -1,4 +1,4 @@
-"""The sampler's support (SPEC §16) on gbc's megatron-core head (``gbc_kernels.integrations.
+"""The sampler's support (docs/math.md §16) on gbc's megatron-core head (``gbc_kernels.integrations.
 megatron``, gbc_mcore): ``support_ids`` ``[B, S, k]`` on ``policy_loss`` (gbc's one-sweep loss
 and the ``main_grad`` route), ``logprobs`` and ``reference_stats``, under tensor parallelism 2
 (the vocabulary split over the ranks, megatron's sequence parallelism) and context parallelism

@@ -1,4 +1,4 @@
-"""NTHR over the sampler's support (SPEC §16, docs/methods.md "NTHR over the support"): the
+"""NTHR over the sampler's support (docs/math.md §16, docs/methods.md "NTHR over the support"): the
 streaming ``nthr_scale(..., support_ids=...)`` against the float64 reference, on one process,
 over data-parallel ranks and over a split vocabulary."""
 
