@@ -8,6 +8,8 @@ scales the stored gradients by the upstream gradient (the loss is used linearly)
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -603,8 +605,11 @@ def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature,
                 sum_p2[s:e] = st.sum_p2
             if extra is not None:
                 # the same temperature needs no second pass over the chunk
-                st2 = st if same_temp and want_entropy else \
-                    stats(lg, targets[s:e], 1.0 / extra_temperature, True, False)
+                if same_temp and want_entropy:
+                    st2 = st
+                else:     # a support backend records nothing of this pass (log_kept_mass)
+                    with getattr(backend, "second_statistic", contextlib.nullcontext)():
+                        st2 = stats(lg, targets[s:e], 1.0 / extra_temperature, True, False)
                 extra["lse"][s:e], extra["zmax"][s:e] = st2.lse, st2.zmax
                 extra["entropy"][s:e] = st2.entropy
     return logp, entropy, lse, extra, sum_p2

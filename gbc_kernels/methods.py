@@ -20,6 +20,8 @@ rules (docs/math.md §2-§5, §13):
 
 from __future__ import annotations
 
+import numbers
+
 import dataclasses
 import math
 from typing import Callable, NamedTuple, Optional, Union
@@ -310,15 +312,33 @@ def sampler_truncation(options: MethodOptions, top_k=None, top_p=1.0, min_p=0.0,
     ``rule``: the trainer's sampler (``"vllm"`` / ``"sglang"``); ``ties``: the trainer's default
     top-k tie rule (``options.support_ties`` overrides it). Settings that truncate nothing are
     refused naming the support option (``names`` maps ``"support"`` to the trainer's
-    spelling): the sampler kept the whole vocabulary, there is nothing to correct."""
+    spelling): the sampler kept the whole vocabulary, there is nothing to correct. A setting
+    of the wrong type (``top_k`` not an int: ``5.7``, ``True``, ``"all"``; ``top_p`` /
+    ``min_p`` not a number) or out of range is refused naming the field (``names`` maps
+    ``"top_k"`` / ``"top_p"`` / ``"min_p"`` to the trainer's spelling), never rounded."""
     from .truncation import SamplerTruncation
 
     if options.support is None:
         return None
-    name = (names or {}).get("support", "support")
+    names = names or {}
+    name = names.get("support", "support")
+
+    def refuse(field, value, expected):
+        raise ValueError(f"{name}={options.support}: {names.get(field, field)}: expected "
+                         f"{expected}, got {type(value).__name__} {value!r}")
+
+    def real(field, value, default):
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            refuse(field, value, "a number")
+        return float(value)
+
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral)):
+        refuse("top_k", top_k, "None or an int (<= 0: no bound)")
     k = None if top_k is None or int(top_k) <= 0 else int(top_k)
-    p = 1.0 if top_p is None else float(top_p)
-    mp = 0.0 if min_p is None else float(min_p)
+    p = real("top_p", top_p, 1.0)
+    mp = real("min_p", min_p, 0.0)
     if k is None and p == 1.0 and mp == 0.0:
         raise ValueError(f"{name}={options.support}: the rollout samples without truncation "
                          f"(top_k {top_k!r}, top_p {top_p!r}, min_p {min_p!r}): the sampler "
@@ -328,7 +348,11 @@ def sampler_truncation(options: MethodOptions, top_k=None, top_p=1.0, min_p=0.0,
         return SamplerTruncation(top_k=k, top_p=p, min_p=mp,
                                  ties=options.support_ties or ties, rule=rule)
     except ValueError as exc:
-        raise ValueError(f"{name}={options.support}: {exc}") from None
+        text = str(exc)
+        for field in ("top_k", "top_p", "min_p"):
+            if text.startswith(f"{field}:"):
+                text = names.get(field, field) + text[len(field):]
+        raise ValueError(f"{name}={options.support}: {text}") from None
 
 
 def corrected_sampler_logp(sampling_logp: torch.Tensor, log_kept_mass: torch.Tensor,
@@ -339,7 +363,11 @@ def corrected_sampler_logp(sampling_logp: torch.Tensor, log_kept_mass: torch.Ten
     vocabulary's). ``kept_mass`` with normalised log-probs: ``logp + log_kept_mass`` (the full
     vocabulary's, as the policy's); ``replay`` with full-vocabulary ones: ``logp -
     log_kept_mass`` (over the kept set, as the policy's); otherwise unchanged. ``kept_mass``
-    with full-vocabulary log-probs has nothing to correct and is refused."""
+    with full-vocabulary log-probs has nothing to correct and is refused. ``log_kept_mass``
+    must have ``sampling_logp``'s shape and device; ``normalised`` must be a real bool."""
+    if not isinstance(normalised, bool):
+        raise TypeError(f"normalised: expected a bool (the engine's log-probs are normalised "
+                        f"over the kept set), got {type(normalised).__name__} {normalised!r}")
     if mode is None:
         return sampling_logp
     if mode not in SUPPORT_MODES:
@@ -348,6 +376,18 @@ def corrected_sampler_logp(sampling_logp: torch.Tensor, log_kept_mass: torch.Ten
         raise ValueError("support=kept_mass: the rollout engine's log-probs are the full "
                          "vocabulary's already (not normalised over the kept set): the ratio "
                          "has no kept-mass bias to correct; use support=replay or unset it")
+    if not isinstance(sampling_logp, torch.Tensor) or not sampling_logp.dtype.is_floating_point:
+        raise TypeError(f"sampling_logp: expected a floating-point tensor, got "
+                        f"{getattr(sampling_logp, 'dtype', type(sampling_logp).__name__)}")
+    if not isinstance(log_kept_mass, torch.Tensor):
+        raise TypeError(f"log_kept_mass: expected a tensor of sampling_logp's shape "
+                        f"{list(sampling_logp.shape)}, got {type(log_kept_mass).__name__}")
+    if log_kept_mass.shape != sampling_logp.shape:
+        raise ValueError(f"log_kept_mass: expected sampling_logp's shape "
+                         f"{list(sampling_logp.shape)}, got {list(log_kept_mass.shape)}")
+    if log_kept_mass.device != sampling_logp.device:
+        raise ValueError(f"log_kept_mass: expected a tensor on sampling_logp's device "
+                         f"{sampling_logp.device}, got {log_kept_mass.device}")
     lk = log_kept_mass.to(sampling_logp.dtype)
     if mode == "kept_mass":
         return sampling_logp + lk

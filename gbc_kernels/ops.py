@@ -268,7 +268,7 @@ def _support(support_ids, targets, vocab, mask=None, checks=None, vp=None, backe
                 torch.cat([y.long().unsqueeze(1), pos], 1), None)
     ids = _S.check_support_ids(support_ids, targets, vocab, mask, checks)
     y = targets.reshape(-1)
-    cols, forced = _S.members(ids.reshape(y.shape[0], -1), y)
+    cols, forced = _S.members(ids.reshape(y.shape[0], ids.shape[-1]), y)
     return (_S.SupportBackend(backend, y.shape[0], y.device, kept_mass, vp, over_support),
             _S.flat_targets(y, cols), forced)
 

@@ -1,4 +1,4 @@
-"""The sampler's support (SPEC §16, docs/math.md "The sampler's support"): log-probs, entropy
+"""The sampler's support (docs/math.md §16, "The sampler's support"): log-probs, entropy
 and gradients over each token's kept ids ``S`` instead of the whole vocabulary.
 
 The chunk loop is unchanged: each chunk's logits are formed as always. :class:`SupportBackend`
@@ -15,6 +15,7 @@ the members — the support's ids deduplicated, the target forced in, ``-1`` pad
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -112,6 +113,21 @@ class SupportBackend(Backend):
         # without log_kept_mass the whole vocabulary's row pass is not needed at all
         self.log_kept_mass = (torch.zeros(n, device=device, dtype=torch.float32) if kept_mass
                               else None)
+        # False during a second statistic of the same rows (token_stats' certainty at its own
+        # temperature): log_kept_mass is the call's temperature's, never overwritten by it
+        self.recording = True
+        self.poison = None      # [rows] bool of the chunk being scored: its LSE NaN (truncation:
+        #                         a NaN / +inf anywhere in the row its set was built from)
+
+    @contextlib.contextmanager
+    def second_statistic(self):
+        """Row passes inside this context score the rows (over the support kept from the
+        first pass) and record nothing: no ``log_kept_mass``, no support, no ``forced``."""
+        self.recording = False
+        try:
+            yield
+        finally:
+            self.recording = True
 
     def bytes_per_logit(self, dtype):
         return self.inner.bytes_per_logit(dtype)
@@ -144,12 +160,18 @@ class SupportBackend(Backend):
         y, cols = self._local(targets)
         y = y.contiguous()
         l, _, valid = self._gather(logits, cols, inv_temp)
+        # NaN in, NaN out: a member logit NaN or +inf (a non-finite hidden state or weight row)
+        # makes the row's LSE NaN, as the whole vocabulary's is (-inf is a member of zero mass)
+        poison = ((torch.isnan(l) | (l == float("inf"))) & valid).any(1)
+        if self.poison is not None:
+            poison = poison | self.poison
         l = l.masked_fill(~valid, float("-inf"))
         zmax = l.amax(1)
         # a row may have no member in this slice (vocab parallel): LSE -inf, nothing else
         e = torch.exp(l - torch.where(torch.isfinite(zmax), zmax, 0.0).unsqueeze(1))
         se = e.sum(1)
         lse = torch.where(se > 0, zmax + torch.log(se), float("-inf"))
+        lse = torch.where(poison, float("nan"), lse)
         q = torch.where(se.unsqueeze(1) > 0, e / se.clamp(min=1e-30).unsqueeze(1), 0.0)
         entropy = sum_p2 = None
         if want_entropy:
@@ -161,7 +183,7 @@ class SupportBackend(Backend):
         f32 = lambda t: None if t is None else t.float()      # noqa: E731
         st = RowStats(f32(lse), f32(zmax), f32(target_z), f32(entropy), f32(sum_p2))
         full = None
-        if self.log_kept_mass is not None:
+        if self.log_kept_mass is not None and self.recording:
             full = self.inner.row_stats(logits, y, inv_temp, False, False, ws).lse
         if self.vp is not None:
             from .vocab_parallel import combine
@@ -179,6 +201,12 @@ class SupportBackend(Backend):
         y, cols = self._local(targets)
         y = y.contiguous()
         st = self.inner.row_stats(logits, y, inv_temp, want_entropy, want_sum_p2, ws)
+        if not self.recording:
+            if self.vp is None:
+                return st
+            from .vocab_parallel import combine
+
+            return combine(st, self.vp)
         l, _, valid = self._gather(logits, cols, inv_temp)
         lse_s = torch.logsumexp(l.masked_fill(~valid, float("-inf")), 1).float()
         if self.vp is not None:

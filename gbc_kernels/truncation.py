@@ -1,5 +1,5 @@
-"""The sampler's support recomputed from the sampling settings (SPEC §16 "Recompute";
-docs/math.md, "The sampler's kept set, recomputed").
+"""The sampler's support recomputed from the sampling settings (docs/math.md §16, "The
+sampler's kept set, recomputed").
 
 When the rollout engine records no kept ids, ``sampler_truncation=SamplerTruncation(top_k,
 top_p, min_p)`` builds each row's support ``S`` inside the row pass, from the chunk's logits at
@@ -158,7 +158,9 @@ def _top_p_hist(l: torch.Tensor, e: torch.Tensor, mass: torch.Tensor, strict: bo
     less the row max, rank order) is ``< mass`` (``strict``) or ``≤ mass``; zero-mass tokens
     never kept."""
     r, V = l.shape
-    b = (l * (-_BINS / _RANGE)).clamp_(max=_BINS - 1).long()
+    # a NaN row (NaN logits: a NaN hidden state or weight row) takes the last bin, never an
+    # index out of range; its kept set is meaningless and its statistics NaN (TruncationBackend)
+    b = (l * (-_BINS / _RANGE)).nan_to_num_(nan=_BINS - 1.0).clamp_(0, _BINS - 1).long()
     cum = torch.zeros(r, _BINS, device=l.device, dtype=e.dtype).scatter_add_(1, b, e).cumsum_(1)
     cut = mass.unsqueeze(1)
     crossed = cum >= cut if strict else cum > cut
@@ -226,7 +228,7 @@ def kept_mask(z: torch.Tensor, tr: SamplerTruncation, inv_t=1.0, group=_LOCAL):
 
 
 def kept_ids(z: torch.Tensor, tr: SamplerTruncation, inv_t=1.0, offset: int = 0,
-             group=_LOCAL):
+             group=_LOCAL, return_max: bool = False):
     """The kept ids (global: ``offset`` + local) of each row of ``z`` ``[r, V]`` (this rank's
     slice of the chunk's logits, before the temperature; ``inv_t``: ``1/T``, a float or
     ``[r, 1]``), ``-1`` padded. Under vocab parallelism (``group``: its process group, None the
@@ -234,11 +236,14 @@ def kept_ids(z: torch.Tensor, tr: SamplerTruncation, inv_t=1.0, offset: int = 0,
 
     The order of the row does not depend on ``T > 0``: top-k selects on the raw logits and
     only the candidates are scaled; min-p compares ``z ≥ z_max + T log(min_p)``; only top-p
-    without a top-k bound (and SGLang's full-row mass) forms ``exp((z − z_max)/T)`` a row."""
+    without a top-k bound (and SGLang's full-row mass) forms ``exp((z − z_max)/T)`` a row.
+    ``return_max=True``: ``(ids, z_max [r])``, the row max over every shard."""
     ninf = float("-inf")
     if tr.top_k is None:       # min-p alone (this shard's), or top-p without a bound
-        ids = _mask_ids(kept_mask(z, tr, inv_t, group)[0])
-        return torch.where(ids >= 0, ids + offset, -1)
+        keep, _, zm = kept_mask(z, tr, inv_t, group)
+        ids = _mask_ids(keep)
+        ids = torch.where(ids >= 0, ids + offset, -1)
+        return (ids, zm.squeeze(1)) if return_max else ids
     zm = _reduce(z.amax(1).float(), dist.ReduceOp.MAX, group).unsqueeze(1)
     thr = zm + math.log(tr.min_p) / inv_t if tr.min_p > 0.0 else None
     full = None
@@ -266,7 +271,7 @@ def kept_ids(z: torch.Tensor, tr: SamplerTruncation, inv_t=1.0, offset: int = 0,
         keep = (before < mass.unsqueeze(1)) if tr.rule == "vllm" \
             else (before <= mass.unsqueeze(1))
         i = torch.where(keep & (ev > 0), i, -1)
-    return i
+    return (i, zm.squeeze(1)) if return_max else i
 
 
 def _with_target(ids, y):
@@ -289,6 +294,7 @@ class TruncationBackend(SupportBackend):
         self.cols = torch.full((n, 1), -1, dtype=torch.long, device=device)
         self.forced = torch.zeros(n, dtype=torch.bool, device=device)
         self.size = torch.zeros(n, dtype=torch.long, device=device)     # |S|, target included
+        self.bad = torch.zeros(n, dtype=torch.bool, device=device)      # a NaN / +inf row
         self._last = None       # the chunk last recomputed: a second statistic of the same
         #                         rows (another temperature) keeps its support
 
@@ -310,11 +316,17 @@ class TruncationBackend(SupportBackend):
         rows, V = logits.shape
         width = self.vp.width if self.vp is not None else V
         step = max(1, _BLOCK // max(1, width))
-        parts = []
+        parts, zmax = [], []
         for s in range(0, rows, step):           # bounded float32 temporaries (same on ranks)
             e = min(rows, s + step)
             it = inv_temp[s:e] if isinstance(inv_temp, torch.Tensor) else inv_temp
-            parts.append(kept_ids(logits[s:e], self.tr, _col(it), offset, group))
+            ids, zm = kept_ids(logits[s:e], self.tr, _col(it), offset, group, return_max=True)
+            parts.append(ids)
+            zmax.append(zm)
+        # NaN in, NaN out: a row holding a NaN or +inf logit has no meaningful kept set; its
+        # statistics are NaN, as the whole vocabulary's are
+        zmax = torch.cat(zmax)
+        self.bad.index_copy_(0, pos, torch.isnan(zmax) | (zmax == float("inf")))
         w = max(p.shape[1] for p in parts)
         ids = torch.cat([torch.cat([p, p.new_full((p.shape[0], w - p.shape[1]), -1)], 1)
                          for p in parts])
@@ -349,6 +361,12 @@ class TruncationBackend(SupportBackend):
             y = local_targets(y, self.vp)
         y = y.contiguous()
         st = self.inner.row_stats(logits, y, inv_temp, want_entropy, want_sum_p2, ws)
+        if not self.recording:
+            if self.vp is None:
+                return st
+            from .vocab_parallel import combine
+
+            return combine(st, self.vp)
         rows, V = logits.shape
         width = self.vp.width if self.vp is not None else V
         step = max(1, _BLOCK // max(1, width))
@@ -391,6 +409,7 @@ class TruncationBackend(SupportBackend):
         full = (self._stored(targets) if key == self._last
                 else self._recompute(logits, targets, inv_temp))
         self._last = key
+        self.poison = self.bad.index_select(0, targets[:, 1])
         return super().row_stats(logits, full, inv_temp, want_entropy, want_sum_p2, ws)
 
     def logit_grad_(self, logits, targets, inv_temp, lse, entropy, g_logp, g_entropy,

@@ -1,4 +1,4 @@
-"""The sampler's support (SPEC §16, docs/math.md "The sampler's support"), issue 60's core:
+"""The sampler's support (docs/math.md §16, "The sampler's support"), issue 60's core:
 ``support_ids`` on ``fused_linear_logprobs``, ``fused_linear_policy_loss`` and
 ``token_stats``, on every backend, against a float64 oracle that forms the logits, masks them
 to the support and differentiates with autograd (``gbc_reference``).
@@ -357,3 +357,140 @@ def test_sequence_parallel_support_matches_float64():
         assert err(o["kept"][own], tok["log_kept_mass"][own]) < 1e-6
     for i, k in enumerate(("hidden", "weight", "bias")):
         assert max_rel_err(sum(o["grads"][i] for o in out), x[k].grad) < 1e-4
+
+
+# ------------------------------------------------------------------ issue 65: edge inputs
+ST = gbc.SamplerTruncation
+SUPPORTS = {                      # how a call names its support: recorded ids or rebuilt
+    "support_ids": lambda y, V: dict(support_ids=support_for(y, V)),
+    "top_k": lambda y, V: dict(sampler_truncation=ST(top_k=5)),
+    "top_p": lambda y, V: dict(sampler_truncation=ST(top_p=0.9)),       # no top-k bound
+    "min_p": lambda y, V: dict(sampler_truncation=ST(min_p=0.05)),
+}
+
+
+def _poisoned(b, where):
+    """``b``'s hidden / weight with one non-finite entry: token [0, 1] of the hidden states, or
+    one row of the weight (every token's logits)."""
+    h, w = b["hidden"].clone(), b["weight"].clone()
+    if where == "weight-nan":
+        w[5, 2] = float("nan")
+    else:
+        h[0, 1, 3] = {"hidden-nan": float("nan"), "hidden+inf": float("inf"),
+                      "hidden-inf": float("-inf")}[where]
+    return h, w
+
+
+@pytest.mark.parametrize("where", ["hidden-nan", "hidden+inf", "hidden-inf", "weight-nan"])
+@pytest.mark.parametrize("support", list(SUPPORTS))
+def test_non_finite_rows_give_nan_as_the_whole_vocabulary(backend, support, where):
+    """NaN in, NaN out (issue 65, 1-2): a NaN / ±inf hidden entry or a NaN weight row gives the
+    loss and the poisoned rows' log-probs NaN over the support as over the whole vocabulary —
+    never an index error (the top-p histogram select) nor a finite loss with non-finite
+    gradients (a ratio exp(-inf) = 0 clipped away). Rows without a non-finite logit stay
+    finite where the support does not name the poisoned weight row."""
+    b = make_batch(B=2, T=5, H=16, V=67, logit_scale=3.0, empty_row=False, mask_p=1.1)
+    y = b["targets"]
+    h, w = _poisoned(b, where)
+    kw = SUPPORTS[support](y, 67)
+    lp, = gbc.fused_linear_logprobs(h, w, y, bias=b["bias"], backend=backend, **kw)[:1]
+    full, = gbc.fused_linear_logprobs(h, w, y, bias=b["bias"], backend=backend)[:1]
+    bad = torch.isnan(full)
+    assert bad.any()
+    if where != "weight-nan" or support != "support_ids":     # the row was formed: NaN too
+        assert torch.isnan(lp[bad]).all()
+    assert torch.isfinite(lp[~bad]).all()
+    hl, wl = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    loss, _ = gbc.fused_linear_policy_loss(hl, wl, y, b["mask"], b["advantages"],
+                                           old_logp=b["old_logp"], bias=b["bias"],
+                                           backend=backend, **kw)
+    assert torch.isnan(loss), float(loss)
+    st = gbc.token_stats(h, w, y, b["bias"], backend=backend, **kw)
+    assert torch.isnan(st.logp[bad]).all() if where != "weight-nan" or support != "support_ids" \
+        else torch.isfinite(st.logp).any()
+
+
+@pytest.mark.parametrize("support", list(SUPPORTS))
+def test_log_kept_mass_stays_at_temperature_under_another_certainty_temperature(backend,
+                                                                                support):
+    """issue 65, 3: ``token_stats(return_log_kept_mass=True)`` with a certainty at its own
+    ``certainty_temperature`` returns the kept mass at ``temperature`` (the certainty's pass
+    scores the same rows again and must not overwrite it), against float64."""
+    if support == "support_ids":
+        pytest.skip("support_ids: covered by the float64 case below")
+    b = make_batch(B=3, T=7, H=16, V=53, logit_scale=3.0)
+    y = b["targets"].clamp(min=0)
+    kw = SUPPORTS[support](y, 53)
+    one = gbc.token_stats(b["hidden"], b["weight"], y, b["bias"], temperature=0.7,
+                          backend=backend, return_log_kept_mass=True, **kw)
+    two = gbc.token_stats(b["hidden"], b["weight"], y, b["bias"], temperature=0.7,
+                          certainty="entropy", certainty_temperature=1.6, backend=backend,
+                          return_log_kept_mass=True, **kw)
+    assert (one.log_kept_mass < -1e-3).any()
+    assert torch.equal(one.log_kept_mass, two.log_kept_mass)
+    assert torch.equal(one.logp, two.logp)
+
+
+@pytest.mark.parametrize("ctemp", [1.6, 0.7])
+def test_log_kept_mass_with_certainty_matches_float64(backend, ctemp):
+    """issue 65, 3 with recorded ids, against ``gbc_reference`` in float64: ``log_kept_mass``
+    at ``temperature`` whatever ``certainty_temperature`` is."""
+    b = make_batch(B=3, T=7, H=16, V=53, logit_scale=3.0)
+    y = b["targets"].clamp(min=0)
+    ids = support_for(y, 53)
+    got = gbc.token_stats(b["hidden"], b["weight"], y, b["bias"], temperature=0.7,
+                          certainty="max_prob", certainty_temperature=ctemp, backend=backend,
+                          return_log_kept_mass=True, support_ids=ids)
+    x = as64(b)
+    _, _, want = ref.fused_linear_logprobs(x["hidden"], x["weight"], y, bias=x["bias"],
+                                           temperature=0.7, return_entropy=True,
+                                           support_ids=ids, return_log_kept_mass=True)
+    assert err(got.log_kept_mass, want) < 1e-6
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (3, 0)], ids=["B0", "T0"])
+@pytest.mark.parametrize("support", list(SUPPORTS))
+def test_zero_tokens_with_a_support(backend, support, shape):
+    """issue 65, 6: ``support_ids`` (and ``sampler_truncation``) on zero tokens are accepted as
+    the same calls without a support are: empty outputs, a zero loss, zero gradients."""
+    H, V = 8, 29
+    h = torch.randn(*shape, H, requires_grad=True)
+    w = torch.randn(V, H, requires_grad=True)
+    y = torch.zeros(shape, dtype=torch.long)
+    m = torch.ones(shape, dtype=torch.bool)
+    kw = SUPPORTS[support](y, V)
+    lp, ent = gbc.fused_linear_logprobs(h, w, y, return_entropy=True, backend=backend, **kw)
+    assert lp.shape == shape and ent.shape == shape
+    st = gbc.token_stats(h, w, y, backend=backend, return_log_kept_mass=True, **kw)
+    assert st.logp.shape == shape and st.log_kept_mass.shape == shape
+    loss, _ = gbc.fused_linear_policy_loss(h, w, y, m, torch.zeros(shape[0]), backend=backend,
+                                           **kw)
+    loss.backward()
+    assert float(loss) == 0.0
+    assert torch.equal(w.grad, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("support", ["support_ids", "min_p", "top_k"])
+def test_inf_hidden_with_a_minus_inf_target_gives_nan_loss(backend, support):
+    """issue 65, 2, the case the sweep found: +inf in one hidden entry puts every logit of the
+    token at ±inf; with its target on the -inf side and a kept id on the +inf side, ``logp_S`` was -inf,
+    the ratio 0 was clipped away and the loss came out finite with non-finite gradients. The
+    whole vocabulary's loss is NaN, and so must the support's be."""
+    b = make_batch(B=2, T=5, H=16, V=67, logit_scale=3.0, empty_row=False, mask_p=1.1)
+    h, w, y = b["hidden"].clone(), b["weight"], b["targets"].clone()
+    h[0, 1, 3] = float("inf")
+    neg, pos = (w[:, 3] < 0).nonzero().squeeze(1), (w[:, 3] > 0).nonzero().squeeze(1)
+    y[0, 1] = neg[0]
+    kw = SUPPORTS[support](y, 67)
+    if support == "support_ids":          # one kept id at +inf, the others with the target
+        ids = kw["support_ids"]
+        ids[0, 1] = torch.cat([pos[:1], neg[1:ids.shape[-1]]])
+    hl = h.clone().requires_grad_(True)
+    for old in (b["old_logp"], None):
+        loss, _ = gbc.fused_linear_policy_loss(hl, w, y, b["mask"], b["advantages"],
+                                               old_logp=old, bias=b["bias"], backend=backend,
+                                               **kw)
+        whole, _ = gbc.fused_linear_policy_loss(hl, w, y, b["mask"], b["advantages"],
+                                                old_logp=old, bias=b["bias"], backend=backend)
+        assert torch.isnan(whole)
+        assert torch.isnan(loss), float(loss)

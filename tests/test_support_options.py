@@ -30,6 +30,39 @@ def test_the_method_layer_checks_and_maps_the_settings():
         methods.MethodOptions(support_ties="last")
 
 
+@pytest.mark.parametrize("field,value", [
+    ("top_k", "all"), ("top_k", 5.7), ("top_k", True), ("top_k", "20"),
+    ("top_p", "0.9x"), ("top_p", True), ("top_p", 1.5), ("min_p", "x"), ("min_p", False),
+])
+def test_sampler_settings_refused_by_field_never_rounded(field, value):
+    """issue 65, 4: a trainer's setting of the wrong type or range is refused naming the field
+    in the trainer's words (``names``), as ``SamplerTruncation`` refuses it — ``top_k=5.7`` is
+    never 5, ``top_k=True`` never 1 (greedy)."""
+    kw = {"top_k": 20, "top_p": 0.9, "min_p": 0.0, field: value}
+    with pytest.raises(ValueError, match=rf"^rollout\.{field}=.*|^gbc_support=replay: "
+                                         rf"rollout\.{field}: expected"):
+        methods.sampler_truncation(methods.MethodOptions(support="replay"), **kw,
+                                   names={"support": "gbc_support",
+                                          field: f"rollout.{field}"})
+
+
+def test_corrected_sampler_logp_checks_its_inputs():
+    """issue 65, 5: a ``log_kept_mass`` of another shape is refused naming it (never
+    broadcast); ``normalised`` must be a real bool (``'no'`` is not True)."""
+    import torch
+
+    lp = torch.tensor([[-1.0, -2.0, -0.5]])
+    f = methods.corrected_sampler_logp
+    for bad in (torch.zeros(3), torch.zeros(3, 1), torch.zeros(1, 3, 1)):
+        with pytest.raises(ValueError, match=r"^log_kept_mass: expected sampling_logp's shape"):
+            f(lp, bad, "kept_mass")
+    with pytest.raises(TypeError, match="^log_kept_mass: expected a tensor"):
+        f(lp, [[0.0, 0.0, 0.0]], "replay", normalised=False)
+    for bad in ("no", 0, 1, None):
+        with pytest.raises(TypeError, match=r"^normalised: expected a bool"):
+            f(lp, torch.zeros(1, 3), "replay", normalised=bad)
+
+
 def test_corrected_sampler_logp():
     import torch
 
