@@ -20,7 +20,14 @@ For each row of MATRIX this script
 5. writes docs/compatibility.md from the results. Rows not run in this invocation keep the
    result of their last run (kept machine-readable at the end of the file) or say why not.
 
+The row ``transformers==newest`` is not a trainer release: it installs the test venv's pins
+(``compat/sets/transformers-newest.txt``) with the newest transformers on the index at the time
+of the run (``NEWEST`` in the set, resolved by ``pip download``; its venv is cached by that
+version) and runs a subset of the suite (TRANSFORMERS_SUBSET), to see a transformers release
+coming before requirements-dev.txt adopts it. It is not in CI: its result moves with the index.
+
 Usage: python compat/run.py [--only trl==1.14.2 --only verl] [--jobs 1] [--install-only]
+       python compat/run.py --only transformers     # the newest transformers (not in CI)
 """
 
 from __future__ import annotations
@@ -60,6 +67,20 @@ TRAINERS = {
     "areal": ("areal", ["tests/test_areal*.py"],
               ["areal", "transformers", "peft", "ray", "omegaconf", "hydra-core"]),
 }
+# the newest transformers (a release of no trainer): the suite's parts that go through
+# transformers' model loading and trainers (files, or pytest node ids)
+TRANSFORMERS_SUBSET = [
+    "tests/test_releases_transformers.py",         # issue 65: kernelize under a meta-device init
+    "tests/test_hf.py",                            # gbc's own HF path
+    "tests/test_verl_ulysses.py",                  # verl's FSDP engine at world size 2 (meta init)
+    "tests/test_verl_support.py::test_ulysses_sp2_equals_sp1",
+    "tests/test_verl_engine.py",                   # verl's FSDP engine, gbc's and verl's steps
+    "tests/test_trl.py",                           # TRL 1.16's GRPOTrainer (PEFT, ZeRO-3)
+]
+TRAINERS["transformers"] = ("transformers", TRANSFORMERS_SUBSET,
+                            ["transformers", "kernels", "tokenizers", "huggingface-hub", "trl",
+                             "verl", "accelerate", "peft"])
+NEWEST = "newest"       # a MATRIX release resolved at run time: the newest on the index
 # the releases users hold (issue 51); a row per (trainer, release)
 MATRIX = [
     ("trl", "1.14.2"), ("trl", "1.15.0"), ("trl", "1.16.0"),
@@ -67,6 +88,7 @@ MATRIX = [
     ("openrlhf", "0.10.4"), ("openrlhf", "0.11.2"),
     ("skyrl", "0.3.0"), ("skyrl", "0.4.0"),
     ("areal", "1.0.4"),
+    ("transformers", NEWEST),
 ]
 NO_ADAPTER = {}
 
@@ -80,6 +102,29 @@ torch you have. These are the commands `make compat` runs for each row (from the
 `python compat/run.py --print-install TRAINER==RELEASE` prints them for any row). TRL needs no
 `--no-deps`: `pip install torch==2.13.0 && pip install -c compat/constraints.txt
 --no-build-isolation -e ".[trl]"`.
+"""
+
+TRANSFORMERS_NOTE = """\
+The test venv (`make install`) holds transformers 5.24.0 (requirements-dev.txt, under
+requirements-lock.txt); each trainer row holds the transformers its trainer pins. The row
+`transformers newest` runs a subset of the suite (the verl engine's Ulysses and FSDP tests,
+TRL's, gbc's HF path, tests/test_releases_transformers.py) in the test venv's pins with the
+newest transformers on the index: `make compat ONLY=transformers`. It is not in CI (`.ci/run`):
+its result moves with the index; it shows a release coming before requirements-dev.txt adopts
+it.
+
+gbc's verl path (verl 0.9.1, whose own pin is transformers>=5.5.3,<5.11,!=5.6.0; the test
+venv installs it `--no-deps`) is tested on transformers 5.10.4 (the verl 0.9.1 row), 5.23.0
+(issue 65's run) and 5.24.0 (the test venv). transformers 5.25.0 does not build verl's FSDP
+engine at world size > 1, gbc's or verl's own: from 5.25 `from_pretrained` kernelizes every
+model by default (`use_kernels` on unless `USE_HUB_KERNELS` is false: transformers/
+modeling_utils.py:4415-4423, 4495), and verl's ranks other than 0 build the model on `meta`
+(accelerate's `init_empty_weights`), which the `kernels` package refuses: `ValueError:
+Unsupported device type 'meta'`. The way out: transformers 5.24.0 (`pip install
+"transformers<5.25"`), or `USE_HUB_KERNELS=NO` in the workers' environment
+(`gbc_kernels.integrations.releases.no_hub_kernels()` sets it around a build): the model is
+then built as 5.24 builds it, nothing kernelized. The `verl` extra (setup.py) says
+transformers<5.25.
 """
 
 
@@ -129,14 +174,16 @@ def tail_error(log_path, n=1):
     return " | ".join((errs or [l.strip() for l in lines if l.strip()])[-n:])[:300]
 
 
-def parse_set(path):
+def parse_set(path, newest=None):
     """A requirement set: '[resolve]' and '[no-deps]' sections of pip requirement lines, and
     '[outside-requires-python]': like '[no-deps]', with ``--ignore-requires-python`` (a trainer
     release whose Requires-Python excludes this machine's Python, run here all the same; its
-    row says so)."""
+    row says so). ``==NEWEST`` in a line: ``==newest`` (the release resolved for the run)."""
     sections, cur = {"resolve": [], "no-deps": [], "outside-requires-python": []}, "resolve"
     for line in read(path).splitlines():
         line = line.split("#", 1)[0].strip()
+        if newest:
+            line = line.replace("==NEWEST", f"=={newest}")
         if not line:
             continue
         m = re.fullmatch(r"\[(resolve|no-deps|outside-requires-python)\]", line)
@@ -316,8 +363,29 @@ def trainer_pins(ctx, name, release):
             "gpu_or_build": gpu}
 
 
-def set_hash(ctx, set_path):
-    return sha(ctx.base_hash, read(set_path), "v1")
+def newest_release(ctx, name):
+    """The newest release of ``name`` the index serves (a wheel, no pre-release): (version,
+    None), or (None, why not). Its METADATA seeds :func:`trainer_pins`'s cache."""
+    with tempfile.TemporaryDirectory(dir=ctx.cache) as d:
+        lg = os.path.join(d, "download.log")
+        open(lg, "w").close()
+        rc, _ = run([vpy(ctx.base), "-m", "pip", "download", "-q", "--no-deps",
+                     "--only-binary=:all:", name, "-d", d], lg, env=pip_env())
+        whl = glob.glob(os.path.join(d, "*.whl"))
+        if rc or not whl:
+            return None, f"the newest {name} does not download: {tail_error(lg)}"
+        version = os.path.basename(whl[0]).split("-")[1]
+        meta_dir = os.path.join(ctx.cache, "metadata", f"{name}-{version}")
+        if not os.path.exists(os.path.join(meta_dir, "METADATA")):
+            os.makedirs(meta_dir, exist_ok=True)
+            with zipfile.ZipFile(whl[0]) as z:
+                name_meta = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")][0]
+                open(os.path.join(meta_dir, "METADATA"), "wb").write(z.read(name_meta))
+    return version, None
+
+
+def set_hash(ctx, set_path, newest=None):
+    return sha(ctx.base_hash, read(set_path), "v1", *([newest] if newest else []))
 
 
 def install_commands(ctx, venv, sections):
@@ -336,11 +404,13 @@ def install_commands(ctx, venv, sections):
     return cmds
 
 
-def ensure_venv(ctx, trainer, release):
-    """The row's venv: cached by the hash of its requirement set. Returns (venv, info)."""
+def ensure_venv(ctx, trainer, release, newest=None):
+    """The row's venv: cached by the hash of its requirement set (and ``newest``, the release
+    its ``==NEWEST`` stands for). Returns (venv, info)."""
     set_path = os.path.join(HERE, "sets", f"{trainer}-{release}.txt")
-    sections = parse_set(set_path)
-    venv = os.path.join(ctx.cache, "venvs", f"{trainer}-{release}-{set_hash(ctx, set_path)}")
+    sections = parse_set(set_path, newest)
+    venv = os.path.join(ctx.cache, "venvs",
+                        f"{trainer}-{release}-{set_hash(ctx, set_path, newest)}")
     info = {"set": os.path.relpath(set_path, ROOT), "cached": True, "install_s": 0.0}
     if os.path.exists(os.path.join(venv, ".complete")) and not ctx.args.rebuild:
         return venv, info
@@ -470,6 +540,10 @@ def run_tests(ctx, venv, trainer, row):
         files, select = ["tests/test_releases.py"], ["-k", trainer]
     else:
         for pat in TRAINERS[trainer][1]:
+            if "::" in pat:             # a pytest node id: its file must exist
+                if os.path.exists(os.path.join(ROOT, pat.split("::")[0])):
+                    files.append(pat)
+                continue
             files += sorted(os.path.relpath(p, ROOT)
                             for p in glob.glob(os.path.join(ROOT, pat)))
     lg_dir = os.path.join(ctx.cache, "logs")
@@ -509,7 +583,14 @@ def do_row(ctx, trainer, release):
            "date": dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
            "gbc_source": getattr(ctx, "src_hash", None), "commit": git_commit()}
     t0 = time.time()
-    row["pins"] = trainer_pins(ctx, name, release)
+    newest = None
+    if release == NEWEST:
+        newest, why = newest_release(ctx, name)
+        if newest is None:
+            row["status"] = f"not run ({why})"
+            return row
+        row["resolved"] = newest
+    row["pins"] = trainer_pins(ctx, name, newest or release)
     if "error" in row["pins"]:
         row["status"] = f"not run ({name} {release} {row['pins']['error']})"
         return row
@@ -525,7 +606,7 @@ def do_row(ctx, trainer, release):
         row["status"] = f"not run (no requirement set {os.path.relpath(set_path, ROOT)})"
         return row
     log(f"{trainer} {release}: venv")
-    venv, info = ensure_venv(ctx, trainer, release)
+    venv, info = ensure_venv(ctx, trainer, release, newest)
     row["install"] = info
     if venv is None:
         row["status"] = f"install failed: {info.get('error')}"
@@ -544,7 +625,8 @@ def do_row(ctx, trainer, release):
     if ctx.args.install_only:
         row["status"] = "installed (tests not run: --install-only)"
         return row
-    log(f"{trainer} {release}: pytest (transformers {row['versions'].get('transformers')})")
+    log(f"{trainer} {release}: pytest (transformers {row['versions'].get('transformers')}"
+        f"{', kernels ' + str(row['versions'].get('kernels')) if trainer == 'transformers' else ''})")
     row["tests"] = run_tests(ctx, venv, trainer, row)
     t = row["tests"]
     if t.get("timeout"):
@@ -634,6 +716,8 @@ def fmt_s(s):
 def install_lines(trainer, release):
     """The CPU install of one row, as shell commands (what ensure_venv runs)."""
     sections = parse_set(os.path.join(HERE, "sets", f"{trainer}-{release}.txt"))
+    # ==NEWEST: unpinned (in a fresh venv pip takes the newest release)
+    sections = {k: [x.replace("==NEWEST", "") for x in v] for k, v in sections.items()}
     q = lambda xs: " ".join(shlex.quote(x) for x in xs)  # noqa: E731
     out = ["pip install torch==2.13.0",
            "pip install -c compat/constraints.txt -r compat/base.txt"]
@@ -673,6 +757,7 @@ def write_doc(rows, argv):
                             ("skyrl", "0.4.0")):
         L += [f"{trainer} {newest} (`compat/sets/{trainer}-{newest}.txt`):", "", "```bash"]
         L += install_lines(trainer, newest) + ["```", ""]
+    L += ["## transformers", "", TRANSFORMERS_NOTE]
     L += ["## Matrix", "",
          "| trainer | release | result | tests passed / failed / skipped | transformers "
          "(resolved) | trainer pins transformers | other key versions | venv | test time | date "
@@ -692,7 +777,8 @@ def write_doc(rows, argv):
         inst = r.get("install")
         venv = ("cached" if inst and inst.get("cached") else
                 f"built {fmt_s(inst['install_s'])}" if inst else "—")
-        L.append(f"| {trainer} | {release} | {r['status']} | {counts} | "
+        rel = f"{release} ({r['resolved']})" if r.get("resolved") else release
+        L.append(f"| {trainer} | {rel} | {r['status']} | {counts} | "
                  f"{v.get('transformers') or '—'} | {pins.get('transformers', '—')} | {key} | "
                  f"{venv} | {fmt_s(t['test_s']) if t else '—'} | "
                  f"{r.get('date', '—')} ({r.get('commit', '—')}) |")
@@ -704,6 +790,9 @@ def write_doc(rows, argv):
         L.append(f"### {trainer} {release}")
         L.append("")
         L.append(f"- result: {r['status']}")
+        if r.get("resolved"):
+            L.append(f"- {release}: {trainer} {r['resolved']}, the newest release on the index "
+                     f"on {r.get('date', '?')[:10]}")
         pins = r.get("pins", {})
         if "error" not in pins and pins:
             L.append(f"- its own pins: transformers `{pins['transformers']}`, torch "
