@@ -631,3 +631,85 @@ def test_kept_mass_with_nthr_and_lopti(methods_off):
                                                                           batch.action_mask))
     assert "vllm_kl" in status["metrics"] and abs(float(status["metrics"]["vllm_kl"])) < 1e-5
     assert torch.equal(lks[0], lks[1])
+
+
+# ------------------------------------------------------- the whole buffer checked up front
+class _Loop:
+    """OpenRLHF's ``ActorPPOTrainer.ppo_train`` as far as the update goes (its module imports
+    vLLM): the replay buffer's samples in order, ``sample_batch_size`` a micro-batch, each
+    through ``training_step`` (the strategy steps the optimizer after each: accumulation 1).
+    ``enable(trainer_cls=_Loop)`` puts gbc's ``ppo_train`` and ``training_step`` on it."""
+
+    def ppo_train(self, kl_ctl):
+        items, n, status = self.replay_buffer.items, self.replay_buffer.sample_batch_size, {}
+        for step, i in enumerate(range(0, len(items), n)):
+            exp = make_experience_batch(items[i:i + n])
+            status = self.training_step(exp, kl_ctl, step,
+                                        ORL.get_loss_batch_info(None, exp.action_mask))
+        return status
+
+    def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
+        raise AssertionError("gbc's training_step is patched in")
+
+
+@pytest.mark.parametrize("missing", ["log_kept_mass", "rollout_log_probs"])
+def test_kept_mass_refusal_before_the_first_micro_batch(missing, methods_off):
+    """``support=kept_mass``: a sample of the update's last micro-batch without the kept mass
+    (or without the rollout log-probs it moves) is refused by the patched ``ppo_train``
+    before the first micro-batch's step, naming the sample: no gradient, no parameter and no
+    optimizer state changed (before, the earlier micro-batches had stepped)."""
+    args = sargs(is_level="token")
+    gorl.enable(actor_cls=ORL.Actor, trainer_cls=_Loop, buffer_cls=NaiveReplayBuffer,
+                support="kept_mass")
+    t = _Loop()
+    t.__dict__.update(vars(trainer(args)))
+    t.actor_optim = torch.optim.Adam(t.actor.model.parameters(), lr=LR)
+    t.actor_scheduler = torch.optim.lr_scheduler.LambdaLR(t.actor_optim, lambda _: 1.0)
+    make_experience(t, args, sample_rollouts())
+    t.replay_buffer.sample_batch_size = 4                  # two micro-batches of 4 samples
+    bad = t.replay_buffer.items[B - 1]                     # in the last one
+    if missing == "log_kept_mass":
+        del bad.info[gorl.KEPT_MASS_KEY]
+        match = (rf"^support=kept_mass: the experience carries no log_kept_mass: the replay "
+                 rf"buffer's sample {B - 1} \(of {B}; checked for the whole buffer before")
+    else:
+        bad.rollout_log_probs = None
+        match = (rf"^experience.rollout_log_probs: required with log_kept_mass .*: the replay "
+                 rf"buffer's sample {B - 1} \(of {B}; checked")
+    params = {n: p.detach().clone() for n, p in t.actor.model.named_parameters()}
+    with pytest.raises(ValueError, match=match):
+        t.ppo_train(0.0)
+    for n, p in t.actor.model.named_parameters():
+        assert p.grad is None, n
+        assert torch.equal(p, params[n]), n
+    assert t.actor_optim.state_dict()["state"] == {}
+    assert t.actor_scheduler.last_epoch == 0
+    if missing == "log_kept_mass":          # the buffer put right, the update runs
+        bad.info[gorl.KEPT_MASS_KEY] = t.replay_buffer.items[0].info[gorl.KEPT_MASS_KEY] * 0
+        t.ppo_train(0.0)
+        assert any(not torch.equal(p, params[n]) for n, p in t.actor.model.named_parameters())
+
+
+def test_method_metrics_logged_only_when_the_method_runs(methods_off):
+    """AR's ``gbc/ar_weight_mean`` and Lopti's ``gbc/low_frac``, ``gbc/grad_share_low`` and
+    ``gbc/grad_norm_sum`` are logged by ``training_step`` only when the method runs (before,
+    every step logged them: an AR weight of 1, a low share with no split)."""
+    args = sargs(is_level="token")
+    exp = sample_rollouts()
+    names = {"gbc/ar_weight_mean", "gbc/low_frac", "gbc/grad_share_low", "gbc/grad_norm_sum"}
+    logged = {}
+    for case, options in (("off", {}), ("ar", dict(ar_alpha=0.3)),
+                          ("lopti", dict(lopti_eta=0.5))):
+        gorl.disable()
+        _enable(**options)
+        t = trainer(args)
+        batch = copy.deepcopy(exp)
+        with torch.no_grad():
+            batch.action_log_probs = t.actor(batch.sequences, batch.action_mask,
+                                             batch.attention_mask)
+        status = gorl.training_step(t, batch, 0.0, 0,
+                                    ORL.get_loss_batch_info(None, batch.action_mask))
+        logged[case] = names & set(status["metrics"])
+        assert "gbc/ratio_mean" in status["metrics"]        # the loss's own diagnostics stay
+    assert logged == {"off": set(), "ar": {"gbc/ar_weight_mean"},
+                      "lopti": {"gbc/low_frac", "gbc/grad_share_low", "gbc/grad_norm_sum"}}

@@ -35,8 +35,8 @@ from .actor import (EXPERIENCE_NAMES, PackedRows, _check_packed_per_token,  # no
 from .trainer import (ARGS_ATTR, GBC_INFO_KEYS, INDEX_KEY, KEPT_ATTR,  # noqa: F401
                       KEPT_MASS_KEY, KL_WEIGHT_KEY, SCALE_KEY, _PATCHES, _STATE, _actor_forward,
                       _buffer_append, _info_rows, _is_reference, _nthr_forget, _nthr_forward,
-                      _ppo_train, _strategy_prepare, _take_pending, check_trainer, nthr_pass,
-                      support_truncation, training_step)
+                      _ppo_train, _strategy_prepare, _take_pending, check_buffer, check_trainer,
+                      nthr_pass, support_truncation, training_step)
 
 
 # the OpenRLHF releases the drop-in is tested on (major.minor), and where its Ray trainer and

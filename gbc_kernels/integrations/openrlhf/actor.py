@@ -312,8 +312,20 @@ def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_in
             actor_loss = actor_loss + cfg.entropy_coef * om["entropy_loss"]
         om["policy_loss"] = actor_loss
         om.update(is_metrics)
-    om.update({f"gbc/{k}": v for k, v in metrics.items()})
+    om.update({f"gbc/{k}": v for k, v in metrics.items() if k not in _methods_off(cfg)})
     return loss, om
+
+
+# the fused loss's metrics of a method, logged only where the method runs (AR: ar_alpha > 0;
+# Lopti: lopti_eta set); with it off they would describe an update that did not happen
+AR_METRICS = ("ar_weight_mean",)
+LOPTI_METRICS = ("low_frac", "grad_share_low", "grad_norm_sum")
+
+
+def _methods_off(cfg) -> tuple:
+    """The names of the fused loss's metrics whose method ``cfg`` does not run."""
+    return (() if cfg.ar_alpha else AR_METRICS) + \
+        (() if cfg.lopti_eta is not None else LOPTI_METRICS)
 
 
 def _kept_mass_rollout(args, rollout, log_kept_mass, mask):

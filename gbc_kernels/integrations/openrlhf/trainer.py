@@ -314,9 +314,37 @@ def _nthr_forward(trainer, items, batch, group, model, temperature, device):
         actor.train(was_training)
 
 
+def check_buffer(trainer) -> None:
+    """What ``training_step`` would refuse in one of the update's micro-batches, checked for
+    the rank's whole replay buffer before the first (OpenRLHF's loop steps the optimizer
+    after each accumulation window, so a refusal in a later micro-batch would come after
+    earlier steps): under ``support=kept_mass``, a sample without the actor pass's
+    ``log_kept_mass`` or without ``rollout_log_probs`` (what it moves), refused naming the
+    sample."""
+    if _STATE.methods.support != "kept_mass":
+        return
+    buffer = getattr(trainer, "replay_buffer", None)
+    items = list(getattr(buffer, "items", None) or ())
+    for i, item in enumerate(items):
+        where = (f"the replay buffer's sample {i} (of {len(items)}; checked for the whole "
+                 f"buffer before the update's first training step)")
+        if (getattr(item, "info", None) or {}).get(KEPT_MASS_KEY) is None:
+            raise ValueError(
+                f"support=kept_mass: the experience carries no log_kept_mass: {where} (the "
+                f"experience maker's actor pass in this process computes it and the replay "
+                f"buffer's append stores it: enable() must run in this process with the same "
+                f"options, e.g. through {ENV_OPTIONS})")
+        if getattr(item, "rollout_log_probs", None) is None:
+            raise ValueError(f"experience.rollout_log_probs: required with log_kept_mass "
+                             f"(support=kept_mass moves vLLM's processed log-probs): {where} "
+                             f"has none")
+
+
 def _ppo_train(self, kl_ctl: float):
-    """``ActorPPOTrainer.ppo_train`` after gbc's start-up checks and NTHR's pass."""
+    """``ActorPPOTrainer.ppo_train`` after gbc's start-up checks (the whole replay buffer's
+    included: :func:`check_buffer`) and NTHR's pass."""
     check_trainer(self)
+    check_buffer(self)
     try:
         extra = nthr_pass(self) if _STATE.methods.nthr else {}
         status = _PATCHES.original(type(self), "ppo_train")(self, kl_ctl)
