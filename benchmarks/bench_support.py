@@ -16,6 +16,19 @@ Providers (forward + backward of the GRPO loss, PPO clip + k3 KL, through the lo
   with ``sampler_truncation=top_p 0.95``, ``over_support=False``, ``return_log_kept_mass``)
   against the plain ``token_stats`` pass (ratios of those two are to ``plain_old``).
 
+* ``support_whole`` (issue 66): ``support`` with the support route off
+  (``GBC_SUPPORT_ROUTE_FRACTION=0``): every chunk projected through the whole head and its
+  members read from it (the replay before the route); ``support_route``: the route always
+  taken (``GBC_SUPPORT_ROUTE_FRACTION=1``), to find its break-even.
+
+``--sets`` shapes the kept sets (issue 66): ``indep`` (``k`` uniform ids a token, the target
+first: ``|U|`` of a chunk near ``min(V, rows·k)``), ``overlap`` (``k`` ids a token drawn from a
+Zipf(1.1) law over the vocabulary, as consecutive tokens' candidates share the frequent ids),
+``topp`` (top-p sized: half the tokens the target alone, the others ``1 + Geometric`` ids of mean
+16 from the same Zipf law: mean ~8.5, median 1–2; ``k`` is then the row width). The support
+providers print the sets' mean size, the singletons' share and the mean ``|U| / V`` of their
+chunks.
+
 ``--logit-std`` scales the hidden states so that the logits have that standard deviation (3.0:
 peaked rows, as a trained model's; the truncated sets' mean size is printed with the rows).
 
@@ -52,15 +65,38 @@ TRUNC = {"trunc_k20": dict(top_k=20), "trunc_p095": dict(top_p=0.95),
          "trunc_k20_p095": dict(top_k=20, top_p=0.95)}
 
 
-def setup(N, H, V, k, seed=0, device="cpu", dtype=torch.float32, logit_std=0.5):
+SETS = ("indep", "overlap", "topp")
+
+
+def _zipf(n, V, g):
+    """``n`` ids drawn from a Zipf(1.1) law over ``[0, V)`` (id 0 the most frequent)."""
+    w = 1.0 / torch.arange(1, V + 1, dtype=torch.float64) ** 1.1
+    return torch.multinomial(w, n, replacement=True, generator=g)
+
+
+def kept_sets(B, T, V, k, sets, g):
+    """``(targets, ids)`` ``[B, T]``, ``[B, T, k]``: the kept sets of ``--sets`` (module
+    docstring), the target first, ``-1`` padded."""
+    if sets == "indep":
+        ids = torch.randint(0, V, (B, T, k), generator=g)
+        return ids[..., 0].clone(), ids
+    ids = _zipf(B * T * k, V, g).view(B, T, k)
+    if sets == "topp":
+        p = torch.rand(B, T, generator=g)
+        size = 1 + torch.where(p < 0.5, 0, torch.distributions.Geometric(probs=1 / 16)
+                               .sample((B, T)).long() + 1)
+        ids = torch.where(torch.arange(k) < size.clamp(max=k).unsqueeze(-1), ids, -1)
+    return ids[..., 0].clone(), ids
+
+
+def setup(N, H, V, k, seed=0, device="cpu", dtype=torch.float32, logit_std=0.5,
+          sets="indep"):
     g = torch.Generator().manual_seed(seed)
     B, T = max(1, N // 512), min(N, 512)
     hidden = (torch.randn(B, T, H, generator=g) * logit_std).to(device, dtype) \
         .requires_grad_(True)
     weight = (torch.randn(V, H, generator=g) / H ** 0.5).to(device, dtype).requires_grad_(True)
-    targets = torch.randint(0, V, (B, T), generator=g)
-    ids = torch.randint(0, V, (B, T, k), generator=g)
-    ids[..., 0] = targets                      # the sampled token is in its support
+    targets, ids = kept_sets(B, T, V, k, sets, g)    # the sampled token is in its support
     old = -torch.rand(B, T, generator=g) * 2
     c = dict(targets=targets, ids=ids, mask=torch.ones(B, T, dtype=torch.bool),
              adv=torch.randn(B, generator=g), old=old,
@@ -88,8 +124,8 @@ def run(provider, c):
         kw = (dict(sampler_truncation=gbc.SamplerTruncation(top_p=0.95), over_support=False,
                    return_log_kept_mass=True) if provider == "kept_mass_old" else {})
         return gbc.token_stats(c["hidden"], c["weight"], c["targets"], **kw).logp.sum()
-    elif provider in ("plain", "support"):
-        sup = c["ids"] if provider == "support" else None
+    elif provider in ("plain", "support", "support_whole", "support_route"):
+        sup = c["ids"] if provider != "plain" else None
         loss, _ = gbc.fused_linear_policy_loss(c["hidden"], c["weight"], c["targets"],
                                                c["mask"], c["adv"], c["old"], c["ref"],
                                                config=cfg, support_ids=sup)
@@ -119,8 +155,31 @@ def set_size(provider, c):
     return float(ref.kept_set(l, **TRUNC[provider]).sum(-1).double().mean())
 
 
-def one(provider, N, H, V, k, reps, device="cpu", dtype=torch.float32, logit_std=0.5):
-    c = setup(N, H, V, k, device=device, dtype=dtype, logit_std=logit_std)
+ROUTE = {"support_whole": "0", "support_route": "1"}     # GBC_SUPPORT_ROUTE_FRACTION
+
+
+def _watch_chunks():
+    """The support route's chunks: ``[(|U| or None when not routed, V)]``."""
+    import gbc_kernels.support as S
+
+    seen, orig = [], S.SupportBackend.chunk_view
+
+    def watched(self, targets, vocab):
+        view = orig(self, targets, vocab)
+        u = int(torch.unique(targets[:, 2:][targets[:, 2:] >= 0]).numel())
+        seen.append((u, vocab, view is not None))
+        return view
+
+    S.SupportBackend.chunk_view = watched
+    return seen
+
+
+def one(provider, N, H, V, k, reps, device="cpu", dtype=torch.float32, logit_std=0.5,
+        sets="indep"):
+    if provider in ROUTE:
+        os.environ["GBC_SUPPORT_ROUTE_FRACTION"] = ROUTE[provider]
+    chunks = _watch_chunks() if provider.startswith("support") else None
+    c = setup(N, H, V, k, device=device, dtype=dtype, logit_std=logit_std, sets=sets)
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
@@ -147,6 +206,13 @@ def one(provider, N, H, V, k, reps, device="cpu", dtype=torch.float32, logit_std
     out = {"time": statistics.median(times), "peak_mib": peak}
     if provider in TRUNC:
         out["set_size"] = set_size(provider, c)
+    if chunks:
+        ids, y = c["ids"], c["targets"].unsqueeze(-1)
+        distinct = ((ids >= 0) & (ids != y)).sum(-1) + 1       # (no repeats in a Zipf draw
+        out["set_size"] = float(distinct.double().mean())      #  counted: an upper bound)
+        out["singletons"] = float((distinct == 1).double().mean())
+        out["u_frac"] = statistics.mean(u / v for u, v, _ in chunks)
+        out["routed"] = sum(r for _, _, r in chunks) / len(chunks)
     return out
 
 
@@ -161,17 +227,19 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--logit-std", type=float, default=0.5)
+    ap.add_argument("--sets", default="indep", choices=SETS)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--k", type=int, default=20, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(args.one, args.N, args.H, args.V, args.k, 2 if args.device == "cpu"
-                             else 5, args.device, getattr(torch, args.dtype), args.logit_std)))
+                             else 5, args.device, getattr(torch, args.dtype), args.logit_std,
+                             args.sets)))
         return
     print(f"# N={args.N} H={args.H} V={args.V} {args.dtype} on {args.device}, "
           f"{torch.get_num_threads()} threads, "
           f"torch {torch.__version__}; median of {args.rounds} rounds, each provider in a fresh "
-          f"process; peak = RSS growth beyond the inputs")
+          f"process; peak = RSS growth beyond the inputs; sets: {args.sets}")
     print("| k | provider | time (s) | × plain | peak (MiB) |")
     print("|---|---|---|---|---|")
     for k in (int(x) for x in args.ks.split(",")):
@@ -181,7 +249,8 @@ def main():
                 out = subprocess.run([sys.executable, __file__, "--one", p, "--N", str(args.N),
                                       "--H", str(args.H), "--V", str(args.V), "--k", str(k),
                                       "--device", args.device, "--dtype", args.dtype,
-                                      "--logit-std", str(args.logit_std)],
+                                      "--logit-std", str(args.logit_std),
+                                      "--sets", args.sets],
                                      capture_output=True, text=True, check=True)
                 res[p].append(json.loads(out.stdout.strip().splitlines()[-1]))
         med = {p: statistics.median(r["time"] for r in rs) for p, rs in res.items()}
@@ -189,7 +258,10 @@ def main():
             base = med.get("plain_old" if p.endswith("_old") else "plain")
             peak = max(r["peak_mib"] for r in rs)
             ratio = f"{med[p] / base:.2f}" if base else "-"
-            size = f" (mean set {rs[0]['set_size']:.0f} ids)" if "set_size" in rs[0] else ""
+            size = f" (mean set {rs[0]['set_size']:.1f} ids)" if "set_size" in rs[0] else ""
+            if "u_frac" in rs[0]:
+                size += (f" (singletons {rs[0]['singletons']:.0%}, chunk |U|/V "
+                         f"{rs[0]['u_frac']:.2f}, routed {rs[0]['routed']:.0%})")
             print(f"| {k} | {p}{size} | {med[p]:.3f} | {ratio} | {peak:.0f} |", flush=True)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -243,6 +243,49 @@ def _rows(inv_temp, s, e):
     return inv_temp[s:e] if isinstance(inv_temp, torch.Tensor) else inv_temp
 
 
+class _Head(NamedTuple):
+    """The rows of the head a chunk was projected through (the support route): ``weight`` /
+    ``bias`` ``W[ids]`` / ``b[ids]``, ``live`` the rows that were projected (None: all)."""
+    ids: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    live: Optional[torch.Tensor]
+
+
+def _project(hc, weight, bias, buf, softcap, backend, targets):
+    """``(logits, targets, head)`` of a chunk: through the whole head (``head`` None), or — a
+    support backend's route (``support.SupportBackend.chunk_view``) — through ``W[U]`` only,
+    ``[m, |U|]`` in the chunk buffer's memory, the rows whose support is the target alone left
+    at 0 (no GEMM row) and ``targets`` as positions in ``U``."""
+    routes = getattr(backend, "routes", False)
+    view = backend.chunk_view(targets, weight.shape[0]) if routes else None
+    if routes:
+        backend.full = None
+    if view is None:
+        return _chunking.project_chunk(hc, weight, bias, buf, softcap), targets, None
+    m, u = hc.shape[0], view.ids.numel()
+    w_u = weight.index_select(0, view.ids)
+    b_u = None if bias is None else bias.index_select(0, view.ids)
+    if backend.log_kept_mass is not None:       # LSE_V too: the whole head, into the buffer
+        full = _chunking.project_chunk(hc, weight, bias, buf, softcap)
+        backend.full = (full, targets[:, 0].contiguous())
+        out = torch.empty(m, u, device=buf.device, dtype=buf.dtype)
+    else:
+        out = buf.view(-1)[:m * u].view(m, u)
+    if view.live is None:
+        _chunking.project(hc, w_u, b_u, out, softcap)
+    else:
+        # rows not projected: logit 0 (their statistics are exact: logp 0, entropy 0, no
+        # gradient), NaN where the hidden row is not finite (NaN in, NaN out)
+        out.copy_(torch.where(torch.isfinite(hc).all(1, keepdim=True), 0.0, float("nan"))
+                  .to(out.dtype).expand(m, u))
+        if view.live.numel():
+            part = torch.empty(view.live.numel(), u, device=out.device, dtype=out.dtype)
+            _chunking.project(hc.index_select(0, view.live), w_u, b_u, part, softcap)
+            out.index_copy_(0, view.live, part)
+    return out, view.targets, _Head(view.ids, w_u, b_u, view.live)
+
+
 # Float32 mode: the devices where dL/dlogits is rounded to the operands' dtype for the two
 # gradient matmuls (tensor cores); elsewhere the products are float32 (tests add "cpu" to run
 # the rounding route without a GPU).
@@ -298,7 +341,9 @@ class _GradMatmuls:
                                   dtype=torch.float32) if need_db else None
         self.first = self.into is None
 
-    def add(self, lg, hc, s, e):
+    def add(self, lg, hc, s, e, head: Optional[_Head] = None):
+        if head is not None:
+            return self._add_rows(lg, hc, s, e, head)
         if self.f32 and lg.dtype != self.weight.dtype:
             if self.round_dz:                       # rounded once, for the tensor cores
                 if self.low is None or self.low.shape[0] < lg.shape[0]:
@@ -320,6 +365,46 @@ class _GradMatmuls:
                 self.grad_w.addmm_(lg.t(), hc)
         if self.grad_b is not None:
             self.grad_b += lg.sum(0, dtype=torch.float32)
+        self.first = False
+
+    def _add_rows(self, lg, hc, s, e, head: _Head):
+        """The support route's chunk: ``lg`` ``[m, |U|]`` the gradient over ``W[U]``:
+        ``grad_h = G W[U]`` (0 on rows not projected), ``grad_w[U] += G^T h`` and
+        ``grad_b[U] += sum G``, each row of ``grad_w`` written once (``U`` distinct: no
+        atomics, the same bits run to run). Float32 logits of low-precision operands, or a
+        float32 accumulator: the products in float32."""
+        live = head.live
+        g = lg if live is None else lg.index_select(0, live)
+        h = hc if live is None else hc.index_select(0, live)
+        f32 = lg.dtype != head.weight.dtype
+        if self.grad_h is not None:
+            if f32:
+                gh = g.float() @ head.weight.float()
+            else:
+                gh = g @ head.weight
+            if self.idx is None:
+                rows = self.grad_h[s:e]
+                if live is None:
+                    rows.copy_(gh)
+                else:
+                    rows.zero_()
+                    rows.index_copy_(0, live, gh.to(rows.dtype))
+            else:
+                at = self.idx[s:e] if live is None else self.idx[s:e].index_select(0, live)
+                self.grad_h.index_copy_(0, at, gh.to(self.grad_h.dtype))
+        if self.grad_w is not None:
+            if self.first:
+                self.grad_w.zero_()
+            acc = self.grad_w
+            if acc.dtype == torch.float32 and (f32 or g.dtype != torch.float32):
+                prod = g.t().float() @ h.float()
+            else:
+                prod = g.t() @ h
+            acc.index_put_((head.ids,), acc.index_select(0, head.ids) + prod.to(acc.dtype))
+        if self.grad_b is not None:
+            gb = self.grad_b
+            gb.index_put_((head.ids,), gb.index_select(0, head.ids)
+                          + g.sum(0, dtype=torch.float32))
         self.first = False
 
     def _add_fp32(self, lg, hc, s, e):
@@ -366,7 +451,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     # queued before the host waits, so the device is busy while the host prepares the rest.
     pending = (inp.checks if inp.checks is not None else Checks()).start(mflat.sum())
     early = order = None
-    if N and not (cfg.needs_sequence or cfg.needs_batch):
+    if N and not (cfg.needs_sequence or cfg.needs_batch) and not getattr(be, "routes", False):
         rows, buf = _chunk_buffer(N, hidden2d, weight, be, vp, (need_dh, need_dw),
                                   cfg.logits_dtype)
         order = _first_rows(mflat, N)        # the masked-in rows first (0-padded)
@@ -408,10 +493,11 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     parts, part_rows = [], []          # metric inputs, and the rows each part covers
 
     def project(s, e):
+        """``(hidden rows, logits, targets, head)`` of chunk ``[s, e)``."""
         if s == 0 and early is not None:            # queued before the row count was known
-            return early[:e], buf[:e]
+            return early[:e], buf[:e], y[s:e], None
         hc = hidden2d[s:e] if dense else hidden2d.index_select(0, idx[s:e])
-        return hc, _chunking.project_chunk(hc, weight, bias, buf, cfg.logit_softcap)
+        return (hc,) + _project(hc, weight, bias, buf, cfg.logit_softcap, be, y[s:e])
 
     if (n == 0 and cfg.entropy_quantile_on and inp.threshold_fn is not None
             and inp.sp is None):
@@ -425,8 +511,8 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
         with torch.no_grad():
             for s, e, _, two in plan:
                 if two:
-                    _, lg = project(s, e)
-                    st = be.row_stats(lg, y[s:e], _rows(inv_temp, s, e), want_entropy, True, ws)
+                    _, lg, yc, _ = project(s, e)
+                    st = be.row_stats(lg, yc, _rows(inv_temp, s, e), want_entropy, True, ws)
                     if combine is not None:
                         st = combine(st)
                     logp[s:e], lse[s:e], sum_p2[s:e] = st.target_z - st.lse, st.lse, st.sum_p2
@@ -449,14 +535,14 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
     for s, e, n_seq, two in plan:
         if two:
             if need_grad:
-                hc, lg = project(s, e)
-                be.logit_grad_(lg, y[s:e], _rows(inv_temp, s, e), lse[s:e],
+                hc, lg, yc, head = project(s, e)
+                be.logit_grad_(lg, yc, _rows(inv_temp, s, e), lse[s:e],
                                None if gH_pre is None else entropy[s:e], g[s:e],
                                None if gH_pre is None else gH_pre[s:e], ws, cfg.logit_softcap)
-                grads.add(lg, hc, s, e)
+                grads.add(lg, hc, s, e, head)
             continue
-        hc, lg = project(s, e)
-        res = be.policy_rows_(lg, y[s:e], _rows(inv_temp, s, e), ti.slice(s, e, n_seq), cfg,
+        hc, lg, yc, head = project(s, e)
+        res = be.policy_rows_(lg, yc, _rows(inv_temp, s, e), ti.slice(s, e, n_seq), cfg,
                               inp.phase, need_grad, ws, combine)
         loss = loss + res.loss_sum
         logp[s:e], sum_p2[s:e], g[s:e] = res.logp, res.sum_p2, res.g
@@ -465,7 +551,7 @@ def policy_loss_sweep(hidden2d, weight, bias, inp: LossInputs, need_dh: bool, ne
         parts.append(res.terms)
         part_rows.append(torch.arange(s, e, device=device))
         if need_grad:
-            grads.add(lg, hc, s, e)
+            grads.add(lg, hc, s, e, head)
 
     terms = concat_terms(parts, part_rows if pre.numel() else None)
     B = inp.mask.shape[0]
@@ -595,8 +681,9 @@ def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature,
     with torch.no_grad():
         for s in range(0, N, rows):
             e = min(N, s + rows)
-            lg = _chunking.project_chunk(hidden2d[s:e], weight, bias, buf, softcap)
-            st = stats(lg, targets[s:e], _rows(inv_temp, s, e), want_entropy, want_sum_p2)
+            lg, yc, _ = _project(hidden2d[s:e], weight, bias, buf, softcap, backend,
+                                 targets[s:e])
+            st = stats(lg, yc, _rows(inv_temp, s, e), want_entropy, want_sum_p2)
             logp[s:e] = st.target_z - st.lse
             lse[s:e] = st.lse
             if want_entropy:
@@ -609,7 +696,7 @@ def stats_sweep(hidden2d, weight, bias, targets, backend: Backend, temperature,
                     st2 = st
                 else:     # a support backend records nothing of this pass (log_kept_mass)
                     with getattr(backend, "second_statistic", contextlib.nullcontext)():
-                        st2 = stats(lg, targets[s:e], 1.0 / extra_temperature, True, False)
+                        st2 = stats(lg, yc, 1.0 / extra_temperature, True, False)
                 extra["lse"][s:e], extra["zmax"][s:e] = st2.lse, st2.zmax
                 extra["entropy"][s:e] = st2.entropy
     return logp, entropy, lse, extra, sum_p2
@@ -635,11 +722,11 @@ def logit_grad_sweep(hidden2d, weight, bias, targets, backend: Backend, temperat
     for s in range(0, N, rows):
         e = min(N, s + rows)
         hc = hidden2d[s:e]
-        lg = _chunking.project_chunk(hc, weight, bias, buf, softcap)
-        backend.logit_grad_(lg, targets[s:e], _rows(inv_temp, s, e), lse[s:e],
+        lg, yc, head = _project(hc, weight, bias, buf, softcap, backend, targets[s:e])
+        backend.logit_grad_(lg, yc, _rows(inv_temp, s, e), lse[s:e],
                             None if entropy is None else entropy[s:e], g_logp[s:e],
                             None if g_entropy is None else g_entropy[s:e], ws, softcap)
-        grads.add(lg, hc, s, e)
+        grads.add(lg, hc, s, e, head)
     gh, gw, gb = grads.result()
     if vp is not None:
         gh = _vp.reduce_hidden_grad(gh, vp)

@@ -16,7 +16,7 @@ the members — the support's ids deduplicated, the target forced in, ``-1`` pad
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -85,6 +85,36 @@ def flat_targets(targets: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     return torch.cat([targets.long().unsqueeze(1), pos, cols], 1)
 
 
+# The support route: a chunk is projected through W[U] only (U its distinct members) while
+# |U| <= ROUTE_FRACTION * V; above, through the whole head. GBC_SUPPORT_ROUTE_FRACTION overrides
+# it (0: never; 1: always). Measured on this kind of CPU (docs/kernels.md, "The support route").
+ROUTE_FRACTION = 0.5
+
+
+def route_fraction() -> float:
+    import os
+
+    text = os.environ.get("GBC_SUPPORT_ROUTE_FRACTION")
+    if text is None:
+        return ROUTE_FRACTION
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"GBC_SUPPORT_ROUTE_FRACTION: expected a number in [0, 1] (the largest "
+                         f"|U| / V a chunk takes the support route at), got {text!r}")
+    return value
+
+
+class ChunkView(NamedTuple):
+    """A chunk scored over the rows of ``W`` its supports name (the support route)."""
+    ids: torch.Tensor                 # [u] the chunk's distinct member ids, ascending
+    targets: torch.Tensor             # [m, 2 + K] the chunk's rows, ids as positions in ids
+    live: Optional[torch.Tensor]      # rows with |S| > 1 (None: every row); the others are
+    #                                   the target alone: no GEMM row, logit 0, no gradient
+
+
 def _col(inv_temp):
     return inv_temp.unsqueeze(1) if isinstance(inv_temp, torch.Tensor) else inv_temp
 
@@ -118,6 +148,14 @@ class SupportBackend(Backend):
         self.recording = True
         self.poison = None      # [rows] bool of the chunk being scored: its LSE NaN (truncation:
         #                         a NaN / +inf anywhere in the row its set was built from)
+        # the support route (module docstring): not with over_support=False (the whole
+        # vocabulary's statistics); vocab parallel: not yet. With log_kept_mass the chunk is
+        # projected through the whole head too, for LSE_V alone (``full``): the support's
+        # statistics come from W[U] either way, so asking for log_kept_mass changes no bit of
+        # the log-probs, the loss or the gradients
+        self.routes = over_support and vp is None
+        self.full = None        # (the chunk's whole-head logits, its targets) on the route
+        self.routed = [0, 0]    # chunks taken by the support route, chunks in all
 
     @contextlib.contextmanager
     def second_statistic(self):
@@ -131,6 +169,30 @@ class SupportBackend(Backend):
 
     def bytes_per_logit(self, dtype):
         return self.inner.bytes_per_logit(dtype)
+
+    def chunk_view(self, targets, vocab: int) -> Optional[ChunkView]:
+        """The support route's view of a chunk's ``[m, 2 + K]`` rows (None: the chunk is
+        projected through the whole head): ``U`` the distinct members of its rows (the
+        targets among them), taken when ``|U| <= route_fraction() * vocab``; ``|U|`` is one
+        host transfer a chunk."""
+        if not self.routes:
+            return None
+        self.routed[1] += 1
+        frac = route_fraction()
+        if frac <= 0.0:
+            return None
+        cols = targets[:, 2:]
+        valid = cols >= 0
+        ids = torch.unique(cols[valid])                  # sorted; one host transfer
+        if ids.numel() > frac * vocab:
+            return None
+        self.routed[0] += 1
+        at = torch.searchsorted(ids, cols.clamp(min=0).contiguous())
+        y = torch.searchsorted(ids, targets[:, :1].contiguous())
+        local = torch.cat([y, targets[:, 1:2], torch.where(valid, at, -1)], 1)
+        multi = valid.sum(1) > 1
+        live = None if bool(multi.all()) else multi.nonzero().squeeze(1)
+        return ChunkView(ids, local, live)
 
     def _local(self, targets):
         """``(y, cols)``: the target and members as ids into this rank's slice (-1: elsewhere
@@ -182,16 +244,24 @@ class SupportBackend(Backend):
         target_z = torch.where(y >= 0, l.gather(1, at).squeeze(1), 0.0)
         f32 = lambda t: None if t is None else t.float()      # noqa: E731
         st = RowStats(f32(lse), f32(zmax), f32(target_z), f32(entropy), f32(sum_p2))
-        full = None
+        full, kept_lse = None, st.lse
         if self.log_kept_mass is not None and self.recording:
-            full = self.inner.row_stats(logits, y, inv_temp, False, False, ws).lse
+            # on the support route LSE_V comes from the whole head's logits of the chunk
+            lg_v, y_v = (logits, y) if self.full is None else self.full
+            whole = self.inner.row_stats(lg_v, y_v, inv_temp, False, False, ws)
+            full = whole.lse
+            if self.full is not None:
+                # the route left a row whose support is its target alone at logit 0: its
+                # LSE_S is l_y, the whole head's target logit
+                kept_lse = torch.where(valid.sum(1) == 1, whole.target_z.float(), st.lse)
         if self.vp is not None:
             from .vocab_parallel import combine
 
             out = combine(st, self.vp, full)
             st, full = out if full is not None else (out, None)
+            kept_lse = st.lse
         if full is not None:
-            self.log_kept_mass.index_copy_(0, pos, (st.lse - full).clamp(max=0.0).float())
+            self.log_kept_mass.index_copy_(0, pos, (kept_lse - full).clamp(max=0.0).float())
         return st
 
     def _full_row_stats(self, logits, targets, inv_temp, want_entropy, want_sum_p2, ws):

@@ -295,6 +295,7 @@ class TruncationBackend(SupportBackend):
         self.forced = torch.zeros(n, dtype=torch.bool, device=device)
         self.size = torch.zeros(n, dtype=torch.long, device=device)     # |S|, target included
         self.bad = torch.zeros(n, dtype=torch.bool, device=device)      # a NaN / +inf row
+        self.routes = False     # the set is built from the whole row: no support route
         self._last = None       # the chunk last recomputed: a second statistic of the same
         #                         rows (another temperature) keeps its support
 

@@ -1,0 +1,240 @@
+"""The support route (issue 66; docs/math.md §16, "The support route"): a chunk whose distinct
+kept ids ``U`` are few is projected through ``W[U]`` only — the sub-GEMM ``h_c · W[U]ᵀ``, each
+row read over its own members, ``dH = G · W[U]``, ``dW[U] += Gᵀ · h_c`` — and rows whose support
+is the target alone are not projected at all. Every case against the float64 oracle
+(``gbc_reference``, full logits masked to the support) and against the whole-head route
+(``GBC_SUPPORT_ROUTE_FRACTION=0``) on every backend: forced targets, duplicates, padding-only
+rows (singletons), a chunk above the threshold beside one below it, bf16 operands with float32
+logits, temperature (scalar and per token), soft-capping, ``weight_grad_into``, determinism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gbc_kernels as gbc
+import gbc_kernels.support as S
+import gbc_reference as ref
+from conftest import as64, leaves, make_batch, max_rel_err
+from test_support import err, support_for
+
+
+@pytest.fixture
+def routes(monkeypatch):
+    """Counts the chunks that took the route (``[routed, chunks]``) over a test."""
+    seen = [0, 0]
+    orig = S.SupportBackend.chunk_view
+
+    def counted(self, targets, vocab):
+        view = orig(self, targets, vocab)
+        seen[0] += view is not None
+        seen[1] += 1
+        return view
+
+    monkeypatch.setattr(S.SupportBackend, "chunk_view", counted)
+    return seen
+
+
+def _run(lib, b, ids, backend=None, temperature=0.7, softcap=None, into=None, **kw):
+    x = leaves(b)
+    extra = {} if backend is None else {"backend": backend}
+    if into is not None:
+        extra["weight_grad_into"] = into
+    lp, ent = lib.fused_linear_logprobs(
+        x["hidden"], x["weight"], b["targets"].clamp(min=0), bias=x["bias"],
+        temperature=temperature, return_entropy=True, support_ids=ids, logit_softcap=softcap,
+        **extra, **kw)
+    g = torch.Generator().manual_seed(5)
+    u1 = torch.randn(lp.shape, generator=g, dtype=torch.float64)
+    u2 = torch.randn(lp.shape, generator=g, dtype=torch.float64)
+    (lp.double() * u1 + ent.double() * u2).sum().backward()
+    return lp, ent, [x[k].grad for k in ("hidden", "weight", "bias")]
+
+
+def _wide_support(targets, V, k, seed=0):
+    """``support_for``'s mixed cases with ``k`` ids a row: ``k`` large makes ``|U|`` cross
+    the threshold."""
+    return support_for(targets, V, k=k, seed=seed)
+
+
+@pytest.mark.parametrize("softcap", [None, 4.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("temp", ["scalar", "per-token"])
+def test_route_matches_float64_and_the_whole_head(backend, softcap, temp, small_chunks,
+                                                  routes, monkeypatch):
+    """Log-probs, entropy and the gradients (random upstream gradients) on the route, against
+    float64 and against the whole-head route of the same call."""
+    b = make_batch(B=3, T=11, H=24, V=211, logit_scale=3.0)
+    ids = support_for(b["targets"], 211, k=4)
+    t = 0.7 if temp == "scalar" else torch.rand(3, 11, generator=torch.Generator()
+                                                .manual_seed(1)) + 0.5
+    got = _run(gbc, b, ids, backend, temperature=t, softcap=softcap)
+    assert routes[0] == routes[1] > 1          # every chunk took the route
+    want = _run(ref, as64(b), ids, temperature=t, softcap=softcap)
+    for g_, w_ in zip(got[:2], want[:2]):
+        assert g_.dtype == torch.float32 and err(g_, w_) < 1e-6
+    for g_, w_ in zip(got[2], want[2]):
+        assert max_rel_err(g_, w_) < 2e-5
+    monkeypatch.setenv("GBC_SUPPORT_ROUTE_FRACTION", "0")
+    whole = _run(gbc, b, ids, backend, temperature=t, softcap=softcap)
+    for g_, w_ in zip(got[:2], whole[:2]):
+        assert err(g_, w_) < 1e-6
+    for g_, w_ in zip(got[2], whole[2]):
+        assert max_rel_err(g_, w_) < 2e-5
+
+
+def test_singletons_cost_no_row_and_are_exact(backend, routes):
+    """A row whose support is its target alone (padding only, or its ids all the target) is
+    not projected: log-prob 0, entropy 0, no gradient on its hidden state — and a row of
+    singletons only runs no GEMM at all. A NaN hidden state in such a row still gives NaN."""
+    b = make_batch(B=2, T=6, H=16, V=97, logit_scale=3.0, empty_row=False)
+    y = b["targets"]
+    ids = support_for(y, 97, k=5)
+    ids[0, :3] = -1                                          # padding only
+    ids[1, 2] = y[1, 2]                                      # the target, repeated
+    lp, ent, (gh, gw, gb) = _run(gbc, b, ids, backend)
+    assert routes[0] == routes[1] >= 1
+    single = ~((ids >= 0) & (ids != y.unsqueeze(-1))).any(-1)
+    assert single[0, :3].all() and single[1, 2] and not single.all()
+    assert (lp[single] == 0).all() and (ent[single] == 0).all()
+    assert (gh[single] == 0).all() and (gh[~single].abs().sum(-1) > 0).all()
+    want = _run(ref, as64(b), ids)
+    assert err(lp, want[0]) < 1e-6 and max_rel_err(gw, want[2][1]) < 2e-5
+    # every row a singleton: no GEMM, every output exact, the weight gradient zero
+    lp, ent, (gh, gw, gb) = _run(gbc, b, torch.full_like(ids, -1), backend)
+    assert (lp == 0).all() and (ent == 0).all() and (gw == 0).all() and (gh == 0).all()
+    h = b["hidden"].clone()
+    h[0, 1, 4] = float("nan")
+    lp, = gbc.fused_linear_logprobs(h, b["weight"], y, bias=b["bias"], support_ids=ids,
+                                    backend=backend)[:1]
+    assert torch.isnan(lp[0, 1]) and torch.isfinite(lp[1]).all()
+
+
+def test_chunks_on_both_sides_of_the_threshold(backend, small_chunks, routes):
+    """Rows with wide supports (their chunk's ``|U|`` above the threshold: the whole head) and
+    rows with narrow ones (the route) in one call: both routes run and the numbers are the
+    oracle's."""
+    b = make_batch(B=4, T=10, H=16, V=61, logit_scale=2.0)
+    y = b["targets"].clamp(min=0)
+    ids = _wide_support(y, 61, 40)
+    ids[2:, :, 3:] = -1                                      # the last rows: narrow supports
+    ids[2:, :, :3] = ids[2:, :, :3] % 7
+    got = _run(gbc, b, ids, backend)
+    assert 0 < routes[0] < routes[1]
+    want = _run(ref, as64(b), ids)
+    for g_, w_ in zip(got[:2], want[:2]):
+        assert err(g_, w_) < 1e-6
+    for g_, w_ in zip(got[2], want[2]):
+        assert max_rel_err(g_, w_) < 2e-5
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(kl_coef=0.05, entropy_coef=0.01, ar_alpha=0.3)],
+                         ids=["grpo", "kl-entropy-ar"])
+def test_policy_loss_on_the_route(backend, cfg, small_chunks, routes):
+    """The fused loss on the route: loss, gradients and metrics against float64; with
+    ``token_out`` (log_kept_mass, the whole head projected for ``LSE_V`` alone) the same bits."""
+    b = make_batch(B=4, T=9, H=16, V=131, logit_scale=2.0)
+    ids = support_for(b["targets"], 131, k=3, mask=b["mask"])
+    out = {}
+    for lib, batch in ((gbc, b), (ref, as64(b))):
+        x, tok = leaves(batch), {}
+        extra = {"backend": backend} if lib is gbc else {}
+        L, m = lib.fused_linear_policy_loss(
+            x["hidden"], x["weight"], batch["targets"], batch["mask"], batch["advantages"],
+            batch["old_logp"], batch["ref_logp"], bias=x["bias"],
+            config=lib.PolicyLossConfig(**cfg), temperature=0.9, support_ids=ids,
+            token_out=tok, **extra)
+        (L * 1.7).backward()
+        out[lib] = L, m, tok, [x[k].grad for k in ("hidden", "weight", "bias")]
+    (L, m, tok, grads), (L64, m64, tok64, grads64) = out[gbc], out[ref]
+    assert routes[0] == routes[1] > 0
+    assert abs(L.item() - L64.item()) < 1e-5 * max(1.0, abs(L64.item()))
+    for g_, w_ in zip(grads, grads64):
+        assert max_rel_err(g_, w_) < 1e-4
+    for k, v in m64.items():
+        assert abs(float(m[k]) - float(v)) < 1e-4 * max(1.0, abs(float(v))), k
+    assert err(tok["log_kept_mass"], tok64["log_kept_mass"]) < 1e-6
+    x = leaves(b)
+    L2, _ = gbc.fused_linear_policy_loss(
+        x["hidden"], x["weight"], b["targets"], b["mask"], b["advantages"], b["old_logp"],
+        b["ref_logp"], bias=x["bias"], config=gbc.PolicyLossConfig(**cfg), temperature=0.9,
+        support_ids=ids, backend=backend)
+    (L2 * 1.7).backward()
+    assert torch.equal(L2, L)
+    assert all(torch.equal(x[k].grad, g) for k, g in zip(("hidden", "weight", "bias"), grads))
+
+
+def test_bf16_operands_float32_logits_on_the_route(routes):
+    """bf16 hidden states and weight, ``logits_dtype=float32``: the sub-GEMM's logits and the
+    gradient products in float32, against float64 of the same bf16 values."""
+    b = make_batch(B=3, T=8, H=32, V=157, logit_scale=3.0, dtype=torch.bfloat16)
+    ids = support_for(b["targets"], 157, k=4)
+    got = _run(gbc, b, ids, "torch", logits_dtype=torch.float32)
+    assert routes[0] == routes[1] > 0
+    want = _run(ref, as64(b), ids)
+    assert got[0].dtype == torch.float32 and err(got[0], want[0]) < 1e-5
+    for g_, w_ in zip(got[2], want[2]):
+        assert max_rel_err(g_, w_) < 1e-2          # bf16 gradients: rounded once
+
+
+def test_weight_grad_into_and_determinism(backend, small_chunks, routes):
+    """``weight_grad_into`` (megatron's float32 ``main_grad``) takes the route's ``dW[U]`` rows
+    added into it, the rest untouched; two runs give the same bits."""
+    b = make_batch(B=3, T=9, H=16, V=101, logit_scale=2.0)
+    ids = support_for(b["targets"], 101, k=4)
+    base = torch.randn(101, 16, generator=torch.Generator().manual_seed(3))
+    into = base.clone()
+    _run(gbc, b, ids, backend, into=into)
+    want = _run(ref, as64(b), ids)
+    assert max_rel_err(into - base, want[2][1]) < 2e-5
+    untouched = ~torch.isin(torch.arange(101), torch.cat([ids[ids >= 0],
+                                                          b["targets"].clamp(min=0).flatten()]))
+    assert untouched.any() and torch.equal(into[untouched], base[untouched])
+    one = _run(gbc, b, ids, backend)
+    two = _run(gbc, b, ids, backend)
+    assert all(torch.equal(p, q) for p, q in zip(one[:2] + tuple(one[2]),
+                                                 two[:2] + tuple(two[2])))
+    assert routes[0] > 0
+
+
+def test_token_stats_and_reference_stats_on_the_route(backend, routes):
+    """``token_stats`` (certainty over the support) and ``methods.reference_stats`` (the
+    critical-KL weights over the support) take the route; same numbers as the whole head."""
+    from gbc_kernels import methods
+
+    b = make_batch(B=3, T=8, H=16, V=89, logit_scale=3.0)
+    y = b["targets"].clamp(min=0)
+    ids = support_for(y, 89, k=3)
+    st = gbc.token_stats(b["hidden"], b["weight"], y, b["bias"], temperature=0.8,
+                         certainty="entropy", certainty_temperature=1.3, support_ids=ids,
+                         backend=backend)
+    opts = methods.MethodOptions(critical_kl_exponent=1.5)
+    rs = methods.reference_stats(b["hidden"], b["weight"], y, opts, b["bias"], temperature=0.8,
+                                 support_ids=ids, backend=backend)
+    assert routes[0] == routes[1] > 0
+    x = as64(b)
+    lp64, ent64 = ref.fused_linear_logprobs(x["hidden"], x["weight"], y, bias=x["bias"],
+                                            temperature=0.8, return_entropy=True,
+                                            support_ids=ids)
+    assert err(st.logp, lp64) < 1e-6 and err(st.entropy, ent64) < 1e-6
+    import os
+    os.environ["GBC_SUPPORT_ROUTE_FRACTION"] = "0"
+    try:
+        st0 = gbc.token_stats(b["hidden"], b["weight"], y, b["bias"], temperature=0.8,
+                              certainty="entropy", certainty_temperature=1.3, support_ids=ids,
+                              backend=backend)
+        rs0 = methods.reference_stats(b["hidden"], b["weight"], y, opts, b["bias"],
+                                      temperature=0.8, support_ids=ids, backend=backend)
+    finally:
+        del os.environ["GBC_SUPPORT_ROUTE_FRACTION"]
+    assert err(st.certainty, st0.certainty) < 1e-6
+    for a, c in zip(rs, rs0):
+        if isinstance(a, torch.Tensor):
+            assert err(a, c) < 1e-6
+
+
+def test_route_fraction_setting_refused_when_bad(monkeypatch):
+    b = make_batch(B=1, T=3, H=8, V=29)
+    monkeypatch.setenv("GBC_SUPPORT_ROUTE_FRACTION", "half")
+    with pytest.raises(ValueError, match="^GBC_SUPPORT_ROUTE_FRACTION: expected a number"):
+        gbc.fused_linear_logprobs(b["hidden"], b["weight"], b["targets"].clamp(min=0),
+                                  support_ids=support_for(b["targets"], 29, k=3))
