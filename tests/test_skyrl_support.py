@@ -3,8 +3,9 @@ gbc's FSDP workers (docs/skyrl.md, "The sampler's support") against SkyRL's own 
 scoring functions (``sample_support_scores``, ``score_aligned_sample_support``) in float64,
 its row alignment, and its own FSDP policy / reference workers' step and passes on a tiny
 Qwen2, padded and packed, at temperature 0.8; its error for a loss-active token without
-support; a target missing from its row (forced in, counted); two FSDP2 data-parallel ranks
-and Ulysses SP 2; the switch-on on both strategies, with the methods."""
+support; a target missing from its row (forced in, counted); an id >= V refused for the whole
+batch before its first micro-batch (nothing changed); two FSDP2 data-parallel ranks and
+Ulysses SP 2; the switch-on on both strategies, with the methods."""
 
 from __future__ import annotations
 
@@ -437,6 +438,88 @@ def test_loss_active_token_without_support_is_skyrls_error(packed):
             continue
         assert msg is not None and want in msg, (key, msg)
     assert len([k for k in msgs if k[2] != "missing"]) == 6
+
+
+# ---- an id >= V: the whole batch checked before its first micro-batch ------------------------
+def _bad_id_batch(sky, seed=9):
+    """:func:`make_batch` (4 sequences: two micro-batches of 2) with an id ``V`` in the first
+    row of sequence 2's segment: a loss-active token of the last micro-batch. Returns the batch
+    and the row's index in the packed values."""
+    raw, _ = make_batch(sky, seed)
+    sup = raw["rollout_sample_support"]
+    row = int(sup.cu_seqlens[2])
+    assert int(sup.cu_seqlens[3]) > row and bool(raw["loss_mask"][2].any())
+    sup.values[row, 0] = V
+    return raw, row
+
+
+def _bad_id_worker(rank, world, packed):
+    sky = skyrl_cpu().load()
+    from gbc_kernels import methods
+    from gbc_kernels.integrations.skyrl import fsdp as gfsdp
+
+    raw, row = _bad_id_batch(sky)
+    out = {"row": row}
+    for opts in (methods.MethodOptions(), methods.MethodOptions(lopti_eta=0.5, ar_alpha=0.3)):
+        model = tiny_qwen2()
+        w = skyrl_cpu().policy_worker(gfsdp.GBCFSDPPolicyWorker, _algo(sky), model, 1, 2,
+                                      temperature=TEMP, packed=packed)
+        w._gbc_options = opts
+        w.optimizer = torch.optim.Adam(model.parameters(), lr=0.5)    # an optimizer with state
+        w.scheduler = torch.optim.lr_scheduler.LambdaLR(w.optimizer, lambda s: 1.0)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with skyrl_cpu().cpu_device():
+            try:
+                w.forward_backward(raw)
+                msg = None
+            except ValueError as err:
+                msg = str(err)
+        out[opts.lopti_eta] = dict(
+            msg=msg, grads=[n for n, p in model.named_parameters() if p.grad is not None],
+            moved=[n for n, p in model.named_parameters() if not torch.equal(p, before[n])],
+            state=w.optimizer.state_dict()["state"], lr_steps=w.scheduler.last_epoch)
+    for name, cls in (("policy", gfsdp.GBCFSDPPolicyWorker), ("ref", gfsdp.GBCFSDPRefWorker)):
+        w = skyrl_cpu().policy_worker(cls, _algo(sky), tiny_qwen2(), 1, 2, temperature=TEMP,
+                                      packed=packed)
+        w._gbc_options = methods.MethodOptions()
+        with skyrl_cpu().cpu_device():
+            try:
+                w.forward(raw)
+                out[name] = None
+            except ValueError as err:
+                out[name] = str(err)
+    return out
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_id_outside_the_vocabulary_refused_before_the_first_micro_batch(packed):
+    """An id >= V in ``rollout_sample_support`` on a loss-active token of the batch's LAST
+    micro-batch: gbc's FSDP worker's ``forward_backward`` refuses it naming ``support_ids``,
+    the range, the id and where it sits, before the first micro-batch, so nothing changed —
+    every parameter's ``.grad`` None, every parameter as it was, the optimizer's state (Adam)
+    empty, no scheduler step; also under Lopti (with AR), before its first optimizer step.
+    (Refused in the micro-batch that holds it, the first micro-batch's gradients were already
+    accumulated.) The old-policy and reference passes refuse it the same way, up front."""
+    from conftest import spawn_gloo
+
+    out = spawn_gloo(1, _bad_id_worker, packed)[0]
+    where = (rf"at index \[2, \d+, 0\] of the batch's support \(rollout_sample_support: "
+             rf"sequence 2's row 0, values row {out['row']}, slot 0\); checked for the whole "
+             rf"batch before its first micro-batch")
+    import re
+
+    for lopti in (None, 0.5):
+        got = out[lopti]
+        assert got["msg"] is not None and "support_ids" in got["msg"], (lopti, got["msg"])
+        assert got["grads"] == [] and got["moved"] == [], (lopti, got)
+        assert got["state"] == {} and got["lr_steps"] == 0, (lopti, got)
+        assert re.match(
+            rf"^support_ids: expected ids in \[-1, {V}\) \(-1: padding\) on masked-in tokens "
+            rf"\(the loss mask's\), got {V} {where}", got["msg"]), (lopti, got["msg"])
+    for name in ("policy", "ref"):
+        assert out[name] is not None and re.match(
+            rf"^support_ids: expected ids in \[-1, {V}\) \(-1: padding\) on the response "
+            rf"tokens, got {V} {where}", out[name]), (name, out[name])
 
 
 # ---- the switch-on ---------------------------------------------------------------------------

@@ -25,7 +25,9 @@ gbc's Megatron workers (``GBCMegatronPolicyWorker`` / ``GBCMegatronRefWorker``, 
 * Rows SkyRL's capture never writes (a target missing from its row, a repeated id): gbc's
   worker on them equals SkyRL's on the rows the capture would write (§16), and
   ``gbc_support_forced_frac`` counts the forced tokens; a loss-active token without support
-  and a micro-batch without ``rollout_sample_support`` stop with SkyRL's Megatron messages.
+  and a micro-batch without ``rollout_sample_support`` stop with SkyRL's Megatron messages; an
+  id >= V in the last micro-batch is refused for the whole batch before the first micro-batch
+  (no gradient, parameter or optimizer state changed).
 * NTHR and critical-token KL under replay (tests/test_skyrl_megatron_methods.py's method-by-hand
   comparisons): at tensor parallel 2 NTHR's scales over the support equal gbc_reference's
   ``nthr_scale(support_ids=...)`` and the critical-KL weights its certainty over the support
@@ -466,6 +468,83 @@ def test_skyrls_errors(packed):
             assert "requires captured support for every loss-active token" in stock, key
         else:
             assert ours == stock and "rollout_sample_support" in ours, (key, ours)
+
+
+def _bad_id_worker(rank, world, packed):
+    """gbc's Megatron policy worker (tensor parallel 2) on a batch of two micro-batches whose
+    last one holds an id V (the padded vocabulary) on a loss-active token; the old-policy and
+    reference passes on it."""
+    from test_skyrl import skyrl_cpu
+
+    from gbc_kernels.integrations.skyrl.worker import vocab_size
+
+    sky = skyrl_megatron().sky
+    cfg = worker_cfg(sky, packed=packed, micro=3, temperature=TEMP,
+                     enable_sample_support_replay=True)
+    _, ours = worker_pair(cfg)
+    ours.enable_sample_support_replay = True
+    V = vocab_size(ours)              # megatron's padded vocabulary: both shards' rows
+    assert V == 2 * ours.actor_module[0].output_layer.weight.shape[0] > VOCAB
+    raw, _ = replay_batch(61)
+    sup = raw["rollout_sample_support"]
+    row = int(sup.cu_seqlens[5])                     # sequence 5: the second micro-batch's
+    assert int(sup.cu_seqlens[6]) > row and bool(raw["loss_mask"][5].any())
+    sup.values[row, 0] = V
+    out = {"row": row, "V": V}
+    ours.optimizer.opt = torch.optim.Adam(ours.optimizer.params, lr=0.5)   # with state
+    params = [p for c in ours.actor_module for p in c.parameters()]
+    before = [p.detach().clone() for p in params]
+    os.environ["GBC_SKYRL_OPTIONS"] = ours.gbc_test_options
+    for call in ("forward_backward", "forward"):
+        with skyrl_cpu().cpu_device():
+            try:
+                getattr(ours, call)(raw)
+                out[call] = None
+            except ValueError as err:
+                out[call] = str(err)
+        if call == "forward_backward":
+            out["grads"] = sum(p.grad is not None for p in params)
+            out["moved"] = sum(not torch.equal(p, b) for p, b in zip(params, before))
+            out["state"] = ours.optimizer.opt.state_dict()["state"]
+    _, ref = worker_pair(cfg, "ref")
+    ref.enable_sample_support_replay = True
+    with skyrl_cpu().cpu_device():
+        try:
+            ref.forward(raw)
+            out["ref"] = None
+        except ValueError as err:
+            out["ref"] = str(err)
+    os.environ.pop("GBC_SKYRL_OPTIONS", None)
+    return out
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_id_outside_the_vocabulary_refused_before_the_first_micro_batch(packed):
+    """An id >= V in ``rollout_sample_support`` on a loss-active token of the batch's LAST
+    micro-batch (tensor parallel 2: V megatron's padded vocabulary, both shards' rows, 64 here;
+    the ids below it are real logits): gbc's Megatron
+    worker's ``forward_backward`` refuses it naming ``support_ids``, the range, the id and
+    where it sits, before SkyRL's schedule runs the first micro-batch — no parameter's
+    ``.grad`` set, every parameter as it was, the optimizer's state (Adam) empty, on both
+    ranks. (Refused in the wrapper's loss function of the micro-batch that holds it, the
+    first micro-batch's backward had already run.) The old-policy and reference passes refuse
+    it the same way, up front."""
+    import re
+
+    for r, out in enumerate(spawn_gloo(2, _bad_id_worker, packed)):
+        V = out["V"]
+        where = (rf"at index \[5, \d+, 0\] of the batch's support \(rollout_sample_support: "
+                 rf"sequence 5's row 0, values row {out['row']}, slot 0\); checked for the "
+                 rf"whole batch before its first micro-batch")
+        msg = out["forward_backward"]
+        assert msg is not None and "support_ids" in msg, (r, msg)
+        assert out["grads"] == 0 and out["moved"] == 0 and out["state"] == {}, (r, out)
+        assert re.match(rf"^support_ids: expected ids in \[-1, {V}\) \(-1: padding\) on "
+                        rf"masked-in tokens \(the loss mask's\), got {V} {where}", msg), (r, msg)
+        for call in ("forward", "ref"):
+            assert out[call] is not None and re.match(
+                rf"^support_ids: expected ids in \[-1, {V}\) \(-1: padding\) on the "
+                rf"response tokens, got {V} {where}", out[call]), (r, call, out[call])
 
 
 def test_megatron_switch_on(monkeypatch):

@@ -13,7 +13,7 @@ from skyrl.backends.skyrl_train.workers.megatron.megatron_worker import (
 from gbc_kernels import methods
 
 from .megatron import patch_wrapper, reference_forward
-from .worker import GBCMethodsMixin, GBCOptionsMixin, recording
+from .worker import GBCMethodsMixin, GBCOptionsMixin, check_replay_batch, recording
 
 patch_wrapper()
 
@@ -57,6 +57,7 @@ class GBCMegatronRefWorker(GBCOptionsMixin, MegatronRefWorkerBase):
 
     def forward(self, data):
         opts = self.gbc_options
+        check_replay_batch(self, data, loss_tokens=False)    # the whole batch's support first
         if opts.critical_kl_exponent is None:
             return super().forward(data)
         return reference_forward(self, data, opts)

@@ -17,7 +17,8 @@ sequence terms reduced over the SP group (:class:`_UlyssesSlice`, docs/skyrl.md 
 context"). Under SkyRL 0.4's ``trainer.algorithm.enable_sample_support_replay`` every pass
 (the update, the old policy's, the reference's at the policy's temperature) is over each
 token's recorded support (:func:`replay_support_ids`: SkyRL's ``rollout_sample_support`` as
-gbc's ``support_ids``; docs/skyrl.md "The sampler's support"), and so are the methods that read
+gbc's ``support_ids``; docs/skyrl.md "The sampler's support"; the whole batch's support checked
+before its first micro-batch, :func:`check_replay_batch`), and so are the methods that read
 a distribution: NTHR's error vectors (:class:`gbc_kernels.methods.NTHRBatch` keeps each
 micro-batch's support beside its rows) and critical-token KL's
 certainty (the reference's distribution over each token's support).
@@ -32,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from gbc_kernels import methods
+from gbc_kernels import methods, value_checks_enabled
 from gbc_kernels.integrations import hf
 
 from . import losses
@@ -209,6 +210,75 @@ def replay_support_ids(support, loss_mask, attention_mask, T: int) -> torch.Tens
 
 def _replays(cfg) -> bool:
     return losses.sample_support_replay(cfg.algorithm)
+
+
+def vocab_size(worker) -> Optional[int]:
+    """V of the worker's head, as its passes check ``support_ids`` against it: the FSDP
+    worker's lm_head rows (``out_features``: the whole head, sharded or not), the Megatron
+    worker's padded vocabulary (the model chunk's ``vocab_size``, or its output layer's
+    ``output_size``: every tensor-parallel shard's rows); None where the model shows none."""
+    chunks = getattr(worker, "actor_module", None)
+    if chunks:                                                      # Megatron
+        inner = chunks[-1]
+        while hasattr(inner, "module"):
+            inner = inner.module
+        n = getattr(inner, "vocab_size", None)
+        if n is None:
+            n = getattr(getattr(inner, "output_layer", None), "output_size", None)
+        return None if n is None else int(n)
+    model = getattr(getattr(worker, "model", None), "model", None)    # FSDP: HFModelWrapper
+    if model is None:
+        return None
+    head = hf.unwrap(model).get_output_embeddings()
+    if head is None:
+        return None
+    n = getattr(head, "out_features", None)
+    if n is None:
+        weight = getattr(getattr(head, "base_layer", head), "weight", None)
+        n = None if weight is None else weight.shape[0]
+    return None if n is None else int(n)
+
+
+def check_replay_batch(worker, data, loss_tokens: bool) -> None:
+    """Under SkyRL 0.4's replay, the whole batch's ``rollout_sample_support`` (``data``: the
+    ``TrainingInputBatch`` a worker's ``forward_backward`` / ``forward`` gets) checked before
+    its first micro-batch, as each micro-batch's pass would check its own: SkyRL's refusals
+    (:func:`replay_support_ids`: a loss-active token without support, ...) and gbc's value
+    check of the ids, ``[-1, V)`` on the tokens the pass scores (``loss_tokens``: the training
+    step's, the loss mask's; else every response token's: the no-grad passes'), refused naming
+    ``support_ids``, the range, the id and where it sits in the batch. A refusal in a later
+    micro-batch would come after the earlier ones' gradients were accumulated (and, under
+    Lopti, before or after its first optimizer step); here it changes nothing. A batch without
+    the field or the loss mask is left to the first micro-batch (SkyRL's message for the
+    strategy, before anything is computed)."""
+    if not _replays(worker.cfg):
+        return
+    keys = set(data.keys())
+    support = data[SUPPORT_FIELD] if SUPPORT_FIELD in keys else None
+    loss_mask = data["loss_mask"] if "loss_mask" in keys else None
+    T = (getattr(data, "metadata", None) or {}).get("response_length")
+    if support is None or loss_mask is None or T is None:
+        return
+    T = int(T)
+    attn = data["attention_mask"]
+    ids = replay_support_ids(support, loss_mask, attn, T)
+    V = vocab_size(worker)
+    if V is None or not value_checks_enabled():     # GBC_VALIDATE=0: as the fused loss
+        return
+    bad = (ids < -1) | (ids >= V)
+    if loss_tokens:
+        bad &= (loss_mask.to(ids.device) != 0)[..., None]
+    if not bool(bad.any()):
+        return
+    b, t, j = (int(x) for x in bad.nonzero()[0])
+    cu = support.cu_seqlens.long()
+    r = t - (T - int(cu[b + 1] - cu[b]))
+    which = "masked-in tokens (the loss mask's)" if loss_tokens else "the response tokens"
+    raise ValueError(
+        f"support_ids: expected ids in [-1, {V}) (-1: padding) on {which}, got "
+        f"{int(ids[b, t, j])} at index [{b}, {t}, {j}] of the batch's support "
+        f"({SUPPORT_FIELD}: sequence {b}'s row {r}, values row {int(cu[b]) + r}, slot {j}); "
+        f"checked for the whole batch before its first micro-batch: nothing was computed")
 
 
 SP_PADDED = (
@@ -538,6 +608,8 @@ class GBCMethodsMixin(GBCOptionsMixin):
         hidden states, targets and log-probs, and once the head's rows of the batch's token ids
         (:class:`gbc_kernels.methods.NTHRBatch`) — for the updates of this batch
         (:meth:`forward_backward`); no second forward."""
+        if loss_fn is None:         # the no-grad pass: the whole batch's support first
+            check_replay_batch(self, data, loss_tokens=False)
         if loss_fn is not None or not self.gbc_options.nthr or not self._gbc_holds_head():
             return super().forward(data, loss_fn, loss_fn_config, **kwargs)
         T = int(data.metadata["response_length"])
@@ -612,6 +684,9 @@ class GBCMethodsMixin(GBCOptionsMixin):
         with the old log-probs of the batch fixed for both."""
         carry_fields()
         _check_sft(self.gbc_options, loss_fn or self.cfg.algorithm.policy_loss_type)
+        # under replay the whole batch's support, before its first micro-batch (and Lopti's
+        # first optimizer step): a refusal changes no gradient, parameter or optimizer state
+        check_replay_batch(self, data, loss_tokens=True)
         nthr = self._gbc_nthr_scales(data) if self.gbc_options.nthr else {}
         phases = self.gbc_options.phases
         if phases == (None,):
@@ -726,6 +801,7 @@ class GBCRefWorkerMixin(_UlyssesHeads):
         """SkyRL's reference ``forward``; with critical-token KL on, each sample's
         ``loss_fn_outputs`` also carries its weights under :data:`KL_WEIGHT_KEY` (beside
         ``logprobs``), from the same pass (:func:`gbc_kernels.methods.reference_stats`)."""
+        check_replay_batch(self, data, loss_tokens=False)    # the whole batch's support first
         if self.gbc_options.critical_kl_exponent is None:
             return super().forward(data)
         from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
