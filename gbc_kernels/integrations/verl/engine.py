@@ -1,16 +1,16 @@
 """What gbc's engines inside verl 0.9.1 share (docs/verl.md, docs/megatron.md): the options,
-:class:`EngineMethods` (the fused loss's inputs, verl's metrics, Lopti's two updates), verl's
-worker and trainer patches (NTHR's pass before the update, the critical-KL reference pass) and
-the engine registry (:func:`enable`, run by the ``verl.plugins`` entry point under
-``GBC_VERL_ENGINE=1``). The engines: :mod:`.fsdp` and :mod:`.megatron`.
+the support plan of the rollout config (:func:`support_plan`), :class:`EngineMethods` (the
+fused loss's inputs, verl's metrics, Lopti's two updates, NTHR's inputs), verl's worker patches
+(NTHR's pass before the update, the rollout's settings handed to the engines) and the engine
+registry (:func:`enable` / :func:`disable`, run by the ``verl.plugins`` entry point under
+``GBC_VERL_ENGINE=1``; they also install and undo the trainer's hooks of :mod:`.trainer`). The
+engines: :mod:`.fsdp` and :mod:`.megatron`.
 """
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import os
-import sys
 from typing import Optional
 
 import torch
@@ -170,50 +170,6 @@ def support_plan(options, rollout, tensor_parallel=()) -> Optional[SupportPlan]:
     tr = methods.sampler_truncation(options, k, p, 0.0, rule=name, ties=DEFAULT_TIES,
                                     names={"support": said})
     return SupportPlan(options.support, tr, normalised, name)
-
-
-def trainer_support_plan(config, options) -> Optional[SupportPlan]:
-    """:func:`support_plan` from the trainer's whole config (``actor_rollout_ref``,
-    ``algorithm``), which also checks the rollout correction the mode feeds: ``kept_mass``
-    needs verl's rollout correction to run (``calculate_log_probs``, ``algorithm.
-    rollout_correction`` with ``rollout_is`` or ``rollout_rs``, not ``bypass_mode``); NTHR is
-    refused under ``replay`` (its scores are the full vocabulary's)."""
-    arr = _cfg(config, "actor_rollout_ref")
-    rollout = _cfg(arr, "rollout")
-    tp = []
-    # the reference pass rebuilds the set under replay only (kept_mass's is the full
-    # vocabulary's), and runs where verl uses a reference
-    uses_ref = options.support == "replay" and (
-        _cfg(_cfg(arr, "actor"), "use_kl_loss", False)
-        or _cfg(_cfg(config, "algorithm"), "use_kl_in_reward", False))
-    for role in ("actor", "ref") if uses_ref else ("actor",):
-        part = _cfg(arr, role)
-        if _cfg(part, "strategy") == "megatron":
-            tp.append((f"actor_rollout_ref.{role}.megatron.tensor_model_parallel_size",
-                       _cfg(_cfg(part, "megatron"), "tensor_model_parallel_size", 1)))
-    plan = support_plan(options, rollout, tp)
-    if plan is None:
-        return None
-    _check_nthr(options, plan)
-    said = f"{ENV_OPTIONS} support={plan.mode}"
-    rc = _cfg(_cfg(config, "algorithm"), "rollout_correction")
-    if plan.mode == "kept_mass":
-        if not _cfg(rollout, "calculate_log_probs", False):
-            raise ValueError(f"{ROLLOUT}.calculate_log_probs=False: {said} moves the rollout's "
-                             f"log-probs in verl's rollout correction, and without them the "
-                             f"correction does not run; set {ROLLOUT}.calculate_log_probs=True "
-                             f"with algorithm.rollout_correction.rollout_is / rollout_rs, or "
-                             f"unset support")
-        if rc is None or _cfg(rc, "bypass_mode", False) or (
-                _cfg(rc, "rollout_is") is None and _cfg(rc, "rollout_rs") is None):
-            what = ("None" if rc is None else "bypass_mode=True" if _cfg(rc, "bypass_mode", False)
-                    else "rollout_is=None and rollout_rs=None")
-            raise ValueError(f"algorithm.rollout_correction: {what}: {said} corrects the "
-                             f"importance weights / rejection mask verl's rollout correction "
-                             f"computes from rollout_log_probs, and it computes none; set "
-                             f"algorithm.rollout_correction.rollout_is or rollout_rs "
-                             f"(bypass_mode=False), or unset support")
-    return plan
 
 
 def _check_nthr(options, plan):
@@ -681,43 +637,7 @@ def _nthr_keep_on_infer(original):
     return infer_batch
 
 
-def compute_ref_log_prob(trainer, batch):
-    """verl 0.9.1's ``RayPPOTrainer._compute_ref_log_prob`` that also returns the critical-token
-    KL weights ``gbc_kl_weight`` from the same reference pass (verl's own without
-    ``critical_kl_exponent``)."""
-    opts = _OPTIONS.get("current") or EngineOptions()
-    if opts.critical_kl_exponent is None:
-        return _PATCHES.original(type(trainer), "_compute_ref_log_prob")(trainer, batch)
-    from verl import DataProto
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
-
-    actor = trainer.config.actor_rollout_ref.actor
-    if not actor.get("use_kl_loss", False):
-        raise ValueError("critical_kl_exponent: verl's actor has no KL loss term to weight "
-                         "(set actor_rollout_ref.actor.use_kl_loss=True)")
-    batch_td = left_right_2_no_padding(batch.to_tensordict())
-    metadata = {"calculate_entropy": False, "compute_loss": False,
-                CERTAINTY_KEY: {k: getattr(opts, k) for k in REFERENCE_PASS_FIELDS}}
-    if trainer.ref_in_actor:
-        metadata["no_lora_adapter"] = True
-    tu.assign_non_tensor(batch_td, **metadata)
-    if trainer.ref_in_actor:
-        output = trainer.actor_rollout_wg.compute_log_prob(batch_td)
-    else:
-        output = trainer.ref_policy_wg.compute_ref_log_prob(batch_td)
-    weight = tu.get(output, KL_WEIGHT_KEY)
-    if weight is None:
-        raise ValueError("critical_kl_exponent: the reference pass returned no KL weights; the "
-                         "reference worker must run gbc's engine (GBC_VERL_ENGINE in every "
-                         "worker, on an FSDP or Megatron reference)")
-    log_probs = no_padding_2_padding(tu.get(output, "log_probs"), batch_td)
-    weight = no_padding_2_padding(weight, batch_td).float()
-    return DataProto.from_tensordict(tu.get_tensordict(
-        {"ref_log_prob": log_probs.float(), KL_WEIGHT_KEY: weight * batch.batch["response_mask"]}))
-
-
-# -------------------------------------------- the sampler's kept set: verl's worker and trainer
+# ------------------------------------------------------ the sampler's kept set: verl's worker
 def _support_on_init(original):
     """verl's ``ActorRolloutRefWorker.init_model`` that hands gbc's engines (the actor's, the
     reference's) the rollout's sampling settings (``self.config.rollout``) for ``support``:
@@ -736,167 +656,6 @@ def _support_on_init(original):
         return out
 
     return init_model
-
-
-_UNCHECKED = object()        # _OPTIONS["plan"] unset: the trainer's config was never checked
-_V1_BATCH = contextvars.ContextVar("gbc_verl_v1_batch", default=None)
-
-
-def check_trainer(config) -> Optional[SupportPlan]:
-    """The trainer's start-up check of ``support`` against its config
-    (:func:`trainer_support_plan`); the plan is kept for the trainer's passes."""
-    opts = _OPTIONS.get("current") or EngineOptions()
-    plan = trainer_support_plan(config, opts)
-    _OPTIONS["plan"] = plan
-    return plan
-
-
-def _trainer_plan() -> Optional[SupportPlan]:
-    opts = _OPTIONS.get("current") or EngineOptions()
-    plan = _OPTIONS.get("plan", _UNCHECKED)
-    if plan is _UNCHECKED:
-        if opts.support is None:
-            return None
-        raise ValueError(f"{ENV_OPTIONS}: support={opts.support}: verl's trainer was not checked "
-                         f"by gbc at its start (RayPPOTrainer / PPOTrainer __init__, patched by "
-                         f"enable() when GBC_VERL_ENGINE is set in the trainer's process: pass "
-                         f"it through ray_kwargs.ray_init.runtime_env)")
-    return plan
-
-
-def compute_old_log_prob(trainer, batch):
-    """verl 0.9.1's ``RayPPOTrainer._compute_old_log_prob`` that also returns the old-policy
-    pass's ``gbc_log_kept_mass`` (``[B, T]``) where the rollout correction takes it
-    (:attr:`SupportPlan.corrects_sampler`); verl's own otherwise."""
-    plan = _trainer_plan()
-    if plan is None or not plan.corrects_sampler:
-        return _PATCHES.original(type(trainer), "_compute_old_log_prob")(trainer, batch)
-    from verl import DataProto
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
-
-    batch_td = left_right_2_no_padding(batch.to_tensordict())
-    calculate_sum_pi_squared = trainer.config.actor_rollout_ref.actor.get(
-        "calculate_sum_pi_squared", False)
-    tu.assign_non_tensor(batch_td, calculate_entropy=True,
-                         calculate_sum_pi_squared=calculate_sum_pi_squared, compute_loss=False)
-    output = trainer.actor_rollout_wg.compute_log_prob(batch_td)
-    kept = tu.get(output, LOG_KEPT_MASS_KEY)
-    if kept is None:
-        raise ValueError(f"{ENV_OPTIONS}: support={plan.mode}: the old-policy pass returned no "
-                         f"{LOG_KEPT_MASS_KEY!r}; the actor worker must run gbc's engine with "
-                         f"the same {ENV_OPTIONS} (set it in every worker)")
-    result = {"old_log_probs": no_padding_2_padding(tu.get(output, "log_probs"),
-                                                    batch_td).float(),
-              "entropys": no_padding_2_padding(tu.get(output, "entropy"), batch_td).float(),
-              LOG_KEPT_MASS_KEY: no_padding_2_padding(kept, batch_td).float()}
-    routed_experts = tu.get(output, "routed_experts")
-    if routed_experts is not None:
-        result["routed_experts"] = routed_experts
-    if calculate_sum_pi_squared:
-        result["sum_pi_squared"] = no_padding_2_padding(tu.get(output, "sum_pi_squared"),
-                                                        batch_td).float()
-    mfu = tu.get(output, "metrics")["mfu"]
-    return DataProto.from_tensordict(tu.get_tensordict(result)), mfu
-
-
-def v1_log_kept_mass(meta, tq, response_from_nested, shape) -> Optional[torch.Tensor]:
-    """verl's v1 trainer: the old-policy pass's ``gbc_log_kept_mass`` of the batch ``meta``
-    (a ``KVBatchMeta``) from the transfer queue ``tq``, as the padded ``[B, T]`` ``shape`` of
-    the rollout log-probs (None when the queue holds none)."""
-    try:
-        data = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
-                               select_fields=[LOG_KEPT_MASS_KEY, "response_mask"])
-    except Exception:        # noqa: BLE001 - the field is missing: refused by the caller
-        return None
-    if LOG_KEPT_MASS_KEY not in data.keys():
-        return None
-    kept = response_from_nested(data[LOG_KEPT_MASS_KEY], data["response_mask"])
-    return torch.nested.to_padded_tensor(kept, 0.0, output_size=tuple(shape)).float()
-
-
-def _kept_mass_of(batch, plan):
-    """The old-policy pass's ``log_kept_mass`` ``[B, T]`` of a trainer batch: v0 carries it in
-    the batch; v1 in the transfer queue (its batch's meta set by ``_compute_advantage``)."""
-    if LOG_KEPT_MASS_KEY in batch.batch.keys():
-        return batch.batch.pop(LOG_KEPT_MASS_KEY)
-    meta, module = _V1_BATCH.get(), sys.modules.get(V1_TRAINER_MODULE)
-    kept = None
-    if meta is not None and module is not None:
-        kept = v1_log_kept_mass(meta, module.tq, module.response_from_nested,
-                                batch.batch["rollout_log_probs"].shape)
-    if kept is None:
-        raise ValueError(f"{ENV_OPTIONS}: support={plan.mode}: verl's rollout correction got no "
-                         f"{LOG_KEPT_MASS_KEY!r} from the old-policy pass (gbc's engine returns "
-                         f"it on the actor's compute_log_prob with entropy; verl's "
-                         f"RayPPOTrainer / PPOTrainer hand it on as gbc patches them)")
-    return kept
-
-
-def _rollout_correction(original):
-    """verl's ``compute_rollout_correction_and_add_to_batch`` fed the rollout's log-probs as
-    ``support`` needs them (:func:`gbc_kernels.methods.corrected_sampler_logp`: ``kept_mass``
-    ``+ log_kept_mass``; ``replay`` against SGLang ``- log_kept_mass``); the batch keeps verl's
-    ``rollout_log_probs``. Adds ``rollout_corr/gbc_kept_mass_mean``."""
-
-    @functools.wraps(original)
-    def compute_rollout_correction_and_add_to_batch(batch, rollout_corr_config):
-        plan = _trainer_plan()
-        if plan is None or not plan.corrects_sampler:
-            if LOG_KEPT_MASS_KEY in batch.batch.keys():
-                batch.batch.pop(LOG_KEPT_MASS_KEY)
-            return original(batch, rollout_corr_config)
-        kept = _kept_mass_of(batch, plan)
-        sampler = batch.batch["rollout_log_probs"]
-        mask = batch.batch["response_mask"].bool()      # before verl's rejection
-        batch.batch["rollout_log_probs"] = methods.corrected_sampler_logp(
-            sampler, kept.to(sampler.device), plan.mode, plan.normalised)
-        try:
-            out, metrics = original(batch, rollout_corr_config)
-        finally:
-            batch.batch["rollout_log_probs"] = sampler
-        out.batch["rollout_log_probs"] = sampler
-        if bool(mask.any()):
-            metrics = dict(metrics)
-            metrics["rollout_corr/gbc_kept_mass_mean"] = float(
-                kept.to(mask.device).exp()[mask].mean())
-        return out, metrics
-
-    return compute_rollout_correction_and_add_to_batch
-
-
-def _v1_advantage(original):
-    """The v1 trainer's ``_compute_advantage`` with its batch's meta in reach of the rollout
-    correction (:func:`_kept_mass_of`)."""
-
-    @functools.wraps(original)
-    def _compute_advantage(self, batch, *args, **kwargs):
-        token = _V1_BATCH.set(batch)
-        try:
-            return original(self, batch, *args, **kwargs)
-        finally:
-            _V1_BATCH.reset(token)
-
-    return _compute_advantage
-
-
-def _checked_init(original, v1=False):
-    """A trainer's ``__init__`` that checks ``support`` against its config first
-    (:func:`check_trainer`); verl's v1 trainer also refuses critical-token KL: its reference
-    pass goes through the transfer queue, which gbc's reference-pass patch does not reach."""
-
-    @functools.wraps(original)
-    def __init__(self, config, *args, **kwargs):
-        opts = _OPTIONS.get("current") or EngineOptions()
-        if v1 and opts.critical_kl_exponent is not None:
-            raise ValueError("critical_kl_exponent: gbc computes the critical-token KL weights "
-                             "in the reference pass of verl's RayPPOTrainer; verl's v1 trainer "
-                             "(trainer.use_v1=True) has no such pass for gbc: set "
-                             "trainer.use_v1=False")
-        check_trainer(config)
-        return original(self, config, *args, **kwargs)
-
-    return __init__
 
 
 def engine_class(base, mixin=None):
@@ -921,10 +680,9 @@ _PATCHES = patching.Patches()
 _on_import = _PATCHES.on_import
 _PatchOnImport = patching._PatchOnImport
 
-# where verl 0.9.1 defines the two functions gbc wraps (imported by verl's own processes; on
-# import when they are not loaded yet)
+# where verl 0.9.1 defines the worker gbc wraps (imported by verl's own processes; on import
+# when it is not loaded yet); the trainers': .trainer
 WORKER_MODULE = "verl.workers.engine_workers"
-TRAINER_MODULE = "verl.trainer.ppo.ray_trainer"
 
 
 def _patch_worker(module):
@@ -933,26 +691,6 @@ def _patch_worker(module):
     _PATCHES.set(cls, "infer_batch", _nthr_keep_on_infer(cls.infer_batch))
     hybrid = module.ActorRolloutRefWorker
     _PATCHES.set(hybrid, "init_model", _support_on_init(hybrid.init_model))
-
-
-def _patch_trainer(module):
-    def _compute_ref_log_prob(self, batch):
-        return compute_ref_log_prob(self, batch)
-
-    def _compute_old_log_prob(self, batch):
-        return compute_old_log_prob(self, batch)
-
-    cls = module.RayPPOTrainer
-    _PATCHES.set(cls, "_compute_ref_log_prob",
-                 functools.wraps(cls._compute_ref_log_prob)(_compute_ref_log_prob))
-    _PATCHES.set(cls, "_compute_old_log_prob",
-                 functools.wraps(cls._compute_old_log_prob)(_compute_old_log_prob))
-    _PATCHES.set(cls, "__init__", _checked_init(cls.__init__))
-
-
-def _patch_correction(module):
-    name = "compute_rollout_correction_and_add_to_batch"
-    _PATCHES.set(module, name, _rollout_correction(getattr(module, name)))
 
 
 def _load(path):
@@ -976,8 +714,6 @@ def _registry_tables():
 
 # the verl releases gbc's engine and patches are tested on (major.minor)
 VERL_VERSIONS = TESTED["verl"]
-V1_TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
-CORRECTION_MODULE = "verl.trainer.ppo.rollout_corr_helper"
 
 
 def check_verl_version(version: Optional[str] = None) -> str:
@@ -992,20 +728,13 @@ def check_verl_version(version: Optional[str] = None) -> str:
                          off=f"unset {ENV_ON} to run verl's own step")
 
 
-def _patch_v1_trainer(module):
-    cls = module.PPOTrainer
-    _PATCHES.set(cls, "__init__", _checked_init(cls.__init__, v1=True))
-    _PATCHES.set(cls, "_compute_advantage", _v1_advantage(cls._compute_advantage))
-    _patch_correction(module)        # its own binding of verl's rollout-correction function
-
-
 def enable(options: Optional[EngineOptions] = None):
     """Make verl's engine registry hand out gbc's engine for ``language_model`` (FSDP, FSDP2,
     Megatron) and patch verl's worker (NTHR's pass; the rollout's sampling settings handed to
     the engines) and trainers (the critical-KL reference pass; ``support``'s start-up check,
-    old-policy pass and rollout correction), each acting only when its options are on; verl's
-    v1 trainer refuses critical-token KL. A verl release outside :data:`VERL_VERSIONS` is
-    refused. Idempotent; returns the options."""
+    old-policy pass and rollout correction: :mod:`.trainer`), each acting only when its options
+    are on; verl's v1 trainer refuses critical-token KL. A verl release outside
+    :data:`VERL_VERSIONS` is refused. Idempotent; returns the options."""
     check_verl_version()
     if options is None:
         options = EngineOptions.parse(os.environ.get(ENV_OPTIONS))
@@ -1020,9 +749,8 @@ def enable(options: Optional[EngineOptions] = None):
                 sub.gbc_options = options
                 _ENABLED[cls] = table[key] = sub
     _on_import(WORKER_MODULE, _patch_worker)
-    _on_import(TRAINER_MODULE, _patch_trainer)
-    _on_import(CORRECTION_MODULE, _patch_correction)
-    _on_import(V1_TRAINER_MODULE, _patch_v1_trainer)
+    from gbc_kernels.integrations.verl import trainer
+    trainer.patch_trainers()
     return options
 
 
@@ -1036,3 +764,20 @@ def disable():
     _PATCHES.undo()
     _OPTIONS.pop("current", None)
     _OPTIONS.pop("plan", None)
+
+
+# the trainer's hooks live in .trainer; their names stay importable from here, where they were
+# (looked up in .trainer: patch them there)
+TRAINER_NAMES = frozenset({
+    "TRAINER_MODULE", "V1_TRAINER_MODULE", "CORRECTION_MODULE", "trainer_support_plan",
+    "check_trainer", "compute_ref_log_prob", "compute_old_log_prob", "v1_log_kept_mass",
+    "patch_trainers", "_trainer_plan", "_kept_mass_of", "_rollout_correction", "_v1_advantage",
+    "_checked_init", "_patch_trainer", "_patch_correction", "_patch_v1_trainer", "_UNCHECKED",
+    "_V1_BATCH"})
+
+
+def __getattr__(name):
+    if name in TRAINER_NAMES:
+        from gbc_kernels.integrations.verl import trainer
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
