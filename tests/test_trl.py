@@ -335,6 +335,23 @@ def test_three_steps_with_every_method_on(tiny, tmp_path):
             assert row["loss"] == row["loss"]    # not NaN
 
 
+@pytest.mark.parametrize("opts,want", [
+    ({}, set()),
+    (dict(gbc_ar_alpha=0.3), {"gbc/ar_weight_mean"}),
+    (dict(gbc_lopti_eta=0.5), {"gbc/grad_share_low", "gbc/low_frac_low", "gbc/low_frac_high",
+                               "gbc/grad_share_low_low", "gbc/grad_share_low_high"}),
+], ids=["off", "ar", "lopti"])
+def test_method_metrics_logged_only_when_the_method_runs(tiny, tmp_path, opts, want):
+    """issue 65, 10: AR's weight mean and Lopti's token share and gradient split are logged
+    when that method runs, never with it off (a reader would take them for on)."""
+    trainer = build(GBCGRPOTrainer, tiny, tmp_path, loss_type="grpo", max_steps=1, **opts)
+    trainer.train()
+    logged = {k for row in trainer.state.log_history for k in row}
+    methods = {k for k in logged if k.startswith(("gbc/ar_weight_mean", "gbc/low_frac",
+                                                  "gbc/grad_share_low"))}
+    assert methods == want, methods
+
+
 @pytest.mark.parametrize("methods", [False, True], ids=["trl-options", "every-method"])
 def test_evaluation_before_and_during_training(tiny, tmp_path, methods):
     """TRL's own regression case: evaluation before the first step (eval_on_start, while the

@@ -711,9 +711,14 @@ class GBCGRPOTrainer(GRPOTrainer):
             for name in ("kl", "entropy"):
                 if name in trl_metrics:
                     named[name] = trl_metrics[name]
+        # a method's metrics only when it runs (AR's weight mean is 1 without AR; Lopti's
+        # token share and gradient split read as if it were on)
+        opts = self.gbc_methods
+        off = (() if opts.ar_alpha else ("ar_weight_mean",)) + (
+            () if opts.lopti_eta is not None else ("grad_share_low", "low_frac"))
         for name in ("grad_share_low", "low_frac", "ar_weight_mean", "entropy_mask_frac",
                      "off_policy_frac", "ratio_mean", "log_ratio_mean", "support_forced_frac"):
-            if name in metrics:
+            if name in metrics and name not in off:
                 named[f"gbc/{name}{suffix}"] = metrics[name]
         if self._gbc_phase is not None and "grad_norm_sum" in metrics:
             named["grad_norm_sum"] = metrics["grad_norm_sum"]
