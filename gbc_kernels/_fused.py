@@ -244,12 +244,28 @@ def _rows(inv_temp, s, e):
 
 
 class _Head(NamedTuple):
-    """The rows of the head a chunk was projected through (the support route): ``weight`` /
-    ``bias`` ``W[ids]`` / ``b[ids]``, ``live`` the rows that were projected (None: all)."""
+    """The rows ``ids`` of the head (``weight``, ``bias``: the whole head's) a chunk was
+    projected through on the support route; ``live`` the chunk rows that were projected
+    (None: all)."""
     ids: torch.Tensor
     weight: torch.Tensor
     bias: Optional[torch.Tensor]
     live: Optional[torch.Tensor]
+
+    def blocks(self):
+        """``(columns, W[U] rows, b[U] rows)`` a block of ``U`` at a time: the gathered weight
+        rows (and every temporary of the route) stay within ``_ROUTE_BLOCK_BYTES``."""
+        H = self.weight.shape[1]
+        step = max(256, _ROUTE_BLOCK_BYTES // max(1, 4 * H))
+        u = self.ids.numel()
+        for c0 in range(0, u, step):
+            c1 = min(u, c0 + step)
+            ids = self.ids[c0:c1]
+            yield (slice(c0, c1), ids, self.weight.index_select(0, ids),
+                   None if self.bias is None else self.bias.index_select(0, ids))
+
+
+_ROUTE_BLOCK_BYTES = 16 * 2 ** 20
 
 
 def _project(hc, weight, bias, buf, softcap, backend, targets):
@@ -264,26 +280,34 @@ def _project(hc, weight, bias, buf, softcap, backend, targets):
     if view is None:
         return _chunking.project_chunk(hc, weight, bias, buf, softcap), targets, None
     m, u = hc.shape[0], view.ids.numel()
-    w_u = weight.index_select(0, view.ids)
-    b_u = None if bias is None else bias.index_select(0, view.ids)
+    head = _Head(view.ids, weight, bias, view.live)
     if backend.log_kept_mass is not None:       # LSE_V too: the whole head, into the buffer
         full = _chunking.project_chunk(hc, weight, bias, buf, softcap)
         backend.full = (full, targets[:, 0].contiguous())
         out = torch.empty(m, u, device=buf.device, dtype=buf.dtype)
     else:
         out = buf.view(-1)[:m * u].view(m, u)
-    if view.live is None:
-        _chunking.project(hc, w_u, b_u, out, softcap)
-    else:
+    live = view.live
+    if live is not None:
         # rows not projected: logit 0 (their statistics are exact: logp 0, entropy 0, no
         # gradient), NaN where the hidden row is not finite (NaN in, NaN out)
         out.copy_(torch.where(torch.isfinite(hc).all(1, keepdim=True), 0.0, float("nan"))
                   .to(out.dtype).expand(m, u))
-        if view.live.numel():
-            part = torch.empty(view.live.numel(), u, device=out.device, dtype=out.dtype)
-            _chunking.project(hc.index_select(0, view.live), w_u, b_u, part, softcap)
-            out.index_copy_(0, view.live, part)
-    return out, view.targets, _Head(view.ids, w_u, b_u, view.live)
+        if not live.numel():
+            return out, view.targets, head
+        hc = hc.index_select(0, live)
+    one = u <= max(256, _ROUTE_BLOCK_BYTES // max(1, 4 * weight.shape[1]))
+    for cols, _, w_b, b_b in head.blocks():
+        if one and live is None:
+            _chunking.project(hc, w_b, b_b, out, softcap)
+            break
+        part = torch.empty(hc.shape[0], w_b.shape[0], device=out.device, dtype=out.dtype)
+        _chunking.project(hc, w_b, b_b, part, softcap)
+        if live is None:
+            out[:, cols] = part
+        else:
+            out[:, cols] = out[:, cols].index_copy(0, live, part)
+    return out, view.targets, head
 
 
 # Float32 mode: the devices where dL/dlogits is rounded to the operands' dtype for the two
@@ -370,18 +394,33 @@ class _GradMatmuls:
     def _add_rows(self, lg, hc, s, e, head: _Head):
         """The support route's chunk: ``lg`` ``[m, |U|]`` the gradient over ``W[U]``:
         ``grad_h = G W[U]`` (0 on rows not projected), ``grad_w[U] += G^T h`` and
-        ``grad_b[U] += sum G``, each row of ``grad_w`` written once (``U`` distinct: no
-        atomics, the same bits run to run). Float32 logits of low-precision operands, or a
-        float32 accumulator: the products in float32."""
+        ``grad_b[U] += sum G``, a block of ``U`` at a time, each row of ``grad_w`` read and
+        written once (``U`` distinct: no atomics, the same bits run to run). Float32 logits of
+        low-precision operands, or a float32 accumulator: the products in float32."""
         live = head.live
         g = lg if live is None else lg.index_select(0, live)
         h = hc if live is None else hc.index_select(0, live)
         f32 = lg.dtype != head.weight.dtype
+        gh = None
+        if self.grad_w is not None and self.first:
+            self.grad_w.zero_()
+        acc = self.grad_w
+        wide = acc is not None and acc.dtype == torch.float32 and (f32 or g.dtype != acc.dtype)
+        h_w = h.float() if wide else h
+        for cols, ids, w_b, _ in (head.blocks() if g.shape[0] else ()):
+            g_b = g[:, cols]
+            if self.grad_h is not None:
+                part = g_b.float() @ w_b.float() if f32 else g_b @ w_b
+                gh = part if gh is None else gh.add_(part)
+            if acc is not None:
+                prod = (g_b.t().float() if wide else g_b.t()) @ h_w
+                acc.index_copy_(0, ids, acc.index_select(0, ids).add_(prod.to(acc.dtype)))
+            if self.grad_b is not None:
+                self.grad_b.index_copy_(0, ids, self.grad_b.index_select(0, ids)
+                                        .add_(g_b.sum(0, dtype=torch.float32)))
         if self.grad_h is not None:
-            if f32:
-                gh = g.float() @ head.weight.float()
-            else:
-                gh = g @ head.weight
+            if gh is None:
+                gh = torch.zeros(0, hc.shape[1], device=hc.device, dtype=self.grad_h.dtype)
             if self.idx is None:
                 rows = self.grad_h[s:e]
                 if live is None:
@@ -392,19 +431,6 @@ class _GradMatmuls:
             else:
                 at = self.idx[s:e] if live is None else self.idx[s:e].index_select(0, live)
                 self.grad_h.index_copy_(0, at, gh.to(self.grad_h.dtype))
-        if self.grad_w is not None:
-            if self.first:
-                self.grad_w.zero_()
-            acc = self.grad_w
-            if acc.dtype == torch.float32 and (f32 or g.dtype != torch.float32):
-                prod = g.t().float() @ h.float()
-            else:
-                prod = g.t() @ h
-            acc.index_put_((head.ids,), acc.index_select(0, head.ids) + prod.to(acc.dtype))
-        if self.grad_b is not None:
-            gb = self.grad_b
-            gb.index_put_((head.ids,), gb.index_select(0, head.ids)
-                          + g.sum(0, dtype=torch.float32))
         self.first = False
 
     def _add_fp32(self, lg, hc, s, e):
