@@ -509,6 +509,22 @@ def parse_junit(path):
     return res
 
 
+def log_exceptions(log_path, top=6):
+    """The exception lines of the pytest log (``SomeError: message`` at the start of a line),
+    distinct, most frequent first: the spawned ranks' tracebacks go to the log, not to the
+    junit report, whose failure says only that a rank exited."""
+    counts = {}
+    if os.path.exists(log_path):
+        for line in read(log_path).splitlines():
+            m = re.match(r"([A-Za-z_][\w.]*(?:Error|Exception)): (.+)", line)
+            if m:
+                # ports, pids, addresses: one line per kind of error
+                msg = re.sub(r"\b\d{4,}\b", "N", m.group(2).strip())
+                key = f"{m.group(1)}: {msg}"[:200]
+                counts[key] = counts.get(key, 0) + 1
+    return sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+
+
 def _releases():
     """gbc_kernels/integrations/releases.py (the releases each adapter is tested on), loaded by
     path: this script runs outside the rows' venvs."""
@@ -572,6 +588,8 @@ def run_tests(ctx, venv, trainer, row):
     rc, secs = run(cmd, lg, env=env, cwd=ROOT, timeout=ctx.args.test_timeout)
     res = parse_junit(xml)
     res.update({"rc": rc, "test_s": round(secs, 1), "log": lg, "junit": xml})
+    if res["failed"] or res["errors"]:
+        res["log_exceptions"] = log_exceptions(lg)
     if rc == 124:
         res["timeout"] = ctx.args.test_timeout
     return res
@@ -820,6 +838,11 @@ def write_doc(rows, argv):
                 L.append("  - failures by first error line:")
                 for err, n in sorted(groups.items(), key=lambda kv: -kv[1]):
                     L.append(f"    - ×{n}: {err or '(no message)'}")
+            if t.get("log_exceptions"):
+                L.append("  - exception lines in the pytest log (the spawned ranks' "
+                         "tracebacks included), most frequent first:")
+                for err, n in t["log_exceptions"]:
+                    L.append(f"    - ×{n}: `{err}`")
             for f in t["failures"][:40]:
                 L.append(f"  - FAILED `{f['test']}`: {f['error'] or '(no message)'}")
             if len(t["failures"]) > 40:
