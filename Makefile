@@ -9,7 +9,7 @@ PYTHON ?= python
 # install` runs under `-c $(LOCK)`, so a fresh clone installs that set whatever the index serves
 # that day (`make install LOCK=` installs without it). To adopt a release on purpose:
 #   1. change its pin in requirements-dev.txt (or requirements-verl.txt, DEEPSPEED below);
-#   2. make install LOCK=          # a venv you can throw away: the new pins, no lock
+#   2. make install LOCK=          # in a fresh venv: the new pins, nothing held by the lock
 #   3. make test LOCK=             # the whole suite must pass there
 #   4. make lock                   # compat/lock.py rewrites requirements-lock.txt from that venv
 #   5. commit requirements-*.txt together.
