@@ -265,7 +265,7 @@ class _Head(NamedTuple):
                    None if self.bias is None else self.bias.index_select(0, ids))
 
 
-_ROUTE_BLOCK_BYTES = 16 * 2 ** 20
+_ROUTE_BLOCK_BYTES = 4 * 2 ** 20
 
 
 def _project(hc, weight, bias, buf, softcap, backend, targets):

@@ -340,7 +340,7 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
                           logit_softcap=None, return_sum_p2=False, weight_grad_into=None,
                           logits_dtype=None, support_ids=None, return_log_kept_mass=False,
                           sampler_truncation=None, over_support=True,
-                          return_support_forced=False):
+                          return_support_forced=False, return_support_ids=False):
     """Per-token ``log_softmax(z)[targets]`` (and the entropy of ``softmax(z)``) without logits.
     ``z = (hidden @ weight.T + bias) / temperature``; with ``logit_softcap = c`` (Gemma-2/3),
     ``z = c tanh((hidden @ weight.T + bias) / c) / temperature``.
@@ -375,10 +375,14 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
     ``log_kept_mass`` the support's: the full-vocabulary policy and its kept mass in one pass.
     ``return_support_forced=True``: a last output, bool ``targets.shape``: the target was
     outside its support (forced in; what the loss's ``support_forced_frac`` counts); False
-    without a support.
+    without a support. ``return_support_ids=True`` (with ``sampler_truncation``): a last
+    output, the kept set each token's row built, ``targets.shape + (K,)`` int32, ``-1``
+    padded, ``K`` the widest set of the call, the target not forced in — the ids a later pass
+    replays as ``support_ids`` (docs/math.md, "One kept set per rollout").
     """
     for name, flag in (("over_support", over_support),
-                       ("return_support_forced", return_support_forced)):
+                       ("return_support_forced", return_support_forced),
+                       ("return_support_ids", return_support_ids)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {flag!r}")
     V.check_backend(backend)
@@ -405,6 +409,7 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
         be, safe, forced = _support(support_ids, safe.view(targets.shape), vocab, vp=sl,
                                     backend=be, kept_mass=return_log_kept_mass,
                                     truncation=sampler_truncation, over_support=over_support)
+    _keep_support_ids(return_support_ids, be, sampler_truncation, sl)
     if weight_grad_into is not None:
         V.check_tensor("weight_grad_into", weight_grad_into, shape=tuple(weight.shape),
                        device=weight.device)
@@ -429,7 +434,25 @@ def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0,
             forced = be.forced
         out += (forced.view(targets.shape) if forced is not None
                 else torch.zeros(targets.shape, dtype=torch.bool, device=hidden.device),)
+    if return_support_ids:
+        out += (be.kept.view(*targets.shape, be.kept.shape[-1]),)
     return out
+
+
+def _keep_support_ids(wanted, be, truncation, vp):
+    """``return_support_ids``: needs ``sampler_truncation`` (the ids of ``support_ids`` are the
+    caller's already); under vocab parallelism a top-k bound (without one each shard knows
+    only its own members). Tells the backend to record the ids."""
+    if not wanted:
+        return
+    if truncation is None:
+        raise ValueError("return_support_ids: needs sampler_truncation (the kept set built in "
+                         "this pass); with support_ids the ids are the caller's already")
+    if vp is not None and truncation.top_k is None:
+        raise ValueError("return_support_ids: under vocab_parallel needs a top_k bound in "
+                         "sampler_truncation (without one each shard knows only its own "
+                         "members)")
+    be.keep_ids()
 
 
 class TokenStats(NamedTuple):
@@ -454,6 +477,20 @@ class TokenStatsKeptMass(NamedTuple):
     log_kept_mass: torch.Tensor
 
 
+class TokenStatsSupport(NamedTuple):
+    """:class:`TokenStatsKeptMass` and the kept set each row built (``support_ids``:
+    ``targets.shape + (K,)`` int32, -1 padded, the target not forced in), what
+    ``token_stats(..., sampler_truncation=..., return_support_ids=True)`` returns;
+    ``log_kept_mass`` None unless ``return_log_kept_mass``."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    certainty: Optional[torch.Tensor]
+    sum_p2: Optional[torch.Tensor]
+    log_kept_mass: Optional[torch.Tensor]
+    support_ids: torch.Tensor
+
+
 CERTAINTY_KINDS = (None, "entropy", "max_prob")
 
 
@@ -461,7 +498,7 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
                 certainty_temperature=1.0, backend="auto", vocab_parallel=None,
                 logit_softcap=None, logits_dtype=None, support_ids=None,
                 sampler_truncation=None, return_log_kept_mass=False,
-                over_support=True) -> TokenStats:
+                over_support=True, return_support_ids=False) -> TokenStats:
     """No-grad per-token statistics, streaming over the vocabulary (docs/math.md §5, §7).
 
     certainty="entropy":  J = 1 - H(softmax(z_w)) / log V
@@ -480,9 +517,15 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
     same pass.
     ``over_support=False``: every statistic the whole vocabulary's (bit for bit the call
     without a support) and only ``log_kept_mass`` the support's.
+    ``return_support_ids=True`` (with ``sampler_truncation``): a :class:`TokenStatsSupport`,
+    the kept set each row built as ``support_ids`` (``fused_linear_logprobs``' output of that
+    name) — built once, in the pass that first scores the rollout with the sampling policy,
+    and replayed by every later pass.
     """
     if not isinstance(over_support, bool):
         raise TypeError(f"over_support: expected a bool, got {over_support!r}")
+    if not isinstance(return_support_ids, bool):
+        raise TypeError(f"return_support_ids: expected a bool, got {return_support_ids!r}")
     if not isinstance(return_log_kept_mass, bool):
         raise TypeError(f"return_log_kept_mass: expected a bool, got "
                         f"{type(return_log_kept_mass).__name__} {return_log_kept_mass!r}")
@@ -510,6 +553,7 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
                                kept_mass=return_log_kept_mass, truncation=sampler_truncation,
                                over_support=over_support)
         size = (safe[:, 2:] >= 0).sum(1) if over_support else None    # |S|, target included
+    _keep_support_ids(return_support_ids, be, sampler_truncation, sl)
     logp, entropy, _, extra, sum_p2 = stats_sweep(
         h2, weight.detach(), b, safe, be,
         temp, True, None if certainty is None else float(certainty_temperature),
@@ -528,6 +572,9 @@ def token_stats(hidden, weight, targets, bias=None, temperature=1.0, certainty=N
         cert = torch.where(size > 1, j, 1.0).view(targets.shape)
     shape = targets.shape
     out = (logp.view(shape), entropy.view(shape), cert, sum_p2.view(shape))
+    if return_support_ids:
+        kept = be.log_kept_mass.view(shape) if return_log_kept_mass else None
+        return TokenStatsSupport(*out, kept, be.kept.view(*shape, be.kept.shape[-1]))
     if not return_log_kept_mass:
         return TokenStats(*out)
     kept = (be.log_kept_mass.view(shape)

@@ -296,17 +296,28 @@ class TruncationBackend(SupportBackend):
         self.size = torch.zeros(n, dtype=torch.long, device=device)     # |S|, target included
         self.bad = torch.zeros(n, dtype=torch.bool, device=device)      # a NaN / +inf row
         self.routes = False     # the set is built from the whole row: no support route
+        self.kept = None        # [n, K] int32: the kept ids (keep_ids), else not recorded
         self._last = None       # the chunk last recomputed: a second statistic of the same
         #                         rows (another temperature) keeps its support
 
-    def _store(self, pos, cols):
-        if cols.shape[1] > self.cols.shape[1]:
-            self.cols = torch.cat([self.cols, self.cols.new_full(
-                (self.cols.shape[0], cols.shape[1] - self.cols.shape[1]), -1)], 1)
-        if cols.shape[1] < self.cols.shape[1]:
+    def _store(self, pos, cols, name: str = "cols"):
+        """``cols`` ``[rows, K]`` into the rows ``pos`` of ``self.<name>`` (``[n, K']``, -1
+        padded, widened as needed)."""
+        have = getattr(self, name)
+        if cols.shape[1] > have.shape[1]:
+            have = torch.cat([have, have.new_full(
+                (have.shape[0], cols.shape[1] - have.shape[1]), -1)], 1)
+        if cols.shape[1] < have.shape[1]:
             cols = torch.cat([cols, cols.new_full(
-                (cols.shape[0], self.cols.shape[1] - cols.shape[1]), -1)], 1)
-        self.cols.index_copy_(0, pos, cols)
+                (cols.shape[0], have.shape[1] - cols.shape[1]), -1)], 1)
+        have.index_copy_(0, pos, cols.to(have.dtype))
+        setattr(self, name, have)
+
+    def keep_ids(self):
+        """Record the sampler's kept ids of every row scored from now on (``kept``: ``[n, K]``
+        int32, -1 padded, the target not forced in): ``return_support_ids``."""
+        self.kept = torch.full((self.cols.shape[0], 1), -1, dtype=torch.int32,
+                               device=self.cols.device)
 
     def _recompute(self, logits, targets, inv_temp):
         """The chunk's ``[rows, 2 + K]`` targets: its members from the sampler's rule."""
@@ -343,6 +354,8 @@ class TruncationBackend(SupportBackend):
         else:
             cols, forced = _with_target(ids, y)
             size = (cols >= 0).sum(1)
+        if self.kept is not None:
+            self._store(pos, ids, "kept")
         self.size.index_copy_(0, pos, size)
         self._store(pos, cols)
         self.forced.index_copy_(0, pos, forced)
@@ -377,6 +390,8 @@ class TruncationBackend(SupportBackend):
             it = _col(inv_temp[s:e] if isinstance(inv_temp, torch.Tensor) else inv_temp)
             z = logits[s:e]
             keep, ex, zm = kept_mask(z, self.tr, it, group)
+            if self.kept is not None:
+                self._store(pos[s:e], _mask_ids(keep), "kept")
             yb = y[s:e]
             has = yb >= 0
             at = yb.clamp(min=0).unsqueeze(1)

@@ -238,3 +238,69 @@ def test_route_fraction_setting_refused_when_bad(monkeypatch):
     with pytest.raises(ValueError, match="^GBC_SUPPORT_ROUTE_FRACTION: expected a number"):
         gbc.fused_linear_logprobs(b["hidden"], b["weight"], b["targets"].clamp(min=0),
                                   support_ids=support_for(b["targets"], 29, k=3))
+
+
+# ------------------------------------------------- one kept set per rollout (issue 66, 2)
+TRUNCS = {"top_k": dict(top_k=5), "top_p": dict(top_p=0.8), "min_p": dict(min_p=0.1),
+          "top_k_top_p": dict(top_k=8, top_p=0.9)}
+
+
+def _as_sets(ids):
+    """Each row's ids as a set (padding dropped)."""
+    flat = ids.reshape(-1, ids.shape[-1]).tolist()
+    return [frozenset(i for i in row if i >= 0) for row in flat]
+
+
+@pytest.mark.parametrize("kept_mass", [False, True], ids=["replay", "kept_mass"])
+@pytest.mark.parametrize("trunc", list(TRUNCS))
+def test_return_support_ids_is_the_set_built_and_replays_it(backend, trunc, kept_mass,
+                                                            small_chunks):
+    """``return_support_ids=True``: the ids each row's kept set holds (the float64 oracle's
+    rule over the full logits; the target not forced in), int32, -1 padded; replayed as
+    ``support_ids`` in a later pass they give that pass's numbers over the same set, and the
+    loss over them forces exactly the tokens the building pass forced."""
+    b = make_batch(B=3, T=9, H=16, V=71, logit_scale=4.0)
+    y = b["targets"].clamp(min=0)
+    tr = gbc.SamplerTruncation(**TRUNCS[trunc])
+    st = gbc.token_stats(b["hidden"], b["weight"], y, b["bias"], temperature=0.8,
+                         sampler_truncation=tr, return_support_ids=True,
+                         return_log_kept_mass=True, over_support=not kept_mass, backend=backend)
+    ids = st.support_ids
+    assert ids.dtype == torch.int32 and ids.shape[:2] == y.shape and ids.min() >= -1
+    x = as64(b)
+    want = ref.truncation_support_ids(x["hidden"], x["weight"], y, x["bias"], temperature=0.8,
+                                      **TRUNCS[trunc])
+    assert _as_sets(ids) == _as_sets(want)
+    # replayed: the same log-probs and kept mass as the pass that built the set
+    lp, _, lk, forced = gbc.fused_linear_logprobs(
+        b["hidden"], b["weight"], y, bias=b["bias"], temperature=0.8, return_entropy=True,
+        support_ids=ids, return_log_kept_mass=True, return_support_forced=True,
+        over_support=not kept_mass, backend=backend)
+    assert err(lp, st.logp) < 1e-6
+    assert err(lk, st.log_kept_mass) < 1e-5      # LSE_S − LSE_V: two float32 sums apart
+    _, _, _, forced_built = gbc.fused_linear_logprobs(
+        b["hidden"], b["weight"], y, bias=b["bias"], temperature=0.8, return_entropy=True,
+        sampler_truncation=tr, return_log_kept_mass=True, return_support_forced=True,
+        over_support=not kept_mass, backend=backend)
+    assert torch.equal(forced, forced_built)
+    assert not ((ids == y.unsqueeze(-1)).any(-1) & forced).any()    # the target not forced in
+
+
+def test_return_support_ids_from_fused_linear_logprobs_and_refusals(backend):
+    """The same ids from ``fused_linear_logprobs`` (a last output); refused without
+    ``sampler_truncation`` and when not a bool."""
+    b = make_batch(B=2, T=5, H=16, V=43, logit_scale=4.0)
+    y = b["targets"].clamp(min=0)
+    tr = gbc.SamplerTruncation(top_k=4, top_p=0.9)
+    *_, ids = gbc.fused_linear_logprobs(b["hidden"], b["weight"], y, bias=b["bias"],
+                                        sampler_truncation=tr, return_support_ids=True,
+                                        backend=backend)
+    st = gbc.token_stats(b["hidden"], b["weight"], y, b["bias"], sampler_truncation=tr,
+                         return_support_ids=True, backend=backend)
+    assert _as_sets(ids) == _as_sets(st.support_ids) and st.log_kept_mass is None
+    with pytest.raises(ValueError, match="^return_support_ids: needs sampler_truncation"):
+        gbc.token_stats(b["hidden"], b["weight"], y, support_ids=support_for(y, 43),
+                        return_support_ids=True)
+    with pytest.raises(TypeError, match="^return_support_ids: expected a bool"):
+        gbc.fused_linear_logprobs(b["hidden"], b["weight"], y, sampler_truncation=tr,
+                                  return_support_ids=1)
