@@ -8,6 +8,8 @@ multipliers, docs/math.md §2-§3).
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -135,3 +137,26 @@ def test_errors_name_verls_arguments():
                                          r"\[1, 0\]$"):
         fn(old, logp, adv, mask, "token-mean", actor_config(), weights)
     assert logp.grad is None
+
+
+AR_KEYS = {"actor/gbc_ar_weight_mean"}
+LOPTI_KEYS = {"actor/gbc_low_frac"}         # the registered loss sees no grad_share_low (no sum_p2)
+
+
+def test_registered_loss_logs_a_methods_metrics_only_when_it_runs():
+    """gbc's AR / Lopti metrics are logged only where the method runs (a logged metric reads
+    as its method on): none with both off, AR's with ``ar_alpha``, Lopti's with ``lopti_eta``
+    (in each phase)."""
+    old, logp, adv, mask = batch(7)
+    for name, kw, want in (("gbc_metrics_off", {}, set()),
+                           ("gbc_metrics_ar", dict(ar_alpha=0.3), AR_KEYS),
+                           ("gbc_metrics_lopti", dict(lopti_eta=0.4), LOPTI_KEYS),
+                           ("gbc_metrics_both", dict(ar_alpha=0.3, lopti_eta=0.4),
+                            AR_KEYS | LOPTI_KEYS)):
+        opts = gbc_verl.register(name, **kw)
+        fn = core_algos.get_policy_loss_fn(name)
+        for phase in opts.phases:                  # (None,) without Lopti
+            with opts.phase(phase) if phase else contextlib.nullcontext():
+                metrics = fn(old, logp, adv, mask, "token-mean", actor_config())[-1]
+            assert set(metrics) & (AR_KEYS | LOPTI_KEYS) == want, (name, phase, sorted(metrics))
+            assert "actor/pg_clipfrac" in metrics

@@ -385,6 +385,46 @@ def test_engine_lopti_two_updates_and_ar(tmp_path):
         assert torch.allclose(hand[n], lopti[0][n], rtol=1e-4, atol=1e-6), n
 
 
+AR_METRICS = {"actor/gbc_ar_weight_mean"}
+LOPTI_METRICS = {"actor/gbc_low_frac", "actor/gbc_grad_share_low", "actor/gbc_grad_norm_sum"}
+
+
+def _method_metrics_worker(rank, world, model_dir, cases):
+    """The metric names of one ``train_batch`` of gbc's engine under each case's options."""
+    verl_on_cpu()
+    from verl.workers.utils.losses import ppo_loss
+
+    from gbc_kernels.integrations.verl import engine as ve
+
+    engine = build_engine(model_dir, gbc=True, lr=0.5, optimizer="SGD")
+    cfg = verl_actor_config("vanilla", "token-mean", "low_var_kl", entropy_coeff=0.01)
+    loss_fn = functools.partial(ppo_loss, config=cfg)
+    out = {}
+    for name, options in cases.items():
+        type(engine).gbc_options = ve.EngineOptions(**options)
+        data = make_batch(5, 6, world=world, confident=0.4)
+        with engine.train_mode():
+            out[name] = set(engine.train_batch(data, loss_fn)["metrics"])
+    return out
+
+
+@pytest.mark.slow
+def test_engine_logs_a_methods_metrics_only_when_it_runs(tmp_path):
+    """gbc's AR and Lopti metrics are logged only where the method runs (a logged metric reads
+    as its method on): with both off none of them, with ``ar_alpha`` AR's, with ``lopti_eta``
+    Lopti's (``low_frac``, the step's ``grad_share_low`` and the ``grad_norm_sum`` it is built
+    from); verl's own metrics in every case."""
+    model_dir = make_model_dir(tmp_path / "m")
+    cases = {"off": {}, "ar": dict(ar_alpha=0.3), "lopti": dict(lopti_eta=0.5),
+             "both": dict(ar_alpha=0.3, lopti_eta=0.5)}
+    got = spawn_gloo(1, _method_metrics_worker, model_dir, cases)[0]
+    want = {"off": set(), "ar": AR_METRICS, "lopti": LOPTI_METRICS,
+            "both": AR_METRICS | LOPTI_METRICS}
+    for name, keys in got.items():
+        assert keys & (AR_METRICS | LOPTI_METRICS) == want[name], (name, sorted(keys))
+        assert {"actor/pg_loss", "actor/ppo_kl"} <= keys, (name, sorted(keys))
+
+
 def _lopti_by_hand_worker(rank, world, model_dir):
     """Lopti as two separate calls of gbc's engine, each with one phase fixed."""
     verl_on_cpu()

@@ -318,6 +318,29 @@ class _PolicyTermOnly:
         return over[name] if name in over else _cfg_get(self._config, name, default)
 
 
+# gbc's metrics of a loss call that verl's engines and the registered loss log (as
+# ``actor/gbc_<name>``), each only where what it describes runs, so that a logged metric reads as
+# its method on: AR's weight with ar_alpha > 0; Lopti's split (``low_frac``, the gradient share of
+# the low-probability tokens and the summed norm the step's share is built from) with lopti_eta;
+# Clip-Cov / KL-Cov's selection and support's forced targets (reported by the loss only there)
+GBC_METRICS = ("ar_weight_mean", "low_frac", "cov_frac", "grad_share_low", "grad_norm_sum",
+               "support_forced_frac")
+AR_METRICS = ("ar_weight_mean",)
+LOPTI_METRICS = ("low_frac", "grad_share_low", "grad_norm_sum")
+
+
+def method_metric_names(options: methods.MethodOptions, metrics, names=GBC_METRICS) -> tuple:
+    """The names of ``names`` that a loss call's ``metrics`` holds and whose method runs under
+    ``options``: AR's (:data:`AR_METRICS`) with ``ar_alpha`` > 0, Lopti's
+    (:data:`LOPTI_METRICS`) with ``lopti_eta`` set; the others as the loss reports them."""
+    off = set()
+    if not options.ar_alpha:
+        off.update(AR_METRICS)
+    if options.lopti_eta is None:
+        off.update(LOPTI_METRICS)
+    return tuple(n for n in names if n in metrics and n not in off)
+
+
 def make_policy_loss(options: VerlGBCOptions):
     """verl's registered-loss function for ``options.base_loss_mode``, gbc's methods on top."""
 
@@ -357,9 +380,10 @@ def make_policy_loss(options: VerlGBCOptions):
                 lower = ((pg > -a * cfg.clip_ratio_c) & (a < 0)).to(lr.dtype)
                 metrics["actor/pg_clipfrac_lower"] = ((lower * fm).sum()
                                                       / (fm.sum() + 1e-8)).item()
-        for name in ("low_frac", "ar_weight_mean", "cov_frac"):   # those policy_loss has
-            if name in m:
-                metrics[f"actor/gbc_{name}"] = m[name].item()
+        # those policy_loss has, of the methods that run
+        for name in method_metric_names(options.method_options, m,
+                                        ("low_frac", "ar_weight_mean", "cov_frac")):
+            metrics[f"actor/gbc_{name}"] = m[name].item()
         return loss, metrics
 
     return gbc_policy_loss

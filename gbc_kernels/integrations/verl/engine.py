@@ -397,13 +397,12 @@ class EngineMethods:
             **(plan.scored_kwargs() if plan is not None else {}))
 
     def _gbc_metrics(self, loss_function, micro_batch, model_output, rng, gbc_metrics) -> dict:
-        """verl's metrics of a training micro-batch (:meth:`_verl_metrics`), gbc's method
-        metrics and NTHR's."""
+        """verl's metrics of a training micro-batch (:meth:`_verl_metrics`), gbc's metrics of
+        the methods that run (:func:`gbc_kernels.integrations.verl.method_metric_names`: AR's
+        with ``ar_alpha``, Lopti's with ``lopti_eta``) and NTHR's."""
         metrics = self._verl_metrics(loss_function, micro_batch, model_output, rng)
-        for name in ("ar_weight_mean", "low_frac", "cov_frac", "grad_share_low",
-                     "grad_norm_sum", "support_forced_frac"):
-            if name in gbc_metrics:
-                metrics[f"actor/gbc_{name}"] = float(gbc_metrics[name])
+        for name in gv.method_metric_names(self.gbc_options, gbc_metrics):
+            metrics[f"actor/gbc_{name}"] = float(gbc_metrics[name])
         metrics.update(self._gbc_update_metrics)
         metrics.update(self._gbc_pass_metrics)
         return metrics
