@@ -283,7 +283,7 @@ def _project(hc, weight, bias, buf, softcap, backend, targets):
     head = _Head(view.ids, weight, bias, view.live)
     if backend.log_kept_mass is not None:       # LSE_V too: the whole head, into the buffer
         full = _chunking.project_chunk(hc, weight, bias, buf, softcap)
-        backend.full = (full, targets[:, 0].contiguous())
+        backend.full = (full, view.full_targets)
         out = torch.empty(m, u, device=buf.device, dtype=buf.dtype)
     else:
         out = buf.view(-1)[:m * u].view(m, u)

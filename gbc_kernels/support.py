@@ -109,10 +109,13 @@ def route_fraction() -> float:
 
 class ChunkView(NamedTuple):
     """A chunk scored over the rows of ``W`` its supports name (the support route)."""
-    ids: torch.Tensor                 # [u] the chunk's distinct member ids, ascending
+    ids: torch.Tensor                 # [u] the chunk's distinct member ids, ascending (this
+    #                                   rank's slice's rows under vocab parallelism)
     targets: torch.Tensor             # [m, 2 + K] the chunk's rows, ids as positions in ids
-    live: Optional[torch.Tensor]      # rows with |S| > 1 (None: every row); the others are
-    #                                   the target alone: no GEMM row, logit 0, no gradient
+    live: Optional[torch.Tensor]      # rows projected (None: every row); the others are the
+    #                                   target alone (no GEMM row, logit 0, no gradient) or,
+    #                                   vocab parallel, hold no member in this slice
+    full_targets: torch.Tensor        # [m] the targets as rows of this rank's head (LSE_V)
 
 
 def _col(inv_temp):
@@ -153,8 +156,10 @@ class SupportBackend(Backend):
         # projected through the whole head too, for LSE_V alone (``full``): the support's
         # statistics come from W[U] either way, so asking for log_kept_mass changes no bit of
         # the log-probs, the loss or the gradients
-        self.routes = over_support and vp is None
+        self.routes = over_support
         self.full = None        # (the chunk's whole-head logits, its targets) on the route
+        self.local_view = False     # the chunk being scored is on the route: its targets are
+        #                             positions in U already (no localising)
         self.routed = [0, 0]    # chunks taken by the support route, chunks in all
 
     @contextlib.contextmanager
@@ -175,30 +180,36 @@ class SupportBackend(Backend):
         projected through the whole head): ``U`` the distinct members of its rows (the
         targets among them), taken when ``|U| <= route_fraction() * vocab``; ``|U|`` is one
         host transfer a chunk."""
+        self.local_view = False
         if not self.routes:
             return None
         self.routed[1] += 1
         frac = route_fraction()
         if frac <= 0.0:
             return None
-        cols = targets[:, 2:]
+        multi = (targets[:, 2:] >= 0).sum(1) > 1        # |S| > 1 (over the whole vocabulary)
+        y, cols = self._local(targets)                   # this slice's rows (-1: elsewhere)
         valid = cols >= 0
         ids = torch.unique(cols[valid])                  # sorted; one host transfer
         if ids.numel() > frac * vocab:
             return None
+        if not ids.numel():     # no member in this slice: one column read by no row
+            ids = torch.zeros(1, dtype=cols.dtype, device=cols.device)
         self.routed[0] += 1
         at = torch.searchsorted(ids, cols.clamp(min=0).contiguous())
-        y = torch.searchsorted(ids, targets[:, :1].contiguous())
-        local = torch.cat([y, targets[:, 1:2], torch.where(valid, at, -1)], 1)
-        multi = valid.sum(1) > 1
-        live = None if bool(multi.all()) else multi.nonzero().squeeze(1)
-        return ChunkView(ids, local, live)
+        yp = torch.searchsorted(ids, y.clamp(min=0).contiguous())
+        local = torch.cat([torch.where(y >= 0, yp, -1).unsqueeze(1), targets[:, 1:2],
+                           torch.where(valid, at, -1)], 1)
+        live = multi & valid.any(1)
+        live = None if bool(live.all()) else live.nonzero().squeeze(1)
+        self.local_view = True
+        return ChunkView(ids, local, live, y.contiguous())
 
     def _local(self, targets):
         """``(y, cols)``: the target and members as ids into this rank's slice (-1: elsewhere
         or padding)."""
         y, cols = targets[:, 0], targets[:, 2:]
-        if self.vp is None:
+        if self.vp is None or self.local_view:
             return y, cols
         from .vocab_parallel import local_targets
 

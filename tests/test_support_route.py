@@ -304,3 +304,88 @@ def test_return_support_ids_from_fused_linear_logprobs_and_refusals(backend):
     with pytest.raises(TypeError, match="^return_support_ids: expected a bool"):
         gbc.fused_linear_logprobs(b["hidden"], b["weight"], y, sampler_truncation=tr,
                                   return_support_ids=1)
+
+
+# ------------------------------------------------------------------ vocab parallel
+def _vp_route_worker(rank, world, backend):
+    """Rank ``rank`` holds rows ``[cut_r, cut_{r+1})`` of the head (uneven slices). Narrow
+    supports (the route on both ranks); the first sequence's members all on rank 0's slice and
+    chunks of a few rows, so that rank 1 holds none of some chunks' ``U``."""
+    import os
+
+    os.environ["GBC_CHUNK_MB"] = "0.002"
+    V, cuts = 97, [0, 40, 97]
+    lo, hi = cuts[rank], cuts[rank + 1]
+    b = make_batch(B=3, T=7, H=16, V=V, logit_scale=2.0)
+    y = b["targets"]
+    ids = support_for(y.clamp(min=0), V, k=3)
+    y[0] = y[0] % 40
+    ids[0] = ids[0] % 40                       # all on rank 0 (the padding stays -1 ... )
+    ids[0][support_for(y.clamp(min=0), V, k=3)[0] < 0] = -1
+    seen = []
+    orig = S.SupportBackend.chunk_view
+
+    def counted(self, targets, vocab):
+        view = orig(self, targets, vocab)
+        seen.append(-1 if view is None else int((view.targets[:, 2:] >= 0).sum()))
+        return view
+
+    S.SupportBackend.chunk_view = counted
+    vp = gbc.VocabParallel(None, lo, hi)
+    x = leaves(b)
+    w = x["weight"].detach()[lo:hi].clone().requires_grad_(True)
+    bb = x["bias"].detach()[lo:hi].clone().requires_grad_(True)
+    h = x["hidden"]
+    L, m = gbc.fused_linear_policy_loss(
+        h, w, y, b["mask"], b["advantages"], b["old_logp"], b["ref_logp"], bias=bb,
+        config=gbc.PolicyLossConfig(kl_coef=0.05, entropy_coef=0.01), temperature=0.9,
+        support_ids=ids, vocab_parallel=vp, backend=backend)
+    (L * 1.3).backward()
+    h2 = b["hidden"].detach().clone().requires_grad_(True)
+    w2 = b["weight"].detach()[lo:hi].clone().requires_grad_(True)
+    lp, ent = gbc.fused_linear_logprobs(h2, w2, y.clamp(min=0), bias=b["bias"][lo:hi],
+                                        temperature=0.7, return_entropy=True, support_ids=ids,
+                                        vocab_parallel=vp, backend=backend)
+    (lp.sum() + 0.5 * ent.sum()).backward()
+    return dict(L=L.detach(), gh=h.grad, gw=w.grad, gb=bb.grad, lp=lp.detach(),
+                ent=ent.detach(), gh2=h2.grad, gw2=w2.grad, ids=ids, y=y, seen=seen)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_vocab_parallel_route_matches_float64(backend):
+    """Two gloo ranks with uneven slices, each taking the route over its own slice's ``U``
+    (a rank holding none of a chunk's ids projects nothing for it), the support's statistics
+    in the existing all_gather: the loss, log-probs, entropy and every gradient against
+    float64."""
+    from conftest import spawn_gloo
+
+    if backend == "cpu" and not gbc.backends.cpu_available():
+        pytest.skip("the C++ extension is not built")
+    out = spawn_gloo(2, _vp_route_worker, backend)
+    b = make_batch(B=3, T=7, H=16, V=97, logit_scale=2.0)
+    ids, y = out[0]["ids"], out[0]["y"]
+    b["targets"] = y
+    x = leaves(as64(b))
+    L64, _ = ref.fused_linear_policy_loss(
+        x["hidden"], x["weight"], y, b["mask"], b["advantages"], b["old_logp"],
+        b["ref_logp"], bias=x["bias"], config=ref.PolicyLossConfig(kl_coef=0.05,
+                                                                   entropy_coef=0.01),
+        temperature=0.9, support_ids=ids)
+    (L64 * 1.3).backward()
+    h2, w2 = (as64(b)[k].detach().clone().requires_grad_(True) for k in ("hidden", "weight"))
+    lp64, ent64 = ref.fused_linear_logprobs(h2, w2, y.clamp(min=0), bias=as64(b)["bias"],
+                                            temperature=0.7, return_entropy=True,
+                                            support_ids=ids)
+    (lp64.sum() + 0.5 * ent64.sum()).backward()
+    cuts = [0, 40, 97]
+    assert all(u >= 0 for o in out for u in o["seen"])          # every chunk on the route
+    assert 0 in out[1]["seen"]                           # rank 1 held no member of a chunk
+    for r, o in enumerate(out):
+        lo, hi = cuts[r], cuts[r + 1]
+        assert abs(o["L"].item() - L64.item()) < 1e-5 * max(1, abs(L64.item()))
+        assert max_rel_err(o["gh"], x["hidden"].grad) < 1e-4
+        assert max_rel_err(o["gw"], x["weight"].grad[lo:hi]) < 1e-4
+        assert max_rel_err(o["gb"], x["bias"].grad[lo:hi]) < 1e-4
+        assert err(o["lp"], lp64) < 1e-6 and err(o["ent"], ent64) < 1e-6
+        assert max_rel_err(o["gh2"], h2.grad) < 1e-4
+        assert max_rel_err(o["gw2"], w2.grad[lo:hi]) < 1e-4
