@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 import types
 
@@ -684,6 +685,45 @@ def test_bad_settings_refused_by_name(kw, match):
         _plan(**kw)
     # under Megatron with a top-k bound the top-p cut is exact: accepted
     assert _plan(trainer=True, strategy="megatron", top_k=50).truncation.top_k == 50
+
+
+TRAINER_ONLY = [
+    (dict(calculate_log_probs=False), RC,
+     "actor_rollout_ref.rollout.calculate_log_probs=False: GBC_VERL_OPTIONS support=kept_mass"),
+    ({}, None, "algorithm.rollout_correction: None: GBC_VERL_OPTIONS support=kept_mass"),
+    ({}, dict(RC, bypass_mode=True),
+     "algorithm.rollout_correction: bypass_mode=True: GBC_VERL_OPTIONS support=kept_mass"),
+]
+
+
+@pytest.mark.parametrize("rollout,rc,match", TRAINER_ONLY, ids=["calculate_log_probs",
+                                                                "no_correction", "bypass_mode"])
+def test_rollout_correction_refused_by_the_trainer_not_the_worker(rollout, rc, match):
+    """docs/verl.md, "Refused at start-up": the worker's check (gbc's wrap of
+    ``ActorRolloutRefWorker.init_model``) sees the rollout config only, and starts a worker
+    whose ``support=kept_mass`` would feed no rollout correction; the trainer's (gbc's wrap of
+    the trainers' ``__init__``) sees the whole config and refuses it before verl's init,
+    naming the field."""
+    from gbc_kernels.integrations.verl import engine as ve
+    from gbc_kernels.integrations.verl import trainer as vt
+
+    r = rollout_config(**dict(VLLM, **rollout))
+    ve._OPTIONS["current"] = ve.EngineOptions(support="kept_mass")
+    try:
+        started = []
+        init_model = ve._support_on_init(lambda self: started.append("worker"))
+        init_model(types.SimpleNamespace(config=types.SimpleNamespace(rollout=r)))
+        assert started == ["worker"]
+        for v1 in (False, True):        # the legacy RayPPOTrainer's and the v1 PPOTrainer's
+            trainer_init = vt._checked_init(lambda self, config: started.append("trainer"), v1)
+            with pytest.raises(ValueError, match="^" + re.escape(match)):
+                trainer_init(object(), trainer_config(r, rc))
+            assert started == ["worker"]            # verl's init never ran
+        trainer_init(object(), trainer_config(rollout_config(**VLLM)))     # a good config
+        assert started == ["worker", "trainer"]
+    finally:
+        ve._OPTIONS.pop("current", None)
+        ve._OPTIONS.pop("plan", None)
 
 
 def test_engine_without_rollout_settings_refused():

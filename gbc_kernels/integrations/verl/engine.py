@@ -640,7 +640,10 @@ def _nthr_keep_on_infer(original):
 def _support_on_init(original):
     """verl's ``ActorRolloutRefWorker.init_model`` that hands gbc's engines (the actor's, the
     reference's) the rollout's sampling settings (``self.config.rollout``) for ``support``:
-    refused at start-up by :func:`support_plan` where they cannot be replayed."""
+    refused at start-up by :func:`support_plan` where they cannot be replayed. The worker sees
+    the rollout config only: whether verl's rollout correction runs (``kept_mass`` needs it:
+    ``calculate_log_probs``, ``algorithm.rollout_correction``) is the trainer's start-up check
+    (:func:`.trainer.check_trainer`)."""
 
     @functools.wraps(original)
     def init_model(self, *args, **kwargs):
