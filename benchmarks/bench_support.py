@@ -216,6 +216,29 @@ def one(provider, N, H, V, k, reps, device="cpu", dtype=torch.float32, logit_std
     return out
 
 
+def imbalance(args):
+    """Each rank's ``|U_r|`` per chunk (the route's work under vocab parallelism, R equal
+    slices), over the kept sets of ``--sets``, ``--ks``: mean, and the largest rank's over the
+    mean (1.0: balanced)."""
+    print(f"# V={args.V}, {args.ranks} equal slices, chunks of {args.chunk} rows, sets "
+          f"{args.sets}: mean |U_r| of a chunk per rank")
+    for k in (int(x) for x in args.ks.split(",")):
+        g = torch.Generator().manual_seed(0)
+        _, ids = kept_sets(1, args.N, args.V, k, args.sets, g)
+        ids = ids[0]
+        width = -(-args.V // args.ranks)
+        per = torch.zeros(args.ranks)
+        chunks = 0
+        for s in range(0, args.N, args.chunk):
+            c = ids[s:s + args.chunk]
+            u = torch.unique(c[c >= 0])
+            per += torch.bincount(u // width, minlength=args.ranks)[:args.ranks].float()
+            chunks += 1
+        per /= chunks
+        print(f"k={k}: " + ", ".join(f"{x:.0f}" for x in per.tolist())
+              + f"  (largest / mean {float(per.max() / per.mean()):.2f})")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--N", type=int, default=2048)
@@ -230,7 +253,14 @@ def main():
     ap.add_argument("--sets", default="indep", choices=SETS)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--k", type=int, default=20, help=argparse.SUPPRESS)
+    ap.add_argument("--ranks", type=int, default=0,
+                    help="print each vocab-parallel rank's share of the route's work (the mean "
+                         "|U_r| of a chunk of --chunk rows over R equal slices) and exit")
+    ap.add_argument("--chunk", type=int, default=256)
     args = ap.parse_args()
+    if args.ranks:
+        imbalance(args)
+        return
     if args.one:
         print(json.dumps(one(args.one, args.N, args.H, args.V, args.k, 2 if args.device == "cpu"
                              else 5, args.device, getattr(torch, args.dtype), args.logit_std,
