@@ -174,11 +174,15 @@ def sampler_settings(experiment, options: methods.MethodOptions):
                          "support=replay puts the policy's over the rollout's kept set "
                          "(unset support, or the teacher)")
     top_k = getattr(gconfig, "top_k", None)
-    if top_k is not None and int(top_k) >= NO_TOP_K:
-        top_k = None
+    if (isinstance(top_k, (int, float)) and not isinstance(top_k, bool)
+            and float(top_k).is_integer() and top_k >= NO_TOP_K):
+        top_k = None          # any other type: refused by sampler_truncation, naming the field
     tr = methods.sampler_truncation(options, top_k=top_k, top_p=getattr(gconfig, "top_p", 1.0),
                                     min_p=getattr(gconfig, "min_p", 0.0), rule="sglang",
-                                    ties="first", names={"support": f"{OPTIONS_ENV}: support"})
+                                    ties="first", names={"support": f"{OPTIONS_ENV}: support",
+                                                         "top_k": "gconfig.top_k",
+                                                         "top_p": "gconfig.top_p",
+                                                         "min_p": "gconfig.min_p"})
     return tr, temp
 
 

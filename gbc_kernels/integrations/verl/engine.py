@@ -168,7 +168,8 @@ def support_plan(options, rollout, tensor_parallel=()) -> Optional[SupportPlan]:
                              f"the whole vocabulary needs every shard's order); set "
                              f"{ROLLOUT}.top_k too, set {option}=1, or unset {said}")
     tr = methods.sampler_truncation(options, k, p, 0.0, rule=name, ties=DEFAULT_TIES,
-                                    names={"support": said})
+                                    names={"support": said, "top_k": f"{ROLLOUT}.top_k",
+                                           "top_p": f"{ROLLOUT}.top_p"})
     return SupportPlan(options.support, tr, normalised, name)
 
 
