@@ -80,9 +80,10 @@ setup(
         # tests/test_releases.py, which reads this dict).
         "trl": ["trl>=1.14,<1.17", "transformers>=4.56.2"],
         # transformers: gbc's verl path is tested on 5.10.4 (verl 0.9.1's own pin, <5.11),
-        # 5.23 and 5.24; 5.25 kernelizes every from_pretrained model by default, which verl's
-        # meta-device init refuses (docs/compatibility.md, "transformers")
-        "verl": ["verl>=0.9.1,<0.10", "transformers<5.25"],
+        # 5.23, 5.24 and 5.25 (5.25 kernelizes every from_pretrained model by default, which
+        # verl's meta-device init refuses: gbc's FSDP engine builds without hub kernels;
+        # docs/compatibility.md, "transformers")
+        "verl": ["verl>=0.9.1,<0.10", "transformers<5.26"],
         "openrlhf": ["openrlhf>=0.11,<0.12"],
         "skyrl": ["skyrl>=0.3,<0.5"],
         # gbc_kernels.integrations.areal (docs/areal.md)

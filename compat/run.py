@@ -115,16 +115,17 @@ it.
 
 gbc's verl path (verl 0.9.1, whose own pin is transformers>=5.5.3,<5.11,!=5.6.0; the test
 venv installs it `--no-deps`) is tested on transformers 5.10.4 (the verl 0.9.1 row), 5.23.0
-(issue 65's run) and 5.24.0 (the test venv). transformers 5.25.0 does not build verl's FSDP
-engine at world size > 1, gbc's or verl's own: from 5.25 `from_pretrained` kernelizes every
-model by default (`use_kernels` on unless `USE_HUB_KERNELS` is false: transformers/
-modeling_utils.py:4415-4423, 4495), and verl's ranks other than 0 build the model on `meta`
-(accelerate's `init_empty_weights`), which the `kernels` package refuses: `ValueError:
-Unsupported device type 'meta'`. The way out: transformers 5.24.0 (`pip install
-"transformers<5.25"`), or `USE_HUB_KERNELS=NO` in the workers' environment
-(`gbc_kernels.integrations.releases.no_hub_kernels()` sets it around a build): the model is
-then built as 5.24 builds it, nothing kernelized. The `verl` extra (setup.py) says
-transformers<5.25.
+(issue 65's run), 5.24.0 (the test venv) and 5.25.0 (the row below). From 5.25
+`from_pretrained` kernelizes every model by default (`use_kernels` on unless
+`USE_HUB_KERNELS` is false: transformers/modeling_utils.py:4415-4423, 4495), and verl's ranks
+other than 0 build the model on `meta` (accelerate's `init_empty_weights`), which the `kernels`
+package refuses: `ValueError: Unsupported device type 'meta'`, so verl's own FSDP engine does
+not build at world size > 1 on 5.25. gbc's FSDP engine builds its model under
+`gbc_kernels.integrations.releases.no_hub_kernels()` (`USE_HUB_KERNELS=NO` around the build):
+the model is built as 5.24 builds it, nothing kernelized (on a GPU, 5.25's hub kernels are not
+used by gbc's engines). verl's own engines that gbc does not replace (a critic's) still fail
+on 5.25: set `USE_HUB_KERNELS=NO` in the workers' environment, or install
+`"transformers<5.25"`. The `verl` extra (setup.py) says transformers<5.26.
 """
 
 

@@ -93,7 +93,15 @@ def build_engine(model_dir, gbc=True, rmpad=True, dtype="fp32", lr=1e-2, options
         cls.gbc_options = options or ve.EngineOptions()
     torch.manual_seed(0)
     engine = cls(mc, ec, oc, CheckpointConfig())
-    engine.initialize()
+    if gbc:
+        engine.initialize()
+    else:
+        # verl's own engine built as gbc's builds it (transformers >= 5.25: no hub kernels,
+        # which verl's meta-device init refuses; releases.no_hub_kernels, issue 65)
+        from gbc_kernels.integrations.releases import no_hub_kernels
+
+        with no_hub_kernels():
+            engine.initialize()
     return engine
 
 

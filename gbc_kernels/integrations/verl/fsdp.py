@@ -11,6 +11,7 @@ import torch
 import gbc_kernels as gbc
 from gbc_kernels import methods
 from gbc_kernels.integrations import hf
+from gbc_kernels.integrations.releases import no_hub_kernels
 from gbc_kernels.integrations.verl.engine import (
     BATCH_SELECTING_MODES, CERTAINTY_KEY, ENV_ON, KL_WEIGHT_KEY, LOG_KEPT_MASS_KEY, NTHR_ROW_KEY,
     EngineMethods, _flag, _is_ppo_loss, _rng_state, _Rows, _temperature)
@@ -93,7 +94,11 @@ class GBCEngineMixin(EngineMethods):
 
     def initialize(self):
         _check_ulysses_heads(self)
-        return super().initialize()
+        # transformers >= 5.25 kernelizes every from_pretrained model, which the kernels
+        # package refuses under verl's meta-device init (ranks != 0): the model is built as
+        # on 5.24, nothing kernelized (releases.no_hub_kernels, issue 65)
+        with no_hub_kernels():
+            return super().initialize()
 
     def _ulysses_group(self):
         """verl's Ulysses SP group, or None without sequence parallelism."""
