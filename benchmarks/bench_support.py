@@ -16,6 +16,11 @@ Providers (forward + backward of the GRPO loss, PPO clip + k3 KL, through the lo
   with ``sampler_truncation=top_p 0.95``, ``over_support=False``, ``return_log_kept_mass``)
   against the plain ``token_stats`` pass (ratios of those two are to ``plain_old``).
 
+* ``step_plain``, ``step_rebuilt``, ``step_once`` (issue 66): a whole step of three passes —
+  the old-policy pass, the reference pass (no grad) and the update — plain, with the kept set
+  (top_k 20 + top_p 0.95) rebuilt in every pass (``sampler_truncation``), and built once in
+  the old pass (``return_support_ids``) and replayed by the other two (``support_ids``, the
+  support route); ratios to ``step_plain``;
 * ``support_whole`` (issue 66): ``support`` with the support route off
   (``GBC_SUPPORT_ROUTE_FRACTION=0``): every chunk projected through the whole head and its
   members read from it (the replay before the route); ``support_route``: the route always
@@ -124,6 +129,26 @@ def run(provider, c):
         kw = (dict(sampler_truncation=gbc.SamplerTruncation(top_p=0.95), over_support=False,
                    return_log_kept_mass=True) if provider == "kept_mass_old" else {})
         return gbc.token_stats(c["hidden"], c["weight"], c["targets"], **kw).logp.sum()
+    elif provider in ("step_rebuilt", "step_once", "step_plain"):
+        # a whole recompute step: the old-policy pass, the reference pass and the update
+        # (three passes of the same weights here: the cost, not the policies, is measured)
+        tr = gbc.SamplerTruncation(top_k=20, top_p=0.95)
+        h, w, y = c["hidden"], c["weight"], c["targets"]
+        if provider == "step_plain":
+            gbc.token_stats(h.detach(), w.detach(), y)
+            gbc.token_stats(h.detach(), w.detach(), y)
+            kw = {}
+        elif provider == "step_rebuilt":        # each pass rebuilds the set from its model
+            gbc.token_stats(h.detach(), w.detach(), y, sampler_truncation=tr)
+            gbc.token_stats(h.detach(), w.detach(), y, sampler_truncation=tr)
+            kw = dict(sampler_truncation=tr)
+        else:                                   # built once, replayed on the support route
+            ids = gbc.token_stats(h.detach(), w.detach(), y, sampler_truncation=tr,
+                                  return_support_ids=True).support_ids
+            gbc.token_stats(h.detach(), w.detach(), y, support_ids=ids)
+            kw = dict(support_ids=ids)
+        loss, _ = gbc.fused_linear_policy_loss(h, w, y, c["mask"], c["adv"], c["old"],
+                                               c["ref"], config=cfg, **kw)
     elif provider in ("plain", "support", "support_whole", "support_route"):
         sup = c["ids"] if provider != "plain" else None
         loss, _ = gbc.fused_linear_policy_loss(c["hidden"], c["weight"], c["targets"],
@@ -285,7 +310,8 @@ def main():
                 res[p].append(json.loads(out.stdout.strip().splitlines()[-1]))
         med = {p: statistics.median(r["time"] for r in rs) for p, rs in res.items()}
         for p, rs in res.items():
-            base = med.get("plain_old" if p.endswith("_old") else "plain")
+            base = med.get("plain_old" if p.endswith("_old") else
+                           "step_plain" if p.startswith("step_") else "plain")
             peak = max(r["peak_mib"] for r in rs)
             ratio = f"{med[p] / base:.2f}" if base else "-"
             size = f" (mean set {rs[0]['set_size']:.1f} ids)" if "set_size" in rs[0] else ""
