@@ -187,6 +187,10 @@ class SupportBackend(Backend):
         frac = route_fraction()
         if frac <= 0.0:
             return None
+        from ._chunking import batch_invariant
+
+        if batch_invariant():   # U depends on the chunk's other rows: the fixed-shape head
+            return None
         multi = (targets[:, 2:] >= 0).sum(1) > 1        # |S| > 1 (over the whole vocabulary)
         y, cols = self._local(targets)                   # this slice's rows (-1: elsewhere)
         valid = cols >= 0

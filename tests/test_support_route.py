@@ -389,3 +389,13 @@ def test_vocab_parallel_route_matches_float64(backend):
         assert err(o["lp"], lp64) < 1e-6 and err(o["ent"], ent64) < 1e-6
         assert max_rel_err(o["gh2"], h2.grad) < 1e-4
         assert max_rel_err(o["gw2"], w2.grad[lo:hi]) < 1e-4
+
+
+def test_batch_invariant_mode_keeps_the_whole_head(monkeypatch, routes):
+    """``GBC_BATCH_INVARIANT=1``: a chunk's ``U`` depends on its other rows, so the route is
+    not taken (every chunk through the fixed-shape whole head)."""
+    monkeypatch.setenv("GBC_BATCH_INVARIANT", "1")
+    b = make_batch(B=2, T=5, H=16, V=97)
+    y = b["targets"].clamp(min=0)
+    gbc.fused_linear_logprobs(b["hidden"], b["weight"], y, support_ids=support_for(y, 97, k=3))
+    assert routes[0] == 0 and routes[1] > 0
