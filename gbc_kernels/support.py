@@ -194,9 +194,13 @@ class SupportBackend(Backend):
         multi = (targets[:, 2:] >= 0).sum(1) > 1        # |S| > 1 (over the whole vocabulary)
         y, cols = self._local(targets)                   # this slice's rows (-1: elsewhere)
         valid = cols >= 0
-        ids = torch.unique(cols[valid])                  # sorted; one host transfer
-        if ids.numel() > frac * vocab:
+        # U by a bitmap of the slice (no sort): its count is the one host transfer; a chunk
+        # above the threshold costs that and nothing more
+        seen = torch.zeros(vocab, dtype=torch.bool, device=cols.device)
+        seen[cols[valid]] = True
+        if int(seen.sum()) > frac * vocab:
             return None
+        ids = seen.nonzero().squeeze(1)                  # ascending
         if not ids.numel():     # no member in this slice: one column read by no row
             ids = torch.zeros(1, dtype=cols.dtype, device=cols.device)
         self.routed[0] += 1
