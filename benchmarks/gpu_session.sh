@@ -29,6 +29,14 @@ timeout 150 python benchmarks/bench_gpu.py --N "$nlist" --out "$out/gpu.csv" 2>&
 # the sampler's support (issue 60): the replayed step against the plain one and SkyRL's routes
 timeout 150 python benchmarks/bench_support.py --device cuda --dtype bfloat16 --N 8192 \
     --H 3584 --V 151936 --ks 20,512 --rounds 1 2>&1 | tee "$out/support.log"
+# the support route (issue 66): top-p-sized sets and top_k 64 over W[U] only, against the
+# plain step and the route off; a whole recompute step with the set built once
+timeout 120 python benchmarks/bench_support.py --device cuda --dtype bfloat16 --N 8192 \
+    --H 3584 --V 151936 --ks 64 --sets topp --rounds 1 \
+    --providers plain,support,support_whole 2>&1 | tee "$out/support_route.log"
+timeout 90 python benchmarks/bench_support.py --device cuda --dtype bfloat16 --N 8192 \
+    --H 3584 --V 151936 --ks 20 --rounds 1 --logit-std 3.0 \
+    --providers step_plain,step_rebuilt,step_once 2>&1 | tee "$out/support_step.log"
 # the kept set rebuilt from the sampling settings (issue 61): top_k 20, top_p 0.95 without and
 # with a top-k bound, and the kept_mass old pass, against the plain step / pass
 timeout 120 python benchmarks/bench_support.py --device cuda --dtype bfloat16 --N 8192 \
