@@ -1,12 +1,14 @@
 """The sampler's support (docs/math.md §16, "The sampler's support"): log-probs, entropy
 and gradients over each token's kept ids ``S`` instead of the whole vocabulary.
 
-The chunk loop is unchanged: each chunk's logits are formed as always. :class:`SupportBackend`
-wraps the backend of the call: it gathers each row's ``k + 1`` member logits from the chunk
-buffer and takes the support's statistics over them (``O(k)`` a row, no extra matmul); only
-when ``log_kept_mass`` is asked for does the backend's own row pass (C++, Triton or PyTorch)
-run over the chunk, for ``LSE_V``. Its gradient pass writes ``(δ − q)/T`` (and the entropy's
-term) on the members and 0 elsewhere.
+:class:`SupportBackend` wraps the backend of the call: it gathers each row's ``k + 1`` member
+logits from the chunk's logits and takes the support's statistics over them (``O(k)`` a row);
+its gradient pass writes ``(δ − q)/T`` (and the entropy's term) on the members and 0
+elsewhere. The support route (:meth:`SupportBackend.chunk_view`, the chunk loop's
+``_fused._project``): a chunk whose distinct members ``U`` are few is projected through
+``W[U]`` only, its members then positions in ``U``; otherwise through the whole head. Only when
+``log_kept_mass`` is asked for does the backend's own row pass (C++, Triton or PyTorch) run over
+the whole head's logits of the chunk, for ``LSE_V``.
 
 The targets the chunk loop hands a backend become ``[rows, 2 + K]`` integer rows: column 0 the
 target, column 1 the row's flat position (where its ``log_kept_mass`` goes), columns ``2:``
@@ -152,7 +154,7 @@ class SupportBackend(Backend):
         self.poison = None      # [rows] bool of the chunk being scored: its LSE NaN (truncation:
         #                         a NaN / +inf anywhere in the row its set was built from)
         # the support route (module docstring): not with over_support=False (the whole
-        # vocabulary's statistics); vocab parallel: not yet. With log_kept_mass the chunk is
+        # vocabulary's statistics). With log_kept_mass the chunk is
         # projected through the whole head too, for LSE_V alone (``full``): the support's
         # statistics come from W[U] either way, so asking for log_kept_mass changes no bit of
         # the log-probs, the loss or the gradients
@@ -160,7 +162,6 @@ class SupportBackend(Backend):
         self.full = None        # (the chunk's whole-head logits, its targets) on the route
         self.local_view = False     # the chunk being scored is on the route: its targets are
         #                             positions in U already (no localising)
-        self.routed = [0, 0]    # chunks taken by the support route, chunks in all
 
     @contextlib.contextmanager
     def second_statistic(self):
@@ -178,12 +179,11 @@ class SupportBackend(Backend):
     def chunk_view(self, targets, vocab: int) -> Optional[ChunkView]:
         """The support route's view of a chunk's ``[m, 2 + K]`` rows (None: the chunk is
         projected through the whole head): ``U`` the distinct members of its rows (the
-        targets among them), taken when ``|U| <= route_fraction() * vocab``; ``|U|`` is one
-        host transfer a chunk."""
+        targets among them), taken when ``|U| <= route_fraction() * vocab``; ``|U|`` (with
+        whether every row is projected) is one host transfer a chunk."""
         self.local_view = False
         if not self.routes:
             return None
-        self.routed[1] += 1
         frac = route_fraction()
         if frac <= 0.0:
             return None
@@ -198,18 +198,18 @@ class SupportBackend(Backend):
         # above the threshold costs that and nothing more
         seen = torch.zeros(vocab, dtype=torch.bool, device=cols.device)
         seen[cols[valid]] = True
-        if int(seen.sum()) > frac * vocab:
+        live = multi & valid.any(1)
+        u, every = torch.stack([seen.sum(), live.all().long()]).tolist()
+        if u > frac * vocab:
             return None
         ids = seen.nonzero().squeeze(1)                  # ascending
-        if not ids.numel():     # no member in this slice: one column read by no row
+        if not u:               # no member in this slice: one column read by no row
             ids = torch.zeros(1, dtype=cols.dtype, device=cols.device)
-        self.routed[0] += 1
         at = torch.searchsorted(ids, cols.clamp(min=0).contiguous())
         yp = torch.searchsorted(ids, y.clamp(min=0).contiguous())
         local = torch.cat([torch.where(y >= 0, yp, -1).unsqueeze(1), targets[:, 1:2],
                            torch.where(valid, at, -1)], 1)
-        live = multi & valid.any(1)
-        live = None if bool(live.all()) else live.nonzero().squeeze(1)
+        live = None if every else live.nonzero().squeeze(1)
         self.local_view = True
         return ChunkView(ids, local, live, y.contiguous())
 
