@@ -1,5 +1,6 @@
-"""What gbc's engines inside verl 0.9.1 share (docs/verl.md, docs/megatron.md): the options,
-the support plan of the rollout config (:func:`support_plan`), :class:`EngineMethods` (the
+"""What gbc's engines inside verl 0.9.1 share (docs/verl.md, docs/megatron.md): the options
+and the support plan of the rollout config (defined in :mod:`.options`, shared with
+:mod:`.trainer`, importable from here), :class:`EngineMethods` (the
 fused loss's inputs, verl's metrics, Lopti's two updates, NTHR's inputs), verl's worker patches
 (NTHR's pass before the update, the rollout's settings handed to the engines) and the engine
 registry (:func:`enable` / :func:`disable`, run by the ``verl.plugins`` entry point under
@@ -15,169 +16,15 @@ from typing import Optional
 
 import torch
 
-import gbc_kernels as gbc
 from gbc_kernels import methods
 from gbc_kernels.integrations import patching
 from gbc_kernels.integrations.releases import TESTED, check_release
 from gbc_kernels.integrations import verl as gv
-
-ENV_ON = "GBC_VERL_ENGINE"
-ENV_OPTIONS = "GBC_VERL_OPTIONS"
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineOptions(methods.MethodOptions):
-    """gbc's options in verl's engines (``GBC_VERL_OPTIONS``, read by :func:`enable`): the
-    method options (:class:`gbc_kernels.methods.MethodOptions`) and the ``backend``."""
-
-    backend: str = "auto"
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.backend not in gbc.BACKENDS:
-            raise ValueError(f"backend: expected one of {gbc.BACKENDS}, got {self.backend!r}")
-
-    @classmethod
-    def parse(cls, text: Optional[str]) -> "EngineOptions":
-        """``"ar_alpha=0.3,lopti_eta=0.5"`` -> options (errors naming ``GBC_VERL_OPTIONS``).
-        ``support`` / ``support_ties`` run in gbc's engines (:func:`support_plan`)."""
-        return super().parse(text, ENV_OPTIONS, support_ok=True)
-
-
-OPTION_NAMES = tuple(f.name for f in dataclasses.fields(EngineOptions))
-
-# fields gbc adds to verl's batches (padded [B, T] like ``advantages``) and its pass flags
-SCALE_KEY = "gbc_token_scale"          # NTHR's per-token advantage scale
-KL_WEIGHT_KEY = "gbc_kl_weight"        # critical-token KL weights
-CERTAINTY_KEY = "gbc_critical_kl"      # reference pass: the critical-KL options (a dict)
-NTHR_ROW_KEY = "gbc_row"               # NTHR's pass: each sample's row of the update batch
-# verl's loss modes that pick tokens from the whole batch (Clip-Cov at random, KL-Cov by
-# covariance rank): not reproduced where each rank's loss sees part of every sequence
-BATCH_SELECTING_MODES = ("clip_cov", "kl_cov")
-CRITICAL_KL_FIELDS = ("critical_kl_exponent", "critical_kl_intercept", "critical_kl_certainty",
-                      "critical_kl_temperature")
-# what the trainer's reference pass hands the worker: critical-KL's options and the head's mode
-REFERENCE_PASS_FIELDS = CRITICAL_KL_FIELDS + ("logits_dtype",)
-LOG_KEPT_MASS_KEY = "gbc_log_kept_mass"   # the old-policy pass: LSE_S - LSE_V per token
-
-
-# ------------------------------------------------- the sampler's kept set, rebuilt (issue 61)
-ROLLOUT = "actor_rollout_ref.rollout"
-VLLM_LOGPROBS_MODE = "processed_logprobs"
-# vLLM 0.24.0 (verl 0.9.1's pin) samples top-k with its Triton kernel (exactly k, lowest ids
-# first) at >= 8 rows an engine step, with its PyTorch rule (every tie kept) below
-DEFAULT_TIES = "first"
-
-
-@dataclasses.dataclass(frozen=True)
-class SupportPlan:
-    """What ``support=replay|kept_mass`` asks of gbc's engines and of verl's trainer, built by
-    :func:`support_plan` from the rollout's sampling settings (docs/verl.md, "The sampler's
-    kept set"). ``normalised``: the rollout's log-probs are normalised over the kept set
-    (vLLM's ``processed_logprobs``), not the full vocabulary's (SGLang's)."""
-
-    mode: str
-    truncation: gbc.SamplerTruncation
-    normalised: bool
-    rollout: str
-
-    @property
-    def corrects_sampler(self) -> bool:
-        """Whether verl's rollout correction takes the old-policy pass's ``log_kept_mass``
-        (``kept_mass``; ``replay`` against SGLang's full-vocabulary log-probs)."""
-        return self.mode == "kept_mass" or not self.normalised
-
-    def scored_kwargs(self) -> dict:
-        """The update's and the reference pass's support: the rebuilt set under ``replay``,
-        the full vocabulary under ``kept_mass``."""
-        return {"sampler_truncation": self.truncation} if self.mode == "replay" else {}
-
-    def old_pass_kwargs(self) -> dict:
-        """The old-policy pass: over the rebuilt set (``replay``) or the full vocabulary's
-        numbers bit for bit (``kept_mass``: ``over_support=False``), with ``log_kept_mass``
-        where the rollout correction takes it."""
-        if self.mode == "replay":
-            return dict(sampler_truncation=self.truncation,
-                        return_log_kept_mass=self.corrects_sampler)
-        return dict(sampler_truncation=self.truncation, over_support=False,
-                    return_log_kept_mass=True)
-
-
-def _cfg(config, name, default=None):
-    if config is None:
-        return default
-    if hasattr(config, "get"):
-        return config.get(name, default)
-    return getattr(config, name, default)
-
-
-def support_plan(options, rollout, tensor_parallel=()) -> Optional[SupportPlan]:
-    """``support`` / ``support_ties`` of ``options`` against verl's rollout config ``rollout``
-    (``actor_rollout_ref.rollout``: ``name``, ``top_k``, ``top_p``, ``logprobs_mode``,
-    ``calculate_log_probs``; verl has no ``min_p``): None when ``support`` is off, else the
-    :class:`SupportPlan`. ``tensor_parallel``: ``(verl's option, size)`` of each Megatron
-    engine that scores under vocab parallelism. Refused by name, in verl's words: a rollout
-    that is neither vLLM nor SGLang, vLLM log-probs other than ``processed_logprobs``,
-    ``kept_mass`` against SGLang's full-vocabulary log-probs, settings that truncate nothing,
-    top-p without a top-k bound under tensor parallelism."""
-    if options.support is None:
-        if options.support_ties is not None:
-            raise ValueError(f"{ENV_OPTIONS}: support_ties={options.support_ties}: set without "
-                             f"support (replay or kept_mass); set support too, or unset "
-                             f"support_ties")
-        return None
-    said = f"{ENV_OPTIONS} support={options.support}"
-    name = _cfg(rollout, "name")
-    if name not in ("vllm", "sglang"):
-        raise ValueError(f"{ROLLOUT}.name={name!r}: {said} rebuilds the kept set by vLLM's or "
-                         f"SGLang's sampling rule; roll out with vllm or sglang, or unset "
-                         f"support")
-    normalised = name == "vllm"
-    mode = _cfg(rollout, "logprobs_mode", VLLM_LOGPROBS_MODE)
-    if normalised and _cfg(rollout, "calculate_log_probs", False) and mode != VLLM_LOGPROBS_MODE:
-        raise ValueError(f"{ROLLOUT}.logprobs_mode={mode}: {said} compares the policy with "
-                         f"vLLM's {VLLM_LOGPROBS_MODE} (after temperature and top-k/top-p, "
-                         f"normalised over the kept set); {mode} is not that (raw_*: before "
-                         f"temperature and truncation, vLLM's default when unset; *_logits: not "
-                         f"log-probs); set {ROLLOUT}.logprobs_mode="
-                         f"{VLLM_LOGPROBS_MODE}, or unset support")
-    if not normalised and options.support == "kept_mass":
-        raise ValueError(f"{said}: {ROLLOUT}.name=sglang returns the full vocabulary's log-probs "
-                         f"(it ignores logprobs_mode), so verl's rollout correction has no "
-                         f"kept-mass bias to correct; use support=replay (SGLang's log-probs "
-                         f"moved onto the kept set by log_kept_mass) or unset support")
-    k, p = _cfg(rollout, "top_k", -1), _cfg(rollout, "top_p", 1.0)
-    p = 1.0 if p is None else p
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
-        raise ValueError(f"{ROLLOUT}.top_p={p!r}: expected a float in (0, 1] ({said})")
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
-        raise ValueError(f"{ROLLOUT}.top_k={k!r}: expected an int (-1 or 0: no bound) "
-                         f"({said})")
-    bound = k is not None and k > 0
-    if not bound and p >= 1.0:
-        raise ValueError(f"{said}: {ROLLOUT}.top_k={k} and top_p={p}: the rollout samples "
-                         f"without truncation (verl has no min_p), the sampler kept the whole "
-                         f"vocabulary and there is nothing to correct; unset support, or "
-                         f"sample with {ROLLOUT}.top_k / top_p")
-    for option, size in tensor_parallel:
-        if int(size or 1) > 1 and not bound and p < 1.0:
-            raise ValueError(f"{ROLLOUT}.top_p={p} without a top_k bound ({ROLLOUT}.top_k={k})"
-                             f": under Megatron's tensor parallelism ({option}={size}, the "
-                             f"vocabulary sharded) gbc rebuilds the top-p cut only below a "
-                             f"top-k bound (each shard's top candidates merged; the cut over "
-                             f"the whole vocabulary needs every shard's order); set "
-                             f"{ROLLOUT}.top_k too, set {option}=1, or unset {said}")
-    tr = methods.sampler_truncation(options, k, p, 0.0, rule=name, ties=DEFAULT_TIES,
-                                    names={"support": said, "top_k": f"{ROLLOUT}.top_k",
-                                           "top_p": f"{ROLLOUT}.top_p"})
-    return SupportPlan(options.support, tr, normalised, name)
-
-
-def _check_nthr(options, plan):
-    if plan is not None and plan.mode == "replay" and options.nthr:
-        raise ValueError(f"{ENV_OPTIONS}: nthr: NTHR's scores are the full vocabulary's; under "
-                         f"support=replay the policy's log-probs are over the rebuilt kept set; "
-                         f"use support=kept_mass with nthr, or unset one")
+from gbc_kernels.integrations.verl.options import (  # noqa: F401 (names of this module)
+    ENV_ON, ENV_OPTIONS, EngineOptions, OPTION_NAMES, SCALE_KEY, KL_WEIGHT_KEY, CERTAINTY_KEY,
+    NTHR_ROW_KEY, BATCH_SELECTING_MODES, CRITICAL_KL_FIELDS, REFERENCE_PASS_FIELDS,
+    LOG_KEPT_MASS_KEY, ROLLOUT, VLLM_LOGPROBS_MODE, DEFAULT_TIES, SupportPlan, _cfg,
+    support_plan, _check_nthr, _OPTIONS, _PATCHES, _on_import)
 
 
 def _stable_id(uid) -> int:
@@ -678,9 +525,6 @@ ENGINES = [
      "gbc_kernels.integrations.verl.megatron:GBCMegatronMixin"),
 ]
 _ENABLED = {}           # verl's engine class -> gbc's
-_OPTIONS = {}
-_PATCHES = patching.Patches()
-_on_import = _PATCHES.on_import
 _PatchOnImport = patching._PatchOnImport
 
 # where verl 0.9.1 defines the worker gbc wraps (imported by verl's own processes; on import

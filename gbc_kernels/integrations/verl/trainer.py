@@ -15,8 +15,9 @@ docs/verl.md:
 * verl's ``compute_rollout_correction_and_add_to_batch`` (``rollout_corr_helper`` and the v1
   trainer's binding of it) fed the rollout's log-probs as ``support`` needs them.
 
-The engines' side (options, the support plan of the rollout config, the worker's hooks, the
-registry) is :mod:`.engine`; the state (options, patches) is its.
+The engines' side (the worker's hooks, the registry) is :mod:`.engine`; what both share (the
+options, the support plan of the rollout config, the switch's state) is :mod:`.options`, so
+that neither imports the other at load time.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from typing import Optional
 import torch
 
 from gbc_kernels import methods
-from gbc_kernels.integrations.verl.engine import (
+from gbc_kernels.integrations.verl.options import (
     CERTAINTY_KEY, ENV_OPTIONS, KL_WEIGHT_KEY, LOG_KEPT_MASS_KEY, REFERENCE_PASS_FIELDS, ROLLOUT,
     EngineOptions, SupportPlan, _OPTIONS, _PATCHES, _cfg, _check_nthr, _on_import, support_plan)
 
