@@ -180,9 +180,7 @@ def sampler_settings(experiment, options: methods.MethodOptions):
     tr = methods.sampler_truncation(options, top_k=top_k, top_p=getattr(gconfig, "top_p", 1.0),
                                     min_p=getattr(gconfig, "min_p", 0.0), rule="sglang",
                                     ties="first", names={"support": f"{OPTIONS_ENV}: support",
-                                                         "top_k": "gconfig.top_k",
-                                                         "top_p": "gconfig.top_p",
-                                                         "min_p": "gconfig.min_p"})
+                                                         "top_k": "gconfig.top_k"})
     return tr, temp
 
 
