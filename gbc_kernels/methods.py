@@ -36,6 +36,10 @@ from .transforms import critical_kl_weight
 LOPTI_ORDERS = {"low-first": ("low", "high"), "high-first": ("high", "low")}
 SUPPORT_MODES = ("replay", "kept_mass")
 SUPPORT_TIES = ("first", "all")
+# support_set under support=replay: one kept set per rollout (built in the pass that first
+# scores the rollout with the sampling weights, replayed as support_ids in every later pass) or
+# one rebuilt by each pass from the model it scores
+SUPPORT_SETS = ("rollout", "per_pass")
 CERTAINTIES = ("max_prob", "entropy")
 
 
@@ -115,6 +119,13 @@ class MethodOptions:
         (:func:`corrected_sampler_logp`).
     support_ties: None (the trainer's default rule), ``"first"`` or ``"all"``: the top-k tie
         rule of :class:`gbc_kernels.SamplerTruncation`.
+    support_set: under ``support="replay"``, which set each pass scores (docs/math.md, "One
+        kept set per rollout"): None or ``"rollout"`` (the default): one set per rollout,
+        built (``return_support_ids``) by the pass that first scores the rollout with the
+        sampling weights and replayed as ``support_ids`` by every later pass (reference,
+        update, Lopti's second phase, further PPO epochs); ``"per_pass"``: each pass rebuilds
+        the set from the model it scores. Refused with ``support`` off or ``"kept_mass"``
+        (whose later passes score the whole vocabulary: there is no set to keep).
     """
 
     ar_alpha: float = 0.0
@@ -130,15 +141,23 @@ class MethodOptions:
     logits_dtype: Optional[torch.dtype] = None
     support: Optional[str] = None
     support_ties: Optional[str] = None
+    support_set: Optional[str] = None
 
     def __post_init__(self):
         object.__setattr__(self, "logits_dtype", _validate.check_logits_dtype(self.logits_dtype))
-        for name, allowed in (("support", SUPPORT_MODES), ("support_ties", SUPPORT_TIES)):
+        for name, allowed in (("support", SUPPORT_MODES), ("support_ties", SUPPORT_TIES),
+                              ("support_set", SUPPORT_SETS)):
             v = getattr(self, name)
             if isinstance(v, str) and v.strip().lower() in ("", "none", "off"):
                 object.__setattr__(self, name, None)
             elif v is not None and v not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed} or None (off), got {v!r}")
+        if self.support_set is not None and self.support != "replay":
+            raise ValueError(f"support_set: {self.support_set!r} chooses which kept set the "
+                             f"passes of support=replay score; support is {self.support!r} "
+                             + ("(kept_mass's later passes score the whole vocabulary: there "
+                                "is no set to keep)" if self.support == "kept_mass" else
+                                "(off)") + "; set support=replay or unset support_set")
         finite_number("ar_alpha", self.ar_alpha, 0.0, 1.0)
         if self.lopti_eta is not None:
             finite_number("lopti_eta", self.lopti_eta, 0.0, 1.0, lo_open=True)
@@ -179,10 +198,16 @@ class MethodOptions:
             opts.refuse_support(lambda f: names.get(f, f))
         return opts
 
+    @property
+    def one_set_per_rollout(self) -> bool:
+        """``support="replay"`` with one kept set per rollout (``support_set`` None or
+        ``"rollout"``): the building pass returns the ids, every later pass replays them."""
+        return self.support == "replay" and self.support_set in (None, "rollout")
+
     def refuse_support(self, name_of) -> None:
-        """Refuse ``support`` / ``support_ties`` (an adapter that does not rebuild the
+        """Refuse ``support`` / ``support_ties`` / ``support_set`` (an adapter that does not rebuild the
         sampler's kept set); ``name_of(field)``: the trainer's name of the option."""
-        for f in ("support", "support_ties"):
+        for f in ("support", "support_ties", "support_set"):
             if getattr(self, f) is not None:
                 raise ValueError(f"{name_of(f)}={getattr(self, f)}: not run by this gbc "
                                  f"adapter (the sampler's kept set is rebuilt inside TRL's, "
@@ -353,6 +378,32 @@ def sampler_truncation(options: MethodOptions, top_k=None, top_p=1.0, min_p=0.0,
             if text.startswith(f"{field}:"):
                 text = names.get(field, field) + text[len(field):]
         raise ValueError(f"{name}={options.support}: {text}") from None
+
+
+def join_support_ids(parts, dim: int = 0) -> torch.Tensor:
+    """Kept ids of several micro-batches (``-1``-padded ``[..., K_i]`` integer tensors, as
+    ``return_support_ids`` gives them) as one tensor: each padded with ``-1`` to the widest
+    ``K`` and concatenated along ``dim`` (the other dimensions must agree). The form a
+    trainer's batch carries between passes: one kept set per rollout (docs/math.md)."""
+    parts = list(parts)
+    if not parts:
+        raise ValueError("join_support_ids: parts: expected at least one tensor")
+    for i, p in enumerate(parts):
+        if not isinstance(p, torch.Tensor) or p.dtype not in (torch.int32, torch.int64) \
+                or p.dim() < 2:
+            raise TypeError(f"join_support_ids: parts[{i}]: expected an int32/int64 tensor "
+                            f"[..., K] of kept ids, got "
+                            f"{getattr(p, 'dtype', type(p).__name__)} "
+                            f"{list(getattr(p, 'shape', []))}")
+    if dim < 0:
+        dim += parts[0].dim()
+    if not 0 <= dim < parts[0].dim() - 1:
+        raise ValueError(f"join_support_ids: dim: expected a dimension before the ids' last "
+                         f"one, got {dim}")
+    K = max(p.shape[-1] for p in parts)
+    padded = [torch.nn.functional.pad(p.to(torch.int32), (0, K - p.shape[-1]), value=-1)
+              for p in parts]
+    return torch.cat(padded, dim=dim)
 
 
 def corrected_sampler_logp(sampling_logp: torch.Tensor, log_kept_mass: torch.Tensor,

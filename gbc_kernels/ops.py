@@ -124,7 +124,8 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
                              vocab_parallel=None, is_ratio=None, sampling_logp=None,
                              data_parallel_group=None, num_seqs_in_batch=None,
                              temperature=None, token_out=None, sequence_parallel=None,
-                             logits_dtype=None, support_ids=None, sampler_truncation=None):
+                             logits_dtype=None, support_ids=None, sampler_truncation=None,
+                             return_support_ids=False):
     """GRPO policy loss (docs/math.md §1-§3, §6, §10, §12) from hidden states, without the
     logits.
 
@@ -179,7 +180,11 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     ``sampler_truncation``: None, or ``SamplerTruncation(top_k, top_p, min_p)``: the support
     rebuilt in the row pass from each row's own logits at the call's temperature by the
     sampler's rule (docs/math.md, "The sampler's kept set, recomputed"); the same outputs as
-    ``support_ids``. Not together with ``support_ids``.
+    ``support_ids``. Not together with ``support_ids``. ``return_support_ids=True`` (with
+    ``sampler_truncation``): returns ``(loss, metrics, support_ids)``, the set this pass built
+    (``[B, T, K]`` int32, ``-1`` padded, the target not forced in), for the later passes to
+    replay as ``support_ids`` (docs/math.md, "One kept set per rollout": the update is the
+    pass that builds it where a trainer runs no old-policy pass).
 
     ``logits_dtype``: None (the config's ``logits_dtype``), ``torch.float32`` / ``"float32"``
     (the chunks' logits in float32 from the bf16/fp16 operands) or ``"input"`` (in the
@@ -188,6 +193,8 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
     """
     if token_out is not None and not isinstance(token_out, dict):
         raise TypeError(f"token_out: expected None or a dict, got {type(token_out).__name__}")
+    if not isinstance(return_support_ids, bool):
+        raise TypeError(f"return_support_ids: expected a bool, got {return_support_ids!r}")
     cfg = with_logits_dtype(PolicyLossConfig.coerce(config), logits_dtype)
     V.check_backend(backend)
     _check_lm_head(hidden, weight, bias)
@@ -220,6 +227,7 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
         be, flat_targets, forced = _support(support_ids, safe_targets, vocab, m, checks, sl, be,
                                             kept_mass=token_out is not None,
                                             truncation=sampler_truncation)
+    _keep_support_ids(return_support_ids, be, sampler_truncation, sl)
     inp = LossInputs(flat_targets, m, adv, old_logp, ref_logp, token_scale,
                      kl_weight if cfg.kl_coef != 0.0 else None, cfg, phase, norms,
                      be, is_ratio, sampling_logp,
@@ -241,6 +249,8 @@ def fused_linear_policy_loss(hidden, weight, targets, mask, advantages, old_logp
         token_out["sum_p2"] = inp.sum_p2
         if forced is not None:
             token_out["log_kept_mass"] = be.log_kept_mass.view(B, T) * m
+    if return_support_ids:
+        return loss, metrics, be.kept.view(B, T, be.kept.shape[-1])
     return loss, metrics
 
 

@@ -306,6 +306,97 @@ def test_return_support_ids_from_fused_linear_logprobs_and_refusals(backend):
                                   return_support_ids=1)
 
 
+def test_return_support_ids_from_the_policy_loss_builds_what_the_later_passes_replay(backend):
+    """``fused_linear_policy_loss(..., sampler_truncation, return_support_ids=True)`` (the
+    update that builds the set where a trainer runs no old-policy pass): the ids of the float64
+    oracle's rule on the masked-in rows (-1 elsewhere: the loss projects no other row), -1
+    padded int32; that pass's loss and gradients (upstream 1.7) against
+    float64 replaying the oracle's set, and equal to the same loss replaying the returned ids
+    (the support route)."""
+    b = make_batch(B=3, T=7, H=16, V=67, logit_scale=4.0)
+    y = b["targets"].clamp(min=0)
+    tr = gbc.SamplerTruncation(top_k=5, top_p=0.9)
+    x64 = as64(b)
+    want = ref.truncation_support_ids(x64["hidden"], x64["weight"], y, x64["bias"],
+                                      temperature=0.8, top_k=5, top_p=0.9)
+    out = {}
+    for name, lib, batch, kw in (
+            ("built", gbc, b, dict(sampler_truncation=tr, return_support_ids=True,
+                                   backend=backend)),
+            ("f64", ref, x64, dict(support_ids=want)), ("replayed", gbc, b, None)):
+        x = leaves(batch)
+        if kw is None:
+            kw = dict(support_ids=ids, backend=backend)
+        res = lib.fused_linear_policy_loss(
+            x["hidden"], x["weight"], y, batch["mask"], batch["advantages"], batch["old_logp"],
+            batch["ref_logp"], bias=x["bias"], config=lib.PolicyLossConfig(kl_coef=0.05),
+            temperature=0.8, **kw)
+        if name == "built":
+            L, m, ids = res
+            assert ids.dtype == torch.int32 and ids.shape[:2] == y.shape
+            # the loss projects the masked-in rows only: the others hold no id
+            inside = b["mask"].reshape(-1).tolist()
+            got, exp = _as_sets(ids), _as_sets(want)
+            assert [g for g, i in zip(got, inside) if i] == [e for e, i in zip(exp, inside) if i]
+            assert not any(g for g, i in zip(got, inside) if not i)
+        else:
+            L, m = res
+        (L * 1.7).backward()
+        out[name] = L.detach(), m, [x[k].grad for k in ("hidden", "weight", "bias")]
+    (L, m, g), (L64, m64, g64), (Lr, mr, gr) = out["built"], out["f64"], out["replayed"]
+    assert abs(L.item() - L64.item()) < 1e-5 * max(1.0, abs(L64.item()))
+    for a, c in zip(g, g64):
+        assert max_rel_err(a, c) < 1e-4
+    assert abs(float(m["support_forced_frac"]) - float(m64["support_forced_frac"])) < 1e-6
+    assert abs(Lr.item() - L.item()) < 1e-6 * max(1.0, abs(L.item()))
+    for a, c in zip(gr, g):
+        assert max_rel_err(a, c) < 1e-5
+    assert float(mr["support_forced_frac"]) == float(m["support_forced_frac"])
+    cfg = gbc.PolicyLossConfig()
+    with pytest.raises(ValueError, match="^return_support_ids: needs sampler_truncation"):
+        gbc.fused_linear_policy_loss(b["hidden"], b["weight"], y, b["mask"], b["advantages"],
+                                     config=cfg, support_ids=ids, return_support_ids=True)
+    with pytest.raises(TypeError, match="^return_support_ids: expected a bool"):
+        gbc.fused_linear_policy_loss(b["hidden"], b["weight"], y, b["mask"], b["advantages"],
+                                     config=cfg, sampler_truncation=tr, return_support_ids="yes")
+
+
+def test_support_set_option_and_join_support_ids():
+    """``MethodOptions.support_set``: "rollout" (the default under replay) or "per_pass";
+    refused without replay, naming the trainer's option. ``join_support_ids`` pads each part
+    to the widest set with -1 and concatenates, refusing what is not a kept-id tensor."""
+    from gbc_kernels import methods
+    assert methods.MethodOptions(support="replay").one_set_per_rollout
+    assert methods.MethodOptions(support="replay", support_set="rollout").one_set_per_rollout
+    assert not methods.MethodOptions(support="replay", support_set="per_pass").one_set_per_rollout
+    assert not methods.MethodOptions(support="kept_mass").one_set_per_rollout
+    assert methods.MethodOptions(support="replay", support_set="off").support_set is None
+    with pytest.raises(ValueError, match="^support_set: expected one of"):
+        methods.MethodOptions(support="replay", support_set="once")
+    with pytest.raises(ValueError, match="^support_set: 'rollout' .*kept_mass's later passes"):
+        methods.MethodOptions(support="kept_mass", support_set="rollout")
+    with pytest.raises(ValueError, match="^gbc_support_set: refused .*support is None"):
+        methods.MethodOptions.from_kwargs({"support_set": "gbc_support_set"}, support_ok=True,
+                                          support_set="per_pass")
+    with pytest.raises(ValueError, match="^gbc_support=replay: not run by this gbc"):
+        methods.MethodOptions.from_kwargs({"support_set": "gbc_support_set",
+                                           "support": "gbc_support"},
+                                          support="replay", support_set="per_pass")
+    a = torch.tensor([[[4, 1]], [[7, -1]]], dtype=torch.int32)
+    c = torch.tensor([[[3, -1, 9]]], dtype=torch.int64)
+    j = methods.join_support_ids([a, c])
+    assert j.dtype == torch.int32
+    assert j.tolist() == [[[4, 1, -1]], [[7, -1, -1]], [[3, -1, 9]]]
+    assert methods.join_support_ids([a, a[:, :, :1]], dim=1).tolist() == [
+        [[4, 1], [4, -1]], [[7, -1], [7, -1]]]
+    with pytest.raises(ValueError, match="^join_support_ids: parts: expected at least one"):
+        methods.join_support_ids([])
+    with pytest.raises(TypeError, match=r"^join_support_ids: parts\[1\]: expected an int32"):
+        methods.join_support_ids([a, a.float()])
+    with pytest.raises(ValueError, match="^join_support_ids: dim: expected a dimension"):
+        methods.join_support_ids([a], dim=2)
+
+
 # ------------------------------------------------------------------ vocab parallel
 def _vp_route_worker(rank, world, backend):
     """Rank ``rank`` holds rows ``[cut_r, cut_{r+1})`` of the head (uneven slices). Narrow

@@ -62,6 +62,12 @@ class GBCGRPOConfig(GRPOConfig):
         "help": "The rebuilt set's top-k tie rule: 'first' (exactly k, lowest ids: vLLM's "
                 "Triton sampler) or 'all' (every token tied with the k-th: vLLM's PyTorch "
                 "sampler); None = the default of the trainer's sampler."})
+    gbc_support_set: Optional[str] = field(default=None, metadata={
+        "help": "Under gbc_support='replay', which kept set each pass scores: 'rollout' (the "
+                "default: one set per rollout, built by the pass that first scores it with the "
+                "sampling weights and replayed by the reference pass, the update, Lopti's "
+                "second phase and further iterations) or 'per_pass' (each pass rebuilds it "
+                "from the model it scores)."})
 
     def __post_init__(self):
         """TRL's checks, then gbc's: a bad ``gbc_*`` option, or a TRL option the fused loss
