@@ -16,7 +16,7 @@ from gbc_kernels import methods
 FIELDS = {f.name for f in dataclasses.fields(methods.MethodOptions)}
 # the sampler's kept set (issue 61): run by the adapters that rebuild it, refused by the others
 # (tests/test_support_options.py)
-SUPPORT_FIELDS = {"support", "support_ties"}
+SUPPORT_FIELDS = {"support", "support_ties", "support_set"}
 
 # per option: (the options of run A, of run B): the two runs differ only in that option, with
 # whatever else it needs switched on in both
@@ -211,9 +211,13 @@ def test_verl_registry_route_honours_or_refuses_every_option():
     with pytest.raises(ValueError, match="not a method option"):
         gv.register("gbc_opt_bad", alpha=0.1)
     for name in sorted(SUPPORT_FIELDS):     # the registered loss sees no pass: refused
+        if name == "support_set":
+            continue
         with pytest.raises(ValueError, match=f"^{name}="):
             gv.register(f"gbc_opt_{name}", **{name: "all" if name == "support_ties"
                                                else "replay"})
+    with pytest.raises(ValueError, match="^support=replay: not run"):     # support named first
+        gv.register("gbc_opt_support_set", support="replay", support_set="per_pass")
 
 
 def _example_run(options):
