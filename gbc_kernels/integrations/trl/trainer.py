@@ -105,7 +105,10 @@ def _unsloth_patches(trainer_cls, args=None) -> list:
 def check_no_unsloth(trainer_cls=None, args=None):
     """Raises ``RuntimeError`` when Unsloth has patched TRL in this process (docs/trl.md,
     "Unsloth"): whatever the import order, gbc's loss or the step around it would not be
-    TRL's."""
+    TRL's. A class with ``_gbc_unsloth_route = True`` (gbc's Unsloth trainer, which runs gbc's
+    loss and passes on Unsloth's generated trainer and makes its own checks) is let through."""
+    if getattr(trainer_cls, "_gbc_unsloth_route", False):
+        return
     found = _unsloth_patches(GBCGRPOTrainer if trainer_cls is None else trainer_cls, args)
     if not found:
         return
@@ -136,6 +139,8 @@ class GBCGRPOTrainer(GRPOTrainer):
     # NTHR on policy: scored inside the update's forward where it can be (_gbc_nthr_in_update);
     # False: always by a pass at the rollout (its scales are the same)
     _gbc_nthr_in_forward = True
+    # True only on gbc's Unsloth trainer (check_no_unsloth lets it through; it checks its own)
+    _gbc_unsloth_route = False
 
     def __init__(self, model, reward_funcs, args: Optional[GRPOConfig] = None, *a, **kw):
         check_no_unsloth(type(self), args)       # before anything is built (docs/trl.md)
