@@ -264,6 +264,39 @@ def imbalance(args):
               + f"  (largest / mean {float(per.max() / per.mean()):.2f})")
 
 
+def id_bytes(args):
+    """Bytes a token of the kept ids a trainer's batch carries between passes: ``-1``-padded
+    (``4·K``, ``K`` the widest set) against ``methods.compact_support_ids`` (``4·(1 + M/T)``,
+    ``M`` the longest sequence's total), for sequences of 512 tokens: the set rebuilt by
+    ``token_stats(..., sampler_truncation=top_p 0.95, return_support_ids=True)`` on the random
+    head at ``--logit-std`` (and under a top_k 512 bound), and the top-p-sized sets of
+    ``--sets topp`` (mean ~8.5, half singletons) at ``k`` 512."""
+    from gbc_kernels import methods
+    print(f"# N={args.N} H={args.H} V={args.V}, sequences of 512 tokens: bytes a token of the "
+          f"ids, -1 padded vs compact (methods.compact_support_ids)")
+    print("| sets | mean / median / widest set | padded (B/token) | compact (B/token) |")
+    print("|---|---|---|---|")
+    rows = []
+    for std in (float(x) for x in str(args.logit_std).split(",")):
+        c = setup(args.N, args.H, args.V, 1, logit_std=std)
+        for tr, name in ((gbc.SamplerTruncation(top_p=0.95), "top_p 0.95"),
+                         (gbc.SamplerTruncation(top_k=512, top_p=0.95), "top_k 512, top_p 0.95")):
+            ids = gbc.token_stats(c["hidden"].detach(), c["weight"].detach(), c["targets"],
+                                  sampler_truncation=tr, return_support_ids=True).support_ids
+            rows.append((f"{name}, random head, logit std {std}", ids))
+    g = torch.Generator().manual_seed(0)
+    _, ids = kept_sets(max(1, args.N // 512), min(args.N, 512), args.V, 512, "topp", g)
+    rows.append(("top-p sized (--sets topp), k 512", ids))
+    for name, ids in rows:
+        size = (ids >= 0).sum(-1).float().view(-1)
+        T = ids.shape[1]
+        compact = methods.compact_support_ids(ids)
+        padded_b = 4 * ids.shape[-1]
+        compact_b = compact.numel() * 4 / (ids.shape[0] * T)
+        print(f"| {name} | {size.mean():.1f} / {size.median():.0f} / {size.max():.0f} | "
+              f"{padded_b:,} | {compact_b:,.0f} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--N", type=int, default=2048)
@@ -274,7 +307,7 @@ def main():
     ap.add_argument("--providers", default="plain,support,full_logits,pair_projection")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--logit-std", type=float, default=0.5)
+    ap.add_argument("--logit-std", default="0.5")
     ap.add_argument("--sets", default="indep", choices=SETS)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--k", type=int, default=20, help=argparse.SUPPRESS)
@@ -282,15 +315,23 @@ def main():
                     help="print each vocab-parallel rank's share of the route's work (the mean "
                          "|U_r| of a chunk of --chunk rows over R equal slices) and exit")
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--id-bytes", action="store_true",
+                    help="print the bytes a token of the kept ids, padded and compact, and exit "
+                         "(--logit-std may be a comma-separated list)")
     args = ap.parse_args()
+    if args.id_bytes:
+        id_bytes(args)
+        return
     if args.ranks:
         imbalance(args)
         return
     if args.one:
         print(json.dumps(one(args.one, args.N, args.H, args.V, args.k, 2 if args.device == "cpu"
-                             else 5, args.device, getattr(torch, args.dtype), args.logit_std,
+                             else 5, args.device, getattr(torch, args.dtype),
+                             float(args.logit_std),
                              args.sets)))
         return
+    args.logit_std = float(args.logit_std)
     print(f"# N={args.N} H={args.H} V={args.V} {args.dtype} on {args.device}, "
           f"{torch.get_num_threads()} threads, "
           f"torch {torch.__version__}; median of {args.rounds} rounds, each provider in a fresh "

@@ -406,6 +406,67 @@ def join_support_ids(parts, dim: int = 0) -> torch.Tensor:
     return torch.cat(padded, dim=dim)
 
 
+def compact_support_ids(ids: torch.Tensor) -> torch.Tensor:
+    """Kept ids ``[B, T, K]`` (``-1`` padded, as ``return_support_ids`` gives them) in the
+    compact form a trainer's batch carries between passes: one int32 tensor ``[B, T + M]``
+    whose first ``T`` columns are each token's number of ids and the rest each sequence's ids
+    in token order, ``-1`` padded to the longest sequence's total ``M``. Split or gathered along
+    ``B`` it stays valid (every row holds its own sequence), so a trainer's shuffle and
+    micro-batching carry it as they carry ``[B, T]`` tensors. Costs ``4·(1 + M/T)`` bytes a
+    token against ``4·K`` padded: the widest set no longer sets every token's width
+    (docs/math.md, "One kept set per rollout"). :func:`expand_support_ids` inverts it."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64) \
+            or ids.dim() != 3:
+        raise TypeError(f"compact_support_ids: ids: expected an int32/int64 tensor [B, T, K] "
+                        f"of kept ids, got {getattr(ids, 'dtype', type(ids).__name__)} "
+                        f"{list(getattr(ids, 'shape', []))}")
+    B, T, K = ids.shape
+    keep = ids >= 0
+    counts = keep.sum(-1, dtype=torch.int32)                                   # [B, T]
+    total = counts.sum(-1)                                                     # [B]
+    M = int(total.max()) if B else 0
+    flat = torch.full((B, M), -1, dtype=torch.int32, device=ids.device)
+    if M:
+        # each kept id's slot in its sequence: its token's offset plus its rank among the
+        # token's kept ids (the ids keep their order)
+        start = torch.cumsum(counts, -1) - counts                              # [B, T]
+        rank = torch.cumsum(keep.to(torch.int32), -1) - 1                      # [B, T, K]
+        slot = (start.unsqueeze(-1) + rank)[keep].long()
+        row = torch.arange(B, device=ids.device).view(B, 1, 1).expand(B, T, K)[keep]
+        flat[row, slot] = ids[keep].to(torch.int32)
+    return torch.cat([counts, flat], dim=1)
+
+
+def expand_support_ids(compact: torch.Tensor, T: int) -> torch.Tensor:
+    """The compact form of :func:`compact_support_ids` (``[B, T + M]``, ``T`` the tokens a
+    sequence holds) back to ``-1``-padded ids ``[B, T, K]`` int32, ``K`` the widest set among
+    these rows (at least 1), ready for ``support_ids``. Refuses counts that do not fit the row."""
+    if not isinstance(compact, torch.Tensor) or compact.dtype not in (torch.int32, torch.int64) \
+            or compact.dim() != 2:
+        raise TypeError(f"expand_support_ids: compact: expected an int32/int64 tensor "
+                        f"[B, T + M] (compact_support_ids' form), got "
+                        f"{getattr(compact, 'dtype', type(compact).__name__)} "
+                        f"{list(getattr(compact, 'shape', []))}")
+    if isinstance(T, bool) or not isinstance(T, int) or not 0 <= T <= compact.shape[1]:
+        raise ValueError(f"expand_support_ids: T: expected the tokens a row holds, an int in "
+                         f"[0, {compact.shape[1]}], got {T!r}")
+    B, M = compact.shape[0], compact.shape[1] - T
+    counts, flat = compact[:, :T].long(), compact[:, T:]
+    if B and T and (counts.min() < 0 or (counts.sum(-1) > M).any()):
+        raise ValueError("expand_support_ids: compact: a row's counts are negative or exceed "
+                         f"its {M} id slots (not compact_support_ids' form, or T={T} wrong)")
+    K = max(int(counts.max()) if B and T else 0, 1)
+    out = torch.full((B, T, K), -1, dtype=torch.int32, device=compact.device)
+    if B and T and M:
+        start = torch.cumsum(counts, -1) - counts                              # [B, T]
+        j = torch.arange(K, device=compact.device)
+        take = j < counts.unsqueeze(-1)                                        # [B, T, K]
+        slot = (start.unsqueeze(-1) + j).clamp(max=M - 1)
+        got = torch.gather(flat, 1, slot.view(B, -1)).view(B, T, K)
+        out = torch.where(take, got.to(torch.int32), out)
+    return out
+
+
 def corrected_sampler_logp(sampling_logp: torch.Tensor, log_kept_mass: torch.Tensor,
                            mode: Optional[str], normalised: bool = True) -> torch.Tensor:
     """The rollout engine's log-probs as the sampler ratio of ``mode`` needs them (docs/math.md,

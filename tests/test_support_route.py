@@ -397,6 +397,59 @@ def test_support_set_option_and_join_support_ids():
         methods.join_support_ids([a], dim=2)
 
 
+def _token_sets(ids):
+    return [[frozenset(t[t >= 0].tolist()) for t in row] for row in ids]
+
+
+def test_compact_support_ids_round_trip_and_row_splits():
+    """``compact_support_ids`` / ``expand_support_ids``: the same set at every token after a
+    round trip (ids of random widths, holes of -1 inside a row, rows of padding only, a
+    sequence with no id), after any gather of rows (a trainer's shuffle and micro-batches), the
+    expanded width the widest set of the rows kept; the compact form no larger than 4·(1 + M/T)
+    bytes a token; bad inputs refused by name."""
+    from gbc_kernels import methods
+    g = torch.Generator().manual_seed(3)
+    B, T, K = 5, 11, 9
+    ids = torch.randint(0, 1000, (B, T, K), generator=g)
+    width = torch.randint(0, K + 1, (B, T), generator=g)
+    ids = torch.where(torch.arange(K) < width.unsqueeze(-1), ids, -1)
+    ids[..., 0] = torch.where(torch.rand(B, T, generator=g) < 0.2, -1, ids[..., 0])   # holes
+    ids[2] = -1                                               # a sequence with no id at all
+    compact = methods.compact_support_ids(ids)
+    M = int((ids >= 0).sum((1, 2)).max())
+    assert compact.dtype == torch.int32 and compact.shape == (B, T + M)
+    back = methods.expand_support_ids(compact, T)
+    assert _token_sets(back) == _token_sets(ids)
+    assert back.shape[-1] == int((ids >= 0).sum(-1).max())
+    for rows in ([3, 0], [2], [4, 1, 1]):
+        part = methods.expand_support_ids(compact[rows], T)
+        assert _token_sets(part) == _token_sets(ids[rows])
+        assert part.shape[-1] == max(1, int((ids[rows] >= 0).sum(-1).max()))
+    # replayed from the compact form: the same log-probs as from the padded ids
+    b = make_batch(B=2, T=6, H=16, V=53, logit_scale=3.0)
+    y = b["targets"].clamp(min=0)
+    st = gbc.token_stats(b["hidden"], b["weight"], y, b["bias"],
+                         sampler_truncation=gbc.SamplerTruncation(top_k=6, top_p=0.9),
+                         return_support_ids=True)
+    lp = gbc.fused_linear_logprobs(b["hidden"], b["weight"], y, bias=b["bias"],
+                                   support_ids=st.support_ids)[0]
+    lp_c = gbc.fused_linear_logprobs(
+        b["hidden"], b["weight"], y, bias=b["bias"],
+        support_ids=methods.expand_support_ids(methods.compact_support_ids(st.support_ids),
+                                               6))[0]
+    assert torch.equal(lp, lp_c)
+    empty = methods.compact_support_ids(torch.full((0, 4, 3), -1))
+    assert empty.shape == (0, 4) and methods.expand_support_ids(empty, 4).shape == (0, 4, 1)
+    with pytest.raises(TypeError, match="^compact_support_ids: ids: expected"):
+        methods.compact_support_ids(ids.float())
+    with pytest.raises(TypeError, match="^expand_support_ids: compact: expected"):
+        methods.expand_support_ids(ids, T)
+    with pytest.raises(ValueError, match="^expand_support_ids: T: expected"):
+        methods.expand_support_ids(compact, T + M + 1)
+    with pytest.raises(ValueError, match="^expand_support_ids: compact: a row's counts"):
+        methods.expand_support_ids(compact, T + 2)
+
+
 # ------------------------------------------------------------------ vocab parallel
 def _vp_route_worker(rank, world, backend):
     """Rank ``rank`` holds rows ``[cut_r, cut_{r+1})`` of the head (uneven slices). Narrow
