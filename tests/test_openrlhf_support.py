@@ -279,14 +279,14 @@ REPLAY_ARGS = dict(MODE_ARGS, **{"ppo-correction-off-kl": dict(kl="k2", entropy_
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("case", sorted(REPLAY_ARGS))
 def test_replay_equals_the_stock_step_over_the_kept_set(case, packing, methods_off):
-    """``support=replay``: the actor's and the reference model's passes give their log-probs
-    over the kept set rebuilt from their own logits (= float64 references); ``training_step``
+    """``support=replay, support_set=per_pass``: the actor's and the reference model's passes
+    give their log-probs over the kept set rebuilt from their own logits (= float64 references); ``training_step``
     (the policy over the set rebuilt from its own logits, the rollout's processed log-probs
     unchanged) equals OpenRLHF's stock step with the policy's, old and reference log-probs
     over the kept sets put in by hand; the sampled tokens are in their sets."""
     args = sargs(**REPLAY_ARGS[case])
     rollout = sample_rollouts()
-    _enable(support="replay")
+    _enable(support="replay", support_set="per_pass")
     t = trainer(args, packing)
     ref_actor = reference_actor(args, packing) if args.algo.kl.use_loss else None
     exp, batch = make_experience(t, args, rollout, ref_actor)
@@ -329,7 +329,8 @@ def _ratios(mode, rollout, monkeypatch):
     monkeypatch.setattr(gactor, "is_correction", recorded)
     args = sargs(is_level="token", is_threshold=(0.01, 100.0))
     gorl.disable()
-    _enable(**({} if mode is None else {"support": mode}))
+    _enable(**({} if mode is None else {"support": mode}),
+            **({"support_set": "per_pass"} if mode == "replay" else {}))
     t = trainer(args)
     exp, batch = make_experience(t, args, rollout)
     gorl.training_step(t, batch, 0.0, 0, ORL.get_loss_batch_info(None, batch.action_mask))
@@ -587,7 +588,7 @@ def test_replay_critical_kl_weights_over_the_kept_set(methods_off):
     ``log |S|``; docs/math.md), against float64 full logits."""
     gamma, c, ct = 2.0, 0.1, 1.3
     args = sargs(kl="k3")
-    _enable(support="replay", critical_kl_exponent=gamma, critical_kl_intercept=c,
+    _enable(support="replay", support_set="per_pass", critical_kl_exponent=gamma, critical_kl_intercept=c,
             critical_kl_temperature=ct)
     ref_actor = reference_actor(args)
     exp = sample_rollouts()

@@ -33,8 +33,10 @@ from .actor import (EXPERIENCE_NAMES, PackedRows, _check_packed_per_token,  # no
                     _inner_model, _keep_rows, _position_ids, _ring_group, check_actions,
                     fused_action_log_probs, fused_actor_loss, packed_rows)
 from .trainer import (ARGS_ATTR, GBC_INFO_KEYS, INDEX_KEY, KEPT_ATTR,  # noqa: F401
-                      KEPT_MASS_KEY, KL_WEIGHT_KEY, SCALE_KEY, _PATCHES, _STATE, _actor_forward,
-                      _buffer_append, _info_rows, _is_reference, _nthr_forget, _nthr_forward,
+                      KEPT_MASS_KEY, KL_WEIGHT_KEY, REFERENCE_REFUSAL, SCALE_KEY,
+                      SUPPORT_IDS_KEY, SUPPORT_T_KEY, _PATCHES, _STATE, _actor_forward,
+                      _buffer_append, _compact_rows, _info_rows, _info_support_ids,
+                      _is_reference, _nthr_forget, _nthr_forward,
                       _ppo_train, _strategy_prepare, _take_pending, check_buffer, check_trainer,
                       nthr_pass, support_truncation, training_step)
 
@@ -96,7 +98,8 @@ def enable(actor_cls=None, trainer_cls=None, buffer_cls=None, strategy_cls=None,
                 module.DeepspeedStrategy, "prepare", _strategy_prepare))
         elif strategy_cls:                                           # False: leave it
             _PATCHES.set(strategy_cls, "prepare", _strategy_prepare)
-    if opts.nthr or opts.critical_kl_exponent is not None or opts.support == "kept_mass":
+    if opts.nthr or opts.critical_kl_exponent is not None or opts.support == "kept_mass" \
+            or opts.one_set_per_rollout:
         if buffer_cls is None:
             from openrlhf.trainer.ppo_utils.replay_buffer import NaiveReplayBuffer as buffer_cls
         _PATCHES.set(buffer_cls, "append", _buffer_append)
@@ -106,5 +109,5 @@ def disable() -> None:
     """Undo :func:`enable` (every patched class gets its own method back)."""
     _PATCHES.undo()
     _STATE.methods, _STATE.options = methods.MethodOptions(), {}
-    _STATE.kept_mass_actor = False
+    _STATE.kept_mass_actor = _STATE.support_actor = False
     _nthr_forget()

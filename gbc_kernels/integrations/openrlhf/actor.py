@@ -67,6 +67,27 @@ class PackedRows(NamedTuple):
         """This rank's action positions' hidden states, ``[1, k, H]`` (no-grad passes)."""
         return h[:, self.p]
 
+    def row_ids(self, ids):
+        """Kept ids ``[B, T, K]`` (OpenRLHF's layout) -> the loss's rows ``[B, width, K]``
+        (``-1`` where no token sits)."""
+        out = ids.new_full((self.shape[0], self.width, ids.shape[-1]), -1)
+        out[self.b, self.c] = ids[self.b, self.j]
+        return out
+
+    def scatter_ids(self, ids):
+        """This rank's tokens' kept ids ``[1, k, K]`` -> ``[B, T, K]`` int32 (``-1`` elsewhere
+        and in the padding), gathered over the ring group (``K`` the group's widest)."""
+        K = torch.tensor(ids.shape[-1], device=ids.device)
+        if self.group is not None:
+            import torch.distributed as dist
+            dist.all_reduce(K, op=dist.ReduceOp.MAX, group=self.group)
+        ids = torch.nn.functional.pad(ids[0].long(), (0, int(K) - ids.shape[-1]), value=-1)
+        out = torch.zeros(*self.shape, int(K), dtype=torch.long, device=ids.device)
+        out[self.b, self.j] = ids + 1                   # 0 where no rank wrote: -1 below
+        if self.group is not None:
+            dist.all_reduce(out, group=self.group)
+        return (out - 1).to(torch.int32)
+
     def scatter(self, values):
         """Per-token values ``[..., k]`` (this rank's tokens) -> ``[B, T]`` (0 elsewhere), summed
         over the ring group: every rank gets the whole batch's, as OpenRLHF's gather."""
@@ -204,7 +225,8 @@ EXPERIENCE_NAMES = {"input_ids": "experience.sequences",
 def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_info=None,
                      temperature: Optional[float] = None, token_scale=None, kl_weight=None,
                      phase=None, ring_attn_group=None, token_out: Optional[dict] = None,
-                     sampler_truncation=None, log_kept_mass=None, **gbc_options):
+                     sampler_truncation=None, log_kept_mass=None, support_ids=None,
+                     **gbc_options):
     """The loss ``ActorPPOTrainer.training_step`` backpropagates (policy, KL, entropy and MoE
     terms) for an ``Experience``, without logits. Returns ``(loss, metrics)``: OpenRLHF's
     logged metrics and gbc's (``gbc/...``). With ``actor.packing_samples`` the model runs on
@@ -220,7 +242,11 @@ def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_in
     ``gbc/support_forced_frac``); ``log_kept_mass`` (``[B, T]``, ``support=kept_mass``): the
     old policy's ``LSE_S - LSE_V``, added to ``experience.rollout_log_probs`` (vLLM's processed
     log-probs) wherever OpenRLHF's correction reads them (the train/rollout ratio, its gates and
-    ``vllm_kl``, GSPO's ratio base)."""
+    ``vllm_kl``, GSPO's ratio base). ``support_ids`` (``[B, T, K]``, ``-1`` padded, in
+    OpenRLHF's layout also for packed samples; one set per rollout, ``support=replay``): over
+    exactly the set the old-policy pass built (:func:`fused_action_log_probs`'
+    ``return_support_ids``), through the support route; ``gbc/support_forced_frac`` is then
+    the share of targets outside that set. Not with ``sampler_truncation``."""
     seq, am, mask = experience.sequences, experience.attention_mask, experience.action_mask
     check_actions(seq, am, mask)                # before anything is computed, on both paths
     T = mask.shape[1]
@@ -236,8 +262,16 @@ def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_in
             _get(args, "algo.advantage.is_correction_level", "off") != "off":
         ratio_base = rollout                          # OpenRLHF's GSPO against the rollout
     if sampler_truncation is not None:
+        if support_ids is not None:
+            raise ValueError("support_ids: pass either support_ids (the rollout's kept set, "
+                             "built by the old-policy pass) or sampler_truncation (a set "
+                             "rebuilt here), not both")
         gbc.truncation.check(sampler_truncation)
         gbc_support = {"sampler_truncation": sampler_truncation}
+    elif support_ids is not None:
+        _check_ids(support_ids, mask)
+        gbc_support = {"support_ids": support_ids.to(mask.device, torch.int32).masked_fill(
+            ~mask.bool()[..., None], -1)}
     else:
         gbc_support = {}
     norms = batch_normalisers(loss_batch_info)
@@ -253,6 +287,8 @@ def fused_actor_loss(actor, experience, args, kl_ctl: float = 0.0, loss_batch_in
         _check_packed_per_token(pk.shape, experience.advantages, old=ratio_base, ref=ref,
                                 token_scale=token_scale, kl_weight=kl_weight, is_ratio=coef)
         rows = pk.rows
+        if "support_ids" in gbc_support:
+            gbc_support["support_ids"] = pk.row_ids(gbc_support["support_ids"])
         if group is not None:
             norms["sequence_parallel"] = gbc.SequenceParallel(group)
         own = None if token_out is None else {}
@@ -352,11 +388,27 @@ def _kept_mass_rollout(args, rollout, log_kept_mass, mask):
 
 
 def _head_stats(h, head, targets, opts, temp, cap, backend, truncation=None,
-                over_support=True, kept_mass=False):
+                over_support=True, kept_mass=False, support_ids=None, build_ids=False):
     """The no-grad pass's statistics on the hidden states ``h``: ``(ReferenceStats, log
-    kept mass or None)``. ``truncation``: over the kept set rebuilt from these logits
-    (``over_support``) or, with ``kept_mass``, the whole vocabulary's log-probs (bit for bit)
-    and the set's ``LSE_S - LSE_V`` from the same pass."""
+    kept mass, the built kept ids or None)``. ``truncation``: over the kept set rebuilt from
+    these logits (``over_support``) or, with ``kept_mass``, the whole vocabulary's log-probs
+    (bit for bit) and the set's ``LSE_S - LSE_V`` from the same pass; with ``build_ids``, over
+    the set built here, whose ids (``h.shape[:-1] + (K,)``, ``-1`` padded) come back.
+    ``support_ids``: over that given set (one set per rollout's later passes)."""
+    if build_ids:
+        if opts.critical_kl_exponent is not None:
+            raise ValueError("return_support_ids: the reference model's pass "
+                             "(critical_kl_exponent) does not build the kept set (the "
+                             "old-policy pass does; the reference replays it as support_ids)")
+        st = gbc.token_stats(h, head.weight, targets, head.bias, temperature=temp,
+                             backend=backend, logit_softcap=cap,
+                             logits_dtype=opts.logits_dtype, sampler_truncation=truncation,
+                             return_support_ids=True)
+        return methods.ReferenceStats(st.logp, None, None), st.support_ids
+    if support_ids is not None:
+        return methods.reference_stats(h, head.weight, targets, opts, head.bias,
+                                       temperature=temp, logit_softcap=cap, backend=backend,
+                                       support_ids=support_ids), None
     if not kept_mass:
         extra = {} if truncation is None else dict(sampler_truncation=truncation,
                                                    over_support=over_support)
@@ -380,7 +432,8 @@ def fused_action_log_probs(actor, sequences, action_mask, attention_mask,
                            ring_attn_group=None, packed_seq_lens=None,
                            nthr_keep: Optional[tuple] = None, logits_dtype=None,
                            sampler_truncation=None, over_support: bool = True,
-                           return_log_kept_mass: bool = False):
+                           return_log_kept_mass: bool = False, support_ids=None,
+                           return_support_ids: bool = False):
     """``Actor.forward``'s no-grad action log-probs without logits: ``[B, T]`` float32, 0 where
     ``action_mask`` is; ``options`` with ``critical_kl_exponent`` (the reference model's
     pass): ``[B, T, 2]``, the log-probs and the critical-token KL weights. Packed samples
@@ -398,7 +451,16 @@ def fused_action_log_probs(actor, sequences, action_mask, attention_mask,
     whole vocabulary's, bit for bit the pass without it. ``return_log_kept_mass=True`` (needs
     ``sampler_truncation``; ``support=kept_mass``'s old-policy pass): returns ``(log-probs,
     log_kept_mass)``, the second ``LSE_S - LSE_V`` per action ``[B, T]`` float32 (0 where
-    ``action_mask`` is), from the same pass."""
+    ``action_mask`` is), from the same pass.
+
+    One kept set per rollout (docs/openrlhf.md, "The sampler's kept set"):
+    ``return_support_ids=True`` (needs ``sampler_truncation``; the old-policy pass, which
+    builds the set): returns ``(log-probs, support_ids)``, the log-probs over the set built
+    here and its ids ``[B, T, K]`` int32, ``-1`` padded (the target not forced in; rows
+    ``action_mask`` leaves out hold only ``-1``), in OpenRLHF's layout also for packed
+    samples (every ring rank gets the whole batch's). ``support_ids`` (those ids; not with
+    ``sampler_truncation``): the log-probs (and critical-token KL weights) over exactly that
+    set, through the support route."""
     T = action_mask.shape[1]
     temp = getattr(actor, "temperature", 1.0) if temperature is None else temperature
     group = _ring_group(actor, None, ring_attn_group)
@@ -412,14 +474,25 @@ def fused_action_log_probs(actor, sequences, action_mask, attention_mask,
     elif return_log_kept_mass:
         raise ValueError("return_log_kept_mass: needs sampler_truncation (the kept set whose "
                          "mass it is)")
+    if return_support_ids and (sampler_truncation is None or return_log_kept_mass
+                               or nthr_keep is not None or not over_support):
+        raise ValueError("return_support_ids: needs sampler_truncation (the kept set built in "
+                         "this pass, scored over it: over_support) and neither "
+                         "return_log_kept_mass nor nthr_keep")
+    if support_ids is not None:
+        if sampler_truncation is not None or nthr_keep is not None:
+            raise ValueError("support_ids: pass either support_ids (the rollout's kept set, "
+                             "built by the old-policy pass) or sampler_truncation (a set "
+                             "rebuilt here), not both; and not with nthr_keep")
+        _check_ids(support_ids, action_mask)
     if nthr_keep is not None and sampler_truncation is not None and over_support:
         raise ValueError("nthr_keep: NTHR keeps the whole vocabulary's log-probs; not with "
                          "sampler_truncation over the kept set (over_support=False for the "
                          "kept mass only)")
 
-    def stats(h, head, cap, targets):
+    def stats(h, head, cap, targets, ids=None):
         return _head_stats(h, head, targets, opts, temp, cap, backend, sampler_truncation,
-                           over_support, return_log_kept_mass)
+                           over_support, return_log_kept_mass, ids, return_support_ids)
 
     def keep_head(head, cap):
         if nthr_keep is not None:
@@ -428,11 +501,13 @@ def fused_action_log_probs(actor, sequences, action_mask, attention_mask,
     if getattr(actor, "packing_samples", False):
         pk = packed_rows(sequences, attention_mask, action_mask, group, packed_seq_lens)
         targets = sequences[:, -T:][pk.b, pk.j][None]
+        flat_ids = None if support_ids is None else \
+            support_ids.to(pk.b.device)[pk.b, pk.j][None].to(torch.int32)
 
         def compute(h, head, cap):
             keep_head(head, cap)
             flat = pk.flat_hidden(h)
-            ref, kept = stats(flat, head, cap, targets)
+            ref, kept = stats(flat, head, cap, targets, flat_ids)
             if nthr_keep is None:
                 return ref, kept, None
             if group is None:
@@ -452,20 +527,24 @@ def fused_action_log_probs(actor, sequences, action_mask, attention_mask,
             _keep_rows(nthr_keep, valid, hidden, logp)
         out = logp if ref.kl_weight is None else torch.stack(
             (logp, pk.scatter(ref.kl_weight.float())), -1)
+        if return_support_ids:
+            return out, pk.scatter_ids(kept)
         return (out, pk.scatter(kept.float())) if return_log_kept_mass else out
     if packed_seq_lens is not None:
         raise ValueError("packed_seq_lens: given without ds.packing_samples (OpenRLHF's Actor "
                          "ignores it)")
     kwargs = {"position_ids": _position_ids(attention_mask)}
     kept = None
-    if nthr_keep is None and sampler_truncation is None:
+    if nthr_keep is None and sampler_truncation is None and support_ids is None:
         ref = hf.reference_pass(
             _inner_model(actor), sequences, attention_mask, sequences[:, -T:], temperature=temp,
             backend=backend, completion_len=T, options=opts, model_kwargs=kwargs)
     else:
+        ids = None if support_ids is None else support_ids.to(sequences.device, torch.int32)
+
         def compute(h, head, cap):
             keep_head(head, cap)
-            return stats(h, head, cap, sequences[:, -T:]), h
+            return stats(h, head, cap, sequences[:, -T:], ids), h
 
         (ref, kept), hidden = hf.in_head(_inner_model(actor), sequences, attention_mask, T,
                                          kwargs, compute)
@@ -474,7 +553,22 @@ def fused_action_log_probs(actor, sequences, action_mask, attention_mask,
     m = action_mask.to(ref.ref_logp.dtype)
     out = ref.ref_logp * m if ref.kl_weight is None else torch.stack(
         (ref.ref_logp * m, ref.kl_weight * m), -1)
+    if return_support_ids:
+        return out, kept.to(torch.int32).masked_fill(~valid[..., None].to(kept.device), -1)
     return (out, kept.float() * m) if return_log_kept_mass else out
+
+
+def _check_ids(support_ids, action_mask) -> None:
+    """Kept ids for ``action_mask`` ``[B, T]``: an integer tensor ``[B, T, K]``, refused
+    naming ``support_ids`` (the values are the support route's to check)."""
+    B, T = action_mask.shape
+    if not isinstance(support_ids, torch.Tensor) or support_ids.dtype not in (
+            torch.int32, torch.int64) or support_ids.dim() != 3 or \
+            tuple(support_ids.shape[:2]) != (B, T):
+        got = (f"{support_ids.dtype} {list(support_ids.shape)}"
+               if isinstance(support_ids, torch.Tensor) else type(support_ids).__name__)
+        raise ValueError(f"support_ids: expected an int32/int64 tensor [{B}, {T}, K] (the "
+                         f"action mask's shape and the kept ids, -1 padded), got {got}")
 
 
 def _keep_rows(nthr_keep, valid, hidden, logp):

@@ -22,7 +22,12 @@ from .losses import ENV_OPTIONS, _get, rollout_truncation
 # what the experience carries for gbc, in its ``info`` (split and merged with the samples)
 INDEX_KEY, SCALE_KEY, KL_WEIGHT_KEY = "gbc_index", "gbc_nthr_scale", "gbc_kl_weight"
 KEPT_MASS_KEY = "gbc_log_kept_mass"          # support=kept_mass: the old policy's LSE_S - LSE_V
-GBC_INFO_KEYS = (INDEX_KEY, SCALE_KEY, KL_WEIGHT_KEY, KEPT_MASS_KEY)
+# support=replay, one set per rollout: each sample's kept ids as the old-policy pass built
+# them, in methods.compact_support_ids' form trimmed to the sample ([t + its ids], int32), and
+# its t (the experience maker's micro-batch width)
+SUPPORT_IDS_KEY, SUPPORT_T_KEY = "gbc_support_ids", "gbc_support_ids_t"
+GBC_INFO_KEYS = (INDEX_KEY, SCALE_KEY, KL_WEIGHT_KEY, KEPT_MASS_KEY, SUPPORT_IDS_KEY,
+                 SUPPORT_T_KEY)
 
 # the attribute of a model that holds the OpenRLHF arguments its strategy prepared it with
 # (the sampling settings the no-grad passes rebuild the sampler's kept set from)
@@ -33,7 +38,8 @@ ARGS_ATTR = "gbc_args"
 KEPT_ATTR = "gbc_nthr_kept"
 
 _STATE = SimpleNamespace(options={}, methods=methods.MethodOptions(), nthr_heads=None,
-                         nthr_pending=[], kept_mass_pending=[], kept_mass_actor=False)
+                         nthr_pending=[], kept_mass_pending=[], kept_mass_actor=False,
+                         support_pending=[], support_actor=False)
 _PATCHES = patching.Patches()
 
 
@@ -81,9 +87,12 @@ def _pending_inputs(sequences, action_mask, attention_mask):
 def _actor_forward(self, sequences, action_mask=None, attention_mask=None, *args, **kwargs):
     """``Actor.forward`` with the no-grad log-prob pass fused (the reference model's, with
     critical-token KL: ``[B, T, 2]``, unpacked by the buffer's ``append``). Under ``support``
-    the pass rebuilds the sampler's kept set: ``replay``, the log-probs over it (policy and
-    reference); ``kept_mass``, the policy's pass also keeps its ``log_kept_mass`` until the
-    buffer's ``append`` takes it."""
+    the pass rebuilds the sampler's kept set: ``replay`` with one set per rollout (the
+    default), the policy's pass (the experience maker's old-policy pass) builds it, scores
+    over it and keeps its ids until the buffer's ``append`` takes them (the reference pass is
+    refused: :data:`REFERENCE_REFUSAL`); ``replay`` with ``support_set=per_pass``, the
+    log-probs over the set each pass rebuilds (policy and reference); ``kept_mass``, the
+    policy's pass also keeps its ``log_kept_mass`` until the buffer's ``append`` takes it."""
     rest = {k: v for k, v in kwargs.items() if k not in ("ring_attn_group", "packed_seq_lens")}
     plain = (action_mask is not None and not args and not torch.is_grad_enabled()
              and all(v is None or v is False for v in rest.values()))
@@ -97,6 +106,9 @@ def _actor_forward(self, sequences, action_mask=None, attention_mask=None, *args
                 _STATE.nthr_heads = methods.NTHRHeadRows("cpu")
             keep = (_STATE.nthr_heads, [])
         kept_mass = support == "kept_mass" and not reference
+        build = _STATE.methods.one_set_per_rollout
+        if build and reference:
+            raise ValueError(REFERENCE_REFUSAL)
         tr = None if support is None or (reference and support == "kept_mass") else \
             support_truncation(self)
         out = fused_action_log_probs(self, sequences, action_mask, attention_mask,
@@ -105,7 +117,12 @@ def _actor_forward(self, sequences, action_mask=None, attention_mask=None, *args
                                      packed_seq_lens=kwargs.get("packed_seq_lens"),
                                      nthr_keep=keep, logits_dtype=_STATE.methods.logits_dtype,
                                      sampler_truncation=tr, over_support=not kept_mass,
-                                     return_log_kept_mass=kept_mass)
+                                     return_log_kept_mass=kept_mass, return_support_ids=build)
+        if build:                                     # until the buffer's append takes them
+            out, ids = out
+            _STATE.support_actor = True
+            _STATE.support_pending.append((_pending_inputs(
+                sequences, action_mask, attention_mask), ids.detach().cpu()))
         if kept_mass:                                 # until the buffer's append takes it
             out, lk = out
             _STATE.kept_mass_actor = True
@@ -127,9 +144,51 @@ def _actor_forward(self, sequences, action_mask=None, attention_mask=None, *args
     return forward(self, sequences, action_mask, attention_mask, *args, **kwargs)
 
 
+# support=replay with one set per rollout, as its refusals name it
+ONE_SET = "support=replay, support_set=rollout (the default)"
+# ... with a reference model (algo.kl.init_coef > 0)
+REFERENCE_REFUSAL = (
+    f"{ONE_SET}: the reference model's pass cannot score the rollout's kept set: "
+    "OpenRLHF runs it in its own Ray worker beside the actor's old-policy pass that builds the "
+    "set, and hands it only the sequences and masks; set support_set=per_pass (each pass "
+    "rebuilds the set from the model it scores) or algo.kl.init_coef=0 (no reference model)")
+
+
+def _compact_rows(ids):
+    """Kept ids ``[B, t, K]`` -> each sample's row of ``methods.compact_support_ids`` trimmed
+    to its own ids (a list of ``[t + m_b]`` int32) and the list of ``t``: the ``info``
+    entries :data:`SUPPORT_IDS_KEY`, :data:`SUPPORT_T_KEY` (split per sample by the buffer)."""
+    c = methods.compact_support_ids(ids)
+    t = ids.shape[1]
+    total = c[:, :t].sum(-1)
+    return [c[b, :t + int(total[b])].clone() for b in range(len(c))], [t] * len(c)
+
+
+def _info_support_ids(experience, T):
+    """The kept ids the experience carries (:data:`SUPPORT_IDS_KEY`, one row per sample,
+    merged by the buffer's collate) as ``support_ids`` ``[B, T, K]`` int32 (missing: refused)."""
+    rows, ts = experience.info.get(SUPPORT_IDS_KEY), experience.info.get(SUPPORT_T_KEY)
+    B = experience.action_mask.shape[0]
+    if rows is None or ts is None:
+        raise ValueError(f"{ONE_SET}: the experience carries no kept ids (the "
+                         f"experience maker's actor pass in this process builds them and the "
+                         f"replay buffer's append stores them: enable() must run in this "
+                         f"process with the same options, e.g. through {ENV_OPTIONS})")
+    ts = [int(t) for t in torch.as_tensor(ts).reshape(-1)]
+    if len(rows) != B or len(ts) != B:
+        raise ValueError(f"{ONE_SET}: the experience carries kept ids for "
+                         f"{len(rows)} samples, not its {B}")
+    parts = []
+    for r, t in zip(rows, ts):
+        ids = methods.expand_support_ids(torch.as_tensor(r).reshape(1, -1), t)[:, :T]
+        parts.append(torch.nn.functional.pad(ids, (0, 0, 0, T - ids.shape[1]), value=-1))
+    return methods.join_support_ids(parts).to(experience.action_mask.device)
+
+
 def _buffer_append(self, experience):
-    """``NaiveReplayBuffer.append`` that first keeps NTHR's ``Experience.index`` and the
-    critical-token KL weights in the experience's ``info`` (split with its samples)."""
+    """``NaiveReplayBuffer.append`` that first keeps NTHR's ``Experience.index``, the
+    critical-token KL weights, ``support=kept_mass``'s kept mass and one set per rollout's
+    kept ids in the experience's ``info`` (split with its samples)."""
     opts = _STATE.methods
     base = experience.base_action_log_probs
     if isinstance(base, torch.Tensor) and base.dim() == 3:
@@ -157,6 +216,15 @@ def _buffer_append(self, experience):
                              "this process's actor pass (the experience maker's, which keeps "
                              "their log_kept_mass; OpenRLHF must not rebalance the samples: "
                              "train.dynamic_batch_enable)")
+    if opts.one_set_per_rollout:
+        ids = _take_pending(experience, _STATE.support_pending)
+        if ids is not None:
+            experience.info[SUPPORT_IDS_KEY], experience.info[SUPPORT_T_KEY] = _compact_rows(ids)
+        elif _STATE.support_actor:        # the policy's process (a critic's never scores)
+            raise ValueError(f"{ONE_SET}: the experience's samples were not scored by "
+                             "this process's actor pass (the experience maker's old-policy "
+                             "pass, which builds their kept set; OpenRLHF must not rebalance "
+                             "the samples: train.dynamic_batch_enable)")
     out = _PATCHES.original(type(self), "append")(self, experience)
     if kept is not None:         # the new samples are the buffer's last ones (its limit aside)
         new = self.items[max(0, len(self.items) - len(kept)):]
@@ -221,6 +289,13 @@ def check_trainer(trainer) -> None:
             raise ValueError("support=kept_mass: train.dynamic_batch_enable rebalances the "
                              "samples over the ranks after the actor's pass that computed "
                              "their log_kept_mass")
+    if opts.one_set_per_rollout:
+        if float(_get(args, "algo.kl.init_coef", 0.0) or 0.0) > 0:
+            raise ValueError(REFERENCE_REFUSAL)
+        if dynamic:
+            raise ValueError(f"{ONE_SET}: train.dynamic_batch_enable rebalances the "
+                             "samples over the ranks after the actor's pass that built their "
+                             "kept sets; set support_set=per_pass or turn it off")
     opts.check_loss(bool(_get(args, "algo.kl.use_loss", False))
                     and _get(args, "algo.kl.init_coef", 0.0), "algo.kl.use_loss and init_coef")
 
@@ -319,15 +394,24 @@ def check_buffer(trainer) -> None:
     the rank's whole replay buffer before the first (OpenRLHF's loop steps the optimizer
     after each accumulation window, so a refusal in a later micro-batch would come after
     earlier steps): under ``support=kept_mass``, a sample without the actor pass's
-    ``log_kept_mass`` or without ``rollout_log_probs`` (what it moves), refused naming the
-    sample."""
-    if _STATE.methods.support != "kept_mass":
+    ``log_kept_mass`` or without ``rollout_log_probs`` (what it moves); with one set per
+    rollout, a sample without its kept ids; refused naming the sample."""
+    one_set = _STATE.methods.one_set_per_rollout
+    if _STATE.methods.support != "kept_mass" and not one_set:
         return
     buffer = getattr(trainer, "replay_buffer", None)
     items = list(getattr(buffer, "items", None) or ())
     for i, item in enumerate(items):
         where = (f"the replay buffer's sample {i} (of {len(items)}; checked for the whole "
                  f"buffer before the update's first training step)")
+        if one_set:
+            if (getattr(item, "info", None) or {}).get(SUPPORT_IDS_KEY) is None:
+                raise ValueError(
+                    f"{ONE_SET}: the experience carries no kept ids: {where} (the "
+                    f"experience maker's actor pass in this process builds them and the replay "
+                    f"buffer's append stores them: enable() must run in this process with the "
+                    f"same options, e.g. through {ENV_OPTIONS})")
+            continue
         if (getattr(item, "info", None) or {}).get(KEPT_MASS_KEY) is None:
             raise ValueError(
                 f"support=kept_mass: the experience carries no log_kept_mass: {where} (the "
@@ -360,6 +444,7 @@ def _nthr_forget():
     if _STATE.nthr_heads is not None:
         _STATE.nthr_heads.stale = True
     _STATE.nthr_heads, _STATE.nthr_pending, _STATE.kept_mass_pending = None, [], []
+    _STATE.support_pending = []
 
 
 def _info_rows(experience, key, T, fill, option, what):
@@ -398,7 +483,9 @@ def training_step(self, experience, kl_ctl: float, step: int, loss_batch_info=No
         "critical-token KL weights (the reference pass stores them; see enable())")) \
         if opts.critical_kl_exponent is not None else None
     support = {}
-    if opts.support == "replay":
+    if opts.one_set_per_rollout:          # the set the old-policy pass built, every epoch
+        support["support_ids"] = _info_support_ids(experience, T)
+    elif opts.support == "replay":
         support["sampler_truncation"] = support_truncation(self.actor, self.args)
     elif opts.support == "kept_mass":
         support["log_kept_mass"] = _info_rows(experience, KEPT_MASS_KEY, T, 0.0,
