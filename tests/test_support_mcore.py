@@ -202,6 +202,13 @@ def _tp_truncation(M, x, shard, h_sbh, rank, world):
     st = M.reference_stats(h_sbh, shard, x["labels"], opts, x["mask"], temperature=TEMP,
                            sampler_truncation=tr)
     out["reference"] = dict(logp=st.ref_logp, kl_weight=st.kl_weight, certainty=st.certainty)
+    # one kept set per rollout: the building pass returns its set; a later pass replays it
+    built = M.logprobs(h_sbh, shard, x["labels"], x["mask"], temperature=TEMP,
+                       sampler_truncation=tr, return_support_ids=True)
+    replayed = M.logprobs(h_sbh, shard, x["labels"], x["mask"], temperature=TEMP,
+                          support_ids=built.support_ids)
+    out["built"] = dict(ids=built.support_ids, logp=built.logp, replayed=replayed.logp,
+                        plain_ids=out_ids_none(M, h_sbh, shard, x))
     out["restored"] = gbc.truncation.TruncationBackend is original
     # refused by name: both supports; top-p without a top-k bound under tensor parallelism
     # (gbc's rule, in gbc_mcore's words); not a SamplerTruncation
@@ -226,6 +233,26 @@ def _tp_truncation(M, x, shard, h_sbh, rank, world):
                     errors[key, case] = f"{type(e).__name__}: {e}"
     out["errors"] = errors
     return out
+
+
+def out_ids_none(M, h_sbh, shard, x):
+    """``support_ids`` of calls that build no set (None), and ``return_support_ids`` without
+    ``sampler_truncation`` (refused)."""
+    got = [M.logprobs(h_sbh, shard, x["labels"], x["mask"], temperature=TEMP).support_ids]
+    try:
+        M.logprobs(h_sbh, shard, x["labels"], x["mask"], return_support_ids=True)
+        got.append(None)
+    except ValueError as e:
+        got.append(str(e))
+    return got
+
+
+def _members(ids, vocab=V):
+    """Kept ids ``[..., K]`` (``-1`` padded, any order, duplicates allowed) as membership
+    ``[..., V]``."""
+    m = torch.zeros(*ids.shape[:-1], vocab + 1, dtype=torch.bool)
+    m.scatter_(-1, (ids.long() + 1).clamp(min=0), True)
+    return m[..., 1:]
 
 
 def _reference(x, scale=1.3):
@@ -430,8 +457,9 @@ def _cp_worker(rank, world):
                             context_parallel=cp, support=support)
           for route in ("fused", "main_grad")}
     lp = M.logprobs(h, x["weight"], x["labels"], mine, temperature=TEMP,
-                    return_log_kept_mass=True, **support)
-    tr["logprobs"] = dict(logp=lp.logp, entropy=lp.entropy, kept=lp.log_kept_mass)
+                    return_log_kept_mass=True, return_support_ids=True, **support)
+    tr["logprobs"] = dict(logp=lp.logp, entropy=lp.entropy, kept=lp.log_kept_mass,
+                          ids=lp.support_ids)
     out["tr"] = tr
     return out
 
@@ -569,6 +597,42 @@ def test_tp2_truncation_refusals_name_the_arguments(tp2):
             else:
                 assert e.startswith("TypeError: sampler_truncation: expected None or "
                                     "gbc_kernels.SamplerTruncation"), e
+
+
+def test_tp2_logprobs_returns_the_built_set(tp2, oracle_tr):
+    """``logprobs(sampler_truncation=, return_support_ids=True)`` at tensor parallel 2 (one
+    kept set per rollout: the old-policy pass builds it): ``support_ids`` ``[B, S, K]`` int32
+    holds, in every masked-in row, the float64 oracle's kept set
+    (``gbc_reference.truncation_support_ids``, the target not forced in), ``-1`` only in the
+    rows outside the mask, the same on both ranks; replayed as ``support_ids`` it gives the
+    rebuilding call's log-probs. A call that builds no set returns None; ``return_support_ids``
+    without ``sampler_truncation`` is refused naming both."""
+    x = _inputs()
+    want = _members(oracle_tr["tp"]["ids"])
+    m = x["mask"]
+    ids0 = tp2[0]["tr"]["built"]["ids"]
+    for rank, out in enumerate(tp2):
+        b = out["tr"]["built"]
+        assert b["ids"].dtype == torch.int32 and b["ids"].shape[:2] == (B, S), rank
+        assert torch.equal(b["ids"], ids0), rank
+        got = _members(b["ids"])
+        assert torch.equal(got[m], want[m]), rank
+        assert (b["ids"][~m] == -1).all(), rank
+        assert b["ids"].shape[-1] >= int(want[m].sum(-1).max()), rank
+        assert err(b["replayed"], b["logp"]) < 1e-6, rank
+        none, refused = b["plain_ids"]
+        assert none is None
+        assert refused.startswith("return_support_ids: needs sampler_truncation"), refused
+
+
+def test_cp2_logprobs_returns_each_ranks_built_set(cp2, oracle_tr):
+    """Context parallel 2: each rank's ``return_support_ids`` holds the oracle's kept set of
+    its own tokens and ``-1`` in every row it does not score."""
+    want = _members(oracle_tr["cp"]["ids"])
+    for r in cp2:
+        ids, own = r["tr"]["logprobs"]["ids"], r["own"]
+        assert torch.equal(_members(ids)[own], want[own])
+        assert (ids[~own] == -1).all()
 
 
 def test_cp2_policy_loss_over_the_rebuilt_set_matches_float64(cp2, oracle_tr):

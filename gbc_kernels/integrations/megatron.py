@@ -50,7 +50,9 @@ class HeadOutput(NamedTuple):
     ``sum_p2``: float32 ``[B, S]``, 0 outside ``mask`` (``entropy``/``sum_p2`` None unless
     asked). ``log_kept_mass``: ``LSE_S - LSE_V`` ``[B, S]`` (no gradient, 0 outside ``mask``)
     with ``support_ids`` or ``sampler_truncation`` (:func:`policy_loss` always,
-    :func:`logprobs` when asked), else None."""
+    :func:`logprobs` when asked), else None. ``support_ids``: the kept set the call built
+    (:func:`logprobs` with ``sampler_truncation`` and ``return_support_ids``), int32
+    ``[B, S, K]``, ``-1`` padded, only ``-1`` in the rows outside ``mask``; else None."""
 
     loss: Optional[torch.Tensor]
     metrics: dict
@@ -58,6 +60,7 @@ class HeadOutput(NamedTuple):
     entropy: Optional[torch.Tensor]
     sum_p2: Optional[torch.Tensor]
     log_kept_mass: Optional[torch.Tensor] = None
+    support_ids: Optional[torch.Tensor] = None
 
 
 @dataclasses.dataclass
@@ -330,7 +333,7 @@ def _loss_into_main_grad(hidden, weight, into, labels, mask, advantages, old_log
     w = _IntoMainGrad.apply(weight)
     m = _check_mask(mask, hidden, labels)
     with methods.in_callers_words(names):
-        logp, entropy, sum_p2, kept, forced = _rows_stats(
+        logp, entropy, sum_p2, kept, forced, _ = _rows_stats(
             hidden, w, bias, labels, m, temp, vp, cfg.wants_entropy, True, backend, into,
             cfg.logits_dtype, support_ids, True, tr)
         loss, metrics = gbc.policy_loss(logp, m, advantages, old_logp, ref_logp,
@@ -364,7 +367,7 @@ def logprobs(hidden_states, output_weight, labels, mask=None, *, temperature=1.0
              hidden_gathered: bool = False, return_entropy: bool = True,
              return_sum_p2: bool = False, backend="auto", logits_dtype=None,
              support_ids=None, return_log_kept_mass: bool = False, sampler_truncation=None,
-             over_support: bool = True) -> HeadOutput:
+             over_support: bool = True, return_support_ids: bool = False) -> HeadOutput:
     """Per-token log-probs (and entropy, ``sum_p2``) on megatron-core's output layer, for the
     log-prob passes (old policy, reference) and verl's ``compute_log_prob``.
 
@@ -385,11 +388,16 @@ def logprobs(hidden_states, output_weight, labels, mask=None, *, temperature=1.0
     bound (refused naming ``top_p``). over_support=False (with either): the log-probs,
     entropy, ``sum_p2`` and gradients of the whole vocabulary (the call without a support, bit
     for bit) and only ``log_kept_mass`` the support's (``support=kept_mass``'s old-policy
-    pass).
+    pass). return_support_ids=True (with ``sampler_truncation``): ``support_ids`` of the
+    output, the set this pass built ``[B, S, K]`` (int32, ``-1`` padded, ``K`` the widest set
+    of the call, the target not forced in; only ``-1`` in the rows outside ``mask``), the same
+    on every tensor-parallel rank (there it needs a ``top_k`` bound): the ids the later passes
+    replay as ``support_ids`` (docs/math.md, "One kept set per rollout").
     """
     for name, flag in (("return_entropy", return_entropy), ("return_sum_p2", return_sum_p2),
                        ("return_log_kept_mass", return_log_kept_mass),
-                       ("over_support", over_support)):
+                       ("over_support", over_support),
+                       ("return_support_ids", return_support_ids)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {flag!r}")
     hidden, vp = _head(hidden_states, output_weight, output_bias, labels, tp_group,
@@ -397,11 +405,12 @@ def logprobs(hidden_states, output_weight, labels, mask=None, *, temperature=1.0
     tr = _check_truncation(sampler_truncation, support_ids, vp)
     mask = _check_mask(mask, hidden, labels)
     with methods.in_callers_words(_NAMES):
-        logp, entropy, sum_p2, kept, _ = _rows_stats(
+        logp, entropy, sum_p2, kept, _, ids = _rows_stats(
             hidden, output_weight, output_bias, labels, mask, temperature, vp, return_entropy,
             return_sum_p2, backend, logits_dtype=logits_dtype, support_ids=support_ids,
-            want_kept=return_log_kept_mass, sampler_truncation=tr, over_support=over_support)
-    return HeadOutput(None, {}, logp, entropy, sum_p2, kept)
+            want_kept=return_log_kept_mass, sampler_truncation=tr, over_support=over_support,
+            want_ids=return_support_ids)
+    return HeadOutput(None, {}, logp, entropy, sum_p2, kept, ids)
 
 
 def output_processor(*, hidden_states, output_layer, labels, output_weight=None, context=None,
@@ -549,11 +558,13 @@ def _check_mask(mask, hidden, labels):
 
 def _rows_stats(hidden, weight, bias, labels, mask, temperature, vp, want_entropy, want_sum_p2,
                 backend, weight_grad_into=None, logits_dtype=None, support_ids=None,
-                want_kept=False, sampler_truncation=None, over_support=True):
-    """``(logp, entropy, sum_p2, log_kept_mass, forced)`` ``[B, S]`` of the rows in ``mask``
-    (every row when None); ``log_kept_mass`` None unless a support (``support_ids`` or
-    ``sampler_truncation``) and ``want_kept``; ``forced`` (bool: the target outside the
-    rebuilt set) None unless ``sampler_truncation``."""
+                want_kept=False, sampler_truncation=None, over_support=True, want_ids=False):
+    """``(logp, entropy, sum_p2, log_kept_mass, forced, ids)`` ``[B, S]`` of the rows in
+    ``mask`` (every row when None); ``log_kept_mass`` None unless a support (``support_ids``
+    or ``sampler_truncation``) and ``want_kept``; ``forced`` (bool: the target outside the
+    rebuilt set) None unless ``sampler_truncation``; ``ids`` (``[B, S, K]``, the rebuilt set,
+    ``-1`` outside ``mask``) None unless ``want_ids`` (refused without
+    ``sampler_truncation``)."""
     want_kept = want_kept and (support_ids is not None or sampler_truncation is not None)
     support = {}
     if support_ids is not None or sampler_truncation is not None:
@@ -569,11 +580,15 @@ def _rows_stats(hidden, weight, bias, labels, mask, temperature, vp, want_entrop
                                         vocab_parallel=vp, return_sum_p2=want_sum_p2,
                                         weight_grad_into=weight_grad_into,
                                         logits_dtype=logits_dtype,
-                                        return_support_forced=trunc, **extra)
+                                        return_support_forced=trunc,
+                                        return_support_ids=want_ids, **extra)
+        ids = None
+        if want_ids:
+            out, ids = out[:-1], out[-1]
         forced = out[-1] if trunc else None
         kept = out[-2] if trunc else out[-1]
         return (out[0], out[1], out[2] if want_sum_p2 else None,
-                kept.detach() if want_kept else None, forced)
+                kept.detach() if want_kept else None, forced, ids)
 
     return _select(hidden, labels, mask, temperature, _vocab(weight, vp), stats, support_ids)
 
@@ -613,7 +628,8 @@ def _select(hidden, labels, mask, temperature, vocab, stats, support_ids=None):
     check of the selected labels or temperatures is raised from the same check on the caller's
     ``[B, S]`` tensor (``vocab``: V), whose indices are the caller's. ``support_ids``
     ``[B, S, k]`` (or None): its rows travel with their labels, as ``stats``' fourth argument
-    ``[N, k]``."""
+    ``[N, k]``. An output ``[N, K]`` (the kept ids a pass built) comes back ``[B, S, K]``,
+    ``-1`` in the rows outside ``mask``."""
     S, B, H = hidden.shape
     flat = hidden.reshape(S * B, H)
     y = labels.t().reshape(S * B)
@@ -642,6 +658,11 @@ def _select(hidden, labels, mask, temperature, vocab, stats, support_ids=None):
     def back(v):
         if v is None:
             return None
+        if v.dim() == 2:        # kept ids [N, K]: -1 in the rows not scored
+            if idx is not None:
+                v = torch.full((S * B, v.shape[1]), -1, dtype=v.dtype,
+                               device=v.device).index_copy(0, idx, v)
+            return v.view(S, B, -1).transpose(0, 1).contiguous()
         if idx is not None:
             v = torch.zeros(S * B, dtype=v.dtype, device=v.device).index_copy(0, idx, v)
         return v.view(S, B).t().contiguous()
