@@ -56,6 +56,16 @@ RC = dict(rollout_is="token", rollout_is_threshold=1e6, rollout_rs="token_k1",
           rollout_rs_threshold="0.97_1.03", bypass_mode=False)
 
 
+def per_pass(mode):
+    """``EngineOptions(support=mode)``, ``replay`` with the set rebuilt in each pass
+    (``support_set=per_pass``: these tests check that rebuild; one kept set per rollout,
+    the default: tests/test_verl_support_set.py)."""
+    from gbc_kernels.integrations.verl import engine as ve
+
+    return ve.EngineOptions(support=mode,
+                            **({"support_set": "per_pass"} if mode == "replay" else {}))
+
+
 def make_model_dir(path):
     """A tiny Qwen2 whose logits are spread (initializer_range 0.15) so that top-k / top-p cut
     a visible mass, and a word-level tokenizer."""
@@ -333,7 +343,7 @@ def _step(mode, settings, model_dir, fields, ref64, mods):
     from gbc_kernels.integrations.verl import engine as ve
 
     ray_trainer = mods[0]
-    opts = ve.EngineOptions(support=mode)
+    opts = per_pass(mode)
     ve.enable(opts)             # verl's trainers and rollout correction patched (imported)
     rollout = rollout_config(**settings)
     config = OmegaConf.merge(trainer_config(rollout), OmegaConf.create(dict(
@@ -813,7 +823,7 @@ def _megatron_worker(rank, world, tp, sp):
 
     for mode in ("replay", "kept_mass", None):
         model = _setup(tp, sp)
-        engine = _engine(model, options=ve.EngineOptions(support=mode))
+        engine = _engine(model, options=per_pass(mode))
         engine.gbc_attach_rollout(rollout, "actor")       # what init_model hands it
         out[mode] = passes(engine, (ve.LOG_KEPT_MASS_KEY,))
         out[mode]["step"] = step(engine)
@@ -933,7 +943,7 @@ def _ulysses_worker(rank, world, model_dir, sp):
     loss_fn = functools.partial(ppo_loss, config=cfg)
     out = {}
     for mode in ("replay", "kept_mass"):
-        type(engine).gbc_options = ve.EngineOptions(support=mode)
+        type(engine).gbc_options = per_pass(mode)
         engine.gbc_attach_rollout(rollout_config(**ULYSSES), "actor")
         data = make_batch(21, 6, temperature=0.8, lengths=(7, 9))
         td = data.clone()

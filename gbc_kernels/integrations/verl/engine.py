@@ -23,8 +23,9 @@ from gbc_kernels.integrations import verl as gv
 from gbc_kernels.integrations.verl.options import (  # noqa: F401 (names of this module)
     ENV_ON, ENV_OPTIONS, EngineOptions, OPTION_NAMES, SCALE_KEY, KL_WEIGHT_KEY, CERTAINTY_KEY,
     NTHR_ROW_KEY, BATCH_SELECTING_MODES, CRITICAL_KL_FIELDS, REFERENCE_PASS_FIELDS,
-    LOG_KEPT_MASS_KEY, ROLLOUT, VLLM_LOGPROBS_MODE, DEFAULT_TIES, SupportPlan, _cfg,
-    support_plan, _check_nthr, _OPTIONS, _PATCHES, _on_import)
+    LOG_KEPT_MASS_KEY, ROLLOUT, VLLM_LOGPROBS_MODE, DEFAULT_TIES, SUPPORT_IDS_KEY,
+    SUPPORT_REF_KEY, SupportPlan, _cfg, support_plan, padded_support_ids, _check_nthr, _OPTIONS,
+    _PATCHES, _on_import)
 
 
 def _stable_id(uid) -> int:
@@ -137,6 +138,44 @@ class _Rows:
         return torch.nested.nested_tensor_from_jagged(flat, self.offsets)
 
 
+def support_ids_of(micro_batch, T: int) -> Optional[torch.Tensor]:
+    """The old-policy pass's kept ids of ``micro_batch`` (its ``gbc_support_ids``) on the
+    response grid ``[B, T, K]`` of the targets (int32, ``-1`` padded), or None when the batch
+    has none. verl carries them as the legacy trainer's padded ``[B, T', K]`` tensor, or nested
+    per sequence as the worker returned them (``[B, j, K]``, the whole sequence like
+    ``log_probs``: the v1 trainer's transfer queue; or its response part ``[B, r, K]``); each
+    layout is read at the positions verl's ``no_padding_2_padding`` reads the log-probs."""
+    if SUPPORT_IDS_KEY not in micro_batch.keys():
+        return None
+    ids = micro_batch[SUPPORT_IDS_KEY]
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 3 or ids.is_floating_point():
+        raise ValueError(f"{SUPPORT_IDS_KEY}: expected the old-policy pass's kept ids, an "
+                         f"integer tensor [B, T, K] (padded or nested per sequence), got "
+                         f"{type(ids).__name__} {getattr(ids, 'dtype', '')}")
+    plens, rlens, _ = _lengths(micro_batch)
+    B = plens.numel()
+    if not ids.is_nested:
+        got = ids[:, :T]
+        if got.shape[1] < T:
+            got = torch.nn.functional.pad(got, (0, 0, 0, T - got.shape[1]), value=-1)
+        return got.to(torch.int32)
+    values, offsets = ids.values(), ids.offsets().to(plens.device)
+    if offsets.numel() == B + 1 and torch.equal(offsets, micro_batch["input_ids"].offsets()
+                                                .to(plens.device)):
+        pos, valid = gv.response_rows(plens, rlens, T)                   # the whole sequence
+    elif offsets.numel() == B + 1 and torch.equal(offsets.diff(), rlens):
+        t = torch.arange(T, device=plens.device)                          # the responses only
+        valid = t[None] < rlens[:, None]
+        pos = torch.where(valid, offsets[:-1, None] + t[None], torch.zeros_like(valid,
+                                                                               dtype=torch.long))
+    else:
+        raise ValueError(f"{SUPPORT_IDS_KEY}: nested kept ids whose lengths are neither the "
+                         f"sequences' (input_ids) nor the responses'; the batch's rows and its "
+                         f"kept ids no longer match")
+    got = values[pos.to(values.device)]
+    return torch.where(valid.to(got.device)[..., None], got, -1).to(torch.int32)
+
+
 def _temperature(micro_batch):
     """verl's temperature as gbc takes it: a float, or the micro-batch's per-sample ``[B]``
     tensor (a leading part of ``[B, T]``: gbc broadcasts it over the tokens)."""
@@ -174,6 +213,9 @@ class EngineMethods:
     _gbc_rollout = None
     _gbc_support_role: Optional[str] = None
     _gbc_support: tuple = (None, None)
+    # one kept set per rollout: the ids each micro-batch of the pass in progress built
+    # ([n, K] rows of [B, T] grids, flattened), joined when the pass ends (None: no pass)
+    _gbc_ids_built: Optional[list] = None
 
     def gbc_attach_rollout(self, rollout, role: str = "actor") -> Optional[SupportPlan]:
         """The rollout's sampling settings (verl's ``actor_rollout_ref.rollout``) for
@@ -216,6 +258,81 @@ class EngineMethods:
         return self._gbc_support_role == "actor" and bool(_flag(micro_batch,
                                                                "calculate_entropy"))
 
+    def _gbc_scored(self, plan, micro_batch, T: int, what: str, device=None) -> dict:
+        """The support keywords of a pass that scores the set (the update, the reference
+        pass): under one kept set per rollout the micro-batch's ``gbc_support_ids`` on its
+        ``[B, T]`` response grid (refused when it has none), else :meth:`SupportPlan.
+        scored_kwargs`'s."""
+        if plan is None:
+            return {}
+        ids = support_ids_of(micro_batch, T) if plan.one_set else None
+        if ids is not None and device is not None:
+            ids = ids.to(device)
+        return plan.scored_kwargs(ids, what)
+
+    # -- one kept set per rollout: the ids the old-policy pass built -------------------------
+    def _gbc_keep_ids(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's built ids ``[B, T, K]`` (the whole micro-batch's, the same on every
+        rank that returns its outputs) kept until the pass ends; returns ``[B, T]`` int64,
+        each valid position's row among the pass's kept ids plus 1 (0 elsewhere): the
+        per-token output verl's own reordering carries, joined by :meth:`_gbc_join_ids`."""
+        B, T, K = ids.shape
+        built = self._gbc_ids_built
+        if built is None:
+            raise RuntimeError("one kept set per rollout: built ids outside a pass")
+        start = sum(x.shape[0] for x in built)
+        built.append(ids.reshape(B * T, K).to(torch.int32))
+        row = start + 1 + torch.arange(B * T, device=ids.device).view(B, T)
+        return torch.where(valid.to(ids.device), row, torch.zeros_like(row))
+
+    def _gbc_join_ids(self, output, built: list):
+        """The pass's model output with ``gbc_support_ids`` in place of the per-token rows
+        :meth:`_gbc_keep_ids` returned: nested per sequence ``[B, j, K]`` like ``log_probs``,
+        ``-1`` padded, ``K`` the widest set over every rank of the worker (verl concatenates
+        the ranks' outputs), ``-1`` at the positions no response token reads."""
+        import torch.distributed as dist
+
+        K = max([x.shape[1] for x in built] + [1])
+        if dist.is_available() and dist.is_initialized():
+            k = torch.tensor([K], dtype=torch.long,
+                             device=built[0].device if built else self._gbc_device())
+            dist.all_reduce(k, op=dist.ReduceOp.MAX)
+            K = int(k)
+        model_output = (output or {}).get("model_output") if isinstance(output, dict) else None
+        if not model_output or SUPPORT_REF_KEY not in model_output:
+            return output
+        rows = model_output.pop(SUPPORT_REF_KEY)
+        device = rows.values().device
+        table = methods.join_support_ids(
+            [torch.full((1, K), -1, dtype=torch.int32, device=device)]
+            + [x.to(device) for x in built])
+        ids = table[rows.values().long()]
+        model_output[SUPPORT_IDS_KEY] = torch.nested.nested_tensor_from_jagged(ids,
+                                                                              rows.offsets())
+        return output
+
+    def _gbc_device(self):
+        from verl.utils.device import get_device_id, get_device_name
+
+        name = get_device_name()
+        return torch.device(name if name == "cpu" else f"{name}:{get_device_id()}")
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        """verl's, with the kept ids of an old-policy pass under one kept set per rollout
+        joined into its output (``gbc_support_ids``, :meth:`_gbc_join_ids`)."""
+        plan = self._gbc_plan() if self.gbc_options.support is not None else None
+        building = (plan is not None and plan.one_set and forward_only
+                    and loss_function is None and self._gbc_old_pass(data))
+        if not building:
+            return super().forward_backward_batch(data, loss_function, forward_only)
+        self._gbc_ids_built = []
+        try:
+            output = super().forward_backward_batch(data, loss_function, forward_only)
+            built = self._gbc_ids_built
+        finally:
+            self._gbc_ids_built = None
+        return self._gbc_join_ids(output, built)
+
     def _gbc_loss_inputs(self, micro_batch, loss_function, valid) -> dict:
         """The fused loss's keyword arguments for a training ``micro_batch`` beside the hidden
         states, the weight and the targets (per-token fields ``[B, T]``, like ``advantages``)."""
@@ -230,6 +347,8 @@ class EngineMethods:
                                     **opts.loss_options())
         _check_method_fields(opts, cfg, micro_batch)
         plan = self._gbc_plan()
+        support = self._gbc_scored(plan, micro_batch, mask.shape[1], "the actor update",
+                                   mask.device)
         if _flag(micro_batch, "calculate_entropy") and not cfg.wants_entropy:
             cfg = dataclasses.replace(cfg, return_entropy=True)
         info = {k: _flag(micro_batch, k, None) for k in
@@ -241,8 +360,7 @@ class EngineMethods:
             kl_weight=(data.get(KL_WEIGHT_KEY, None)
                        if opts.critical_kl_exponent is not None else None),
             is_ratio=data.get("rollout_is_weights", None), temperature=_temperature(micro_batch),
-            backend=opts.backend, **gv.batch_normalisers(actor_config, mask, info),
-            **(plan.scored_kwargs() if plan is not None else {}))
+            backend=opts.backend, **gv.batch_normalisers(actor_config, mask, info), **support)
 
     def _gbc_metrics(self, loss_function, micro_batch, model_output, rng, gbc_metrics) -> dict:
         """verl's metrics of a training micro-batch (:meth:`_verl_metrics`), gbc's metrics of

@@ -14,7 +14,7 @@ from gbc_kernels.integrations import hf
 from gbc_kernels.integrations.releases import no_hub_kernels
 from gbc_kernels.integrations.verl.engine import (
     BATCH_SELECTING_MODES, CERTAINTY_KEY, ENV_ON, KL_WEIGHT_KEY, LOG_KEPT_MASS_KEY, NTHR_ROW_KEY,
-    EngineMethods, _flag, _is_ppo_loss, _rng_state, _Rows, _temperature)
+    SUPPORT_REF_KEY, EngineMethods, _flag, _is_ppo_loss, _rng_state, _Rows, _temperature)
 from gbc_kernels.sequence_parallel import check_heads, owned_sum, whole_loss
 
 
@@ -77,6 +77,20 @@ class _RankRows:
         if self.group is None:
             return values
         return owned_sum(values, self.valid, self.group)
+
+
+def _whole_ids(rows, ids: torch.Tensor) -> torch.Tensor:
+    """The kept ids a pass built ``[B, T, K]`` at this rank's positions -> the whole
+    micro-batch's on every rank of the Ulysses SP group (each position's from its owner,
+    ``-1`` padded to the group's widest ``K``)."""
+    if rows.group is None:
+        return ids
+    import torch.distributed as dist
+
+    k = torch.tensor([ids.shape[-1]], dtype=torch.long, device=ids.device)
+    dist.all_reduce(k, op=dist.ReduceOp.MAX, group=rows.group)
+    ids = torch.nn.functional.pad(ids, (0, int(k) - ids.shape[-1]), value=-1)
+    return rows.whole(ids + 1) - 1
 
 
 def _ulysses_loss(share: torch.Tensor, group, size: int) -> torch.Tensor:
@@ -177,43 +191,51 @@ class GBCEngineMixin(EngineMethods):
         certainty = _flag(micro_batch, CERTAINTY_KEY, None)
         # the old-log-prob pass with NTHR on: the response rows are kept for NTHR's scoring
         keep = self._gbc_keeping if NTHR_ROW_KEY in micro_batch.keys() else None
-        # the sampler's kept set (support): the old-policy pass's, or the reference's
+        # the sampler's kept set (support): the old-policy pass's (one kept set per rollout:
+        # built there, its ids returned), or the reference's (that set replayed, or rebuilt)
         plan = self._gbc_plan()
-        support = {} if plan is None else (plan.old_pass_kwargs()
-                                           if self._gbc_old_pass(micro_batch)
-                                           else plan.scored_kwargs())
+        old = plan is not None and self._gbc_old_pass(micro_batch)
+        support = plan.old_pass_kwargs() if old else {}
         kept_mass = support.get("return_log_kept_mass", False)
+        building = support.get("return_support_ids", False)
 
         def head_fn(hidden2d, rows, inner):
             h, head = self._head_rows(hidden2d, rows, inner)
             kw = dict(temperature=_temperature(micro_batch), backend=self.gbc_options.backend,
                       logit_softcap=hf.logit_softcap(inner))
+            scored = {} if old else self._gbc_scored(
+                plan, micro_batch, rows.targets.shape[1], "the reference pass", h.device)
             # padding positions read row 0 with target 0: computed, then dropped by nested()
             with torch.autocast(device_type=h.device.type, enabled=False):
                 if certainty is not None:      # the reference pass of critical-token KL
                     st = methods.reference_stats(h, head.weight, rows.targets,
                                                  methods.MethodOptions(**certainty), head.bias,
-                                                 **kw, **({} if plan is None
-                                                          else plan.scored_kwargs()))
+                                                 **kw, **scored)
                     return None, {"log_probs": st.ref_logp, KL_WEIGHT_KEY: st.kl_weight}
                 out = gbc.fused_linear_logprobs(
                     h, head.weight, rows.targets, head.bias,
                     return_entropy=bool(_flag(micro_batch, "calculate_entropy")),
                     return_sum_p2=bool(_flag(micro_batch, "calculate_sum_pi_squared")),
-                    logits_dtype=self.gbc_options.logits_dtype, **kw, **support)
+                    logits_dtype=self.gbc_options.logits_dtype, **kw, **support, **scored)
                 if keep is not None:     # under Ulysses SP: the whole micro-batch's rows
                     keep.add(micro_batch[NTHR_ROW_KEY], rows.whole(h), rows.targets,
                              rows.rows.valid, head, kw["logit_softcap"], kw["temperature"],
                              logp=rows.whole(out[0]))
+            ids = None
+            if building:
+                out, ids = out[:-1], _whole_ids(rows, out[-1])
             ret = dict(zip(("log_probs", "entropy", "sum_pi_squared"),
                            out[:-1] if kept_mass else out))
             if kept_mass:
                 ret[LOG_KEPT_MASS_KEY] = out[-1]
-            return None, ret
+            return None, (ret, ids)
 
-        micro_batch, rows, (_, out), _ = self._gbc_forward(micro_batch, head_fn)
+        micro_batch, rows, (_, (out, ids)), _ = self._gbc_forward(micro_batch, head_fn)
         model_output = {k: rows.rows.nested(rows.whole(v)) for k, v in out.items()
                         if v is not None}
+        if ids is not None:          # each token's row of the ids kept for the pass's end
+            model_output[SUPPORT_REF_KEY] = rows.rows.nested(
+                self._gbc_keep_ids(ids, rows.rows.valid))
         return torch.tensor(1.0), {"model_output": model_output, "loss": 1.0, "metrics": {}}
 
     # -- NTHR: the old-policy forward over the rank's update batch --------------------------

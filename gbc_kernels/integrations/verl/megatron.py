@@ -31,7 +31,8 @@ from gbc_kernels.integrations import megatron as M
 from gbc_kernels.integrations import verl as gv
 from gbc_kernels.integrations.verl.engine import (
     BATCH_SELECTING_MODES, CERTAINTY_KEY, KL_WEIGHT_KEY, LOG_KEPT_MASS_KEY, NTHR_ROW_KEY,
-    EngineMethods, _flag, _is_ppo_loss, _lengths, _rng_state, _temperature, engine_class)
+    SUPPORT_REF_KEY, EngineMethods, _flag, _is_ppo_loss, _lengths, _rng_state, _temperature,
+    engine_class)
 from gbc_kernels.sequence_parallel import whole_loss
 
 
@@ -147,6 +148,22 @@ def _nthr_add(batch, index, h, y, logp, valid, own, state, temperature):
     batch.add(index, h.contiguous(), y, valid,
               types.SimpleNamespace(weight=weight, bias=state["bias"]), None, temperature,
               vocab_parallel=M.vocab_parallel(weight, state["tp_group"]), logp=logp)
+
+
+def _whole_ids(ids, own, cp):
+    """The kept ids a pass built ``[B, T, K]`` (``-1`` in the rows this rank does not own) ->
+    the whole micro-batch's on every context-parallel rank (each position's from its owner,
+    ``-1`` padded to the group's widest ``K``); as is at CP 1."""
+    if cp is None:
+        return ids
+    import torch.distributed as dist
+
+    k = torch.tensor([ids.shape[-1]], dtype=torch.long, device=ids.device)
+    dist.all_reduce(k, op=dist.ReduceOp.MAX, group=cp[0])
+    ids = torch.nn.functional.pad(ids, (0, int(k) - ids.shape[-1]), value=-1)
+    out = torch.where(own[..., None], ids + 1, torch.zeros_like(ids))
+    dist.all_reduce(out, group=cp[0])
+    return out - 1
 
 
 class GBCMegatronMixin(EngineMethods):
@@ -293,9 +310,9 @@ class GBCMegatronMixin(EngineMethods):
 
         dest = torch.where(own, rows, label.numel()).reshape(-1)      # padding: a spare slot
 
-        def packed(v):       # [B, T] -> verl's layout of the logits' rows, 0 off the responses
-            out = torch.zeros(label.numel() + 1, dtype=torch.float32, device=device)
-            out.scatter_(0, dest, v.detach().float().reshape(-1))
+        def packed(v, dtype=torch.float32):  # [B, T] -> verl's layout of the logits' rows,
+            out = torch.zeros(label.numel() + 1, dtype=dtype, device=device)  # 0 elsewhere
+            out.scatter_(0, dest, v.detach().to(dtype).reshape(-1))
             return out[:-1].view(label.shape)
 
         if logits_processor_func is not None:       # training: the fused loss
@@ -323,14 +340,16 @@ class GBCMegatronMixin(EngineMethods):
         nthr = self._gbc_nthr
         if nthr is None and NTHR_ROW_KEY in batch.keys():
             nthr = self._gbc_keeping
-        # the sampler's kept set (support): the old-policy pass's, or the reference's
+        # the sampler's kept set (support): the old-policy pass's (one kept set per rollout:
+        # built there, its ids returned), or the reference's (that set replayed, or rebuilt)
         plan = self._gbc_plan()
-        support = {} if plan is None else (plan.old_pass_kwargs() if self._gbc_old_pass(batch)
-                                           else plan.scored_kwargs())
+        old = plan is not None and self._gbc_old_pass(batch)
+        support = plan.old_pass_kwargs() if old else self._gbc_scored(
+            plan, batch, y.shape[1], "the reference pass", device)
         with torch.no_grad():
             if certainty is not None:      # the reference pass of critical-token KL
                 options = methods.MethodOptions(**certainty)
-                scored = {} if plan is None else plan.scored_kwargs()
+                scored = {} if old else support
                 st = M.reference_stats(h, weight, y, options, own, temperature=temp,
                                        backend=backend, **common, **scored)
                 ret = {"log_probs": packed(st.ref_logp)}
@@ -345,7 +364,11 @@ class GBCMegatronMixin(EngineMethods):
             logp, entropy, sum_p2, kept = res.logp, res.entropy, res.sum_p2, res.log_kept_mass
             if nthr is not None:      # the same log-probs, the rows kept (no second head)
                 _nthr_add(nthr, batch[NTHR_ROW_KEY], h, y, logp, valid, own, state, temp)
-        ret = {"log_probs": packed(logp)}
+        ret = {}
+        if res.support_ids is not None:     # the built set: each token's row of the kept ids
+            ids = _whole_ids(res.support_ids, own, cp)
+            ret[SUPPORT_REF_KEY] = packed(self._gbc_keep_ids(ids, valid), torch.long)
+        ret["log_probs"] = packed(logp)
         if calculate_entropy:
             ret["entropy"] = packed(entropy)
         if calculate_sum_pi_squared:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import torch
+
 import gbc_kernels as gbc
 from gbc_kernels import methods
 from gbc_kernels.integrations import patching
@@ -51,6 +53,12 @@ CRITICAL_KL_FIELDS = ("critical_kl_exponent", "critical_kl_intercept", "critical
 # what the trainer's reference pass hands the worker: critical-KL's options and the head's mode
 REFERENCE_PASS_FIELDS = CRITICAL_KL_FIELDS + ("logits_dtype",)
 LOG_KEPT_MASS_KEY = "gbc_log_kept_mass"   # the old-policy pass: LSE_S - LSE_V per token
+# one kept set per rollout: the old-policy pass's kept ids, which verl's batch carries to the
+# reference pass and the update (padded [B, T, K] in the legacy trainer's batch, -1 padded;
+# the worker's output and the v1 trainer's transfer queue: nested per sequence, like
+# log_probs); REF_KEY: the engine's per-token row of the ids it built, inside one pass only
+SUPPORT_IDS_KEY = "gbc_support_ids"
+SUPPORT_REF_KEY = "gbc_support_ids_row"
 
 
 # ------------------------------------------------- the sampler's kept set, rebuilt (issue 61)
@@ -72,6 +80,15 @@ class SupportPlan:
     truncation: gbc.SamplerTruncation
     normalised: bool
     rollout: str
+    one_set: bool = False
+
+    @property
+    def said(self) -> str:
+        """The options as the user set them, for errors."""
+        if self.mode != "replay":
+            return f"{ENV_OPTIONS} support={self.mode}"
+        return (f"{ENV_OPTIONS} support=replay with support_set="
+                + ("rollout (the default)" if self.one_set else "per_pass"))
 
     @property
     def corrects_sampler(self) -> bool:
@@ -79,18 +96,35 @@ class SupportPlan:
         (``kept_mass``; ``replay`` against SGLang's full-vocabulary log-probs)."""
         return self.mode == "kept_mass" or not self.normalised
 
-    def scored_kwargs(self) -> dict:
-        """The update's and the reference pass's support: the rebuilt set under ``replay``,
-        the full vocabulary under ``kept_mass``."""
-        return {"sampler_truncation": self.truncation} if self.mode == "replay" else {}
+    def scored_kwargs(self, ids=None, what: str = "this pass") -> dict:
+        """The update's and the reference pass's support: under ``replay`` the old-policy
+        pass's kept set ``ids`` (``[B, T, K]``, one set per rollout: refused when the batch
+        brought none) or the set rebuilt from the model this pass scores (``per_pass``); the
+        full vocabulary under ``kept_mass``. ``what``: the pass, for the refusal."""
+        if self.mode != "replay":
+            return {}
+        if not self.one_set:
+            return {"sampler_truncation": self.truncation}
+        if ids is None:
+            raise ValueError(
+                f"{self.said}: {what} scores the kept set verl's old-policy pass built, and its "
+                f"batch has no {SUPPORT_IDS_KEY!r} field; gbc's actor engine adds it in that "
+                f"pass (compute_log_prob with entropy) and verl's batch carries it to the "
+                f"reference pass and the update: run the old-policy pass first (algorithm."
+                f"rollout_correction.bypass_mode=False, GBC_VERL_ENGINE and the same "
+                f"{ENV_OPTIONS} in every worker), or set support_set=per_pass in {ENV_OPTIONS} "
+                f"(each pass rebuilds the set from the model it scores)")
+        return {"support_ids": ids}
 
     def old_pass_kwargs(self) -> dict:
-        """The old-policy pass: over the rebuilt set (``replay``) or the full vocabulary's
-        numbers bit for bit (``kept_mass``: ``over_support=False``), with ``log_kept_mass``
-        where the rollout correction takes it."""
+        """The old-policy pass: over the rebuilt set (``replay``; one set per rollout: its ids
+        returned, ``return_support_ids``) or the full vocabulary's numbers bit for bit
+        (``kept_mass``: ``over_support=False``), with ``log_kept_mass`` where the rollout
+        correction takes it."""
         if self.mode == "replay":
             return dict(sampler_truncation=self.truncation,
-                        return_log_kept_mass=self.corrects_sampler)
+                        return_log_kept_mass=self.corrects_sampler,
+                        **({"return_support_ids": True} if self.one_set else {}))
         return dict(sampler_truncation=self.truncation, over_support=False,
                     return_log_kept_mass=True)
 
@@ -162,7 +196,17 @@ def support_plan(options, rollout, tensor_parallel=()) -> Optional[SupportPlan]:
     tr = methods.sampler_truncation(options, k, p, 0.0, rule=name, ties=DEFAULT_TIES,
                                     names={"support": said, "top_k": f"{ROLLOUT}.top_k",
                                            "top_p": f"{ROLLOUT}.top_p"})
-    return SupportPlan(options.support, tr, normalised, name)
+    return SupportPlan(options.support, tr, normalised, name, options.one_set_per_rollout)
+
+
+def padded_support_ids(ids, data):
+    """The old-policy pass's kept ids as the worker returns them (nested per sequence like
+    ``log_probs``, ``[B, j, K]``) -> the trainer's padded ``[B, T, K]`` int32 (``-1`` padded),
+    by verl's ``no_padding_2_padding`` on ``data`` (the pass's no-padding batch)."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    values = ids.values() if ids.is_nested else ids
+    return (no_padding_2_padding(values.int() + 1, data) - 1).to(torch.int32)
 
 
 def _check_nthr(options, plan):

@@ -31,7 +31,8 @@ import torch
 from gbc_kernels import methods
 from gbc_kernels.integrations.verl.options import (
     CERTAINTY_KEY, ENV_OPTIONS, KL_WEIGHT_KEY, LOG_KEPT_MASS_KEY, REFERENCE_PASS_FIELDS, ROLLOUT,
-    EngineOptions, SupportPlan, _OPTIONS, _PATCHES, _cfg, _check_nthr, _on_import, support_plan)
+    SUPPORT_IDS_KEY, EngineOptions, SupportPlan, _OPTIONS, _PATCHES, _cfg, _check_nthr,
+    _on_import, padded_support_ids, support_plan)
 
 # where verl 0.9.1 defines what gbc wraps here (imported by verl's own processes; patched on
 # import when they are not loaded yet)
@@ -65,6 +66,14 @@ def trainer_support_plan(config, options) -> Optional[SupportPlan]:
     _check_nthr(options, plan)
     said = f"{ENV_OPTIONS} support={plan.mode}"
     rc = _cfg(_cfg(config, "algorithm"), "rollout_correction")
+    if plan.one_set and rc is not None and _cfg(rc, "bypass_mode", False):
+        raise ValueError(f"algorithm.rollout_correction.bypass_mode=True: {plan.said} scores "
+                         f"every pass over the kept set verl's old-policy pass builds, and in "
+                         f"bypass mode verl runs no old-policy pass (old_log_probs are the "
+                         f"rollout's); the update cannot build it either (its later "
+                         f"mini-batches and epochs score a policy that has moved); set "
+                         f"support_set=per_pass in {ENV_OPTIONS} (each pass rebuilds the set "
+                         f"from the model it scores), or bypass_mode=False")
     if plan.mode == "kept_mass":
         if not _cfg(rollout, "calculate_log_probs", False):
             raise ValueError(f"{ROLLOUT}.calculate_log_probs=False: {said} moves the rollout's "
@@ -149,9 +158,11 @@ def _trainer_plan() -> Optional[SupportPlan]:
 def compute_old_log_prob(trainer, batch):
     """verl 0.9.1's ``RayPPOTrainer._compute_old_log_prob`` that also returns the old-policy
     pass's ``gbc_log_kept_mass`` (``[B, T]``) where the rollout correction takes it
-    (:attr:`SupportPlan.corrects_sampler`); verl's own otherwise."""
+    (:attr:`SupportPlan.corrects_sampler`) and, one kept set per rollout, the kept ids it
+    built, ``gbc_support_ids`` (``[B, T, K]`` int32, ``-1`` padded), which verl's ``union``
+    puts in the batch its reference pass and update take; verl's own otherwise."""
     plan = _trainer_plan()
-    if plan is None or not plan.corrects_sampler:
+    if plan is None or not (plan.corrects_sampler or plan.one_set):
         return _PATCHES.original(type(trainer), "_compute_old_log_prob")(trainer, batch)
     from verl import DataProto
     from verl.utils import tensordict_utils as tu
@@ -163,15 +174,20 @@ def compute_old_log_prob(trainer, batch):
     tu.assign_non_tensor(batch_td, calculate_entropy=True,
                          calculate_sum_pi_squared=calculate_sum_pi_squared, compute_loss=False)
     output = trainer.actor_rollout_wg.compute_log_prob(batch_td)
-    kept = tu.get(output, LOG_KEPT_MASS_KEY)
-    if kept is None:
-        raise ValueError(f"{ENV_OPTIONS}: support={plan.mode}: the old-policy pass returned no "
-                         f"{LOG_KEPT_MASS_KEY!r}; the actor worker must run gbc's engine with "
-                         f"the same {ENV_OPTIONS} (set it in every worker)")
     result = {"old_log_probs": no_padding_2_padding(tu.get(output, "log_probs"),
                                                     batch_td).float(),
-              "entropys": no_padding_2_padding(tu.get(output, "entropy"), batch_td).float(),
-              LOG_KEPT_MASS_KEY: no_padding_2_padding(kept, batch_td).float()}
+              "entropys": no_padding_2_padding(tu.get(output, "entropy"), batch_td).float()}
+    for key, wanted in ((LOG_KEPT_MASS_KEY, plan.corrects_sampler),
+                        (SUPPORT_IDS_KEY, plan.one_set)):
+        got = tu.get(output, key)
+        if not wanted:
+            continue
+        if got is None:
+            raise ValueError(f"{plan.said}: the old-policy pass returned no {key!r}; the "
+                             f"actor worker must run gbc's engine with the same {ENV_OPTIONS} "
+                             f"(set it in every worker)")
+        result[key] = (padded_support_ids(got, batch_td) if key == SUPPORT_IDS_KEY
+                       else no_padding_2_padding(got, batch_td).float())
     routed_experts = tu.get(output, "routed_experts")
     if routed_experts is not None:
         result["routed_experts"] = routed_experts
