@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 
 from .losses import (ENV, KL_WEIGHT_KEY, LOG_KEPT_MASS_KEY, NTHR_ROW_KEY, NTHR_SCALE_KEY,
-                     OPTIONS_ENV, SAMPLER_ENV, check_critical_kl, check_options, mark_reference,
-                     options_from_env, sampler_settings, sampler_text)
+                     OPTIONS_ENV, SAMPLER_ENV, SUPPORT_ROW_KEY, check_critical_kl, check_options,
+                     check_support_set, mark_reference, options_from_env, sampler_settings,
+                     sampler_text)
 
 __all__ = ["ENV", "KL_WEIGHT_KEY", "LOG_KEPT_MASS_KEY", "NTHR_ROW_KEY", "NTHR_SCALE_KEY",
-           "OPTIONS_ENV", "SAMPLER_ENV", "GBCFSDPPPOActor", "check_areal_version", "enable",
+           "OPTIONS_ENV", "SAMPLER_ENV", "SUPPORT_ROW_KEY", "GBCFSDPPPOActor", "check_areal_version", "enable",
            "disable", "mark_reference"]
 
 _SAVED = {}
@@ -33,13 +34,15 @@ def enable(config=None, **method_options):
 
     ``method_options``: ``ar_alpha=0.3``, ``lopti_eta=0.5``, ``nthr=True``,
     ``critical_kl_exponent=2.0``, ``logits_dtype="float32"``, ``support="replay"``,
-    ``support_ties="all"`` (the method layer's names; a value set in ``GBC_AREAL_OPTIONS``
+    ``support_ties="all"``, ``support_set="per_pass"`` (the method layer's names; a value set in ``GBC_AREAL_OPTIONS``
     is used when none are given). ``config``: AReaL's experiment config (its ``actor``
     section, or the actor config itself), checked now (:func:`.losses.check_options`);
     critical-token KL needs the experiment config (:func:`.losses.check_critical_kl`), whose
     ``ref`` section it marks as the reference engine's; so does ``support="replay"``, whose
     sampling settings come from its ``gconfig`` (:func:`.losses.sampler_settings`) and reach
-    the engines in ``GBC_AREAL_SAMPLER``; ``support="kept_mass"`` is refused (SGLang's
+    the engines in ``GBC_AREAL_SAMPLER``, and whose one kept set per rollout (the default
+    ``support_set``) is refused with AReaL's KL reference (:func:`.losses.check_support_set`);
+    ``support="kept_mass"`` is refused (SGLang's
     log-probs are the full vocabulary's already). A bad option, an option AReaL's flow
     cannot run, an untested AReaL release or a missing AReaL stops here, naming it. Returns
     the options."""
@@ -61,6 +64,7 @@ def enable(config=None, **method_options):
     check_options(None if config is None else getattr(config, "actor", None) or config, opts)
     check_critical_kl(config, opts)
     truncation, temperature = sampler_settings(config, opts)
+    check_support_set(config, opts)
     if truncation is not None:
         _warn_sampling_backend(config)
     if opts.critical_kl_exponent is not None:

@@ -14,14 +14,20 @@ act on the advantages AReaL's loss receives (:mod:`.losses`); Lopti runs two of 
 ``train_batch`` updates per minibatch (:meth:`GBCFSDPPPOActor.train_batch`); NTHR keeps its
 inputs in the actor's ``compute_logp`` pass and scores the batch in ``compute_advantages``
 (:meth:`GBCFSDPPPOActor.compute_advantages`); critical-token KL weights come from the
-reference engine's ``compute_logp``. Under ``support=replay`` every pass scores over the
-rollout's kept set rebuilt from its own logits (``sampler_truncation``), and the actor's
+reference engine's ``compute_logp``. Under ``support=replay`` the step scores over the
+rollout's kept set: by default one set per rollout, built by the actor's ``compute_logp`` pass
+(``sampler_truncation``, ``return_support_ids``: the ids kept on the engine, each token's row
+tagged in the trajectories as ``gbc_support_row``, which AReaL's own batch code carries to
+every minibatch and micro-batch as it carries the targets) and replayed as ``support_ids`` by
+every later pass (the update's micro-batches, Lopti's second phase, a reference pass run after
+it); with ``support_set=per_pass``, each pass rebuilds the set from its own logits. The actor's
 ``compute_logp`` also keeps the kept mass with which ``compute_advantages`` moves SGLang's
 full-vocabulary behaviour log-probs onto the set.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -31,11 +37,17 @@ from gbc_kernels import fused_linear_logprobs, methods
 from gbc_kernels.integrations import hf
 
 from .losses import (KL_WEIGHT_KEY, LOG_KEPT_MASS_KEY, NTHR_ROW_KEY, NTHR_SCALE_KEY,
-                     OPTIONS_ENV, SAMPLER_ENV, check_engine, check_options, corrects_behaviour,
-                     is_reference, lopti_train_stats, method_loss_fn, options_from_env,
-                     sampler_from_env, silent_stats, trains)
+                     OPTIONS_ENV, SAMPLER_ENV, SUPPORT_ROW_KEY, check_engine, check_options,
+                     corrects_behaviour, is_reference, lopti_train_stats, method_loss_fn,
+                     options_from_env, sampler_from_env, silent_stats, trains)
 
-_ROW_BITS = 32          # NTHR_ROW_KEY: pass id << 32 | the row in that pass
+_ROW_BITS = 32          # NTHR_ROW_KEY, SUPPORT_ROW_KEY: pass id << 32 | the row in that pass
+_ROW_MASK = (1 << _ROW_BITS) - 1
+# support_set=rollout: the kept ids of the last building pass of each actor in this process,
+# {pass id: int32 [n, K], -1 padded}, so that a reference engine run after the actor's pass
+# (a loop of the user's) replays the actor's set; pass ids unique in the process
+_SUPPORT_TABLES = {}
+_SUPPORT_PASSES = itertools.count(1)
 
 
 class GBCFSDPPPOActor(FSDPPPOActor):
@@ -46,8 +58,16 @@ class GBCFSDPPPOActor(FSDPPPOActor):
     def __init__(self, config):
         self.gbc_options = options_from_env()
         check_options(config, self.gbc_options)
-        # support=replay: the rollout's kept set, rebuilt in every pass of this engine
+        # support=replay: the rollout's kept set, from the sampling settings
         self._gbc_truncation = sampler_from_env(self.gbc_options, config)
+        # ... one set per rollout (support_set, the default): the actor's compute_logp builds
+        # it, every later pass (this engine's update, a reference engine's pass) replays it;
+        # per_pass: each pass rebuilds it from its own logits
+        self._gbc_one_set = (self._gbc_truncation is not None
+                             and self.gbc_options.one_set_per_rollout)
+        self._gbc_builds = self._gbc_one_set and trains(config)
+        self._gbc_building = None       # the building pass's ids, per micro-batch, during it
+        self._gbc_support_pass = None   # this actor's last building pass (_SUPPORT_TABLES)
         # ... and the actor under the decoupled loss keeps its compute_logp pass's kept mass,
         # which moves the rollout's (SGLang's full-vocabulary) log-probs onto the set
         self._gbc_keep_kept_mass = (self._gbc_truncation is not None and trains(config)
@@ -74,10 +94,27 @@ class GBCFSDPPPOActor(FSDPPPOActor):
         rows (``gbc_nthr_row``): :meth:`compute_advantages` scores exactly these samples.
         In the actor under ``support=replay`` with the decoupled loss, each trajectory also
         receives ``gbc_log_kept_mass`` (``[g, S]``, aligned as the log-probs: ``LSE_S -
-        LSE_V``, the log of the kept set's mass) for :meth:`compute_advantages`."""
+        LSE_V``, the log of the kept set's mass) for :meth:`compute_advantages`.
+        Under one kept set per rollout (``support=replay``, ``support_set`` ``rollout``: the
+        default) the actor's pass builds the set: its ids stay on the engine and each
+        trajectory receives ``gbc_support_row`` (``[g, S]`` int64, aligned as the log-probs:
+        pass id << 32 | 1 + the token's row of those ids), which the update's micro-batches
+        (and a reference engine's pass run after this one) replay; a reference engine's pass
+        refuses trajectories without them."""
+        if self._gbc_one_set and not self._gbc_builds and isinstance(data, list):
+            missing = [i for i, t in enumerate(data) if SUPPORT_ROW_KEY not in t]
+            if missing:
+                raise ValueError(
+                    f"{OPTIONS_ENV}: support_set=rollout (the default under support=replay): "
+                    f"trajectory {missing[0]} carries no kept set ({SUPPORT_ROW_KEY}) from the "
+                    "actor's compute_logp pass, which builds the one set every later pass "
+                    "replays; this engine (the reference) scores it only after that pass "
+                    "(AReaL's trainer runs the reference first: set support_set=per_pass, "
+                    "each pass rebuilding the set from its own logits, or actor.kl_ctl=0)")
         sides = (["kl_weight"] if self._gbc_certainty else []) + \
             (["nthr"] if self._gbc_keep_nthr else []) + \
-            (["log_kept_mass"] if self._gbc_keep_kept_mass else [])
+            (["log_kept_mass"] if self._gbc_keep_kept_mass else []) + \
+            (["support_row"] if self._gbc_builds else [])
         if not sides or not isinstance(data, list):
             return super().compute_logp(data, *args, **kwargs)
         from areal.utils.data import concat_batch, split_batch
@@ -86,11 +123,16 @@ class GBCFSDPPPOActor(FSDPPPOActor):
         if "nthr" in sides:
             self._gbc_keeping = dict(heads=methods.NTHRHeadRows(self.device), hidden=[],
                                      logp=[], n=0)
+        if "support_row" in sides:
+            self._gbc_building = dict(pass_id=next(_SUPPORT_PASSES), parts=[], n=0)
         try:
             self._gbc_side_names = sides
             logps = super().compute_logp(data, *args, **kwargs)
+            if "support_row" in sides:
+                self._gbc_keep_support(self._gbc_building)
         finally:
             self._gbc_side_names = None
+            self._gbc_building = None
         meta = concat_batch(data)[1]
         if "kl_weight" in sides:
             for traj, w in zip(data, split_batch(self._gbc_side_out["kl_weight"], meta)):
@@ -98,11 +140,64 @@ class GBCFSDPPPOActor(FSDPPPOActor):
         if "log_kept_mass" in sides:
             for traj, m in zip(data, split_batch(self._gbc_side_out["log_kept_mass"], meta)):
                 traj[LOG_KEPT_MASS_KEY] = m
+        if "support_row" in sides:
+            for traj, r in zip(data, split_batch(self._gbc_side_out["support_row"], meta)):
+                traj[SUPPORT_ROW_KEY] = r
         if "nthr" in sides:
             self._gbc_keep_rows(data, self._gbc_side_out["nthr"])
         self._gbc_side_out = None
         return logps
 
+    def _gbc_keep_support(self, building):
+        """The building pass's kept ids, its micro-batches' parts joined (``-1``-padded to the
+        widest set), as this actor's one table in :data:`_SUPPORT_TABLES` (its earlier pass's
+        freed: trajectories still tagged with it are refused where replayed)."""
+        if self._gbc_support_pass is not None:
+            _SUPPORT_TABLES.pop(self._gbc_support_pass, None)
+        parts = building["parts"]
+        table = methods.join_support_ids(parts) if parts else \
+            torch.full((0, 1), -1, dtype=torch.int32, device=self.device)
+        _SUPPORT_TABLES[building["pass_id"]] = table
+        self._gbc_support_pass = building["pass_id"]
+
+    def _gbc_replay_ids(self, mb_item, n):
+        """``support_ids`` (``[n, K]``) of this rank's ``n`` rows of the micro-batch: each
+        token's row (``gbc_support_row``, packed and padded by AReaL with the targets, and
+        sliced as its Ulysses labels are) looked up in the building pass's ids; a padding
+        token (0) holds only ``-1``. Refused by name: no rows, or rows of a pass whose ids
+        are gone (an earlier step's)."""
+        mb = mb_item.padded_mb
+        if SUPPORT_ROW_KEY not in mb:
+            raise ValueError(f"{OPTIONS_ENV}: support_set=rollout (the default under "
+                             f"support=replay): the batch carries no kept set "
+                             f"({SUPPORT_ROW_KEY}) from the actor's compute_logp pass, which "
+                             "builds the one set every later pass replays (run the actor's "
+                             "compute_logp on the batch first, as AReaL's trainer does, or "
+                             "set support_set=per_pass)")
+        code = mb[SUPPORT_ROW_KEY].reshape(1, -1).long()
+        if self.parallel_helper.sp_size > 1:
+            from areal.models.fsdp.ulysses import ulysses_pad_and_slice_inputs
+
+            code = ulysses_pad_and_slice_inputs(code, sp_size=self.parallel_helper.sp_size)[0]
+        code = code.reshape(-1)
+        if code.numel() != n:
+            raise RuntimeError(f"support_set=rollout: {code.numel()} kept-set rows for {n} "
+                               "tokens of the micro-batch")
+        passes = torch.unique(code[code > 0] >> _ROW_BITS).tolist()
+        gone = [p for p in passes if p not in _SUPPORT_TABLES]
+        if gone or len(passes) > 1:
+            raise ValueError(f"{OPTIONS_ENV}: support_set=rollout: the batch's kept-set rows "
+                             f"({SUPPORT_ROW_KEY}) come from "
+                             + (f"a building pass whose ids are gone (pass {gone[0]}: an "
+                                "earlier compute_logp's; each actor keeps its last)" if gone
+                                else f"{len(passes)} building passes")
+                             + "; run the actor's compute_logp on the batch being trained")
+        if not passes:
+            return torch.full((n, 1), -1, dtype=torch.int32, device=self.device)
+        table = _SUPPORT_TABLES[passes[0]].to(self.device)
+        rows = (code & _ROW_MASK).to(self.device)
+        ids = table[(rows - 1).clamp(min=0)]
+        return torch.where((rows > 0).unsqueeze(-1), ids, torch.full_like(ids, -1))
     def _gbc_keep_rows(self, data, where):
         """NTHR's kept rows of the pass: ``where`` ``[B, S]`` holds, per response token, 1 +
         its index in the kept hidden states (0 elsewhere), rows in ``data``'s order."""
@@ -280,7 +375,9 @@ class GBCFSDPPPOActor(FSDPPPOActor):
     def as_controller(cls, config, scheduler):
         """AReaL's controller for this class, with this process's ``GBC_AREAL_OPTIONS`` put
         into every scheduling spec's ``env_vars``: the worker processes that build the engine
-        read the options the controller was switched on with."""
+        read the options the controller was switched on with. What travels in the
+        trajectories between passes (critical-token KL's weights, NTHR's rows, the decoupled
+        loss's kept mass, one kept set per rollout's rows) is refused by name."""
         options = options_from_env()
         check_options(config, options)
         sampler_from_env(options, config)
@@ -294,6 +391,13 @@ class GBCFSDPPPOActor(FSDPPPOActor):
                 raise ValueError(f"{OPTIONS_ENV}: {name}={value}: {what} in "
                                  "the trajectories, which AReaL's single controller serialises "
                                  "to its workers; run under AReaL's SPMD launcher")
+        if options.one_set_per_rollout:
+            raise ValueError(f"{OPTIONS_ENV}: support_set=rollout (the default under "
+                             "support=replay): each token's row of the kept ids its building "
+                             "pass keeps on the engine travels in the trajectories, which "
+                             "AReaL's single controller serialises to its workers (the update "
+                             "may land on a worker that holds no such ids); run under AReaL's "
+                             "SPMD launcher, or set support_set=per_pass")
         env = {OPTIONS_ENV: os.environ.get(OPTIONS_ENV, "")}
         if options.support is not None:
             env[SAMPLER_ENV] = os.environ.get(SAMPLER_ENV, "")
@@ -352,6 +456,15 @@ class GBCFSDPPPOActor(FSDPPPOActor):
             captured = {}
 
             side = self._gbc_side or {}
+            build = "support_row" in side
+            # support=replay: rebuilt (per_pass, or the building pass) or replayed (one set)
+            if self._gbc_truncation is None:
+                support = {}
+            elif build or not self._gbc_one_set:
+                support = dict(sampler_truncation=self._gbc_truncation)
+            else:
+                support = dict(support_ids=self._gbc_replay_ids(mb_item, labels.numel()))
+            forced = bool(support) and not forward_only     # the update logs the forced share
 
             def head_forward(hidden, *args, **kwargs):
                 head = hf.lm_head(inner)          # as FSDP2 holds it during this forward
@@ -365,21 +478,24 @@ class GBCFSDPPPOActor(FSDPPPOActor):
                     st = methods.reference_stats(
                         h, head.weight, labels.to(h.device), self.gbc_options, head.bias,
                         temperature=self.config.temperature,
-                        logit_softcap=hf.logit_softcap(inner),
-                        sampler_truncation=self._gbc_truncation)
+                        logit_softcap=hf.logit_softcap(inner), **support)
                     captured["rows"] = (st.ref_logp, None)
                     captured["kl_weight"] = st.kl_weight
                     return hidden[..., :1] * 0
                 kept = "log_kept_mass" in side
-                logp, entropy, *lkm = fused_linear_logprobs(
+                logp, entropy, *more = fused_linear_logprobs(
                     h, head.weight, labels.to(h.device), head.bias,
                     temperature=self.config.temperature, return_entropy=not forward_only,
                     logit_softcap=hf.logit_softcap(inner),
-                    logits_dtype=self.gbc_options.logits_dtype,
-                    sampler_truncation=self._gbc_truncation, return_log_kept_mass=kept)
+                    logits_dtype=self.gbc_options.logits_dtype, return_log_kept_mass=kept,
+                    return_support_forced=forced, return_support_ids=build, **support)
                 captured["rows"] = (logp, entropy)
                 if kept:
-                    captured["log_kept_mass"] = lkm[0]
+                    captured["log_kept_mass"] = more.pop(0)
+                if forced:
+                    captured["forced"] = more.pop(0)
+                if build:
+                    captured["support_ids"] = more.pop(0)
                 stand_in = hidden[..., :1] * 0
                 return stand_in + (logp.sum() * 0).to(hidden.dtype) if logp.requires_grad \
                     else stand_in
@@ -448,7 +564,25 @@ class GBCFSDPPPOActor(FSDPPPOActor):
                     logp, entropy, ctx.mb_input, **kw)
         # the stand-in keeps FSDP2's hooks on the forward's output in the backward graph
         loss = loss + logits.float().sum() * 0
+        forced = self._gbc_captured_side.get("forced")
+        if forced is not None:
+            self._gbc_log_forced(self._gbc_trim(forced.float(), ctx), ctx.mb_input)
         return loss * (local_weight / total_loss_weight * loss_multiplier)
+
+    @staticmethod
+    def _gbc_log_forced(forced, mb):
+        """``support=replay``: the share of the micro-batch's loss tokens whose target was
+        outside the set the update scored (forced in), into AReaL's statistics of the update
+        as ``gbc_support_forced_frac`` (over both updates under Lopti). With one set per
+        rollout, the targets outside the building pass's set (the engine's numerics): the same
+        in every minibatch and phase; with ``per_pass``, also those the moved policy's own set
+        left out."""
+        from areal.utils import stats_tracker
+
+        mask = mb["loss_mask"].reshape(-1).bool().to(forced.device)
+        stats_tracker.denominator(gbc_support_tokens=mask)
+        stats_tracker.stat(gbc_support_forced_frac=forced.reshape(-1).float(),
+                           denominator="gbc_support_tokens")
 
     def _compute_forward_result(self, logits, ctx):
         """``compute_logp``'s rows: gbc's log-probs of the micro-batch; with side outputs
@@ -463,7 +597,29 @@ class GBCFSDPPPOActor(FSDPPPOActor):
                 self._gbc_trim(self._gbc_captured_side["log_kept_mass"], ctx))
         if side is not None and "nthr" in side:
             side["nthr"].append(self._gbc_keep_micro_batch(ctx, logp))
+        if side is not None and "support_row" in side:
+            side["support_row"].append(self._gbc_keep_ids(ctx, logp))
         return logp
+
+    def _gbc_keep_ids(self, ctx, logp):
+        """The building pass's kept ids of this micro-batch (gathered over the Ulysses group,
+        each rank's set first padded to the group's widest), kept for the table; returns
+        ``[n]`` int64: each token's ``pass id << 32 | 1 + its row`` in the table."""
+        ids = self._gbc_captured_side["support_ids"]
+        if self.parallel_helper.sp_size > 1:
+            import torch.distributed as dist
+
+            k = torch.tensor([ids.shape[-1]], device=ids.device)
+            dist.all_reduce(k, op=dist.ReduceOp.MAX, group=self.sp_group)
+            ids = torch.nn.functional.pad(ids, (0, int(k) - ids.shape[-1]), value=-1)
+        ids = self._gbc_trim(ids, ctx)
+        building = self._gbc_building
+        n = ids.shape[0]
+        building["parts"].append(ids)
+        first = building["n"] + 1
+        building["n"] += n
+        rows = torch.arange(first, first + n, dtype=torch.long, device=logp.device)
+        return (building["pass_id"] << _ROW_BITS) + rows
 
     def _gbc_keep_micro_batch(self, ctx, logp):
         """Keep NTHR's inputs of this micro-batch's response tokens (those AReaL's

@@ -33,6 +33,12 @@ SAMPLER_ENV = "GBC_AREAL_SAMPLER"      # support=replay: the rollout's sampling 
                                        # min_p=0.0,ties=first,temperature=0.8")
 LOG_KEPT_MASS_KEY = "gbc_log_kept_mass"   # [g, S] per trajectory: LSE_S - LSE_V of the actor's
                                           # compute_logp pass, aligned as its log-probs
+SUPPORT_ROW_KEY = "gbc_support_row"    # [g, S] int64 per trajectory (support_set=rollout): each
+                                       # token's row of the kept ids its building pass keeps,
+                                       # pass id << 32 | 1 + row (0: none), aligned as the
+                                       # log-probs; a [B, S] key, so AReaL's concatenation,
+                                       # minibatch split, packing and padding carry it as they
+                                       # carry the targets
 NO_TOP_K = int(1e8)                    # AReaL's gconfig.top_k default: no bound (SGLang: -1)
 
 
@@ -182,6 +188,27 @@ def sampler_settings(experiment, options: methods.MethodOptions):
                                     ties="first", names={"support": f"{OPTIONS_ENV}: support",
                                                          "top_k": "gconfig.top_k"})
     return tr, temp
+
+
+def check_support_set(experiment, options: methods.MethodOptions) -> None:
+    """``support_set`` under AReaL's trainer (``enable(config, ...)``): one kept set per rollout
+    (the default under ``support=replay``) is built by the actor's ``compute_logp`` pass and
+    replayed by the reference's and the update's; AReaL's ``PPOTrainer`` runs the reference
+    engine's ``compute_logp`` (the KL reward: a ``ref`` config and ``actor.kl_ctl > 0``) before
+    the actor's, so that pass would have no set to replay: refused by name (``per_pass``: the
+    reference scores its own set rebuilt from its logits, as every pass rebuilds its own)."""
+    if not options.one_set_per_rollout or experiment is None:
+        return
+    actor = getattr(experiment, "actor", None)
+    kl = _cfg(actor, "kl_ctl", 0.0)
+    if getattr(experiment, "ref", None) is not None and kl:
+        raise ValueError(f"{OPTIONS_ENV}: support_set=rollout (the default under "
+                         f"support=replay) with a KL reference (ref, actor.kl_ctl={kl}): the "
+                         "kept set is built by the actor's compute_logp pass and replayed by "
+                         "every later pass, but AReaL's trainer runs the reference engine's "
+                         "compute_logp first, before any set is built; set support_set="
+                         "per_pass (each pass, the reference's too, rebuilds the set from "
+                         "its own logits) or actor.kl_ctl=0")
 
 
 def sampler_text(truncation, temperature) -> str:
