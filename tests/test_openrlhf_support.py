@@ -280,10 +280,11 @@ REPLAY_ARGS = dict(MODE_ARGS, **{"ppo-correction-off-kl": dict(kl="k2", entropy_
 @pytest.mark.parametrize("case", sorted(REPLAY_ARGS))
 def test_replay_equals_the_stock_step_over_the_kept_set(case, packing, methods_off):
     """``support=replay, support_set=per_pass``: the actor's and the reference model's passes
-    give their log-probs over the kept set rebuilt from their own logits (= float64 references); ``training_step``
-    (the policy over the set rebuilt from its own logits, the rollout's processed log-probs
-    unchanged) equals OpenRLHF's stock step with the policy's, old and reference log-probs
-    over the kept sets put in by hand; the sampled tokens are in their sets."""
+    give their log-probs over the kept set rebuilt from their own logits (= float64
+    references); ``training_step`` (the policy over the set rebuilt from its own logits, the
+    rollout's processed log-probs unchanged) equals OpenRLHF's stock step with the policy's,
+    old and reference log-probs over the kept sets put in by hand; the sampled tokens are in
+    their sets."""
     args = sargs(**REPLAY_ARGS[case])
     rollout = sample_rollouts()
     _enable(support="replay", support_set="per_pass")
@@ -535,6 +536,11 @@ def _ring_run(exp, group=None):
                 g /= dist.get_world_size(group)
         out[mode] = dict(logp=logp, lk=lk, loss=float(loss.detach()), grads=grads,
                          metrics={k: float(v) for k, v in metrics.items()}, token_out=token_out)
+    # one set per rollout's building pass: the whole batch's ids on every ring rank
+    out["ids"] = gorl.fused_action_log_probs(packed_actor(0, TEMP), exp.sequences,
+                                             exp.action_mask, exp.attention_mask,
+                                             ring_attn_group=group, sampler_truncation=tr,
+                                             return_support_ids=True)[1]
     return out
 
 
@@ -558,12 +564,17 @@ def test_both_modes_under_ring_attention():
     """ds.ring_attn_size 2 (2 gloo processes, each a slice of the packed stream; the rows
     keep the whole vocabulary, so top-p without a top-k bound runs): the no-grad passes of
     both modes, the loss, its per-token values and metrics and the ring-averaged gradients
-    equal the packed run in one process (tested against OpenRLHF's stock step above)."""
+    (and one set per rollout's built ids) equal the packed run in one process (tested against
+    OpenRLHF's stock step above)."""
     from conftest import spawn_gloo
 
     exp = sample_rollouts()
     one = _ring_run(exp)
+    ids = one.pop("ids")
     for got in spawn_gloo(2, _ring_worker, exp):
+        K = max(ids.shape[-1], got["ids"].shape[-1])
+        assert torch.equal(*(torch.nn.functional.pad(x, (0, K - x.shape[-1]), value=-1)
+                             for x in (got.pop("ids"), ids)))
         for mode, want in one.items():
             res = got[mode]
             assert torch.allclose(res["logp"], want["logp"], atol=2e-6), mode
@@ -588,8 +599,8 @@ def test_replay_critical_kl_weights_over_the_kept_set(methods_off):
     ``log |S|``; docs/math.md), against float64 full logits."""
     gamma, c, ct = 2.0, 0.1, 1.3
     args = sargs(kl="k3")
-    _enable(support="replay", support_set="per_pass", critical_kl_exponent=gamma, critical_kl_intercept=c,
-            critical_kl_temperature=ct)
+    _enable(support="replay", support_set="per_pass", critical_kl_exponent=gamma,
+            critical_kl_intercept=c, critical_kl_temperature=ct)
     ref_actor = reference_actor(args)
     exp = sample_rollouts()
     with torch.no_grad():

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 import test_openrlhf as T_
 import test_openrlhf_support as S
 from test_openrlhf import ORL, tiny_model
-from test_openrlhf_support import (B, LR, P, TEMP, TOP_P, MODE_ARGS, _enable, _sgd,
+from test_openrlhf_support import (B, P, TEMP, TOP_P, MODE_ARGS, _enable, _sgd,
                                    make_experience, methods_off, ref64, sample_rollouts,
                                    sargs, trainer)  # noqa: F401 (methods_off: a fixture)
 
