@@ -12,8 +12,9 @@ rollout (``_generate_and_score_completions``: the old-policy pass, the ratio of 
 Each mode is checked against the stock ``trl.GRPOTrainer`` given the corrected log-probs by
 hand: ``kept_mass`` against TRL's own step whose sampler log-probs are moved by ``log m``
 computed by ``gbc_reference`` over the reference kept set (``truncation_support_ids``);
-``replay`` against TRL's own step whose per-token log-probs (old, reference, the loss's) are
-the log-softmax over the reference kept set rebuilt from each pass's own logits.
+``replay`` with ``gbc_support_set="per_pass"`` against TRL's own step whose per-token
+log-probs (old, reference, the loss's) are the log-softmax over the reference kept set rebuilt
+from each pass's own logits (one set per rollout, the default: tests/test_trl_support_set.py).
 """
 
 from __future__ import annotations
@@ -271,14 +272,16 @@ def test_kept_mass_matches_stock_trl_with_moved_sampler_logps(tiny, tmp_path, is
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
 def test_replay_matches_stock_trl_over_the_reference_kept_set(tiny, tmp_path, is_mode,
                                                              loss_type):
-    """``gbc_support="replay"``: TRL's rollout and step equal the stock GRPOTrainer's whose
-    every per-token log-prob is over the reference kept set rebuilt from that pass's own
-    logits (:class:`KeptSetGRPOTrainer`): old and reference log-probs, the ratio against the
-    sampler's processed log-probs (unchanged: both are over kept sets), the loss (with the
-    entropy bonus, over the set) and every gradient."""
+    """``gbc_support="replay"``, ``gbc_support_set="per_pass"``: TRL's rollout and step equal
+    the stock GRPOTrainer's whose every per-token log-prob is over the reference kept set
+    rebuilt from that pass's own logits (:class:`KeptSetGRPOTrainer`): old and reference
+    log-probs, the ratio against the sampler's processed log-probs (unchanged: both are over
+    kept sets), the loss (with the entropy bonus, over the set) and every gradient. One set
+    per rollout (the default): tests/test_trl_support_set.py."""
     opts = dict(SAMPLING, loss_type=loss_type, beta=0.04, entropy_coef=0.01,
                 vllm_importance_sampling_mode=is_mode, **CLIPS)
-    ours = build(GBCGRPOTrainer, tiny, tmp_path / "ours", gbc_support="replay", **opts)
+    ours = build(GBCGRPOTrainer, tiny, tmp_path / "ours", gbc_support="replay",
+                 gbc_support_set="per_pass", **opts)
     stock = build(KeptSetGRPOTrainer, tiny, tmp_path / "stock", **opts)
     stock._settings = SAMPLING
     for t in (ours, stock):

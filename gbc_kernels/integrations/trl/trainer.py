@@ -6,6 +6,7 @@ docs/trl.md.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from pathlib import PurePath
 from types import ModuleType
@@ -130,6 +131,44 @@ def check_no_unsloth(trainer_cls=None, args=None):
 OLD_LOGP_KEY = "gbc_old_logp"
 # NTHR on policy inside the update's forward: each completion's group (num_generations)
 NTHR_GROUP_KEY = "gbc_nthr_group"
+# gbc_support=replay, one kept set per rollout: the set the building pass kept for each token,
+# [B, T, K] int32, -1 padded, the target not forced in; a key of TRL's batch, so that TRL's
+# shuffle and split (shuffle_sequence_dict, split_tensor_dict) carry it to each micro-batch
+SUPPORT_IDS_KEY = "gbc_support_ids"
+
+
+def _policy_loss_building_ids(model, input_ids, attention_mask, completion_len, mask,
+                              advantages, old_logp=None, ref_logp=None, config=None,
+                              unwrapped=None, return_outputs=True, model_kwargs=None,
+                              old_policy=None, **loss_kwargs):
+    """:func:`hf.policy_loss_through_forward` (same arguments, ``return_outputs`` True, no
+    ``old_policy``) for the update that builds the rollout's kept set: the loss with
+    ``sampler_truncation`` and ``return_support_ids`` (docs/trl.md, "The sampler's kept set").
+    Returns ``(loss, metrics, (outputs, support_ids))``."""
+    if old_policy is not None or not return_outputs:
+        raise RuntimeError("gbc_support=replay: the update that builds the kept set takes no "
+                           "old_policy and returns the forward's outputs")
+    inner = hf.unwrap(model) if unwrapped is None else unwrapped
+    T = hf.check_forward_inputs(inner, input_ids, attention_mask, completion_len)
+    cfg = config
+    cap = hf.logit_softcap(inner)
+    if cap is not None and cfg.logit_softcap is None:
+        cfg = dataclasses.replace(cfg, logit_softcap=cap)
+    targets = input_ids[:, -T:]
+
+    def compute(h):
+        head = hf.lm_head(inner)          # the weight as the wrapper holds it right now
+        with hf.targets_as_input_ids(input_ids, T, head, mask):
+            out = gbc.fused_linear_policy_loss(
+                h.to(head.weight.dtype), head.weight, targets, mask, advantages,
+                old_logp=old_logp, ref_logp=ref_logp, bias=head.bias, config=cfg,
+                return_support_ids=True, **loss_kwargs)
+        return out, out[0]
+
+    (loss, metrics, ids), outputs = hf._through_head(model, inner, input_ids, attention_mask, T,
+                                                     compute, model_kwargs)
+    loss = loss + (outputs.logits.float() * 0).sum()    # 0 to the value and every gradient
+    return loss, metrics, (outputs, ids)
 
 
 class GBCGRPOTrainer(GRPOTrainer):
@@ -157,6 +196,9 @@ class GBCGRPOTrainer(GRPOTrainer):
         self._gbc_truncation = support_truncation(self.args)
         # gbc_support, during a rollout: its no-grad passes, (logp, log m, what TRL got)
         self._gbc_support_calls = None
+        # replay with one set per rollout, during a rollout: "ids" (the built set), "ref" (the
+        # placeholder TRL's reference pass got before any set was built: run again after it)
+        self._gbc_rollout_set = None
         self._gbc_check_support()
         # Lopti's state: the phase, the window's kept micro-batches, the phases' gradient norms
         self._gbc_phase = self._gbc_reuse_inputs = self._gbc_last_inputs = None
@@ -285,11 +327,18 @@ class GBCGRPOTrainer(GRPOTrainer):
             calls.append(None)
         return logp, entropy, None
 
-    def _gbc_support_pass(self, model, input_ids, attention_mask, T, compute_entropy):
+    def _gbc_support_pass(self, model, input_ids, attention_mask, T, compute_entropy,
+                          build=False):
         """A no-grad pass under ``gbc_support`` (docs/trl.md, "The sampler's kept set").
         ``replay``: the log-probs (and entropies; under critical-token KL, the reference's
-        weights from its certainty over its kept set) over the kept set rebuilt from this
-        pass's own logits at the rollout temperature. ``kept_mass``, the rollout's old-policy
+        weights from its certainty over its kept set) over the kept set. One set per rollout
+        (``gbc_support_set`` "rollout", the default): TRL's old-policy pass (or ``build``:
+        gbc's own policy pass, :meth:`_gbc_rollout_set_passes`) builds it from the sampling
+        policy's logits and keeps its ids in ``_gbc_rollout_set``; a later pass of the rollout
+        replays them (``support_ids``: the reference's log-probs over the sampler's set); TRL's
+        reference pass before any set (no old-policy pass) gets a placeholder and runs again
+        once the set is built. ``per_pass``: the set rebuilt from this pass's own logits at
+        the rollout temperature. ``kept_mass``, the rollout's old-policy
         pass (its first no-grad pass): the whole vocabulary's log-probs, bit for bit, and
         ``log m = LSE_S - LSE_V`` from the same sweep; TRL gets ``logp - log m``, so that its
         own ratio code (every ``vllm_importance_sampling_mode``, its ``sampling/*`` metrics)
@@ -301,10 +350,25 @@ class GBCGRPOTrainer(GRPOTrainer):
         crit = self._gbc_ref_calls
         kept_mass = opts.support == "kept_mass"
         # TRL's old-policy pass is the rollout's first no-grad pass when it runs
-        old_pass = self._gbc_support_calls == [] and self._gbc_trl_old_pass_runs()
+        old_pass = build or (self._gbc_support_calls == [] and self._gbc_trl_old_pass_runs())
         reference = (opts.support == "replay" and crit is not None and not compute_entropy
                      and not old_pass)
         hf.check_forward_inputs(unwrapped, input_ids, attention_mask, T)
+        state = self._gbc_rollout_set          # None: per pass, or outside a rollout
+        ids = None if state is None else state.get("ids")
+        build = state is not None and old_pass
+        if state is not None and not build and ids is None:
+            # TRL's reference pass, no set built yet (TRL ran no old-policy pass): a
+            # placeholder now, the pass again over the set once gbc's policy pass built it
+            # (under PEFT this pass runs with the adapter disabled: the policy cannot run here)
+            state["ref"] = torch.zeros(input_ids.shape[0], T, device=input_ids.device)
+            for calls in (crit, self._gbc_support_calls):
+                if calls is not None:
+                    calls.append(None)
+            return state["ref"], None, None
+        # the set: replayed (support_ids), built here (kept in state) or rebuilt per pass
+        kept = (dict(support_ids=ids) if ids is not None
+                else dict(sampler_truncation=tr, return_support_ids=build))
 
         def compute(h, head, cap):
             with hf.targets_as_input_ids(input_ids, T, head):
@@ -312,14 +376,17 @@ class GBCGRPOTrainer(GRPOTrainer):
                     return methods.reference_stats(
                         h, head.weight, targets, opts, head.bias,
                         temperature=self._gbc_temperature, logit_softcap=cap,
-                        backend=self.gbc_args.gbc_backend, sampler_truncation=tr)
+                        backend=self.gbc_args.gbc_backend, **kept)
                 return gbc.token_stats(
                     h, head.weight, targets, head.bias, temperature=self._gbc_temperature,
                     backend=self.gbc_args.gbc_backend, logit_softcap=cap,
-                    logits_dtype=opts.logits_dtype, sampler_truncation=tr,
-                    return_log_kept_mass=True, over_support=not kept_mass)
+                    logits_dtype=opts.logits_dtype, return_log_kept_mass=True,
+                    over_support=not kept_mass, **(dict(sampler_truncation=tr)
+                                                    if kept_mass else kept))
 
         st = hf.in_head(model, input_ids, attention_mask, T, None, compute, unwrapped)
+        if build:
+            state["ids"] = st.support_ids
         if reference:
             crit.append(st.kl_weight)
             if self._gbc_support_calls is not None:
@@ -344,11 +411,15 @@ class GBCGRPOTrainer(GRPOTrainer):
         crit = opts.critical_kl_exponent is not None
         self._gbc_ref_calls = [] if crit and self.model.training else None
         self._gbc_support_calls = [] if opts.support is not None else None
+        self._gbc_rollout_set = {} if opts.one_set_per_rollout else None
         try:
             out = super()._generate_and_score_completions(inputs)
+            if self._gbc_rollout_set is not None:
+                self._gbc_rollout_set_passes(out)
         finally:
             ref_calls, self._gbc_ref_calls = self._gbc_ref_calls, None
             support_calls, self._gbc_support_calls = self._gbc_support_calls, None
+            self._gbc_rollout_set = None
         if opts.support is not None:
             self._gbc_support_rollout(out, support_calls)
         if not self.model.training or not (opts.needs_old_pass or crit):
@@ -362,7 +433,7 @@ class GBCGRPOTrainer(GRPOTrainer):
             else out["completion_mask"]
         own_old = (opts.support == "replay" and opts.lopti_eta is not None
                    and out.get("old_per_token_logps") is None)
-        if own_old:
+        if own_old and OLD_LOGP_KEY not in out:        # per pass (one set: already built)
             # Lopti's fixed old log-probs over the kept set, as the update's (hf's old-policy
             # pass is the vocabulary's; NTHR is refused under replay)
             with torch.no_grad():
@@ -414,6 +485,44 @@ class GBCGRPOTrainer(GRPOTrainer):
                     completion_len=T, model_kwargs=model_kwargs, options=opts)
             out["gbc_kl_weight"] = ref.kl_weight
         return out
+
+    def _gbc_rollout_set_passes(self, out):
+        """One kept set per rollout, after TRL's rollout (docs/trl.md, "The sampler's kept
+        set"): where TRL ran no old-policy pass and the set is needed before the update (TRL's
+        reference pass ran on a placeholder; Lopti's fixed old log-probs), gbc's own no-grad
+        pass of the policy builds it (the rollout's first scoring with the sampling weights;
+        its log-probs are Lopti's ``gbc_old_logp``), then the reference pass runs again over
+        it, on the reference TRL used (PEFT: the "ref" adapter if loaded, else none). The ids
+        go into ``out`` (:data:`SUPPORT_IDS_KEY`); with none built here (no old-policy pass,
+        ``beta = 0``, no Lopti) the update builds them (:meth:`_compute_loss`)."""
+        state = self._gbc_rollout_set
+        T = out["completion_ids"].size(1)
+        input_ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+        attention_mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+        placeholder = state.get("ref")
+        if placeholder is not None and out.get("ref_per_token_logps") is not placeholder:
+            raise RuntimeError("gbc_support_set=rollout: TRL's rollout did not take its "
+                               "reference log-probs from gbc's reference pass")
+        own_old = (self.model.training and self.gbc_methods.lopti_eta is not None
+                   and out.get("old_per_token_logps") is None)
+        with torch.no_grad():
+            if state.get("ids") is None and (placeholder is not None or own_old):
+                logp = self._gbc_support_pass(self.model, input_ids, attention_mask, T, False,
+                                              build=True)[0]
+                if own_old:
+                    out[OLD_LOGP_KEY] = logp
+            if placeholder is not None:
+                ref_model, ctx = self.ref_model, contextlib.nullcontext()
+                if ref_model is None:
+                    from trl.trainer.utils import use_adapter
+                    inner = self.accelerator.unwrap_model(self.model)
+                    ref_model = self.model
+                    ctx = use_adapter(inner, "ref" if "ref" in inner.peft_config else None)
+                with ctx:
+                    out["ref_per_token_logps"] = self._gbc_support_pass(
+                        ref_model, input_ids, attention_mask, T, False)[0]
+        if state.get("ids") is not None:
+            out[SUPPORT_IDS_KEY] = state["ids"]
 
     def _gbc_trl_old_pass_runs(self) -> bool:
         """Whether TRL's rollout runs its old-policy pass (``grpo_trainer.py``, TRL 1.16: the
@@ -616,11 +725,21 @@ class GBCGRPOTrainer(GRPOTrainer):
         token_out = {} if first_phase else None
         ref_logp = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
         dp_group = "world" if self.accelerator.num_processes > 1 else None
-        support = {}
-        if self.gbc_methods.support == "replay":     # the update over the rebuilt kept set
-            support["sampler_truncation"] = self._gbc_truncation
+        support, builds = {}, False
+        if self.gbc_methods.support == "replay":
+            # one set per rollout: the batch's (the set TRL's split gave this micro-batch),
+            # else this update builds it (the rollout's first scoring with the sampling
+            # weights) and the micro-batch keeps it for Lopti's second phase and the next
+            # iterations; per pass: rebuilt from this update's logits
+            ids = inputs.get(SUPPORT_IDS_KEY) if self.gbc_methods.one_set_per_rollout else None
+            if ids is not None:
+                support["support_ids"] = ids
+            else:
+                support["sampler_truncation"] = self._gbc_truncation
+                builds = self.gbc_methods.one_set_per_rollout
+        through_forward = _policy_loss_building_ids if builds else hf.policy_loss_through_forward
         with self.accelerator.autocast():
-            loss, metrics, outputs = hf.policy_loss_through_forward(
+            loss, metrics, outputs = through_forward(
                 model, input_ids, attention_mask, T, mask, inputs["advantages"],
                 old_logp=old_logp,
                 ref_logp=ref_logp,
@@ -631,6 +750,8 @@ class GBCGRPOTrainer(GRPOTrainer):
                 num_items_in_batch=num_items, backend=args.gbc_backend, is_ratio=is_ratio,
                 sampling_logp=sampling, old_policy=old_policy, token_out=token_out,
                 data_parallel_group=dp_group, **support)
+        if builds:
+            outputs, inputs[SUPPORT_IDS_KEY] = outputs
         if "pass" in nthr:           # the micro-batch carries the scales its loss used
             inputs["gbc_token_scale"] = nthr["pass"].token_scale
             self._gbc_log_nthr(nthr["pass"].nthr, inputs["advantages"], mask)
