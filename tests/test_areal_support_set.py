@@ -1,0 +1,441 @@
+"""One kept set per rollout in gbc's AReaL engine (``support=replay``, ``support_set`` unset or
+``rollout``: the default; issue 66; docs/areal.md, "The sampler's kept set"): the actor's
+``compute_logp`` pass builds the set from its logits (``sampler_truncation``,
+``return_support_ids``), each token's row of those ids travels in the trajectories
+(``gbc_support_row``) through AReaL's own concatenation, minibatch split, packing and padding,
+and every later pass replays it as ``support_ids``: the update's minibatches (the second after
+an optimizer step), Lopti's second phase, a reference pass run after the actor's.
+``support_set=per_pass`` (each pass rebuilds the set from its own logits) is the semantics of
+tests/test_areal_support.py.
+
+The rollouts are drawn (SGLang's rule, float64) from a sampler model a little off the policy
+(its weights plus 0.002 noise: the rollout engine's numerics), so some sampled tokens fall
+outside the set the training-side policy keeps: the building pass's forced share is above 0,
+and under one set per rollout every later pass forces in exactly those tokens. Runs in AReaL's
+venv (``make compat ONLY=areal``); skipped where AReaL is not installed.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+areal = pytest.importorskip("areal", reason="AReaL runs in its own venv: make compat ONLY=areal")
+
+from conftest import spawn_gloo  # noqa: E402
+from test_areal import _compare, _init, _params, make_config  # noqa: E402
+from test_areal_support import (CONFIGS, P, R, T, TOP_K, TOP_P, _experiment,  # noqa: E402,F401
+                                sglang_rollouts, switched, tiny)
+
+SAMPLER = "top_k=50,top_p=0.9,min_p=0.0,ties=first,temperature=0.8"
+
+
+@pytest.fixture(scope="module")
+def models(tiny, tmp_path_factory):
+    """(policy, reference, sampler): the sampler is the policy plus 0.002 noise."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = str(tmp_path_factory.mktemp("tiny_areal_sampler"))
+    model = AutoModelForCausalLM.from_pretrained(tiny[0])
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for w in model.parameters():
+            w.add_(0.002 * torch.randn(w.shape, generator=g))
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny[0]).save_pretrained(path)
+    return tiny[0], tiny[1], path
+
+
+@torch.no_grad()
+def built_sets(policy, ref_path, batch):
+    """The float64 oracle of one set per rollout, per trajectory: the kept set the policy's
+    logits give (``gbc_reference.truncation_support_ids``, SGLang's rule at ``T``; ``[S, V]``,
+    -1 off the set, the target not forced in), the policy's and the reference model's
+    log-probs over that set (the target forced in) and the policy's kept mass, aligned as
+    AReaL's rolled log-probs."""
+    import gbc_reference as ref
+    from transformers import AutoModelForCausalLM
+
+    out = dict(sets=[], prox=[], ref=[], kept=[])
+    for which, path in (("prox", policy), ("ref", ref_path)):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+        seen = []
+        model.lm_head.register_forward_pre_hook(lambda m, a: seen.append(a[0][0]))
+        W = model.lm_head.weight
+        for i, traj in enumerate(batch):
+            ids = traj["input_ids"][0].long()
+            model(ids[None])
+            h, y = seen.pop(), torch.roll(ids, -1)
+            if which == "prox":
+                out["sets"].append(ref.truncation_support_ids(
+                    h, W, y, temperature=T, top_k=TOP_K, top_p=TOP_P, ties="first",
+                    rule="sglang"))
+            lp, _, lk = ref.fused_linear_logprobs(h, W, y, temperature=T,
+                                                  support_ids=out["sets"][i],
+                                                  return_log_kept_mass=True)
+            out[which].append(lp.float()[None])
+            if which == "prox":
+                out["kept"].append(lk.float()[None])
+    return out
+
+
+def _fixed_head(engine, batch, sets):
+    """AReaL's stock engine with its logits restricted to the FIXED set of each trajectory
+    (``sets``, the oracle's: built once, from the policy before any update; the rolled label
+    always a member) and ``-1e30`` elsewhere, in every micro-batch of its update (one
+    trajectory per micro-batch: its tokens first in the packed row)."""
+    by_tokens = {tuple(t["input_ids"][0].tolist()): s >= 0 for t, s in zip(batch, sets)}
+    inner, ids = engine.model, {}
+
+    def keep_ids(module, args, kwargs):
+        ids["x"] = kwargs.get("input_ids", args[0] if args else None)
+
+    def mask(module, args, out):
+        x = ids["x"].reshape(-1)
+        keep = torch.ones(out.shape[-2:], dtype=torch.bool)
+        s = by_tokens[tuple(x[:P + R].tolist())]
+        keep[:P + R] = s
+        keep.scatter_(-1, torch.roll(x, -1).long().unsqueeze(-1), True)
+        return torch.where(keep.reshape(out.shape).to(out.device), out,
+                           torch.full_like(out, -1e30))
+
+    inner.register_forward_pre_hook(keep_ids, with_kwargs=True)
+    inner.lm_head.register_forward_hook(mask)
+
+
+def _forced(batch, sets):
+    """The oracle's forced count of each trajectory (by its tokens): its response tokens whose
+    sampled target is outside the set built from the policy."""
+    out = {}
+    for traj, s in zip(batch, sets):
+        y = torch.roll(traj["input_ids"][0].long(), -1)[P - 1:P + R - 1]
+        member = (s[P - 1:P + R - 1] == y[:, None]).any(-1)
+        out[tuple(traj["input_ids"][0].tolist())] = int((~member).sum())
+    return out
+
+
+def _shares(rec, want, groups):
+    """Per ``groups`` consecutive runs of the recorded micro-batches (minibatches, or Lopti's
+    phases): the forced share logged, and the building pass's share on the same trajectories
+    (``want``: :func:`_forced`)."""
+    per = len(rec) // groups
+    out = []
+    for i in range(groups):
+        part = rec[i * per:(i + 1) * per]
+        n = sum(m for _, _, m in part)
+        out.append((sum(f for _, f, _ in part) / n, sum(want[t] for t, _, _ in part) / n))
+    return out
+
+
+def _engines(policy, ref_path, cfg_kw, options):
+    """gbc's actor and reference engines as AReaL's workers build them (the options and the
+    sampling settings from the environment, as enable(config) writes them)."""
+    from gbc_kernels.integrations.areal import OPTIONS_ENV, SAMPLER_ENV
+    from gbc_kernels.integrations.areal.engine import GBCFSDPPPOActor
+
+    os.environ[OPTIONS_ENV], os.environ[SAMPLER_ENV] = options, SAMPLER
+    out = []
+    for path, kw in ((policy, cfg_kw), (ref_path, dict(cfg_kw, optimizer=None))):
+        eng = GBCFSDPPPOActor(make_config(path, **kw))
+        eng.create_process_group()
+        out.append(_init(eng))
+    return out
+
+
+def _watch(actor):
+    """Record, per micro-batch of the update, the forced share it logs (``gbc_support_forced_
+    frac``: forced count, loss tokens) and, where it replays, the ids it looked up."""
+    rec = dict(forced=[], replayed=[])
+    log, look = actor._gbc_log_forced, actor._gbc_replay_ids
+
+    def logged(forced, mb):
+        m = mb["loss_mask"].reshape(-1).bool()
+        rec["forced"].append((tuple(mb["input_ids"].reshape(-1)[:P + R].tolist()),
+                              int(forced.reshape(-1)[m].sum()), int(m.sum())))
+        return log(forced, mb)
+
+    def looked(mb_item, n):
+        ids = look(mb_item, n)
+        rec["replayed"].append((mb_item.padded_mb["input_ids"].reshape(-1)[:P + R].clone(),
+                                ids[:P + R].clone()))
+        return ids
+
+    actor._gbc_log_forced, actor._gbc_replay_ids = logged, looked
+    return rec
+
+
+def _step(actor, ref, batch, perm, by_hand=None):
+    """The actor's compute_logp (the building pass), the batch reordered (``perm``: the rows
+    travel with their trajectories), the reference's compute_logp after it, then
+    compute_advantages and ppo_update; ``by_hand``: the float64 log-probs put in instead."""
+    from areal.utils import stats_tracker
+
+    from gbc_kernels.integrations.areal import SUPPORT_ROW_KEY
+
+    batch = copy.deepcopy(batch)
+    if by_hand is None:
+        for traj, lp in zip(batch, actor.compute_logp(batch)):
+            traj["prox_logp"] = lp
+        batch = [batch[i] for i in perm]
+        for traj, lp in zip(batch, ref.compute_logp(batch)):
+            traj["ref_logp"] = lp
+    else:
+        batch = [batch[i] for i in perm]
+        for traj, i in zip(batch, perm):
+            traj["prox_logp"], traj["ref_logp"] = by_hand["prox"][i], by_hand["ref"][i]
+    rows = [t.get(SUPPORT_ROW_KEY) for t in batch]
+    stats_tracker.export_all(reset=True)
+    adv = actor.compute_advantages(batch)
+    stats_tracker.export_all(reset=True)
+    actor.ppo_update(adv)
+    return dict(stats=stats_tracker.export_all(reset=True), params=_params(actor),
+                prox=[t["prox_logp"] for t in batch], ref=[t["ref_logp"] for t in batch],
+                rows=rows)
+
+
+def _worker_one_set(rank, world, paths, config, batch, perm, oracle):
+    from areal.api.cli_args import MicroBatchSpec
+    from areal.engine.fsdp_engine import FSDPPPOActor
+
+    from gbc_kernels.integrations.areal import OPTIONS_ENV, SAMPLER_ENV
+
+    policy, ref_path = paths
+    cfg_kw = dict(CONFIGS[config], temperature=T, kl_ctl=0.1, ppo_n_minibatches=2,
+                  mb_spec=MicroBatchSpec(max_tokens_per_mb=P + R))
+    out = {}
+    for name, options in (("rollout", "support=replay"),
+                          ("per_pass", "support=replay,support_set=per_pass")):
+        if name == "per_pass" and config != "decoupled":
+            continue
+        actor, ref = _engines(policy, ref_path, cfg_kw, options)
+        rec = _watch(actor)
+        out[name] = _step(actor, ref, batch, perm)
+        out[name].update(rec)
+        ref.destroy()
+        actor.destroy()
+    # the stock step over the fixed sets, the float64 log-probs put in, the rollout's moved by
+    # the float64 kept mass of the same set (decoupled)
+    os.environ.pop(OPTIONS_ENV, None)
+    os.environ.pop(SAMPLER_ENV, None)
+    hand_batch = []
+    for traj, lk in zip(batch, oracle["kept"]):
+        traj = dict(traj)
+        if config == "decoupled":
+            traj["logprobs"] = traj["logprobs"] - torch.roll(lk, 1, -1) * traj["loss_mask"]
+        hand_batch.append(traj)
+    stock = FSDPPPOActor(make_config(policy, **cfg_kw))
+    stock.create_process_group()
+    _init(stock)
+    _fixed_head(stock, batch, oracle["sets"])
+    out["by_hand"] = _step(stock, None, hand_batch, perm, by_hand=oracle)
+    stock.destroy()
+    return out
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_one_set_per_rollout_equals_the_stock_step_over_the_set_built_once(models, config):
+    """The default (one set per rollout): the actor's compute_logp builds the set; the batch is
+    then reordered (its rows travel with it), the reference scores after it, and AReaL's
+    compute_advantages and ppo_update (2 minibatches, one trajectory per micro-batch) run.
+    The proximal and reference log-probs equal float64 ones over the set built from the
+    policy's logits before any update (the reference's over the POLICY's set: one set per
+    rollout); the ids each update micro-batch replays are that set, token by token; the whole
+    step equals AReaL's stock step with its logits restricted to that fixed set (the target
+    forced in), every metric to 1e-4 and every parameter to 1e-4 + 1e-6. The forced share
+    (the sampler's tokens outside the policy's set) is the building pass's in both
+    minibatches. The decoupled case also runs ``support_set=per_pass`` (the old semantics: the
+    second minibatch rebuilds the set after an optimizer step): its step does not equal the
+    stock step over the fixed set, and its forced share moves with the policy."""
+    policy, ref_path, sampler = models
+    batch = sglang_rollouts(sampler)
+    oracle = built_sets(policy, ref_path, batch)
+    perm = [5, 2, 7, 0, 3, 6, 1, 4]
+    res = spawn_gloo(1, _worker_one_set, (policy, ref_path), config, batch, perm, oracle)[0]
+    ours, hand = res["rollout"], res["by_hand"]
+    for name in ("prox", "ref"):
+        worst = max((a - b)[:, :-1].abs().max().item() for a, b in zip(ours[name], hand[name]))
+        assert worst < 1e-5, (name, worst)
+    # the rows travelled: each replayed micro-batch's ids are its trajectory's float64 set
+    by_tokens = {tuple(t["input_ids"][0].tolist()): s for t, s in zip(batch, oracle["sets"])}
+    assert len(ours["replayed"]) == len(batch)
+    for tokens, ids in ours["replayed"]:
+        want = by_tokens[tuple(tokens.tolist())]
+        for t in range(P + R - 1):
+            assert set(ids[t].tolist()) - {-1} == set(want[t].tolist()) - {-1}, t
+    assert all(r is not None and r.dtype == torch.long for r in ours["rows"])
+    _compare(dict(ours, prox=[0 * t for t in hand["prox"]], params={}),
+             dict(hand, prox=[0 * t for t in hand["prox"]], params={}), skip=("gbc_support",))
+    # float32 against float64 proximal / reference log-probs through two SGD steps at lr 0.5:
+    # up to 8e-6 apart (the per_pass step, below, is 0.68 off)
+    for n, p in hand["params"].items():
+        torch.testing.assert_close(ours["params"][n], p, rtol=1e-4, atol=3e-5, msg=n)
+    want = _forced(batch, oracle["sets"])
+    built = sum(want.values()) / (R * len(batch))
+    assert len(ours["forced"]) == len(batch) and 0 < built < 0.3, built
+    for tokens, f, n in ours["forced"]:             # each micro-batch: its trajectory's count
+        assert (f, n) == (want[tokens], R)
+    shares = _shares(ours["forced"], want, 2)
+    print(f"\n{config}: forced share, building pass {built:.4f}; one set per rollout "
+          + ", ".join(f"minibatch {i + 1} {a:.4f} (built {b:.4f})"
+                      for i, (a, b) in enumerate(shares)), end="")
+    if "per_pass" not in res:
+        return
+    old = res["per_pass"]
+    diff = max((old["params"][n] - hand["params"][n]).abs().max().item() for n in hand["params"])
+    old_shares = _shares(old["forced"], want, 2)
+    print("; per_pass " + ", ".join(f"minibatch {i + 1} {a:.4f} (built {b:.4f})"
+                                    for i, (a, b) in enumerate(old_shares))
+          + f"; per_pass parameters off the fixed-set step by {diff:.2e}")
+    assert diff > 1e-4, diff
+    assert old_shares[0][0] == pytest.approx(old_shares[0][1], abs=1e-9)
+    assert old_shares[1][0] > old_shares[1][1] + 0.05, old_shares
+
+
+def _worker_lopti(rank, world, paths, batch):
+    from areal.api.cli_args import MicroBatchSpec
+
+    policy, ref_path = paths
+    cfg_kw = dict(CONFIGS["decoupled"], temperature=T, kl_ctl=0.0, ppo_n_minibatches=1,
+                  mb_spec=MicroBatchSpec(max_tokens_per_mb=P + R))
+    out = {}
+    for name, options in (("rollout", "support=replay,lopti_eta=0.5"),
+                          ("per_pass", "support=replay,lopti_eta=0.5,support_set=per_pass")):
+        actor, ref = _engines(policy, ref_path, cfg_kw, options)
+        ref.destroy()
+        rec = _watch(actor)
+        b = copy.deepcopy(batch)
+        for traj, lp in zip(b, actor.compute_logp(b)):
+            traj["prox_logp"] = lp
+        actor.ppo_update(actor.compute_advantages(b))
+        out[name] = rec
+        actor.destroy()
+    return out
+
+
+def test_lopti_second_phase_scores_the_same_set(models):
+    """Lopti (two of AReaL's updates per minibatch): the second phase, after the first's
+    optimizer step, replays the ids the first replayed (the building pass's), so its forced
+    share is the first's and the building pass's; under ``per_pass`` the second phase rebuilds
+    the set from the moved policy and forces in more."""
+    policy, ref_path, sampler = models
+    batch = sglang_rollouts(sampler, seed=1)
+    want = _forced(batch, built_sets(policy, ref_path, batch)["sets"])
+    built = sum(want.values()) / (R * len(batch))
+    res = spawn_gloo(1, _worker_lopti, (policy, ref_path), batch)[0]
+    one, old = res["rollout"], res["per_pass"]
+    n = len(batch)
+    assert len(one["replayed"]) == 2 * n and len(one["forced"]) == 2 * n
+    for (t1, ids1), (t2, ids2) in zip(one["replayed"][:n], one["replayed"][n:]):
+        assert torch.equal(t1, t2) and torch.equal(ids1, ids2)
+    for tokens, f, m in one["forced"]:
+        assert (f, m) == (want[tokens], R)
+    shares, old_shares = _shares(one["forced"], want, 2), _shares(old["forced"], want, 2)
+    print(f"\nLopti forced share, building pass {built:.4f}: one set per rollout, phase 1 "
+          f"{shares[0][0]:.4f}, phase 2 {shares[1][0]:.4f}; per_pass phase 1 "
+          f"{old_shares[0][0]:.4f}, phase 2 {old_shares[1][0]:.4f}")
+    assert 0 < built < 0.3
+    assert old_shares[0][0] == pytest.approx(built, abs=1e-9)
+    assert old_shares[1][0] > built + 0.05, old_shares
+
+
+# ---- refused by name ---------------------------------------------------------------------
+
+def _worker_refusals(rank, world, paths, batch):
+    from areal.api.cli_args import MicroBatchSpec
+
+    from gbc_kernels.integrations.areal import SUPPORT_ROW_KEY
+
+    policy, ref_path = paths
+    cfg_kw = dict(CONFIGS["decoupled"], temperature=T, kl_ctl=0.1, ppo_n_minibatches=1,
+                  mb_spec=MicroBatchSpec(max_tokens_per_mb=P + R))
+    actor, ref = _engines(policy, ref_path, cfg_kw, "support=replay")
+    errors = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+        except ValueError as err:
+            errors[name] = str(err)
+
+    # AReaL's trainer's order: the reference before the actor's building pass
+    attempt("reference first", lambda: ref.compute_logp(copy.deepcopy(batch)))
+    a, b = copy.deepcopy(batch), copy.deepcopy(batch[:4])
+    for traj, lp in zip(a, actor.compute_logp(a)):
+        traj["prox_logp"] = lp
+    adv = actor.compute_advantages(a)
+    bare = [{k: v for k, v in t.items() if k != SUPPORT_ROW_KEY} for t in copy.deepcopy(adv)]
+    attempt("update without rows", lambda: actor.ppo_update(bare))
+    actor.compute_logp(b)                  # a later building pass: a's ids are freed
+    attempt("stale rows", lambda: actor.ppo_update(adv))
+    ref.destroy()
+    actor.destroy()
+    return errors
+
+
+def test_engine_refuses_a_pass_with_no_set_to_replay(models):
+    """Where AReaL's workers build the engines: the reference's compute_logp on trajectories
+    the actor's pass has not tagged (AReaL's trainer order), an update whose batch carries no
+    rows, and rows of a building pass whose ids are gone are refused, naming support_set and
+    what to do."""
+    policy, ref_path, sampler = models
+    errors = spawn_gloo(1, _worker_refusals, (policy, ref_path), sglang_rollouts(sampler))[0]
+    assert "support_set=rollout (the default under support=replay): trajectory 0 carries no " \
+           "kept set (gbc_support_row)" in errors["reference first"]
+    assert "set support_set=per_pass" in errors["reference first"]
+    assert "the batch carries no kept set (gbc_support_row)" in errors["update without rows"]
+    assert "whose ids are gone" in errors["stale rows"]
+
+
+@pytest.mark.parametrize("opts,match", [
+    (dict(support_set="per-pass"),
+     r"GBC_AREAL_OPTIONS: support_set: expected one of \('rollout', 'per_pass'\)"),
+    (dict(support_set="rollout", support=None),
+     r"support_set: 'rollout' chooses which kept set .* support is None"),
+    (dict(), r"support_set=rollout \(the default under support=replay\) with a KL reference "
+             r"\(ref, actor.kl_ctl=0.1\): .* reference engine's compute_logp first.* set "
+             r"support_set=per_pass .* or actor.kl_ctl=0"),
+])
+def test_bad_support_set_stops_enable_by_name(models, switched, opts, match):
+    """A misspelled ``support_set``, one without ``support=replay``, and one set per rollout
+    under AReaL's KL reference (its trainer runs the reference's pass before the actor's,
+    which builds the set) stop ``enable(experiment, ...)`` before anything is patched."""
+    import areal.engine as areal_engine
+
+    from test_areal_support import _cfg
+
+    before = areal_engine.FSDPPPOActor
+    exp = _experiment(*models[:2], _cfg("decoupled"))
+    kw = {k: v for k, v in {"support": "replay", **opts}.items() if v is not None}
+    with pytest.raises(ValueError, match=match):
+        switched.enable(exp, **kw)
+    assert areal_engine.FSDPPPOActor is before and switched.ENV not in os.environ
+
+
+def test_enable_and_single_controller(models, switched):
+    """Without a KL term (``actor.kl_ctl=0``) ``enable`` switches one set per rollout on (the
+    engine builds and replays); ``per_pass`` runs with a KL reference; AReaL's single
+    controller refuses one set per rollout (its rows travel in the trajectories it
+    serialises), naming ``support_set=per_pass``."""
+    from test_areal_support import _cfg
+
+    from gbc_kernels.integrations.areal.engine import GBCFSDPPPOActor
+
+    exp = _experiment(*models[:2], _cfg("coupled-recompute"))
+    exp.actor.kl_ctl = 0.0
+    opts = switched.enable(exp, support="replay")
+    assert opts.one_set_per_rollout
+    eng = GBCFSDPPPOActor(exp.actor)
+    assert eng._gbc_one_set and eng._gbc_builds
+    with pytest.raises(ValueError, match=r"support_set=rollout \(the default under "
+                                         r"support=replay\): .* single controller .* set "
+                                         r"support_set=per_pass"):
+        GBCFSDPPPOActor.as_controller(exp.actor, None)
+    exp.actor.kl_ctl = 0.1
+    switched.enable(exp, support="replay", support_set="per_pass")
+    eng = GBCFSDPPPOActor(exp.actor)
+    assert not eng._gbc_one_set and eng._gbc_truncation is not None
