@@ -18,6 +18,7 @@ import torch
 trl = pytest.importorskip("trl")
 
 import gbc_reference as ref  # noqa: E402
+from gbc_kernels import methods  # noqa: E402
 from gbc_kernels.integrations.trl import GBCGRPOConfig, GBCGRPOTrainer  # noqa: E402
 from test_trl_support import (B, CLIPS, PROMPT, SAMPLING, _loss_and_grads,  # noqa: E402,F401
                               _same, _truncation, build, drifted, rollout, stand_in_vllm, tiny)
@@ -94,8 +95,10 @@ class RolloutKeptSetGRPOTrainer(trl.GRPOTrainer):
         return logp, entropy, None
 
 
-def _as_mask(ids, V):
-    """``-1``-padded kept ids ``[B, T, K]`` -> the kept set ``[B, T, V]`` bool."""
+def _as_mask(compact, T, V):
+    """The batch's kept ids (compact, ``[B, T + M]``) -> the kept set ``[B, T, V]`` bool."""
+    assert compact.dtype == torch.int32 and compact.dim() == 2 and compact.shape[1] >= T
+    ids = methods.expand_support_ids(compact, T)
     keep = torch.zeros(*ids.shape[:-1], V + 1, dtype=torch.bool)
     return keep.scatter(-1, ids.long().clamp(min=-1) % (V + 1), True)[..., :V]
 
@@ -154,10 +157,10 @@ def test_one_set_per_rollout_matches_stock_trl_over_the_sampling_policys_set(tin
     forced_0, _ = _same_step(ours, stock, out_o, out_s)
     built = stock.passes[0]["forced"]      # the building pass's (the update's: the last)
     assert built > 0                   # the drifted engine sampled outside the policy's set
-    V = ours.model.config.vocab_size
+    V, T = ours.model.config.vocab_size, mask.shape[1]
     ids = out_o["gbc_support_ids"]         # the update that built them put them in the batch
-    assert ids.dtype == torch.int32 and ids.shape[:2] == mask.shape
-    assert torch.equal(_as_mask(ids, V)[mask], out_s[ORACLE_KEY][mask])
+    assert ids.shape[0] == mask.shape[0]
+    assert torch.equal(_as_mask(ids, T, V)[mask], out_s[ORACLE_KEY][mask])
     for t in (ours, stock):                 # a later pass: the policy has moved
         _moved(t.model, 0.3, seed=12)
     forced_1, scored = _same_step(ours, stock, out_o, out_s)
@@ -234,9 +237,93 @@ def test_ids_travel_through_trls_shuffle_and_split(tiny, tmp_path):
             z = inner.lm_head(h[:, -T - 1:-1]).double() / SAMPLING["temperature"]
         keep = ref.kept_set(z, ties="first", **_truncation(SAMPLING))
         mask = part["completion_mask"].bool()
-        assert part["gbc_support_ids"].shape[:2] == mask.shape
-        got = _as_mask(part["gbc_support_ids"], inner.config.vocab_size)
+        assert part["gbc_support_ids"].shape[0] == mask.shape[0]
+        got = _as_mask(part["gbc_support_ids"], T, inner.config.vocab_size)
         assert torch.equal(got[mask], keep[mask])
+
+
+@pytest.mark.parametrize("builder", ["old_pass", "gbc_pass"])
+def test_critical_kl_weights_over_the_rollout_set(tiny, tmp_path, builder):
+    """Critical-token KL: the reference's weights ``J**gamma`` from its certainty over the
+    sampler's set (``max_prob`` normalised by ``log |S + {y}|``, float64), whichever pass built
+    the set (gbc's own: the reference pass ran again, its weights are the ones kept)."""
+    gamma = 2.0
+    opts = dict(SAMPLING, loss_type="grpo", **BUILDERS[builder])
+    t = build(GBCGRPOTrainer, tiny, tmp_path, gbc_support="replay",
+              gbc_critical_kl_exponent=gamma, **opts)
+    t.vllm_generation.sampler = drifted(tiny)
+    _moved(t.ref_model, 0.3, seed=11)
+    out = rollout(t)
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    att = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    T, y = out["completion_ids"].size(1), out["completion_ids"]
+    mask = out["completion_mask"].bool()
+    with torch.no_grad():
+        h = t.ref_model.model(input_ids=ids, attention_mask=att).last_hidden_state
+        z = t.ref_model.lm_head(h[:, -T - 1:-1]).double()
+    keep = _as_mask(out["gbc_support_ids"], T, z.shape[-1]).scatter(-1, y[..., None], True)
+    lq = torch.log_softmax(z.masked_fill(~keep, float("-inf")), -1)
+    size = keep.sum(-1)
+    j = torch.where(size > 1, 1.0 + lq.max(-1).values / size.clamp(min=2).double().log(), 1.0)
+    _same(out["gbc_kl_weight"][mask].double(), (j ** gamma)[mask], 2e-5, "kl_weight")
+
+
+def test_peft_reference_scores_the_policys_set(tiny, tmp_path):
+    """A LoRA policy whose reference is its base (TRL disables the adapter for its reference
+    pass) and no old-policy pass: gbc's own pass of the policy, adapter on, builds the set, and
+    the reference pass runs again over it with the adapter off; ``ref_per_token_logps`` are the
+    base model's log-probs over the LoRA policy's set (float64), not over the base's own."""
+    peft = pytest.importorskip("peft")
+    import warnings
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from test_trl_support import reward_has_knight
+
+    torch.manual_seed(3)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                           target_modules=["q_proj", "v_proj", "up_proj"])
+    args = GBCGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=B,
+                         num_generations=B, max_completion_length=8, report_to=[],
+                         use_cpu=True, bf16=False, save_strategy="no", seed=0, use_vllm=True,
+                         loss_type="grpo", beta=0.04, vllm_importance_sampling_correction=False,
+                         gbc_support="replay", **SAMPLING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = GBCGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny),
+                           reward_funcs=reward_has_knight, args=args, peft_config=lora,
+                           train_dataset=Dataset.from_dict({"prompt": [PROMPT] * 8}),
+                           processing_class=AutoTokenizer.from_pretrained(tiny))
+    assert t.ref_model is None
+    out = rollout(t)
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    att = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    T, y = out["completion_ids"].size(1), out["completion_ids"]
+    mask = out["completion_mask"].bool()
+
+    def logits():
+        h = t.model(input_ids=ids, attention_mask=att, output_hidden_states=True,
+                    logits_to_keep=T + 1).hidden_states[-1][:, -T - 1:-1].double()
+        w = t.model.get_output_embeddings().weight.double()
+        return h @ w.T / SAMPLING["temperature"]
+
+    with torch.no_grad():
+        z_policy = logits()
+        with t.model.disable_adapter():
+            z_base = logits()
+    keep = ref.kept_set(z_policy, ties="first", **_truncation(SAMPLING))
+    own = ref.kept_set(z_base, ties="first", **_truncation(SAMPLING))
+    assert (own != keep)[mask].any()          # the base's own set is another
+    assert torch.equal(_as_mask(out["gbc_support_ids"], T, z_base.shape[-1])[mask], keep[mask])
+
+    def over(k):
+        k = k.scatter(-1, y[..., None], True)
+        lq = torch.log_softmax(z_base.masked_fill(~k, float("-inf")), -1)
+        return lq.gather(-1, y[..., None]).squeeze(-1)
+
+    _same(out["ref_per_token_logps"][mask].double(), over(keep)[mask], 2e-5, "ref over S")
+    assert (out["ref_per_token_logps"][mask].double() - over(own)[mask]).abs().max() > 1e-3
 
 
 def _config(**kw):

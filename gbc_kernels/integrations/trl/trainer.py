@@ -131,9 +131,10 @@ def check_no_unsloth(trainer_cls=None, args=None):
 OLD_LOGP_KEY = "gbc_old_logp"
 # NTHR on policy inside the update's forward: each completion's group (num_generations)
 NTHR_GROUP_KEY = "gbc_nthr_group"
-# gbc_support=replay, one kept set per rollout: the set the building pass kept for each token,
-# [B, T, K] int32, -1 padded, the target not forced in; a key of TRL's batch, so that TRL's
-# shuffle and split (shuffle_sequence_dict, split_tensor_dict) carry it to each micro-batch
+# gbc_support=replay, one kept set per rollout: the set the building pass kept for each token
+# (the target not forced in) in the compact form, [B, T + M] int32 (methods.compact_support_ids:
+# each token's count, then each sequence's ids); a key of TRL's batch, so that TRL's shuffle and
+# split (shuffle_sequence_dict, split_tensor_dict: along B) carry it to each micro-batch
 SUPPORT_IDS_KEY = "gbc_support_ids"
 
 
@@ -493,7 +494,7 @@ class GBCGRPOTrainer(GRPOTrainer):
         pass of the policy builds it (the rollout's first scoring with the sampling weights;
         its log-probs are Lopti's ``gbc_old_logp``), then the reference pass runs again over
         it, on the reference TRL used (PEFT: the "ref" adapter if loaded, else none). The ids
-        go into ``out`` (:data:`SUPPORT_IDS_KEY`); with none built here (no old-policy pass,
+        go into ``out`` compact (:data:`SUPPORT_IDS_KEY`); with none built here (no old-policy pass,
         ``beta = 0``, no Lopti) the update builds them (:meth:`_compute_loss`)."""
         state = self._gbc_rollout_set
         T = out["completion_ids"].size(1)
@@ -522,7 +523,7 @@ class GBCGRPOTrainer(GRPOTrainer):
                     out["ref_per_token_logps"] = self._gbc_support_pass(
                         ref_model, input_ids, attention_mask, T, False)[0]
         if state.get("ids") is not None:
-            out[SUPPORT_IDS_KEY] = state["ids"]
+            out[SUPPORT_IDS_KEY] = methods.compact_support_ids(state["ids"])
 
     def _gbc_trl_old_pass_runs(self) -> bool:
         """Whether TRL's rollout runs its old-policy pass (``grpo_trainer.py``, TRL 1.16: the
@@ -733,7 +734,7 @@ class GBCGRPOTrainer(GRPOTrainer):
             # iterations; per pass: rebuilt from this update's logits
             ids = inputs.get(SUPPORT_IDS_KEY) if self.gbc_methods.one_set_per_rollout else None
             if ids is not None:
-                support["support_ids"] = ids
+                support["support_ids"] = methods.expand_support_ids(ids, T)
             else:
                 support["sampler_truncation"] = self._gbc_truncation
                 builds = self.gbc_methods.one_set_per_rollout
@@ -751,7 +752,8 @@ class GBCGRPOTrainer(GRPOTrainer):
                 sampling_logp=sampling, old_policy=old_policy, token_out=token_out,
                 data_parallel_group=dp_group, **support)
         if builds:
-            outputs, inputs[SUPPORT_IDS_KEY] = outputs
+            outputs, ids = outputs
+            inputs[SUPPORT_IDS_KEY] = methods.compact_support_ids(ids)
         if "pass" in nthr:           # the micro-batch carries the scales its loss used
             inputs["gbc_token_scale"] = nthr["pass"].token_scale
             self._gbc_log_nthr(nthr["pass"].nthr, inputs["advantages"], mask)
