@@ -31,4 +31,5 @@ from .config import (METHOD_NAMES, NUM_ITEMS_LOSS_TYPES, PPO_LOSS_TYPES,  # noqa
                      SUPPORTED_LOSS_TYPES, TRL_NAMES, GBCGRPOConfig, _in_trl_words, _Options,
                      _unsupported, check_trl_version, method_options)
 from .trainer import (_MULTIMODAL_KEYS, NTHR_GROUP_KEY, OLD_LOGP_KEY,  # noqa: F401
-                      GBCGRPOTrainer, _logit_scale, _model_inputs, check_no_unsloth)
+                      SUPPORT_IDS_KEY, GBCGRPOTrainer, _logit_scale, _model_inputs,
+                      check_no_unsloth)
