@@ -713,7 +713,8 @@ OPTION_CASES = {
 def test_every_method_option_changes_the_update(name, methods_off):
     """Each method option of enable() (the list is MethodOptions' own) changes OpenRLHF's
     update against the same options without it: none is accepted and ignored."""
-    assert set(OPTION_CASES) | {"support", "support_ties"} == set(gorl.METHOD_OPTIONS)
+    # the kept-set options: tests/test_openrlhf_support.py, tests/test_openrlhf_support_set.py
+    assert set(OPTION_CASES) | {"support", "support_ties", "support_set"} == set(gorl.METHOD_OPTIONS)
     value, base = OPTION_CASES[name]
     if name == "logits_dtype":
         from conftest import assert_logits_mode_reached, logits_dtypes_seen

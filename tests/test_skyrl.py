@@ -841,9 +841,10 @@ def test_every_method_option_is_honoured_or_refused(monkeypatch):
         nthr_eta=0.25, critical_kl_exponent=2.0, critical_kl_intercept=0.1,
         critical_kl_certainty="entropy", critical_kl_temperature=0.7,
         logits_dtype=torch.float32)
-    # support / support_ties: SkyRL replays its own recorded support (refused: docs/skyrl.md)
+    # support / support_ties / support_set: SkyRL replays its own recorded support (refused:
+    # docs/skyrl.md)
     assert {name for name, _ in methods.parse_items(text, "t").items()} == \
-        fields - {"support", "support_ties"}
+        fields - {"support", "support_ties", "support_set"}
     assert worker.method_options(text) == want
     assert not hasattr(worker, "REFUSED")
 
