@@ -602,6 +602,29 @@ def _nthr_keep_on_infer(original):
     return infer_batch
 
 
+# the one-per-step metrics gbc's Lopti update adds beside verl's grad_norm (which verl's
+# worker pops as a scalar): a one-element list each, as verl's micro-batch metrics are lists
+STEP_METRICS = ("gbc_grad_norm_second_phase", "actor/gbc_grad_share_low")
+
+
+def _step_metrics_as_lists(original):
+    """verl's ``TrainingWorker._postprocess_output`` with gbc's one-per-step metrics
+    (:data:`STEP_METRICS`) as one-element lists first: verl gathers every metric over the
+    data-parallel ranks and its ``train_mini_batch`` flattens each gathered value as a list of
+    lists, which a scalar is not (a Lopti update ended in a ``TypeError`` there)."""
+
+    @functools.wraps(original)
+    def _postprocess_output(self, output, **kwargs):
+        metrics = output.get("metrics") if isinstance(output, dict) else None
+        if isinstance(metrics, dict):
+            for key in STEP_METRICS:
+                if key in metrics and not isinstance(metrics[key], list):
+                    metrics[key] = [metrics[key]]
+        return original(self, output, **kwargs)
+
+    return _postprocess_output
+
+
 # ------------------------------------------------------ the sampler's kept set: verl's worker
 def _support_on_init(original):
     """verl's ``ActorRolloutRefWorker.init_model`` that hands gbc's engines (the actor's, the
@@ -654,6 +677,8 @@ def _patch_worker(module):
     cls = module.TrainingWorker
     _PATCHES.set(cls, "train_mini_batch", _nthr_before_update(cls.train_mini_batch))
     _PATCHES.set(cls, "infer_batch", _nthr_keep_on_infer(cls.infer_batch))
+    if hasattr(cls, "_postprocess_output"):
+        _PATCHES.set(cls, "_postprocess_output", _step_metrics_as_lists(cls._postprocess_output))
     hybrid = module.ActorRolloutRefWorker
     _PATCHES.set(hybrid, "init_model", _support_on_init(hybrid.init_model))
 
