@@ -45,8 +45,10 @@ def trainer_support_plan(config, options) -> Optional[SupportPlan]:
     """:func:`support_plan` from the trainer's whole config (``actor_rollout_ref``,
     ``algorithm``), which also checks the rollout correction the mode feeds: ``kept_mass``
     needs verl's rollout correction to run (``calculate_log_probs``, ``algorithm.
-    rollout_correction`` with ``rollout_is`` or ``rollout_rs``, not ``bypass_mode``); NTHR is
-    refused under ``replay`` (its scores are the full vocabulary's)."""
+    rollout_correction`` with ``rollout_is`` or ``rollout_rs``, not ``bypass_mode``); one kept
+    set per rollout (``replay``'s default) needs verl's old-policy pass to build it (refused
+    under ``bypass_mode``, naming ``support_set=per_pass``); NTHR is refused under ``replay``
+    (its scores are the full vocabulary's)."""
     arr = _cfg(config, "actor_rollout_ref")
     rollout = _cfg(arr, "rollout")
     tp = []
