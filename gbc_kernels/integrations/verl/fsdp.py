@@ -211,7 +211,8 @@ class GBCEngineMixin(EngineMethods):
                     st = methods.reference_stats(h, head.weight, rows.targets,
                                                  methods.MethodOptions(**certainty), head.bias,
                                                  **kw, **scored)
-                    return None, {"log_probs": st.ref_logp, KL_WEIGHT_KEY: st.kl_weight}
+                    return None, ({"log_probs": st.ref_logp, KL_WEIGHT_KEY: st.kl_weight},
+                                  None)
                 out = gbc.fused_linear_logprobs(
                     h, head.weight, rows.targets, head.bias,
                     return_entropy=bool(_flag(micro_batch, "calculate_entropy")),
