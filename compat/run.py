@@ -66,6 +66,10 @@ TRAINERS = {
               ["skyrl", "transformers", "peft", "ray", "tensordict", "megatron-core"]),
     "areal": ("areal", ["tests/test_areal*.py"],
               ["areal", "transformers", "peft", "ray", "omegaconf", "hydra-core"]),
+    # gbc's loss inside Unsloth's GRPO trainer (issue 67): its own tests, and TRL's refusal tests
+    # against Unsloth itself (the row's interpreter has it)
+    "unsloth": ("unsloth", ["tests/test_unsloth*.py", "tests/test_trl_unsloth.py"],
+                ["unsloth", "unsloth_zoo", "transformers", "trl", "peft", "accelerate"]),
 }
 # the newest transformers (a release of no trainer): the suite's parts that go through
 # transformers' model loading and trainers (files, or pytest node ids)
@@ -88,6 +92,7 @@ MATRIX = [
     ("openrlhf", "0.10.4"), ("openrlhf", "0.11.2"),
     ("skyrl", "0.3.0"), ("skyrl", "0.4.0"),
     ("areal", "1.0.4"),
+    ("unsloth", "2026.10.9"),
     ("transformers", NEWEST),
 ]
 NO_ADAPTER = {}
@@ -410,8 +415,12 @@ def ensure_venv(ctx, trainer, release, newest=None):
     its ``==NEWEST`` stands for). Returns (venv, info)."""
     set_path = os.path.join(HERE, "sets", f"{trainer}-{release}.txt")
     sections = parse_set(set_path, newest)
-    venv = os.path.join(ctx.cache, "venvs",
-                        f"{trainer}-{release}-{set_hash(ctx, set_path, newest)}")
+    name = f"{trainer}-{release}-{set_hash(ctx, set_path, newest)}"
+    if name.lower().startswith("unsloth"):
+        # gbc's TRL trainer takes a file under a directory named unsloth* for Unsloth's
+        # (check_no_unsloth): the venv's own name must not look like one
+        name = "gbc-" + name
+    venv = os.path.join(ctx.cache, "venvs", name)
     info = {"set": os.path.relpath(set_path, ROOT), "cached": True, "install_s": 0.0}
     if os.path.exists(os.path.join(venv, ".complete")) and not ctx.args.rebuild:
         return venv, info

@@ -103,6 +103,9 @@ from gbc_kernels.integrations.trl import GBCGRPOTrainer, trainer as gbc_trainer
 if patch is not None and args["order"] == "gbc-first":
     patch()
 report = {"base": GBCGRPOTrainer.__mro__[1].__module__}
+built = GBCGRPOTrainer
+if args.get("route"):             # gbc's Unsloth trainer (gbc_kernels.integrations.unsloth)
+    from gbc_kernels.integrations.unsloth import GBCUnslothGRPOTrainer as built
 if args.get("no_check"):          # what happens without the check
     gbc_trainer.check_no_unsloth = lambda *a, **kw: None
 ours = GBCGRPOTrainer._compute_loss
@@ -115,12 +118,13 @@ def compute_loss(self, model, inputs):
 
 GBCGRPOTrainer._compute_loss = compute_loss
 try:
-    trainer = build(GBCGRPOTrainer, args["tiny"], pathlib.Path(args["out"]))
+    trainer = build(built, args["tiny"], pathlib.Path(args["out"]))
 except RuntimeError as e:
     report["error"] = str(e)
 else:
     report["compute_loss_file"] = type(trainer).compute_loss.__code__.co_filename
     try:
+        trainer.current_gradient_accumulation_steps = 1
         trainer.compute_loss(trainer.model, make_inputs(trainer, seed=0)).backward()
     except Exception as e:            # Unsloth's own loss on inputs it does not expect
         import traceback
@@ -138,7 +142,7 @@ def tiny(tmp_path_factory):
 
 
 def run(tiny, tmp_path, patch, order="unsloth-first", no_check=False, python=sys.executable,
-        **variables):
+        route=False, **variables):
     """A fresh process of ``python`` (in ``tmp_path``: Unsloth writes its compiled cache in the
     working directory): ``patch`` applied before or after gbc's trainer is imported, then a
     GBCGRPOTrainer built and one loss taken; returns its report (``error``: the refusal,
@@ -148,7 +152,7 @@ def run(tiny, tmp_path, patch, order="unsloth-first", no_check=False, python=sys
                                            env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
                **variables)
     args = dict(tests=HERE, tiny=tiny, out=str(tmp_path / "run"), patch=patch, order=order,
-                no_check=no_check)
+                no_check=no_check, route=route)
     proc = subprocess.run([python, "-c", SCRIPT, json.dumps(args)], env=env,
                           capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     line = [x for x in proc.stdout.splitlines() if x.startswith("REPORT ")]
@@ -207,7 +211,11 @@ def test_unsloths_other_patches_are_refused(tiny, tmp_path, patch, evidence):
 # ------------------------------------------------------------------ Unsloth itself (opt-in)
 # GBC_UNSLOTH_PYTHON: the interpreter of a venv with unsloth==2026.10.9 and unsloth_zoo, trl
 # 1.15.0 (Unsloth pins trl<=1.15.0), the CPU torch and no torchvision (docs/trl.md, "Unsloth")
-UNSLOTH_PYTHON = os.environ.get("GBC_UNSLOTH_PYTHON")
+# (the compat row `make compat ONLY=unsloth` runs this file in such a venv: its own interpreter)
+import importlib.util  # noqa: E402
+
+UNSLOTH_PYTHON = os.environ.get("GBC_UNSLOTH_PYTHON") or (
+    sys.executable if importlib.util.find_spec("unsloth") is not None else None)
 needs_unsloth = pytest.mark.skipif(not UNSLOTH_PYTHON,
                                    reason="GBC_UNSLOTH_PYTHON: no interpreter with Unsloth")
 
@@ -244,3 +252,18 @@ def test_real_unsloth_without_the_check_runs_its_own_loss(tiny, tmp_path):
     assert "error" not in report and "gbc _compute_loss" not in report["calls"], report
     assert report["compute_loss_file"].endswith("unsloth_compiled_cache/UnslothGRPOTrainer.py")
     assert "UnslothGRPOTrainer.py" in report.get("loss_error", "UnslothGRPOTrainer.py"), report
+
+
+@needs_unsloth
+@pytest.mark.parametrize("patch, variables", [
+    ("unsloth_rewrite", {"UNSLOTH_ALLOW_CPU": "1"}),
+    ("unsloth", {"UNSLOTH_ZOO_DISABLE_GPU_INIT": "1"})], ids=["allow-cpu", "zoo-gpu-path"])
+def test_real_unsloth_route_class_runs_gbcs_loss(tiny, tmp_path, patch, variables):
+    """What the refusals above leave open (issue 67): gbc's Unsloth trainer
+    (gbc_kernels.integrations.unsloth.GBCUnslothGRPOTrainer, docs/unsloth.md), on the class
+    Unsloth generated, is built and its loss is gbc's _compute_loss, never Unsloth's."""
+    report = run(tiny, tmp_path, patch=patch, python=UNSLOTH_PYTHON, route=True, **variables)
+    assert report["base"] == "UnslothGRPOTrainer", report
+    assert "error" not in report and "loss_error" not in report, report
+    assert report["calls"] == ["gbc _compute_loss"], report
+    assert report["compute_loss_file"].endswith("gbc_kernels/integrations/unsloth.py"), report
