@@ -408,13 +408,14 @@ def join_support_ids(parts, dim: int = 0) -> torch.Tensor:
 
 def compact_support_ids(ids: torch.Tensor) -> torch.Tensor:
     """Kept ids ``[B, T, K]`` (``-1`` padded, as ``return_support_ids`` gives them) in the
-    compact form a trainer's batch carries between passes: one int32 tensor ``[B, T + M]``
-    whose first ``T`` columns are each token's number of ids and the rest each sequence's ids
-    in token order, ``-1`` padded to the longest sequence's total ``M``. Split or gathered along
-    ``B`` it stays valid (every row holds its own sequence), so a trainer's shuffle and
-    micro-batching carry it as they carry ``[B, T]`` tensors. Costs ``4·(1 + M/T)`` bytes a
-    token against ``4·K`` padded: the widest set no longer sets every token's width
-    (docs/math.md, "One kept set per rollout"). :func:`expand_support_ids` inverts it."""
+    compact form a trainer's batch carries between passes: one int32 tensor ``[B, 1 + T + M]``
+    whose first column is ``T`` (the form describes itself), the next ``T`` columns each token's
+    number of ids, and the rest each sequence's ids in token order, ``-1`` padded to the longest
+    sequence's total ``M``. Split or gathered along ``B`` it stays valid (every row holds its
+    own sequence), so a trainer's shuffle and micro-batching carry it as they carry ``[B, T]``
+    tensors. Costs ``4·(1 + (1 + M)/T)`` bytes a token against ``4·K`` padded: the widest set no
+    longer sets every token's width (docs/math.md, "One kept set per rollout").
+    :func:`expand_support_ids` inverts it."""
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64) \
             or ids.dim() != 3:
         raise TypeError(f"compact_support_ids: ids: expected an int32/int64 tensor [B, T, K] "
@@ -434,27 +435,37 @@ def compact_support_ids(ids: torch.Tensor) -> torch.Tensor:
         slot = (start.unsqueeze(-1) + rank)[keep].long()
         row = torch.arange(B, device=ids.device).view(B, 1, 1).expand(B, T, K)[keep]
         flat[row, slot] = ids[keep].to(torch.int32)
-    return torch.cat([counts, flat], dim=1)
+    head = torch.full((B, 1), T, dtype=torch.int32, device=ids.device)
+    return torch.cat([head, counts, flat], dim=1)
 
 
-def expand_support_ids(compact: torch.Tensor, T: int) -> torch.Tensor:
-    """The compact form of :func:`compact_support_ids` (``[B, T + M]``, ``T`` the tokens a
-    sequence holds) back to ``-1``-padded ids ``[B, T, K]`` int32, ``K`` the widest set among
-    these rows (at least 1), ready for ``support_ids``. Refuses counts that do not fit the row."""
+def expand_support_ids(compact: torch.Tensor, T: Optional[int] = None) -> torch.Tensor:
+    """The compact form of :func:`compact_support_ids` (``[B, 1 + T + M]``) back to
+    ``-1``-padded ids ``[B, T, K]`` int32, ``K`` the widest set among these rows (at least 1),
+    ready for ``support_ids``. ``T``: None (the form's own), or the tokens the caller expects
+    (refused when the form says otherwise). Refuses counts that do not fit the row."""
     if not isinstance(compact, torch.Tensor) or compact.dtype not in (torch.int32, torch.int64) \
-            or compact.dim() != 2:
+            or compact.dim() != 2 or compact.shape[1] < 1:
         raise TypeError(f"expand_support_ids: compact: expected an int32/int64 tensor "
-                        f"[B, T + M] (compact_support_ids' form), got "
+                        f"[B, 1 + T + M] (compact_support_ids' form), got "
                         f"{getattr(compact, 'dtype', type(compact).__name__)} "
                         f"{list(getattr(compact, 'shape', []))}")
-    if isinstance(T, bool) or not isinstance(T, int) or not 0 <= T <= compact.shape[1]:
-        raise ValueError(f"expand_support_ids: T: expected the tokens a row holds, an int in "
-                         f"[0, {compact.shape[1]}], got {T!r}")
-    B, M = compact.shape[0], compact.shape[1] - T
-    counts, flat = compact[:, :T].long(), compact[:, T:]
+    B = compact.shape[0]
+    heads = compact[:, 0].unique().tolist() if B else [T or 0]
+    own = heads[0]
+    if len(heads) != 1 or not 0 <= own <= compact.shape[1] - 1:
+        raise ValueError(f"expand_support_ids: compact: its first column must hold T, the "
+                         f"same in every row and at most {compact.shape[1] - 1}, got {heads[:4]} "
+                         f"(not compact_support_ids' form)")
+    if T is not None and (isinstance(T, bool) or T != own):
+        raise ValueError(f"expand_support_ids: T: expected the {own} tokens the compact form "
+                         f"holds (or None), got {T!r}")
+    T = own
+    M = compact.shape[1] - 1 - T
+    counts, flat = compact[:, 1:1 + T].long(), compact[:, 1 + T:]
     if B and T and (counts.min() < 0 or (counts.sum(-1) > M).any()):
-        raise ValueError("expand_support_ids: compact: a row's counts are negative or exceed "
-                         f"its {M} id slots (not compact_support_ids' form, or T={T} wrong)")
+        raise ValueError(f"expand_support_ids: compact: a row's counts are negative or exceed "
+                         f"its {M} id slots (not compact_support_ids' form)")
     K = max(int(counts.max()) if B and T else 0, 1)
     out = torch.full((B, T, K), -1, dtype=torch.int32, device=compact.device)
     if B and T and M:

@@ -405,8 +405,8 @@ def test_compact_support_ids_round_trip_and_row_splits():
     """``compact_support_ids`` / ``expand_support_ids``: the same set at every token after a
     round trip (ids of random widths, holes of -1 inside a row, rows of padding only, a
     sequence with no id), after any gather of rows (a trainer's shuffle and micro-batches), the
-    expanded width the widest set of the rows kept; the compact form no larger than 4·(1 + M/T)
-    bytes a token; bad inputs refused by name."""
+    expanded width the widest set of the rows kept; the form carries its own T; bad inputs
+    refused by name."""
     from gbc_kernels import methods
     g = torch.Generator().manual_seed(3)
     B, T, K = 5, 11, 9
@@ -417,8 +417,10 @@ def test_compact_support_ids_round_trip_and_row_splits():
     ids[2] = -1                                               # a sequence with no id at all
     compact = methods.compact_support_ids(ids)
     M = int((ids >= 0).sum((1, 2)).max())
-    assert compact.dtype == torch.int32 and compact.shape == (B, T + M)
+    assert compact.dtype == torch.int32 and compact.shape == (B, 1 + T + M)
+    assert (compact[:, 0] == T).all()
     back = methods.expand_support_ids(compact, T)
+    assert torch.equal(methods.expand_support_ids(compact), back)
     assert _token_sets(back) == _token_sets(ids)
     assert back.shape[-1] == int((ids >= 0).sum(-1).max())
     for rows in ([3, 0], [2], [4, 1, 1]):
@@ -439,15 +441,21 @@ def test_compact_support_ids_round_trip_and_row_splits():
                                                6))[0]
     assert torch.equal(lp, lp_c)
     empty = methods.compact_support_ids(torch.full((0, 4, 3), -1))
-    assert empty.shape == (0, 4) and methods.expand_support_ids(empty, 4).shape == (0, 4, 1)
+    assert empty.shape == (0, 5) and methods.expand_support_ids(empty, 4).shape == (0, 4, 1)
     with pytest.raises(TypeError, match="^compact_support_ids: ids: expected"):
         methods.compact_support_ids(ids.float())
     with pytest.raises(TypeError, match="^expand_support_ids: compact: expected"):
         methods.expand_support_ids(ids, T)
-    with pytest.raises(ValueError, match="^expand_support_ids: T: expected"):
-        methods.expand_support_ids(compact, T + M + 1)
+    with pytest.raises(ValueError, match="^expand_support_ids: T: expected the 11 tokens"):
+        methods.expand_support_ids(compact, T + 1)
+    bad = compact.clone()
+    bad[0, 0] = T + 2
+    with pytest.raises(ValueError, match="^expand_support_ids: compact: its first column"):
+        methods.expand_support_ids(bad)
+    bad = compact.clone()
+    bad[1, 1] = M + 1
     with pytest.raises(ValueError, match="^expand_support_ids: compact: a row's counts"):
-        methods.expand_support_ids(compact, T + 2)
+        methods.expand_support_ids(bad)
 
 
 # ------------------------------------------------------------------ vocab parallel

@@ -27,6 +27,8 @@ import types
 import pytest
 import torch
 
+from gbc_kernels import methods
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
@@ -232,7 +234,10 @@ def _flow(mods, model_dir, fields, options, stock_ids=None):
         old, _ = trainer._compute_old_log_prob(batch)
         out["old"] = old.batch["old_log_probs"].clone()
         if ve.SUPPORT_IDS_KEY in old.batch.keys():
-            out["ids"] = old.batch[ve.SUPPORT_IDS_KEY].clone()
+            # verl's batch carries the compact form: [B, 1 + T + M], T first
+            carried = old.batch[ve.SUPPORT_IDS_KEY].clone()
+            out["compact"] = carried
+            out["ids"] = methods.expand_support_ids(carried, fields["responses"].shape[1])
         old.batch.pop("entropys")
         batch = batch.union(old)
         out["batch_keys"] = sorted(batch.batch.keys())
@@ -300,8 +305,8 @@ def _forced_share(fields, ids):
 
 
 def test_old_pass_builds_the_set_and_the_batch_carries_it(legacy):
-    """verl's old-policy pass (gbc's ``_compute_old_log_prob``) puts ``gbc_support_ids``
-    ``[B, T, K]`` in the trainer's batch: in every response token's row the float64 oracle's
+    """verl's old-policy pass (gbc's ``_compute_old_log_prob``) puts ``gbc_support_ids`` in the
+    trainer's batch (compact, ``methods.compact_support_ids``; expanded here to ``[B, T, K]``): in every response token's row the float64 oracle's
     kept set of the rollout policy (``truncation_support_ids``), ``-1`` past each response;
     its log-probs are over that set. ``support_set=per_pass`` adds no ids."""
     from gbc_kernels.integrations.verl import engine as ve
@@ -310,6 +315,9 @@ def test_old_pass_builds_the_set_and_the_batch_carries_it(legacy):
     V = f["V"]
     ids = r["ids"]
     assert ids.dtype == torch.int32 and ids.shape[:2] == f["responses"].shape
+    compact = r["compact"]
+    assert compact.dtype == torch.int32 and compact.dim() == 2
+    assert compact.shape[1] < 1 + ids.shape[1] * (1 + ids.shape[2])   # smaller than padded
     assert ve.SUPPORT_IDS_KEY in r["batch_keys"]
     valid = f["attention_mask"][:, f["prompts"].shape[1]:].bool()
     assert torch.equal(_members(ids, V)[valid], _members(ref64["ids"], V)[valid])

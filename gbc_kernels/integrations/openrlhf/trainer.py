@@ -156,12 +156,12 @@ REFERENCE_REFUSAL = (
 
 def _compact_rows(ids):
     """Kept ids ``[B, t, K]`` -> each sample's row of ``methods.compact_support_ids`` trimmed
-    to its own ids (a list of ``[t + m_b]`` int32) and the list of ``t``: the ``info``
+    to its own ids (a list of ``[1 + t + m_b]`` int32) and the list of ``t``: the ``info``
     entries :data:`SUPPORT_IDS_KEY`, :data:`SUPPORT_T_KEY` (split per sample by the buffer)."""
     c = methods.compact_support_ids(ids)
     t = ids.shape[1]
-    total = c[:, :t].sum(-1)
-    return [c[b, :t + int(total[b])].clone() for b in range(len(c))], [t] * len(c)
+    total = c[:, 1:1 + t].sum(-1)
+    return [c[b, :1 + t + int(total[b])].clone() for b in range(len(c))], [t] * len(c)
 
 
 def _info_support_ids(experience, T):

@@ -132,7 +132,7 @@ OLD_LOGP_KEY = "gbc_old_logp"
 # NTHR on policy inside the update's forward: each completion's group (num_generations)
 NTHR_GROUP_KEY = "gbc_nthr_group"
 # gbc_support=replay, one kept set per rollout: the set the building pass kept for each token
-# (the target not forced in) in the compact form, [B, T + M] int32 (methods.compact_support_ids:
+# (the target not forced in) in the compact form, [B, 1 + T + M] int32 (methods.compact_support_ids:
 # each token's count, then each sequence's ids); a key of TRL's batch, so that TRL's shuffle and
 # split (shuffle_sequence_dict, split_tensor_dict: along B) carry it to each micro-batch
 SUPPORT_IDS_KEY = "gbc_support_ids"

@@ -141,13 +141,16 @@ class _Rows:
 def support_ids_of(micro_batch, T: int) -> Optional[torch.Tensor]:
     """The old-policy pass's kept ids of ``micro_batch`` (its ``gbc_support_ids``) on the
     response grid ``[B, T, K]`` of the targets (int32, ``-1`` padded), or None when the batch
-    has none. verl carries them as the legacy trainer's padded ``[B, T', K]`` tensor, or nested
+    has none. verl carries them as the legacy trainer's compact ``[B, 1 + T' + M]`` tensor
+    (``methods.compact_support_ids``; a padded ``[B, T', K]`` one is read too), or nested
     per sequence as the worker returned them (``[B, j, K]``, the whole sequence like
     ``log_probs``: the v1 trainer's transfer queue; or its response part ``[B, r, K]``); each
     layout is read at the positions verl's ``no_padding_2_padding`` reads the log-probs."""
     if SUPPORT_IDS_KEY not in micro_batch.keys():
         return None
     ids = micro_batch[SUPPORT_IDS_KEY]
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_nested:
+        ids = methods.expand_support_ids(ids)      # the legacy trainer's compact form
     if not isinstance(ids, torch.Tensor) or ids.dim() != 3 or ids.is_floating_point():
         raise ValueError(f"{SUPPORT_IDS_KEY}: expected the old-policy pass's kept ids, an "
                          f"integer tensor [B, T, K] (padded or nested per sequence), got "

@@ -161,7 +161,8 @@ def compute_old_log_prob(trainer, batch):
     """verl 0.9.1's ``RayPPOTrainer._compute_old_log_prob`` that also returns the old-policy
     pass's ``gbc_log_kept_mass`` (``[B, T]``) where the rollout correction takes it
     (:attr:`SupportPlan.corrects_sampler`) and, one kept set per rollout, the kept ids it
-    built, ``gbc_support_ids`` (``[B, T, K]`` int32, ``-1`` padded), which verl's ``union``
+    built, ``gbc_support_ids`` (``methods.compact_support_ids``' form, ``[B, 1 + T + M]``
+    int32: verl's batch carries ``4·(1 + M/T)`` bytes a token, not ``4·K``), which verl's ``union``
     puts in the batch its reference pass and update take; verl's own otherwise."""
     plan = _trainer_plan()
     if plan is None or not (plan.corrects_sampler or plan.one_set):
@@ -188,7 +189,8 @@ def compute_old_log_prob(trainer, batch):
             raise ValueError(f"{plan.said}: the old-policy pass returned no {key!r}; the "
                              f"actor worker must run gbc's engine with the same {ENV_OPTIONS} "
                              f"(set it in every worker)")
-        result[key] = (padded_support_ids(got, batch_td) if key == SUPPORT_IDS_KEY
+        result[key] = (methods.compact_support_ids(padded_support_ids(got, batch_td))
+                       if key == SUPPORT_IDS_KEY
                        else no_padding_2_padding(got, batch_td).float())
     routed_experts = tu.get(output, "routed_experts")
     if routed_experts is not None:
