@@ -8,8 +8,9 @@ the same batch:
 
 - ``gbc``: ``GBCUnslothGRPOTrainer.compute_loss`` (gbc's fused head inside the model's forward);
 - ``unsloth``: Unsloth's generated ``UnslothGRPOTrainer.compute_loss`` (its
-  ``grpo_accumulated_loss``; on a transformers model, which Unsloth's CPU path runs under float16
-  autocast whatever the config says).
+  ``grpo_accumulated_loss``, which on this CPU path runs under float16 autocast whatever the
+  config says);
+- ``unsloth_f32``: the same with ``UNSLOTH_FORCE_FLOAT32=1`` (its loss without the autocast).
 
 The batch has no left padding in its prompts, so Unsloth's left-packed layout is TRL's and both
 losses read the same tensors. Per provider: the median time of the loss and its backward over
@@ -61,24 +62,28 @@ def rss_bytes():
 
 def child(a):
     os.environ["UNSLOTH_ZOO_DISABLE_GPU_INIT"] = "1"
+    if a["provider"] == "unsloth_f32":        # Unsloth's loss without its float16 autocast
+        os.environ["UNSLOTH_FORCE_FLOAT32"] = "1"
     import unsloth  # noqa: F401  (first, as Unsloth's notebooks do)
     import torch
     import trl
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from gbc_kernels.integrations.unsloth import (GBCGRPOConfig, GBCUnslothGRPOTrainer,
-                                                  _add_mode_methods)
+    from gbc_kernels.integrations.unsloth import GBCUnslothGRPOTrainer, _add_mode_methods
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(a["path"], dtype=torch.float32)
     _add_mode_methods(model)
-    cls, cfg = ((GBCUnslothGRPOTrainer, GBCGRPOConfig) if a["provider"] == "gbc"
-                else (trl.GRPOTrainer, trl.GRPOConfig))
+    # one config class for every provider (Unsloth's GRPOConfig, what trl.GRPOConfig is after
+    # `import unsloth`): GBCGRPOConfig keeps TRL's defaults where Unsloth's changes them
+    cls, cfg = (GBCUnslothGRPOTrainer if a["provider"] == "gbc" else trl.GRPOTrainer,
+                trl.GRPOConfig)
     B, P, T, V = a["B"], a["P"], a["T"], a["V"]
     args = cfg(output_dir=os.path.join(a["out"], a["provider"]), per_device_train_batch_size=B,
                num_generations=B, max_completion_length=T, report_to=[], use_cpu=True,
                bf16=False, fp16=False, save_strategy="no", loss_type=a["loss_type"], beta=0.0,
+               gradient_accumulation_steps=1, optim="adamw_torch",
                epsilon_high=0.2, mask_truncated_completions=False)
     trainer = cls(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                   args=args, train_dataset=Dataset.from_dict({"prompt": ["w1 w2"] * B}),
@@ -89,7 +94,8 @@ def child(a):
     mask = (torch.arange(T)[None] < lengths[:, None]).long()
     batch = {"prompt_ids": torch.randint(3, V, (B, P), generator=g),
              "prompt_mask": torch.ones(B, P, dtype=torch.long),
-             "completion_ids": torch.randint(3, V, (B, T), generator=g),
+             # the tail after each completion's end is the pad id, as TRL's rollout leaves it
+             "completion_ids": torch.randint(3, V, (B, T), generator=g).masked_fill(mask == 0, 0),
              "completion_mask": mask, "advantages": torch.randn(B, generator=g),
              "num_items_in_batch": mask.sum(),
              "max_left_pad": torch.zeros(B, 1, dtype=torch.long)}
@@ -126,7 +132,7 @@ def main():
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--loss-type", default="dapo")
-    ap.add_argument("--providers", default="gbc,unsloth")
+    ap.add_argument("--providers", default="gbc,unsloth,unsloth_f32")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -156,11 +162,12 @@ def main():
     for r in rows.values():
         print(f"{r['provider']:<10} {r['loss']:>14.8f} {r['step_s']:>8.3f} "
               f"{r['peak_added_mib']:>15.0f}")
-    if "gbc" in rows and "unsloth" in rows:
-        g, u = rows["gbc"], rows["unsloth"]
-        print(f"gbc / unsloth: time {g['step_s'] / u['step_s']:.2f}x, peak memory added "
-              f"{g['peak_added_mib'] / max(u['peak_added_mib'], 1e-9):.2f}x, loss difference "
-              f"{abs(g['loss'] - u['loss']):.2e}")
+    for other in ("unsloth", "unsloth_f32"):
+        if "gbc" in rows and other in rows:
+            g, u = rows["gbc"], rows[other]
+            print(f"gbc / {other}: time {g['step_s'] / u['step_s']:.2f}x, peak memory added "
+                  f"{g['peak_added_mib'] / max(u['peak_added_mib'], 1e-9):.2f}x, loss "
+                  f"difference {abs(g['loss'] - u['loss']):.2e}")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,8 @@ def make_batch(a):
     mask = (torch.arange(T)[None] < lengths[:, None]).long()
     return {"prompt_ids": torch.randint(3, V, (B, P), generator=g),
             "prompt_mask": torch.ones(B, P, dtype=torch.long),
-            "completion_ids": torch.randint(3, V, (B, T), generator=g),
+            # the tail after each completion's end is the pad id, as TRL's rollout leaves it
+            "completion_ids": torch.randint(3, V, (B, T), generator=g).masked_fill(mask == 0, 0),
             "completion_mask": mask, "advantages": torch.randn(B, generator=g),
             "num_items_in_batch": mask.sum(),
             "max_left_pad": torch.zeros(B, 1, dtype=torch.long)}
@@ -129,7 +130,7 @@ def child_provider(a):
     from datasets import Dataset
     from transformers import PreTrainedTokenizerFast
 
-    from gbc_kernels.integrations.unsloth import GBCGRPOConfig, GBCUnslothGRPOTrainer
+    from gbc_kernels.integrations.unsloth import GBCUnslothGRPOTrainer
 
     model, _ = FastLanguageModel.from_pretrained(
         model_name=a["path"], max_seq_length=a["P"] + a["T"], dtype=torch.bfloat16,
@@ -143,12 +144,13 @@ def child_provider(a):
             if "lora_B" in n:
                 p.copy_((0.01 * torch.randn(p.shape, generator=g)).to(p.device, p.dtype))
     gbc = a["provider"] == "gbc"
-    cls, cfg = ((GBCUnslothGRPOTrainer, GBCGRPOConfig) if gbc
-                else (trl.GRPOTrainer, trl.GRPOConfig))
+    # one config class for both (Unsloth's GRPOConfig, trl.GRPOConfig after `import unsloth`)
+    cls, cfg = (GBCUnslothGRPOTrainer if gbc else trl.GRPOTrainer, trl.GRPOConfig)
     args = cfg(output_dir=os.path.join(a["out"], a["provider"]),
                per_device_train_batch_size=a["B"], num_generations=a["B"],
                max_completion_length=a["T"], report_to=[], bf16=True, save_strategy="no",
-               loss_type="dapo", beta=0.0, epsilon_high=0.2, mask_truncated_completions=False)
+               loss_type="dapo", beta=0.0, epsilon_high=0.2, mask_truncated_completions=False,
+               gradient_accumulation_steps=1, optim="adamw_torch")
     trainer = cls(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                   args=args, train_dataset=Dataset.from_dict({"prompt": ["w1 w2"] * a["B"]}),
                   processing_class=PreTrainedTokenizerFast.from_pretrained(a["path"]))
