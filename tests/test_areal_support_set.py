@@ -4,7 +4,9 @@
 ``return_support_ids``), each token's row of those ids travels in the trajectories
 (``gbc_support_row``) through AReaL's own concatenation, minibatch split, packing and padding,
 and every later pass replays it as ``support_ids``: the update's minibatches (the second after
-an optimizer step), Lopti's second phase, a reference pass run after the actor's.
+an optimizer step), Lopti's second phase, the reference's pass, run after the actor's or, in
+AReaL's trainer order, before it (the reference's pass has the actor's building pass run first
+on the batch, whose result the actor's own ``compute_logp`` then returns: no second pass).
 ``support_set=per_pass`` (each pass rebuilds the set from its own logits) is the semantics of
 tests/test_areal_support.py.
 
@@ -169,16 +171,49 @@ def _watch(actor):
     return rec
 
 
-def _step(actor, ref, batch, perm, by_hand=None):
+def _passes(actor):
+    """Count the actor's building passes and its forward-only micro-batches."""
+    rec = dict(built=0, forward_mbs=0)
+    keep, fbb = actor._gbc_keep_support, actor.forward_backward_batch
+
+    def kept(building):
+        rec["built"] += 1
+        return keep(building)
+
+    def counted(mb_list, process_output_fn, forward_only=False):
+        if forward_only:
+            rec["forward_mbs"] += len(mb_list)
+        return fbb(mb_list, process_output_fn, forward_only)
+
+    actor._gbc_keep_support, actor.forward_backward_batch = kept, counted
+    return rec
+
+
+def _step(actor, ref, batch, perm, by_hand=None, order="actor_first"):
     """The actor's compute_logp (the building pass), the batch reordered (``perm``: the rows
     travel with their trajectories), the reference's compute_logp after it, then
-    compute_advantages and ppo_update; ``by_hand``: the float64 log-probs put in instead."""
+    compute_advantages and ppo_update; ``by_hand``: the float64 log-probs put in instead.
+    ``order="trainer"``: AReaL's ``PPOTrainer.train`` order instead, the reference's
+    compute_logp then the actor's on the same batch (the trajectories untagged), then the
+    batch reordered."""
     from areal.utils import stats_tracker
 
     from gbc_kernels.integrations.areal import SUPPORT_ROW_KEY
 
     batch = copy.deepcopy(batch)
-    if by_hand is None:
+    passes = None
+    if order == "trainer":
+        passes = _passes(actor)
+        ref_logps = ref.compute_logp(batch)          # rl_trainer.py, as PPOTrainer.train
+        for traj, logp in zip(batch, ref_logps):
+            traj["ref_logp"] = logp
+        after_ref = dict(passes)
+        prox_logps = actor.compute_logp(batch)
+        for traj, logp in zip(batch, prox_logps):
+            traj["prox_logp"] = logp
+        passes = dict(after_ref=after_ref, after_actor=dict(passes))
+        batch = [batch[i] for i in perm]
+    elif by_hand is None:
         for traj, lp in zip(batch, actor.compute_logp(batch)):
             traj["prox_logp"] = lp
         batch = [batch[i] for i in perm]
@@ -195,7 +230,7 @@ def _step(actor, ref, batch, perm, by_hand=None):
     actor.ppo_update(adv)
     return dict(stats=stats_tracker.export_all(reset=True), params=_params(actor),
                 prox=[t["prox_logp"] for t in batch], ref=[t["ref_logp"] for t in batch],
-                rows=rows)
+                rows=rows, passes=passes)
 
 
 def _worker_one_set(rank, world, paths, config, batch, perm, oracle):
@@ -208,13 +243,14 @@ def _worker_one_set(rank, world, paths, config, batch, perm, oracle):
     cfg_kw = dict(CONFIGS[config], temperature=T, kl_ctl=0.1, ppo_n_minibatches=2,
                   mb_spec=MicroBatchSpec(max_tokens_per_mb=P + R))
     out = {}
-    for name, options in (("rollout", "support=replay"),
+    for name, options in (("rollout", "support=replay"), ("trainer", "support=replay"),
                           ("per_pass", "support=replay,support_set=per_pass")):
         if name == "per_pass" and config != "decoupled":
             continue
         actor, ref = _engines(policy, ref_path, cfg_kw, options)
         rec = _watch(actor)
-        out[name] = _step(actor, ref, batch, perm)
+        out[name] = _step(actor, ref, batch, perm,
+                          order="trainer" if name == "trainer" else "actor_first")
         out[name].update(rec)
         ref.destroy()
         actor.destroy()
@@ -248,7 +284,12 @@ def test_one_set_per_rollout_equals_the_stock_step_over_the_set_built_once(model
     step equals AReaL's stock step with its logits restricted to that fixed set (the target
     forced in), every metric to 1e-4 and every parameter to 1e-4 + 1e-6. The forced share
     (the sampler's tokens outside the policy's set) is the building pass's in both
-    minibatches. The decoupled case also runs ``support_set=per_pass`` (the old semantics: the
+    minibatches. The same holds in AReaL's trainer order (``PPOTrainer.train``: the reference's
+    compute_logp on the untagged batch, then the actor's): the reference's pass has the actor's
+    building pass run first (one pass: the building pass and the batch's forward micro-batches
+    counted before the actor's own call), which returns it without a second pass; the
+    reference's log-probs are the REFERENCE model's over the set built from the ACTOR's logits.
+    The decoupled case also runs ``support_set=per_pass`` (the old semantics: the
     second minibatch rebuilds the set after an optimizer step): its step does not equal the
     stock step over the fixed set, and its forced share moves with the policy."""
     policy, ref_path, sampler = models
@@ -256,33 +297,44 @@ def test_one_set_per_rollout_equals_the_stock_step_over_the_set_built_once(model
     oracle = built_sets(policy, ref_path, batch)
     perm = [5, 2, 7, 0, 3, 6, 1, 4]
     res = spawn_gloo(1, _worker_one_set, (policy, ref_path), config, batch, perm, oracle)[0]
-    ours, hand = res["rollout"], res["by_hand"]
-    for name in ("prox", "ref"):
-        worst = max((a - b)[:, :-1].abs().max().item() for a, b in zip(ours[name], hand[name]))
-        assert worst < 1e-5, (name, worst)
-    # the rows travelled: each replayed micro-batch's ids are its trajectory's float64 set
-    by_tokens = {tuple(t["input_ids"][0].tolist()): s for t, s in zip(batch, oracle["sets"])}
-    assert len(ours["replayed"]) == len(batch)
-    for tokens, ids in ours["replayed"]:
-        want = by_tokens[tuple(tokens.tolist())]
-        for t in range(P + R - 1):
-            assert set(ids[t].tolist()) - {-1} == set(want[t].tolist()) - {-1}, t
-    assert all(r is not None and r.dtype == torch.long for r in ours["rows"])
-    _compare(dict(ours, prox=[0 * t for t in hand["prox"]], params={}),
-             dict(hand, prox=[0 * t for t in hand["prox"]], params={}), skip=("gbc_support",))
-    # float32 against float64 proximal / reference log-probs through two SGD steps at lr 0.5:
-    # up to 8e-6 apart (the per_pass step, below, is 0.68 off)
-    for n, p in hand["params"].items():
-        torch.testing.assert_close(ours["params"][n], p, rtol=1e-4, atol=3e-5, msg=n)
-    want = _forced(batch, oracle["sets"])
-    built = sum(want.values()) / (R * len(batch))
-    assert len(ours["forced"]) == len(batch) and 0 < built < 0.3, built
-    for tokens, f, n in ours["forced"]:             # each micro-batch: its trajectory's count
-        assert (f, n) == (want[tokens], R)
-    shares = _shares(ours["forced"], want, 2)
-    print(f"\n{config}: forced share, building pass {built:.4f}; one set per rollout "
-          + ", ".join(f"minibatch {i + 1} {a:.4f} (built {b:.4f})"
-                      for i, (a, b) in enumerate(shares)), end="")
+    hand = res["by_hand"]
+    trainer = res["trainer"]["passes"]
+    # AReaL's trainer order: one building pass of the actor, run by the reference's call (its
+    # 8 micro-batches); the actor's own call after it runs none
+    assert trainer["after_ref"] == dict(built=1, forward_mbs=len(batch)), trainer
+    assert trainer["after_actor"] == trainer["after_ref"], trainer
+    for order in ("rollout", "trainer"):
+        ours = res[order]
+        for name in ("prox", "ref"):
+            worst = max((a - b)[:, :-1].abs().max().item()
+                        for a, b in zip(ours[name], hand[name]))
+            assert worst < 1e-5, (name, worst)
+        # the rows travelled: each replayed micro-batch's ids are its trajectory's float64 set
+        by_tokens = {tuple(t["input_ids"][0].tolist()): s
+                     for t, s in zip(batch, oracle["sets"])}
+        assert len(ours["replayed"]) == len(batch)
+        for tokens, ids in ours["replayed"]:
+            want = by_tokens[tuple(tokens.tolist())]
+            for t in range(P + R - 1):
+                assert set(ids[t].tolist()) - {-1} == set(want[t].tolist()) - {-1}, t
+        assert all(r is not None and r.dtype == torch.long for r in ours["rows"])
+        _compare(dict(ours, prox=[0 * t for t in hand["prox"]], params={}),
+                 dict(hand, prox=[0 * t for t in hand["prox"]], params={}),
+                 skip=("gbc_support",))
+        # float32 against float64 proximal / reference log-probs through two SGD steps at lr
+        # 0.5: up to 8e-6 apart (the per_pass step, below, is 0.68 off)
+        for n, p in hand["params"].items():
+            torch.testing.assert_close(ours["params"][n], p, rtol=1e-4, atol=3e-5, msg=n)
+        want = _forced(batch, oracle["sets"])
+        built = sum(want.values()) / (R * len(batch))
+        assert len(ours["forced"]) == len(batch) and 0 < built < 0.3, built
+        for tokens, f, n in ours["forced"]:         # each micro-batch: its trajectory's count
+            assert (f, n) == (want[tokens], R)
+        shares = _shares(ours["forced"], want, 2)
+        print(f"\n{config} ({order}): forced share, building pass {built:.4f}; one set per "
+              "rollout " + ", ".join(f"minibatch {i + 1} {a:.4f} (built {b:.4f})"
+                          for i, (a, b) in enumerate(shares)), end="")
+    ours = res["rollout"]
     if "per_pass" not in res:
         return
     old = res["per_pass"]
@@ -348,7 +400,9 @@ def test_lopti_second_phase_scores_the_same_set(models):
 def _worker_refusals(rank, world, paths, batch):
     from areal.api.cli_args import MicroBatchSpec
 
-    from gbc_kernels.integrations.areal import SUPPORT_ROW_KEY
+    import weakref
+
+    from gbc_kernels.integrations.areal import SUPPORT_ROW_KEY, engine
 
     policy, ref_path = paths
     cfg_kw = dict(CONFIGS["decoupled"], temperature=T, kl_ctl=0.1, ppo_n_minibatches=1,
@@ -362,8 +416,19 @@ def _worker_refusals(rank, world, paths, batch):
         except ValueError as err:
             errors[name] = str(err)
 
-    # AReaL's trainer's order: the reference before the actor's building pass
-    attempt("reference first", lambda: ref.compute_logp(copy.deepcopy(batch)))
+    # AReaL's trainer's order (the reference's pass first, which has the actor's run first)
+    # with the actor's weights offloaded, and with two building actors in the process
+    actor.is_offload = True
+    attempt("reference first, actor offloaded", lambda: ref.compute_logp(copy.deepcopy(batch)))
+    actor.is_offload = False
+
+    class Other:
+        pass
+
+    other = Other()
+    engine._BUILDERS[id(other)] = weakref.ref(other)
+    attempt("reference first, two actors", lambda: ref.compute_logp(copy.deepcopy(batch)))
+    del engine._BUILDERS[id(other)]
     a, b = copy.deepcopy(batch), copy.deepcopy(batch[:4])
     for traj, lp in zip(a, actor.compute_logp(a)):
         traj["prox_logp"] = lp
@@ -379,14 +444,20 @@ def _worker_refusals(rank, world, paths, batch):
 
 def test_engine_refuses_a_pass_with_no_set_to_replay(models):
     """Where AReaL's workers build the engines: the reference's compute_logp on trajectories
-    the actor's pass has not tagged (AReaL's trainer order), an update whose batch carries no
-    rows, and rows of a building pass whose ids are gone are refused, naming support_set and
-    what to do."""
+    the actor's pass has not tagged (AReaL's trainer order) while the actor's weights are
+    offloaded (AReaL's trainer offloads the actor until after the reference's pass), or with
+    no single building actor in the process to run its pass first; an update whose batch
+    carries no rows, and rows of a building pass whose ids are gone, are refused, naming
+    support_set and what to do."""
     policy, ref_path, sampler = models
     errors = spawn_gloo(1, _worker_refusals, (policy, ref_path), sglang_rollouts(sampler))[0]
-    assert "support_set=rollout (the default under support=replay): trajectory 0 carries no " \
-           "kept set (gbc_support_row)" in errors["reference first"]
-    assert "set support_set=per_pass" in errors["reference first"]
+    for name, why in (("reference first, actor offloaded", "the actor's weights are on the "
+                       "device, and they are offloaded"),
+                      ("reference first, two actors", "exactly one gbc actor (an engine with "
+                       "an optimizer) is initialized in this process, and 2 are")):
+        assert "support_set=rollout (the default under support=replay): trajectory 0 carries " \
+               "no kept set (gbc_support_row)" in errors[name], name
+        assert why in errors[name] and "set support_set=per_pass" in errors[name], name
     assert "the batch carries no kept set (gbc_support_row)" in errors["update without rows"]
     assert "whose ids are gone" in errors["stale rows"]
 
@@ -396,20 +467,23 @@ def test_engine_refuses_a_pass_with_no_set_to_replay(models):
      r"GBC_AREAL_OPTIONS: support_set: expected one of \('rollout', 'per_pass'\)"),
     (dict(support_set="rollout", support=None),
      r"support_set: 'rollout' chooses which kept set .* support is None"),
-    (dict(), r"support_set=rollout \(the default under support=replay\) with a KL reference "
-             r"\(ref, actor.kl_ctl=0.1\): .* reference engine's compute_logp first.* set "
-             r"support_set=per_pass .* or actor.kl_ctl=0"),
+    (dict(offload=True),
+     r"support_set=rollout \(the default under support=replay\) with a KL reference "
+     r"\(ref, actor.kl_ctl=0.1\) and actor.offload=true: .* reference engine's compute_logp "
+     r"first.* set support_set=per_pass .*, actor.offload=false or actor.kl_ctl=0"),
 ])
 def test_bad_support_set_stops_enable_by_name(models, switched, opts, match):
     """A misspelled ``support_set``, one without ``support=replay``, and one set per rollout
-    under AReaL's KL reference (its trainer runs the reference's pass before the actor's,
-    which builds the set) stop ``enable(experiment, ...)`` before anything is patched."""
+    under AReaL's KL reference with ``actor.offload`` (its trainer runs the reference's pass,
+    which has the actor build the set, while the actor's weights are offloaded) stop
+    ``enable(experiment, ...)`` before anything is patched."""
     import areal.engine as areal_engine
 
     from test_areal_support import _cfg
 
     before = areal_engine.FSDPPPOActor
     exp = _experiment(*models[:2], _cfg("decoupled"))
+    exp.actor.offload = opts.pop("offload", False)
     kw = {k: v for k, v in {"support": "replay", **opts}.items() if v is not None}
     with pytest.raises(ValueError, match=match):
         switched.enable(exp, **kw)
@@ -417,10 +491,11 @@ def test_bad_support_set_stops_enable_by_name(models, switched, opts, match):
 
 
 def test_enable_and_single_controller(models, switched):
-    """Without a KL term (``actor.kl_ctl=0``) ``enable`` switches one set per rollout on (the
-    engine builds and replays); ``per_pass`` runs with a KL reference; AReaL's single
-    controller refuses one set per rollout (its rows travel in the trajectories it
-    serialises), naming ``support_set=per_pass``."""
+    """Without a KL term (``actor.kl_ctl=0``) and with AReaL's KL reference (``kl_ctl=0.1``, a
+    ``ref`` config) ``enable`` switches one set per rollout on (the engine builds and
+    replays); ``per_pass`` runs with a KL reference; AReaL's single controller refuses one set
+    per rollout (its rows travel in the trajectories it serialises), naming
+    ``support_set=per_pass``."""
     from test_areal_support import _cfg
 
     from gbc_kernels.integrations.areal.engine import GBCFSDPPPOActor
@@ -436,6 +511,9 @@ def test_enable_and_single_controller(models, switched):
                                          r"support_set=per_pass"):
         GBCFSDPPPOActor.as_controller(exp.actor, None)
     exp.actor.kl_ctl = 0.1
+    assert switched.enable(exp, support="replay").one_set_per_rollout
+    eng = GBCFSDPPPOActor(exp.actor)
+    assert eng._gbc_one_set and eng._gbc_builds
     switched.enable(exp, support="replay", support_set="per_pass")
     eng = GBCFSDPPPOActor(exp.actor)
     assert not eng._gbc_one_set and eng._gbc_truncation is not None

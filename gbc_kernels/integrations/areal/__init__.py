@@ -41,7 +41,8 @@ def enable(config=None, **method_options):
     ``ref`` section it marks as the reference engine's; so does ``support="replay"``, whose
     sampling settings come from its ``gconfig`` (:func:`.losses.sampler_settings`) and reach
     the engines in ``GBC_AREAL_SAMPLER``, and whose one kept set per rollout (the default
-    ``support_set``) is refused with AReaL's KL reference (:func:`.losses.check_support_set`);
+    ``support_set``) runs with AReaL's KL reference, the reference's pass having the actor
+    build the set first (``actor.offload`` then refused: :func:`.losses.check_support_set`);
     ``support="kept_mass"`` is refused (SGLang's
     log-probs are the full vocabulary's already). A bad option, an option AReaL's flow
     cannot run, an untested AReaL release or a missing AReaL stops here, naming it. Returns

@@ -19,8 +19,13 @@ rollout's kept set: by default one set per rollout, built by the actor's ``compu
 (``sampler_truncation``, ``return_support_ids``: the ids kept on the engine, each token's row
 tagged in the trajectories as ``gbc_support_row``, which AReaL's own batch code carries to
 every minibatch and micro-batch as it carries the targets) and replayed as ``support_ids`` by
-every later pass (the update's micro-batches, Lopti's second phase, a reference pass run after
-it); with ``support_set=per_pass``, each pass rebuilds the set from its own logits. The actor's
+every later pass (the update's micro-batches, Lopti's second phase, the reference's pass). AReaL's
+trainer runs the reference's ``compute_logp`` before the actor's: a reference pass on
+trajectories without rows has the actor of its process run its building pass on that batch
+first (same weights: nothing updates the actor between the two calls) and keep the result, which
+the actor's own ``compute_logp`` on that batch then returns without a second pass
+(:meth:`GBCFSDPPPOActor._gbc_build_ahead`). With ``support_set=per_pass``, each pass rebuilds
+the set from its own logits. The actor's
 ``compute_logp`` also keeps the kept mass with which ``compute_advantages`` moves SGLang's
 full-vocabulary behaviour log-probs onto the set.
 """
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import weakref
 
 import torch
 from areal.engine.fsdp_engine import FSDPPPOActor
@@ -48,6 +54,9 @@ _ROW_MASK = (1 << _ROW_BITS) - 1
 # (a loop of the user's) replays the actor's set; pass ids unique in the process
 _SUPPORT_TABLES = {}
 _SUPPORT_PASSES = itertools.count(1)
+# ... the building actors initialized (not destroyed) in this process, {id: weakref}: a
+# reference pass on trajectories without rows has the one there build the set first
+_BUILDERS = {}
 
 
 class GBCFSDPPPOActor(FSDPPPOActor):
@@ -68,6 +77,7 @@ class GBCFSDPPPOActor(FSDPPPOActor):
         self._gbc_builds = self._gbc_one_set and trains(config)
         self._gbc_building = None       # the building pass's ids, per micro-batch, during it
         self._gbc_support_pass = None   # this actor's last building pass (_SUPPORT_TABLES)
+        self._gbc_ahead = None          # a building pass run for a reference pass, kept
         # ... and the actor under the decoupled loss keeps its compute_logp pass's kept mass,
         # which moves the rollout's (SGLang's full-vocabulary) log-probs onto the set
         self._gbc_keep_kept_mass = (self._gbc_truncation is not None and trains(config)
@@ -100,17 +110,18 @@ class GBCFSDPPPOActor(FSDPPPOActor):
         trajectory receives ``gbc_support_row`` (``[g, S]`` int64, aligned as the log-probs:
         pass id << 32 | 1 + the token's row of those ids), which the update's micro-batches
         (and a reference engine's pass run after this one) replay; a reference engine's pass
-        refuses trajectories without them."""
+        refuses trajectories without them unless the actor's pass runs first
+        (:meth:`_gbc_build_ahead`: AReaL's trainer runs the reference's pass before the
+        actor's), whose result the actor's own ``compute_logp`` on that batch then returns
+        (no second pass)."""
         if self._gbc_one_set and not self._gbc_builds and isinstance(data, list):
             missing = [i for i, t in enumerate(data) if SUPPORT_ROW_KEY not in t]
             if missing:
-                raise ValueError(
-                    f"{OPTIONS_ENV}: support_set=rollout (the default under support=replay): "
-                    f"trajectory {missing[0]} carries no kept set ({SUPPORT_ROW_KEY}) from the "
-                    "actor's compute_logp pass, which builds the one set every later pass "
-                    "replays; this engine (the reference) scores it only after that pass "
-                    "(AReaL's trainer runs the reference first: set support_set=per_pass, "
-                    "each pass rebuilding the set from its own logits, or actor.kl_ctl=0)")
+                self._gbc_build_ahead(data, missing[0])
+        if self._gbc_builds:
+            ahead, self._gbc_ahead = self._gbc_ahead, None
+            if ahead is not None and not args and not kwargs and self._gbc_same(ahead, data):
+                return list(ahead["logps"])
         sides = (["kl_weight"] if self._gbc_certainty else []) + \
             (["nthr"] if self._gbc_keep_nthr else []) + \
             (["log_kept_mass"] if self._gbc_keep_kept_mass else []) + \
@@ -147,6 +158,54 @@ class GBCFSDPPPOActor(FSDPPPOActor):
             self._gbc_keep_rows(data, self._gbc_side_out["nthr"])
         self._gbc_side_out = None
         return logps
+
+    def _gbc_build_ahead(self, data, first):
+        """One set per rollout, a reference (non-building) engine's pass on trajectories
+        without rows (``first``: the first such): the building actor of this process (the one
+        initialized and not destroyed) runs its ``compute_logp`` on ``data`` now, which tags
+        the trajectories with their rows (and the kept mass, NTHR's rows), and keeps that pass
+        for its own next ``compute_logp`` (:meth:`_gbc_same`). Exact where nothing changes the
+        actor's weights between the two calls, as in AReaL's trainer (``ref`` then ``teacher``
+        then the actor's ``compute_logp``); an optimizer step, a version change or
+        ``compute_advantages`` in between drops what was kept (the actor's pass then runs
+        again, as a second call always does, building a new set that the trajectories carry
+        from then on). Refused by name: no building actor in this process (none, or several), or
+        its weights offloaded (AReaL's trainer offloads the actor, ``actor.offload`` or the
+        actor colocated with the rollout, until after the reference's pass)."""
+        live = [a for a in (r() for r in list(_BUILDERS.values())) if a is not None]
+        why = (f"trajectory {first} carries no kept set ({SUPPORT_ROW_KEY}) from the actor's "
+               "compute_logp pass, which builds the one set every later pass replays; this "
+               "engine (the reference) has the actor's pass run first on the batch when ")
+        if len(live) != 1:
+            raise ValueError(f"{OPTIONS_ENV}: support_set=rollout (the default under support="
+                             f"replay): {why}exactly one gbc actor (an engine with an optimizer) "
+                             f"is initialized in this process, and {len(live)} are (run the "
+                             "actor's compute_logp on the batch first, or set support_set="
+                             "per_pass, each pass rebuilding the set from its own logits)")
+        actor = live[0]
+        if getattr(actor, "is_offload", False):
+            raise ValueError(f"{OPTIONS_ENV}: support_set=rollout (the default under support="
+                             f"replay): {why}the actor's weights are on the device, and they "
+                             "are offloaded (AReaL's trainer offloads the actor until after the "
+                             "reference's pass: actor.offload, or the actor colocated with the "
+                             "rollout); set support_set=per_pass, each pass rebuilding the set "
+                             "from its own logits, or actor.kl_ctl=0")
+        logps = actor.compute_logp(data)
+        actor._gbc_ahead = dict(data=list(data), logps=list(logps),
+                                keys=[dict(t) for t in data], version=actor.get_version(),
+                                pass_id=actor._gbc_support_pass)
+
+    def _gbc_same(self, ahead, data):
+        """Whether ``data`` is the batch of the building pass :meth:`_gbc_build_ahead` ran
+        (the same trajectories, in the same order, each still holding the very values it held
+        after that pass), at the same version, that pass still this actor's last."""
+        return (isinstance(data, list) and len(data) == len(ahead["data"])
+                and all(a is b for a, b in zip(data, ahead["data"]))
+                and all(k in t and t[k] is v for t, keys in zip(data, ahead["keys"])
+                        for k, v in keys.items())
+                and self.get_version() == ahead["version"]
+                and self._gbc_support_pass == ahead["pass_id"]
+                and ahead["pass_id"] in _SUPPORT_TABLES)
 
     def _gbc_keep_support(self, building):
         """The building pass's kept ids, its micro-batches' parts joined (``-1``-padded to the
@@ -264,6 +323,7 @@ class GBCFSDPPPOActor(FSDPPPOActor):
           whose advantages AReaL just computed average above 0; the token scales go into the
           batch as ``gbc_nthr_scale`` for the loss, and ``nthr_selected_frac`` /
           ``nthr_eta_mean`` into AReaL's ``ppo_actor`` statistics."""
+        self._gbc_ahead = None          # a kept building pass is not returned after this
         kl = self.gbc_options.critical_kl_exponent is not None
         nthr = self.gbc_options.nthr
         replay = self._gbc_keep_kept_mass
@@ -408,6 +468,8 @@ class GBCFSDPPPOActor(FSDPPPOActor):
     def initialize(self, *args, **kwargs):
         check_engine(self)
         out = super().initialize(*args, **kwargs)
+        if self._gbc_builds:            # a reference pass before its own has it build the set
+            _BUILDERS[id(self)] = weakref.ref(self)
         tr = self._gbc_truncation
         if tr is not None and tr.top_k is not None and tr.top_p >= 1.0 and tr.min_p <= 0.0:
             vocab = hf.lm_head(hf.unwrap(self.model)).weight.shape[0]
@@ -418,6 +480,11 @@ class GBCFSDPPPOActor(FSDPPPOActor):
                                  "support, or sample with top_k < V / top_p < 1)")
         return out
 
+    def destroy(self, *args, **kwargs):
+        _BUILDERS.pop(id(self), None)
+        self._gbc_ahead = None
+        return super().destroy(*args, **kwargs)
+
     # -- Lopti: two updates per AReaL minibatch ----------------------------------------------
     def train_batch(self, input_, loss_fn, loss_weight_fn):
         """AReaL's ``train_batch`` (one optimizer step on ``input_``, a minibatch of AReaL's
@@ -426,6 +493,7 @@ class GBCFSDPPPOActor(FSDPPPOActor):
         update's ratio carries the first's drift). AReaL's metrics of the minibatch are logged
         once, from the unsplit loss at the first update's parameters (the batch's terms, as
         without Lopti); the statistics returned: :func:`.losses.lopti_train_stats`."""
+        self._gbc_ahead = None          # the weights move: a kept building pass is stale
         phases = self.gbc_options.phases
         if phases == (None,) or not isinstance(input_, dict) or "advantages" not in input_:
             return super().train_batch(input_, loss_fn, loss_weight_fn)

@@ -193,22 +193,26 @@ def sampler_settings(experiment, options: methods.MethodOptions):
 def check_support_set(experiment, options: methods.MethodOptions) -> None:
     """``support_set`` under AReaL's trainer (``enable(config, ...)``): one kept set per rollout
     (the default under ``support=replay``) is built by the actor's ``compute_logp`` pass and
-    replayed by the reference's and the update's; AReaL's ``PPOTrainer`` runs the reference
+    replayed by the reference's and the update's. AReaL's ``PPOTrainer`` runs the reference
     engine's ``compute_logp`` (the KL reward: a ``ref`` config and ``actor.kl_ctl > 0``) before
-    the actor's, so that pass would have no set to replay: refused by name (``per_pass``: the
-    reference scores its own set rebuilt from its logits, as every pass rebuilds its own)."""
+    the actor's; the reference's pass then has the actor's building pass run first on the same
+    batch (the engine's ``_gbc_build_ahead``), with the actor's weights on the device. Refused
+    by name: ``actor.offload`` with that reference (AReaL's trainer offloads the actor until
+    after the reference's pass; ``per_pass``: the reference scores its own set rebuilt from its
+    logits, as every pass rebuilds its own)."""
     if not options.one_set_per_rollout or experiment is None:
         return
     actor = getattr(experiment, "actor", None)
     kl = _cfg(actor, "kl_ctl", 0.0)
-    if getattr(experiment, "ref", None) is not None and kl:
+    if getattr(experiment, "ref", None) is not None and kl and _cfg(actor, "offload", False):
         raise ValueError(f"{OPTIONS_ENV}: support_set=rollout (the default under "
-                         f"support=replay) with a KL reference (ref, actor.kl_ctl={kl}): the "
-                         "kept set is built by the actor's compute_logp pass and replayed by "
-                         "every later pass, but AReaL's trainer runs the reference engine's "
-                         "compute_logp first, before any set is built; set support_set="
+                         f"support=replay) with a KL reference (ref, actor.kl_ctl={kl}) and "
+                         "actor.offload=true: AReaL's trainer runs the reference engine's "
+                         "compute_logp first, which has the actor's compute_logp build the "
+                         "kept set on the same batch, but the trainer keeps the actor's "
+                         "weights offloaded until after the reference's pass; set support_set="
                          "per_pass (each pass, the reference's too, rebuilds the set from "
-                         "its own logits) or actor.kl_ctl=0")
+                         "its own logits), actor.offload=false or actor.kl_ctl=0")
 
 
 def sampler_text(truncation, temperature) -> str:
