@@ -226,11 +226,11 @@ def _build_trainer_class():
         def __init__(self, model, reward_funcs, args=None, *a, **kw):
             check_route(args)            # before anything is built
             check_head(model)
-            _add_mode_methods(model)
             super().__init__(model, reward_funcs, args, *a, **kw)
             if args is None:             # Unsloth built its default config
                 check_route(self.args)
             check_head(self.accelerator.unwrap_model(self.model))
+            # Unsloth's rollout calls model.for_training (its __init__ only where they exist)
             _add_mode_methods(self.model)
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
