@@ -14,6 +14,9 @@ the building pass's. The rollouts and references are test_openrlhf_support's.
 from __future__ import annotations
 
 import copy
+import sys
+import types
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,7 +33,7 @@ import gbc_reference as R  # noqa: E402
 from gbc_kernels.integrations import openrlhf as gorl  # noqa: E402
 from gbc_kernels.integrations.openrlhf import trainer as gtrainer  # noqa: E402
 
-# the modes without a reference model (one set per rollout refuses it in OpenRLHF's flow)
+# the modes without a reference model (with one: test_reference_scores_the_actors_set)
 ROLLOUT_ARGS = {k: v for k, v in MODE_ARGS.items() if "kl" not in v}
 ROLLOUT_ARGS["ppo-token-mask-entropy"] = dict(entropy_coef=0.01, is_level="token")
 MB, EPOCHS = 4, 2                   # OpenRLHF's micro-batch (sample_batch_size) and max_epochs
@@ -188,6 +191,199 @@ def test_lopti_and_a_second_epoch_score_the_same_set(support_set, methods_off, f
         assert forced[0] == 0.0 and max(forced[1:]) > 0.05
 
 
+# ----------------------------------------------- the reference model: OpenRLHF's own driver
+@pytest.fixture
+def driver():
+    """OpenRLHF's ``experience_maker`` (the driver's ``RemoteExperienceMaker``) and its Ray
+    worker classes (``RayActorGroup``, ``ReferenceModelActor``, ``PolicyModelActor``, as
+    defined, without Ray's wrapper). Their package imports vLLM (no CPU build): a placeholder
+    ``vllm`` while they are imported (only names used at import; no engine is built); the
+    modules leave ``sys.modules`` afterwards."""
+    stubs = {n: types.ModuleType(n) for n in ("vllm", "vllm.inputs", "vllm.utils")}
+    stubs["vllm"].__version__ = "0.29.0"
+    stubs["vllm.inputs"].TokensPrompt = dict
+    stubs["vllm.utils"].random_uuid = lambda: "0"
+    before = set(sys.modules)
+    sys.modules.update(stubs)
+    sys.path.insert(0, T_.os.path.join(T_.HERE, "standins"))
+    try:
+        import openrlhf.trainer.ppo_utils.experience_maker as em
+        import openrlhf.trainer.ray.launcher as launcher
+        import openrlhf.trainer.ray.ppo_actor as ppo_actor
+        ns = SimpleNamespace(
+            em=em, RayActorGroup=launcher.RayActorGroup,
+            Reference=launcher.ReferenceModelActor.__ray_metadata__.modified_class
+            .__ray_actor_class__,
+            Policy=ppo_actor.PolicyModelActor.__ray_metadata__.modified_class
+            .__ray_actor_class__)
+    finally:
+        sys.path.remove(T_.os.path.join(T_.HERE, "standins"))
+    yield ns
+    for name in set(sys.modules) - before:
+        if name.split(".")[0] in ("vllm", "flash_attn", "ring_flash_attn") or \
+                name.startswith(("openrlhf.trainer.ray", "openrlhf.trainer.ppo_utils.exp")):
+            del sys.modules[name]
+
+
+class _Ref:
+    """A stand-in ``ray.ObjectRef``: the value itself."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _ray_get(refs, *_, **__):
+    return [r.value for r in refs] if isinstance(refs, list) else refs.value
+
+
+class _Handle:
+    """A stand-in Ray actor handle: ``handle.method.remote(...)`` runs ``worker.method`` now
+    (the object-ref arguments resolved, as Ray resolves them); ``__ray_call__.remote(fn, ...)``
+    runs ``fn(worker, ...)``, Ray's semantics."""
+
+    def __init__(self, worker):
+        self._worker = worker
+
+    def __getattr__(self, name):
+        worker = self._worker
+
+        def remote(*args, **kwargs):
+            args = [a.value if isinstance(a, _Ref) else a for a in args]
+            if name == "__ray_call__":
+                return _Ref(args[0](worker, *args[1:], **kwargs))
+            return _Ref(getattr(worker, name)(*args, **kwargs))
+        return SimpleNamespace(remote=remote)
+
+
+def _group(d, cls, attr, model, workers, dup):
+    """OpenRLHF's ``RayActorGroup`` (its own ``async_run_method_batch``: the chunking over the
+    workers, ``dup`` copies of each chunk as ring attention / tensor parallelism make) over
+    in-process workers of ``cls`` (OpenRLHF's worker class: its ``execute_batch`` and
+    ``forward``) holding ``model``."""
+    group = object.__new__(d.RayActorGroup)
+    group.duplicate_actors, group._actor_handlers = dup, []
+    for _ in range(workers * dup):
+        w = object.__new__(cls)
+        setattr(w, attr, model)
+        w.strategy = SimpleNamespace(ring_attn_group=None, is_rank_0=lambda: True)
+        group._actor_handlers.append(_Handle(w))
+    return group
+
+
+def _micro_batches(exp, mb):
+    return [ORL.Experience(sequences=exp.sequences[i:i + mb],
+                           attention_mask=exp.attention_mask[i:i + mb],
+                           action_mask=exp.action_mask[i:i + mb],
+                           rewards=torch.zeros(len(exp.sequences[i:i + mb])), info={})
+            for i in range(0, B, mb)]
+
+
+@pytest.mark.parametrize("use_loss", [True, False], ids=["kl-loss", "kl-reward"])
+@pytest.mark.parametrize("dup", [1, 2], ids=["dp", "ring-copies"])
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_reference_scores_the_actors_set(packing, dup, use_loss, methods_off, driver,
+                                         monkeypatch):
+    """One set per rollout with OpenRLHF's reference model, through OpenRLHF's own
+    ``RemoteExperienceMaker.make_experience`` (the driver; gbc's patched
+    ``_dispatch_forward``) and its ``RayActorGroup.async_run_method_batch`` /
+    ``execute_batch`` into its own worker classes' ``forward`` (in process; two workers a group,
+    and ``dup`` copies of each as under ring attention): the actor's log-probs are over the set
+    the actor (the sampling policy) builds (= float64), the reference's over exactly that set
+    (= the float64 logits of the reference model over the set ``gbc_reference.kept_set`` builds
+    from the ACTOR's float64 logits; not the reference's own set), the reward KL (or the KL
+    loss's reference log-probs) from those; the ids stay in the actor's process for the buffer.
+    """
+    import ray
+
+    monkeypatch.setattr(ray, "get", _ray_get)
+    monkeypatch.setattr(ray, "put", lambda v, *_, **__: _Ref(v))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    args = sargs(kl="k3", is_level="token")
+    args.algo.kl.use_loss = use_loss
+    rollout = sample_rollouts()
+    _enable(support="replay")
+    t, ref = trainer(args, packing), S.reference_actor(args, packing)
+    margs = copy.deepcopy(args)
+    margs.ds = SimpleNamespace(ring_attn_size=dup, tensor_parallel_size=1)
+    margs.train.colocate_all = margs.train.colocate_critic_reward = False
+    margs.train.colocate_actor_ref = True                 # the sync path, too
+    margs.algo.advantage.estimator = "group_norm"
+    maker = driver.em.RemoteExperienceMaker(
+        _group(driver, driver.Policy, "actor", t.actor, 2, dup), None, None,
+        _group(driver, driver.Reference, "model", ref, 2, dup), None,
+        SimpleNamespace(args=margs), None)
+    mb = 2
+    out = maker.make_experience(_micro_batches(rollout, mb))
+    assert len(out) == B // mb and gorl.DRIVER_IDS_ATTR not in vars(maker)
+    assert len(gorl._STATE.support_pending) == (B // mb) * dup   # for the buffer's append
+    got_old = torch.cat([e.action_log_probs for e in out])
+    assert got_old.shape == rollout.action_mask.shape
+    want_old = ref64(t.actor.model, rollout).logp_s
+    assert torch.allclose(got_old.double(), want_old, atol=2e-6)
+    keep = R.kept_set(_z64(t.actor.model, rollout), top_p=TOP_P)    # the actor's set
+    y = rollout.sequences[:, -rollout.action_mask.shape[1]:]
+    keep.scatter_(-1, y[..., None], True)
+    z = _z64(ref.model, rollout)
+    want_ref = (z.gather(-1, y[..., None])[..., 0] - z.masked_fill(~keep, float("-inf"))
+                .logsumexp(-1)) * rollout.action_mask
+    own = ref64(ref.model, rollout).logp_s                # the reference's own set differs
+    assert (own - want_ref)[rollout.action_mask].abs().max() > 1e-3
+    want_kl = ORL.compute_approx_kl(want_old, want_ref, kl_estimator="k3") \
+        if not use_loss else torch.zeros_like(want_old)
+    assert torch.allclose(torch.cat([e.kl for e in out]).double(), want_kl.double(), atol=1e-5)
+    if use_loss:
+        got_ref = torch.cat([e.base_action_log_probs for e in out])
+        assert torch.allclose(got_ref.double(), want_ref, atol=2e-6)
+    else:
+        assert all(e.base_action_log_probs is None for e in out)
+
+
+def test_driver_refusals_by_name(methods_off, driver, monkeypatch):
+    """The patched driver refuses, by name, a reference dispatch without the actor group's
+    ids (not OpenRLHF 0.11.2's order), ids handed for another micro-batch width, and an
+    actor worker whose forward built no set (gbc not enabled there with one set per
+    rollout)."""
+    import ray
+
+    monkeypatch.setattr(ray, "get", _ray_get)
+    monkeypatch.setattr(ray, "put", lambda v, *_, **__: _Ref(v))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    args = sargs(kl="k3", is_level="token")
+    rollout = sample_rollouts()
+    _enable(support="replay")
+    t, ref = trainer(args), S.reference_actor(args)
+    margs = copy.deepcopy(args)
+    margs.ds = SimpleNamespace(ring_attn_size=1, tensor_parallel_size=1)
+    margs.algo.advantage.estimator = "group_norm"
+    maker = driver.em.RemoteExperienceMaker(
+        _group(driver, driver.Policy, "actor", t.actor, 1, 1), None, None,
+        _group(driver, driver.Reference, "model", ref, 1, 1), None,
+        SimpleNamespace(args=margs), None)
+    kw = dict(sequences=[rollout.sequences], action_mask=[rollout.action_mask],
+              attention_mask=[rollout.attention_mask])
+    with pytest.raises(ValueError, match=r"^support=replay, support_set=rollout \(the "
+                                         r"default\): the reference group's forward was "
+                                         r"dispatched without the actor group's kept ids"):
+        maker._dispatch_forward(maker.initial_model_group, False, **kw)
+    worker = maker.initial_model_group._actor_handlers[0]._worker
+    wide = gorl.methods.compact_support_ids(torch.zeros(B, 3, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^support=replay, support_set=rollout \(the "
+                                         r"default\): the kept ids handed to the reference "
+                                         r"pass are for \[8, 3\] action tokens"):
+        worker.forward(rollout.sequences, rollout.action_mask, rollout.attention_mask,
+                       gbc_support_ids=wide)
+    _enable(support="replay", support_set="per_pass")     # the workers: not one set
+    policy = maker.actor_model_group._actor_handlers[0]._worker
+    assert gorl._install_worker_forward(policy) and gorl._install_worker_forward(policy)
+    with pytest.raises(ValueError, match=r"^support=replay, support_set=rollout \(the "
+                                         r"default\): the actor worker's forward built no "
+                                         r"kept set"):
+        policy.forward(rollout.sequences, rollout.action_mask, rollout.attention_mask,
+                       gbc_return_support_ids=True)
+
+
 # ------------------------------------------------------------------------------- refused
 def test_rollout_set_refusals_by_name(methods_off, monkeypatch):
     """Where OpenRLHF cannot build the set first or carry it, one set per rollout says so,
@@ -195,18 +391,18 @@ def test_rollout_set_refusals_by_name(methods_off, monkeypatch):
     beside the actor's that builds the set), train.dynamic_batch_enable (the samples change
     ranks after the actor's pass), a sample the actor pass did not score, a buffer without the
     ids (before the first micro-batch); and ``support_set`` misspelled (enable() and
-    ``GBC_OPENRLHF_OPTIONS``) or without ``support=replay``."""
+    ``GBC_OPENRLHF_OPTIONS``) or without ``support=replay``. A reference model is not
+    refused by the trainer (test_reference_scores_the_actors_set runs it), only a reference
+    pass handed no kept ids (not the patched driver's dispatch)."""
     rollout = sample_rollouts()
     _enable(support="replay")
     kl = sargs(kl="k3", is_level="token")
-    t = trainer(kl)
+    gorl.check_trainer(trainer(kl))
     with pytest.raises(ValueError, match=r"^support=replay, support_set=rollout \(the "
-                                         r"default\): the reference model's pass cannot .*"
-                                         r"set support_set=per_pass .* or algo.kl.init_coef=0"):
-        gorl.check_trainer(t)
-    with pytest.raises(ValueError, match=r"^support=replay, support_set=rollout \(the "
-                                         r"default\): the reference model's pass"), \
-            torch.no_grad():
+                                         r"default\): the reference model's pass was handed "
+                                         r"no kept ids: .* enable\(\) must run in the driver "
+                                         r"process .* set support_set=per_pass .* or "
+                                         r"algo.kl.init_coef=0"), torch.no_grad():
         S.reference_actor(kl)(rollout.sequences, rollout.action_mask, rollout.attention_mask)
     dyn = sargs(is_level="token")
     dyn.train.dynamic_batch_enable = True

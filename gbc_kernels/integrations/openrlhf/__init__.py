@@ -32,8 +32,10 @@ from .losses import (ENV_OPTIONS, IS_LEVELS, KL_ESTIMATORS, LOSS_AGG_MODES,  # n
 from .actor import (EXPERIENCE_NAMES, PackedRows, _check_packed_per_token,  # noqa: F401
                     _inner_model, _keep_rows, _position_ids, _ring_group, check_actions,
                     fused_action_log_probs, fused_actor_loss, packed_rows)
-from .trainer import (ARGS_ATTR, GBC_INFO_KEYS, INDEX_KEY, KEPT_ATTR,  # noqa: F401
-                      KEPT_MASS_KEY, KL_WEIGHT_KEY, REFERENCE_REFUSAL, SCALE_KEY,
+from .trainer import (ARGS_ATTR, DRIVER_IDS_ATTR, GBC_INFO_KEYS, GIVEN_IDS_KWARG,  # noqa
+                      INDEX_KEY, KEPT_ATTR, KEPT_MASS_KEY, KL_WEIGHT_KEY, REFERENCE_REFUSAL,
+                      RETURN_IDS_KWARG, SCALE_KEY, _dispatch_forward, _install_worker_forward,
+                      _worker_forward,
                       SUPPORT_IDS_KEY, SUPPORT_T_KEY, _PATCHES, _STATE, _actor_forward,
                       _buffer_append, _compact_rows, _info_rows, _info_support_ids,
                       _is_reference, _nthr_forget, _nthr_forward,
@@ -46,6 +48,8 @@ from .trainer import (ARGS_ATTR, GBC_INFO_KEYS, INDEX_KEY, KEPT_ATTR,  # noqa: F
 OPENRLHF_VERSIONS = TESTED["openrlhf"]
 TRAINER_MODULE = "openrlhf.trainer.ray.ppo_actor"
 STRATEGY_MODULE = "openrlhf.utils.deepspeed.deepspeed"
+# the driver's experience maker (its module imports vLLM through openrlhf.trainer.ray)
+EXPERIENCE_MAKER_MODULE = "openrlhf.trainer.ppo_utils.experience_maker"
 
 
 def check_openrlhf_version(version: Optional[str] = None) -> str:
@@ -71,7 +75,10 @@ def enable(actor_cls=None, trainer_cls=None, buffer_cls=None, strategy_cls=None,
     classes default to OpenRLHF's (``trainer_cls=False`` / ``strategy_cls=False``: leave it).
     OpenRLHF's Ray trainer (its module imports vLLM) is patched now if imported, else right
     after its import; with ``support`` on, so is its ``DeepspeedStrategy.prepare`` (which hands
-    each model the arguments its no-grad passes rebuild the sampler's kept set from). A bad
+    each model the arguments its no-grad passes rebuild the sampler's kept set from), and with
+    one set per rollout its driver's ``RemoteExperienceMaker._dispatch_forward`` (which hands
+    the actor's kept ids to the reference model's workers), each now or right after its
+    module's import. A bad
     option, OpenRLHF missing or a release outside :data:`OPENRLHF_VERSIONS` raises, and nothing
     is patched."""
     check_openrlhf_version()
@@ -98,6 +105,9 @@ def enable(actor_cls=None, trainer_cls=None, buffer_cls=None, strategy_cls=None,
                 module.DeepspeedStrategy, "prepare", _strategy_prepare))
         elif strategy_cls:                                           # False: leave it
             _PATCHES.set(strategy_cls, "prepare", _strategy_prepare)
+    if opts.one_set_per_rollout:      # the driver hands the actor's kept ids to the reference
+        _PATCHES.on_import(EXPERIENCE_MAKER_MODULE, lambda module: _PATCHES.set(
+            module.RemoteExperienceMaker, "_dispatch_forward", _dispatch_forward))
     if opts.nthr or opts.critical_kl_exponent is not None or opts.support == "kept_mass" \
             or opts.one_set_per_rollout:
         if buffer_cls is None:

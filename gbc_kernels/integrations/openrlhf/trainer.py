@@ -7,6 +7,7 @@ state: ``Actor.forward``'s no-grad passes, the replay buffer's ``append``,
 from __future__ import annotations
 
 import dataclasses
+import functools
 from types import SimpleNamespace
 
 import torch
@@ -39,7 +40,7 @@ KEPT_ATTR = "gbc_nthr_kept"
 
 _STATE = SimpleNamespace(options={}, methods=methods.MethodOptions(), nthr_heads=None,
                          nthr_pending=[], kept_mass_pending=[], kept_mass_actor=False,
-                         support_pending=[], support_actor=False)
+                         support_pending=[], support_actor=False, support_given=None)
 _PATCHES = patching.Patches()
 
 
@@ -89,8 +90,9 @@ def _actor_forward(self, sequences, action_mask=None, attention_mask=None, *args
     critical-token KL: ``[B, T, 2]``, unpacked by the buffer's ``append``). Under ``support``
     the pass rebuilds the sampler's kept set: ``replay`` with one set per rollout (the
     default), the policy's pass (the experience maker's old-policy pass) builds it, scores
-    over it and keeps its ids until the buffer's ``append`` takes them (the reference pass is
-    refused: :data:`REFERENCE_REFUSAL`); ``replay`` with ``support_set=per_pass``, the
+    over it and keeps its ids until the buffer's ``append`` takes them; the reference pass
+    scores over the ids the driver handed its worker (:func:`_worker_forward`; none:
+    :data:`REFERENCE_REFUSAL`); ``replay`` with ``support_set=per_pass``, the
     log-probs over the set each pass rebuilds (policy and reference); ``kept_mass``, the
     policy's pass also keeps its ``log_kept_mass`` until the buffer's ``append`` takes it."""
     rest = {k: v for k, v in kwargs.items() if k not in ("ring_attn_group", "packed_seq_lens")}
@@ -106,18 +108,28 @@ def _actor_forward(self, sequences, action_mask=None, attention_mask=None, *args
                 _STATE.nthr_heads = methods.NTHRHeadRows("cpu")
             keep = (_STATE.nthr_heads, [])
         kept_mass = support == "kept_mass" and not reference
-        build = _STATE.methods.one_set_per_rollout
-        if build and reference:
-            raise ValueError(REFERENCE_REFUSAL)
-        tr = None if support is None or (reference and support == "kept_mass") else \
-            support_truncation(self)
+        one_set = _STATE.methods.one_set_per_rollout
+        build = one_set and not reference
+        given = None
+        if one_set and reference:         # the actor's set, handed over by the driver
+            given = _STATE.support_given
+            if given is None:
+                raise ValueError(REFERENCE_REFUSAL)
+            if tuple(given.shape[:2]) != tuple(action_mask.shape):
+                raise ValueError(f"{ONE_SET}: the kept ids handed to the reference pass are "
+                                 f"for {list(given.shape[:2])} action tokens, this micro-batch "
+                                 f"has {list(action_mask.shape)}")
+            given = given.to(action_mask.device)
+        tr = None if support is None or given is not None or \
+            (reference and support == "kept_mass") else support_truncation(self)
         out = fused_action_log_probs(self, sequences, action_mask, attention_mask,
                                      options=_STATE.methods if weights else None,
                                      ring_attn_group=kwargs.get("ring_attn_group"),
                                      packed_seq_lens=kwargs.get("packed_seq_lens"),
                                      nthr_keep=keep, logits_dtype=_STATE.methods.logits_dtype,
                                      sampler_truncation=tr, over_support=not kept_mass,
-                                     return_log_kept_mass=kept_mass, return_support_ids=build)
+                                     return_log_kept_mass=kept_mass, return_support_ids=build,
+                                     support_ids=given)
         if build:                                     # until the buffer's append takes them
             out, ids = out
             _STATE.support_actor = True
@@ -146,12 +158,107 @@ def _actor_forward(self, sequences, action_mask=None, attention_mask=None, *args
 
 # support=replay with one set per rollout, as its refusals name it
 ONE_SET = "support=replay, support_set=rollout (the default)"
-# ... with a reference model (algo.kl.init_coef > 0)
+# ... a reference pass that was handed no kept ids
 REFERENCE_REFUSAL = (
-    f"{ONE_SET}: the reference model's pass cannot score the rollout's kept set: "
-    "OpenRLHF runs it in its own Ray worker beside the actor's old-policy pass that builds the "
-    "set, and hands it only the sequences and masks; set support_set=per_pass (each pass "
-    "rebuilds the set from the model it scores) or algo.kl.init_coef=0 (no reference model)")
+    f"{ONE_SET}: the reference model's pass was handed no kept ids: it scores the set the "
+    "actor's old-policy pass built, which gbc's patched RemoteExperienceMaker._dispatch_forward "
+    "(the driver) takes from the actor workers' results and hands to the reference workers; "
+    "enable() must run in the driver process with the same options (e.g. through "
+    f"{ENV_OPTIONS}) before OpenRLHF's experience maker dispatches, and the reference pass "
+    "must be the experience maker's; or set support_set=per_pass (each pass rebuilds the set "
+    "from the model it scores) or algo.kl.init_coef=0 (no reference model)")
+
+# the per-sample keyword arguments gbc's driver adds to the workers' forward under one set per
+# rollout with a reference model: the actor's (return the kept ids beside the log-probs) and
+# the reference's (each micro-batch's ids, compact_support_ids' form); the attribute of the
+# experience maker that holds the actor's ids until the reference's dispatch
+RETURN_IDS_KWARG, GIVEN_IDS_KWARG = "gbc_return_support_ids", "gbc_support_ids"
+DRIVER_IDS_ATTR = "gbc_support_ids"
+
+
+def _worker_forward(forward, *args, gbc_return_support_ids=False, gbc_support_ids=None,
+                    **kwargs):
+    """An OpenRLHF Ray worker's ``forward`` (``forward``, bound) under one set per rollout
+    with a reference model, installed on the worker by :func:`_install_worker_forward`. The
+    actor worker's (``gbc_return_support_ids``): ``(log-probs, compact ids)``, the ids the
+    patched ``Actor.forward`` just built (also kept for the buffer's ``append``); the
+    reference worker's (``gbc_support_ids``, compact): the log-probs over those ids."""
+    if gbc_support_ids is not None:
+        _STATE.support_given = methods.expand_support_ids(torch.as_tensor(gbc_support_ids))
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            _STATE.support_given = None
+    if not gbc_return_support_ids:
+        return forward(*args, **kwargs)
+    n = len(_STATE.support_pending)
+    out = forward(*args, **kwargs)
+    if not _STATE.methods.one_set_per_rollout or len(_STATE.support_pending) != n + 1:
+        raise ValueError(f"{ONE_SET}: the actor worker's forward built no kept set (its "
+                         f"patched Actor.forward did not run the plain no-grad pass with one "
+                         f"set per rollout): enable() must run in the Ray workers with the "
+                         f"driver's options (e.g. through {ENV_OPTIONS})")
+    return out, methods.compact_support_ids(_STATE.support_pending[-1][1])
+
+
+def _install_worker_forward(worker):
+    """Run on an OpenRLHF Ray worker (Ray's ``__ray_call__``, from the driver): its
+    ``forward`` (what ``execute_batch`` looks up) becomes :func:`_worker_forward` over its
+    own, once."""
+    if getattr(worker, "gbc_own_forward", None) is None:
+        worker.gbc_own_forward = worker.forward
+        worker.forward = functools.partial(_worker_forward, worker.gbc_own_forward)
+    return True
+
+
+def _dispatch_forward(self, group, sync_condition, **kwargs):
+    """``RemoteExperienceMaker._dispatch_forward`` (the driver) under one set per rollout with a
+    reference model: the actor group's forward also returns each micro-batch's kept ids
+    (OpenRLHF gets its log-prob results as before: every worker's list, ring-attention and
+    tensor-parallel copies included), which are handed, per micro-batch, to the reference
+    group's forward (``initial_model_group``, dispatched after the actor's: the driver waits
+    for the actor's results first). Otherwise OpenRLHF's own."""
+    own = _PATCHES.original(type(self), "_dispatch_forward")
+    reference = getattr(self, "initial_model_group", None)
+    if not _STATE.methods.one_set_per_rollout or reference is None or group is None or \
+            group not in (self.actor_model_group, reference):
+        return own(self, group, sync_condition, **kwargs)
+    import ray
+
+    n = len(next(iter(kwargs.values())))
+    ray.get(_on_workers(group))
+    if group is self.actor_model_group:
+        self.__dict__.pop(DRIVER_IDS_ATTR, None)
+        refs = own(self, group, sync_condition, **kwargs, **{RETURN_IDS_KWARG: [True] * n})
+        results = ray.get(refs)
+        args = self.strategy.args
+        dup = int(_get(args, "ds.ring_attn_size", 1) or 1) * \
+            int(_get(args, "ds.tensor_parallel_size", 1) or 1)
+        ids = [c for chunk in results[::dup] for _, c in chunk]
+        if len(ids) != n:
+            raise ValueError(f"{ONE_SET}: the actor workers returned kept ids for {len(ids)} "
+                             f"micro-batches, not the {n} dispatched")
+        setattr(self, DRIVER_IDS_ATTR, ids)
+        return [ray.put([logp for logp, _ in chunk]) for chunk in results]
+    ids = self.__dict__.pop(DRIVER_IDS_ATTR, None)
+    if ids is None or len(ids) != n:
+        raise ValueError(f"{ONE_SET}: the reference group's forward was dispatched without "
+                         f"the actor group's kept ids for its {n} micro-batches (gbc hands "
+                         f"them over in OpenRLHF 0.11.2's make_experience order: the actor's "
+                         f"forward first)")
+    return own(self, group, sync_condition, **kwargs, **{GIVEN_IDS_KWARG: ids})
+
+
+def _on_workers(group):
+    """:func:`_install_worker_forward` on each of ``group``'s workers (Ray's ``__ray_call__``);
+    the refs."""
+    try:
+        return group.async_run_method("__ray_call__", _install_worker_forward)
+    except AttributeError as exc:
+        raise ValueError(f"{ONE_SET}: OpenRLHF's Ray workers have no __ray_call__ ({exc}): "
+                         f"gbc hands the actor's kept ids to the reference model's workers "
+                         f"through it; set support_set=per_pass or algo.kl.init_coef=0") \
+            from None
 
 
 def _compact_rows(ids):
@@ -290,8 +397,6 @@ def check_trainer(trainer) -> None:
                              "samples over the ranks after the actor's pass that computed "
                              "their log_kept_mass")
     if opts.one_set_per_rollout:
-        if float(_get(args, "algo.kl.init_coef", 0.0) or 0.0) > 0:
-            raise ValueError(REFERENCE_REFUSAL)
         if dynamic:
             raise ValueError(f"{ONE_SET}: train.dynamic_batch_enable rebalances the "
                              "samples over the ranks after the actor's pass that built their "
@@ -444,7 +549,7 @@ def _nthr_forget():
     if _STATE.nthr_heads is not None:
         _STATE.nthr_heads.stale = True
     _STATE.nthr_heads, _STATE.nthr_pending, _STATE.kept_mass_pending = None, [], []
-    _STATE.support_pending = []
+    _STATE.support_pending, _STATE.support_given = [], None
 
 
 def _info_rows(experience, key, T, fill, option, what):
