@@ -165,7 +165,7 @@ def assert_refused(report, *names):
     error = report.get("error")
     assert error is not None and "calls" not in report, report
     for fragment in ("Unsloth has patched TRL in this process", "gbc_* option",
-                     "No import order works", "a process that does not import unsloth", *names):
+                     "GBCUnslothGRPOTrainer", "a process that does not import unsloth", *names):
         assert fragment in error, (fragment, error)
 
 
@@ -267,3 +267,27 @@ def test_real_unsloth_route_class_runs_gbcs_loss(tiny, tmp_path, patch, variable
     assert "error" not in report and "loss_error" not in report, report
     assert report["calls"] == ["gbc _compute_loss"], report
     assert report["compute_loss_file"].endswith("gbc_kernels/integrations/unsloth.py"), report
+
+
+def test_only_unsloths_own_names_count():
+    """What marks an object as Unsloth's: its packages (``unsloth``, ``unsloth_zoo``), the
+    compiled cache and the trainers generated there, as module or folder names — never a user's
+    folder that merely starts with "unsloth" (a venv ``~/venvs/unsloth-env``), which would refuse
+    the plain trainer in a process without Unsloth."""
+    from gbc_kernels.integrations.trl import trainer as t
+
+    for name in ("unsloth", "unsloth_zoo", "unsloth_compiled_cache", "UnslothGRPOTrainer",
+                 "UnslothSFTTrainer"):
+        assert t._unsloth_name(name), name
+    for name in ("unsloth-env", "unsloth_venv", "Unsloth", "unslothy", "gbc-unsloth-2026.10.9",
+                 "", None, "trl"):
+        assert not t._unsloth_name(name), name
+
+    def f():
+        return 1
+
+    code = f.__code__
+    f.__code__ = code.replace(co_filename="/home/u/venvs/unsloth-env/lib/mod.py")
+    assert not t._from_unsloth(f)
+    f.__code__ = code.replace(co_filename="/x/unsloth_compiled_cache/UnslothGRPOTrainer.py")
+    assert t._from_unsloth(f)

@@ -53,10 +53,17 @@ def _logit_scale(model) -> float:
     return scale
 
 
+# Unsloth's packages and the folder its generated trainers live in (module or directory names)
+_UNSLOTH_PACKAGES = ("unsloth", "unsloth_zoo", "unsloth_compiled_cache")
+
+
 def _unsloth_name(name) -> bool:
     """A module or directory of Unsloth's: ``unsloth``, ``unsloth_zoo``, the compiled cache
-    (``unsloth_compiled_cache``) and the trainers generated there (``UnslothGRPOTrainer``)."""
-    return str(name or "").lower().startswith("unsloth")
+    (``unsloth_compiled_cache``) and the trainers generated there (``UnslothGRPOTrainer``, any
+    ``Unsloth*Trainer``). Only those names: a user's folder such as ``~/venvs/unsloth-env`` is
+    not Unsloth's."""
+    name = str(name or "")
+    return name in _UNSLOTH_PACKAGES or (name.startswith("Unsloth") and name.endswith("Trainer"))
 
 
 def _from_unsloth(obj) -> bool:
@@ -123,8 +130,10 @@ def check_no_unsloth(trainer_cls=None, args=None):
         "TRL's generation unwrap and gradient-checkpointing toggle and, once a model is loaded "
         "through FastLanguageModel, transformers.Trainer's training_step and training loop, "
         "which scale the loss gbc computes (on its CPU backend: GRPOConfig's __post_init__ and "
-        "TRL's fused head). No import order works: use GBCGRPOTrainer in a process that does "
-        "not import unsloth (the model loaded with transformers, LoRA with PEFT).")
+        "TRL's fused head). Inside Unsloth, use gbc's Unsloth trainer: `import unsloth` first, "
+        "then `from gbc_kernels.integrations.unsloth import GBCUnslothGRPOTrainer` "
+        "(docs/unsloth.md); or GBCGRPOTrainer in a process that does not import unsloth (the "
+        "model loaded with transformers, LoRA with PEFT).")
 
 
 # Lopti on-policy: the old policy's log-probs, fixed at the rollout for both updates
