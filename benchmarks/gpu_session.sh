@@ -45,3 +45,8 @@ timeout 120 python benchmarks/bench_support.py --device cuda --dtype bfloat16 --
     | tee "$out/truncation.log"
 timeout 60 python benchmarks/profile_gpu.py --shape qwen2.5-7b --N 8192 --chunk-mb default,256 \
     2>&1 | tee "$out/profile_qwen.log"
+# gbc inside Unsloth's trainer on a FastLanguageModel LoRA model (issue 67), against Unsloth's
+# own loss and float64: needs an interpreter with Unsloth and a CUDA torch (GBC_UNSLOTH_PYTHON);
+# without one it says why and exits 0
+timeout 240 python benchmarks/gpu_unsloth.py --python "${GBC_UNSLOTH_PYTHON:-python}" 2>&1 \
+    | tee "$out/unsloth.log"

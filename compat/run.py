@@ -417,8 +417,8 @@ def ensure_venv(ctx, trainer, release, newest=None):
     sections = parse_set(set_path, newest)
     name = f"{trainer}-{release}-{set_hash(ctx, set_path, newest)}"
     if name.lower().startswith("unsloth"):
-        # gbc's TRL trainer takes a file under a directory named unsloth* for Unsloth's
-        # (check_no_unsloth): the venv's own name must not look like one
+        # a venv folder named unsloth-* read as Unsloth's to gbc's check_no_unsloth before it
+        # matched Unsloth's own names only; the prefix stays so that cached venvs keep their path
         name = "gbc-" + name
     venv = os.path.join(ctx.cache, "venvs", name)
     info = {"set": os.path.relpath(set_path, ROOT), "cached": True, "install_s": 0.0}
