@@ -117,9 +117,11 @@ def test_support_nthr_matches_float64_reference(backend, small_chunks, k, temp, 
              dtype)
     kw = dict(temperature=temp, logit_softcap=cap, support_ids=d["support_ids"])
     if with_logp:          # the old-policy pass's log-probs over the same support
+        # float32 logits from the bf16 operands, as the comparison below assumes: the default
+        # mode is the head's dtype on a CPU with bf16 units (bf16-rounded logits, ~2e-2 off)
         kw["logp"] = gbc.fused_linear_logprobs(
             d["hidden"], d["weight"], d["targets"].masked_fill(~d["mask"], 0), bias=d["bias"],
-            temperature=temp, logit_softcap=cap, backend=backend,
+            temperature=temp, logit_softcap=cap, backend=backend, logits_dtype=torch.float32,
             support_ids=d["support_ids"].masked_fill(~d["mask"].unsqueeze(-1), -1))[0]
     for beta in (1.0, 0.0):
         ours = call(gbc, d, beta=beta, backend=backend, **kw)
