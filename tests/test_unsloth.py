@@ -71,7 +71,23 @@ OBJECTIVES = [
     ("vespo", dict(loss_type="vespo")),
     ("entropy-quantile", dict(loss_type="grpo", top_entropy_quantile=0.5)),
     ("lora-dapo-beta", dict(loss_type="dapo", beta=0.04, lora=True)),
+    # the off-policy mask against the sampler's log-probs, and vLLM's importance-sampling
+    # correction (the batch's importance_sampling_ratio: vllm_is sets use_vllm on the built
+    # trainer, as a vLLM rollout would; no vLLM runs), token-level and on GSPO's sequence level
+    ("off-policy-mask", dict(loss_type="grpo", off_policy_mask_threshold=0.05)),
+    ("vllm-is", dict(loss_type="dapo", beta=0.04, vllm_is=True)),
+    ("vllm-is-gspo-mask", dict(loss_type="grpo", importance_sampling_level="sequence",
+                               off_policy_mask_threshold=0.05, vllm_is=True)),
+    ("vllm-is-vespo", dict(loss_type="vespo", vllm_is=True)),
 ]
+
+
+def _case_batch(batch, options):
+    """The batch a case's loss sees: TRL's rollout puts ``importance_sampling_ratio`` in it
+    only under vLLM's correction (VESPO reads it whenever it is there)."""
+    if options.get("vllm_is"):
+        return batch
+    return {k: v for k, v in batch.items() if k != "importance_sampling_ratio"}
 METHODS = [
     ("ar", dict(loss_type="dapo", gbc_ar_alpha=0.3)),
     ("nthr", dict(loss_type="grpo", gbc_nthr=True)),
@@ -125,8 +141,8 @@ def _compare(gbc, oracle, loss_tol=2e-6, grad_tol=2e-5):
 @needs_unsloth
 @pytest.mark.parametrize("route", list(ROUTES))
 def test_objectives_match_float64_oracle(objective_runs, route):
-    """Every objective (and GSPO, KL, delta, the entropy quantile, a PEFT LoRA model),
-    accumulation 2, on Unsloth's rollout batch: gbc's loss and gradients inside Unsloth's
+    """Every objective (and GSPO, KL, delta, the entropy quantile, the off-policy mask, vLLM's
+    importance-sampling correction, a PEFT LoRA model), accumulation 2, on Unsloth's rollout batch: gbc's loss and gradients inside Unsloth's
     trainer equal TRL's loss computed in float64 without Unsloth."""
     gbc, oracle = objective_runs[route]
     assert gbc["base"] == "UnslothGRPOTrainer.UnslothGRPOTrainer", gbc
@@ -330,15 +346,19 @@ def _build(cls, config_cls, path, out, model=None, **options):
 
     options = dict(options)
     lora = options.pop("lora", False)
+    vllm_is = options.pop("vllm_is", False)
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         if lora:
             model = _lora_model(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return cls(model=model, reward_funcs=reward_has_knight,
-                   args=_config(config_cls, out, **options), train_dataset=_dataset(),
-                   processing_class=_tokenizer(path))
+        trainer = cls(model=model, reward_funcs=reward_has_knight,
+                      args=_config(config_cls, out, **options), train_dataset=_dataset(),
+                      processing_class=_tokenizer(path))
+    if vllm_is:     # the loss multiplies by the batch's importance_sampling_ratio (TRL's rule)
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    return trainer
 
 
 def _rollout(trainer):
@@ -373,6 +393,12 @@ def _shape_batch(trainer, batch, seed, off_policy=True):
                 torch.cat([batch["prompt_mask"], mask], 1), T)[0]
         batch["old_per_token_logps"] = logp + 0.4 * torch.randn(B, T, generator=g)
         batch["ref_per_token_logps"] = logp + 0.3 * torch.randn(B, T, generator=g)
+        # a sampler's log-probs and the importance-sampling ratio a vLLM rollout would give
+        # (read only with off_policy_mask_threshold / use_vllm)
+        batch["sampling_per_token_logps"] = logp + 0.5 * torch.randn(B, T, generator=g)
+        # 1 outside the mask, as TRL's rollout computes it (exp of masked log-prob gaps)
+        batch["importance_sampling_ratio"] = torch.exp(
+            0.3 * torch.randn(B, T, generator=g) * mask.to(torch.float32))
     return batch
 
 
@@ -446,7 +472,7 @@ def worker_objectives(a):
         lambda: first.compute_loss(first.model, _cpu(batch)).backward(), V)
     for name, options in OBJECTIVES:
         trainer = _build(GBCUnslothGRPOTrainer, GBCGRPOConfig, path, out, **options)
-        loss, grads = _loss_and_grads(trainer, _cpu(batch), ACCUMULATION)
+        loss, grads = _loss_and_grads(trainer, _cpu(_case_batch(batch, options)), ACCUMULATION)
         report["cases"][name] = {"loss": loss}
         saved["cases"][name] = {"options": options, "loss": loss, "grads": grads}
         if options.get("lora"):
@@ -519,7 +545,7 @@ def worker_oracle(a):
         assert "unsloth" not in sys.modules
         assert type(ref).__mro__[1].__module__ == "trl.trainer.grpo_trainer"
         batch = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v)
-                 for k, v in saved["batch"].items()}
+                 for k, v in _case_batch(saved["batch"], case["options"]).items()}
         loss, grads = _loss_and_grads(ref, batch, ACCUMULATION)
         report["cases"][name] = {"loss": loss, "grad_err": _grad_err(case["grads"], grads),
                                  "n_grads": len(grads),
