@@ -37,7 +37,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def build_model(path, V, H, layers):
+def build_model(path, V, H, layers, dtype=None, **config):
+    """A Qwen2 of ``layers`` layers and a word-level tokenizer (built in code, saved to
+    ``path``); ``config`` overrides the Qwen2Config's fields, ``dtype`` the saved weights'
+    (``benchmarks/gpu_unsloth.py``: bf16, wider heads)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -48,11 +51,13 @@ def build_model(path, V, H, layers):
     PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>",
                             eos_token="<eos>").save_pretrained(path)
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=V, hidden_size=H, intermediate_size=2 * H,
-                      num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
-                      max_position_embeddings=4096, pad_token_id=0, eos_token_id=2,
-                      tie_word_embeddings=False)
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    fields = dict(vocab_size=V, hidden_size=H, intermediate_size=2 * H,
+                  num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
+                  max_position_embeddings=4096, pad_token_id=0, eos_token_id=2,
+                  tie_word_embeddings=False)
+    fields.update(config)
+    model = Qwen2ForCausalLM(Qwen2Config(**fields))
+    (model if dtype is None else model.to(dtype)).save_pretrained(path)
 
 
 def rss_bytes():

@@ -35,22 +35,15 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def build_model(path, V, H, layers):
+    """bench_unsloth's model and tokenizer, at a GPU's shape: bf16 weights, 64-wide heads."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    words = ["<pad>", "<unk>", "<eos>"] + [f"w{i}" for i in range(61)]
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>",
-                            eos_token="<eos>").save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=V, hidden_size=H, intermediate_size=3 * H,
-                      num_hidden_layers=layers, num_attention_heads=H // 64,
-                      num_key_value_heads=max(1, H // 256), max_position_embeddings=8192,
-                      pad_token_id=0, eos_token_id=2, tie_word_embeddings=False,
-                      torch_dtype="bfloat16")
-    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    sys.path.insert(0, HERE)
+    from bench_unsloth import build_model as build
+
+    build(path, V, H, layers, dtype=torch.bfloat16, intermediate_size=3 * H,
+          num_attention_heads=H // 64, num_key_value_heads=max(1, H // 256),
+          max_position_embeddings=8192, torch_dtype="bfloat16")
 
 
 def make_batch(a):
