@@ -129,6 +129,7 @@ else:
     except Exception as e:            # Unsloth's own loss on inputs it does not expect
         import traceback
         report["loss_error"] = "".join(traceback.format_exception(e))[-6000:]
+        report["loss_frames"] = [f.filename for f in traceback.extract_tb(e.__traceback__)]
     report["calls"] = calls
 print("REPORT " + json.dumps(report))
 '''
@@ -251,7 +252,11 @@ def test_real_unsloth_without_the_check_runs_its_own_loss(tiny, tmp_path):
                  UNSLOTH_ALLOW_CPU="1")
     assert "error" not in report and "gbc _compute_loss" not in report["calls"], report
     assert report["compute_loss_file"].endswith("unsloth_compiled_cache/UnslothGRPOTrainer.py")
-    assert "UnslothGRPOTrainer.py" in report.get("loss_error", "UnslothGRPOTrainer.py"), report
+    # where Unsloth's loss fails on this machine (on some CPUs inside its fused model forward,
+    # deep below), the failing call went through Unsloth's compiled trainer
+    if "loss_error" in report:
+        assert any(f.endswith("unsloth_compiled_cache/UnslothGRPOTrainer.py")
+                   for f in report["loss_frames"]), report
 
 
 @needs_unsloth
