@@ -461,21 +461,69 @@ def test_plan_of_each_support_set():
 
 
 # ------------------------------------------------------------------- gbc's Megatron engine
-def _megatron_worker(rank, world, tp, sp, thd):
-    """At TP ``tp`` (+ sequence parallelism; ``thd``: packed, else ``bshd``): gbc's old-policy
-    pass builds the set (``gbc_support_ids`` in its output, nested per sequence as the v1 trainer's
-    transfer queue holds it), then the reference pass and the update replay it from the batch;
-    verl's stock engine runs the same passes with its logits cut by hand to the kept set of
-    the whole (gathered) vocabulary."""
+HAND_K = 12         # MEGATRON's top_k: the widest kept set
+
+
+def _recording(processor):
+    """``processor`` (:func:`_cut_processor`'s hand cut) whose forward-only passes also return
+    the hand's kept set of the whole vocabulary at each row, before it forces the target in:
+    ``HAND_K`` per-token outputs ``hand_id_k`` (the set's ids in order, ``-1`` padded) that verl's
+    own unpacking (``thd`` or ``bshd``, gathered over the context-parallel group) carries to the
+    response grid, an oracle of the built ids' layout independent of gbc's row mapping."""
+    import gbc_reference as ref
+
+    def wrapped(self, logits, label, temperature, **kw):
+        seen, kept_set = [], ref.kept_set
+
+        def record(*args, **kwargs):
+            keep = kept_set(*args, **kwargs)
+            seen.append(keep.clone())           # the hand then scatters the target into it
+            return keep
+
+        ref.kept_set = record
+        try:
+            ret = processor(self, logits, label, temperature, **kw)
+        finally:
+            ref.kept_set = kept_set
+        if kw.get("logits_processor_func") is None:
+            keep = seen[-1].reshape(*label.shape, -1)
+            V = keep.shape[-1]
+            ids = torch.where(keep, torch.arange(V), V).sort(-1).values[..., :HAND_K]
+            ids = torch.where(ids < V, ids, -1).to(logits.dtype)
+            for k in range(HAND_K):
+                ret[f"hand_id_{k}"] = ids[..., k]
+        return ret
+
+    return wrapped
+
+
+def _megatron_worker(rank, world, tp, sp, thd, cp=1):
+    """At TP ``tp`` (+ sequence parallelism ``sp``) and context parallel ``cp``, in the packed
+    ``thd`` layout (``use_remove_padding=True``; tests/test_verl_megatron_cp.py's model, whose
+    core attention is the packed stand-in; context parallelism is thd only) or the padded
+    ``bshd`` one: gbc's old-policy pass builds the set (``gbc_support_ids`` in its output, nested
+    per sequence as the v1 trainer's transfer queue holds it), then the reference pass and the
+    update replay it from the batch; verl's stock engine runs the same passes with its logits
+    cut by hand to the kept set of the whole (gathered) vocabulary, its old pass returning that
+    set (``hand_ids``, :func:`_recording`)."""
     from test_verl_megatron import (_batch, _engine, _grads, _infer, _loss_fn, _metric_values,
-                                    _responses, _setup)
+                                    _padded, _responses, _setup)
     from test_verl_support import MEGATRON, _cut_processor
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+    from verl.workers.utils.padding import no_padding_2_padding
 
     from gbc_kernels.integrations.verl import engine as ve
 
+    assert MEGATRON["top_k"] == HAND_K
     rollout = rollout_config(**MEGATRON)
-    config = dict(use_remove_padding=True) if thd else {}
+    if thd:
+        from test_verl_megatron_cp import _model
+
+        setup = functools.partial(_model, tp, sp, cp=cp)
+        config = dict(use_remove_padding=True, context_parallel_size=cp)
+    else:
+        assert cp == 1          # verl's bshd step asserts context parallel 1
+        setup, config = functools.partial(_setup, tp, sp), {}
 
     def passes(engine, ids=None):
         res = {}
@@ -489,6 +537,12 @@ def _megatron_worker(rank, world, tp, sp, thd):
             res["ids"] = ve.support_ids_of(view, ve._lengths(view)[2])
             res["valid"] = ve._Rows(view, False).valid
             ids = built
+        if "hand_id_0" in o["model_output"]:        # the hand's set, by verl's unpacking
+            res["targets"] = _padded(data["responses"])
+            res["mask"] = _padded(data["response_mask"]).bool()
+            res["hand_ids"] = torch.stack(
+                [(no_padding_2_padding(o["model_output"][f"hand_id_{k}"] + 1, data) - 1)
+                 .round().long() for k in range(HAND_K)], -1)
         data = _batch(seed=7)
         if ids is not None:
             data[ve.SUPPORT_IDS_KEY] = ids
@@ -503,15 +557,16 @@ def _megatron_worker(rank, world, tp, sp, thd):
         return res
 
     out = {}
-    model = _setup(tp, sp)
+    model = setup()
     engine = _engine(model, options=ve.EngineOptions(support="replay"), **config)
     engine.gbc_attach_rollout(rollout, "actor")
     out["rollout"] = passes(engine)
     out["rollout"]["grads"] = _grads(model)
     stock = MegatronEngineWithLMHead._lm_head_logits_processor
-    model = _setup(tp, sp)
+    model = setup()
     engine = _engine(model, gbc=False, **config)
-    MegatronEngineWithLMHead._lm_head_logits_processor = _cut_processor(stock, MEGATRON, tp)
+    MegatronEngineWithLMHead._lm_head_logits_processor = _recording(
+        _cut_processor(stock, MEGATRON, tp))
     try:
         out["cut"] = passes(engine)
         out["cut"]["grads"] = _grads(model)
@@ -520,20 +575,33 @@ def _megatron_worker(rank, world, tp, sp, thd):
     return out
 
 
-@pytest.fixture(scope="module")
-def megatron_runs():
+# (ranks, tp, sequence parallel, thd, cp) of each layout; each a spawned gloo run
+MEGATRON_LAYOUTS = {"bshd_tp2_sp": (2, 2, True, False, 1),
+                    "thd_tp2_sp": (2, 2, True, True, 1),
+                    "thd_cp2": (2, 1, False, True, 2)}
+
+
+@pytest.fixture(scope="module", params=list(MEGATRON_LAYOUTS))
+def megatron_runs(request):
     pytest.importorskip("megatron.core")
     pytest.importorskip("verl.workers.engine.megatron.transformer_impl")
-    return spawn_gloo(2, _megatron_worker, 2, True, False)
+    world, *args = MEGATRON_LAYOUTS[request.param]
+    return spawn_gloo(world, _megatron_worker, *args)
 
 
 def test_megatron_reference_and_update_replay_the_old_pass_set(megatron_runs):
-    """gbc's Megatron engine at TP 2 with sequence parallelism (the harness's ``bshd``): the
-    old-policy pass returns its kept set (``gbc_support_ids``, nested per sequence like
-    ``log_probs``: each response token's row holds ids, the same on both ranks), and the
-    reference pass and the update that read it from their batch equal verl's stock engine whose
-    logits are cut by hand to the kept set of the whole vocabulary: log-probs, loss, verl's
-    metrics, every gradient; no target forced in (the rollout's tokens are the targets)."""
+    """gbc's Megatron engine in each layout — the padded ``bshd`` and the packed ``thd``
+    (``use_remove_padding=True``, verl's default) at TP 2 with sequence parallelism, ``thd`` at
+    context parallel 2 (each rank its own load-balanced chunks; the ids joined over the CP
+    group) — on a float64 tiny ``GPTModel``: the old-policy pass returns its kept set
+    (``gbc_support_ids``, nested per sequence like ``log_probs``: each response token's row
+    holds the ids of the hand's kept set at that token, read back through verl's own unpacking;
+    the same on every rank; non-empty in the valid rows, empty elsewhere), and the reference
+    pass and the update that read it from their batch equal verl's stock engine whose logits
+    are cut by hand to the kept set of the whole vocabulary: log-probs, loss, verl's metrics,
+    every gradient (the batch's random targets outside the set forced in by both); gbc's
+    ``support_forced_frac`` is each micro-batch's share of targets outside the hand's set."""
+    from test_verl_megatron import VP
     from test_verl_support import _mclose
 
     ids0 = megatron_runs[0]["rollout"]["ids"]
@@ -543,13 +611,26 @@ def test_megatron_reference_and_update_replay_the_old_pass_set(megatron_runs):
         valid = got["valid"]
         size = (got["ids"] >= 0).sum(-1)
         assert (size[valid] >= 1).all() and (size[~valid] == 0).all(), r
-        assert int(size[valid].max()) <= 12 and (size[valid] < 12).any(), r    # top_k, top_p
+        assert int(size[valid].max()) <= HAND_K and (size[valid] < HAND_K).any(), r  # top_p
+        hand = want["hand_ids"]
+        assert hand.shape[:2] == got["ids"].shape[:2], r
+        assert torch.equal(_members(got["ids"], VP)[valid], _members(hand, VP)[valid]), r
         for p in ("old", "ref"):
             _mclose(got[p], want[p], 1e-6, f"rank {r} {p}")
         assert abs(got["step"]["loss"] - want["step"]["loss"]) < 1e-7, r
         for k, v in want["step"]["metrics"].items():
             _mclose(torch.tensor(v), torch.tensor(got["step"]["metrics"][k]), 1e-5,
                     f"rank {r} {k}")
+        # gbc's forced share: each update micro-batch's (2 rows, in order) masked-in targets
+        # outside the hand's set
+        T = hand.shape[1]
+        mask = want["mask"][:, :T]
+        forced = ~(hand == want["targets"][:, :T, None]).any(-1) & mask
+        shares = [float(forced[i:i + 2].sum()) / max(1.0, float(mask[i:i + 2].sum()))
+                  for i in range(0, forced.shape[0], 2)]
+        assert any(x > 0 for x in shares), shares
+        assert got["step"]["metrics"]["actor/gbc_support_forced_frac"] == pytest.approx(
+            shares), r
         for k in want["grads"]:
             _mclose(got["grads"][k], want["grads"][k], 1e-6, f"rank {r} grad {k}")
 
