@@ -509,20 +509,17 @@ def check_buffer(trainer) -> None:
     for i, item in enumerate(items):
         where = (f"the replay buffer's sample {i} (of {len(items)}; checked for the whole "
                  f"buffer before the update's first training step)")
-        if one_set:
-            if (getattr(item, "info", None) or {}).get(SUPPORT_IDS_KEY) is None:
-                raise ValueError(
-                    f"{ONE_SET}: the experience carries no kept ids: {where} (the "
-                    f"experience maker's actor pass in this process builds them and the replay "
-                    f"buffer's append stores them: enable() must run in this process with the "
-                    f"same options, e.g. through {ENV_OPTIONS})")
-            continue
-        if (getattr(item, "info", None) or {}).get(KEPT_MASS_KEY) is None:
+        key, what, done_by = ((SUPPORT_IDS_KEY, f"{ONE_SET}: the experience carries no kept ids",
+                               "builds them") if one_set else
+                              (KEPT_MASS_KEY, "support=kept_mass: the experience carries no "
+                               "log_kept_mass", "computes it"))
+        if (getattr(item, "info", None) or {}).get(key) is None:
             raise ValueError(
-                f"support=kept_mass: the experience carries no log_kept_mass: {where} (the "
-                f"experience maker's actor pass in this process computes it and the replay "
-                f"buffer's append stores it: enable() must run in this process with the same "
-                f"options, e.g. through {ENV_OPTIONS})")
+                f"{what}: {where} (the experience maker's actor pass in this process {done_by} "
+                f"and the replay buffer's append stores {done_by.split()[-1]}: enable() must "
+                f"run in this process with the same options, e.g. through {ENV_OPTIONS})")
+        if one_set:
+            continue
         if getattr(item, "rollout_log_probs", None) is None:
             raise ValueError(f"experience.rollout_log_probs: required with log_kept_mass "
                              f"(support=kept_mass moves vLLM's processed log-probs): {where} "
