@@ -13,8 +13,10 @@ tests/test_areal_support.py.
 The rollouts are drawn (SGLang's rule, float64) from a sampler model a little off the policy
 (its weights plus 0.002 noise: the rollout engine's numerics), so some sampled tokens fall
 outside the set the training-side policy keeps: the building pass's forced share is above 0,
-and under one set per rollout every later pass forces in exactly those tokens. Runs in AReaL's
-venv (``make compat ONLY=areal``); skipped where AReaL is not installed.
+and under one set per rollout every later pass forces in exactly those tokens. The same run
+under AReaL's Ulysses sequence parallelism (``fsdp:d1c2``, 2 gloo ranks, flash attention on
+tests/standins/flash_attn) equals it at SP 1. Runs in AReaL's venv (``make compat
+ONLY=areal``); skipped where AReaL is not installed.
 """
 
 from __future__ import annotations
@@ -517,3 +519,210 @@ def test_enable_and_single_controller(models, switched):
     switched.enable(exp, support="replay", support_set="per_pass")
     eng = GBCFSDPPPOActor(exp.actor)
     assert not eng._gbc_one_set and eng._gbc_truncation is not None
+
+
+# ---- Ulysses sequence parallelism (fsdp:d1c2) ----------------------------------------------
+
+def _flash_on_cpu():
+    """transformers 5.3's flash-attention functions are tests/standins/flash_attn's (exact
+    attention on torch's SDPA, each packed sequence causal on its own; loaded by path), so
+    that AReaL's Ulysses patch (``_ulysses_flash_attention_forward``: all-to-all over the SP
+    group around transformers' ``_flash_attention_forward``) attends over the whole sequence
+    on a CPU. Returns the list of the lengths the varlen kernel attends over, appended to at
+    each call. Tokens past the last ``cu_seqlens`` (the Ulysses padding, which AReaL's
+    ``cu_seqlens`` do not cover; flash-attn leaves their rows unset, and AReaL trims them)
+    attend as one more sequence."""
+    import functools
+    import importlib.util
+
+    import transformers.modeling_flash_attention_utils as fau
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location(
+        "gbc_flash_attn_standin", os.path.join(here, "standins", "flash_attn",
+                                               "flash_attn_interface.py"))
+    fa = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fa)
+    seen = []
+
+    @functools.wraps(fa.flash_attn_varlen_func)     # transformers reads its signature
+    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs):
+        seen.append(q.shape[0])
+        if int(cu_seqlens_q[-1]) < q.shape[0]:
+            tail = cu_seqlens_q.new_tensor([q.shape[0]])
+            cu_seqlens_q, cu_seqlens_k = torch.cat([cu_seqlens_q, tail]), \
+                torch.cat([cu_seqlens_k, tail])
+        return fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs)
+
+    fau._lazy_imports = lambda *a, **k: (fa.flash_attn_func, varlen, fau._pad_input,
+                                         fau._unpad_input)
+    return seen
+
+
+def _grads_at_steps(actor):
+    """Record the full gradients at each optimizer step of ``actor`` (before the step)."""
+    got = []
+    step = actor.optimizer.step
+
+    def stepped(*args, **kwargs):
+        got.append({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                    .detach().clone() for n, p in actor.model.named_parameters()})
+        return step(*args, **kwargs)
+
+    actor.optimizer.step = stepped
+    return got
+
+
+def _worker_ulysses(rank, world, paths, batch, perm, orders):
+    """One set per rollout (the decoupled loss, AReaL's KL reference, 2 minibatches, one
+    trajectory per micro-batch) at ``fsdp:d1c{world}``, flash attention (the stand-in) on
+    every rank; ``orders``: the actor's compute_logp first (``rollout``) and/or AReaL's
+    trainer order (``trainer``). Each replayed micro-batch's ids are recorded as this rank
+    looked them up: its slice of the micro-batch."""
+    from areal.api.cli_args import MicroBatchSpec, NormConfig
+
+    attended = _flash_on_cpu()
+    policy, ref_path = paths
+    # AReaL's batch-level advantage normalisation all-reduces over the whole world, where
+    # each SP rank holds the same batch: its unbiased std (n - 1) then counts 2n - 1, and
+    # AReaL's own advantages at SP 2 are 1.004 times SP 1's. The biased std is the same.
+    # Each micro-batch one trajectory padded to P + R + 1 tokens (AReaL pads to 256
+    # otherwise: rank 1 would hold only padding), the Ulysses padding one more: each rank
+    # holds 7 rows, rank 1 five of the trajectory's tokens, AReaL's padding and Ulysses'.
+    cfg_kw = dict(CONFIGS["decoupled"], temperature=T, kl_ctl=0.1, ppo_n_minibatches=2,
+                  mb_spec=MicroBatchSpec(max_tokens_per_mb=P + R + 1), pad_to_maximum=True,
+                  adv_norm=NormConfig(mean_level="batch", std_level="batch",
+                                      std_unbiased=False),
+                  backend="fsdp:d1" if world == 1 else f"fsdp:d1c{world}")
+    out = {}
+    for order in orders:
+        actor, ref = _engines(policy, ref_path, cfg_kw, "support=replay")
+        assert actor.parallel_helper.sp_size == world == ref.parallel_helper.sp_size
+        for eng in (actor, ref):        # read at each forward: AReaL's Ulysses patch sits on it
+            eng.model.config._attn_implementation = "flash_attention_2"
+        rec = _watch(actor)
+        rec["local"] = []
+        look = actor._gbc_replay_ids
+
+        def looked(mb_item, n, look=look, rec=rec):
+            ids = look(mb_item, n)
+            rec["local"].append((mb_item.padded_mb["input_ids"].reshape(-1).clone(),
+                                 ids.clone()))
+            return ids
+
+        actor._gbc_replay_ids = looked
+        grads = _grads_at_steps(actor)
+        del attended[:]
+        out[order] = _step(actor, ref, batch, perm,
+                           order="trainer" if order == "trainer" else "actor_first")
+        out[order].update(rec, grads=grads, attended=list(attended), rank=rank)
+        ref.destroy()
+        actor.destroy()
+    return out
+
+
+def _sp_ids(ranks, i):
+    """The ``i``-th replayed micro-batch's ids over the whole micro-batch: each SP rank's
+    slice, in rank order (``-1``-padded to the widest), and the micro-batch's tokens."""
+    tokens = ranks[0]["local"][i][0]
+    parts = [r["local"][i][1] for r in ranks]
+    assert all(torch.equal(r["local"][i][0], tokens) for r in ranks)
+    k = max(p.shape[-1] for p in parts)
+    return tokens, torch.cat([torch.nn.functional.pad(p, (0, k - p.shape[-1]), value=-1)
+                              for p in parts])
+
+
+def test_one_set_per_rollout_under_ulysses_equals_sp1(models):
+    """One set per rollout under AReaL's Ulysses sequence parallelism (``fsdp:d1c2``, 2 gloo
+    ranks in one SP group, each a slice of every packed micro-batch; flash attention, the
+    stand-in, so that AReaL's Ulysses patch attends over the whole sequence as on a GPU),
+    against the same run at SP 1 and the float64 oracle: the actor's building pass gathers
+    each rank's ids; every later pass slices each token's row as AReaL slices its labels. The
+    ids each rank replays, put together in rank order, are the float64 set built from the
+    policy's logits (the target not forced in) and SP 1's, row by row; the rows the
+    trajectories carry are SP 1's; the proximal and reference log-probs equal the float64
+    ones to 1e-5 and SP 1's; each micro-batch forces in its trajectory's building-pass count
+    (above 0: no target was forced into the set); every metric AReaL logs (the loss
+    included), the gradients at both optimizer steps and the parameters after them equal SP
+    1's, and both ranks end in sync. In AReaL's trainer order (the reference's compute_logp
+    first, which has the actor's building pass run on the batch) the same holds, with one
+    building pass."""
+    from gbc_kernels.integrations.areal import engine as gbc_engine
+
+    policy, ref_path, sampler = models
+    batch = sglang_rollouts(sampler)
+    oracle = built_sets(policy, ref_path, batch)
+    perm = [5, 2, 7, 0, 3, 6, 1, 4]
+    one = spawn_gloo(1, _worker_ulysses, (policy, ref_path), batch, perm, ("rollout",))[0]
+    two = spawn_gloo(2, _worker_ulysses, (policy, ref_path), batch, perm,
+                     ("rollout", "trainer"))
+    sp1 = one["rollout"]
+    by_tokens = {tuple(t["input_ids"][0].tolist()): s for t, s in zip(batch, oracle["sets"])}
+    want = _forced(batch, oracle["sets"])
+    built = sum(want.values()) / (R * len(batch))
+    assert 0 < built < 0.3, built
+    worst = {}
+    for order in ("rollout", "trainer"):
+        ranks = [r[order] for r in two]
+        ours = ranks[0]
+        if order == "trainer":
+            assert ours["passes"]["after_ref"] == dict(built=1, forward_mbs=len(batch))
+            assert ours["passes"]["after_actor"] == ours["passes"]["after_ref"]
+        # the attention spans both ranks' slices: each call attends over a whole micro-batch
+        assert ours["attended"] and min(ours["attended"]) >= P + R, ours["attended"]
+        # the ids: each rank looked up its slice; together, the float64 set and SP 1's
+        assert len(ours["local"]) == len(sp1["replayed"]) == len(batch)
+        for i in range(len(batch)):
+            tokens, ids = _sp_ids(ranks, i)
+            n = ranks[0]["local"][i][1].shape[0]
+            # each rank its half of the micro-batch (P + R tokens, AReaL's one padding token,
+            # Ulysses' one): rank 1 holds the trajectory's last 5 tokens
+            assert all(r["local"][i][1].shape[0] == n for r in ranks)
+            assert n * len(ranks) == tokens.numel() + 1 == P + R + 2, (n, tokens.numel())
+            key = tuple(tokens[:P + R].tolist())
+            sets, sp1_ids = by_tokens[key], dict(
+                (tuple(t.tolist()), s) for t, s in sp1["replayed"])[key]
+            for t in range(P + R):
+                got = set(ids[t].tolist()) - {-1}
+                if t < P + R - 1:                        # the last: a wrapped target
+                    assert got == set(sets[t].tolist()) - {-1}, (order, i, t)
+                assert got == set(sp1_ids[t].tolist()) - {-1}, (order, i, t)
+            assert (ids[P + R:] == -1).all()             # padding: no row
+        for a, b in zip(ours["rows"], sp1["rows"]):      # the rows, less the pass id
+            assert torch.equal(a & gbc_engine._ROW_MASK, b & gbc_engine._ROW_MASK)
+        # log-probs: the float64 oracle's (over the policy's set) and SP 1's
+        for name in ("prox", "ref"):
+            want_lp = [oracle[name][i] for i in perm]      # the batch reordered
+            worst[order, name, "oracle"] = max((a - b)[:, :-1].abs().max().item()
+                                               for a, b in zip(ours[name], want_lp))
+            worst[order, name, "sp1"] = max((a - b).abs().max().item()
+                                            for a, b in zip(ours[name], sp1[name]))
+            assert worst[order, name, "oracle"] < 1e-5 and worst[order, name, "sp1"] < 1e-5
+        # forced: each micro-batch its trajectory's building-pass count
+        assert len(ours["forced"]) == len(batch)
+        for tokens, f, n in ours["forced"]:
+            assert (f, n) == (want[tokens], R)
+        assert sorted(ours["forced"]) == sorted(sp1["forced"])
+        # the step: every metric (the loss included), the gradients, the parameters
+        _compare(dict(ours, params={}), dict(sp1, params={}))
+        assert ours["stats"]["ppo_actor/update/gbc_support_forced_frac/avg"] == \
+            pytest.approx(built, abs=1e-6)
+        assert any("loss" in k for k in sp1["stats"]), sorted(sp1["stats"])
+        assert len(ours["grads"]) == len(sp1["grads"]) == 2
+        for g2, g1 in zip(ours["grads"], sp1["grads"]):
+            assert g2.keys() == g1.keys()
+            for n, g in g1.items():
+                torch.testing.assert_close(g2[n], g, rtol=1e-4, atol=1e-6, msg=n)
+        worst[order, "grads"] = max((g2[n] - g1[n]).abs().max().item()
+                                    for g2, g1 in zip(ours["grads"], sp1["grads"])
+                                    for n in g1)
+        worst[order, "grads", "of tolerance"] = max(
+            ((g2[n] - g1[n]).abs() / (1e-6 + 1e-4 * g1[n].abs())).max().item()
+            for g2, g1 in zip(ours["grads"], sp1["grads"]) for n in g1)
+        for n, p in sp1["params"].items():
+            torch.testing.assert_close(ours["params"][n], p, rtol=1e-4, atol=1e-6, msg=n)
+            assert torch.equal(ours["params"][n], ranks[1]["params"][n]), n
+        worst[order, "params"] = max((ours["params"][n] - p).abs().max().item()
+                                     for n, p in sp1["params"].items())
+    print("\nUlysses SP 2 against SP 1 / the float64 oracle (largest differences): "
+          + ", ".join(f"{'/'.join(k)} {v:.1e}" for k, v in worst.items()), end="")
