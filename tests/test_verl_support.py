@@ -19,7 +19,9 @@ it as it patches verl's), the trainer objects (built with ``object.__new__``: ve
 starts Ray; gbc's check in it is run as the wrap runs it), the v1 trainer's transfer queue (a
 dict of each sample's fields, which the worker group fills with the worker's outputs as verl's
 ``tqbridge`` does), verl's advantage estimator (after the correction), the CPU platform of
-tests/test_verl_engine.py; the Megatron part runs tests/test_verl_megatron.py's harness.
+tests/test_verl_engine.py; the Megatron part runs tests/test_verl_megatron.py's harness
+(``bshd``) and tests/test_verl_megatron_cp.py's packed-attention model (``thd``, context
+parallelism).
 
 Oracles: float64 gbc_reference over the reference kept set (``truncation_support_ids``) on the
 plain HF model's hidden states; verl's stock engine step with its logits restricted to that set
@@ -795,13 +797,32 @@ def _cut_processor(stock_processor, settings, tp):
     return processor
 
 
-def _megatron_worker(rank, world, tp, sp):
+def _megatron_worker(rank, world, tp, sp, thd=False, cp=1):
+    """At TP ``tp`` (+ sequence parallelism ``sp``) and context parallel ``cp``, in the packed
+    ``thd`` layout (``use_remove_padding=True``; tests/test_verl_megatron_cp.py's model, whose
+    core attention is the packed stand-in; context parallelism is thd only) or the padded
+    ``bshd`` one (tests/test_verl_megatron.py's): gbc's engine under ``replay`` (the set rebuilt
+    in each pass, ``support_set=per_pass``), ``kept_mass`` and neither; verl's stock engine
+    plain and with its logits cut by hand to the kept set of the whole (gathered) vocabulary
+    (:func:`_cut_processor`, recording that set: tests/test_verl_support_set.py's
+    ``_recording``, also over the update's batch for the forced share); the start-up
+    refusal of top-p without a top-k bound."""
     from test_verl_megatron import (_batch, _engine, _grads, _infer, _loss_fn, _metric_values,
-                                    _responses, _setup)
+                                    _padded, _responses, _setup)
+    from test_verl_support_set import HAND_K, _recording
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+    from verl.workers.utils.padding import no_padding_2_padding
 
     from gbc_kernels.integrations.verl import engine as ve
 
+    if thd:
+        from test_verl_megatron_cp import _model
+
+        setup = functools.partial(_model, tp, sp, cp=cp)
+        config = dict(use_remove_padding=True, context_parallel_size=cp)
+    else:
+        assert cp == 1          # verl's bshd step asserts context parallel 1
+        setup, config = functools.partial(_setup, tp, sp), {}
     rollout = rollout_config(**MEGATRON)
     keys = ("log_probs", "entropy", "sum_pi_squared")
     out = {}
@@ -822,45 +843,64 @@ def _megatron_worker(rank, world, tp, sp):
         return dict(loss=float(sum(o["loss"])), metrics=_metric_values(o["metrics"]))
 
     for mode in ("replay", "kept_mass", None):
-        model = _setup(tp, sp)
-        engine = _engine(model, options=per_pass(mode))
+        model = setup()
+        engine = _engine(model, options=per_pass(mode), **config)
         engine.gbc_attach_rollout(rollout, "actor")       # what init_model hands it
         out[mode] = passes(engine, (ve.LOG_KEPT_MASS_KEY,))
         out[mode]["step"] = step(engine)
         out[mode]["step"]["grads"] = _grads(model)
     stock_processor = MegatronEngineWithLMHead._lm_head_logits_processor
     for name, processor in (("stock", stock_processor),
-                            ("cut", _cut_processor(stock_processor, MEGATRON, tp))):
-        model = _setup(tp, sp)
-        engine = _engine(model, gbc=False)
+                            ("cut", _recording(_cut_processor(stock_processor, MEGATRON, tp)))):
+        model = setup()
+        engine = _engine(model, gbc=False, **config)
         MegatronEngineWithLMHead._lm_head_logits_processor = processor
         try:
             out[name] = passes(engine, ("hand_kept",))
             out[name]["step"] = step(engine)
             out[name]["step"]["grads"] = _grads(model)
+            if name == "cut":   # the hand's set over the update's batch, by verl's unpacking
+                data = _batch(seed=11)
+                o = _infer(engine, data, calculate_entropy=False)["model_output"]
+                out[name]["step"].update(
+                    targets=_padded(data["responses"]),
+                    mask=_padded(data["response_mask"]).bool(),
+                    hand_ids=torch.stack(
+                        [(no_padding_2_padding(o[f"hand_id_{k}"] + 1, data) - 1).round().long()
+                         for k in range(HAND_K)], -1))
         finally:
             MegatronEngineWithLMHead._lm_head_logits_processor = stock_processor
     # start-up: top-p without a top-k bound under TP is refused in verl's words where the
     # engine rebuilds the set (not kept_mass's reference engine: its pass is the full
-    # vocabulary's)
-    model = _setup(tp, sp)
+    # vocabulary's); at TP 1 (each rank the whole vocabulary) it is taken
+    model = setup()
     unbounded = rollout_config(name="vllm", top_k=-1, top_p=0.9)
-    engine = _engine(model, options=ve.EngineOptions(support="kept_mass"))
+    engine = _engine(model, options=ve.EngineOptions(support="kept_mass"), **config)
     out["kept_mass_ref"] = engine.gbc_attach_rollout(unbounded, "ref").mode
-    engine = _engine(model, options=ve.EngineOptions(support="replay"))
+    engine = _engine(model, options=ve.EngineOptions(support="replay"), **config)
     try:
         engine.gbc_attach_rollout(unbounded, "ref")
         out["refused"] = None
     except ValueError as exc:
         out["refused"] = str(exc)
+    out["tp"] = tp
+    out["old_mask"] = _padded(_batch(seed=7)["response_mask"]).bool()
     return out
 
 
-@pytest.fixture(scope="module")
-def megatron_runs():
+# each layout (tests/test_verl_support_set.py's MEGATRON_LAYOUTS: ranks, tp, sequence
+# parallel, thd, cp) a spawned gloo run: bshd and packed thd at TP 2 + SP, thd at CP 2
+MEGATRON_LAYOUT_NAMES = ("bshd_tp2_sp", "thd_tp2_sp", "thd_cp2")
+
+
+@pytest.fixture(scope="module", params=MEGATRON_LAYOUT_NAMES)
+def megatron_runs(request):
     pytest.importorskip("megatron.core")
     pytest.importorskip("verl.workers.engine.megatron.transformer_impl")
-    return spawn_gloo(2, _megatron_worker, 2, True)
+    from test_verl_support_set import MEGATRON_LAYOUTS
+
+    world, *args = MEGATRON_LAYOUTS[request.param]
+    return spawn_gloo(world, _megatron_worker, *args)
 
 
 def _mclose(a, b, tol, what):
@@ -868,11 +908,15 @@ def _mclose(a, b, tol, what):
 
 
 def test_megatron_passes_equal_stock_over_the_kept_set(megatron_runs):
-    """gbc's Megatron engine at TP 2 with sequence parallelism (float64 tiny GPTModel, padded
-    vocabulary, top_k 12 / top_p 0.9 on its logits): ``replay``'s old-policy and reference
-    passes equal verl's stock engine's whose logits are cut by hand to the kept set of the
-    whole (gathered) vocabulary (log_probs, entropy, sum_pi_squared); ``kept_mass``'s old pass
-    is verl's plain one with ``gbc_log_kept_mass`` = the hand's ``LSE_S − LSE_V``, its
+    """gbc's Megatron engine in each layout — the padded ``bshd`` and the packed ``thd``
+    (``use_remove_padding=True``, verl's default) at TP 2 with sequence parallelism, ``thd`` at
+    context parallel 2 (each rank its own load-balanced chunks, verl joining the outputs over
+    the CP group) — on a float64 tiny GPTModel (padded vocabulary, top_k 12 / top_p 0.9 on its
+    logits): ``replay``'s old-policy and reference passes (the set rebuilt in each,
+    ``support_set=per_pass``) equal verl's stock engine's whose logits are cut by hand to the
+    kept set of the whole (gathered) vocabulary (log_probs, entropy, sum_pi_squared);
+    ``kept_mass``'s old pass is verl's plain one with ``gbc_log_kept_mass`` = the hand's
+    ``LSE_S − LSE_V`` at every response token (read back through verl's own unpacking), its
     reference pass the plain one."""
     from gbc_kernels.integrations.verl import engine as ve
 
@@ -889,19 +933,31 @@ def test_megatron_passes_equal_stock_over_the_kept_set(megatron_runs):
         assert ve.LOG_KEPT_MASS_KEY not in out["kept_mass"]["ref"]
         kept = out["kept_mass"]["old"][ve.LOG_KEPT_MASS_KEY]
         _mclose(kept, out["cut"]["old"]["hand_kept"], 1e-6, f"rank {r} log_kept_mass")
-        assert float(kept.exp().mean()) < 0.99
+        # a kept mass below 1 at most response tokens (0 off the response mask)
+        mask = out["old_mask"][:, :kept.shape[1]]
+        assert (kept[mask] < -1e-6).float().mean() > 0.5 and (kept[~mask] == 0).all(), r
 
 
 def test_megatron_replay_update_equals_stock_step_over_the_kept_set(megatron_runs):
-    """The ``replay`` update at TP 2 + SP (gbc_mcore's loss with the kept set rebuilt in the
-    row pass) equals verl's stock Megatron step whose logits are cut by hand: loss, verl's
-    metrics, every parameter's gradient; ``kept_mass``'s update is the plain one."""
+    """The ``replay`` update in each layout (gbc_mcore's loss with the kept set rebuilt in the
+    row pass; under context parallelism each rank's own tokens) equals verl's stock Megatron
+    step whose logits are cut by hand: loss, verl's metrics, every parameter's gradient; gbc's
+    ``support_forced_frac`` is each micro-batch's share of targets outside the hand's set (the
+    whole micro-batch's, on every rank); ``kept_mass``'s update is the plain one."""
     for r, out in enumerate(megatron_runs):
         got, want = out["replay"]["step"], out["cut"]["step"]
         assert abs(got["loss"] - want["loss"]) < 1e-7, r
         for k, v in want["metrics"].items():
             _mclose(torch.tensor(v), torch.tensor(got["metrics"][k]), 1e-5, f"rank {r} {k}")
-        assert got["metrics"]["actor/gbc_support_forced_frac"][0] > 0     # random targets
+        # each update micro-batch's (2 rows, in order) masked-in targets outside the hand's set
+        hand = want["hand_ids"]
+        T = hand.shape[1]
+        mask = want["mask"][:, :T]
+        forced = ~(hand == want["targets"][:, :T, None]).any(-1) & mask
+        shares = [float(forced[i:i + 2].sum()) / max(1.0, float(mask[i:i + 2].sum()))
+                  for i in range(0, forced.shape[0], 2)]
+        assert any(x > 0 for x in shares), shares                       # random targets
+        assert got["metrics"]["actor/gbc_support_forced_frac"] == pytest.approx(shares), r
         for k in want["grads"]:
             _mclose(got["grads"][k], want["grads"][k], 1e-6, f"rank {r} grad {k}")
         km, plain = out["kept_mass"]["step"], out[None]["step"]
@@ -913,9 +969,13 @@ def test_megatron_replay_update_equals_stock_step_over_the_kept_set(megatron_run
 def test_megatron_top_p_without_top_k_refused_at_start(megatron_runs):
     """Under Megatron's tensor parallelism top-p without a top-k bound is refused when the
     worker hands the engine the rollout settings, naming verl's options, where the engine
-    rebuilds the set (``kept_mass``'s reference engine scores the whole vocabulary)."""
+    rebuilds the set (``kept_mass``'s reference engine scores the whole vocabulary); at TP 1
+    (the context-parallel layout: each rank the whole vocabulary) it is taken."""
     for out in megatron_runs:
         assert out["kept_mass_ref"] == "kept_mass"
+        if out["tp"] == 1:
+            assert out["refused"] is None
+            continue
         assert out["refused"].startswith(
             "actor_rollout_ref.rollout.top_p=0.9 without a top_k bound "
             "(actor_rollout_ref.rollout.top_k=-1): under Megatron's tensor parallelism "
