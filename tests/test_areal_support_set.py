@@ -15,8 +15,9 @@ The rollouts are drawn (SGLang's rule, float64) from a sampler model a little of
 outside the set the training-side policy keeps: the building pass's forced share is above 0,
 and under one set per rollout every later pass forces in exactly those tokens. The same run
 under AReaL's Ulysses sequence parallelism (``fsdp:d1c2``, 2 gloo ranks, flash attention on
-tests/standins/flash_attn) equals it at SP 1. Runs in AReaL's venv (``make compat
-ONLY=areal``); skipped where AReaL is not installed.
+tests/standins/flash_attn) equals it at SP 1: the decoupled loss, coupled PPO, Lopti, and
+``support_set=per_pass``. Runs in AReaL's venv (``make compat ONLY=areal``); skipped where
+AReaL is not installed.
 """
 
 from __future__ import annotations
@@ -573,30 +574,60 @@ def _grads_at_steps(actor):
     return got
 
 
-def _worker_ulysses(rank, world, paths, batch, perm, orders):
-    """One set per rollout (the decoupled loss, AReaL's KL reference, 2 minibatches, one
-    trajectory per micro-batch) at ``fsdp:d1c{world}``, flash attention (the stand-in) on
-    every rank; ``orders``: the actor's compute_logp first (``rollout``) and/or AReaL's
-    trainer order (``trainer``). Each replayed micro-batch's ids are recorded as this rank
-    looked them up: its slice of the micro-batch."""
+def _losses(actor):
+    """Record each update micro-batch's loss as this rank returns it (AReaL's scaling: the
+    micro-batch's loss weight over the batch's), both of Lopti's phases."""
+    got = []
+    real = actor._compute_logprobs_and_loss
+
+    def scored(*args, **kwargs):
+        loss = real(*args, **kwargs)
+        got.append(loss.detach().clone())
+        return loss
+
+    actor._compute_logprobs_and_loss = scored
+    return got
+
+
+# the runs under Ulysses: AReaL's loss config (CONFIGS) and gbc's options
+ULYSSES = {
+    "decoupled": ("decoupled", "support=replay"),
+    # coupled PPO: no decoupled proximal pass; AReaL's recompute_logprob pass (the actor's
+    # compute_logp, whose log-probs become the old ones) builds the set
+    "coupled": ("coupled-recompute", "support=replay"),
+    # Lopti: two of AReaL's updates per minibatch, the second after the first's step
+    "lopti": ("decoupled", "support=replay,lopti_eta=0.5"),
+    # each pass rebuilds the set of its own rows from its own logits: no rows travel
+    "per_pass": ("decoupled", "support=replay,support_set=per_pass"),
+}
+
+
+def _worker_ulysses(rank, world, paths, batch, perm, orders, case="decoupled"):
+    """``case`` (:data:`ULYSSES`: the decoupled loss by default; AReaL's KL reference, 2
+    minibatches, one trajectory per micro-batch) at ``fsdp:d1c{world}``, flash attention (the
+    stand-in) on every rank; ``orders``: the actor's compute_logp first (``rollout``) and/or
+    AReaL's trainer order (``trainer``). Each replayed micro-batch's ids are recorded as this
+    rank looked them up: its slice of the micro-batch; and the actor's building passes, each
+    update micro-batch's loss, the gradients at each optimizer step."""
     from areal.api.cli_args import MicroBatchSpec, NormConfig
 
     attended = _flash_on_cpu()
     policy, ref_path = paths
+    config, options = ULYSSES[case]
     # AReaL's batch-level advantage normalisation all-reduces over the whole world, where
     # each SP rank holds the same batch: its unbiased std (n - 1) then counts 2n - 1, and
     # AReaL's own advantages at SP 2 are 1.004 times SP 1's. The biased std is the same.
     # Each micro-batch one trajectory padded to P + R + 1 tokens (AReaL pads to 256
     # otherwise: rank 1 would hold only padding), the Ulysses padding one more: each rank
     # holds 7 rows, rank 1 five of the trajectory's tokens, AReaL's padding and Ulysses'.
-    cfg_kw = dict(CONFIGS["decoupled"], temperature=T, kl_ctl=0.1, ppo_n_minibatches=2,
+    cfg_kw = dict(CONFIGS[config], temperature=T, kl_ctl=0.1, ppo_n_minibatches=2,
                   mb_spec=MicroBatchSpec(max_tokens_per_mb=P + R + 1), pad_to_maximum=True,
                   adv_norm=NormConfig(mean_level="batch", std_level="batch",
                                       std_unbiased=False),
                   backend="fsdp:d1" if world == 1 else f"fsdp:d1c{world}")
     out = {}
     for order in orders:
-        actor, ref = _engines(policy, ref_path, cfg_kw, "support=replay")
+        actor, ref = _engines(policy, ref_path, cfg_kw, options)
         assert actor.parallel_helper.sp_size == world == ref.parallel_helper.sp_size
         for eng in (actor, ref):        # read at each forward: AReaL's Ulysses patch sits on it
             eng.model.config._attn_implementation = "flash_attention_2"
@@ -611,11 +642,20 @@ def _worker_ulysses(rank, world, paths, batch, perm, orders):
             return ids
 
         actor._gbc_replay_ids = looked
-        grads = _grads_at_steps(actor)
+        grads, losses, built = _grads_at_steps(actor), _losses(actor), _passes(actor)
+        carried, advantages = set(), actor.compute_advantages
+
+        def advanced(data, *args, advantages=advantages, carried=carried, **kwargs):
+            carried.update(k for t in data for k in t)
+            return advantages(data, *args, **kwargs)
+
+        actor.compute_advantages = advanced
         del attended[:]
         out[order] = _step(actor, ref, batch, perm,
                            order="trainer" if order == "trainer" else "actor_first")
-        out[order].update(rec, grads=grads, attended=list(attended), rank=rank)
+        out[order].update(rec, grads=grads, losses=losses, built=dict(built),
+                          attended=list(attended), rank=rank, carried=sorted(carried),
+                          kept_mass=actor._gbc_keep_kept_mass, one_set=actor._gbc_one_set)
         ref.destroy()
         actor.destroy()
     return out
@@ -632,7 +672,106 @@ def _sp_ids(ranks, i):
                               for p in parts])
 
 
-def test_one_set_per_rollout_under_ulysses_equals_sp1(models):
+def _ulysses_runs(models, case, orders):
+    """The rollouts, the float64 oracle, the run at SP 1 (the actor's pass first) and each
+    SP 2 rank's runs in ``orders``."""
+    policy, ref_path, sampler = models
+    batch = sglang_rollouts(sampler)
+    oracle = built_sets(policy, ref_path, batch)
+    perm = [5, 2, 7, 0, 3, 6, 1, 4]
+    one = spawn_gloo(1, _worker_ulysses, (policy, ref_path), batch, perm, ("rollout",),
+                     case)[0]
+    two = spawn_gloo(2, _worker_ulysses, (policy, ref_path), batch, perm, orders, case)
+    return batch, oracle, perm, one["rollout"], two
+
+
+def _check_replayed_ids(ranks, sp1, batch, sets):
+    """One set per rollout: each replayed micro-batch's ids, each rank its slice (7 rows: P +
+    R tokens, AReaL's one padding token, Ulysses' one; rank 1 the trajectory's last 5 tokens),
+    put together in rank order, are the float64 set of its trajectory (the target not forced
+    in) and SP 1's ids of the same micro-batch (the same place in the run), row by row; the
+    padding holds none."""
+    by_tokens = {tuple(t["input_ids"][0].tolist()): s for t, s in zip(batch, sets)}
+    assert len(ranks[0]["local"]) == len(sp1["replayed"])
+    for i in range(len(sp1["replayed"])):
+        tokens, ids = _sp_ids(ranks, i)
+        n = ranks[0]["local"][i][1].shape[0]
+        assert all(r["local"][i][1].shape[0] == n for r in ranks)
+        assert n * len(ranks) == tokens.numel() + 1 == P + R + 2, (n, tokens.numel())
+        sp1_tokens, sp1_ids = sp1["replayed"][i]
+        assert torch.equal(tokens[:P + R], sp1_tokens), i
+        want = by_tokens[tuple(sp1_tokens.tolist())]
+        for t in range(P + R):
+            got = set(ids[t].tolist()) - {-1}
+            if t < P + R - 1:                        # the last: a wrapped target
+                assert got == set(want[t].tolist()) - {-1}, (i, t)
+            assert got == set(sp1_ids[t].tolist()) - {-1}, (i, t)
+        assert (ids[P + R:] == -1).all()             # padding: no row
+
+
+def _grad_atol(g):
+    """The gradients' absolute tolerance, with 1e-4 relative: 2e-5 of the tensor's largest
+    absolute entry. float32's summation orders differ between the ranks' all-to-all and one
+    rank (coupled: an embedding entry near 0 is 3.7e-6 off where the tensor's largest is
+    0.59), and Lopti's second phase, its tokens' probabilities near 1, has gradients of 2e-5
+    at most: a fixed 1e-6 would fail the one and pass anything in the other."""
+    return 2e-5 * g.abs().max().item()
+
+
+def _check_step(ours, ranks, sp1, worst, key):
+    """The update at SP 2 against SP 1: each micro-batch's forced count (in order), every
+    metric AReaL logs (the loss included), each micro-batch's loss on every rank, the
+    gradients at every optimizer step, the parameters (the ranks in sync)."""
+    assert ours["forced"] == sp1["forced"]
+    _compare(dict(ours, params={}), dict(sp1, params={}))
+    assert any("loss" in k for k in sp1["stats"]), sorted(sp1["stats"])
+    for r in ranks:
+        assert len(r["losses"]) == len(sp1["losses"]) > 0
+        for a, b in zip(r["losses"], sp1["losses"]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    worst[key + ("loss",)] = max((a - b).abs().item()
+                                 for r in ranks for a, b in zip(r["losses"], sp1["losses"]))
+    assert len(ours["grads"]) == len(sp1["grads"]) > 0
+    assert all(max(g.abs().max().item() for g in step.values()) > 0 for step in sp1["grads"])
+    for g2, g1 in zip(ours["grads"], sp1["grads"]):
+        assert g2.keys() == g1.keys()
+        for n, g in g1.items():
+            torch.testing.assert_close(g2[n], g, rtol=1e-4, atol=_grad_atol(g),
+                                       msg=lambda m, n=n: f"{n}: {m}")
+    worst[key + ("grads",)] = max((g2[n] - g1[n]).abs().max().item()
+                                  for g2, g1 in zip(ours["grads"], sp1["grads"]) for n in g1)
+    worst[key + ("grads", "of tolerance")] = max(
+        ((g2[n] - g1[n]).abs() / (_grad_atol(g1[n]) + 1e-4 * g1[n].abs())).max().item()
+        for g2, g1 in zip(ours["grads"], sp1["grads"]) for n in g1)
+    for n, p in sp1["params"].items():
+        torch.testing.assert_close(ours["params"][n], p, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+        assert torch.equal(ours["params"][n], ranks[1]["params"][n]), n
+    worst[key + ("params",)] = max((ours["params"][n] - p).abs().max().item()
+                                   for n, p in sp1["params"].items())
+
+
+def _check_logps(ours, sp1, oracle, perm, names, worst, key):
+    """The log-probs ``names`` of the step's batch: SP 1's and, where given, the float64
+    oracle's (every position but the last: its label is packing's), to 1e-5."""
+    for name in ("prox", "ref"):
+        worst[key + (name, "sp1")] = max((a - b).abs().max().item()
+                                         for a, b in zip(ours[name], sp1[name]))
+        assert worst[key + (name, "sp1")] < 1e-5
+        if name in names:
+            want_lp = [oracle[name][i] for i in perm]      # the batch reordered
+            worst[key + (name, "oracle")] = max((a - b)[:, :-1].abs().max().item()
+                                                for a, b in zip(ours[name], want_lp))
+            assert worst[key + (name, "oracle")] < 1e-5
+
+
+def _print_worst(title, worst):
+    print(f"\n{title} (largest differences): "
+          + ", ".join(f"{'/'.join(k)} {v:.1e}" for k, v in worst.items()), end="")
+
+
+@pytest.mark.parametrize("case", ["decoupled", "coupled", "lopti"])
+def test_one_set_per_rollout_under_ulysses_equals_sp1(models, case):
     """One set per rollout under AReaL's Ulysses sequence parallelism (``fsdp:d1c2``, 2 gloo
     ranks in one SP group, each a slice of every packed micro-batch; flash attention, the
     stand-in, so that AReaL's Ulysses patch attends over the whole sequence as on a GPU),
@@ -643,86 +782,100 @@ def test_one_set_per_rollout_under_ulysses_equals_sp1(models):
     trajectories carry are SP 1's; the proximal and reference log-probs equal the float64
     ones to 1e-5 and SP 1's; each micro-batch forces in its trajectory's building-pass count
     (above 0: no target was forced into the set); every metric AReaL logs (the loss
-    included), the gradients at both optimizer steps and the parameters after them equal SP
-    1's, and both ranks end in sync. In AReaL's trainer order (the reference's compute_logp
-    first, which has the actor's building pass run on the batch) the same holds, with one
-    building pass."""
+    included), each micro-batch's loss, the gradients at every optimizer step and the
+    parameters after them equal SP 1's, and both ranks end in sync. In AReaL's trainer order
+    (the reference's compute_logp first, which has the actor's building pass run on the
+    batch) the same holds, with one building pass.
+
+    ``coupled`` (``recompute_logprob``, no decoupled loss: no proximal pass of its own, no
+    kept mass): the actor's compute_logp, AReaL's recompute pass whose log-probs become the
+    old ones, builds the set (one building pass, its 8 forward micro-batches, in both orders),
+    and the same holds. ``lopti`` (``lopti_eta=0.5``: two of AReaL's updates per minibatch,
+    4 optimizer steps): both phases replay the one set, each rank in the second phase the
+    very ids of its slice it replayed in the first; the second phase's ids, losses and
+    gradients equal SP 1's as the first's do."""
+    from gbc_kernels.integrations.areal import LOG_KEPT_MASS_KEY, SUPPORT_ROW_KEY
     from gbc_kernels.integrations.areal import engine as gbc_engine
 
-    policy, ref_path, sampler = models
-    batch = sglang_rollouts(sampler)
-    oracle = built_sets(policy, ref_path, batch)
-    perm = [5, 2, 7, 0, 3, 6, 1, 4]
-    one = spawn_gloo(1, _worker_ulysses, (policy, ref_path), batch, perm, ("rollout",))[0]
-    two = spawn_gloo(2, _worker_ulysses, (policy, ref_path), batch, perm,
-                     ("rollout", "trainer"))
-    sp1 = one["rollout"]
-    by_tokens = {tuple(t["input_ids"][0].tolist()): s for t, s in zip(batch, oracle["sets"])}
+    orders = ("rollout",) if case == "lopti" else ("rollout", "trainer")
+    batch, oracle, perm, sp1, two = _ulysses_runs(models, case, orders)
     want = _forced(batch, oracle["sets"])
     built = sum(want.values()) / (R * len(batch))
     assert 0 < built < 0.3, built
+    phases = 2 if case == "lopti" else 1
     worst = {}
-    for order in ("rollout", "trainer"):
+    for order in orders:
         ranks = [r[order] for r in two]
         ours = ranks[0]
+        assert ours["one_set"] and ours["kept_mass"] == (case != "coupled")
+        # what the trajectories carry into compute_advantages: the rows; the kept mass that
+        # moves the behaviour log-probs only under the decoupled loss (coupled: AReaL
+        # replaces them with the recompute pass's)
+        assert SUPPORT_ROW_KEY in ours["carried"]
+        assert (LOG_KEPT_MASS_KEY in ours["carried"]) == (case != "coupled"), ours["carried"]
+        # one building pass: the actor's compute_logp (coupled: AReaL's recompute pass), its
+        # forward micro-batches; in the trainer order, run by the reference's call
+        for r in ranks + [sp1]:
+            assert r["built"] == dict(built=1, forward_mbs=len(batch)), (order, r["built"])
         if order == "trainer":
             assert ours["passes"]["after_ref"] == dict(built=1, forward_mbs=len(batch))
             assert ours["passes"]["after_actor"] == ours["passes"]["after_ref"]
         # the attention spans both ranks' slices: each call attends over a whole micro-batch
         assert ours["attended"] and min(ours["attended"]) >= P + R, ours["attended"]
         # the ids: each rank looked up its slice; together, the float64 set and SP 1's
-        assert len(ours["local"]) == len(sp1["replayed"]) == len(batch)
-        for i in range(len(batch)):
-            tokens, ids = _sp_ids(ranks, i)
-            n = ranks[0]["local"][i][1].shape[0]
-            # each rank its half of the micro-batch (P + R tokens, AReaL's one padding token,
-            # Ulysses' one): rank 1 holds the trajectory's last 5 tokens
-            assert all(r["local"][i][1].shape[0] == n for r in ranks)
-            assert n * len(ranks) == tokens.numel() + 1 == P + R + 2, (n, tokens.numel())
-            key = tuple(tokens[:P + R].tolist())
-            sets, sp1_ids = by_tokens[key], dict(
-                (tuple(t.tolist()), s) for t, s in sp1["replayed"])[key]
-            for t in range(P + R):
-                got = set(ids[t].tolist()) - {-1}
-                if t < P + R - 1:                        # the last: a wrapped target
-                    assert got == set(sets[t].tolist()) - {-1}, (order, i, t)
-                assert got == set(sp1_ids[t].tolist()) - {-1}, (order, i, t)
-            assert (ids[P + R:] == -1).all()             # padding: no row
+        assert len(ours["local"]) == phases * len(batch)
+        _check_replayed_ids(ranks, sp1, batch, oracle["sets"])
+        if case == "lopti":             # per minibatch: phase 1's micro-batches, then phase 2's
+            k = len(batch) // 2
+            for r in ranks:
+                for m in range(2):
+                    first, second = (r["local"][m * 2 * k:(m * 2 + 1) * k],
+                                     r["local"][(m * 2 + 1) * k:(m * 2 + 2) * k])
+                    for (t1, i1), (t2, i2) in zip(first, second):
+                        assert torch.equal(t1, t2) and torch.equal(i1, i2)
         for a, b in zip(ours["rows"], sp1["rows"]):      # the rows, less the pass id
             assert torch.equal(a & gbc_engine._ROW_MASK, b & gbc_engine._ROW_MASK)
-        # log-probs: the float64 oracle's (over the policy's set) and SP 1's
-        for name in ("prox", "ref"):
-            want_lp = [oracle[name][i] for i in perm]      # the batch reordered
-            worst[order, name, "oracle"] = max((a - b)[:, :-1].abs().max().item()
-                                               for a, b in zip(ours[name], want_lp))
-            worst[order, name, "sp1"] = max((a - b).abs().max().item()
-                                            for a, b in zip(ours[name], sp1[name]))
-            assert worst[order, name, "oracle"] < 1e-5 and worst[order, name, "sp1"] < 1e-5
-        # forced: each micro-batch its trajectory's building-pass count
-        assert len(ours["forced"]) == len(batch)
+        _check_logps(ours, sp1, oracle, perm, ("prox", "ref"), worst, (case, order))
+        # forced: each micro-batch (each phase) its trajectory's building-pass count
+        assert len(ours["forced"]) == phases * len(batch)
         for tokens, f, n in ours["forced"]:
             assert (f, n) == (want[tokens], R)
-        assert sorted(ours["forced"]) == sorted(sp1["forced"])
-        # the step: every metric (the loss included), the gradients, the parameters
-        _compare(dict(ours, params={}), dict(sp1, params={}))
         assert ours["stats"]["ppo_actor/update/gbc_support_forced_frac/avg"] == \
             pytest.approx(built, abs=1e-6)
-        assert any("loss" in k for k in sp1["stats"]), sorted(sp1["stats"])
-        assert len(ours["grads"]) == len(sp1["grads"]) == 2
-        for g2, g1 in zip(ours["grads"], sp1["grads"]):
-            assert g2.keys() == g1.keys()
-            for n, g in g1.items():
-                torch.testing.assert_close(g2[n], g, rtol=1e-4, atol=1e-6, msg=n)
-        worst[order, "grads"] = max((g2[n] - g1[n]).abs().max().item()
-                                    for g2, g1 in zip(ours["grads"], sp1["grads"])
-                                    for n in g1)
-        worst[order, "grads", "of tolerance"] = max(
-            ((g2[n] - g1[n]).abs() / (1e-6 + 1e-4 * g1[n].abs())).max().item()
-            for g2, g1 in zip(ours["grads"], sp1["grads"]) for n in g1)
-        for n, p in sp1["params"].items():
-            torch.testing.assert_close(ours["params"][n], p, rtol=1e-4, atol=1e-6, msg=n)
-            assert torch.equal(ours["params"][n], ranks[1]["params"][n]), n
-        worst[order, "params"] = max((ours["params"][n] - p).abs().max().item()
-                                     for n, p in sp1["params"].items())
-    print("\nUlysses SP 2 against SP 1 / the float64 oracle (largest differences): "
-          + ", ".join(f"{'/'.join(k)} {v:.1e}" for k, v in worst.items()), end="")
+        # the step: every metric (the loss included), losses, gradients, parameters
+        assert len(ours["losses"]) == len(ours["forced"])
+        assert len(ours["grads"]) == 2 * phases
+        _check_step(ours, ranks, sp1, worst, (case, order))
+    _print_worst(f"Ulysses SP 2 ({case}) against SP 1 / the float64 oracle", worst)
+
+
+def test_per_pass_under_ulysses_equals_sp1(models):
+    """``support_set=per_pass`` under Ulysses (``fsdp:d1c2``, as above): each pass rebuilds
+    the set of each rank's own rows from its own logits, nothing replayed (no rows travel, no
+    building pass, no lookup). The proximal log-probs equal the float64 ones over the set the
+    policy's logits give and SP 1's; the reference's (over its own set) SP 1's; each update
+    micro-batch's forced count equals SP 1's, in the first minibatch the building-pass count
+    (the policy not yet moved), in the second above it (the moved policy's own set); every
+    metric (the loss and the forced share included), each micro-batch's loss, the gradients
+    at both optimizer steps and the parameters equal SP 1's, the ranks in sync."""
+    batch, oracle, perm, sp1, two = _ulysses_runs(models, "per_pass", ("rollout",))
+    want = _forced(batch, oracle["sets"])
+    ranks = [r["rollout"] for r in two]
+    ours = ranks[0]
+    worst = {}
+    for r in ranks + [sp1]:
+        assert not r["one_set"] and r["local"] == [] and r["replayed"] == []
+        assert r["built"] == dict(built=0, forward_mbs=len(batch))
+        assert all(row is None for row in r["rows"])
+    assert ours["attended"] and min(ours["attended"]) >= P + R, ours["attended"]
+    _check_logps(ours, sp1, oracle, perm, ("prox",), worst, ("per_pass",))
+    n = len(batch) // 2
+    assert len(ours["forced"]) == len(batch)
+    for tokens, f, m in ours["forced"][:n]:
+        assert (f, m) == (want[tokens], R)
+    shares = _shares(ours["forced"], want, 2)
+    assert shares[1][0] > shares[1][1], shares
+    _check_step(ours, ranks, sp1, worst, ("per_pass",))
+    print("\nper_pass at SP 2: forced share " + ", ".join(
+        f"minibatch {i + 1} {a:.4f} (built {b:.4f})" for i, (a, b) in enumerate(shares)), end="")
+    _print_worst("; against SP 1 / the float64 oracle", worst)
