@@ -61,8 +61,8 @@ from test_other_trainers import verl_actor_config  # noqa: E402
 from test_verl_engine import _params, build_engine, verl_on_cpu  # noqa: E402
 from test_verl_support import (RC, T_ROLL, V, VLLM, _step, make_model_dir,  # noqa: E402
                                reference, sample_rollouts, verl_trainer_modules)
-from test_verl_support_set import (B, EPOCHS, _config, _flow, _members,  # noqa: E402
-                                   _record_forced, _worker)
+from test_verl_support_set import (B, EPOCHS, _config, _flow, _Group,  # noqa: E402
+                                   _members, _record_forced, _worker)
 
 TQ_VERSION = "0.1.11"           # the release requirements-dev.txt pins
 # the order verl's _balance_batch could leave the kept_mass batch in (KVBatchMeta.reorder):
@@ -356,6 +356,183 @@ def _replay(tq, mods, model_dir):
     return out
 
 
+# ------------------------------------------------------------------ critical-token KL
+GAMMA, INTERCEPT, CERTAINTY_T = 0.5, 0.1, 0.5    # critical_kl_exponent / _intercept / _temperature
+
+
+def _critical_options():
+    from gbc_kernels.integrations.verl import engine as ve
+
+    return ve.EngineOptions(critical_kl_exponent=GAMMA, critical_kl_intercept=INTERCEPT,
+                            critical_kl_temperature=CERTAINTY_T)
+
+
+@torch.no_grad()
+def _critical_oracle(model_dir, fields):
+    """float64 gbc_reference on the plain HF model (the reference's weights): the certainty
+    ``J_max_prob`` at ``CERTAINTY_T`` of each response position, the weights
+    ``((1 - c)·J^γ + c) · response_mask`` and the log-probs at the rollout temperature."""
+    import gbc_reference as ref
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, attn_implementation="eager").double()
+    n, Lp = fields["prompts"].shape
+    T = fields["responses"].shape[1]
+    hidden = torch.zeros(n, T, model.config.hidden_size, dtype=torch.float64)
+    for b in range(n):
+        keep = fields["attention_mask"][b].bool()
+        out = model.model(input_ids=fields["input_ids"][b][keep][None]).last_hidden_state[0]
+        p, r = int(keep[:Lp].sum()), int(keep[Lp:].sum())
+        hidden[b, :r] = out[p - 1:p - 1 + r]
+    st = ref.token_stats(hidden, model.lm_head.weight.detach(), fields["responses"],
+                         temperature=T_ROLL, certainty="max_prob",
+                         certainty_temperature=CERTAINTY_T)
+    mask = fields["response_mask"].double()
+    return dict(weight=ref.critical_kl_weight(st.certainty, GAMMA, INTERCEPT) * mask,
+                logp=st.logp, certainty=st.certainty)
+
+
+def _record_update(engine):
+    """Each update micro-batch's loss (in call order) and the KL weights its loss read, at the
+    masked-in response tokens, by sequence (its token ids as the key)."""
+    seen = {"losses": [], "weights": []}
+    step, inputs = engine._gbc_train_step, engine._gbc_loss_inputs
+
+    def train_step(micro_batch, loss_function):
+        loss, out = step(micro_batch, loss_function)
+        seen["losses"].append(float(out["loss"]))
+        return loss, out
+
+    def loss_inputs(micro_batch, loss_function, valid):
+        kw = inputs(micro_batch, loss_function, valid)
+        rows = {}
+        for seq, w, m in zip(micro_batch["input_ids"].unbind(), kw["kl_weight"], kw["mask"]):
+            rows[tuple(seq.tolist())] = w.detach().cpu()[m.cpu()].clone()
+        seen["weights"].append(rows)
+        return kw
+
+    engine._gbc_train_step, engine._gbc_loss_inputs = train_step, loss_inputs
+    return seen
+
+
+def _critical_engines(model_dir, options, config, ref_gbc=True):
+    """The actor's and the reference's engine (gbc's; the reference verl's stock one with
+    ``ref_gbc=False``), as verl's worker builds them, and the actor's update recorder."""
+    from verl.workers.utils.losses import ppo_loss
+
+    loss_fn = functools.partial(ppo_loss, config=verl_actor_config(
+        "vanilla", "token-mean", "low_var_kl", entropy_coeff=0.0))
+    engines = {}
+    for role, gbc in (("actor", True), ("ref", ref_gbc)):
+        engines[role] = build_engine(model_dir, gbc=gbc, lr=0.5, optimizer="SGD",
+                                     options=options)
+        if gbc:
+            engines[role].gbc_attach_rollout(config.actor_rollout_ref.rollout, role)
+    seen = _record_update(engines["actor"])
+    return (_worker(engines["actor"], loss_fn), _worker(engines["ref"], None), engines["actor"],
+            seen)
+
+
+def _critical_legacy(mods, model_dir, fields, options, config):
+    """verl's legacy ``RayPPOTrainer`` (gbc's patches): old-policy pass, reference pass (gbc's
+    ``compute_ref_log_prob``: ``gbc_kl_weight`` in the batch), the actor update."""
+    from verl import DataProto
+
+    from gbc_kernels.integrations.verl import engine as ve
+
+    actor, ref, engine, seen = _critical_engines(model_dir, options, config)
+    group = _Group(actor, ref)
+    trainer = object.__new__(mods[0].RayPPOTrainer)
+    trainer.config, trainer.actor_rollout_wg, trainer.ref_policy_wg = config, group, group
+    trainer.ref_in_actor, trainer.distillation_config = False, None
+    batch = DataProto.from_dict(tensors={k: v.clone() for k, v in fields.items()},
+                                meta_info={"temperature": T_ROLL})
+    old, _ = trainer._compute_old_log_prob(batch)
+    old.batch.pop("entropys")
+    batch = batch.union(old)
+    ref_out = trainer._compute_ref_log_prob(batch)
+    batch = batch.union(ref_out)
+    from verl.utils.metric import reduce_metrics
+
+    # as the legacy trainer's fit logs them (the v1 trainer's _update_actor reduces its own)
+    metrics = reduce_metrics(trainer._update_actor(batch).meta_info["metrics"])
+    return dict(weight=ref_out.batch[ve.KL_WEIGHT_KEY].clone(),
+                ref_log_prob=ref_out.batch["ref_log_prob"].clone(), params=_params(engine),
+                losses=seen["losses"], seen=seen["weights"],
+                kl_loss=metrics.get("actor/kl_loss"), pg_loss=metrics.get("actor/pg_loss"))
+
+
+def _critical_v1(tq, mods, model_dir, fields, options, config, prefix, ref_gbc=True,
+                 update=True):
+    """verl's v1 ``PPOTrainer`` over the real queue (gbc's patches): old-policy pass, reference
+    pass (gbc's wrap: ``gbc_kl_weight`` put in the queue), advantage step, actor update; a
+    refused reference pass is returned as ``{"refused": message}``."""
+    from transfer_queue import KVBatchMeta
+
+    from gbc_kernels.integrations.verl import engine as ve
+
+    _, trainer_base, trainer_sync = mods
+    actor, ref, engine, seen = _critical_engines(model_dir, options, config, ref_gbc)
+    group = _QueueGroup(actor, ref)
+    trainer = _v1_trainer(trainer_sync, config, group)
+    keys, tags = _put_rollout(tq, fields, prefix)
+    trainer_base.compute_advantage_for_multi_trajectories = _estimator(fields, list(range(B)))
+    meta = KVBatchMeta(keys=list(keys), tags=list(tags), partition_id="train",
+                       extra_info={"temperature": T_ROLL})
+    metrics = {}
+    meta = trainer._compute_old_log_prob(meta, metrics)
+    try:
+        meta = trainer._compute_ref_log_prob(meta, metrics)
+    except ValueError as exc:
+        return {"refused": str(exc), "dispatched": [n for n, _ in group.keys],
+                "extra_info": dict(meta.extra_info)}
+    out = {"extra_info_after_ref": sorted(meta.extra_info)}
+    meta = trainer._compute_advantage(meta, metrics)
+    out["update_fields"] = sorted(meta.fields or [])
+    if update:
+        trainer._update_actor(meta, metrics)
+    T = fields["responses"].shape[1]
+    got = tq.kv_batch_get(keys=keys, partition_id="train",
+                          select_fields=[ve.KL_WEIGHT_KEY, "ref_log_prob"])
+    w = got[ve.KL_WEIGHT_KEY]
+    out.update(dispatched=[n for n, _ in group.keys],
+               queued_type=(w.is_nested, w.dtype),
+               queued_lengths=w.offsets().diff().tolist() if w.is_nested else None,
+               weight=_padded(got, ve.KL_WEIGHT_KEY, list(range(B)), T),
+               ref_log_prob=_padded(got, "ref_log_prob", list(range(B)), T),
+               params=_params(engine), losses=seen["losses"], seen=seen["weights"],
+               kl_loss=metrics.get("actor/kl_loss"), pg_loss=metrics.get("actor/pg_loss"))
+    return out
+
+
+def _critical_kl(tq, mods, model_dir):
+    """``critical_kl_exponent``: the legacy trainer's step, then the v1 trainer's over the real
+    queue (same rollout, same fresh engines); and the v1 reference pass refused with a stock
+    reference engine and without ``use_kl_loss``."""
+    from omegaconf import OmegaConf
+
+    from gbc_kernels.integrations.verl import engine as ve
+
+    fields = sample_rollouts(model_dir, VLLM, B=B, seed=5)
+    options = _critical_options()
+    ve.enable(options)
+    config = _v1_config(rc=None)
+    ve.check_trainer(config)
+    t0 = time.monotonic()
+    out = {"fields": fields, "oracle": _critical_oracle(model_dir, fields)}
+    out["legacy"] = _critical_legacy(mods, model_dir, fields, options, config)
+    out["v1"] = _critical_v1(tq, mods, model_dir, fields, options, config, "ckl-")
+    out["stock_ref"] = _critical_v1(tq, mods, model_dir, fields, options, config, "ckl-stock-",
+                                    ref_gbc=False, update=False)
+    no_kl = OmegaConf.merge(config, OmegaConf.create(
+        dict(actor_rollout_ref=dict(actor=dict(use_kl_loss=False)))))
+    out["no_kl_loss"] = _critical_v1(tq, mods, model_dir, fields, options, no_kl, "ckl-nokl-",
+                                     update=False)
+    out["runs_s"] = time.monotonic() - t0
+    ve.disable()
+    return out
+
+
 def _tq_worker(rank, world, model_dir):
     verl_on_cpu()
     mods = verl_trainer_modules()
@@ -367,6 +544,14 @@ def _tq_worker(rank, world, model_dir):
         t0 = time.monotonic()
         results["kept_mass"] = _kept_mass(tq, mods, model_dir)
         results["replay"] = _replay(tq, mods, model_dir)
+        try:        # a failed critical-KL run fails its own tests, not the others'
+            results["critical_kl"] = _critical_kl(tq, mods, model_dir)
+        except Exception:       # noqa: BLE001 - reported by _critical_run
+            import traceback
+
+            results["critical_kl"] = {"error": traceback.format_exc()}
+            from gbc_kernels.integrations.verl import engine as ve
+            ve.disable()
         info["runs_s"] = time.monotonic() - t0
     return results
 
@@ -554,3 +739,99 @@ def test_replay_update_reads_the_set_from_the_queue(runs):
         assert float((got[n] - want[n]).abs().max()) <= 5e-5 * top, n
     moved = max(float((got[n] - r["params_before"][n]).abs().max()) for n in got)
     assert moved > 100 * 5e-5 * top, moved          # the update moved the policy
+
+
+def _critical_run(runs):
+    r = runs["critical_kl"]
+    if "error" in r:
+        pytest.fail("the critical-KL run failed:\n" + r["error"][-3000:], pytrace=False)
+    return r
+
+
+def test_critical_kl_weights_through_the_queue_equal_legacy(runs):
+    """``critical_kl_exponent`` under verl's v1 trainer: gbc's wrap of its
+    ``_compute_ref_log_prob`` asks the reference worker (through the batch's ``extra_info``,
+    taken off again after the pass) for the weights; the worker puts them in the real queue and
+    gbc puts them back per response token, times the response mask: float32, nested per
+    response. Row by row they are the legacy trainer's ``gbc_kl_weight`` (bit for bit: the same
+    engine, the same micro-batches), and the float64 oracle's ``((1 - c)·J^γ + c)·mask`` of the
+    reference model's certainty; ``ref_log_prob`` as well."""
+    from gbc_kernels.integrations.verl import engine as ve
+
+    r = _critical_run(runs)
+    f, oracle, legacy, v1 = r["fields"], r["oracle"], r["legacy"], r["v1"]
+    print(f"\ncritical KL: legacy + v1 + refusals {r['runs_s']:.1f} s")
+    assert v1["dispatched"] == ["compute_log_prob", "compute_ref_log_prob", "update_actor"]
+    assert ve.CERTAINTY_KEY not in v1["extra_info_after_ref"], v1["extra_info_after_ref"]
+    assert ve.KL_WEIGHT_KEY in v1["update_fields"], v1["update_fields"]
+    assert v1["queued_type"] == (True, torch.float32)
+    assert v1["queued_lengths"] == f["response_mask"].sum(1).tolist()
+    mask = f["response_mask"].bool()
+    assert legacy["weight"].dtype == torch.float32
+    for b in range(B):
+        assert torch.equal(v1["weight"][b], legacy["weight"][b]), b
+        assert torch.equal(v1["ref_log_prob"][b][mask[b]], legacy["ref_log_prob"][b][mask[b]]), b
+    assert (v1["weight"][~mask] == 0).all()
+    # the float64 oracle: weights spread (the test can tell them apart), the intercept's floor
+    want = oracle["weight"]
+    assert float(want[mask].std()) > 1e-2 and float(want[mask].min()) >= INTERCEPT
+    err = (v1["weight"].double() - want).abs()
+    assert float(err[mask].max()) <= 2e-6 + 1e-5 * float(want[mask].abs().max()), \
+        float(err[mask].max())
+    assert float((v1["ref_log_prob"].double() - oracle["logp"]).abs()[mask].max()) < 2e-5
+
+
+def test_critical_kl_update_through_the_queue_equals_legacy(runs):
+    """verl's v1 ``_update_actor`` (2 epochs x 2 shuffled mini-batches, SGD lr 0.5) reads
+    ``gbc_kl_weight`` from the queue: each update micro-batch's KL term gets, sequence by
+    sequence, the weights of the reference pass (the legacy update's, the oracle's within
+    float32); every micro-batch's loss, verl's ``actor/kl_loss`` and ``actor/pg_loss`` and the
+    parameters after the update are the legacy trainer's."""
+    r = _critical_run(runs)
+    f, legacy, v1 = r["fields"], r["legacy"], r["v1"]
+    mask = f["response_mask"].bool()
+    rows = {}
+    for b in range(B):
+        keep = f["attention_mask"][b].bool()
+        rows[tuple(f["input_ids"][b][keep].tolist())] = b
+    for run in (legacy, v1):
+        assert len(run["seen"]) == len(run["losses"]) >= EPOCHS * 2
+        reads = {}
+        for mb in run["seen"]:
+            for seq, w in mb.items():
+                reads.setdefault(seq, []).append(w)
+        assert set(reads) == set(rows)
+        for seq, ws in reads.items():
+            b = rows[seq]
+            assert len(ws) == EPOCHS
+            for w in ws:
+                assert torch.equal(w, legacy["weight"][b][mask[b]]), b
+    assert len(v1["losses"]) == len(legacy["losses"])
+    for a, b in zip(v1["losses"], legacy["losses"]):
+        assert abs(a - b) <= 1e-6 * max(1.0, abs(b)), (v1["losses"], legacy["losses"])
+    for k in ("kl_loss", "pg_loss"):
+        assert v1[k] is not None and legacy[k] is not None, k
+    assert abs(float(v1["kl_loss"]) - float(legacy["kl_loss"])) <= 1e-6 * max(
+        1e-3, abs(float(legacy["kl_loss"])))
+    got, want = v1["params"], legacy["params"]
+    top = max(float(w.abs().max()) for w in want.values())
+    for n in want:
+        assert float((got[n] - want[n]).abs().max()) <= 1e-6 * top, n
+
+
+def test_critical_kl_refused_without_gbc_reference_or_kl_loss(runs):
+    """Still refused by name under verl's v1 trainer: a reference worker that is not gbc's
+    engine (verl's stock FSDP engine: the queue gets no ``gbc_kl_weight``) — never an update
+    with unweighted KL; ``use_kl_loss=False`` (no KL term to weight) before the reference
+    worker is called."""
+    r = _critical_run(runs)
+    stock = r["stock_ref"]
+    assert stock["refused"].startswith("critical_kl_exponent: the reference pass returned no "
+                                       "KL weights"), stock["refused"]
+    assert stock["dispatched"] == ["compute_log_prob", "compute_ref_log_prob"]
+    no_kl = r["no_kl_loss"]
+    assert no_kl["refused"].startswith("critical_kl_exponent: verl's actor has no KL loss "
+                                       "term"), no_kl["refused"]
+    assert no_kl["dispatched"] == ["compute_log_prob"]
+    from gbc_kernels.integrations.verl import engine as ve
+    assert ve.CERTAINTY_KEY not in no_kl["extra_info"]

@@ -4,14 +4,14 @@ docs/verl.md:
 
 * start-up: both trainers' ``__init__`` check ``support`` against the whole trainer config
   (:func:`check_trainer`, :func:`trainer_support_plan`: what the rollout config alone, which
-  the workers see, cannot tell: whether verl's rollout correction runs); verl's v1 trainer
-  refuses critical-token KL;
+  the workers see, cannot tell: whether verl's rollout correction runs);
 * the legacy ``RayPPOTrainer``: its reference pass with the critical-token KL weights
   (:func:`compute_ref_log_prob`) and its old-policy pass with ``gbc_log_kept_mass``
   (:func:`compute_old_log_prob`);
-* the v1 ``PPOTrainer``: ``_compute_advantage`` keeps its batch's meta in reach of the
-  rollout correction, which reads ``gbc_log_kept_mass`` from the transfer queue
-  (:func:`v1_log_kept_mass`);
+* the v1 ``PPOTrainer``: its reference pass with the critical-token KL weights through the
+  transfer queue (:func:`v1_put_kl_weights`); ``_compute_advantage`` keeps its batch's
+  meta in reach of the rollout correction, which reads ``gbc_log_kept_mass`` from the transfer
+  queue (:func:`v1_log_kept_mass`);
 * verl's ``compute_rollout_correction_and_add_to_batch`` (``rollout_corr_helper`` and the v1
   trainer's binding of it) fed the rollout's log-probs as ``support`` needs them.
 
@@ -95,6 +95,23 @@ def trainer_support_plan(config, options) -> Optional[SupportPlan]:
     return plan
 
 
+def _critical_kl_metadata(trainer, opts) -> dict:
+    """The reference pass's metadata that asks gbc's reference engine for the critical-token
+    KL weights (``CERTAINTY_KEY``: the options of :data:`REFERENCE_PASS_FIELDS`); refused
+    without verl's KL loss term to weight."""
+    actor = trainer.config.actor_rollout_ref.actor
+    if not actor.get("use_kl_loss", False):
+        raise ValueError("critical_kl_exponent: verl's actor has no KL loss term to weight "
+                         "(set actor_rollout_ref.actor.use_kl_loss=True)")
+    return {CERTAINTY_KEY: {k: getattr(opts, k) for k in REFERENCE_PASS_FIELDS}}
+
+
+def _no_kl_weights():
+    return ValueError("critical_kl_exponent: the reference pass returned no KL weights; the "
+                      "reference worker must run gbc's engine (GBC_VERL_ENGINE in every "
+                      "worker, on an FSDP or Megatron reference)")
+
+
 def compute_ref_log_prob(trainer, batch):
     """verl 0.9.1's ``RayPPOTrainer._compute_ref_log_prob`` that also returns the critical-token
     KL weights ``gbc_kl_weight`` from the same reference pass (verl's own without
@@ -106,13 +123,9 @@ def compute_ref_log_prob(trainer, batch):
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-    actor = trainer.config.actor_rollout_ref.actor
-    if not actor.get("use_kl_loss", False):
-        raise ValueError("critical_kl_exponent: verl's actor has no KL loss term to weight "
-                         "(set actor_rollout_ref.actor.use_kl_loss=True)")
     batch_td = left_right_2_no_padding(batch.to_tensordict())
     metadata = {"calculate_entropy": False, "compute_loss": False,
-                CERTAINTY_KEY: {k: getattr(opts, k) for k in REFERENCE_PASS_FIELDS}}
+                **_critical_kl_metadata(trainer, opts)}
     if trainer.ref_in_actor:
         metadata["no_lora_adapter"] = True
     tu.assign_non_tensor(batch_td, **metadata)
@@ -122,13 +135,62 @@ def compute_ref_log_prob(trainer, batch):
         output = trainer.ref_policy_wg.compute_ref_log_prob(batch_td)
     weight = tu.get(output, KL_WEIGHT_KEY)
     if weight is None:
-        raise ValueError("critical_kl_exponent: the reference pass returned no KL weights; the "
-                         "reference worker must run gbc's engine (GBC_VERL_ENGINE in every "
-                         "worker, on an FSDP or Megatron reference)")
+        raise _no_kl_weights()
     log_probs = no_padding_2_padding(tu.get(output, "log_probs"), batch_td)
     weight = no_padding_2_padding(weight, batch_td).float()
     return DataProto.from_tensordict(tu.get_tensordict(
         {"ref_log_prob": log_probs.float(), KL_WEIGHT_KEY: weight * batch.batch["response_mask"]}))
+
+
+def _v1_ref_log_prob(original):
+    """The v1 trainer's ``_compute_ref_log_prob`` (verl's own without ``critical_kl_exponent``)
+    whose reference pass also computes the critical-token KL weights: the batch's
+    ``extra_info`` (the worker's metadata) asks gbc's reference engine for them, verl's worker
+    puts them in the transfer queue beside ``log_probs`` (every output field goes there), and
+    they are put back per response token, times the response mask (as the legacy trainer's
+    :func:`compute_ref_log_prob`), as ``gbc_kl_weight``: the update reads every field of its
+    keys from the queue, so its KL term gets them."""
+
+    @functools.wraps(original)
+    def _compute_ref_log_prob(self, batch, *args, **kwargs):
+        opts = _OPTIONS.get("current") or EngineOptions()
+        if opts.critical_kl_exponent is None:
+            return original(self, batch, *args, **kwargs)
+        metadata = _critical_kl_metadata(self, opts)
+        batch.extra_info.update(metadata)
+        try:
+            out = original(self, batch, *args, **kwargs)
+        finally:        # the metadata of this pass only, not of the passes after it
+            for key in metadata:
+                batch.extra_info.pop(key, None)
+        v1_put_kl_weights(batch, sys.modules[V1_TRAINER_MODULE])
+        return out
+
+    return _compute_ref_log_prob
+
+
+def v1_put_kl_weights(meta, module) -> None:
+    """verl's v1 trainer: the reference worker's ``gbc_kl_weight`` of the batch ``meta`` (a
+    ``KVBatchMeta``; in the transfer queue as the worker put it, per sequence like its
+    ``log_probs``) put back in the queue per response token (verl's ``response_from_nested``,
+    as its ``ref_log_prob``), float32, times the response mask; refused when the worker put
+    none."""
+    from tensordict import TensorDict
+
+    tq = module.tq
+    try:
+        data = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id,
+                               select_fields=[KL_WEIGHT_KEY, "response_mask"])
+    except Exception as exc:        # noqa: BLE001 - the field is missing
+        raise _no_kl_weights() from exc
+    if KL_WEIGHT_KEY not in data.keys():
+        raise _no_kl_weights()
+    mask = data["response_mask"]
+    weight = module.response_from_nested(data[KL_WEIGHT_KEY], mask)
+    rows = [w.float() * m.to(torch.float32) for w, m in zip(weight.unbind(), mask.unbind())]
+    weight = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    tq.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id,
+                    fields=TensorDict({KL_WEIGHT_KEY: weight}, batch_size=len(meta.keys)))
 
 
 _UNCHECKED = object()        # _OPTIONS["plan"] unset: the trainer's config was never checked
@@ -282,19 +344,12 @@ def _v1_advantage(original):
     return _compute_advantage
 
 
-def _checked_init(original, v1=False):
+def _checked_init(original):
     """A trainer's ``__init__`` that checks ``support`` against its config first
-    (:func:`check_trainer`); verl's v1 trainer also refuses critical-token KL: its reference
-    pass goes through the transfer queue, which gbc's reference-pass patch does not reach."""
+    (:func:`check_trainer`)."""
 
     @functools.wraps(original)
     def __init__(self, config, *args, **kwargs):
-        opts = _OPTIONS.get("current") or EngineOptions()
-        if v1 and opts.critical_kl_exponent is not None:
-            raise ValueError("critical_kl_exponent: gbc computes the critical-token KL weights "
-                             "in the reference pass of verl's RayPPOTrainer; verl's v1 trainer "
-                             "(trainer.use_v1=True) has no such pass for gbc: set "
-                             "trainer.use_v1=False")
         check_trainer(config)
         return original(self, config, *args, **kwargs)
 
@@ -323,7 +378,8 @@ def _patch_correction(module):
 
 def _patch_v1_trainer(module):
     cls = module.PPOTrainer
-    _PATCHES.set(cls, "__init__", _checked_init(cls.__init__, v1=True))
+    _PATCHES.set(cls, "__init__", _checked_init(cls.__init__))
+    _PATCHES.set(cls, "_compute_ref_log_prob", _v1_ref_log_prob(cls._compute_ref_log_prob))
     _PATCHES.set(cls, "_compute_advantage", _v1_advantage(cls._compute_advantage))
     _patch_correction(module)        # its own binding of verl's rollout-correction function
 
