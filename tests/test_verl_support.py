@@ -808,21 +808,14 @@ def _megatron_worker(rank, world, tp, sp, thd=False, cp=1):
     ``_recording``, also over the update's batch for the forced share); the start-up
     refusal of top-p without a top-k bound."""
     from test_verl_megatron import (_batch, _engine, _grads, _infer, _loss_fn, _metric_values,
-                                    _padded, _responses, _setup)
-    from test_verl_support_set import HAND_K, _recording
+                                    _padded, _responses)
+    from test_verl_support_set import HAND_K, _recording, megatron_layout
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
     from verl.workers.utils.padding import no_padding_2_padding
 
     from gbc_kernels.integrations.verl import engine as ve
 
-    if thd:
-        from test_verl_megatron_cp import _model
-
-        setup = functools.partial(_model, tp, sp, cp=cp)
-        config = dict(use_remove_padding=True, context_parallel_size=cp)
-    else:
-        assert cp == 1          # verl's bshd step asserts context parallel 1
-        setup, config = functools.partial(_setup, tp, sp), {}
+    setup, config = megatron_layout(tp, sp, thd, cp)
     rollout = rollout_config(**MEGATRON)
     keys = ("log_probs", "entropy", "sum_pi_squared")
     out = {}

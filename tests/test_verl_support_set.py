@@ -54,6 +54,41 @@ def _members(ids, V):
     return m[..., 1:]
 
 
+def check_seen_ids(seen_ids, f, oracle_ids, V):
+    """The ids each update micro-batch read (``seen_ids``: per sequence, by its tokens, one
+    entry per epoch), row by row through verl's shuffle and split, are that sequence's oracle
+    set at its response tokens."""
+    P = f["prompts"].shape[1]
+    rows = {}
+    for b in range(B):
+        keep = f["attention_mask"][b].bool()
+        rows[tuple(f["input_ids"][b][keep].tolist())] = b
+    assert set(seen_ids) == set(rows)
+    valid = f["attention_mask"][:, P:].bool()
+    oracle = _members(oracle_ids, V)
+    for seq, seen in seen_ids.items():
+        b = rows[seq]
+        assert len(seen) == EPOCHS
+        for ids in seen:
+            T = ids.shape[0]
+            assert torch.equal(_members(ids, V)[valid[b, :T]], oracle[b, :T][valid[b, :T]])
+
+
+def megatron_layout(tp, sp, thd, cp):
+    """A Megatron layout's model builder and engine settings: packed ``thd`` on
+    tests/test_verl_megatron_cp.py's packed-attention model, else ``bshd`` on
+    tests/test_verl_megatron.py's."""
+    if thd:
+        from test_verl_megatron_cp import _model
+
+        return (functools.partial(_model, tp, sp, cp=cp),
+                dict(use_remove_padding=True, context_parallel_size=cp))
+    assert cp == 1          # verl's bshd step asserts context parallel 1
+    from test_verl_megatron import _setup
+
+    return functools.partial(_setup, tp, sp), {}
+
+
 # ---------------------------------------------------- verl's worker functions on a stand-in
 def _worker(engine, loss_fn):
     """verl's ``TrainingWorker`` methods (``train_mini_batch``, ``train_batch``,
@@ -353,20 +388,7 @@ def test_update_epochs_equal_stock_over_the_rollout_set(legacy):
     # the per_pass update ends elsewhere (its later mini-batches rebuild the set)
     assert max(float((legacy["per_pass"]["params"][n] - want[n]).abs().max())
                for n in want) > 1e-4
-    V, P = f["V"], f["prompts"].shape[1]
-    rows = {}
-    for b in range(B):
-        keep = f["attention_mask"][b].bool()
-        rows[tuple(f["input_ids"][b][keep].tolist())] = b
-    assert set(r["seen_ids"]) == set(rows)
-    valid = f["attention_mask"][:, P:].bool()
-    oracle = _members(ref64["ids"], V)
-    for seq, seen in r["seen_ids"].items():
-        b = rows[seq]
-        assert len(seen) == EPOCHS
-        for ids in seen:
-            T = ids.shape[0]
-            assert torch.equal(_members(ids, V)[valid[b, :T]], oracle[b, :T][valid[b, :T]])
+    check_seen_ids(r["seen_ids"], f, ref64["ids"], f["V"])
 
 
 def test_forced_share_same_in_every_pass_not_growing(legacy):
@@ -507,7 +529,7 @@ def _megatron_worker(rank, world, tp, sp, thd, cp=1):
     cut by hand to the kept set of the whole (gathered) vocabulary, its old pass returning that
     set (``hand_ids``, :func:`_recording`)."""
     from test_verl_megatron import (_batch, _engine, _grads, _infer, _loss_fn, _metric_values,
-                                    _padded, _responses, _setup)
+                                    _padded, _responses)
     from test_verl_support import MEGATRON, _cut_processor
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
     from verl.workers.utils.padding import no_padding_2_padding
@@ -516,14 +538,7 @@ def _megatron_worker(rank, world, tp, sp, thd, cp=1):
 
     assert MEGATRON["top_k"] == HAND_K
     rollout = rollout_config(**MEGATRON)
-    if thd:
-        from test_verl_megatron_cp import _model
-
-        setup = functools.partial(_model, tp, sp, cp=cp)
-        config = dict(use_remove_padding=True, context_parallel_size=cp)
-    else:
-        assert cp == 1          # verl's bshd step asserts context parallel 1
-        setup, config = functools.partial(_setup, tp, sp), {}
+    setup, config = megatron_layout(tp, sp, thd, cp)
 
     def passes(engine, ids=None):
         res = {}

@@ -62,7 +62,7 @@ from test_verl_engine import _params, build_engine, verl_on_cpu  # noqa: E402
 from test_verl_support import (RC, T_ROLL, V, VLLM, _step, make_model_dir,  # noqa: E402
                                reference, sample_rollouts, verl_trainer_modules)
 from test_verl_support_set import (B, EPOCHS, _config, _flow, _Group,  # noqa: E402
-                                   _members, _record_forced, _worker)
+                                   _members, _record_forced, _worker, check_seen_ids)
 
 TQ_VERSION = "0.1.11"           # the release requirements-dev.txt pins
 # the order verl's _balance_batch could leave the kept_mass batch in (KVBatchMeta.reorder):
@@ -714,21 +714,7 @@ def test_replay_update_reads_the_set_from_the_queue(runs):
     verl's stock update (legacy trainer) whose logits are cut in every pass to the float64 set
     of the rollout policy."""
     r = runs["replay"]
-    f, ref64 = r["fields"], r["ref"]
-    P = f["prompts"].shape[1]
-    rows = {}
-    for b in range(B):
-        keep = f["attention_mask"][b].bool()
-        rows[tuple(f["input_ids"][b][keep].tolist())] = b
-    assert set(r["seen_ids"]) == set(rows)
-    valid = f["attention_mask"][:, P:].bool()
-    oracle = _members(ref64["ids"], V)
-    for seq, seen in r["seen_ids"].items():
-        b = rows[seq]
-        assert len(seen) == EPOCHS
-        for ids in seen:
-            T = ids.shape[0]
-            assert torch.equal(_members(ids, V)[valid[b, :T]], oracle[b, :T][valid[b, :T]])
+    check_seen_ids(r["seen_ids"], r["fields"], r["ref"]["ids"], V)
     shares = [v for _, v in r["forced"]]
     assert len(shares) >= EPOCHS * 2 and max(shares) == 0.0, shares
     logged = [v for k, v in r["metrics"].items() if k.endswith("gbc_support_forced_frac")]
